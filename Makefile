@@ -1,0 +1,39 @@
+# Two commands a new user needs: `make demo` and `make test`.
+# Each creates .venv, installs the package with its test deps, makes sure
+# PostgreSQL and Redis answer (starting them when installed but down), then runs.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.sa-fence-installed
+
+.PHONY: demo test lint typecheck bench services clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "sa-fence needs Python >= 3.11; set PYTHON=python3.11")'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+services:
+	@bash .ci/services
+
+demo: $(STAMP) services
+	$(VENV)/bin/sa-fence demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check sa_fence tests
+	$(VENV)/bin/ruff format --check sa_fence tests
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+test: lint typecheck services
+	$(PY) -m pytest
+
+bench: $(STAMP) services
+	$(PY) -m tests.bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

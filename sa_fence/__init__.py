@@ -1,0 +1,58 @@
+"""sa-fence: fencing tokens for SQLAlchemy, so a worker whose Redis lease
+expired mid-work cannot overwrite the result of the worker that took over.
+
+Quick tour (the full, tested quickstart is in ``docs/index.md``)::
+
+    import redis, sqlalchemy as sa
+    from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+    import sa_fence
+
+    class Base(DeclarativeBase): ...
+    class Job(sa_fence.Fenced, Base):          # adds the ``fence`` column
+        __tablename__ = "jobs"
+        id: Mapped[int] = mapped_column(primary_key=True)
+        result: Mapped[str | None]
+
+    engine = sa.create_engine("postgresql+psycopg://...")
+    sa_fence.fence_sequence(Base.metadata)     # the token sequence, CACHE 1
+    Base.metadata.create_all(engine)
+
+    Session = sa_fence.install(sessionmaker(engine))   # the flush hook
+    fencer = sa_fence.Fencer(redis.Redis(), engine)
+
+    with fencer.lease("job:1", ttl=30) as lease, Session() as session:
+        lease.bind(session)                    # flushes now compare the token
+        session.get(Job, 1).result = "done"
+        session.commit()                       # StaleTokenError if a newer holder wrote
+"""
+
+from ._flush import install, unbind, unfenced, uninstall
+from ._lease import Fencer, Lease
+from ._model import Fenced, fence_column
+from ._tokens import fence_sequence
+from .errors import (
+    FenceError,
+    FencingConfigError,
+    LeaseLostError,
+    LeaseNotAcquiredError,
+    StaleTokenError,
+    UnfencedWriteError,
+)
+
+__all__ = [
+    "FenceError",
+    "Fenced",
+    "Fencer",
+    "FencingConfigError",
+    "Lease",
+    "LeaseLostError",
+    "LeaseNotAcquiredError",
+    "StaleTokenError",
+    "UnfencedWriteError",
+    "fence_column",
+    "fence_sequence",
+    "install",
+    "unbind",
+    "unfenced",
+    "uninstall",
+]

@@ -1,0 +1,112 @@
+"""The :class:`Fenced` mixin and the fence column marker."""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import BigInteger, Column, FromClause, text
+from sqlalchemy.orm import Mapped, Mapper, mapped_column, validates
+from sqlalchemy.orm.base import NO_VALUE, instance_state
+
+#: Key in ``Column.info`` that marks a column as a table's fence column.
+FENCE_INFO_KEY = "sa_fence.fence"
+
+_writing_fence: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "sa_fence_writing_fence", default=False
+)
+
+
+def fence_column(name: str = "fence") -> Column[int]:
+    """A ``BIGINT NOT NULL DEFAULT 0`` column marked as the table's fence.
+
+    For Core ``Table`` definitions and imperative mappings; declarative
+    classes use the :class:`Fenced` mixin instead.
+    """
+    return Column(
+        name, BigInteger, nullable=False, server_default=text("0"), info={FENCE_INFO_KEY: True}
+    )
+
+
+class Fenced:
+    """Declarative mixin: adds the ``fence`` column and marks the class fenced.
+
+    ``fence`` holds the token of the last lease holder that wrote the row.
+    sa-fence writes it at flush time; assigning it by hand raises
+    ``AttributeError``.  Rows inserted without a lease (admin scripts using
+    :func:`sa_fence.unfenced`) get ``fence = 0``.
+    """
+
+    fence: Mapped[int] = mapped_column(
+        BigInteger,
+        nullable=False,
+        server_default=text("0"),
+        info={FENCE_INFO_KEY: True},
+        sort_order=1000,
+    )
+
+    @validates("fence")
+    def _sa_fence_refuse_manual_fence(self, key: str, value: Any) -> Any:
+        if _writing_fence.get():
+            return value
+        state = instance_state(self)
+        current = state.committed_state.get(key, state.dict.get(key, NO_VALUE))
+        if current is not NO_VALUE and current == value:
+            return value  # a no-op (e.g. Session.merge copying the same fence)
+        raise AttributeError(
+            f"{type(self).__name__}.{key} is written by sa-fence at flush time from the "
+            "bound lease's token; do not assign it. Bind a lease instead: "
+            "lease.bind(session)."
+        )
+
+
+@contextmanager
+def writing_fence() -> Iterator[None]:
+    """Let sa-fence itself assign fence attributes (the mixin refuses everyone else)."""
+    reset = _writing_fence.set(True)
+    try:
+        yield
+    finally:
+        _writing_fence.reset(reset)
+
+
+_table_fences: weakref.WeakKeyDictionary[Any, Column[Any] | None] = weakref.WeakKeyDictionary()
+_mapper_fences: weakref.WeakKeyDictionary[Mapper[Any], str | None] = weakref.WeakKeyDictionary()
+
+
+def fence_column_of(table: FromClause) -> Column[Any] | None:
+    """The column marked as ``table``'s fence, or None if the table is not fenced."""
+    try:
+        return _table_fences[table]
+    except KeyError:
+        pass
+    except TypeError:  # not weak-referenceable: compute without caching
+        return _scan(table)
+    col = _scan(table)
+    _table_fences[table] = col
+    return col
+
+
+def _scan(table: FromClause) -> Column[Any] | None:
+    for col in table.columns:
+        if col.info.get(FENCE_INFO_KEY):
+            return col  # type: ignore[return-value]
+    return None
+
+
+def fence_key_of(mapper: Mapper[Any]) -> str | None:
+    """The attribute name of ``mapper``'s fence column, or None if not fenced."""
+    try:
+        return _mapper_fences[mapper]
+    except KeyError:
+        pass
+    key = None
+    for col in mapper.columns:
+        if col.info.get(FENCE_INFO_KEY):
+            key = mapper.get_property_by_column(col).key
+            break
+    _mapper_fences[mapper] = key
+    return key

@@ -1,0 +1,118 @@
+"""Errors raised by sa-fence.
+
+Every error the library raises on purpose derives from :class:`FenceError`::
+
+    FenceError
+    ├── StaleTokenError          (also sqlalchemy.orm.exc.StaleDataError)
+    ├── LeaseNotAcquiredError    another owner holds the lease
+    ├── LeaseLostError           the lease is no longer ours (expired, taken, released)
+    ├── UnfencedWriteError       a fenced entity was written without a lease
+    └── FencingConfigError       the database, sequence or session is set up wrongly
+
+Bad arguments (a negative TTL, an empty lease name) raise the built-in
+``ValueError`` / ``TypeError`` before anything is written anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy.orm.exc import StaleDataError
+
+__all__ = [
+    "FenceError",
+    "FencingConfigError",
+    "LeaseLostError",
+    "LeaseNotAcquiredError",
+    "StaleTokenError",
+    "UnfencedWriteError",
+]
+
+
+class FenceError(Exception):
+    """Base class of every error sa-fence raises on purpose."""
+
+
+class StaleTokenError(FenceError, StaleDataError):
+    """A write carried a token older than the fence already on the row.
+
+    Raised from the flush (or an ORM bulk UPDATE/DELETE by primary key) when
+    the token-compared statement matched fewer rows than it targeted.  The
+    transaction commits nothing of that unit of work.  Because it is also a
+    :class:`sqlalchemy.orm.exc.StaleDataError`, handlers written for
+    ``version_id_col`` conflicts catch it too.
+
+    Attributes: ``table`` (name), ``primary_keys`` (the refused rows' keys,
+    each a tuple), ``token`` (the writer's token), ``current_fences`` (the
+    fence found on each refused row, ``None`` when the row is gone),
+    ``statement`` (``"UPDATE"`` or ``"DELETE"``).
+    """
+
+    def __init__(
+        self,
+        *,
+        table: str,
+        statement: str,
+        token: int,
+        primary_keys: Sequence[tuple[Any, ...]],
+        current_fences: Sequence[int | None],
+        lease_name: str | None = None,
+    ) -> None:
+        self.table = table
+        self.statement = statement
+        self.token = token
+        self.primary_keys = tuple(primary_keys)
+        self.current_fences = tuple(current_fences)
+        self.lease_name = lease_name
+        rows = ", ".join(
+            f"{_fmt_pk(pk)} (fence {'<row gone>' if f is None else f})"
+            for pk, f in zip(self.primary_keys, self.current_fences, strict=False)
+        )
+        lease = f" of lease {lease_name!r}" if lease_name else ""
+        super().__init__(
+            f"{statement} on table {table!r} refused: token {token}{lease} is stale "
+            f"for row(s) {rows or '<unknown>'}. A newer lease holder has written "
+            "these rows since this lease was granted; nothing of this flush was "
+            "written. Roll back and re-read the rows."
+        )
+
+
+def _fmt_pk(pk: tuple[Any, ...]) -> str:
+    return repr(pk[0]) if len(pk) == 1 else repr(pk)
+
+
+class LeaseNotAcquiredError(FenceError):
+    """Another owner holds the lease (contention, not a failure).
+
+    ``name`` is the lease name; ``holder_token`` is the token recorded by the
+    current holder when known, else ``None``.
+    """
+
+    def __init__(self, name: str, holder_token: int | None = None) -> None:
+        self.name = name
+        self.holder_token = holder_token
+        held = f" (holder's token {holder_token})" if holder_token is not None else ""
+        super().__init__(f"lease {name!r} is held by another owner{held}; try again later")
+
+
+class LeaseLostError(FenceError):
+    """The lease is no longer ours: it expired, was taken over, or was released."""
+
+
+class UnfencedWriteError(FenceError):
+    """A fenced entity was about to be written by a session with no lease bound.
+
+    Raised before any SQL is sent.  Bind a lease with ``lease.bind(session)``,
+    or, for admin scripts only, wrap the writes in ``sa_fence.unfenced(session)``.
+    """
+
+
+class FencingConfigError(FenceError):
+    """The environment cannot give the fencing guarantee (the message says how to fix it).
+
+    Examples: the token sequence is missing or has ``CACHE > 1``;
+    ``synchronous_commit`` is ``off`` on the token connection; the database
+    driver cannot report executemany row counts; a session was bound without
+    the flush hook installed.
+    """

@@ -1,0 +1,89 @@
+"""Real PostgreSQL and Redis for every test; nothing is mocked.
+
+Each run creates its own database (dropped at the end) and uses a Redis key
+prefix unique to the run (its keys are deleted at the end; nothing is ever
+flushed).  Point the suite elsewhere with SA_FENCE_TEST_PG (a SQLAlchemy URL
+without a database name) and SA_FENCE_TEST_REDIS.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+import sa_fence
+from tests.models import SEQUENCE, Base
+
+PG_SERVER = os.environ.get("SA_FENCE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
+REDIS_URL = os.environ.get("SA_FENCE_TEST_REDIS", "redis://127.0.0.1:6379/0")
+RUN_ID = uuid.uuid4().hex[:12]
+
+
+def _admin_dsn() -> str:
+    url = sa.make_url(PG_SERVER).set(database="postgres", drivername="postgresql")
+    return url.render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def database_url() -> Iterator[sa.URL]:
+    """A fresh database for this test run, dropped afterwards."""
+    name = f"sa_fence_test_{RUN_ID}"
+    with psycopg.connect(_admin_dsn(), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield sa.make_url(PG_SERVER).set(database=name)
+    finally:
+        with psycopg.connect(_admin_dsn(), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def engine(database_url: sa.URL) -> Iterator[sa.Engine]:
+    eng = sa.create_engine(database_url)
+    Base.metadata.create_all(eng)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture(scope="session")
+def redis_client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL)
+    client.ping()
+    yield client
+    for key in client.scan_iter(match=f"sa_fence_test:{RUN_ID}:*", count=1000):
+        client.delete(key)
+    client.close()
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A Redis key prefix no other test (or run) shares."""
+    return f"sa_fence_test:{RUN_ID}:{uuid.uuid4().hex[:8]}:"
+
+
+@pytest.fixture
+def fencer(redis_client: redis.Redis, engine: sa.Engine, key_prefix: str) -> sa_fence.Fencer:
+    return sa_fence.Fencer(redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
+
+
+@pytest.fixture
+def Session(engine: sa.Engine) -> sessionmaker[Session]:  # noqa: N802 - reads like the class
+    """A sessionmaker with the fenced-flush hook installed."""
+    return sa_fence.install(sessionmaker(engine))
+
+
+@pytest.fixture(autouse=True)
+def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "engine" in request.fixturenames:
+        eng: sa.Engine = request.getfixturevalue("engine")
+        with eng.begin() as conn:
+            # never RESTART the token sequence: TRUNCATE touches only the tables
+            conn.execute(sa.text("TRUNCATE audit, cells, jobs"))
