@@ -74,7 +74,7 @@ def fencer(redis_client: redis.Redis, engine: sa.Engine, key_prefix: str) -> sa_
 
 
 @pytest.fixture
-def Session(engine: sa.Engine) -> sessionmaker[Session]:  # noqa: N802 - reads like the class
+def make_session(engine: sa.Engine) -> sessionmaker[Session]:
     """A sessionmaker with the fenced-flush hook installed."""
     return sa_fence.install(sessionmaker(engine))
 
