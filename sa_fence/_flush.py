@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from sqlalchemy import (
     BigInteger,
     Column,
+    ColumnElement,
     Connection,
     Table,
     bindparam,
@@ -143,6 +144,12 @@ def _state_for(session: Session) -> _SessionState:
 # ------------------------------------------------------------- per connection
 
 
+def fence_predicate(fence_col: Column[Any], token: Any) -> ColumnElement[bool]:
+    """The comparison every fenced UPDATE/DELETE carries: ``fence <= :token``."""
+    comparison: ColumnElement[bool] = fence_col <= token
+    return comparison
+
+
 @dataclass(slots=True)
 class _Pending:
     """A primary-key targeted statement whose row count after_execute checks."""
@@ -207,6 +214,8 @@ class _ConnectionHook:
         if lease is None:
             return elem, multiparams, params
         param_sets: Sequence[dict[str, Any]] = multiparams or ([params] if params else [])
+        if isinstance(elem, Insert):
+            _refuse_upsert(elem, fence_col)
         fenced = self._fenced(elem, fence_col, lease.token, param_sets)
         if isinstance(elem, Insert):
             return fenced, multiparams, params
@@ -235,7 +244,7 @@ class _ConnectionHook:
         sets_fence = bool(param_sets) and fence_col.key in param_sets[0]
         fenced = elem
         if not isinstance(elem, Insert):
-            fenced = fenced.where(fence_col <= tok)
+            fenced = fenced.where(fence_predicate(fence_col, tok))
         if not isinstance(elem, Delete) and not sets_fence:
             fenced = fenced.values({fence_col: tok})
         self._memo[elem] = (token, fenced)
@@ -260,6 +269,23 @@ class _ConnectionHook:
         state = self.state
         error = _stale_error(conn, pending, elem)
         raise (state.fail(error) if state is not None else error)
+
+
+def _refuse_upsert(elem: Insert, fence_col: Column[Any]) -> None:
+    """Refuse INSERT ... ON CONFLICT DO UPDATE on a fenced table.
+
+    Its DO UPDATE branch would overwrite an existing row without comparing
+    the fence, and there is no public API to add the comparison to an
+    existing statement's ON CONFLICT clause.  (DO NOTHING is harmless.)
+    The attribute read is SQLAlchemy's PostgreSQL ``Insert`` internals.
+    """
+    clause = getattr(elem, "_post_values_clause", None)
+    if clause is not None and type(clause).__name__ == "OnConflictDoUpdate":
+        raise FencingConfigError(
+            f"INSERT ... ON CONFLICT DO UPDATE on fenced table {fence_col.table.name!r} "
+            "would overwrite rows without comparing their fence. Use the ORM (load, "
+            "modify, flush) or on_conflict_do_nothing() followed by an UPDATE."
+        )
 
 
 def _stale_error(conn: Connection, p: _Pending, elem: Any) -> StaleTokenError:
@@ -379,6 +405,12 @@ _EVENTS = (
 
 
 def _check_target(target: object) -> Target:
+    if target is Session:
+        raise TypeError(
+            "refusing to install on sqlalchemy.orm.Session itself: that would fence every "
+            "session in the process. Install on your sessionmaker, a Session subclass, "
+            "or one session."
+        )
     if isinstance(target, Session | sessionmaker) or (
         isinstance(target, type) and issubclass(target, Session)
     ):

@@ -61,16 +61,16 @@ class Fencer:
 
     def __init__(
         self,
-        redis: redis_lib.Redis,
+        redis: redis_lib.Redis | redis_lib.RedisCluster,
         engine: Engine,
         *,
         sequence: str = DEFAULT_SEQUENCE,
         key_prefix: str = DEFAULT_KEY_PREFIX,
     ) -> None:
-        if not isinstance(redis, redis_lib.Redis):
+        if not isinstance(redis, redis_lib.Redis | redis_lib.RedisCluster):
             raise TypeError(
-                f"redis must be a sync redis.Redis client, got {type(redis).__module__}."
-                f"{type(redis).__name__}"
+                "redis must be a sync redis.Redis or redis.RedisCluster client, got "
+                f"{type(redis).__module__}.{type(redis).__name__}"
             )
         if not isinstance(sequence, str) or not sequence:
             raise ValueError("sequence must be the (optionally schema-qualified) sequence name")

@@ -85,5 +85,7 @@ def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
     if "engine" in request.fixturenames:
         eng: sa.Engine = request.getfixturevalue("engine")
         with eng.begin() as conn:
-            # never RESTART the token sequence: TRUNCATE touches only the tables
+            # A test that leaves a transaction open would block TRUNCATE forever:
+            # fail loudly instead.  Never RESTART the token sequence.
+            conn.execute(sa.text("SET LOCAL lock_timeout = '5s'"))
             conn.execute(sa.text("TRUNCATE audit, cells, jobs"))

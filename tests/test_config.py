@@ -1,0 +1,130 @@
+"""Set-up mistakes are refused with an error that says how to fix them, and nothing is written."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
+from sqlalchemy.orm import Session, sessionmaker
+
+import sa_fence
+from sa_fence._lease import check_dialect
+from tests.models import Job
+
+
+def keys(client: redis.Redis, prefix: str) -> list[bytes]:
+    return list(client.scan_iter(match=prefix + "*"))
+
+
+@pytest.fixture
+def sequence(engine: sa.Engine) -> Iterator[str]:
+    """A scratch sequence name the test may create however it likes."""
+    name = "scratch_token_seq"
+    yield name
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"DROP SEQUENCE IF EXISTS {name}"))
+
+
+def make_fencer(
+    redis_client: redis.Redis, engine: sa.Engine, sequence: str, key_prefix: str
+) -> sa_fence.Fencer:
+    return sa_fence.Fencer(redis_client, engine, sequence=sequence, key_prefix=key_prefix)
+
+
+@pytest.mark.parametrize(
+    ("ddl", "match"),
+    [
+        ("CREATE SEQUENCE {} AS bigint CACHE 20", "CACHE 20"),
+        ("CREATE SEQUENCE {} AS bigint CACHE 1 CYCLE", "NO CYCLE"),
+        ("CREATE SEQUENCE {} AS integer CACHE 1", "its type is integer"),
+        ("CREATE SEQUENCE {} AS bigint INCREMENT BY -1", "INCREMENT -1"),
+        (None, "does not exist"),
+    ],
+    ids=["cache-20", "cycle", "integer", "descending", "missing"],
+)
+def test_an_unfit_token_sequence_is_refused_before_any_lease_is_written(
+    engine: sa.Engine,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    sequence: str,
+    ddl: str | None,
+    match: str,
+) -> None:
+    if ddl:
+        with engine.begin() as conn:
+            conn.execute(sa.text(ddl.format(sequence)))
+    fencer = make_fencer(redis_client, engine, sequence, key_prefix)
+    with pytest.raises(sa_fence.FencingConfigError, match=match) as refused:
+        fencer.acquire("job:1", 5)
+    assert "CACHE 1" in str(refused.value)  # says how to fix it
+    assert keys(redis_client, key_prefix) == []
+
+
+def test_the_sequence_helper_declares_a_sequence_the_fencer_accepts(
+    engine: sa.Engine, redis_client: redis.Redis, key_prefix: str, sequence: str
+) -> None:
+    metadata = sa.MetaData()
+    seq = sa_fence.fence_sequence(metadata, sequence)
+    metadata.create_all(engine)
+    assert seq.cache == 1
+    fencer = make_fencer(redis_client, engine, sequence, key_prefix)
+    with fencer.lease("job:1", 5) as lease:
+        assert lease.token == 1
+
+
+def test_synchronous_commit_off_is_refused_before_any_lease_is_written(
+    database_url: sa.URL, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    unsafe = sa.create_engine(database_url, connect_args={"options": "-c synchronous_commit=off"})
+    try:
+        fencer = sa_fence.Fencer(redis_client, unsafe, key_prefix=key_prefix)
+        with pytest.raises(sa_fence.FencingConfigError, match="synchronous_commit"):
+            fencer.acquire("job:1", 5)
+        assert keys(redis_client, key_prefix) == []
+        # Even past the one-time check, every token re-reads the setting and the
+        # lease taken for it is given back.
+        fencer._tokens._checked = True
+        with pytest.raises(sa_fence.FencingConfigError, match="synchronous_commit"):
+            fencer.acquire("job:1", 5)
+        assert keys(redis_client, key_prefix) == []
+    finally:
+        unsafe.dispose()
+
+
+def test_a_database_that_is_not_postgresql_is_refused(redis_client: redis.Redis) -> None:
+    with pytest.raises(sa_fence.FencingConfigError, match="needs PostgreSQL"):
+        sa_fence.Fencer(redis_client, sa.create_engine("sqlite://"))
+
+
+def test_a_driver_without_executemany_rowcounts_is_refused() -> None:
+    with pytest.raises(sa_fence.FencingConfigError, match="psycopg"):
+        check_dialect(PGDialect_asyncpg())
+
+
+def test_an_async_redis_client_is_refused(engine: sa.Engine) -> None:
+    with pytest.raises(TypeError, match=r"sync redis\.Redis"):
+        sa_fence.Fencer(redis.asyncio.Redis(), engine)  # type: ignore[arg-type]
+
+
+def test_installing_on_the_base_session_class_is_refused() -> None:
+    with pytest.raises(TypeError, match="every session in the process"):
+        sa_fence.install(Session)
+
+
+def test_an_upsert_on_a_fenced_table_is_refused(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    stmt = insert(Job).values(id=1, result="x")
+    upsert = stmt.on_conflict_do_update(index_elements=[Job.id], set_={"result": "y"})
+    with fencer.lease("job:1", 5) as lease, make_session() as session:
+        lease.bind(session)
+        with pytest.raises(sa_fence.FencingConfigError, match="ON CONFLICT DO UPDATE"):
+            session.execute(upsert)
+        session.rollback()
+        session.execute(stmt.on_conflict_do_nothing())  # harmless: allowed
+        session.commit()
+        assert session.get(Job, 1).fence == lease.token

@@ -1,0 +1,503 @@
+"""The fenced flush on real PostgreSQL and Redis: what commits and what is refused."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import delete, update
+from sqlalchemy.orm import Session, sessionmaker
+
+import sa_fence
+from sa_fence import _flush
+from tests.models import Audit, Cell, Job
+
+
+@pytest.fixture
+def statements(engine: sa.Engine) -> Iterator[list[str]]:
+    """Every SQL statement the engine sends while the test runs."""
+    sent: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        sent.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    yield sent
+    sa.event.remove(engine, "before_cursor_execute", record)
+
+
+def seed(fencer: sa_fence.Fencer, make_session: sessionmaker[Session], *objs: Any) -> int:
+    with fencer.lease("seed", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add_all(objs)
+        session.commit()
+        return lease.token
+
+
+def row(engine: sa.Engine, job_id: int) -> tuple[Any, ...] | None:
+    with engine.connect() as conn:
+        found = conn.execute(
+            sa.text("SELECT result, fence FROM jobs WHERE id = :id"), {"id": job_id}
+        ).one_or_none()
+    return None if found is None else tuple(found)
+
+
+def run_seed_scenario(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> tuple[sa_fence.Lease, sa_fence.Lease, Session]:
+    """The seeds' scenario up to A's late write: A (TTL 200 ms) stalls 500 ms, B writes."""
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    a = fencer.acquire("job:1", 0.2)
+    session_a = a.bind(make_session())
+    session_a.get(Job, 1).result = "A"  # A has done its work but not flushed yet
+    time.sleep(0.5)  # A stalls past its TTL (2.5x)
+    with fencer.lease("job:1", 5) as b, make_session() as session_b:
+        b.bind(session_b)
+        session_b.get(Job, 1).result = "B"
+        session_b.commit()
+    return a, b, session_a
+
+
+def test_a_stale_holders_write_after_its_lease_expired_is_refused_and_the_row_keeps_bs_value(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    a, b, session_a = run_seed_scenario(fencer, make_session)
+    assert b.token > a.token
+    with pytest.raises(sa_fence.StaleTokenError) as refused:
+        session_a.commit()
+    session_a.close()
+    assert refused.value.table == "jobs"
+    assert refused.value.primary_keys == ((1,),)
+    assert refused.value.token == a.token
+    assert refused.value.current_fences == (b.token,)
+    assert "jobs" in str(refused.value)
+    assert f"token {a.token}" in str(refused.value)
+    assert row(engine, 1) == ("B", b.token)
+
+
+def test_without_the_token_comparison_the_stale_write_overwrites_b(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pair of the test above: remove the guard and the seeds' failure comes back."""
+    monkeypatch.setattr(_flush, "fence_predicate", lambda col, token: sa.true())
+    a, _b, session_a = run_seed_scenario(fencer, make_session)
+    session_a.commit()  # goes through: this is the bug sa-fence exists to stop
+    session_a.close()
+    assert row(engine, 1) == ("A", a.token)
+
+
+def test_the_stale_token_error_is_a_stale_data_error(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    _a, _b, session_a = run_seed_scenario(fencer, make_session)
+    with pytest.raises(sa.orm.exc.StaleDataError):
+        session_a.commit()
+    session_a.close()
+
+
+def test_the_same_holder_writes_one_row_many_times(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    with fencer.lease("job:1", 5) as lease:
+        for n in range(3):
+            with make_session() as session:
+                lease.bind(session)
+                session.get(Job, 1).result = f"pass {n}"
+                session.flush()
+                session.get(Job, 1).status = "running"
+                session.commit()
+        assert row(engine, 1) == ("pass 2", lease.token)
+
+
+def test_an_insert_writes_the_lease_token_as_the_fence(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with fencer.lease("job:7", 5) as lease, make_session() as session:
+        lease.bind(session)
+        job = Job(id=7, result="new")
+        session.add(job)
+        session.commit()
+        assert job.fence == lease.token
+    assert row(engine, 7) == ("new", lease.token)
+
+
+def test_a_stale_delete_is_refused_and_the_row_survives(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    a = fencer.acquire("job:1", 0.2)
+    session_a = a.bind(make_session())
+    session_a.delete(session_a.get(Job, 1))
+    time.sleep(0.5)
+    with fencer.lease("job:1", 5) as b, make_session() as session_b:
+        b.bind(session_b)
+        session_b.get(Job, 1).result = "B"
+        session_b.commit()
+    with pytest.raises(sa_fence.StaleTokenError) as refused:
+        session_a.commit()
+    session_a.close()
+    assert refused.value.statement == "DELETE"
+    assert refused.value.primary_keys == ((1,),)
+    assert row(engine, 1) == ("B", b.token)
+
+
+def test_a_session_without_a_lease_may_not_write_fenced_rows_and_sends_nothing(
+    make_session: sessionmaker[Session], engine: sa.Engine, statements: list[str]
+) -> None:
+    with make_session() as session:
+        session.add(Job(id=3, result="sneaky"))
+        with pytest.raises(sa_fence.UnfencedWriteError, match=r"lease\.bind\(session\)"):
+            session.flush()
+    assert not [s for s in statements if s.lstrip().upper().startswith(("INSERT", "UPDATE"))]
+    assert row(engine, 3) is None
+
+
+def test_a_session_without_a_lease_still_writes_unfenced_tables(
+    make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with make_session() as session:
+        session.add(Audit(id=1, message="free"))
+        session.commit()
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM audit")).scalar_one() == 1
+
+
+def test_the_unfenced_opt_out_lets_an_admin_script_write_without_a_lease(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with make_session() as session, sa_fence.unfenced(session):
+        session.add(Job(id=4, result="admin"))
+        session.commit()
+    assert row(engine, 4) == ("admin", 0)
+    token = seed(fencer, make_session, Job(id=5, result="fenced"))
+    with make_session() as session, sa_fence.unfenced(session):
+        session.get(Job, 5).result = "fixed by admin"
+        session.commit()
+    assert row(engine, 5) == ("fixed by admin", token)  # fence left as it was
+    with make_session() as session:  # the opt-out ends with the block
+        session.get(Job, 5).result = "again"
+        with pytest.raises(sa_fence.UnfencedWriteError):
+            session.commit()
+
+
+def test_assigning_the_fence_by_hand_is_refused() -> None:
+    with pytest.raises(AttributeError, match=r"Job\.fence is written by sa-fence"):
+        Job(id=1, fence=99)
+    job = Job(id=1)
+    with pytest.raises(AttributeError, match=r"lease\.bind"):
+        job.fence = 5
+
+
+def test_a_released_lease_no_longer_fences_its_session(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    lease = fencer.acquire("job:9", 5)
+    with make_session() as session:
+        lease.bind(session)
+        lease.release()
+        session.add(Job(id=9))
+        with pytest.raises(sa_fence.LeaseLostError, match="released"):
+            session.commit()
+    assert row(engine, 9) is None
+
+
+def test_binding_a_session_without_the_hook_is_refused(
+    fencer: sa_fence.Fencer, engine: sa.Engine
+) -> None:
+    with (
+        fencer.lease("job:1", 5) as lease,
+        Session(engine) as plain,
+        pytest.raises(sa_fence.FencingConfigError, match=r"sa_fence\.install"),
+    ):
+        lease.bind(plain)
+
+
+def test_install_works_on_a_session_a_session_class_and_uninstall_removes_it(
+    fencer: sa_fence.Fencer, engine: sa.Engine
+) -> None:
+    one = sa_fence.install(Session(engine))
+    assert sa_fence.install(one) is one  # idempotent
+
+    class MySession(Session):
+        pass
+
+    sa_fence.install(MySession)
+    with fencer.lease("job:1", 5) as lease:
+        for session in (one, MySession(engine)):
+            lease.bind(session)
+            session.close()
+    sa_fence.uninstall(MySession)
+    sa_fence.uninstall(one)
+    with fencer.lease("job:1", 5) as lease, pytest.raises(sa_fence.FencingConfigError):
+        lease.bind(MySession(engine))
+    with pytest.raises(TypeError, match="Session subclass"):
+        sa_fence.install(engine)  # type: ignore[arg-type]
+
+
+def test_one_stale_row_in_a_batched_flush_refuses_the_whole_flush_and_names_that_row(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    statements: list[str],
+) -> None:
+    seed(fencer, make_session, *[Job(id=i, result="initial") for i in range(50)])
+    a = fencer.acquire("batch", 5)
+    session_a = a.bind(make_session())
+    jobs = session_a.scalars(sa.select(Job).order_by(Job.id)).all()
+    with fencer.lease("row-17", 5) as b, make_session() as session_b:  # a newer holder
+        b.bind(session_b)
+        session_b.get(Job, 17).result = "B"
+        session_b.commit()
+    for job in jobs:
+        job.result = "A"
+    del statements[:]
+    with pytest.raises(sa_fence.StaleTokenError) as refused:
+        session_a.commit()
+    session_a.close()
+    assert refused.value.primary_keys == ((17,),)
+    assert refused.value.current_fences == (b.token,)
+    updates = [s for s in statements if s.startswith("UPDATE jobs")]
+    assert len(updates) == 1, "the 50 rows go out as one executemany, not one per row"
+    assert "fence <= " in updates[0]
+    with engine.connect() as conn:
+        results = conn.execute(sa.text("SELECT DISTINCT result FROM jobs")).scalars().all()
+    assert sorted(results) == ["B", "initial"]
+
+
+def test_a_stale_write_to_a_composite_key_row_names_the_whole_key(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    seed(fencer, make_session, Cell(sheet="s1", pos=2, value="v0"))
+    a = fencer.acquire("sheet:s1", 5)
+    session_a = a.bind(make_session())
+    session_a.get(Cell, ("s1", 2)).value = "A"
+    with fencer.lease("sheet:s1:newer", 5) as b, make_session() as session_b:
+        b.bind(session_b)
+        session_b.get(Cell, ("s1", 2)).value = "B"
+        session_b.commit()
+    with pytest.raises(sa_fence.StaleTokenError) as refused:
+        session_a.commit()
+    session_a.close()
+    assert refused.value.table == "cells"
+    assert refused.value.primary_keys == (("s1", 2),)
+    assert "('s1', 2)" in str(refused.value)
+
+
+# ----------------------------------------------------------- ORM bulk statements
+
+
+def newer_rows(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> tuple[sa_fence.Lease, int]:
+    """Rows 1-4 written by a stale lease A; then rows 3 and 4 by a newer holder B."""
+    seed(fencer, make_session, *[Job(id=i, result="initial") for i in range(1, 5)])
+    a = fencer.acquire("bulk-a", 5)
+    with fencer.lease("bulk-b", 5) as b, make_session() as session_b:
+        b.bind(session_b)
+        for i in (3, 4):
+            session_b.get(Job, i).result = "B"
+        session_b.commit()
+    return a, b.token
+
+
+def test_an_orm_bulk_update_skips_rows_with_a_newer_fence(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    a, b_token = newer_rows(fencer, make_session)
+    with make_session() as session:
+        a.bind(session)
+        in_session = session.get(Job, 3)
+        result = session.execute(update(Job).values(result="A"))
+        assert result.rowcount == 2  # type: ignore[attr-defined]
+        assert in_session.result == "B", "the skipped row is not synchronised as written"
+        session.commit()
+    assert [row(engine, i) for i in range(1, 5)] == [
+        ("A", a.token),
+        ("A", a.token),
+        ("B", b_token),
+        ("B", b_token),
+    ]
+
+
+def test_an_orm_bulk_delete_skips_rows_with_a_newer_fence(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    a, b_token = newer_rows(fencer, make_session)
+    with make_session() as session:
+        a.bind(session)
+        session.execute(delete(Job).where(Job.id > 0))
+        session.commit()
+    assert [row(engine, i) for i in range(1, 5)] == [None, None, ("B", b_token), ("B", b_token)]
+
+
+def test_an_orm_bulk_update_by_primary_key_refuses_a_newer_row(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    a, b_token = newer_rows(fencer, make_session)
+    with make_session() as session:
+        a.bind(session)
+        with pytest.raises(sa_fence.StaleTokenError) as refused:
+            session.execute(update(Job), [{"id": 2, "result": "A"}, {"id": 3, "result": "A"}])
+        session.rollback()
+    assert refused.value.primary_keys == ((3,),)
+    assert row(engine, 2) == ("initial", row(engine, 1)[1])  # type: ignore[index]
+    assert row(engine, 3) == ("B", b_token)
+
+
+def test_a_core_update_sent_through_a_bound_session_is_fenced_too(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    a, b_token = newer_rows(fencer, make_session)
+    jobs = Job.__table__
+    with make_session() as session:
+        a.bind(session)
+        session.connection().execute(jobs.update().values(result="core"))
+        session.commit()
+    assert row(engine, 1) == ("core", a.token)
+    assert row(engine, 3) == ("B", b_token)
+
+
+def test_an_orm_bulk_update_without_a_lease_is_refused(
+    make_session: sessionmaker[Session],
+) -> None:
+    with make_session() as session, pytest.raises(sa_fence.UnfencedWriteError):
+        session.execute(update(Job).values(result="x"))
+
+
+# ------------------------------------------------------------------ savepoints
+
+
+def stale_write_in_a_savepoint(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> Session:
+    """Inside one transaction: an unfenced audit row, then a stale fenced write in a savepoint."""
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    a = fencer.acquire("job:1", 5)
+    session = a.bind(make_session())
+    session.get(Job, 1)
+    with fencer.lease("job:1:newer", 5) as b, make_session() as session_b:
+        b.bind(session_b)
+        session_b.get(Job, 1).result = "B"
+        session_b.commit()
+    session.add(Audit(id=1, message="A started"))
+    session.flush()
+
+    def stale_write() -> None:
+        with session.begin_nested():
+            session.get(Job, 1).result = "A"
+            session.flush()
+
+    with pytest.raises(sa_fence.StaleTokenError):
+        stale_write()
+    return session
+
+
+def test_a_fencing_error_inside_a_savepoint_poisons_the_session_until_rollback(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with stale_write_in_a_savepoint(fencer, make_session) as session:
+        with pytest.raises(sa_fence.FenceError, match="rollback"):
+            session.commit()
+        session.add(Audit(id=2, message="more"))
+        with pytest.raises(sa_fence.FenceError, match="rollback"):
+            session.flush()
+        session.rollback()
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM audit")).scalar_one() == 0
+        # after the rollback the session is usable again
+        session.add(Audit(id=3, message="after rollback"))
+        session.commit()
+
+
+def test_without_poisoning_the_outer_transaction_would_commit_the_other_writes(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pair of the test above: SQLAlchemy alone lets the savepoint's siblings commit."""
+    monkeypatch.setattr(_flush._SessionState, "fail", lambda self, error: error)
+    with stale_write_in_a_savepoint(fencer, make_session) as session:
+        session.commit()
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM audit")).scalar_one() == 1
+
+
+# ------------------------------------------------------------- isolation levels
+
+
+def wait_until_blocked(engine: sa.Engine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    with engine.connect() as conn:
+        while time.monotonic() < deadline:
+            waiting = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                )
+            ).scalar_one()
+            conn.rollback()
+            if waiting:
+                return
+            time.sleep(0.01)
+    raise AssertionError("the stale UPDATE never blocked on the row lock")
+
+
+def test_under_read_committed_a_blocked_stale_update_rechecks_the_fence_and_is_refused(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    a = fencer.acquire("job:1", 5)
+    session_a = a.bind(make_session())
+    session_a.get(Job, 1).result = "A"
+    b = fencer.acquire("job:1:newer", 5)
+    session_b = b.bind(make_session())
+    session_b.get(Job, 1).result = "B"
+    session_b.flush()  # B holds the row lock, not committed yet
+    outcome: list[BaseException | None] = []
+
+    def write_a() -> None:
+        try:
+            session_a.commit()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=write_a)
+    thread.start()
+    wait_until_blocked(engine)
+    session_b.commit()
+    thread.join(10)
+    assert isinstance(outcome[0], sa_fence.StaleTokenError)
+    session_a.close()
+    session_b.close()
+    assert row(engine, 1) == ("B", b.token)
+
+
+def test_under_repeatable_read_a_stale_update_gets_a_serialization_failure(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """Documented: PostgreSQL raises 40001 instead of matching zero rows; nothing is written."""
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    rr = sa_fence.install(sessionmaker(engine.execution_options(isolation_level="REPEATABLE READ")))
+    a = fencer.acquire("job:1", 5)
+    session_a = a.bind(rr())
+    session_a.get(Job, 1).result = "A"  # snapshot taken here
+    with fencer.lease("job:1:newer", 5) as b, make_session() as session_b:
+        b.bind(session_b)
+        session_b.get(Job, 1).result = "B"
+        session_b.commit()
+    with pytest.raises(sa.exc.OperationalError) as failed:
+        session_a.commit()
+    session_a.close()
+    assert failed.value.orig is not None
+    assert failed.value.orig.sqlstate == "40001"  # type: ignore[attr-defined]
+    assert row(engine, 1) == ("B", b.token)

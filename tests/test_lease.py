@@ -1,0 +1,186 @@
+"""Leases on real Redis with tokens from the real sequence."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pytest
+import redis
+
+import sa_fence
+from sa_fence import _protocol
+
+
+def keys(client: redis.Redis, prefix: str) -> list[bytes]:
+    return list(client.scan_iter(match=prefix + "*"))
+
+
+def test_a_second_owner_gets_lease_not_acquired_naming_the_holders_token(
+    fencer: sa_fence.Fencer,
+) -> None:
+    with fencer.lease("job:1", 5) as held:
+        with pytest.raises(sa_fence.LeaseNotAcquiredError) as contention:
+            fencer.acquire("job:1", 5)
+        assert contention.value.name == "job:1"
+        assert contention.value.holder_token == held.token
+    assert held.released
+    fencer.acquire("job:1", 5).release()  # free again
+
+
+def test_the_lease_stores_a_secret_owner_and_its_token_in_one_key(
+    fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    a = fencer.acquire("job:1", 5)
+    b = fencer.acquire("job:2", 5)
+    assert len(a.owner) == 32
+    assert int(a.owner, 16) >= 0
+    assert a.owner != b.owner
+    assert redis_client.get(key_prefix + "job:1") == f"{a.owner}:{a.token}".encode()
+    assert 4000 < redis_client.pttl(key_prefix + "job:1") <= 5000
+    a.release()
+    b.release()
+
+
+def test_tokens_of_successive_grants_strictly_increase(fencer: sa_fence.Fencer) -> None:
+    tokens = []
+    for _ in range(5):
+        with fencer.lease("job:1", 5) as lease:
+            tokens.append(lease.token)
+    assert tokens == sorted(tokens)
+    assert len(set(tokens)) == 5
+
+
+def test_release_after_expiry_leaves_the_new_owners_lease_alone(
+    fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    a = fencer.acquire("job:1", 0.2)
+    time.sleep(0.5)
+    b = fencer.acquire("job:1", 5)
+    assert a.release() is False
+    assert redis_client.get(key_prefix + "job:1") == f"{b.owner}:{b.token}".encode()
+    assert b.release() is True
+    assert redis_client.get(key_prefix + "job:1") is None
+
+
+def test_release_is_idempotent(fencer: sa_fence.Fencer) -> None:
+    lease = fencer.acquire("job:1", 5)
+    assert lease.release() is True
+    assert lease.release() is False
+    assert lease.released
+
+
+def test_extend_sets_a_new_ttl_rather_than_adding(
+    fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    with fencer.lease("job:1", 5) as lease:
+        lease.extend(30)
+        assert 29000 < redis_client.pttl(key_prefix + "job:1") <= 30000
+        lease.extend(2)
+        assert redis_client.pttl(key_prefix + "job:1") <= 2000
+        lease.extend()  # back to the lease's own ttl
+        assert 4000 < redis_client.pttl(key_prefix + "job:1") <= 5000
+
+
+def test_extend_after_the_lease_was_lost_raises_and_touches_nothing(
+    fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    a = fencer.acquire("job:1", 0.2)
+    time.sleep(0.5)
+    with pytest.raises(sa_fence.LeaseLostError, match="no longer ours"):
+        a.extend(10)
+    assert redis_client.get(key_prefix + "job:1") is None  # not resurrected
+    b = fencer.acquire("job:1", 5)
+    with pytest.raises(sa_fence.LeaseLostError):
+        a.extend(10)
+    assert 4000 < redis_client.pttl(key_prefix + "job:1") <= 5000  # B's ttl untouched
+    b.release()
+    with pytest.raises(sa_fence.LeaseLostError, match="released"):
+        b.extend()
+
+
+def test_the_context_manager_releases_when_the_body_raises(
+    fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    with pytest.raises(RuntimeError), fencer.lease("job:1", 5):
+        raise RuntimeError("work failed")
+    assert keys(redis_client, key_prefix) == []
+    with pytest.raises(RuntimeError), fencer.acquire("job:2", 5):
+        raise RuntimeError("work failed")
+    assert keys(redis_client, key_prefix) == []
+
+
+def expire_between_set_and_token(
+    fencer: sa_fence.Fencer, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, Any]:
+    """A stalls after SET NX (its 200 ms TTL runs out) and B is granted the lease
+    before A draws its token: A's token will be larger than the live holder's."""
+    seen: dict[str, Any] = {}
+    original = fencer._tokens.next_token
+
+    def stalled_next_token() -> int:
+        if "b" not in seen:
+            seen["b"] = None
+            time.sleep(0.5)
+            seen["b"] = fencer.acquire("job:1", 5)
+        return original()
+
+    monkeypatch.setattr(fencer._tokens, "next_token", stalled_next_token)
+    return seen
+
+
+def test_a_token_drawn_after_the_lease_expired_is_thrown_away(
+    fencer: sa_fence.Fencer,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    seen = expire_between_set_and_token(fencer, monkeypatch)
+    with pytest.raises(sa_fence.LeaseLostError, match="thrown away"):
+        fencer.acquire("job:1", 0.2)
+    b = seen["b"]
+    assert redis_client.get(key_prefix + "job:1") == f"{b.owner}:{b.token}".encode()
+
+
+def test_without_the_confirmation_the_expired_holder_gets_a_larger_token_than_the_live_one(
+    fencer: sa_fence.Fencer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pair of the test above: drop the confirm script and I3 breaks."""
+    seen = expire_between_set_and_token(fencer, monkeypatch)
+    monkeypatch.setattr(fencer, "_confirm", lambda keys, args: 1000)
+    a = fencer.acquire("job:1", 0.2)
+    assert a.token > seen["b"].token  # A would now fence out the real holder B
+
+
+@pytest.mark.parametrize(
+    ("name", "ttl", "error", "match"),
+    [
+        ("", 5, ValueError, "lease name must be 1 to"),
+        ("x" * 2000, 5, ValueError, "lease name must be 1 to"),
+        (42, 5, TypeError, "lease name must be a str"),
+        ("job", 0, ValueError, "ttl must be a finite number of seconds"),
+        ("job", -1, ValueError, "ttl must be a finite number of seconds"),
+        ("job", math.nan, ValueError, "ttl must be a finite number of seconds"),
+        ("job", math.inf, ValueError, "ttl must be a finite number of seconds"),
+        ("job", "5", TypeError, "ttl must be a number of seconds"),
+        ("job", True, TypeError, "ttl must be a number of seconds"),
+    ],
+)
+def test_bad_input_is_refused_with_a_clear_error_and_nothing_written(
+    fencer: sa_fence.Fencer,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    name: Any,
+    ttl: Any,
+    error: type[Exception],
+    match: str,
+) -> None:
+    with pytest.raises(error, match=match):
+        fencer.acquire(name, ttl)
+    assert keys(redis_client, key_prefix) == []
+
+
+def test_a_sub_millisecond_ttl_rounds_up_to_one_millisecond() -> None:
+    assert _protocol.ttl_to_ms(0.0001) == 1
+    assert _protocol.ttl_to_ms(1.5) == 1500
