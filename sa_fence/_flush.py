@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from sqlalchemy import (
     BigInteger,
@@ -70,6 +70,7 @@ _STATE_KEY = "sa_fence.state"
 TOKEN_BIND = "sa_fence_token"
 
 Target = type[Session] | sessionmaker[Any] | Session
+T = TypeVar("T", bound=Target)
 
 
 # ---------------------------------------------------------------- per session
@@ -422,7 +423,7 @@ def _check_target(target: object) -> Target:
     )
 
 
-def install(target: Target) -> Target:
+def install(target: T) -> T:
     """Install the fenced-flush hook on a Session subclass, a sessionmaker, or one session.
 
     Sessions covered by the hook refuse to write fenced entities unless a
@@ -437,7 +438,7 @@ def install(target: Target) -> Target:
     return target
 
 
-def uninstall(target: Target) -> Target:
+def uninstall(target: T) -> T:
     """Remove what :func:`install` added to ``target``.  Idempotent."""
     _check_target(target)
     for name, fn in _EVENTS:

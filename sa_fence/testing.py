@@ -22,12 +22,18 @@ scenario deterministically against real servers::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+import signal
+import subprocess
+import time
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ._lease import Lease
 
-__all__ = ["expire"]
+__all__ = ["expire", "pause", "resume"]
 
 
 def expire(lease: Lease) -> bool:
@@ -39,3 +45,43 @@ def expire(lease: Lease) -> bool:
     removed, False when it had already expired or been taken over.
     """
     return bool(int(lease.fencer._release(keys=[lease.key], args=[lease._value])))
+
+
+def pause(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """SIGSTOP a child process and return once the kernel reports it stopped.
+
+    For two-process tests: a real worker frozen mid-work, like a long GC
+    pause, while the test lets its lease run out.  POSIX only; ``proc`` must
+    be this process's child.  Raises ``ChildProcessError`` if it exited
+    instead, ``TimeoutError`` if it was not stopped within ``timeout``.
+    """
+    os.kill(proc.pid, signal.SIGSTOP)
+    _wait_status(proc, os.WUNTRACED, os.WIFSTOPPED, "stopped", timeout)
+
+
+def resume(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """SIGCONT a child process stopped by :func:`pause`; return once it runs again."""
+    os.kill(proc.pid, signal.SIGCONT)
+    _wait_status(proc, os.WCONTINUED, os.WIFCONTINUED, "continued", timeout)
+
+
+def _wait_status(
+    proc: subprocess.Popen[Any],
+    option: int,
+    check: Callable[[int], bool],
+    what: str,
+    timeout: float,
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(proc.pid, option | os.WNOHANG)
+        if pid == 0:
+            time.sleep(0.002)
+        elif check(status):
+            return
+        else:  # it terminated instead: record what Popen can no longer reap
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            raise ChildProcessError(
+                f"process {proc.pid} exited with {proc.returncode} instead of being {what}"
+            )
+    raise TimeoutError(f"process {proc.pid} was not {what} within {timeout:g} s")
