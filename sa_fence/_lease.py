@@ -1,21 +1,38 @@
-"""Leases in Redis with tokens from PostgreSQL: :class:`Fencer` and :class:`Lease`."""
+"""Leases in Redis with tokens from PostgreSQL: :class:`Fencer` and :class:`Lease`.
+
+This is the thin sync driver of :mod:`sa_fence._protocol`: it sends the
+scripts, reads the clock, sleeps and runs the renewer thread; the decisions
+(retry or give up, how long to wait, is the lease still valid, is it lost)
+are pure functions there, so an asyncio front end can share them.  ``time``
+and ``random`` are imported as modules so tests can swap the clock.
+"""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import random
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis as redis_lib
 from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from . import _protocol as proto
 from ._tokens import DEFAULT_SEQUENCE, TokenSource
-from .errors import FencingConfigError, LeaseLostError, LeaseNotAcquiredError
+from .errors import (
+    FencingConfigError,
+    LeaseBackendError,
+    LeaseLostError,
+    LeaseNotAcquiredError,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -23,6 +40,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("sa_fence")
 
 DEFAULT_KEY_PREFIX = "sa_fence:"
+
+#: Errors after which a Redis call's outcome is unknown (the reply was lost).
+_UNKNOWN = (redis_lib.exceptions.ConnectionError, redis_lib.exceptions.TimeoutError)
+
+T = TypeVar("T")
+#: ``on_lost(lease)``: runs once, on the thread that first sees the loss.
+OnLost = Callable[["Lease"], object]
 
 
 def check_engine(engine: object) -> Engine:
@@ -56,7 +80,9 @@ class Fencer:
 
     ``redis`` is a ``redis.Redis`` client; ``engine`` is the SQLAlchemy engine
     of the database that holds the fenced rows *and* the token sequence.
-    Leases are stored under ``key_prefix + name``.
+    Leases are stored under ``key_prefix + name``.  Renewed leases
+    (``renew=True``) are extended after ``renew_fraction`` of their TTL by
+    one background thread per Fencer, which runs only while such leases exist.
     """
 
     def __init__(
@@ -66,6 +92,7 @@ class Fencer:
         *,
         sequence: str = DEFAULT_SEQUENCE,
         key_prefix: str = DEFAULT_KEY_PREFIX,
+        renew_fraction: float = proto.DEFAULT_RENEW_FRACTION,
     ) -> None:
         if not isinstance(redis, redis_lib.Redis | redis_lib.RedisCluster):
             raise TypeError(
@@ -77,11 +104,15 @@ class Fencer:
         self.redis = redis
         self.engine = check_engine(engine)
         self.key_prefix = proto.check_prefix(key_prefix)
+        self.renew_fraction = proto.check_renew_fraction(renew_fraction)
         self._tokens = TokenSource(engine, sequence)
         self._check_lock = threading.Lock()
+        self._acquire = redis.register_script(proto.ACQUIRE_SCRIPT)
         self._confirm = redis.register_script(proto.CONFIRM_SCRIPT)
         self._extend = redis.register_script(proto.EXTEND_SCRIPT)
         self._release = redis.register_script(proto.RELEASE_SCRIPT)
+        self._renewer = _Renewer()
+        self._warned_no_timeout = False
 
     @property
     def sequence(self) -> str:
@@ -100,45 +131,181 @@ class Fencer:
         with self._check_lock:
             self._tokens.check()
 
-    def acquire(self, name: str, ttl: float) -> Lease:
-        """Take lease ``name`` for ``ttl`` seconds and draw its token (non-blocking).
+    def acquire(
+        self,
+        name: str,
+        ttl: float,
+        *,
+        blocking: bool = False,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+        fail_fast: bool | None = None,
+    ) -> Lease:
+        """Take lease ``name`` for ``ttl`` seconds and draw its token.
+
+        ``blocking=True`` waits while another owner holds the lease, with
+        exponential backoff and full jitter, for at most ``timeout`` seconds
+        (default: ``ttl``) on the monotonic clock.  ``renew=True`` keeps the
+        lease alive in the background until it is released or lost;
+        ``on_lost(lease)`` then runs once if it is lost.  ``fail_fast``
+        (default: ``renew``) makes bound sessions refuse to flush once the
+        lease's local validity has passed.
 
         Raises :class:`~sa_fence.LeaseNotAcquiredError` when another owner
-        holds it, :class:`~sa_fence.LeaseLostError` when the lease expired
-        before its token could be recorded (the token is thrown away), and
-        :class:`~sa_fence.FencingConfigError` when the sequence or database
-        is unfit (checked before anything is written to Redis).
+        holds it (after the wait, if blocking), :class:`~sa_fence.LeaseBackendError`
+        when Redis or PostgreSQL did not answer (the outcome is unknown; any
+        lease left behind is removed if possible), :class:`~sa_fence.LeaseLostError`
+        when the lease expired before its token could be recorded (the token
+        is thrown away), and :class:`~sa_fence.FencingConfigError` when the
+        sequence or database is unfit (checked before anything is written).
         """
         key = self.key(name)
         ttl_ms = proto.ttl_to_ms(ttl)
+        max_wait = proto.check_timeout(blocking, timeout, float(ttl))
+        if not isinstance(renew, bool):
+            raise TypeError(f"renew must be True or False, got {renew!r}")
+        if on_lost is not None and not callable(on_lost):
+            raise TypeError(f"on_lost must be a callable taking the lease, got {on_lost!r}")
+        if fail_fast is not None and not isinstance(fail_fast, bool):
+            raise TypeError(f"fail_fast must be True, False or None, got {fail_fast!r}")
         if not self._tokens._checked:
-            self.check()
+            try:
+                self.check()
+            except SQLAlchemyError as exc:
+                raise LeaseBackendError(
+                    backend="postgresql", operation="check", name=name, cause=exc
+                ) from exc
+        if renew:
+            self._warn_if_unbounded()
         owner = proto.new_owner()
-        started = time.monotonic()
-        if not self.redis.set(key, owner, nx=True, px=ttl_ms):
-            raise LeaseNotAcquiredError(name, proto.token_from_value(self.redis.get(key)))
+        started = self._grant(name, key, owner, ttl_ms, max_wait)
         try:
             token = self._tokens.next_token()
+        except SQLAlchemyError as exc:
+            self._release_quietly(key, owner)
+            raise LeaseBackendError(
+                backend="postgresql", operation="token", name=name, cause=exc
+            ) from exc
         except BaseException:
             self._release_quietly(key, owner)
             raise
         value = proto.confirmed_value(owner, token)
-        remaining = int(self._confirm(keys=[key], args=[owner, value]))
+        try:
+            remaining = int(
+                self._call(name, "confirm", lambda: self._confirm(keys=[key], args=[owner, value]))
+            )
+        except LeaseBackendError:
+            self._release_quietly(key, value)
+            self._release_quietly(key, owner)
+            raise
         if remaining < 0:
             raise LeaseLostError(
                 f"lease {name!r} expired or was taken over before its token {token} could "
                 "be recorded; the token was thrown away. Use a longer ttl if this repeats."
             )
-        return Lease(self, name, key, owner, token, ttl, value, started)
+        lease = Lease(
+            self,
+            name,
+            key,
+            owner,
+            token,
+            ttl,
+            value,
+            started,
+            ttl_ms=ttl_ms,
+            fail_fast=renew if fail_fast is None else fail_fast,
+            on_lost=on_lost,
+        )
+        if renew:
+            lease._state.renewing = True
+            self._renewer.schedule(lease, started + self.renew_fraction * ttl_ms / 1000)
+        return lease
 
     @contextmanager
-    def lease(self, name: str, ttl: float) -> Iterator[Lease]:
-        """``with fencer.lease(name, ttl) as lease:`` acquires, then releases on exit."""
-        lease = self.acquire(name, ttl)
+    def lease(
+        self,
+        name: str,
+        ttl: float,
+        *,
+        blocking: bool = False,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+        fail_fast: bool | None = None,
+    ) -> Iterator[Lease]:
+        """``with fencer.lease(name, ttl) as lease:`` acquires, then releases on exit.
+
+        Takes the same arguments as :meth:`acquire`.  The body never runs
+        without the lease.  If Redis cannot be reached to release it, a
+        warning is logged instead of raising: the lease's TTL ends it.
+        """
+        lease = self.acquire(
+            name,
+            ttl,
+            blocking=blocking,
+            timeout=timeout,
+            renew=renew,
+            on_lost=on_lost,
+            fail_fast=fail_fast,
+        )
         try:
             yield lease
         finally:
-            lease.release()
+            lease._release_on_exit()
+
+    # ------------------------------------------------------------------ I/O
+
+    def _grant(self, name: str, key: str, owner: str, ttl_ms: int, max_wait: float) -> float:
+        """Run ACQUIRE until granted; return the monotonic time validity counts from."""
+        attempts = proto.AcquireAttempts(deadline=time.monotonic() + max_wait)
+        waited_from = time.monotonic()
+        while True:
+            sent_at = time.monotonic()
+            try:
+                reply = self._acquire(keys=[key], args=[owner, ttl_ms])
+            except _UNKNOWN as exc:
+                wait = attempts.on_unknown(time.monotonic(), sent_at, random.random())
+                if wait is None:
+                    # Not "acquired", not "not acquired": unknown.  Remove what
+                    # a lost SET may have left (the TTL ends it otherwise).
+                    self._release_quietly(key, owner)
+                    raise LeaseBackendError(
+                        backend="redis", operation="acquire", name=name, cause=exc
+                    ) from exc
+                time.sleep(wait)
+                continue
+            except redis_lib.exceptions.RedisError as exc:
+                raise LeaseBackendError(
+                    backend="redis", operation="acquire", name=name, cause=exc
+                ) from exc
+            outcome, holder_token = proto.parse_acquire_reply(reply)
+            if outcome != proto.HELD:
+                return attempts.sent(sent_at)
+            wait = attempts.on_held(time.monotonic(), random.random())
+            if wait is None:
+                waited = time.monotonic() - waited_from if max_wait > 0 else None
+                raise LeaseNotAcquiredError(name, holder_token, waited=waited)
+            time.sleep(wait)
+
+    def _call(self, name: str, operation: str, do: Callable[[], T]) -> T:
+        """Send an idempotent script call; resend a bounded number of times if the
+        answer is lost; LeaseBackendError when it stays unknown."""
+        failures = 0
+        while True:
+            try:
+                return do()
+            except _UNKNOWN as exc:
+                failures += 1
+                if failures >= proto.BACKEND_ATTEMPTS:
+                    raise LeaseBackendError(
+                        backend="redis", operation=operation, name=name, cause=exc
+                    ) from exc
+                time.sleep(proto.BACKEND_BACKOFF.delay(failures - 1, random.random()))
+            except redis_lib.exceptions.RedisError as exc:
+                raise LeaseBackendError(
+                    backend="redis", operation=operation, name=name, cause=exc
+                ) from exc
 
     def _release_quietly(self, key: str, value: str) -> None:
         try:
@@ -146,12 +313,111 @@ class Fencer:
         except Exception:  # the original error matters more; the lease will expire
             log.warning("could not release lease %s after a failed acquire", key, exc_info=True)
 
+    def _warn_if_unbounded(self) -> None:
+        if self._warned_no_timeout or not isinstance(self.redis, redis_lib.Redis):
+            return
+        kwargs = self.redis.connection_pool.connection_kwargs
+        if kwargs.get("socket_timeout") is None:
+            self._warned_no_timeout = True
+            log.warning(
+                "renewed leases on a Redis client without socket_timeout: a Redis that "
+                "stops answering blocks the renewer until the OS gives up, so on_lost "
+                "runs late (lease.lost and the flush check still use the local clock). "
+                "Create the client with socket_timeout=<seconds well below the TTL>."
+            )
+
+
+class _Renewer:
+    """One thread per Fencer that extends renewed leases when they fall due.
+
+    A single thread with a heap of deadlines keeps the thread count bounded
+    (1,000 renewed leases cost one thread, not 1,000) and needs no joins on
+    the release path.  Its cost: renewals are sent one after another, so one
+    slow Redis call delays the others; they share one Redis client, so Redis
+    being slow for one lease means slow for all, and each renewal leaves the
+    rest of the TTL (2/3 by default) as slack.  The thread starts with the
+    first renewed lease and exits as soon as none is scheduled.  It holds
+    leases only weakly: a Lease dropped without release stops being renewed
+    and expires in Redis, so renewal never outlives its lease.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, weakref.ref[Lease]]] = []
+        self._wanted: set[int] = set()  # entries still scheduled (not cancelled)
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, lease: Lease, at: float) -> None:
+        with self._cond:
+            with lease._lock:  # release() clears this first, then cancels under _cond
+                if not lease._state.renewing:
+                    return
+            seq = next(self._seq)
+            lease._renew_entry = seq
+            heapq.heappush(self._heap, (at, seq, weakref.ref(lease)))
+            self._wanted.add(seq)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="sa-fence-renewer", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def cancel(self, lease: Lease) -> None:
+        with self._cond:
+            if lease._renew_entry is not None:
+                self._wanted.discard(lease._renew_entry)
+                lease._renew_entry = None
+            if not self._wanted:
+                self._heap.clear()
+            self._cond.notify()
+
+    def _next_due(self) -> Lease | None:
+        """Wait for the next lease that is due; None when nothing is scheduled."""
+        with self._cond:
+            while True:
+                while self._heap and self._heap[0][1] not in self._wanted:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._thread = None
+                    return None
+                at, seq, ref = self._heap[0]
+                now = time.monotonic()
+                if at > now:
+                    self._cond.wait(at - now)
+                    continue
+                heapq.heappop(self._heap)
+                self._wanted.discard(seq)
+                lease = ref()
+                if lease is None or lease._renew_entry != seq:
+                    continue
+                lease._renew_entry = None
+                return lease
+
+    def _run(self) -> None:
+        while (lease := self._next_due()) is not None:
+            try:
+                at = lease._renew_once()
+            except Exception as exc:  # never stop silently, never stop the others
+                log.exception("renewal of lease %r failed unexpectedly", lease.name)
+                lease._lose(
+                    f"lease {lease.name!r} (token {lease.token}) could not be renewed: "
+                    f"{type(exc).__name__}: {exc}. Stop the work; nothing was sent."
+                )
+                at = None
+            if at is not None:
+                self.schedule(lease, at)
+            del lease
+
 
 class Lease:
     """A granted lease: ``name``, ``owner``, ``token``, ``ttl``.
 
-    Bind it to sessions with :meth:`bind`; keep it alive with :meth:`extend`;
-    give it back with :meth:`release` (or use it as a context manager).
+    Bind it to sessions with :meth:`bind`; keep it alive with :meth:`extend`
+    (or ``renew=True`` at acquire); ask whether it is still usable with
+    :meth:`check` or :attr:`lost`; give it back with :meth:`release` (or use
+    it as a context manager).
     """
 
     def __init__(
@@ -164,6 +430,10 @@ class Lease:
         ttl: float,
         value: str,
         acquired_at: float,
+        *,
+        ttl_ms: int | None = None,
+        fail_fast: bool = False,
+        on_lost: OnLost | None = None,
     ) -> None:
         self.fencer = fencer
         self.name = name
@@ -173,42 +443,133 @@ class Lease:
         self.ttl = ttl
         self._value = value
         self.acquired_at = acquired_at
-        self._released = False
+        self._ttl_ms = proto.ttl_to_ms(ttl) if ttl_ms is None else ttl_ms
+        self._lock = threading.Lock()
+        self._state = proto.LeaseState(
+            name=name,
+            token=token,
+            valid_until=proto.valid_until(acquired_at, self._ttl_ms),
+            fail_fast=fail_fast,
+        )
+        self._on_lost = on_lost
+        self._renew_entry: int | None = None
+        self._renew_failures = 0
 
     def __repr__(self) -> str:
-        state = "released" if self._released else "held"
+        state = "released" if self.released else "lost" if self.lost else "held"
         return f"<Lease {self.name!r} token={self.token} ttl={self.ttl} {state}>"
 
     @property
     def released(self) -> bool:
         """True once :meth:`release` ran."""
-        return self._released
+        return self._state.released
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is known to be gone.
+
+        Set when renewal or :meth:`extend` found another owner or no lease,
+        or when a renewed lease's local validity ran out without a successful
+        renewal.  Never goes back to False.
+        """
+        self._notice_overdue()
+        return self._state.lost is not None
+
+    def remaining(self) -> float:
+        """Seconds of local validity left (0.0 once passed), on the monotonic clock.
+
+        The lease is surely still ours in Redis before this runs out (unless
+        someone deleted the key); after it, it may be another owner's.
+        """
+        return max(0.0, self._state.valid_until - time.monotonic())
+
+    def check(self) -> None:
+        """Raise :class:`~sa_fence.LeaseLostError` unless the lease is still usable.
+
+        Usable: not released, not lost, and within its local validity.  No
+        round trip to Redis: call it between steps of long work.
+        """
+        self._notice_overdue()
+        problem = self._state.problem(time.monotonic(), for_write=False)
+        if problem is not None:
+            raise LeaseLostError(problem)
+
+    def _check_for_write(self) -> None:
+        """The flush's check: like :meth:`check`, validity only with ``fail_fast``."""
+        self._notice_overdue()
+        problem = self._state.problem(time.monotonic(), for_write=True)
+        if problem is not None:
+            raise LeaseLostError(problem)
 
     def extend(self, ttl: float | None = None) -> None:
         """Set the lease's remaining time to ``ttl`` seconds (default: the original ttl).
 
-        Owner-checked: raises :class:`~sa_fence.LeaseLostError` when the lease
-        expired or another owner holds it (it is then never extended).
+        Owner-checked: raises :class:`~sa_fence.LeaseLostError` (and marks the
+        lease lost) when the lease expired or another owner holds it; it is
+        then never extended.  Raises :class:`~sa_fence.LeaseBackendError` when
+        Redis did not answer after bounded retries.
         """
         ttl_ms = proto.ttl_to_ms(self.ttl if ttl is None else ttl)
-        if self._released:
-            raise LeaseLostError(f"lease {self.name!r} was released; acquire a new one")
-        if not int(self.fencer._extend(keys=[self.key], args=[self._value, ttl_ms])):
-            raise LeaseLostError(
-                f"lease {self.name!r} (token {self.token}) is no longer ours: it expired "
-                "or another owner took it. Stop the work; its writes will be refused."
+        problem = self._state.problem(time.monotonic(), for_write=True)
+        if problem is not None and (self.released or self._state.lost is not None):
+            raise LeaseLostError(problem)
+        sent_at = time.monotonic()
+        extended = int(
+            self.fencer._call(
+                self.name,
+                "extend",
+                lambda: self.fencer._extend(keys=[self.key], args=[self._value, ttl_ms]),
             )
+        )
+        if not extended:
+            message = proto.not_ours_message(self.name, self.token)
+            self._lose(message)
+            raise LeaseLostError(message)
+        with self._lock:
+            self._state.on_extended(sent_at, ttl_ms)
 
     def release(self) -> bool:
         """Give the lease back; never deletes another owner's lease.
 
-        Idempotent.  Returns True when this call deleted our live lease,
-        False when it had already expired, been taken over, or been released.
+        Idempotent; stops renewal first.  Returns True when this call deleted
+        our live lease, False when it had already expired, been taken over,
+        or been released.  A resend after a lost reply that finds the key gone
+        counts as ours when the lease was still within its local validity
+        (only our own delete can have removed it then).  Raises
+        :class:`~sa_fence.LeaseBackendError` when Redis did not answer; the
+        lease's TTL then ends it.
         """
-        if self._released:
-            return False
-        self._released = True
-        deleted = bool(int(self.fencer._release(keys=[self.key], args=[self._value])))
+        with self._lock:
+            if self._state.released:
+                return False
+            self._state.released = True
+            self._state.renewing = False
+        self.fencer._renewer.cancel(self)
+        fencer = self.fencer
+        first_sent = time.monotonic()
+        failures = 0
+        while True:
+            try:
+                deleted = bool(int(fencer._release(keys=[self.key], args=[self._value])))
+                break
+            except _UNKNOWN as exc:
+                failures += 1
+                if failures >= proto.BACKEND_ATTEMPTS:
+                    raise LeaseBackendError(
+                        backend="redis", operation="release", name=self.name, cause=exc
+                    ) from exc
+                time.sleep(proto.BACKEND_BACKOFF.delay(failures - 1, random.random()))
+            except redis_lib.exceptions.RedisError as exc:
+                raise LeaseBackendError(
+                    backend="redis", operation="release", name=self.name, cause=exc
+                ) from exc
+        if not deleted and failures and self._state.lost is None:
+            # An earlier attempt's reply was lost.  Sent while the lease was
+            # still valid, and the key is gone now before it could have expired:
+            # that earlier attempt deleted it.
+            deleted = time.monotonic() < self._state.valid_until and (
+                first_sent < self._state.valid_until
+            )
         if not deleted:
             log.warning(
                 "lease %r (token %d) had already expired or been taken over at release",
@@ -237,4 +598,70 @@ class Lease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.release()
+        self._release_on_exit()
+
+    # ------------------------------------------------------------ internals
+
+    def _release_on_exit(self) -> None:
+        try:
+            self.release()
+        except LeaseBackendError:
+            log.warning(
+                "could not release lease %r (token %d): Redis did not answer; its TTL will end it",
+                self.name,
+                self.token,
+                exc_info=True,
+            )
+
+    def _lose(self, message: str) -> None:
+        with self._lock:
+            first = self._state.mark_lost(message)
+        if not first:
+            return
+        self.fencer._renewer.cancel(self)
+        log.warning("%s", message)
+        if self._on_lost is not None:
+            try:
+                self._on_lost(self)
+            except Exception:
+                log.exception("on_lost callback of lease %r raised", self.name)
+
+    def _notice_overdue(self) -> None:
+        if self._state.overdue(time.monotonic()):
+            self._lose(proto.renewal_timed_out_message(self.name, self.token))
+
+    def _renew_once(self) -> float | None:
+        """One renewal (on the renewer thread); the next due time, or None to stop."""
+        with self._lock:
+            if not self._state.renewing:
+                return None
+        sent_at = time.monotonic()
+        try:
+            reply = int(self.fencer._extend(keys=[self.key], args=[self._value, self._ttl_ms]))
+            outcome = "extended" if reply else "not-ours"
+        except redis_lib.exceptions.RedisError as exc:  # timeouts, a read-only replica...
+            outcome = "unknown"
+            log.warning(
+                "renewal of lease %r got no answer from Redis (%s); retrying until its "
+                "local validity runs out",
+                self.name,
+                exc,
+            )
+        with self._lock:
+            if not self._state.renewing:
+                return None  # released (or lost) meanwhile: ignore the answer
+            self._renew_failures = 0 if outcome != "unknown" else self._renew_failures + 1
+            step = proto.after_renewal(
+                self._state,
+                outcome=outcome,
+                now=time.monotonic(),
+                sent_at=sent_at,
+                ttl_ms=self._ttl_ms,
+                fraction=self.fencer.renew_fraction,
+                failures=max(0, self._renew_failures - 1),
+                rand=random.random(),
+            )
+        if step.lost is not None:
+            self._lose(step.lost)
+            return None
+        return step.at

@@ -6,7 +6,9 @@ same functions and scripts without copying them.
 
 The protocol (DESIGN.md, invariant I3)::
 
-    1. SET <key> <owner> NX PX <ttl>          Redis: grant the lease
+    1. ACQUIRE: if the key is free,           Redis: grant the lease (a resend
+       SET <key> <owner> PX <ttl>              after a lost reply finds <owner>
+                                               and answers "already ours")
     2. nextval(<sequence>) in its own         PostgreSQL: take the token
        committed transaction
     3. CONFIRM: if GET <key> == <owner>       Redis: record the token in the
@@ -15,24 +17,35 @@ The protocol (DESIGN.md, invariant I3)::
 
 A token is therefore only ever handed to a holder whose lease was still live
 *after* the token was drawn, so token order follows grant order.
+
+Every script is idempotent for one owner value, so a call whose reply was
+lost on the wire can be resent and answers as the first one would have:
+the holder never reports "acquired" or "not acquired" when the answer is
+unknown.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+from dataclasses import dataclass
 
 # Every script touches exactly one key (KEYS[1]) so it runs unchanged on
 # Redis Cluster.  Each compares the stored value with the exact value this
 # lease wrote, so it never acts on another owner's lease.
 
 # CONFIRM: record the token in the lease and confirm the lease is still ours.
-# KEYS[1] lease key; ARGV[1] the value SET NX stored (the owner);
+# KEYS[1] lease key; ARGV[1] the value ACQUIRE stored (the owner);
 # ARGV[2] the new value ("<owner>:<token>").
 # Returns the lease's remaining PTTL in ms (>= 0), or -1 if it is not ours.
+# Idempotent: a resend after a lost reply finds ARGV[2] and answers the same.
 CONFIRM_SCRIPT = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL')
+  return redis.call('PTTL', KEYS[1])
+end
+if v == ARGV[2] then
   return redis.call('PTTL', KEYS[1])
 end
 return -1
@@ -112,3 +125,301 @@ def ttl_to_ms(ttl: object, what: str = "ttl") -> int:
         )
     ms = math.ceil(ttl * 1000)
     return max(ms, 1)
+
+
+# ------------------------------------------------------------ lease lifecycle
+#
+# Everything below is pure as well: the front end passes in the clock reading
+# (``now``, monotonic seconds) and a uniform random number, and gets back a
+# decision.  Retries are hand-rolled rather than delegated to tenacity: the
+# decisions here are not "retry on exception" but a small state machine over
+# three kinds of answer (granted / held by another owner / unknown because the
+# reply was lost), where the wait must also stop at the caller's deadline and
+# at the lease's local validity, and where an unknown answer must never be
+# reported as "acquired" or "not acquired".  Keeping it as plain functions of
+# (now, random) lets the sync and asyncio front ends share it and lets tests
+# drive it without sleeping; tenacity's Retrying/AsyncRetrying read the clock
+# and sleep themselves, so the policy would be split between its objects and
+# this state machine.
+
+# ACQUIRE: grant the lease, idempotently for one owner value.
+# KEYS[1] lease key; ARGV[1] owner; ARGV[2] TTL in ms.
+# Returns 1 when it set the lease now, 2 when the lease already holds this
+# owner (a retry after a reply lost on the wire), else the stored value of the
+# other owner (a string).  Equivalent to SET NX PX for a first attempt.
+ACQUIRE_SCRIPT = """
+local v = redis.call('GET', KEYS[1])
+if not v then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+if v == ARGV[1] then
+  return 2
+end
+return v
+"""
+
+GRANTED = "granted"
+ALREADY_OURS = "already-ours"
+HELD = "held"
+
+
+def parse_acquire_reply(reply: object) -> tuple[str, int | None]:
+    """(GRANTED | ALREADY_OURS | HELD, holder's token when HELD and recorded)."""
+    if isinstance(reply, int) and not isinstance(reply, bool):
+        if reply == 1:
+            return GRANTED, None
+        if reply == 2:
+            return ALREADY_OURS, None
+    if isinstance(reply, bytes | str):
+        return HELD, token_from_value(reply)
+    raise ValueError(f"unexpected reply from the acquire script: {reply!r}")
+
+
+#: How many times one Redis call is sent when its answer is unknown (a
+#: connection error or timeout) before the front end gives up with
+#: LeaseBackendError.  Every script is idempotent for one owner, so resending
+#: is safe.  (redis-py may also retry inside each call: see its ``retry``.)
+BACKEND_ATTEMPTS = 3
+
+#: Default share of the TTL after which a renewed lease is extended.
+DEFAULT_RENEW_FRACTION = 1 / 3
+MAX_RENEW_FRACTION = 0.75
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Exponential backoff with full jitter: wait ``uniform(0, min(cap, base * 2**n))``.
+
+    Full jitter spreads competing waiters out (no synchronised retry waves),
+    and the cap bounds every single wait.
+    """
+
+    base: float = 0.02
+    cap: float = 0.5
+
+    def ceiling(self, attempt: int) -> float:
+        """The largest wait before retry number ``attempt`` (0-based)."""
+        return min(self.cap, self.base * 2.0 ** min(attempt, 60))
+
+    def delay(self, attempt: int, rand: float) -> float:
+        """The wait for ``attempt`` given ``rand`` uniform in [0, 1)."""
+        return rand * self.ceiling(attempt)
+
+
+#: Waits between attempts while another owner holds the lease.
+CONTENTION_BACKOFF = Backoff(base=0.02, cap=1.0)
+#: Waits before resending a call whose answer was lost.
+BACKEND_BACKOFF = Backoff(base=0.02, cap=0.5)
+
+
+def wait_until(deadline: float, now: float, backoff: Backoff, attempt: int, rand: float) -> float:
+    """How long to wait before the next attempt; never past ``deadline``; 0 if passed."""
+    return max(0.0, min(backoff.delay(attempt, rand), deadline - now))
+
+
+def check_timeout(blocking: object, timeout: object, ttl: float) -> float:
+    """Validate ``blocking``/``timeout``; return the longest wait for contention (s)."""
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking must be True or False, got {blocking!r}")
+    if timeout is None:
+        # Never wait forever: one lease lifetime is long enough for a crashed
+        # holder's lease (of the same TTL) to run out.
+        return ttl if blocking else 0.0
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(
+            f"timeout must be a number of seconds, got {type(timeout).__name__}: {timeout!r}"
+        )
+    if not math.isfinite(timeout) or timeout < 0:
+        raise ValueError(
+            f"timeout must be a finite number of seconds >= 0, got {timeout!r}; "
+            "use blocking=True, timeout=<seconds> to wait for a busy lease"
+        )
+    if not blocking:
+        raise ValueError(
+            f"timeout={timeout!r} has no effect without blocking=True: pass "
+            "blocking=True to wait up to timeout seconds, or drop timeout"
+        )
+    return float(timeout)
+
+
+def check_renew_fraction(fraction: object) -> float:
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+        raise TypeError(f"renew_fraction must be a number, got {fraction!r}")
+    if not (0 < fraction <= MAX_RENEW_FRACTION):
+        raise ValueError(
+            f"renew_fraction must be in (0, {MAX_RENEW_FRACTION}], got {fraction!r}: it is "
+            "the share of the TTL after which a renewed lease is extended (1/3 renews "
+            "three times per TTL; above 3/4 leaves no time to retry a failed renewal)"
+        )
+    return float(fraction)
+
+
+def drift(ttl_ms: int) -> float:
+    """Seconds subtracted from the TTL for clock drift and transit (Redlock's 1% + 2 ms)."""
+    return (ttl_ms / 100 + 2) / 1000
+
+
+def valid_until(sent_at: float, ttl_ms: int) -> float:
+    """Monotonic deadline of a lease set (or extended) by a call sent at ``sent_at``.
+
+    Redis counts the TTL from when it executes the call, which is after it was
+    sent; the drift allowance covers a Redis clock running somewhat fast.
+    """
+    return sent_at + ttl_ms / 1000 - drift(ttl_ms)
+
+
+@dataclass
+class AcquireAttempts:
+    """The retry state of one acquire call (one owner value for all its attempts)."""
+
+    deadline: float  # give up waiting for contention at this monotonic time
+    attempt: int = 0  # contention retries so far
+    unknown: int = 0  # consecutive attempts whose answer was lost
+    unknown_since: float | None = None  # send time of the first of those
+
+    def sent(self, now: float) -> float:
+        """Record an attempt sent at ``now``; return the time validity counts from.
+
+        After lost answers, the lease may have been set by the *first* of them,
+        so validity counts from that one.
+        """
+        if self.unknown_since is None:
+            return now
+        return self.unknown_since
+
+    def on_unknown(self, now: float, sent_at: float, rand: float) -> float | None:
+        """The answer was lost: seconds to wait before resending, or None to give up."""
+        if self.unknown_since is None:
+            self.unknown_since = sent_at
+        self.unknown += 1
+        if self.unknown >= BACKEND_ATTEMPTS:
+            return None
+        return BACKEND_BACKOFF.delay(self.unknown - 1, rand)
+
+    def on_held(self, now: float, rand: float) -> float | None:
+        """Another owner holds it: seconds to wait before the next try, or None to give up."""
+        self.unknown = 0
+        self.unknown_since = None
+        if now >= self.deadline:
+            return None
+        wait = wait_until(self.deadline, now, CONTENTION_BACKOFF, self.attempt, rand)
+        self.attempt += 1
+        return wait
+
+
+# Why a lease is no longer usable (LeaseLostError messages).
+def released_message(name: str, token: int) -> str:
+    return (
+        f"the lease {name!r} (token {token}) bound to this session was released; "
+        "acquire a new lease and bind it before writing"
+    )
+
+
+def not_ours_message(name: str, token: int) -> str:
+    return (
+        f"lease {name!r} (token {token}) is no longer ours: it expired or another owner "
+        "took it. Stop the work; its writes will be refused."
+    )
+
+
+def expired_locally_message(name: str, token: int) -> str:
+    return (
+        f"lease {name!r} (token {token}) has outlived its local validity (its TTL minus "
+        "a drift allowance, on this process's monotonic clock), so it may already be "
+        "another owner's. Stop the work; nothing was sent."
+    )
+
+
+def renewal_timed_out_message(name: str, token: int) -> str:
+    return (
+        f"lease {name!r} (token {token}) could not be renewed: Redis did not answer "
+        "before the lease's local validity ran out. Stop the work; nothing was sent."
+    )
+
+
+@dataclass
+class LeaseState:
+    """What a holder knows about its lease, and the transitions between states.
+
+    ``valid_until`` is the monotonic time after which the lease may already
+    have expired in Redis.  ``lost`` is set once the holder *knows* the lease
+    is gone (an owner-checked script found another value, or renewal could not
+    reach Redis within the validity); it never goes back.
+    """
+
+    name: str
+    token: int
+    valid_until: float
+    fail_fast: bool
+    renewing: bool = False
+    released: bool = False
+    lost: str | None = None  # the LeaseLostError message, once lost
+    extended_from: float = -math.inf  # send time of the call that set valid_until
+
+    def mark_lost(self, message: str) -> bool:
+        """Record the loss; True only the first time (so ``on_lost`` runs once)."""
+        if self.lost is not None or self.released:
+            return False
+        self.lost = message
+        self.renewing = False
+        return True
+
+    def on_extended(self, sent_at: float, ttl_ms: int) -> None:
+        if sent_at >= self.extended_from:
+            self.extended_from = sent_at
+            self.valid_until = valid_until(sent_at, ttl_ms)
+
+    def overdue(self, now: float) -> bool:
+        """A renewed lease whose validity ran out without a successful renewal."""
+        return self.renewing and self.lost is None and now >= self.valid_until
+
+    def problem(self, now: float, *, for_write: bool) -> str | None:
+        """Why the lease may not be used now, or None.
+
+        For a write, local validity counts only when ``fail_fast`` is on:
+        without it the fence alone decides (a late write is refused only if a
+        newer token has written the row).
+        """
+        if self.released:
+            return released_message(self.name, self.token)
+        if self.lost is not None:
+            return self.lost
+        if (self.fail_fast or not for_write) and now >= self.valid_until:
+            return expired_locally_message(self.name, self.token)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class RenewStep:
+    """What the renewer does next for one lease: renew at ``at``, or mark it lost."""
+
+    at: float
+    lost: str | None = None
+
+
+def after_renewal(
+    state: LeaseState,
+    *,
+    outcome: str,
+    now: float,
+    sent_at: float,
+    ttl_ms: int,
+    fraction: float,
+    failures: int,
+    rand: float,
+) -> RenewStep:
+    """The renewer's next step after one EXTEND of a renewed lease.
+
+    ``outcome``: "extended", "not-ours" (the script found another owner or no
+    key: the lease is lost at once), or "unknown" (timeout, connection lost:
+    try again with backoff until the local validity runs out, then lost).
+    """
+    if outcome == "extended":
+        state.on_extended(sent_at, ttl_ms)
+        return RenewStep(at=sent_at + fraction * ttl_ms / 1000)
+    if outcome == "not-ours":
+        return RenewStep(at=now, lost=not_ours_message(state.name, state.token))
+    if now >= state.valid_until:
+        return RenewStep(at=now, lost=renewal_timed_out_message(state.name, state.token))
+    return RenewStep(at=now + wait_until(state.valid_until, now, BACKEND_BACKOFF, failures, rand))

@@ -6,6 +6,7 @@ Every error the library raises on purpose derives from :class:`FenceError`::
     ├── StaleTokenError          (also sqlalchemy.orm.exc.StaleDataError)
     ├── LeaseNotAcquiredError    another owner holds the lease
     ├── LeaseLostError           the lease is no longer ours (expired, taken, released)
+    ├── LeaseBackendError        Redis or PostgreSQL failed: the outcome is unknown
     ├── UnfencedWriteError       a fenced entity was written without a lease
     └── FencingConfigError       the database, sequence or session is set up wrongly
 
@@ -23,6 +24,7 @@ from sqlalchemy.orm.exc import StaleDataError
 __all__ = [
     "FenceError",
     "FencingConfigError",
+    "LeaseBackendError",
     "LeaseLostError",
     "LeaseNotAcquiredError",
     "StaleTokenError",
@@ -89,15 +91,46 @@ class LeaseNotAcquiredError(FenceError):
     current holder when known, else ``None``.
     """
 
-    def __init__(self, name: str, holder_token: int | None = None) -> None:
+    def __init__(
+        self, name: str, holder_token: int | None = None, *, waited: float | None = None
+    ) -> None:
         self.name = name
         self.holder_token = holder_token
+        self.waited = waited
         held = f" (holder's token {holder_token})" if holder_token is not None else ""
-        super().__init__(f"lease {name!r} is held by another owner{held}; try again later")
+        after = f" after waiting {waited:.3g} s" if waited is not None else ""
+        super().__init__(f"lease {name!r} is held by another owner{held}{after}; try again later")
 
 
 class LeaseLostError(FenceError):
     """The lease is no longer ours: it expired, was taken over, or was released."""
+
+
+class LeaseBackendError(FenceError):
+    """Redis or PostgreSQL did not answer or failed, so the outcome is unknown.
+
+    Not contention: the lease may or may not have been granted, extended or
+    released.  sa-fence resent the (idempotent) call a bounded number of
+    times, then gave up; after a failed acquire it tries to remove whatever it
+    may have set, and the lease's TTL ends it otherwise.
+
+    Attributes: ``backend`` (``"redis"`` or ``"postgresql"``), ``operation``
+    (``"check"``, ``"acquire"``, ``"token"``, ``"confirm"``, ``"extend"`` or
+    ``"release"``),
+    ``name`` (the lease name) and ``cause`` (the client's exception, also
+    ``__cause__``).
+    """
+
+    def __init__(self, *, backend: str, operation: str, name: str, cause: BaseException) -> None:
+        self.backend = backend
+        self.operation = operation
+        self.name = name
+        self.cause = cause
+        super().__init__(
+            f"{operation} of lease {name!r} failed: {backend} did not answer or failed "
+            f"({type(cause).__name__}: {cause}); the outcome is unknown. Check that "
+            f"{backend} is reachable; the lease's TTL ends anything left behind."
+        )
 
 
 class UnfencedWriteError(FenceError):

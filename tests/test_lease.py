@@ -184,3 +184,29 @@ def test_bad_input_is_refused_with_a_clear_error_and_nothing_written(
 def test_a_sub_millisecond_ttl_rounds_up_to_one_millisecond() -> None:
     assert _protocol.ttl_to_ms(0.0001) == 1
     assert _protocol.ttl_to_ms(1.5) == 1500
+
+
+def test_install_takes_effect_on_every_new_sessionmaker_even_at_a_reused_address(
+    engine: Any,
+) -> None:
+    """SQLAlchemy's event registry remembers a collected sessionmaker class by
+    its id(); a new one at the same address must still get the hook."""
+    import gc
+
+    from sqlalchemy.orm import sessionmaker
+
+    from sa_fence._flush import is_installed
+
+    missing = 0
+    for _ in range(25):
+        maker = sa_fence.install(sessionmaker(engine))
+        with maker() as session:
+            missing += not is_installed(session)
+        sa_fence.uninstall(maker)
+        sa_fence.uninstall(maker)  # idempotent
+        with maker() as session:
+            missing += is_installed(session)
+        sa_fence.install(maker)
+        del maker
+        gc.collect()
+    assert missing == 0

@@ -1,0 +1,462 @@
+"""Lease lifecycle on real servers: bounded blocking acquire, contention versus
+failure, idempotent retries after a lost reply, and local validity."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from sqlalchemy.orm import Session, sessionmaker
+
+import sa_fence
+from sa_fence import _lease
+from sa_fence import _protocol as proto
+from tests._proxy import LossyProxy
+from tests._redis_server import free_port
+from tests.conftest import REDIS_URL
+from tests.models import SEQUENCE, Job
+
+
+def keys(client: redis.Redis, prefix: str) -> list[bytes]:
+    return list(client.scan_iter(match=prefix + "*"))
+
+
+def job_row(engine: sa.Engine, job_id: int) -> tuple[Any, ...] | None:
+    with engine.connect() as conn:
+        found = conn.execute(
+            sa.text("SELECT result, fence FROM jobs WHERE id = :id"), {"id": job_id}
+        ).one_or_none()
+    return None if found is None else tuple(found)
+
+
+class FakeClock:
+    """Stands in for the ``time`` module of sa_fence._lease: sleeping advances it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(_lease, "time", fake)
+    return fake
+
+
+# ------------------------------------------------------------ the pure policy
+
+
+def test_every_backoff_wait_lies_between_zero_and_its_exponential_ceiling() -> None:
+    backoff = proto.Backoff(base=0.02, cap=1.0)
+    rng = random.Random(7)
+    for attempt in range(40):
+        ceiling = backoff.ceiling(attempt)
+        assert ceiling == min(1.0, 0.02 * 2**attempt)
+        for _ in range(50):
+            assert 0 <= backoff.delay(attempt, rng.random()) <= ceiling
+    # full jitter: the whole range is used, not just its top
+    assert backoff.delay(10, 0.0) == 0.0
+
+
+def test_a_contention_wait_never_goes_past_the_deadline() -> None:
+    attempts = proto.AcquireAttempts(deadline=10.0)
+    now, waits = 0.0, []
+    while (wait := attempts.on_held(now, 0.999)) is not None:
+        waits.append(wait)
+        now += wait
+    assert now == pytest.approx(10.0)
+    assert all(w <= proto.CONTENTION_BACKOFF.cap for w in waits)
+
+
+def test_validity_is_the_ttl_minus_a_drift_allowance_from_the_send_time() -> None:
+    assert proto.valid_until(100.0, 10_000) == pytest.approx(100.0 + 10 - 0.102)
+    assert proto.valid_until(0.0, 1) < 0.001  # a tiny lease is never valid for long
+
+
+def _state(valid_until: float = 10.0) -> proto.LeaseState:
+    return proto.LeaseState(
+        name="job:1", token=5, valid_until=valid_until, fail_fast=True, renewing=True
+    )
+
+
+def test_a_renewal_that_times_out_is_retried_no_later_than_the_validity_then_lost() -> None:
+    state = _state(valid_until=10.0)
+    kw: dict[str, Any] = {"sent_at": 0, "ttl_ms": 3000, "fraction": 1 / 3, "rand": 0.999}
+    step = proto.after_renewal(state, outcome="unknown", now=9.99, failures=50, **kw)
+    assert step.lost is None
+    assert 9.99 <= step.at <= 10.0
+    step = proto.after_renewal(state, outcome="unknown", now=10.0, failures=0, **kw)
+    assert step.lost is not None
+    assert "could not be renewed" in step.lost
+
+
+def test_a_renewal_that_finds_another_owner_is_lost_at_once_and_lost_only_once() -> None:
+    state = _state()
+    kw: dict[str, Any] = {"sent_at": 0, "ttl_ms": 3000, "fraction": 1 / 3, "rand": 0.5}
+    step = proto.after_renewal(state, outcome="not-ours", now=1.0, failures=0, **kw)
+    assert step.lost is not None
+    assert state.mark_lost(step.lost) is True
+    assert state.mark_lost(step.lost) is False  # on_lost runs once
+    assert state.problem(1.0, for_write=True) == step.lost
+
+
+def test_a_successful_renewal_moves_the_validity_and_schedules_the_next() -> None:
+    state = _state(valid_until=3.0)
+    step = proto.after_renewal(
+        state,
+        outcome="extended",
+        now=1.1,
+        sent_at=1.0,
+        ttl_ms=3000,
+        fraction=1 / 3,
+        failures=0,
+        rand=0.5,
+    )
+    assert step.lost is None
+    assert step.at == pytest.approx(2.0)
+    assert state.valid_until == pytest.approx(1.0 + 3.0 - proto.drift(3000))
+
+
+def test_a_released_lease_is_never_marked_lost() -> None:
+    state = _state()
+    state.released = True
+    assert state.mark_lost("gone") is False
+    assert state.problem(0.0, for_write=True) is not None
+
+
+# -------------------------------------------------------- blocking acquire
+
+
+def test_a_blocking_acquire_waits_with_bounded_jittered_backoff_and_gives_up_at_its_timeout(
+    fencer: sa_fence.Fencer, clock: FakeClock
+) -> None:
+    holder = fencer.acquire("job:1", 30)
+    started = clock.now
+    with pytest.raises(sa_fence.LeaseNotAcquiredError) as busy:
+        fencer.acquire("job:1", 30, blocking=True, timeout=5)
+    assert busy.value.holder_token == holder.token
+    assert busy.value.waited == pytest.approx(5.0)
+    assert "after waiting 5 s" in str(busy.value)
+    assert clock.now - started == pytest.approx(5.0)  # never past the timeout
+    assert len(clock.sleeps) > 5  # it retried, rather than sleeping once
+    for attempt, slept in enumerate(clock.sleeps):
+        assert slept <= proto.CONTENTION_BACKOFF.ceiling(attempt) + 1e-9
+    holder.release()
+
+
+def test_a_blocking_acquire_without_timeout_waits_at_most_one_ttl(
+    fencer: sa_fence.Fencer, clock: FakeClock
+) -> None:
+    holder = fencer.acquire("job:1", 30)
+    started = clock.now
+    with pytest.raises(sa_fence.LeaseNotAcquiredError):
+        fencer.acquire("job:1", 3, blocking=True)
+    assert clock.now - started == pytest.approx(3.0)
+    holder.release()
+
+
+def test_a_non_blocking_acquire_of_a_held_lease_does_not_wait(
+    fencer: sa_fence.Fencer, clock: FakeClock
+) -> None:
+    holder = fencer.acquire("job:1", 30)
+    with pytest.raises(sa_fence.LeaseNotAcquiredError) as busy:
+        fencer.acquire("job:1", 30)
+    assert clock.sleeps == []
+    assert busy.value.waited is None
+    holder.release()
+
+
+def test_a_blocking_acquire_gets_the_lease_once_the_holder_lets_go(
+    fencer: sa_fence.Fencer,
+) -> None:
+    holder = fencer.acquire("job:1", 30)
+    threading.Timer(0.3, holder.release).start()
+    started = time.monotonic()
+    with fencer.lease("job:1", 30, blocking=True, timeout=10) as waiter:
+        assert 0.25 < time.monotonic() - started < 5
+        assert waiter.token > holder.token
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"blocking": True, "timeout": -1}, ValueError, "timeout must be a finite number"),
+        ({"blocking": True, "timeout": math.nan}, ValueError, "timeout must be a finite"),
+        ({"blocking": True, "timeout": math.inf}, ValueError, "timeout must be a finite"),
+        ({"blocking": True, "timeout": "5"}, TypeError, "timeout must be a number"),
+        ({"timeout": 5}, ValueError, "has no effect without blocking=True"),
+        ({"blocking": "yes"}, TypeError, "blocking must be True or False"),
+        ({"renew": 1}, TypeError, "renew must be True or False"),
+        ({"on_lost": "print"}, TypeError, "on_lost must be a callable"),
+        ({"fail_fast": "no"}, TypeError, "fail_fast must be True, False or None"),
+    ],
+)
+def test_bad_lifecycle_arguments_are_refused_before_anything_is_written(
+    fencer: sa_fence.Fencer,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    kwargs: dict[str, Any],
+    error: type[Exception],
+    match: str,
+) -> None:
+    with pytest.raises(error, match=match):
+        fencer.acquire("job:1", 5, **kwargs)
+    assert keys(redis_client, key_prefix) == []
+
+
+@pytest.mark.parametrize("fraction", [0, -0.1, 0.9, 1, math.nan])
+def test_a_renew_fraction_out_of_range_is_refused_saying_what_it_means(
+    redis_client: redis.Redis, engine: sa.Engine, fraction: float
+) -> None:
+    with pytest.raises(ValueError, match=r"renew_fraction must be in \(0, 0.75\]"):
+        sa_fence.Fencer(redis_client, engine, renew_fraction=fraction)
+
+
+# ------------------------------------------------------ contention vs failure
+
+
+def test_redis_unreachable_is_a_backend_error_not_contention(
+    engine: sa.Engine, key_prefix: str
+) -> None:
+    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    fencer = sa_fence.Fencer(dead, engine, sequence=SEQUENCE, key_prefix=key_prefix)
+    started = time.monotonic()
+    with pytest.raises(sa_fence.LeaseBackendError) as failed:
+        fencer.acquire("job:1", 5, blocking=True, timeout=1)
+    assert time.monotonic() - started < 5  # bounded
+    assert not isinstance(failed.value, sa_fence.LeaseNotAcquiredError)
+    assert isinstance(failed.value, sa_fence.FenceError)
+    assert failed.value.backend == "redis"
+    assert failed.value.operation == "acquire"
+    assert isinstance(failed.value.cause, redis.exceptions.ConnectionError)
+    assert failed.value.__cause__ is failed.value.cause
+
+
+def test_postgresql_failing_at_token_time_is_a_backend_error_and_the_lease_is_released(
+    redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
+) -> None:
+    down = sa.create_engine(engine.url.set(port=free_port()), poolclass=sa.pool.NullPool)
+    fencer = sa_fence.Fencer(redis_client, down, sequence=SEQUENCE, key_prefix=key_prefix)
+    fencer._tokens._checked = True  # the sequence was fine at start-up; then PG went away
+    with pytest.raises(sa_fence.LeaseBackendError) as failed:
+        fencer.acquire("job:1", 30)
+    assert failed.value.backend == "postgresql"
+    assert failed.value.operation == "token"
+    assert isinstance(failed.value.cause, sa.exc.OperationalError)
+    assert keys(redis_client, key_prefix) == []  # the granted lease was given back
+
+
+def test_postgresql_unreachable_at_the_first_acquire_is_a_backend_error_and_nothing_is_set(
+    redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
+) -> None:
+    down = sa.create_engine(engine.url.set(port=free_port()), poolclass=sa.pool.NullPool)
+    fencer = sa_fence.Fencer(redis_client, down, sequence=SEQUENCE, key_prefix=key_prefix)
+    with pytest.raises(sa_fence.LeaseBackendError) as failed:
+        fencer.acquire("job:1", 30)
+    assert (failed.value.backend, failed.value.operation) == ("postgresql", "check")
+    assert keys(redis_client, key_prefix) == []
+
+
+# ---------------------------------------------------- a reply lost on the wire
+
+
+@pytest.fixture
+def proxy() -> Any:
+    url = redis.connection.parse_url(REDIS_URL)
+    with LossyProxy((url.get("host", "127.0.0.1"), int(url.get("port", 6379)))) as p:
+        yield p
+
+
+def proxied_fencer(proxy: LossyProxy, engine: sa.Engine, key_prefix: str) -> sa_fence.Fencer:
+    db = int(redis.connection.parse_url(REDIS_URL).get("db", 0))
+    client = redis.Redis(port=proxy.port, db=db, socket_timeout=2, retry=Retry(NoBackoff(), 0))
+    fencer = sa_fence.Fencer(client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
+    load_scripts(fencer)
+    return fencer
+
+
+def load_scripts(fencer: sa_fence.Fencer) -> None:
+    """Load the scripts first, so the armed request is the EVALSHA that runs
+    (not one answered NOSCRIPT and resent by redis-py)."""
+    for script in (fencer._acquire, fencer._confirm, fencer._extend, fencer._release):
+        fencer.redis.script_load(script.script)
+
+
+def test_an_acquire_whose_reply_was_lost_is_retried_and_recognised_as_ours(
+    proxy: LossyProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    fencer = proxied_fencer(proxy, engine, key_prefix)
+    proxy.drop_reply_to(key_prefix.encode() + b"job:1")
+    lease = fencer.acquire("job:1", 30)
+    assert proxy.dropped == 1  # Redis executed the first attempt; its reply was lost
+    # exactly one owner: this lease, with its token recorded
+    assert redis_client.get(key_prefix + "job:1") == f"{lease.owner}:{lease.token}".encode()
+    with pytest.raises(sa_fence.LeaseNotAcquiredError):
+        sa_fence.Fencer(redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix).acquire(
+            "job:1", 30
+        )
+    assert lease.release() is True
+
+
+def test_without_the_owner_check_a_lost_acquire_reply_turns_into_false_contention(
+    proxy: LossyProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The pair of the test above: a plain SET NX, resent, finds its own lease
+    and reports contention; the lease it holds is never used nor released."""
+    fencer = proxied_fencer(proxy, engine, key_prefix)
+    fencer._acquire = fencer.redis.register_script(
+        "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end "
+        "return redis.call('GET', KEYS[1])"
+    )
+    load_scripts(fencer)
+    proxy.drop_reply_to(key_prefix.encode() + b"job:1")
+    with pytest.raises(sa_fence.LeaseNotAcquiredError):
+        fencer.acquire("job:1", 30)
+    stranded = redis_client.get(key_prefix + "job:1")
+    assert stranded is not None  # our own lease blocks everyone until it expires
+    redis_client.delete(key_prefix + "job:1")
+
+
+def test_a_confirm_whose_reply_was_lost_is_retried_and_still_succeeds(
+    proxy: LossyProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    fencer = proxied_fencer(proxy, engine, key_prefix)
+    original = fencer._tokens.next_token
+
+    def token_then_arm() -> int:
+        token = original()
+        proxy.drop_reply_to(f":{token}".encode())  # only CONFIRM carries "<owner>:<token>"
+        return token
+
+    fencer._tokens.next_token = token_then_arm  # type: ignore[method-assign]
+    lease = fencer.acquire("job:1", 30)
+    assert proxy.dropped == 1
+    assert redis_client.get(key_prefix + "job:1") == f"{lease.owner}:{lease.token}".encode()
+    assert lease.release() is True
+
+
+def test_a_release_whose_reply_was_lost_still_reports_that_it_released(
+    proxy: LossyProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    fencer = proxied_fencer(proxy, engine, key_prefix)
+    lease = fencer.acquire("job:1", 30)
+    proxy.drop_reply_to(f"{lease.owner}:{lease.token}".encode())
+    assert lease.release() is True
+    assert proxy.dropped == 1
+    assert redis_client.get(key_prefix + "job:1") is None
+
+
+def test_an_extend_whose_reply_was_lost_is_retried_and_extends(
+    proxy: LossyProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    fencer = proxied_fencer(proxy, engine, key_prefix)
+    lease = fencer.acquire("job:1", 5)
+    proxy.drop_reply_to(f"{lease.owner}:{lease.token}".encode())
+    lease.extend(60)
+    assert proxy.dropped == 1
+    assert not lease.lost
+    assert redis_client.pttl(key_prefix + "job:1") > 50_000
+    assert lease.remaining() > 50
+    lease.release()
+
+
+# ------------------------------------------------------------- local validity
+
+
+def test_check_and_remaining_follow_the_local_validity_on_the_monotonic_clock(
+    fencer: sa_fence.Fencer, clock: FakeClock
+) -> None:
+    lease = fencer.acquire("job:1", 10)
+    assert lease.remaining() == pytest.approx(10 - proto.drift(10_000))
+    lease.check()
+    clock.now += 10
+    assert lease.remaining() == 0.0
+    with pytest.raises(sa_fence.LeaseLostError, match="outlived its local validity"):
+        lease.check()
+    assert not lease.lost  # not renewed: nobody has seen it gone
+    lease.release()
+
+
+def _write_after_validity(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], clock: FakeClock, **kw: Any
+) -> None:
+    with fencer.lease("seed", 30) as seed, make_session() as session:
+        seed.bind(session)
+        session.add(Job(id=1, result="initial"))
+        session.commit()
+    lease = fencer.acquire("job:1", 30, **kw)
+    with make_session() as session:
+        lease.bind(session)
+        session.get(Job, 1).result = "late"
+        clock.now += 31  # past the local validity; Redis has not noticed yet
+        try:
+            session.commit()
+        finally:
+            session.rollback()
+            lease.release()
+
+
+def test_a_fail_fast_lease_refuses_to_flush_once_its_local_validity_has_passed(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    clock: FakeClock,
+) -> None:
+    with pytest.raises(sa_fence.LeaseLostError, match="outlived its local validity"):
+        _write_after_validity(fencer, make_session, clock, fail_fast=True)
+    assert job_row(engine, 1)[0] == "initial"  # type: ignore[index]
+
+
+def test_without_fail_fast_the_same_late_write_goes_through_as_the_fence_allows_it(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    clock: FakeClock,
+) -> None:
+    """The pair of the test above: no newer holder wrote, so only the local
+    validity check could have stopped this write."""
+    _write_after_validity(fencer, make_session, clock, fail_fast=False)
+    assert job_row(engine, 1)[0] == "late"  # type: ignore[index]
+
+
+def test_the_context_manager_logs_instead_of_raising_when_redis_is_gone_at_release(
+    fencer: sa_fence.Fencer, caplog: pytest.LogCaptureFixture, redis_client: redis.Redis
+) -> None:
+    lease = fencer.acquire("job:1", 30)
+    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    lease.fencer = sa_fence.Fencer(dead, fencer.engine, key_prefix=fencer.key_prefix)
+    with caplog.at_level(logging.WARNING, logger="sa_fence"):
+        lease.__exit__(None, None, None)
+    assert "its TTL will end it" in caplog.text
+    assert lease.released
+    redis_client.delete(lease.key)
+
+
+def test_the_lifecycle_guide_answers_every_checklist_point_and_tabulates_failures() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "lifecycle.md").read_text()
+    for n in range(1, 7):
+        assert f"### {n}. " in text, f"checklist point {n} is not answered"
+    assert "## Failure modes" in text
+    assert "| Failure | Detected by |" in text
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert "@sa_fence.fenced(" in readme  # the decorator is in the README quickstart
