@@ -104,6 +104,16 @@ class DemoJob(Fenced, DemoBase):
     result: Mapped[str | None] = mapped_column(sa.String(200))
 
 
+class DemoStep(Fenced, DemoBase):
+    """A second fenced table (composite key) that migrations/ also creates and guards."""
+
+    __tablename__ = "job_steps"
+
+    job_id: Mapped[int] = mapped_column(primary_key=True)
+    step: Mapped[int] = mapped_column(primary_key=True)
+    output: Mapped[str | None] = mapped_column(sa.String(200))
+
+
 class StoryError(Exception):
     """The story did not go as it should (a worker failed, or the outcome is wrong)."""
 
@@ -661,11 +671,14 @@ class _Demo:
         t = _Timeline(self.out, self.client, self.prefix + LEASE_NAME)
         ttl = self.ttl
         t.header()
-        DemoBase.metadata.create_all(engine)
+        from ._schema import upgrade_demo_schema
+
+        upgrade_demo_schema(engine)
         t.say(
             "setup",
-            f"created the fenced table jobs and the token sequence {DEFAULT_SEQUENCE} "
-            "(CACHE 1) with metadata.create_all()",
+            f"created the fenced tables jobs and job_steps, their guard triggers and the "
+            f"token sequence {DEFAULT_SEQUENCE} (CACHE 1) with `alembic upgrade head` "
+            "(migrations/)",
         )
         handler = _TimelineLogHandler(t, "setup")
         log.addHandler(handler)

@@ -1,7 +1,9 @@
 """The ``sa-fence`` command: a small dispatcher over subcommands.
 
 ``sa-fence demo`` plays the lost-lease double write with two worker
-processes (see :mod:`sa_fence._demo`).  Each subcommand's module is imported
+processes (see :mod:`sa_fence._demo`); ``sa-fence check`` and
+``sa-fence repair-sequence`` inspect and repair a live database's fencing
+set-up (see :mod:`sa_fence._check`).  Each subcommand's module is imported
 only when it runs, so ``sa-fence --help`` stays fast.
 """
 
@@ -17,6 +19,9 @@ DEMO_PG_ENV = "SA_FENCE_DEMO_PG"
 DEMO_REDIS_ENV = "SA_FENCE_DEMO_REDIS"
 DEFAULT_DEMO_PG = "postgresql+psycopg://postgres@127.0.0.1:5432"
 DEFAULT_DEMO_REDIS = "redis://127.0.0.1:6379/0"
+DATABASE_URL_ENV = "SA_FENCE_DATABASE_URL"
+#: ``repair-sequence``: tokens to skip past the largest fence
+DEFAULT_MARGIN = 1000
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -31,6 +36,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _margin(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _version() -> str:
     try:
         return metadata.version("sa-fence")
@@ -42,6 +57,61 @@ def _demo(args: argparse.Namespace) -> int:
     from . import _demo
 
     return _demo.run(pg=args.pg, redis_url=args.redis, ttl=args.ttl, fenced=not args.unfenced)
+
+
+def _check(args: argparse.Namespace) -> int:
+    from . import _check
+
+    return _check.run_check(
+        args.url, args.sequence, args.metadata, args.column, sys.stdout, sys.stderr
+    )
+
+
+def _repair_sequence(args: argparse.Namespace) -> int:
+    from . import _check
+
+    return _check.run_repair(
+        args.url,
+        args.sequence,
+        args.metadata,
+        args.column,
+        args.margin,
+        args.yes,
+        input,
+        sys.stdout,
+        sys.stderr,
+    )
+
+
+def _database_arguments(parser: argparse.ArgumentParser) -> None:
+    from ._tokens import DEFAULT_SEQUENCE
+
+    url = os.environ.get(DATABASE_URL_ENV)
+    parser.add_argument(
+        "--url",
+        metavar="URL",
+        default=url,
+        required=url is None,
+        help=f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})",
+    )
+    parser.add_argument(
+        "--sequence",
+        metavar="NAME",
+        default=DEFAULT_SEQUENCE,
+        help=f"the token sequence, optionally schema-qualified (default: {DEFAULT_SEQUENCE})",
+    )
+    parser.add_argument(
+        "--metadata",
+        metavar="MODULE:ATTR",
+        help="your models, e.g. myapp.models:Base; fenced tables are taken from them "
+        "(default: every table with a COLUMN column or a guard trigger)",
+    )
+    parser.add_argument(
+        "--column",
+        metavar="COLUMN",
+        default="fence",
+        help="the fence column's name, used without --metadata (default: fence)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +159,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="lease TTL; worker A stays stopped for twice as long (default: 1.0)",
     )
     demo.set_defaults(handler=_demo)
+
+    check = commands.add_parser(
+        "check",
+        help="check a live database: token sequence, fenced tables' columns and guards",
+        description="Checks that the token sequence exists with CACHE 1 and NO CYCLE, that "
+        "every fenced table has its fence column and guard trigger, and that the sequence "
+        "is at or past max(fence) of every fenced table. Prints each problem with its fix. "
+        "Read-only. Exit status: 0 no problems, 1 problems found, 2 bad argument, "
+        "3 database unreachable.",
+    )
+    _database_arguments(check)
+    check.set_defaults(handler=_check)
+
+    repair = commands.add_parser(
+        "repair-sequence",
+        help="move the token sequence past max(fence) plus a margin (after a restore)",
+        description="After a restore from backup or the promotion of a logical replica the "
+        "token sequence can be behind the fences on the rows. This moves it to the largest "
+        "fence of every fenced table plus --margin (never backwards), after asking. Stop "
+        "the workers first. Exit status: 0 moved or nothing to do, 1 aborted or no "
+        "sequence, 2 bad argument, 3 database unreachable.",
+    )
+    _database_arguments(repair)
+    repair.add_argument(
+        "--margin",
+        metavar="N",
+        type=_margin,
+        default=DEFAULT_MARGIN,
+        help="tokens to skip past the largest fence, covering tokens handed out but not "
+        f"yet written (default: {DEFAULT_MARGIN})",
+    )
+    repair.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    repair.set_defaults(handler=_repair_sequence)
     return parser
 
 

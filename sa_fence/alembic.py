@@ -1,0 +1,617 @@
+"""Alembic operations and autogenerate support for sa-fence.
+
+Importing this module registers the operations on Alembic's ``op`` (import
+it in ``env.py``)::
+
+    # env.py
+    import sa_fence.alembic  # noqa: F401  (registers op.create_fence_sequence & co.)
+
+    # a revision
+    def upgrade() -> None:
+        op.create_fence_sequence()              # bigint, CACHE 1, NO CYCLE
+        op.add_fence_column("jobs")             # BIGINT NOT NULL DEFAULT 0, no rewrite
+        op.create_fence_guard("jobs")           # trigger refusing stale writers
+
+    def downgrade() -> None:
+        op.drop_fence_guard("jobs")
+        op.drop_fence_column("jobs")
+        op.drop_fence_sequence()                # resets tokens: never in production
+
+Every operation has a ``reverse()``, so autogenerate writes both directions.
+``alembic revision --autogenerate`` notices fenced models (``sa_fence.Fenced``
+or ``sa_fence.fence_column()``) whose table lacks the fence column or the
+guard, and a missing token sequence or one with ``CACHE > 1`` / ``CYCLE``.
+The sequence's name is ``sa_fence_token_seq`` unless ``env.py`` passes
+``sa_fence_sequence="name"`` to ``context.configure()``.  The comparator
+honours ``include_name`` and ``include_object``.
+
+Only Alembic's plugin points are used: ``Operations.register_operation``,
+``Operations.implementation_for``, ``alembic.autogenerate.renderers`` and
+``alembic.autogenerate.comparators``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from alembic.autogenerate import comparators, renderers
+from alembic.operations import MigrateOperation, Operations
+from alembic.operations import ops as alembic_ops
+from alembic.util import DispatchPriority, PriorityDispatchResult
+from sqlalchemy.schema import CreateSequence, DropSequence
+
+from ._guard import (
+    TRIGGER_NAME,
+    check_name,
+    check_policy,
+    create_guard_sql,
+    drop_guard_sql,
+    qualified,
+)
+from ._model import fence_column_of
+from ._tokens import DEFAULT_SEQUENCE, fence_sequence
+
+if TYPE_CHECKING:
+    from alembic.autogenerate.api import AutogenContext
+
+__all__ = [
+    "AddFenceColumnOp",
+    "AlterFenceSequenceOp",
+    "CreateFenceGuardOp",
+    "CreateFenceSequenceOp",
+    "DropFenceColumnOp",
+    "DropFenceGuardOp",
+    "DropFenceSequenceOp",
+]
+
+IMPORT_LINE = "import sa_fence.alembic  # noqa: F401"
+
+
+def _qualified(name: str, schema: str | None) -> str:
+    return f"{schema}.{name}" if schema else name
+
+
+# ================================================================ the sequence
+
+
+@Operations.register_operation("create_fence_sequence")
+class CreateFenceSequenceOp(MigrateOperation):
+    """``op.create_fence_sequence(name="sa_fence_token_seq", *, schema=None)``.
+
+    Creates the token sequence: ``AS bigint INCREMENT BY 1 START WITH 1
+    CACHE 1 NO CYCLE``.  The reverse drops it, which resets the tokens.
+    """
+
+    def __init__(self, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None) -> None:
+        self.name = check_name("sequence name", name)
+        self.schema = schema
+
+    @classmethod
+    def create_fence_sequence(
+        cls, operations: Operations, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None
+    ) -> None:
+        """Create the token sequence (bigint, CACHE 1, NO CYCLE)."""
+        operations.invoke(cls(name, schema=schema))
+
+    def reverse(self) -> DropFenceSequenceOp:
+        return DropFenceSequenceOp(self.name, schema=self.schema)
+
+    def to_diff_tuple(self) -> tuple[Any, ...]:
+        return ("create_fence_sequence", self.schema, self.name)
+
+
+@Operations.register_operation("drop_fence_sequence")
+class DropFenceSequenceOp(MigrateOperation):
+    """``op.drop_fence_sequence(name="sa_fence_token_seq", *, schema=None)``.
+
+    Never run this on a live database: the next sequence starts at 1 again,
+    below the fences already on the rows, and every writer is refused.
+    """
+
+    def __init__(self, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None) -> None:
+        self.name = check_name("sequence name", name)
+        self.schema = schema
+
+    @classmethod
+    def drop_fence_sequence(
+        cls, operations: Operations, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None
+    ) -> None:
+        """Drop the token sequence (this resets the tokens)."""
+        operations.invoke(cls(name, schema=schema))
+
+    def reverse(self) -> CreateFenceSequenceOp:
+        return CreateFenceSequenceOp(self.name, schema=self.schema)
+
+    def to_diff_tuple(self) -> tuple[Any, ...]:
+        return ("drop_fence_sequence", self.schema, self.name)
+
+
+@Operations.register_operation("alter_fence_sequence")
+class AlterFenceSequenceOp(MigrateOperation):
+    """``op.alter_fence_sequence(name, *, existing_cache=1, existing_cycle=False, schema=None)``.
+
+    Makes an existing sequence fit for tokens: ``AS bigint CACHE 1 NO
+    CYCLE``.  ``existing_*`` record what it was, for the reverse.
+    """
+
+    def __init__(
+        self,
+        name: str = DEFAULT_SEQUENCE,
+        *,
+        cache: int = 1,
+        cycle: bool = False,
+        existing_cache: int = 1,
+        existing_cycle: bool = False,
+        schema: str | None = None,
+    ) -> None:
+        self.name = check_name("sequence name", name)
+        for what, value in (("cache", cache), ("existing_cache", existing_cache)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{what} must be a positive int, got {value!r}")
+        self.cache = cache
+        self.cycle = bool(cycle)
+        self.existing_cache = existing_cache
+        self.existing_cycle = bool(existing_cycle)
+        self.schema = schema
+
+    @classmethod
+    def alter_fence_sequence(
+        cls,
+        operations: Operations,
+        name: str = DEFAULT_SEQUENCE,
+        *,
+        existing_cache: int = 1,
+        existing_cycle: bool = False,
+        schema: str | None = None,
+    ) -> None:
+        """Set the token sequence to CACHE 1 NO CYCLE (the reverse restores the old values)."""
+        operations.invoke(
+            cls(name, existing_cache=existing_cache, existing_cycle=existing_cycle, schema=schema)
+        )
+
+    def to_diff_tuple(self) -> tuple[Any, ...]:
+        return ("alter_fence_sequence", self.schema, self.name, self.existing_cache, self.cache)
+
+    def reverse(self) -> AlterFenceSequenceOp:
+        return AlterFenceSequenceOp(
+            self.name,
+            cache=self.existing_cache,
+            cycle=self.existing_cycle,
+            existing_cache=self.cache,
+            existing_cycle=self.cycle,
+            schema=self.schema,
+        )
+
+
+@Operations.implementation_for(CreateFenceSequenceOp)
+def _create_fence_sequence(operations: Operations, operation: CreateFenceSequenceOp) -> None:
+    sequence = fence_sequence(None, operation.name, schema=operation.schema)
+    operations.execute(CreateSequence(sequence))
+
+
+@Operations.implementation_for(DropFenceSequenceOp)
+def _drop_fence_sequence(operations: Operations, operation: DropFenceSequenceOp) -> None:
+    sequence = fence_sequence(None, operation.name, schema=operation.schema)
+    operations.execute(DropSequence(sequence))
+
+
+@Operations.implementation_for(AlterFenceSequenceOp)
+def _alter_fence_sequence(operations: Operations, operation: AlterFenceSequenceOp) -> None:
+    cycle = "CYCLE" if operation.cycle else "NO CYCLE"
+    operations.execute(
+        f"ALTER SEQUENCE {qualified(operation.name, operation.schema)} AS bigint "
+        f"CACHE {operation.cache} {cycle}"
+    )
+
+
+# ================================================================== the column
+
+
+class _TableOp(MigrateOperation):
+    op_name = ""
+
+    def __init__(self, table_name: str, column: str = "fence", *, schema: str | None = None):
+        self.table_name = check_name("table", table_name)
+        self.column = check_name("column", column)
+        self.schema = schema
+
+    def to_diff_tuple(self) -> tuple[Any, ...]:
+        """What ``alembic check`` reports."""
+        return (self.op_name, self.schema, self.table_name, self.column)
+
+
+@Operations.register_operation("add_fence_column")
+class AddFenceColumnOp(_TableOp):
+    op_name = "add_fence_column"
+    """``op.add_fence_column(table, column="fence", *, schema=None)``.
+
+    Adds ``BIGINT NOT NULL DEFAULT 0``.  On PostgreSQL >= 11 a constant
+    default is stored in the catalog: existing rows are not rewritten, so
+    this is instant on a large table (it takes a brief ACCESS EXCLUSIVE
+    lock; set ``lock_timeout`` so it cannot queue behind long queries).
+    """
+
+    @classmethod
+    def add_fence_column(
+        cls,
+        operations: Operations,
+        table_name: str,
+        column: str = "fence",
+        *,
+        schema: str | None = None,
+    ) -> None:
+        """Add the fence column (BIGINT NOT NULL DEFAULT 0) to ``table_name``."""
+        operations.invoke(cls(table_name, column, schema=schema))
+
+    def reverse(self) -> DropFenceColumnOp:
+        return DropFenceColumnOp(self.table_name, self.column, schema=self.schema)
+
+
+@Operations.register_operation("drop_fence_column")
+class DropFenceColumnOp(_TableOp):
+    op_name = "drop_fence_column"
+    """``op.drop_fence_column(table, column="fence", *, schema=None)``."""
+
+    @classmethod
+    def drop_fence_column(
+        cls,
+        operations: Operations,
+        table_name: str,
+        column: str = "fence",
+        *,
+        schema: str | None = None,
+    ) -> None:
+        """Drop the fence column from ``table_name``."""
+        operations.invoke(cls(table_name, column, schema=schema))
+
+    def reverse(self) -> AddFenceColumnOp:
+        return AddFenceColumnOp(self.table_name, self.column, schema=self.schema)
+
+
+@Operations.implementation_for(AddFenceColumnOp)
+def _add_fence_column(operations: Operations, operation: AddFenceColumnOp) -> None:
+    operations.add_column(
+        operation.table_name,
+        sa.Column(operation.column, sa.BigInteger(), nullable=False, server_default=sa.text("0")),
+        schema=operation.schema,
+    )
+
+
+@Operations.implementation_for(DropFenceColumnOp)
+def _drop_fence_column(operations: Operations, operation: DropFenceColumnOp) -> None:
+    operations.drop_column(operation.table_name, operation.column, schema=operation.schema)
+
+
+# =================================================================== the guard
+
+
+class _GuardOp(_TableOp):
+    def __init__(
+        self,
+        table_name: str,
+        column: str = "fence",
+        *,
+        schema: str | None = None,
+        on_missing_token: str = "reject",
+    ) -> None:
+        super().__init__(table_name, column, schema=schema)
+        self.on_missing_token = check_policy(on_missing_token)
+
+
+@Operations.register_operation("create_fence_guard")
+class CreateFenceGuardOp(_GuardOp):
+    op_name = "create_fence_guard"
+    """``op.create_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject")``.
+
+    Creates (or replaces) the PL/pgSQL function ``sa_fence_guard_<table>``
+    and the ``BEFORE UPDATE OR DELETE`` trigger ``sa_fence_guard`` that
+    refuses writes lowering the fence or carrying a stale token (see
+    :mod:`sa_fence._guard` and docs/migrations.md).  ``on_missing_token``:
+    ``"reject"`` refuses writers that present no token; ``"unchanged"``
+    lets their UPDATEs through when the fence is left as it is.
+    """
+
+    @classmethod
+    def create_fence_guard(
+        cls,
+        operations: Operations,
+        table_name: str,
+        column: str = "fence",
+        *,
+        schema: str | None = None,
+        on_missing_token: str = "reject",
+    ) -> None:
+        """Create the guard trigger on ``table_name``."""
+        operations.invoke(cls(table_name, column, schema=schema, on_missing_token=on_missing_token))
+
+    def reverse(self) -> DropFenceGuardOp:
+        return DropFenceGuardOp(
+            self.table_name,
+            self.column,
+            schema=self.schema,
+            on_missing_token=self.on_missing_token,
+        )
+
+
+@Operations.register_operation("drop_fence_guard")
+class DropFenceGuardOp(_GuardOp):
+    op_name = "drop_fence_guard"
+    """``op.drop_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject")``.
+
+    Drops the trigger and its function; ``column`` and ``on_missing_token``
+    only tell the reverse how to recreate them.
+    """
+
+    @classmethod
+    def drop_fence_guard(
+        cls,
+        operations: Operations,
+        table_name: str,
+        column: str = "fence",
+        *,
+        schema: str | None = None,
+        on_missing_token: str = "reject",
+    ) -> None:
+        """Drop the guard trigger and function of ``table_name``."""
+        operations.invoke(cls(table_name, column, schema=schema, on_missing_token=on_missing_token))
+
+    def reverse(self) -> CreateFenceGuardOp:
+        return CreateFenceGuardOp(
+            self.table_name,
+            self.column,
+            schema=self.schema,
+            on_missing_token=self.on_missing_token,
+        )
+
+
+_COLUMN_SQL = sa.text(
+    "SELECT to_regclass(:table) IS NOT NULL AS present, "
+    "(SELECT format_type(a.atttypid, NULL) FROM pg_catalog.pg_attribute a "
+    " WHERE a.attrelid = to_regclass(:table) AND a.attname = :column "
+    "   AND a.attnum > 0 AND NOT a.attisdropped) AS data_type"
+)
+
+
+def _check_guarded_column(operations: Operations, operation: _GuardOp) -> None:
+    """Online: refuse a guard on a missing table or column before writing anything.
+
+    (PL/pgSQL would accept the function and fail at the first write.)
+    """
+    if operations.get_context().as_sql:
+        return
+    table = qualified(operation.table_name, operation.schema)
+    found = (
+        operations.get_bind()
+        .execute(_COLUMN_SQL, {"table": table, "column": operation.column})
+        .one()
+    )
+    shown = _qualified(operation.table_name, operation.schema)
+    if not found.present:
+        raise ValueError(
+            f"create_fence_guard: table {shown!r} does not exist; create it first "
+            "(the guard goes after op.create_table in the same revision)"
+        )
+    if found.data_type != "bigint":
+        what = "has no column" if found.data_type is None else f"has a {found.data_type} column"
+        raise ValueError(
+            f"create_fence_guard: table {shown!r} {what} {operation.column!r}; the guard "
+            f"needs the bigint fence column: op.add_fence_column({operation.table_name!r}"
+            + ("" if operation.column == "fence" else f", {operation.column!r}")
+            + ") first"
+        )
+
+
+@Operations.implementation_for(CreateFenceGuardOp)
+def _create_fence_guard(operations: Operations, operation: CreateFenceGuardOp) -> None:
+    _check_guarded_column(operations, operation)
+    for statement in create_guard_sql(
+        operation.table_name,
+        operation.column,
+        schema=operation.schema,
+        on_missing_token=operation.on_missing_token,
+    ):
+        operations.execute(statement)
+
+
+@Operations.implementation_for(DropFenceGuardOp)
+def _drop_fence_guard(operations: Operations, operation: DropFenceGuardOp) -> None:
+    for statement in drop_guard_sql(operation.table_name, schema=operation.schema):
+        operations.execute(statement)
+
+
+# ================================================================== renderers
+
+
+def _args(*positional: Any, **keywords: Any) -> str:
+    parts = [repr(p) for p in positional]
+    parts += [f"{k}={v!r}" for k, v in keywords.items()]
+    return ", ".join(parts)
+
+
+def _render(autogen_context: AutogenContext, call: str) -> str:
+    autogen_context.imports.add(IMPORT_LINE)
+    return call
+
+
+def _table_keywords(op: _TableOp) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    if op.schema is not None:
+        kw["schema"] = op.schema
+    if isinstance(op, _GuardOp) and op.on_missing_token != "reject":
+        kw["on_missing_token"] = op.on_missing_token
+    return kw
+
+
+def _table_args(op: _TableOp) -> str:
+    positional: list[str] = [op.table_name]
+    if op.column != "fence":
+        positional.append(op.column)
+    return _args(*positional, **_table_keywords(op))
+
+
+def _sequence_args(name: str, schema: str | None, **extra: Any) -> str:
+    positional = [] if name == DEFAULT_SEQUENCE else [name]
+    keywords = {**extra, **({"schema": schema} if schema is not None else {})}
+    return _args(*positional, **keywords)
+
+
+@renderers.dispatch_for(CreateFenceSequenceOp)
+def _render_create_sequence(autogen_context: AutogenContext, op: CreateFenceSequenceOp) -> str:
+    return _render(
+        autogen_context, f"op.create_fence_sequence({_sequence_args(op.name, op.schema)})"
+    )
+
+
+@renderers.dispatch_for(DropFenceSequenceOp)
+def _render_drop_sequence(autogen_context: AutogenContext, op: DropFenceSequenceOp) -> str:
+    return _render(autogen_context, f"op.drop_fence_sequence({_sequence_args(op.name, op.schema)})")
+
+
+@renderers.dispatch_for(AlterFenceSequenceOp)
+def _render_alter_sequence(autogen_context: AutogenContext, op: AlterFenceSequenceOp) -> str:
+    if op.cache != 1 or op.cycle:
+        # the reverse of a fix: put back what was there (only downgrades render this)
+        sql = f"ALTER SEQUENCE {_qualified(op.name, op.schema)} CACHE {op.cache} " + (
+            "CYCLE" if op.cycle else "NO CYCLE"
+        )
+        return f"op.execute({sql!r})"
+    args = _sequence_args(
+        op.name, op.schema, existing_cache=op.existing_cache, existing_cycle=op.existing_cycle
+    )
+    return _render(autogen_context, f"op.alter_fence_sequence({args})")
+
+
+@renderers.dispatch_for(AddFenceColumnOp)
+def _render_add_column(autogen_context: AutogenContext, op: AddFenceColumnOp) -> str:
+    return _render(autogen_context, f"op.add_fence_column({_table_args(op)})")
+
+
+@renderers.dispatch_for(DropFenceColumnOp)
+def _render_drop_column(autogen_context: AutogenContext, op: DropFenceColumnOp) -> str:
+    return _render(autogen_context, f"op.drop_fence_column({_table_args(op)})")
+
+
+@renderers.dispatch_for(CreateFenceGuardOp)
+def _render_create_guard(autogen_context: AutogenContext, op: CreateFenceGuardOp) -> str:
+    return _render(autogen_context, f"op.create_fence_guard({_table_args(op)})")
+
+
+@renderers.dispatch_for(DropFenceGuardOp)
+def _render_drop_guard(autogen_context: AutogenContext, op: DropFenceGuardOp) -> str:
+    return _render(autogen_context, f"op.drop_fence_guard({_table_args(op)})")
+
+
+# ================================================================= comparator
+
+_GUARD_EXISTS_SQL = sa.text(
+    "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger "
+    "WHERE tgrelid = to_regclass(:table) AND tgname = :trigger AND NOT tgisinternal)"
+)
+_SEQUENCE_SQL = sa.text(
+    "SELECT s.seqcache, s.seqcycle FROM pg_catalog.pg_sequence s "
+    "WHERE s.seqrelid = to_regclass(:name)"
+)
+
+
+def _metadatas(autogen_context: AutogenContext) -> list[sa.MetaData]:
+    metadata = autogen_context.metadata
+    if metadata is None:
+        return []
+    if isinstance(metadata, sa.MetaData):
+        return [metadata]
+    return list(metadata)
+
+
+def _fenced_tables(
+    autogen_context: AutogenContext, schemas: Iterable[str | None]
+) -> list[tuple[sa.Table, str]]:
+    wanted = set(schemas)
+    found: list[tuple[sa.Table, str]] = []
+    for metadata in _metadatas(autogen_context):
+        for table in metadata.tables.values():
+            fence = fence_column_of(table)
+            if fence is None or table.schema not in wanted:
+                continue
+            if not autogen_context.run_name_filters(
+                table.name, "table", {"schema_name": table.schema}
+            ):
+                continue
+            if not autogen_context.run_object_filters(table, table.name, "table", False, None):
+                continue
+            found.append((table, fence.name))
+    return found
+
+
+def _take_builtin_add_column(
+    upgrade_ops: alembic_ops.UpgradeOps, table: sa.Table, column: str
+) -> None:
+    """Remove Alembic's own add_column of the fence column: add_fence_column replaces it."""
+    for modify in list(upgrade_ops.ops):
+        if not (
+            isinstance(modify, alembic_ops.ModifyTableOps)
+            and modify.table_name == table.name
+            and modify.schema == table.schema
+        ):
+            continue
+        modify.ops = [
+            o
+            for o in modify.ops
+            if not (isinstance(o, alembic_ops.AddColumnOp) and o.column.name == column)
+        ]
+        if not modify.ops:
+            upgrade_ops.ops.remove(modify)
+
+
+# LAST: Alembic's own table comparators (MEDIUM) have run by then, so their
+# add_column of the fence column can be replaced, and a new table's
+# create_table comes before its guard.
+@comparators.dispatch_for("schema", priority=DispatchPriority.LAST)
+def _compare_fencing(
+    autogen_context: AutogenContext,
+    upgrade_ops: alembic_ops.UpgradeOps,
+    schemas: Sequence[str | None],
+) -> PriorityDispatchResult:
+    """Fenced tables without column or guard; a missing or cached token sequence."""
+    conn = autogen_context.connection
+    if conn is None or conn.dialect.name != "postgresql":
+        return PriorityDispatchResult.CONTINUE
+    tables = _fenced_tables(autogen_context, schemas)
+    if not tables:
+        return PriorityDispatchResult.CONTINUE
+    inspector = autogen_context.inspector
+    new_ops: list[MigrateOperation] = []
+    for table, column in tables:
+        if inspector.has_table(table.name, schema=table.schema):
+            columns = {c["name"] for c in inspector.get_columns(table.name, schema=table.schema)}
+            if column not in columns:
+                _take_builtin_add_column(upgrade_ops, table, column)
+                new_ops.append(AddFenceColumnOp(table.name, column, schema=table.schema))
+            else:
+                guarded = conn.execute(
+                    _GUARD_EXISTS_SQL,
+                    {"table": qualified(table.name, table.schema), "trigger": TRIGGER_NAME},
+                ).scalar_one()
+                if guarded:
+                    continue
+        new_ops.append(CreateFenceGuardOp(table.name, column, schema=table.schema))
+    sequence = str(autogen_context.opts.get("sa_fence_sequence", DEFAULT_SEQUENCE))
+    seq_schema, _, seq_name = sequence.rpartition(".")
+    row = conn.execute(
+        _SEQUENCE_SQL, {"name": qualified(seq_name, seq_schema or None)}
+    ).one_or_none()
+    if row is None:
+        upgrade_ops.ops.insert(0, CreateFenceSequenceOp(seq_name, schema=seq_schema or None))
+    elif row.seqcache != 1 or row.seqcycle:
+        upgrade_ops.ops.insert(
+            0,
+            AlterFenceSequenceOp(
+                seq_name,
+                existing_cache=int(row.seqcache),
+                existing_cycle=bool(row.seqcycle),
+                schema=seq_schema or None,
+            ),
+        )
+    upgrade_ops.ops.extend(new_ops)
+    return PriorityDispatchResult.CONTINUE

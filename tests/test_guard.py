@@ -1,0 +1,368 @@
+"""The database-side guard on real PostgreSQL: raw SQL, Core and ORM writers alike.
+
+The schema comes from the repository's migrations/ (``alembic upgrade
+head``): ``jobs`` has a guard with ``on_missing_token="unchanged"``,
+``job_steps`` one with the default ``"reject"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+import sa_fence
+from sa_fence import _flush, _guard
+from sa_fence._demo import DemoJob, DemoStep
+from sa_fence._schema import upgrade_demo_schema
+from tests._fresh_db import fresh_database
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Iterator[sa.Engine]:
+    with fresh_database("guard") as engine:
+        upgrade_demo_schema(engine)
+        yield engine
+
+
+@pytest.fixture(autouse=True)
+def _empty_tables(guarded: sa.Engine) -> Iterator[None]:
+    yield
+    with guarded.begin() as conn:
+        conn.execute(sa.text("SET LOCAL lock_timeout = '5s'"))
+        conn.execute(sa.text("TRUNCATE jobs, job_steps"))  # no row triggers
+
+
+@pytest.fixture
+def fencer(guarded: sa.Engine, redis_client: redis.Redis, key_prefix: str) -> sa_fence.Fencer:
+    return sa_fence.Fencer(redis_client, guarded, key_prefix=key_prefix)
+
+
+@pytest.fixture
+def make_session(guarded: sa.Engine) -> sessionmaker[Session]:
+    return sa_fence.install(sessionmaker(guarded))
+
+
+def psql(engine: sa.Engine) -> psycopg.Connection[Any]:
+    """A plain driver connection: what a psql session or another service does."""
+    url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    return psycopg.connect(url, autocommit=True)
+
+
+def insert_rows(engine: sa.Engine, fence: int) -> None:
+    with engine.begin() as conn:  # INSERT is not guarded
+        conn.execute(
+            sa.text("INSERT INTO jobs (id, result, fence) VALUES (1, 'B', :f)"), {"f": fence}
+        )
+        conn.execute(
+            sa.text("INSERT INTO job_steps (job_id, step, output, fence) VALUES (1, 2, 'B', :f)"),
+            {"f": fence},
+        )
+
+
+def job_row(engine: sa.Engine) -> tuple[Any, ...]:
+    with engine.connect() as conn:
+        return tuple(conn.execute(sa.text("SELECT result, fence FROM jobs WHERE id = 1")).one())
+
+
+STALE_UPDATE = (
+    "BEGIN; SELECT set_config('sa_fence.token', '3', true); "
+    "UPDATE job_steps SET output = 'A' WHERE job_id = 1 AND step = 2"
+)
+
+
+def run_script(conn: psycopg.Connection[Any], script: str) -> None:
+    try:
+        for statement in script.split(";"):
+            if statement.strip():
+                conn.execute(statement)  # type: ignore[arg-type]
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def recreate_guard(engine: sa.Engine) -> None:
+    with psql(engine) as conn:
+        for statement in _guard.create_guard_sql("job_steps"):
+            conn.execute(statement)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ raw SQL
+
+
+def test_a_raw_sql_write_with_a_stale_token_is_refused_naming_table_key_and_token(
+    guarded: sa.Engine,
+) -> None:
+    insert_rows(guarded, fence=5)
+    with psql(guarded) as conn:
+        with pytest.raises(psycopg.Error) as refused:
+            run_script(conn, STALE_UPDATE)
+        row = conn.execute("SELECT output, fence FROM job_steps").fetchone()
+    assert refused.value.sqlstate == _guard.STALE_SQLSTATE
+    message = str(refused.value)
+    assert "table public.job_steps refused for row (job_id, step)=(1, 2)" in message
+    assert "token 3 is stale: the row's fence is 5" in message
+    assert row == ("B", 5)
+
+
+def test_without_the_triggers_comparison_the_raw_stale_write_goes_through(
+    guarded: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pair of the test above: the same write, with the guard's comparison removed."""
+    insert_rows(guarded, fence=5)
+    monkeypatch.setattr(_guard, "STALE_CHECK", "false")
+    try:
+        recreate_guard(guarded)
+        with psql(guarded) as conn:
+            run_script(conn, STALE_UPDATE)  # accepted: the bug the guard exists to stop
+            row = conn.execute("SELECT output FROM job_steps").fetchone()
+        assert row == ("A",)
+    finally:
+        monkeypatch.undo()
+        recreate_guard(guarded)
+
+
+def test_an_update_that_lowers_the_fence_is_refused_even_without_a_token(
+    guarded: sa.Engine,
+) -> None:
+    insert_rows(guarded, fence=5)
+    with psql(guarded) as conn, pytest.raises(psycopg.Error) as refused:
+        run_script(conn, "UPDATE jobs SET result = 'x', fence = 2 WHERE id = 1")
+    assert refused.value.sqlstate == _guard.STALE_SQLSTATE
+    assert "would lower the fence from 5 to 2" in str(refused.value)
+    assert job_row(guarded) == ("B", 5)
+
+
+def test_a_raw_write_with_a_current_token_is_accepted_and_recorded_on_the_row(
+    guarded: sa.Engine,
+) -> None:
+    insert_rows(guarded, fence=5)
+    with psql(guarded) as conn:
+        run_script(
+            conn,
+            "BEGIN; SELECT set_config('sa_fence.token', '7', true); "
+            "UPDATE jobs SET result = 'C' WHERE id = 1",
+        )
+        run_script(
+            conn,  # the same token again: <=, not <
+            "BEGIN; SELECT set_config('sa_fence.token', '7', true); "
+            "UPDATE jobs SET result = 'D' WHERE id = 1",
+        )
+    assert job_row(guarded) == ("D", 7)
+
+
+def test_a_writer_presenting_no_token_is_refused_by_a_reject_guard(guarded: sa.Engine) -> None:
+    insert_rows(guarded, fence=5)
+    with psql(guarded) as conn, pytest.raises(psycopg.Error) as refused:
+        run_script(conn, "UPDATE job_steps SET output = 'x'")
+    assert refused.value.sqlstate == _guard.NO_TOKEN_SQLSTATE
+    assert "presents no token" in str(refused.value)
+    assert "set_config('sa_fence.token'" in (refused.value.diag.message_hint or "")
+
+
+def test_an_unchanged_guard_lets_a_tokenless_update_through_but_not_a_delete(
+    guarded: sa.Engine,
+) -> None:
+    insert_rows(guarded, fence=5)
+    with psql(guarded) as conn:
+        run_script(conn, "UPDATE jobs SET result = 'legacy writer' WHERE id = 1")
+        with pytest.raises(psycopg.Error) as refused:
+            run_script(conn, "DELETE FROM jobs WHERE id = 1")
+    assert refused.value.sqlstate == _guard.NO_TOKEN_SQLSTATE
+    assert job_row(guarded) == ("legacy writer", 5)
+
+
+def test_a_connection_sa_fence_never_attached_to_sees_the_raw_error(guarded: sa.Engine) -> None:
+    """The SQLSTATE mapping is not engine-wide: plain connections get the driver's error."""
+    insert_rows(guarded, fence=5)
+    with guarded.connect() as conn, pytest.raises(sa.exc.DatabaseError) as refused:
+        conn.execute(sa.text("DELETE FROM jobs WHERE id = 1"))
+    assert not isinstance(refused.value, sa_fence.FenceError)
+    assert refused.value.orig.sqlstate == _guard.NO_TOKEN_SQLSTATE  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------- Core
+
+
+def test_core_raw_sql_through_fence_connection_raises_stale_token_error(
+    guarded: sa.Engine, fencer: sa_fence.Fencer
+) -> None:
+    with fencer.lease("job:1", 5) as lease:
+        insert_rows(guarded, fence=lease.token + 10)
+        with guarded.connect() as conn, sa_fence.fence_connection(conn, lease):
+            with pytest.raises(sa_fence.StaleTokenError) as refused:
+                conn.execute(sa.text("UPDATE jobs SET result = 'A' WHERE id = 1"))
+            conn.rollback()
+    assert refused.value.table == "jobs"
+    assert refused.value.primary_keys == ((1,),)
+    assert refused.value.token == lease.token
+    assert refused.value.current_fences == (lease.token + 10,)
+    assert refused.value.lease_name == "job:1"
+    assert job_row(guarded) == ("B", lease.token + 10)
+
+
+def test_core_raw_sql_through_fence_connection_with_a_current_token_writes(
+    guarded: sa.Engine, fencer: sa_fence.Fencer
+) -> None:
+    insert_rows(guarded, fence=0)
+    with (
+        fencer.lease("job:1", 5) as lease,
+        guarded.connect() as conn,
+        sa_fence.fence_connection(conn, lease),
+    ):
+        conn.execute(sa.text("UPDATE job_steps SET output = 'A'"))
+        conn.commit()
+        conn.execute(sa.text("UPDATE job_steps SET output = 'A2'"))  # next transaction
+        conn.commit()
+    with guarded.connect() as conn:
+        assert tuple(conn.execute(sa.text("SELECT output, fence FROM job_steps")).one()) == (
+            "A2",
+            lease.token,
+        )
+
+
+def test_fence_connection_refuses_a_released_lease_and_a_session(
+    guarded: sa.Engine, fencer: sa_fence.Fencer
+) -> None:
+    lease = fencer.acquire("job:1", 5)
+    lease.release()
+    with guarded.connect() as conn:
+        with (
+            pytest.raises(sa_fence.LeaseLostError, match="released"),
+            sa_fence.fence_connection(conn, lease),
+        ):
+            pass
+        with (
+            pytest.raises(TypeError, match=r"lease\.bind\(session\)"),
+            sa_fence.fence_connection(Session(guarded), lease),  # type: ignore[arg-type]
+        ):
+            pass
+
+
+# ----------------------------------------------------------------------- ORM
+
+
+@pytest.fixture
+def statements(guarded: sa.Engine) -> Iterator[list[str]]:
+    sent: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        sent.append(statement)
+
+    sa.event.listen(guarded, "before_cursor_execute", record)
+    yield sent
+    sa.event.remove(guarded, "before_cursor_execute", record)
+
+
+def test_orm_writes_to_a_reject_guarded_table_present_the_token_inside_their_statements(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], statements: list[str]
+) -> None:
+    with fencer.lease("job:1", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add_all([DemoStep(job_id=1, step=n, output="new") for n in range(3)])
+        session.commit()
+        for step in session.scalars(sa.select(DemoStep)).all():
+            step.output = "again"  # same holder, same token: fence unchanged
+        session.commit()
+        del statements[:]
+        session.delete(session.get(DemoStep, (1, 0)))
+        session.commit()
+    assert not [s for s in statements if s.lstrip().upper().startswith("SELECT SET_CONFIG")]
+    assert any(s.startswith("DELETE FROM job_steps") and "set_config" in s for s in statements)
+
+
+def test_without_the_token_in_the_statement_the_guard_refuses_the_orm_delete(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pair of the test above: a bare ``fence <= :token`` presents nothing to the guard."""
+    monkeypatch.setattr(_flush, "fence_predicate", lambda col, token: col <= token)
+    with fencer.lease("job:1", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add(DemoStep(job_id=1, step=0, output="new"))
+        session.commit()
+        session.delete(session.get(DemoStep, (1, 0)))
+        with pytest.raises(sa_fence.UnfencedWriteError, match="presents no token"):
+            session.commit()
+
+
+def test_raw_sql_through_a_bound_session_is_fenced_by_the_guard_and_poisons_the_session(
+    guarded: sa.Engine, fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    with fencer.lease("job:1", 5) as lease:
+        insert_rows(guarded, fence=lease.token + 1)
+        with make_session() as session:
+            lease.bind(session)
+            with pytest.raises(sa_fence.StaleTokenError) as refused:
+                session.execute(sa.text("UPDATE jobs SET result = 'A' WHERE id = 1"))
+            with pytest.raises(sa_fence.FenceError, match="rollback"):
+                session.commit()
+            session.rollback()
+    assert refused.value.token == lease.token
+    assert job_row(guarded) == ("B", lease.token + 1)
+
+
+def test_a_bound_session_presents_its_token_once_per_transaction_for_raw_sql(
+    guarded: sa.Engine,
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    statements: list[str],
+) -> None:
+    insert_rows(guarded, fence=0)
+    with fencer.lease("job:1", 5) as lease, make_session() as session:
+        lease.bind(session)
+        del statements[:]
+        session.execute(sa.text("UPDATE job_steps SET output = 'a'"))
+        session.execute(sa.text("UPDATE job_steps SET output = 'b'"))
+        session.commit()
+    presented = [s for s in statements if "set_config" in s]
+    assert len(presented) == 1
+    with guarded.connect() as conn:
+        assert conn.execute(sa.text("SELECT fence FROM job_steps")).scalar_one() == lease.token
+
+
+def test_the_fenced_flush_sends_no_extra_statement_to_present_its_token(
+    guarded: sa.Engine,
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    statements: list[str],
+) -> None:
+    with fencer.lease("job:1", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add(DemoJob(id=1, result="x"))
+        session.commit()
+        job = session.get_one(DemoJob, 1)
+        assert job.result == "x"  # loaded again after the commit expired it
+        del statements[:]
+        job.result = "y"
+        session.commit()
+    assert [s.split()[0] for s in statements] == ["UPDATE"]
+    assert job_row(guarded) == ("y", lease.token)
+
+
+def test_core_dml_inside_fence_connection_is_token_compared_like_a_session(
+    guarded: sa.Engine, fencer: sa_fence.Fencer
+) -> None:
+    jobs = DemoJob.__table__
+    with fencer.lease("job:1", 5) as lease:
+        insert_rows(guarded, fence=lease.token + 1)  # a newer holder wrote job 1
+        with guarded.connect() as conn, sa_fence.fence_connection(conn, lease):
+            conn.execute(jobs.insert().values(id=2, result="A"))
+            skipped = conn.execute(jobs.update().values(result="A"))
+            assert skipped.rowcount == 1  # only job 2: job 1 is newer
+            with pytest.raises(sa_fence.StaleTokenError) as refused:
+                conn.execute(
+                    jobs.update().where(jobs.c.id == sa.bindparam("jobs_id")),
+                    [{"jobs_id": 1, "result": "A"}],
+                )
+            conn.rollback()
+    assert refused.value.primary_keys == ((1,),)
+    assert job_row(guarded) == ("B", lease.token + 1)
