@@ -26,13 +26,15 @@ Quick tour (the full, tested quickstart is in ``docs/index.md``)::
         session.commit()                       # StaleTokenError if a newer holder wrote
 """
 
-from ._flush import install, unbind, unfenced, uninstall
+from ._decorators import SKIPPED, Skipped, current_lease, fenced, fenced_methods
+from ._flush import fence_connection, install, unbind, unfenced, uninstall
 from ._lease import Fencer, Lease
 from ._model import Fenced, fence_column
 from ._tokens import fence_sequence
 from .errors import (
     FenceError,
     FencingConfigError,
+    LeaseBackendError,
     LeaseLostError,
     LeaseNotAcquiredError,
     StaleTokenError,
@@ -40,17 +42,24 @@ from .errors import (
 )
 
 __all__ = [
+    "SKIPPED",
     "FenceError",
     "Fenced",
     "Fencer",
     "FencingConfigError",
     "Lease",
+    "LeaseBackendError",
     "LeaseLostError",
     "LeaseNotAcquiredError",
+    "Skipped",
     "StaleTokenError",
     "UnfencedWriteError",
+    "current_lease",
     "fence_column",
+    "fence_connection",
     "fence_sequence",
+    "fenced",
+    "fenced_methods",
     "install",
     "unbind",
     "unfenced",

@@ -36,10 +36,17 @@ from sqlalchemy import (
     ColumnElement,
     Connection,
     Table,
+    Text,
+    TextClause,
     bindparam,
+    cast,
     event,
+    func,
     inspect,
+    literal,
+    literal_column,
     select,
+    true,
     tuple_,
 )
 from sqlalchemy.orm import (
@@ -51,6 +58,7 @@ from sqlalchemy.orm import (
 )
 from sqlalchemy.sql.dml import Delete, Insert, Update
 
+from ._guard import TOKEN_SETTING, error_from_guard
 from ._lease import check_dialect
 from ._model import fence_column_of, fence_key_of, writing_fence
 from .errors import (
@@ -91,11 +99,9 @@ class _SessionState:
         """The lease to fence with; None when the caller opted out explicitly."""
         lease = self.lease
         if lease is not None:
-            if lease.released:
-                raise LeaseLostError(
-                    f"the lease {lease.name!r} (token {lease.token}) bound to this session "
-                    "was released; acquire a new lease and bind it before writing"
-                )
+            # Released, lost (renewal or extend found it gone) or, with
+            # fail_fast, past its local validity: LeaseLostError, no SQL sent.
+            lease._check_for_write()
             return lease
         if self.unfenced:
             return None
@@ -146,9 +152,27 @@ def _state_for(session: Session) -> _SessionState:
 
 
 def fence_predicate(fence_col: Column[Any], token: Any) -> ColumnElement[bool]:
-    """The comparison every fenced UPDATE/DELETE carries: ``fence <= :token``."""
-    comparison: ColumnElement[bool] = fence_col <= token
+    """The comparison every fenced UPDATE/DELETE carries: ``fence <= :token``.
+
+    The token is compared through ``set_config('sa_fence.token', :token, true)``,
+    which returns it and also presents it to a database-side guard
+    (:mod:`sa_fence._guard`) for the rest of the transaction: the same
+    statement, no extra round trip, whether or not the table has a guard.  The
+    comparison cannot be true without the token having been presented, so
+    the guard sees it for every row the statement writes (the ORM's DELETE
+    needs this: a BEFORE DELETE trigger has no NEW row to read the token
+    from).  On a table without a guard it costs one function call per row
+    the statement examines, computed in the server.
+    """
+    setting: ColumnElement[str] = literal_column(f"'{TOKEN_SETTING}'")  # rendered inline
+    presented = func.set_config(setting, cast(token, Text), true())
+    comparison: ColumnElement[bool] = fence_col <= cast(presented, BigInteger)
     return comparison
+
+
+def present_token(conn: Connection, token: int) -> None:
+    """Present ``token`` to guards for the rest of ``conn``'s transaction (one round trip)."""
+    conn.execute(select(func.set_config(literal(TOKEN_SETTING), literal(str(token)), true())))
 
 
 @dataclass(slots=True)
@@ -172,7 +196,7 @@ class _ConnectionHook:
     way to see the flush's statements without listening on the whole Engine).
     """
 
-    __slots__ = ("__weakref__", "_memo", "pending", "state")
+    __slots__ = ("__weakref__", "_memo", "_presented_in", "pending", "state")
     _by_connection: ClassVar[weakref.WeakKeyDictionary[Connection, _ConnectionHook]] = (
         weakref.WeakKeyDictionary()
     )
@@ -182,6 +206,8 @@ class _ConnectionHook:
         self.pending: _Pending | None = None
         # original statement -> (token, fenced statement); one entry per statement
         self._memo: weakref.WeakKeyDictionary[Any, tuple[int, Any]] = weakref.WeakKeyDictionary()
+        # (transaction, token) for which raw SQL presentation already ran
+        self._presented_in: tuple[Any, int] | None = None
 
     @classmethod
     def of(cls, connection: Connection) -> _ConnectionHook:
@@ -191,8 +217,26 @@ class _ConnectionHook:
             hook = cls()
             event.listen(connection, "before_execute", hook.before_execute, retval=True)
             event.listen(connection, "after_execute", hook.after_execute)
+            _listen_for_guard_errors(connection)
             cls._by_connection[connection] = hook
         return hook
+
+    def present_for_raw_sql(self, conn: Connection) -> None:
+        """Before raw SQL (``text()``): present the token once per transaction.
+
+        Raw SQL cannot be rewritten to carry the token, so a guard would see
+        none; one ``set_config`` per transaction (only when raw SQL runs on
+        a connection with a lease) fixes that.
+        """
+        state = self.state
+        lease = state.lease if state is not None else None
+        if lease is None or lease.released:
+            return
+        transaction = conn.get_transaction()
+        if transaction is not None and self._presented_in == (transaction, lease.token):
+            return
+        present_token(conn, lease.token)
+        self._presented_in = (conn.get_transaction(), lease.token)
 
     def before_execute(
         self,
@@ -203,6 +247,8 @@ class _ConnectionHook:
         execution_options: Any,
     ) -> tuple[Any, Sequence[dict[str, Any]], dict[str, Any]]:
         state = self.state
+        if state is not None and isinstance(elem, TextClause):
+            self.present_for_raw_sql(conn)
         if state is None or not isinstance(elem, Update | Delete | Insert):
             return elem, multiparams, params
         fence_col = fence_column_of(elem.table)
@@ -270,6 +316,38 @@ class _ConnectionHook:
         state = self.state
         error = _stale_error(conn, pending, elem)
         raise (state.fail(error) if state is not None else error)
+
+
+def _listen_for_guard_errors(connection: Connection) -> None:
+    """Map the guard's SQLSTATEs to sa-fence errors on connections sa-fence attached to.
+
+    Since SQLAlchemy 2.0 ``handle_error`` is a Dialect event: it cannot be
+    attached to one Connection.  So it is attached, once and lazily (the
+    first time sa-fence attaches to a connection of that engine), to that
+    engine's dialect, and it acts only on connections that have a
+    :class:`_ConnectionHook`; every other connection's errors pass through
+    untouched.
+    """
+    dialect = connection.dialect
+    if not event.contains(dialect, "handle_error", _map_guard_error):
+        event.listen(dialect, "handle_error", _map_guard_error)
+
+
+def _map_guard_error(context: Any) -> None:
+    conn = context.connection
+    hook = _ConnectionHook._by_connection.get(conn) if conn is not None else None
+    if hook is None:
+        return
+    state = hook.state
+    lease = state.lease if state is not None else None
+    error = error_from_guard(
+        context.original_exception,
+        lease.name if lease else None,
+        lease.token if lease else None,
+    )
+    if error is None:
+        return
+    raise (state.fail(error) if state is not None else error) from context.original_exception
 
 
 def _refuse_upsert(elem: Insert, fence_col: Column[Any]) -> None:
@@ -432,19 +510,37 @@ def install(target: T) -> T:
     Engine.  Returns ``target``.
     """
     _check_target(target)
-    for name, fn in _EVENTS:
-        if not event.contains(target, name, fn):
+    holder = _hook_holder(target)
+    if not vars(holder).get(_INSTALLED, False):
+        for name, fn in _EVENTS:
             event.listen(target, name, fn)
+        setattr(holder, _INSTALLED, True)
     return target
 
 
 def uninstall(target: T) -> T:
     """Remove what :func:`install` added to ``target``.  Idempotent."""
     _check_target(target)
-    for name, fn in _EVENTS:
-        if event.contains(target, name, fn):
+    holder = _hook_holder(target)
+    if vars(holder).get(_INSTALLED, False):
+        for name, fn in _EVENTS:
             event.remove(target, name, fn)
+        delattr(holder, _INSTALLED)
     return target
+
+
+_INSTALLED = "_sa_fence_hook_installed"
+
+
+def _hook_holder(target: Target) -> Any:
+    """The object whose own ``__dict__`` records that the hook is installed.
+
+    Not ``event.contains()``: SQLAlchemy keys its listener registry on
+    ``id(target)`` and keeps class-level entries after the class is collected,
+    so a new sessionmaker whose generated class reuses a dead one's address
+    "contains" the hook without having it (and ``install`` skipped it).
+    """
+    return target.class_ if isinstance(target, sessionmaker) else target
 
 
 def is_installed(session: Session) -> bool:
@@ -486,6 +582,48 @@ def unbind(session: Session) -> None:
     state = _state(session)
     if state is not None:
         state.lease = None
+
+
+@contextmanager
+def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
+    """Fence a Core ``Connection``'s writes with ``lease`` inside the block.
+
+    Core UPDATE/DELETE/INSERT of fenced tables on ``conn`` are rewritten as
+    in a bound session (token compared, fence written, a stale write by
+    primary key raises :class:`StaleTokenError`).  The token is also
+    presented to database-side guards now, for the connection's current
+    transaction, and again once per later transaction before raw ``text()``
+    SQL; a guard's refusal raises :class:`StaleTokenError` (or
+    :class:`UnfencedWriteError`) instead of a driver error.  Statements sent
+    with ``exec_driver_sql`` in a transaction begun later inside the block
+    are not seen: present the token there with ``text()`` SQL first.
+
+    Presenting the token on entry begins the connection's transaction if
+    none is open: call ``conn.begin()`` before entering, or use
+    commit-as-you-go (``conn.commit()``) inside the block.
+    """
+    if not isinstance(conn, Connection):
+        raise TypeError(
+            f"fence_connection() takes a sqlalchemy Connection, got {type(conn).__name__} "
+            "(for a Session use lease.bind(session))"
+        )
+    if lease.released:
+        raise LeaseLostError(
+            f"the lease {lease.name!r} (token {lease.token}) was released; acquire a new "
+            "lease before fencing a connection with it"
+        )
+    hook = _ConnectionHook.of(conn)
+    previous = hook.state
+    state = _SessionState()
+    state.lease = lease
+    hook.state = state
+    try:
+        hook.present_for_raw_sql(conn)
+        yield conn
+    finally:
+        hook.state = previous
+        hook.pending = None
+        hook._presented_in = None
 
 
 @contextmanager
