@@ -1,20 +1,30 @@
-"""The fenced flush: session events plus a per-connection statement hook.
+"""The fenced flush: session events plus a statement hook on the session's engine view.
 
 How a write to a fenced row becomes token-compared, without an extra round
-trip and without writing any row twice:
+trip, without writing any row twice, and without per-object work in Python:
 
 * ``before_flush`` (session event) refuses the flush when fenced entities
   would be written without a lease (:class:`UnfencedWriteError`, before any
-  SQL), and assigns ``fence = token`` on every new or modified fenced object,
-  so the ORM's own INSERT/UPDATE carries the new fence.
-* ``before_execute`` (event on the session's :class:`~sqlalchemy.engine.Connection`
-  only, attached while a fenced session uses it) adds ``AND fence <= :token``
-  to every UPDATE and DELETE of a fenced table: the ORM's own batched
-  executemany UPDATE, ORM-enabled ``update()``/``delete()``, and Core DML
-  sent through the session.  INSERTs without a fence get ``fence = :token``.
+  SQL) or with a released lease (:class:`LeaseLostError`).
+* ``before_execute`` adds ``AND fence <= :token`` to every UPDATE and DELETE
+  of a fenced table, and ``fence = :token`` to every UPDATE and INSERT that
+  does not set the fence itself: the ORM's own batched executemany UPDATE,
+  ORM-enabled ``update()``/``delete()``, and Core DML sent through the
+  session.  The rewritten statement is built once per original statement and
+  cached; the token travels as a bound parameter.
 * ``after_execute`` compares the row count of primary-key targeted statements
   (the flush, ORM bulk UPDATE by primary key) with the number of rows they
   targeted and raises :class:`StaleTokenError` naming table, key and token.
+* The fence column is declared ``server_onupdate=FetchedValue()``, so the ORM
+  expires ``obj.fence`` after each UPDATE and reloads the new value on access.
+
+Where the statement hook lives: never on the user's Engine.  ``install()`` on
+a ``sessionmaker`` (or one session) bound to an Engine re-binds it to a
+private view of that engine (``engine.execution_options()``: same pool, its
+own event listeners), so only those sessions' statements pass the hook and no
+listener is added per transaction.  Sessions whose bind is something else (a
+Session subclass, ``binds=`` maps, a Connection) get the two listeners on each
+Connection they begin a transaction on.
 
 ``<=`` (not ``<``) lets the same holder write one row many times.
 SQLAlchemy's ``version_id_col`` cannot be used: it compares for equality
@@ -25,16 +35,18 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from itertools import chain
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import (
     BigInteger,
     Column,
     ColumnElement,
     Connection,
+    Engine,
     Table,
     Text,
     TextClause,
@@ -42,7 +54,6 @@ from sqlalchemy import (
     cast,
     event,
     func,
-    inspect,
     literal,
     literal_column,
     select,
@@ -60,7 +71,7 @@ from sqlalchemy.sql.dml import Delete, Insert, Update
 
 from ._guard import TOKEN_SETTING, error_from_guard
 from ._lease import check_dialect
-from ._model import fence_column_of, fence_key_of, writing_fence
+from ._model import fence_column_of, is_fenced_class
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -84,16 +95,40 @@ T = TypeVar("T", bound=Target)
 # ---------------------------------------------------------------- per session
 
 
+@dataclass(slots=True)
+class _Pending:
+    """A primary-key targeted statement whose row count after_execute checks."""
+
+    statement: Any
+    table: Table
+    token: int
+    pk_cols: list[Column[Any]]
+    pk_names: list[str]
+    param_sets: Sequence[dict[str, Any]]
+    lease_name: str
+
+
 class _SessionState:
     """What sa-fence keeps on one session (in ``session.info``)."""
 
-    __slots__ = ("__weakref__", "hooks", "lease", "poisoned", "unfenced")
+    __slots__ = (
+        "__weakref__",
+        "connections",
+        "lease",
+        "pending",
+        "poisoned",
+        "presented_in",
+        "unfenced",
+    )
 
     def __init__(self) -> None:
         self.lease: Lease | None = None
         self.unfenced = 0
         self.poisoned: FenceError | None = None
-        self.hooks: list[_ConnectionHook] = []
+        self.pending: _Pending | None = None
+        self.connections: list[Connection] = []
+        # (transaction, token) for which raw SQL presentation already ran
+        self.presented_in: tuple[Any, int] | None = None
 
     def require_lease(self) -> Lease | None:
         """The lease to fence with; None when the caller opted out explicitly."""
@@ -124,17 +159,21 @@ class _SessionState:
                 "may not commit any part of this transaction. Call session.rollback()."
             ) from self.poisoned
 
-    def attach(self, connection: Connection) -> None:
-        hook = _ConnectionHook.of(connection)
-        if hook.state is not self:
-            hook.state = self
-            self.hooks.append(hook)
+    def present_for_raw_sql(self, conn: Connection) -> None:
+        """Before raw SQL (``text()``): present the token once per transaction.
 
-    def detach_all(self) -> None:
-        for hook in self.hooks:
-            if hook.state is self:
-                hook.state = None
-        self.hooks.clear()
+        Raw SQL cannot be rewritten to carry the token, so a guard would see
+        none; one ``set_config`` per transaction (only when raw SQL runs on
+        a connection with a lease) fixes that.
+        """
+        lease = self.lease
+        if lease is None or lease.released:
+            return
+        transaction = conn.get_transaction()
+        if transaction is not None and self.presented_in == (transaction, lease.token):
+            return
+        present_token(conn, lease.token)
+        self.presented_in = (conn.get_transaction(), lease.token)
 
 
 def _state(session: Session) -> _SessionState | None:
@@ -148,7 +187,19 @@ def _state_for(session: Session) -> _SessionState:
     return st
 
 
-# ------------------------------------------------------------- per connection
+# ----------------------------------------------------------- statement hook
+
+#: Connection -> the fenced session whose transaction runs on it.
+_active: weakref.WeakKeyDictionary[Connection, _SessionState] = weakref.WeakKeyDictionary()
+#: Connections that got per-connection listeners (binds that are not a view).
+_hooked: weakref.WeakSet[Connection] = weakref.WeakSet()
+#: User engine -> its private fenced view, and back.
+_views: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary()
+_origins: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary()
+#: Original DML statement -> {sets the fence itself?: fenced statement}.
+_rewritten: weakref.WeakKeyDictionary[Any, dict[bool, Any]] = weakref.WeakKeyDictionary()
+
+_TOKEN = bindparam(TOKEN_BIND, type_=BigInteger)
 
 
 def fence_predicate(fence_col: Column[Any], token: Any) -> ColumnElement[bool]:
@@ -175,171 +226,41 @@ def present_token(conn: Connection, token: int) -> None:
     conn.execute(select(func.set_config(literal(TOKEN_SETTING), literal(str(token)), true())))
 
 
-@dataclass(slots=True)
-class _Pending:
-    """A primary-key targeted statement whose row count after_execute checks."""
-
-    statement: Any
-    table: Table
-    token: int
-    pk_cols: list[Column[Any]]
-    pk_names: list[str]
-    param_sets: Sequence[dict[str, Any]]
-    lease_name: str
+def _listen(target: Engine | Connection) -> None:
+    event.listen(target, "before_execute", _before_execute, retval=True)
+    event.listen(target, "after_execute", _after_execute)
+    _listen_for_guard_errors(target)
 
 
-class _ConnectionHook:
-    """Statement rewriting for one Connection, active while ``state`` is set.
-
-    Attached once per Connection object (SQLAlchemy's Session takes a new
-    Connection per transaction, and ``event.listen`` on it is the only public
-    way to see the flush's statements without listening on the whole Engine).
-    """
-
-    __slots__ = ("__weakref__", "_memo", "_presented_in", "pending", "state")
-    _by_connection: ClassVar[weakref.WeakKeyDictionary[Connection, _ConnectionHook]] = (
-        weakref.WeakKeyDictionary()
-    )
-
-    def __init__(self) -> None:
-        self.state: _SessionState | None = None
-        self.pending: _Pending | None = None
-        # original statement -> (token, fenced statement); one entry per statement
-        self._memo: weakref.WeakKeyDictionary[Any, tuple[int, Any]] = weakref.WeakKeyDictionary()
-        # (transaction, token) for which raw SQL presentation already ran
-        self._presented_in: tuple[Any, int] | None = None
-
-    @classmethod
-    def of(cls, connection: Connection) -> _ConnectionHook:
-        hook = cls._by_connection.get(connection)
-        if hook is None:
-            check_dialect(connection.dialect)
-            hook = cls()
-            event.listen(connection, "before_execute", hook.before_execute, retval=True)
-            event.listen(connection, "after_execute", hook.after_execute)
-            _listen_for_guard_errors(connection)
-            cls._by_connection[connection] = hook
-        return hook
-
-    def present_for_raw_sql(self, conn: Connection) -> None:
-        """Before raw SQL (``text()``): present the token once per transaction.
-
-        Raw SQL cannot be rewritten to carry the token, so a guard would see
-        none; one ``set_config`` per transaction (only when raw SQL runs on
-        a connection with a lease) fixes that.
-        """
-        state = self.state
-        lease = state.lease if state is not None else None
-        if lease is None or lease.released:
-            return
-        transaction = conn.get_transaction()
-        if transaction is not None and self._presented_in == (transaction, lease.token):
-            return
-        present_token(conn, lease.token)
-        self._presented_in = (conn.get_transaction(), lease.token)
-
-    def before_execute(
-        self,
-        conn: Connection,
-        elem: Any,
-        multiparams: Sequence[dict[str, Any]],
-        params: dict[str, Any],
-        execution_options: Any,
-    ) -> tuple[Any, Sequence[dict[str, Any]], dict[str, Any]]:
-        state = self.state
-        if state is not None and isinstance(elem, TextClause):
-            self.present_for_raw_sql(conn)
-        if state is None or not isinstance(elem, Update | Delete | Insert):
-            return elem, multiparams, params
-        fence_col = fence_column_of(elem.table)
-        if fence_col is None:
-            return elem, multiparams, params
-        try:
-            lease = state.require_lease()
-        except FenceError as exc:
-            raise state.fail(exc) from None
-        if lease is None:
-            return elem, multiparams, params
-        param_sets: Sequence[dict[str, Any]] = multiparams or ([params] if params else [])
-        if isinstance(elem, Insert):
-            _refuse_upsert(elem, fence_col)
-        fenced = self._fenced(elem, fence_col, lease.token, param_sets)
-        if isinstance(elem, Insert):
-            return fenced, multiparams, params
-        table = fence_col.table
-        pk_cols = list(table.primary_key.columns)
-        pk_names = [str(c._label if isinstance(elem, Update) else c.key) for c in pk_cols]
-        if param_sets and all(n in param_sets[0] for n in pk_names):
-            self.pending = _Pending(
-                statement=fenced,
-                table=table,
-                token=lease.token,
-                pk_cols=pk_cols,
-                pk_names=pk_names,
-                param_sets=param_sets,
-                lease_name=lease.name,
-            )
-        return fenced, multiparams, params
-
-    def _fenced(
-        self, elem: Any, fence_col: Column[Any], token: int, param_sets: Sequence[dict[str, Any]]
-    ) -> Any:
-        memo = self._memo.get(elem)
-        if memo is not None and memo[0] == token:
-            return memo[1]
-        tok = bindparam(TOKEN_BIND, token, type_=BigInteger)
-        sets_fence = bool(param_sets) and fence_col.key in param_sets[0]
-        fenced = elem
-        if not isinstance(elem, Insert):
-            fenced = fenced.where(fence_predicate(fence_col, tok))
-        if not isinstance(elem, Delete) and not sets_fence:
-            fenced = fenced.values({fence_col: tok})
-        self._memo[elem] = (token, fenced)
-        return fenced
-
-    def after_execute(
-        self,
-        conn: Connection,
-        elem: Any,
-        multiparams: Any,
-        params: Any,
-        execution_options: Any,
-        result: Any,
-    ) -> None:
-        pending = self.pending
-        if pending is None or pending.statement is not elem:
-            return
-        self.pending = None
-        expected = len(pending.param_sets)
-        if result.rowcount == expected:
-            return
-        state = self.state
-        error = _stale_error(conn, pending, elem)
-        raise (state.fail(error) if state is not None else error)
+def _attach(connection: Connection, state: _SessionState) -> None:
+    """Route ``connection``'s statements through the hook on behalf of ``state``."""
+    _active[connection] = state
+    if connection.engine not in _origins and connection not in _hooked:
+        check_dialect(connection.dialect)
+        _listen(connection)
+        _hooked.add(connection)
 
 
-def _listen_for_guard_errors(connection: Connection) -> None:
-    """Map the guard's SQLSTATEs to sa-fence errors on connections sa-fence attached to.
+def _listen_for_guard_errors(target: Engine | Connection) -> None:
+    """Map the guard's SQLSTATEs to sa-fence errors on connections sa-fence fences.
 
     Since SQLAlchemy 2.0 ``handle_error`` is a Dialect event: it cannot be
-    attached to one Connection.  So it is attached, once and lazily (the
-    first time sa-fence attaches to a connection of that engine), to that
-    engine's dialect, and it acts only on connections that have a
-    :class:`_ConnectionHook`; every other connection's errors pass through
-    untouched.
+    attached to one Connection or to an engine view alone.  So it is attached,
+    once and lazily, to the dialect, and acts only on connections a fenced
+    session or :func:`fence_connection` is using; every other connection's
+    errors pass through untouched.
     """
-    dialect = connection.dialect
+    dialect = target.dialect
     if not event.contains(dialect, "handle_error", _map_guard_error):
         event.listen(dialect, "handle_error", _map_guard_error)
 
 
 def _map_guard_error(context: Any) -> None:
     conn = context.connection
-    hook = _ConnectionHook._by_connection.get(conn) if conn is not None else None
-    if hook is None:
+    state = _active.get(conn) if conn is not None else None
+    if state is None:
         return
-    state = hook.state
-    lease = state.lease if state is not None else None
+    lease = state.lease
     error = error_from_guard(
         context.original_exception,
         lease.name if lease else None,
@@ -347,7 +268,111 @@ def _map_guard_error(context: Any) -> None:
     )
     if error is None:
         return
-    raise (state.fail(error) if state is not None else error) from context.original_exception
+    raise state.fail(error) from context.original_exception
+
+
+def _view_of(engine: Engine) -> Engine:
+    """The private fenced view of ``engine`` (created once per engine)."""
+    if engine in _origins:
+        return engine  # already a view
+    view = _views.get(engine)
+    if view is None:
+        check_dialect(engine.dialect)
+        view = engine.execution_options()
+        _listen(view)
+        _views[engine] = view
+        _origins[view] = engine
+    return view
+
+
+def _rewrite(elem: Any, fence_col: Column[Any], sets_fence: bool) -> Any:
+    by_flag = _rewritten.get(elem)
+    if by_flag is None:
+        try:
+            by_flag = _rewritten[elem] = {}
+        except TypeError:  # not weak-referenceable: do not cache
+            by_flag = {}
+    fenced = by_flag.get(sets_fence)
+    if fenced is None:
+        fenced = elem
+        if not isinstance(elem, Insert):
+            fenced = fenced.where(fence_predicate(fence_col, _TOKEN))
+        if not isinstance(elem, Delete) and not sets_fence:
+            fenced = fenced.values({fence_col: _TOKEN})
+        by_flag[sets_fence] = fenced
+    return fenced
+
+
+def _before_execute(
+    conn: Connection,
+    elem: Any,
+    multiparams: Sequence[dict[str, Any]],
+    params: dict[str, Any],
+    execution_options: Any,
+) -> tuple[Any, Sequence[dict[str, Any]], dict[str, Any]]:
+    if not isinstance(elem, Update | Delete | Insert):
+        if isinstance(elem, TextClause):
+            state = _active.get(conn)
+            if state is not None:
+                state.present_for_raw_sql(conn)
+        return elem, multiparams, params
+    state = _active.get(conn)
+    if state is None:
+        return elem, multiparams, params
+    fence_col = fence_column_of(elem.table)
+    if fence_col is None:
+        return elem, multiparams, params
+    try:
+        lease = state.require_lease()
+        if isinstance(elem, Insert):
+            _refuse_upsert(elem, fence_col)
+    except FenceError as exc:
+        raise state.fail(exc) from None
+    if lease is None:
+        return elem, multiparams, params
+    token = lease.token
+    param_sets: Sequence[dict[str, Any]] = multiparams or ([params] if params else [])
+    sets_fence = bool(param_sets) and fence_col.key in param_sets[0]
+    fenced = _rewrite(elem, fence_col, sets_fence)
+    if multiparams:
+        multiparams = [{**p, TOKEN_BIND: token} for p in multiparams]
+    else:
+        params = {**params, TOKEN_BIND: token}
+    if not isinstance(elem, Insert):
+        table = fence_col.table
+        pk_cols = list(table.primary_key.columns)
+        pk_names = [str(c._label if isinstance(elem, Update) else c.key) for c in pk_cols]
+        if param_sets and all(n in param_sets[0] for n in pk_names):
+            state.pending = _Pending(
+                statement=fenced,
+                table=table,
+                token=token,
+                pk_cols=pk_cols,
+                pk_names=pk_names,
+                param_sets=param_sets,
+                lease_name=lease.name,
+            )
+    return fenced, multiparams, params
+
+
+def _after_execute(
+    conn: Connection,
+    elem: Any,
+    multiparams: Any,
+    params: Any,
+    execution_options: Any,
+    result: Any,
+) -> None:
+    state = _active.get(conn)
+    if state is None:
+        return
+    pending = state.pending
+    if pending is None or pending.statement is not elem:
+        return
+    state.pending = None
+    if result.rowcount == len(pending.param_sets):
+        return
+    raise state.fail(_stale_error(conn, pending, elem))
 
 
 def _refuse_upsert(elem: Insert, fence_col: Column[Any]) -> None:
@@ -376,10 +401,18 @@ def _stale_error(conn: Connection, p: _Pending, elem: Any) -> StaleTokenError:
     rows = conn.execute(select(*p.pk_cols, fence_col).where(tuple_(*p.pk_cols).in_(pks))).all()
     for row in rows:
         found[tuple(row[: len(p.pk_cols)])] = row[-1]
-    stale = [pk for pk in pks if found.get(pk) is None or found[pk] > p.token] or pks
+    is_delete = isinstance(elem, Delete)
+    # A DELETE has already removed the rows it matched: those are missing now
+    # but were not stale.  Only rows still present with a newer fence are.
+    stale = [
+        pk
+        for pk in pks
+        if (found.get(pk) is not None and found[pk] > p.token)
+        or (found.get(pk) is None and not is_delete)
+    ] or pks
     return StaleTokenError(
         table=p.table.fullname,
-        statement="DELETE" if isinstance(elem, Delete) else "UPDATE",
+        statement="DELETE" if is_delete else "UPDATE",
         token=p.token,
         primary_keys=stale,
         current_fences=[found.get(pk) for pk in stale],
@@ -390,40 +423,45 @@ def _stale_error(conn: Connection, p: _Pending, elem: Any) -> StaleTokenError:
 # ------------------------------------------------------------- session events
 
 
+def _writes_fenced(session: Session) -> bool:
+    return any(
+        is_fenced_class(type(obj)) for obj in chain(session.new, session.dirty, session.deleted)
+    )
+
+
+def _really_writes_fenced(session: Session) -> bool:
+    """Like _writes_fenced, ignoring objects whose changes net out (error path only)."""
+    for obj in chain(session.new, session.deleted):
+        if is_fenced_class(type(obj)):
+            return True
+    return any(
+        is_fenced_class(type(obj)) and session.is_modified(obj, include_collections=False)
+        for obj in session.dirty
+    )
+
+
 def _before_flush(session: Session, flush_context: UOWTransaction, instances: Any) -> None:
     state = _state_for(session)
     state.check_not_poisoned("flush")
-    writes: list[tuple[Any, str | None]] = []
-    mappers = set()
-    for obj in session.new:
-        key = fence_key_of(inspect(obj).mapper)
-        if key is not None:
-            writes.append((obj, key))
-    for obj in session.dirty:
-        key = fence_key_of(inspect(obj).mapper)
-        if key is not None and session.is_modified(obj, include_collections=False):
-            writes.append((obj, key))
-    for obj in session.deleted:
-        key = fence_key_of(inspect(obj).mapper)
-        if key is not None:
-            writes.append((obj, None))
-    if not writes:
+    if state.lease is not None:
+        # The hot path: no per-object work; the statement hook fences.  Only
+        # ask the lease whether it may still write (released, lost, or past
+        # its local validity with fail_fast): LeaseLostError, no SQL sent.
+        try:
+            state.require_lease()
+        except FenceError as exc:
+            raise state.fail(exc) from None
+        return
+    if state.unfenced:
+        if _writes_fenced(session):
+            log.warning("flushing fenced objects without a lease (sa_fence.unfenced)")
+        return
+    if not (_writes_fenced(session) and _really_writes_fenced(session)):
         return
     try:
-        lease = state.require_lease()
+        state.require_lease()
     except FenceError as exc:
         raise state.fail(exc) from None
-    if lease is None:
-        log.warning("flushing %d fenced object(s) without a lease (unfenced)", len(writes))
-        return
-    token = lease.token
-    with writing_fence():
-        for obj, key in writes:
-            mappers.add(inspect(obj).mapper)
-            if key is not None:
-                setattr(obj, key, token)
-    for mapper in mappers:
-        state.attach(session.connection(bind_arguments={"mapper": mapper}))
 
 
 def _do_orm_execute(orm_state: ORMExecuteState) -> None:
@@ -432,8 +470,7 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
     stmt: Any = orm_state.statement
     if fence_column_of(stmt.table) is None:
         return
-    session = orm_state.session
-    state = _state_for(session)
+    state = _state_for(orm_state.session)
     state.check_not_poisoned("write")
     try:
         lease = state.require_lease()
@@ -441,7 +478,6 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
         raise state.fail(exc) from None
     if lease is None:
         return
-    state.attach(session.connection(bind_arguments=orm_state.bind_arguments))
     by_primary_key = isinstance(orm_state.parameters, list)
     # 'evaluate' would copy the new values onto in-session objects whose rows
     # were skipped as newer; 'fetch' (RETURNING) reports the rows the fenced
@@ -455,9 +491,9 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
 
 
 def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
-    state = _state(session)
-    if state is not None and state.lease is not None:
-        state.attach(connection)
+    state = _state_for(session)
+    _attach(connection, state)
+    state.connections.append(connection)
 
 
 def _before_commit(session: Session) -> None:
@@ -471,7 +507,12 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
         state = _state(session)
         if state is not None:
             state.poisoned = None
-            state.detach_all()
+            state.pending = None
+            state.presented_in = None
+            for conn in state.connections:
+                if _active.get(conn) is state:
+                    del _active[conn]
+            state.connections.clear()
 
 
 _EVENTS = (
@@ -483,7 +524,7 @@ _EVENTS = (
 )
 
 
-def _check_target(target: object) -> Target:
+def _check_target(target: object) -> None:
     if target is Session:
         raise TypeError(
             "refusing to install on sqlalchemy.orm.Session itself: that would fence every "
@@ -493,7 +534,7 @@ def _check_target(target: object) -> Target:
     if isinstance(target, Session | sessionmaker) or (
         isinstance(target, type) and issubclass(target, Session)
     ):
-        return target
+        return
     raise TypeError(
         "install()/uninstall() take a Session subclass, a sessionmaker or a Session, "
         f"got {target!r}. (For AsyncSession pass its sync_session_class or "
@@ -506,10 +547,13 @@ def install(target: T) -> T:
 
     Sessions covered by the hook refuse to write fenced entities unless a
     lease is bound (:meth:`Lease.bind`) and compare the lease's token on every
-    UPDATE/DELETE of a fenced row.  Idempotent; never touches Mapper or
-    Engine.  Returns ``target``.
+    UPDATE/DELETE of a fenced row.  Idempotent; never touches Mapper or the
+    Engine you pass around.  A sessionmaker (or session) bound to an Engine is
+    re-bound to a private view of it (same pool, own listeners): the fast path.
+    Returns ``target``.
     """
     _check_target(target)
+    _rebind(target, _view_of)
     holder = _hook_holder(target)
     if not vars(holder).get(_INSTALLED, False):
         for name, fn in _EVENTS:
@@ -526,6 +570,7 @@ def uninstall(target: T) -> T:
         for name, fn in _EVENTS:
             event.remove(target, name, fn)
         delattr(holder, _INSTALLED)
+    _rebind(target, lambda view: _origins.get(view, view))
     return target
 
 
@@ -543,9 +588,19 @@ def _hook_holder(target: Target) -> Any:
     return target.class_ if isinstance(target, sessionmaker) else target
 
 
+def _rebind(target: Target, to: Callable[[Engine], Engine]) -> None:
+    """Point a sessionmaker's or a session's Engine bind at ``to(bind)``."""
+    if isinstance(target, sessionmaker):
+        bind = target.kw.get("bind")
+        if isinstance(bind, Engine):
+            target.configure(bind=to(bind))
+    elif isinstance(target, Session) and isinstance(target.bind, Engine):
+        target.bind = to(target.bind)
+
+
 def is_installed(session: Session) -> bool:
     """True when ``session`` runs the fenced-flush hook (via any target)."""
-    return any(fn in session.dispatch.before_flush for fn in (_before_flush,))
+    return _before_flush in session.dispatch.before_flush
 
 
 def bind_lease(session: Session, lease: Lease) -> None:
@@ -560,21 +615,7 @@ def bind_lease(session: Session, lease: Lease) -> None:
             "fence nothing. Call sa_fence.install() on the session, its sessionmaker or "
             "its Session class first."
         )
-    check_dialect(session.get_bind().dialect)
-    state = _state_for(session)
-    state.lease = lease
-    if session.in_transaction():
-        for conn in _transaction_connections(session):
-            state.attach(conn)
-
-
-def _transaction_connections(session: Session) -> Iterator[Connection]:
-    # Session.connection() returns the transaction's connection for the
-    # default bind; a multi-bind session attaches the rest lazily at flush.
-    try:
-        yield session.connection()
-    except Exception:  # no default bind: attached lazily
-        return
+    _state_for(session).lease = lease
 
 
 def unbind(session: Session) -> None:
@@ -612,18 +653,18 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
             f"the lease {lease.name!r} (token {lease.token}) was released; acquire a new "
             "lease before fencing a connection with it"
         )
-    hook = _ConnectionHook.of(conn)
-    previous = hook.state
+    previous = _active.get(conn)
     state = _SessionState()
     state.lease = lease
-    hook.state = state
+    _attach(conn, state)
     try:
-        hook.present_for_raw_sql(conn)
+        state.present_for_raw_sql(conn)
         yield conn
     finally:
-        hook.state = previous
-        hook.pending = None
-        hook._presented_in = None
+        if previous is None:
+            _active.pop(conn, None)
+        else:
+            _active[conn] = previous
 
 
 @contextmanager

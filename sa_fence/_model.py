@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import contextvars
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import BigInteger, Column, FromClause, text
-from sqlalchemy.orm import Mapped, Mapper, mapped_column, validates
+from sqlalchemy import BigInteger, Column, FetchedValue, FromClause, text
+from sqlalchemy.exc import NoInspectionAvailable
+from sqlalchemy.orm import Mapped, Mapper, class_mapper, mapped_column, validates
 from sqlalchemy.orm.base import NO_VALUE, instance_state
+from sqlalchemy.orm.exc import UnmappedClassError
 
 #: Key in ``Column.info`` that marks a column as a table's fence column.
 FENCE_INFO_KEY = "sa_fence.fence"
-
-_writing_fence: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "sa_fence_writing_fence", default=False
-)
 
 
 def fence_column(name: str = "fence") -> Column[int]:
@@ -27,7 +22,12 @@ def fence_column(name: str = "fence") -> Column[int]:
     classes use the :class:`Fenced` mixin instead.
     """
     return Column(
-        name, BigInteger, nullable=False, server_default=text("0"), info={FENCE_INFO_KEY: True}
+        name,
+        BigInteger,
+        nullable=False,
+        server_default=text("0"),
+        server_onupdate=FetchedValue(),
+        info={FENCE_INFO_KEY: True},
     )
 
 
@@ -44,14 +44,15 @@ class Fenced:
         BigInteger,
         nullable=False,
         server_default=text("0"),
+        # sa-fence sets it in the UPDATE statement itself, so the ORM must
+        # expire and reload it after an UPDATE rather than keep the old value.
+        server_onupdate=FetchedValue(),
         info={FENCE_INFO_KEY: True},
         sort_order=1000,
     )
 
     @validates("fence")
     def _sa_fence_refuse_manual_fence(self, key: str, value: Any) -> Any:
-        if _writing_fence.get():
-            return value
         state = instance_state(self)
         current = state.committed_state.get(key, state.dict.get(key, NO_VALUE))
         if current is not NO_VALUE and current == value:
@@ -61,16 +62,6 @@ class Fenced:
             "bound lease's token; do not assign it. Bind a lease instead: "
             "lease.bind(session)."
         )
-
-
-@contextmanager
-def writing_fence() -> Iterator[None]:
-    """Let sa-fence itself assign fence attributes (the mixin refuses everyone else)."""
-    reset = _writing_fence.set(True)
-    try:
-        yield
-    finally:
-        _writing_fence.reset(reset)
 
 
 _table_fences: weakref.WeakKeyDictionary[Any, Column[Any] | None] = weakref.WeakKeyDictionary()
@@ -110,3 +101,20 @@ def fence_key_of(mapper: Mapper[Any]) -> str | None:
             break
     _mapper_fences[mapper] = key
     return key
+
+
+_fenced_classes: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def is_fenced_class(cls: type) -> bool:
+    """True when instances of mapped class ``cls`` live in a fenced table."""
+    try:
+        return _fenced_classes[cls]
+    except KeyError:
+        pass
+    try:
+        fenced = fence_key_of(class_mapper(cls)) is not None
+    except (UnmappedClassError, NoInspectionAvailable):
+        fenced = False
+    _fenced_classes[cls] = fenced
+    return fenced

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,6 +88,7 @@ def test_without_the_token_comparison_the_stale_write_overwrites_b(
 ) -> None:
     """The pair of the test above: remove the guard and the seeds' failure comes back."""
     monkeypatch.setattr(_flush, "fence_predicate", lambda col, token: sa.true())
+    monkeypatch.setattr(_flush, "_rewritten", weakref.WeakKeyDictionary())  # built anew
     a, _b, session_a = run_seed_scenario(fencer, make_session)
     session_a.commit()  # goes through: this is the bug sa-fence exists to stop
     session_a.close()
@@ -501,3 +503,48 @@ def test_under_repeatable_read_a_stale_update_gets_a_serialization_failure(
     assert failed.value.orig is not None
     assert failed.value.orig.sqlstate == "40001"  # type: ignore[attr-defined]
     assert row(engine, 1) == ("B", b.token)
+
+
+# ------------------------------------------------------- where the hook lives
+
+
+def test_install_leaves_the_users_engine_untouched_and_uninstall_restores_the_bind(
+    engine: sa.Engine,
+) -> None:
+    maker = sessionmaker(engine)
+    sa_fence.install(maker)
+    assert maker.kw["bind"] is not engine  # a private view: same pool, own listeners
+    assert maker.kw["bind"].pool is engine.pool
+    assert not sa.event.contains(engine, "before_execute", _flush._before_execute)
+    sa_fence.uninstall(maker)
+    assert maker.kw["bind"] is engine
+
+
+def test_a_session_class_install_fences_through_per_connection_listeners(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    class FencedSession(Session):
+        pass
+
+    sa_fence.install(FencedSession)
+    try:
+        _a, b, session_a = run_seed_scenario(
+            fencer,
+            lambda: FencedSession(engine),  # type: ignore[arg-type]
+        )
+        with pytest.raises(sa_fence.StaleTokenError):
+            session_a.commit()
+        session_a.close()
+        assert row(engine, 1) == ("B", b.token)
+    finally:
+        sa_fence.uninstall(FencedSession)
+
+
+def test_a_plain_session_on_the_same_engine_is_not_fenced(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    with Session(engine) as plain:
+        plain.get(Job, 1).result = "plain"
+        plain.commit()  # no hook: written as is (the documented limit)
+    assert row(engine, 1)[0] == "plain"  # type: ignore[index]

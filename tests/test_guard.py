@@ -7,6 +7,7 @@ head``): ``jobs`` has a guard with ``on_missing_token="unchanged"``,
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -285,6 +286,7 @@ def test_without_the_token_in_the_statement_the_guard_refuses_the_orm_delete(
 ) -> None:
     """The pair of the test above: a bare ``fence <= :token`` presents nothing to the guard."""
     monkeypatch.setattr(_flush, "fence_predicate", lambda col, token: col <= token)
+    monkeypatch.setattr(_flush, "_rewritten", weakref.WeakKeyDictionary())  # built anew
     with fencer.lease("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         session.add(DemoStep(job_id=1, step=0, output="new"))

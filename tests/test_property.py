@@ -74,11 +74,6 @@ Outcome = Literal[
     "IntegrityError",
 ]
 
-# Known sa-fence bug, pinned here until fixed (then set this to False): a
-# refused batched DELETE names, besides its stale rows, every row of the batch
-# it had deleted itself before the refusal, as "<row gone>" (fence None).  Its
-# diagnosis SELECT runs after the DELETE, in the same transaction.
-REFUSED_DELETE_NAMES_ROWS_IT_REMOVED = True
 
 PROPERTY_SETTINGS = settings(
     max_examples=60,
@@ -377,21 +372,10 @@ class FencedWritesModel:
         assert error.statement in refusable, (error.statement, refusable)
         stale = refusable[error.statement]
         refused = {pk for (pk,) in error.primary_keys}
-        removed_by_itself: set[int] = set()
-        if error.statement == "UPDATE":
-            # Only some of them when the flush split its UPDATEs: rows whose
-            # fence already equals the token are batched apart from the others.
-            assert refused, "the error names no row"
-            assert refused <= stale, (refused, stale)
-        elif REFUSED_DELETE_NAMES_ROWS_IT_REMOVED:
-            deleted = {job_id for job_id, kind in writes.items() if kind == "delete"}
-            assert refused == deleted, (refused, deleted)
-            removed_by_itself = deleted - stale
-        else:
-            assert refused == stale, (refused, stale)
+        assert refused == stale, (refused, stale)
         # ... and the fence found on each (None: the row is gone).
         assert error.current_fences == tuple(
-            None if pk in removed_by_itself or (row := self.rows.get(pk)) is None else row.fence
+            None if (row := self.rows.get(pk)) is None else row.fence
             for (pk,) in error.primary_keys
         ), (error.current_fences, error.primary_keys, self.rows)
 
