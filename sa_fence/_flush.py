@@ -599,8 +599,13 @@ def _rebind(target: Target, to: Callable[[Engine], Engine]) -> None:
 
 
 def is_installed(session: Session) -> bool:
-    """True when ``session`` runs the fenced-flush hook (via any target)."""
-    return _before_flush in session.dispatch.before_flush
+    """True when ``session`` runs the fenced-flush hook (via any target).
+
+    Reads the marker :func:`install` leaves on the session or on its class
+    (inherited by subclasses, as SQLAlchemy's class-level listeners are):
+    cheaper than walking the dispatch collection on every ``bind``.
+    """
+    return bool(vars(session).get(_INSTALLED) or getattr(type(session), _INSTALLED, False))
 
 
 def bind_lease(session: Session, lease: Lease) -> None:
