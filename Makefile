@@ -32,8 +32,15 @@ typecheck: $(STAMP)
 test: lint typecheck services
 	$(PY) -m pytest
 
-bench: $(STAMP) services
-	$(PY) -m tests.bench
+# The peers (python-redis-lock, pottery) and matplotlib come from the `bench` extra.
+BENCH_STAMP := $(VENV)/.sa-fence-bench-installed
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP) services
+	$(PY) -m tests.benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

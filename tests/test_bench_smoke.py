@@ -1,0 +1,106 @@
+"""The benchmarks run: every section of ``make bench`` and ``sa-fence bench``,
+with tiny counts.  Nothing here looks at a time: machine noise never fails it."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from sa_fence import _bench
+from tests.conftest import PG_SERVER, REDIS_URL
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow
+
+
+def test_every_benchmark_section_runs_and_prints_its_table(tmp_path: Path) -> None:
+    plot = tmp_path / "flush.svg"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.benchmarks", "--quick", "--quiet", "--plot", str(plot)],
+        cwd=ROOT,
+        env={"SA_FENCE_TEST_PG": PG_SERVER, "SA_FENCE_TEST_REDIS": REDIS_URL, "PATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for heading in (
+        "lease cycle (acquire + release)",
+        "hand-written floor",
+        "redis-py Lock",
+        "PG advisory lock",
+        "flush (load + change/delete + commit)",
+        "update 1 row",
+        "delete 1 row",
+        "statements sent by one flush",
+        "contention:",
+        "stale writes accepted",
+        "memory: RSS",
+        "targets",
+    ):
+        assert heading in out, f"{heading!r} missing from:\n{out}"
+    # the contention section's counts come from the database, not from timing
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if "stale writes accepted  refused" in line)
+    rows = {line.split()[0]: line.split() for line in lines[header + 1 : header + 3]}
+    assert rows["sa-fence"][3] == "0", rows  # no stale write accepted
+
+
+def test_sa_fence_bench_core_prints_ratios_and_leaves_nothing_behind(
+    database_url: sa.URL, redis_client: redis.Redis
+) -> None:
+    out, progress = io.StringIO(), io.StringIO()
+    status = _bench.run(
+        database_url,
+        REDIS_URL,
+        rounds=1,
+        rows=5,
+        out=out,
+        progress=_bench.Progress(progress),
+    )
+    assert status == 0
+    text = out.getvalue()
+    assert "sa-fence / floor" in text, text
+    assert "fenced/plain" in text, text
+    assert "lease cycle" in progress.getvalue()  # the progress indication went to its stream
+    engine = sa.create_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            left = conn.execute(
+                sa.text("SELECT relname FROM pg_class WHERE relname LIKE 'sa_fence_bench_%'")
+            ).all()
+    finally:
+        engine.dispose()
+    assert left == []
+    assert list(redis_client.scan_iter(match="*sa_fence_bench_*")) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--url", "sqlite://"], "needs PostgreSQL"),
+        (["--url", "postgresql://u@h"], "names no database"),
+        (["--url", "postgresql+asyncpg://u@h/db"], "use postgresql+psycopg"),
+        (["--url", "postgresql://u@h/db", "--rounds", "0"], "--rounds: must be between"),
+        (["--url", "postgresql://u@h/db", "--rows", "x"], "--rows: not a whole number"),
+        (["--url", "postgresql://u@h/db", "--redis", "http://x"], "not a Redis URL"),
+    ],
+)
+def test_sa_fence_bench_rejects_bad_arguments_with_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sa_fence import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
