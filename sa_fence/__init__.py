@@ -26,6 +26,8 @@ Quick tour (the full, tested quickstart is in ``docs/index.md``)::
         session.commit()                       # StaleTokenError if a newer holder wrote
 """
 
+from typing import TYPE_CHECKING, Any
+
 from ._decorators import SKIPPED, Skipped, current_lease, fenced, fenced_methods
 from ._flush import fence_connection, install, unbind, unfenced, uninstall
 from ._lease import Fencer, Lease
@@ -41,8 +43,13 @@ from .errors import (
     UnfencedWriteError,
 )
 
+if TYPE_CHECKING:
+    from ._async import AsyncFencer, AsyncLease
+
 __all__ = [
     "SKIPPED",
+    "AsyncFencer",
+    "AsyncLease",
     "FenceError",
     "Fenced",
     "Fencer",
@@ -65,3 +72,13 @@ __all__ = [
     "unfenced",
     "uninstall",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The asyncio front end loads SQLAlchemy's asyncio extension (greenlet at
+    # run time), so it is imported on first use: sync users never need it.
+    if name in ("AsyncFencer", "AsyncLease"):
+        from . import _async
+
+        return getattr(_async, name)
+    raise AttributeError(f"module 'sa_fence' has no attribute {name!r}")

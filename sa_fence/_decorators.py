@@ -20,22 +20,27 @@ same for every public method of a class.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import enum
 import functools
 import inspect
 import logging
 import string
+import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, overload
 
 from sqlalchemy.orm import Session
 
 from . import _protocol as proto
-from ._lease import Fencer, Lease, OnLost
-from .errors import LeaseNotAcquiredError
+from ._lease import BaseLease, Fencer, Lease, OnLost
+from .errors import LeaseLostError, LeaseNotAcquiredError
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from ._async import AsyncFencer, AsyncLease
     from ._flush import _SessionState
 
 log = logging.getLogger("sa_fence")
@@ -61,11 +66,14 @@ class Skipped(enum.Enum):
 #: Returned instead of running the body when ``on_busy="skip"`` and the lease is held.
 SKIPPED = Skipped.SKIPPED
 
-_current: contextvars.ContextVar[Lease] = contextvars.ContextVar("sa_fence_current_lease")
+_current: contextvars.ContextVar[BaseLease] = contextvars.ContextVar("sa_fence_current_lease")
 
 
-def current_lease() -> Lease:
+def current_lease() -> Any:
     """The lease of the innermost :func:`fenced` call running in this context.
+
+    A :class:`~sa_fence.Lease`, or an :class:`~sa_fence.AsyncLease` inside an
+    ``async def`` fenced call (a contextvar: each asyncio task sees its own).
 
     For the body's own use: ``current_lease().token`` as part of an
     idempotency key for external side effects, or ``current_lease().check()``
@@ -126,12 +134,45 @@ def _check_fields(template: str, fields: list[str], fn: Callable[..., Any]) -> i
     return sig
 
 
+def _async_kinds() -> tuple[type, type] | None:
+    """(AsyncFencer, AsyncSession) if the asyncio front end is loaded, else None.
+
+    Not imported here: an AsyncFencer or AsyncSession can only exist once its
+    module is loaded, and sync users need not load SQLAlchemy's asyncio.
+    """
+    if "sa_fence._async" not in sys.modules:
+        return None
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from ._async import AsyncFencer
+
+    return AsyncFencer, AsyncSession
+
+
 def _check_locator(what: str, value: object, kind: type) -> None:
-    if not (isinstance(value, str) and value.isidentifier()) and not isinstance(value, kind):
-        raise TypeError(
-            f"{what} must be a {kind.__name__} or the name of a parameter / attribute of "
-            f"the first argument holding one, got {value!r}"
-        )
+    if (isinstance(value, str) and value.isidentifier()) or isinstance(value, kind):
+        return
+    kinds = _async_kinds()
+    if kinds is not None and isinstance(value, kinds[0] if kind is Fencer else kinds[1]):
+        return
+    raise TypeError(
+        f"{what} must be a {kind.__name__} or the name of a parameter / attribute of "
+        f"the first argument holding one (Async{kind.__name__} for an async def), got {value!r}"
+    )
+
+
+def _check_sides(fn: Callable[..., Any], is_async: bool, fencer: object, session: object) -> None:
+    """An async def needs an AsyncFencer and AsyncSession given explicitly, a def the sync ones."""
+    for what, value, sync_kind in (("fencer", fencer, Fencer), ("session", session, Session)):
+        if isinstance(value, str):
+            continue
+        if isinstance(value, sync_kind) == is_async:
+            want = f"Async{sync_kind.__name__}" if is_async else sync_kind.__name__
+            kind = "an async def" if is_async else "a plain def"
+            raise TypeError(
+                f"@fenced on {kind} ({fn.__qualname__}) needs {what}=<a {want}>, got "
+                f"{type(value).__name__}"
+            )
 
 
 def _locate(what: str, locator: object, kind: type, bound: inspect.BoundArguments) -> Any:
@@ -168,8 +209,9 @@ def fenced(
     renew: bool = ...,
     on_lost: OnLost | None = ...,
     fail_fast: bool | None = ...,
-    fencer: Fencer | str = ...,
-    session: Session | str = ...,
+    fencer: Fencer | AsyncFencer | str = ...,
+    session: Session | AsyncSession | str = ...,
+    cancel_on_lost: bool | None = ...,
 ) -> Callable[[Callable[P, R]], Callable[P, R | Skipped]]: ...
 @overload
 def fenced(
@@ -181,8 +223,9 @@ def fenced(
     renew: bool = ...,
     on_lost: OnLost | None = ...,
     fail_fast: bool | None = ...,
-    fencer: Fencer | str = ...,
-    session: Session | str = ...,
+    fencer: Fencer | AsyncFencer | str = ...,
+    session: Session | AsyncSession | str = ...,
+    cancel_on_lost: bool | None = ...,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 def fenced(
     name: str,
@@ -193,8 +236,9 @@ def fenced(
     renew: bool = False,
     on_lost: OnLost | None = None,
     fail_fast: bool | None = None,
-    fencer: Fencer | str = "fencer",
-    session: Session | str = "session",
+    fencer: Fencer | AsyncFencer | str = "fencer",
+    session: Session | AsyncSession | str = "session",
+    cancel_on_lost: bool | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, Any]]:
     """Run the decorated function under lease ``name`` with its session fenced.
 
@@ -215,6 +259,13 @@ def fenced(
     back; either way the session's previous binding is restored and the lease
     released.  Bad arguments raise ``TypeError``/``ValueError`` here, at
     decoration time, where they can be found.
+
+    On an ``async def`` the same options apply, with an
+    :class:`~sa_fence.AsyncFencer` and an ``AsyncSession``; the call is
+    awaited, commits with ``await session.commit()``, and, with
+    ``cancel_on_lost`` (default True; async only), a lease found lost while
+    the body runs cancels the body, rolls back and raises
+    :class:`~sa_fence.LeaseLostError`.
     """
     fields = _check_template(name)
     ttl_ms = proto.ttl_to_ms(ttl)
@@ -234,14 +285,23 @@ def fenced(
         raise TypeError(f"fail_fast must be True, False or None, got {fail_fast!r}")
     _check_locator("fencer", fencer, Fencer)
     _check_locator("session", session, Session)
+    if cancel_on_lost is not None and not isinstance(cancel_on_lost, bool):
+        raise TypeError(f"cancel_on_lost must be True, False or None, got {cancel_on_lost!r}")
 
     def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
-        if not callable(fn) or inspect.iscoroutinefunction(fn):
-            raise TypeError(f"@fenced decorates a plain (sync) function or method, got {fn!r}")
+        if not callable(fn):
+            raise TypeError(f"@fenced decorates a function or method, got {fn!r}")
+        is_async = inspect.iscoroutinefunction(fn)
+        if cancel_on_lost is not None and not is_async:
+            raise ValueError(
+                f"cancel_on_lost applies only to an async def (a thread cannot be cancelled); "
+                f"{fn.__qualname__} is a plain def: drop cancel_on_lost and call "
+                "current_lease().check() between steps instead"
+            )
+        _check_sides(fn, is_async, fencer, session)
         sig = _check_fields(name, fields, fn)
 
-        @functools.wraps(fn)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
+        def lease_name_of(args: Any, kwargs: Any) -> tuple[str, inspect.BoundArguments]:
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             try:
@@ -251,7 +311,45 @@ def fenced(
                     f"could not fill lease name template {name!r} from the arguments of "
                     f"{fn.__qualname__}(): {type(exc).__name__}: {exc}"
                 ) from None
-            proto.check_name(lease_name)
+            return proto.check_name(lease_name), bound
+
+        if is_async:
+            from sqlalchemy.ext.asyncio import AsyncSession
+
+            from ._async import AsyncFencer
+
+            on_lost_any: Any = on_lost  # called with the AsyncLease
+
+            @functools.wraps(fn)
+            async def async_wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
+                lease_name, bound = lease_name_of(args, kwargs)
+                the_fencer: AsyncFencer = _locate("fencer", fencer, AsyncFencer, bound)
+                the_session: AsyncSession = _locate("session", session, AsyncSession, bound)
+                try:
+                    lease = await the_fencer.acquire(
+                        lease_name,
+                        ttl,
+                        blocking=on_busy == "wait",
+                        timeout=timeout,
+                        renew=renew,
+                        on_lost=on_lost_any,
+                        fail_fast=fail_fast,
+                    )
+                except LeaseNotAcquiredError:
+                    if on_busy == "skip":
+                        log.info("lease %r is busy; skipped %s()", lease_name, fn.__qualname__)
+                        return SKIPPED
+                    raise
+                return await _run_fenced_async(
+                    fn, args, kwargs, lease, the_session, cancel_on_lost is not False
+                )
+
+            setattr(async_wrapper, _MARK, True)
+            return async_wrapper
+
+        @functools.wraps(fn)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
+            lease_name, bound = lease_name_of(args, kwargs)
             the_fencer: Fencer = _locate("fencer", fencer, Fencer, bound)
             the_session: Session = _locate("session", session, Session, bound)
             try:
@@ -304,6 +402,71 @@ def _run_fenced(
         lease._release_on_exit()
 
 
+async def _run_fenced_async(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    lease: AsyncLease,
+    session: AsyncSession,
+    cancel_on_lost: bool,
+) -> Any:
+    """The async twin of :func:`_run_fenced`: bind, run, commit or roll back, restore, release."""
+    from ._flush import _state_for
+
+    state: _SessionState = _state_for(session.sync_session)
+    previous = state.lease
+    reset = _current.set(lease)
+    try:
+        lease.bind(session)
+
+        async def unit_of_work() -> Any:
+            try:
+                result = await fn(*args, **kwargs)
+                await session.commit()
+            except BaseException:
+                await session.rollback()
+                raise
+            return result
+
+        if not cancel_on_lost:
+            return await unit_of_work()
+        return await _cancelled_on_loss(lease, unit_of_work())
+    finally:
+        state.lease = previous
+        _current.reset(reset)
+        await lease._release_on_exit()
+
+
+async def _cancelled_on_loss(lease: AsyncLease, work: Any) -> Any:
+    """Run ``work`` in a child task that the lease's loss cancels (LeaseLostError then).
+
+    A child task, so that the loss cancels the body only: the caller's task
+    is never cancelled by us, and a cancellation of the caller still reaches
+    the body (awaiting a task forwards the cancellation to it) and is
+    re-raised as such.  The child runs in a copy of this context, so
+    ``current_lease()`` works in the body.
+    """
+    child = asyncio.ensure_future(work)
+
+    def on_loss() -> None:
+        if not child.done():
+            child.cancel(f"sa-fence: lease {lease.name!r} was lost")
+
+    lease._loss_hooks.append(on_loss)
+    try:
+        if lease._state.lost is not None:
+            on_loss()
+        return await child
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        lost = lease._state.lost
+        if lost is not None and child.cancelled() and (me is None or me.cancelling() == 0):
+            raise LeaseLostError(f"{lost} The fenced call was cancelled.") from None
+        raise
+    finally:
+        lease._loss_hooks.remove(on_loss)
+
+
 def fenced_methods(
     name: str,
     *,
@@ -314,8 +477,9 @@ def fenced_methods(
     renew: bool = False,
     on_lost: OnLost | None = None,
     fail_fast: bool | None = None,
-    fencer: Fencer | str = "fencer",
-    session: Session | str = "session",
+    fencer: Fencer | AsyncFencer | str = "fencer",
+    session: Session | AsyncSession | str = "session",
+    cancel_on_lost: bool | None = None,
 ) -> Callable[[C], C]:
     """Class decorator: apply :func:`fenced` with these arguments to every public method.
 
@@ -336,6 +500,7 @@ def fenced_methods(
         fail_fast=fail_fast,
         fencer=fencer,
         session=session,
+        cancel_on_lost=cancel_on_lost,
     )
 
     def decorate(cls: C) -> C:

@@ -81,7 +81,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from ._lease import Lease
+    from ._lease import BaseLease as Lease  # a Lease or an AsyncLease
 
 log = logging.getLogger("sa_fence")
 
@@ -282,6 +282,31 @@ def _view_of(engine: Engine) -> Engine:
         _listen(view)
         _views[engine] = view
         _origins[view] = engine
+    return view
+
+
+#: User AsyncEngine -> its private fenced view, and back.
+_async_views: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_async_origins: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _async_view_of(async_engine: Any) -> Any:
+    """The private fenced view of an ``AsyncEngine``: ``async_engine.execution_options()``.
+
+    Its ``sync_engine`` is a view of the user's sync engine and carries the
+    statement listeners, as :func:`_view_of` makes for a sync Engine; the
+    user's ``AsyncEngine`` (and its ``sync_engine``) stay untouched.
+    """
+    if async_engine in _async_origins:
+        return async_engine  # already a view
+    view = _async_views.get(async_engine)
+    if view is None:
+        check_dialect(async_engine.dialect)
+        view = async_engine.execution_options()
+        _listen(view.sync_engine)
+        _origins[view.sync_engine] = async_engine.sync_engine
+        _async_views[async_engine] = view
+        _async_origins[view] = async_engine
     return view
 
 
@@ -524,6 +549,47 @@ _EVENTS = (
 )
 
 
+def _async_target(target: object) -> Any:
+    """The sync-side target for an ``async_sessionmaker`` or ``AsyncSession``, else None.
+
+    ``AsyncSession`` runs its sync ``Session``'s events, so the one flush hook
+    serves both: an ``AsyncSession`` is fenced through ``.sync_session``, and
+    an ``async_sessionmaker`` through a private subclass of its
+    ``sync_session_class`` (never the user's class, never ``Session`` itself).
+    sqlalchemy.ext.asyncio is looked at only if already imported: sync users
+    do not need greenlet.
+    """
+    import sys
+
+    ext = sys.modules.get("sqlalchemy.ext.asyncio")
+    if ext is None:
+        return None
+    if isinstance(target, ext.AsyncSession):
+        return target.sync_session
+    if isinstance(target, ext.async_sessionmaker):
+        return target
+    if isinstance(target, type) and issubclass(target, ext.AsyncSession):
+        raise TypeError(
+            f"install()/uninstall() cannot take the AsyncSession class {target.__name__}: "
+            "its events run on its sync_session_class. Install on your async_sessionmaker, "
+            "on one AsyncSession, or on a Session subclass you pass as sync_session_class."
+        )
+    return None
+
+
+_SYNC_CLASS = "_sa_fence_private_sync_class"
+
+
+def _fenced_sync_class(maker: Any) -> type[Session]:
+    """The private Session subclass an async_sessionmaker's sessions run on."""
+    current: type[Session] = maker.kw.get("sync_session_class") or maker.class_.sync_session_class
+    if vars(current).get(_SYNC_CLASS):
+        return current
+    private = type(f"Fenced{current.__name__}", (current,), {_SYNC_CLASS: current})
+    maker.configure(sync_session_class=private)
+    return private
+
+
 def _check_target(target: object) -> None:
     if target is Session:
         raise TypeError(
@@ -536,9 +602,8 @@ def _check_target(target: object) -> None:
     ):
         return
     raise TypeError(
-        "install()/uninstall() take a Session subclass, a sessionmaker or a Session, "
-        f"got {target!r}. (For AsyncSession pass its sync_session_class or "
-        "async_session.sync_session.)"
+        "install()/uninstall() take a Session subclass, a sessionmaker or a Session "
+        f"(or an async_sessionmaker or AsyncSession), got {target!r}"
     )
 
 
@@ -550,8 +615,20 @@ def install(target: T) -> T:
     UPDATE/DELETE of a fenced row.  Idempotent; never touches Mapper or the
     Engine you pass around.  A sessionmaker (or session) bound to an Engine is
     re-bound to a private view of it (same pool, own listeners): the fast path.
-    Returns ``target``.
+    An ``async_sessionmaker`` or ``AsyncSession`` is fenced through its sync
+    session; its ``AsyncEngine`` bind is re-bound the same way.  Returns
+    ``target``.
     """
+    sync_target = _async_target(target)
+    if isinstance(sync_target, Session):
+        install(sync_target)
+        return target
+    if sync_target is not None:  # an async_sessionmaker
+        bind = sync_target.kw.get("bind")
+        if hasattr(bind, "sync_engine") and isinstance(bind.sync_engine, Engine):
+            sync_target.configure(bind=_async_view_of(bind))
+        install(_fenced_sync_class(sync_target))
+        return target
     _check_target(target)
     _rebind(target, _view_of)
     holder = _hook_holder(target)
@@ -564,6 +641,19 @@ def install(target: T) -> T:
 
 def uninstall(target: T) -> T:
     """Remove what :func:`install` added to ``target``.  Idempotent."""
+    sync_target = _async_target(target)
+    if isinstance(sync_target, Session):
+        uninstall(sync_target)
+        return target
+    if sync_target is not None:  # an async_sessionmaker
+        current = sync_target.kw.get("sync_session_class")
+        if current is not None and vars(current).get(_SYNC_CLASS):
+            uninstall(current)
+            sync_target.configure(sync_session_class=vars(current)[_SYNC_CLASS])
+        bind = sync_target.kw.get("bind")
+        if bind is not None and bind in _async_origins:
+            sync_target.configure(bind=_async_origins[bind])
+        return target
     _check_target(target)
     holder = _hook_holder(target)
     if vars(holder).get(_INSTALLED, False):
@@ -609,10 +699,12 @@ def is_installed(session: Session) -> bool:
 
 
 def bind_lease(session: Session, lease: Lease) -> None:
+    sync_session = _async_target(session)
+    if isinstance(sync_session, Session):  # an AsyncSession: fenced through its sync session
+        session = sync_session
     if not isinstance(session, Session):
         raise TypeError(
-            f"bind() takes a sqlalchemy Session, got {type(session).__name__} "
-            "(for an AsyncSession pass async_session.sync_session)"
+            f"bind() takes a sqlalchemy Session or AsyncSession, got {type(session).__name__}"
         )
     if not is_installed(session):
         raise FencingConfigError(

@@ -163,12 +163,7 @@ class Fencer:
         key = self.key(name)
         ttl_ms = proto.ttl_to_ms(ttl)
         max_wait = proto.check_timeout(blocking, timeout, float(ttl))
-        if not isinstance(renew, bool):
-            raise TypeError(f"renew must be True or False, got {renew!r}")
-        if on_lost is not None and not callable(on_lost):
-            raise TypeError(f"on_lost must be a callable taking the lease, got {on_lost!r}")
-        if fail_fast is not None and not isinstance(fail_fast, bool):
-            raise TypeError(f"fail_fast must be True, False or None, got {fail_fast!r}")
+        proto.check_lease_options(renew, on_lost, fail_fast)
         if not self._tokens._checked:
             try:
                 self.check()
@@ -200,10 +195,7 @@ class Fencer:
             self._release_quietly(key, owner)
             raise
         if remaining < 0:
-            raise LeaseLostError(
-                f"lease {name!r} expired or was taken over before its token {token} could "
-                "be recorded; the token was thrown away. Use a longer ttl if this repeats."
-            )
+            raise LeaseLostError(proto.confirm_lost_message(name, token))
         lease = Lease(
             self,
             name,
@@ -411,18 +403,16 @@ class _Renewer:
             del lease
 
 
-class Lease:
-    """A granted lease: ``name``, ``owner``, ``token``, ``ttl``.
+class BaseLease:
+    """What a holder knows about a granted lease, without I/O.
 
-    Bind it to sessions with :meth:`bind`; keep it alive with :meth:`extend`
-    (or ``renew=True`` at acquire); ask whether it is still usable with
-    :meth:`check` or :attr:`lost`; give it back with :meth:`release` (or use
-    it as a context manager).
+    Shared by :class:`Lease` and :class:`sa_fence.AsyncLease` (and read by the
+    flush hook): the state, the validity on this process's monotonic clock,
+    and the "is it still usable" checks.  The subclasses add the Redis calls.
     """
 
     def __init__(
         self,
-        fencer: Fencer,
         name: str,
         key: str,
         owner: str,
@@ -433,9 +423,8 @@ class Lease:
         *,
         ttl_ms: int | None = None,
         fail_fast: bool = False,
-        on_lost: OnLost | None = None,
+        on_lost: Callable[[Any], object] | None = None,
     ) -> None:
-        self.fencer = fencer
         self.name = name
         self.key = key
         self.owner = owner
@@ -452,12 +441,11 @@ class Lease:
             fail_fast=fail_fast,
         )
         self._on_lost = on_lost
-        self._renew_entry: int | None = None
         self._renew_failures = 0
 
     def __repr__(self) -> str:
         state = "released" if self.released else "lost" if self.lost else "held"
-        return f"<Lease {self.name!r} token={self.token} ttl={self.ttl} {state}>"
+        return f"<{type(self).__name__} {self.name!r} token={self.token} ttl={self.ttl} {state}>"
 
     @property
     def released(self) -> bool:
@@ -501,6 +489,131 @@ class Lease:
         if problem is not None:
             raise LeaseLostError(problem)
 
+    def _lose(self, message: str) -> None:
+        with self._lock:
+            first = self._state.mark_lost(message)
+        if not first:
+            return
+        self._stop_renewal()
+        log.warning("%s", message)
+        if self._on_lost is not None:
+            try:
+                self._on_lost(self)
+            except Exception:
+                log.exception("on_lost callback of lease %r raised", self.name)
+        self._after_lost()
+
+    def _stop_renewal(self) -> None:
+        """Stop renewing this lease (the front end's renewer)."""
+
+    # The decisions around each Redis call, shared by both front ends: they
+    # differ only in how they send the call and wait.
+
+    def _extend_ttl_ms(self, ttl: float | None) -> int:
+        """Validate an extend before sending it: the TTL in ms, or LeaseLostError."""
+        ttl_ms = proto.ttl_to_ms(self.ttl if ttl is None else ttl)
+        problem = self._state.problem(time.monotonic(), for_write=True)
+        if problem is not None and (self.released or self._state.lost is not None):
+            raise LeaseLostError(problem)
+        return ttl_ms
+
+    def _on_extend_reply(self, extended: int, sent_at: float, ttl_ms: int) -> None:
+        if not extended:
+            message = proto.not_ours_message(self.name, self.token)
+            self._lose(message)
+            raise LeaseLostError(message)
+        with self._lock:
+            self._state.on_extended(sent_at, ttl_ms)
+
+    def _release_outcome(self, deleted: bool, resent: bool, first_sent: float) -> bool:
+        deleted = proto.release_deleted(
+            self._state, deleted=deleted, resent=resent, first_sent=first_sent, now=time.monotonic()
+        )
+        if not deleted:
+            log.warning(
+                "lease %r (token %d) had already expired or been taken over at release",
+                self.name,
+                self.token,
+            )
+        return deleted
+
+    def _renewal_unanswered(self, exc: Exception) -> str:
+        log.warning(
+            "renewal of lease %r got no answer from Redis (%s); retrying until its "
+            "local validity runs out",
+            self.name,
+            exc,
+        )
+        return "unknown"
+
+    def _renewal_step(self, outcome: str, sent_at: float, fraction: float) -> float | None:
+        """After one renewal EXTEND: the next due time, or None to stop (lost or released)."""
+        with self._lock:
+            if not self._state.renewing:
+                return None  # released (or lost) meanwhile: ignore the answer
+            self._renew_failures = 0 if outcome != "unknown" else self._renew_failures + 1
+            step = proto.after_renewal(
+                self._state,
+                outcome=outcome,
+                now=time.monotonic(),
+                sent_at=sent_at,
+                ttl_ms=self._ttl_ms,
+                fraction=fraction,
+                failures=max(0, self._renew_failures - 1),
+                rand=random.random(),
+            )
+        if step.lost is not None:
+            self._lose(step.lost)
+            return None
+        return step.at
+
+    def _after_lost(self) -> None:
+        """Run after ``on_lost`` (the asyncio front end cancels fenced bodies here)."""
+
+    def _notice_overdue(self) -> None:
+        if self._state.overdue(time.monotonic()):
+            self._lose(proto.renewal_timed_out_message(self.name, self.token))
+
+
+class Lease(BaseLease):
+    """A granted lease: ``name``, ``owner``, ``token``, ``ttl``.
+
+    Bind it to sessions with :meth:`bind`; keep it alive with :meth:`extend`
+    (or ``renew=True`` at acquire); ask whether it is still usable with
+    :meth:`check` or :attr:`lost`; give it back with :meth:`release` (or use
+    it as a context manager).
+    """
+
+    def __init__(
+        self,
+        fencer: Fencer,
+        name: str,
+        key: str,
+        owner: str,
+        token: int,
+        ttl: float,
+        value: str,
+        acquired_at: float,
+        *,
+        ttl_ms: int | None = None,
+        fail_fast: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> None:
+        super().__init__(
+            name,
+            key,
+            owner,
+            token,
+            ttl,
+            value,
+            acquired_at,
+            ttl_ms=ttl_ms,
+            fail_fast=fail_fast,
+            on_lost=on_lost,
+        )
+        self.fencer = fencer
+        self._renew_entry: int | None = None
+
     def extend(self, ttl: float | None = None) -> None:
         """Set the lease's remaining time to ``ttl`` seconds (default: the original ttl).
 
@@ -509,10 +622,7 @@ class Lease:
         then never extended.  Raises :class:`~sa_fence.LeaseBackendError` when
         Redis did not answer after bounded retries.
         """
-        ttl_ms = proto.ttl_to_ms(self.ttl if ttl is None else ttl)
-        problem = self._state.problem(time.monotonic(), for_write=True)
-        if problem is not None and (self.released or self._state.lost is not None):
-            raise LeaseLostError(problem)
+        ttl_ms = self._extend_ttl_ms(ttl)
         sent_at = time.monotonic()
         extended = int(
             self.fencer._call(
@@ -521,12 +631,7 @@ class Lease:
                 lambda: self.fencer._extend(keys=[self.key], args=[self._value, ttl_ms]),
             )
         )
-        if not extended:
-            message = proto.not_ours_message(self.name, self.token)
-            self._lose(message)
-            raise LeaseLostError(message)
-        with self._lock:
-            self._state.on_extended(sent_at, ttl_ms)
+        self._on_extend_reply(extended, sent_at, ttl_ms)
 
     def release(self) -> bool:
         """Give the lease back; never deletes another owner's lease.
@@ -563,20 +668,7 @@ class Lease:
                 raise LeaseBackendError(
                     backend="redis", operation="release", name=self.name, cause=exc
                 ) from exc
-        if not deleted and failures and self._state.lost is None:
-            # An earlier attempt's reply was lost.  Sent while the lease was
-            # still valid, and the key is gone now before it could have expired:
-            # that earlier attempt deleted it.
-            deleted = time.monotonic() < self._state.valid_until and (
-                first_sent < self._state.valid_until
-            )
-        if not deleted:
-            log.warning(
-                "lease %r (token %d) had already expired or been taken over at release",
-                self.name,
-                self.token,
-            )
-        return deleted
+        return self._release_outcome(deleted, failures > 0, first_sent)
 
     def bind(self, session: Session) -> Session:
         """Fence ``session``'s flushes with this lease's token from now on.
@@ -613,22 +705,8 @@ class Lease:
                 exc_info=True,
             )
 
-    def _lose(self, message: str) -> None:
-        with self._lock:
-            first = self._state.mark_lost(message)
-        if not first:
-            return
+    def _stop_renewal(self) -> None:
         self.fencer._renewer.cancel(self)
-        log.warning("%s", message)
-        if self._on_lost is not None:
-            try:
-                self._on_lost(self)
-            except Exception:
-                log.exception("on_lost callback of lease %r raised", self.name)
-
-    def _notice_overdue(self) -> None:
-        if self._state.overdue(time.monotonic()):
-            self._lose(proto.renewal_timed_out_message(self.name, self.token))
 
     def _renew_once(self) -> float | None:
         """One renewal (on the renewer thread); the next due time, or None to stop."""
@@ -640,28 +718,5 @@ class Lease:
             reply = int(self.fencer._extend(keys=[self.key], args=[self._value, self._ttl_ms]))
             outcome = "extended" if reply else "not-ours"
         except redis_lib.exceptions.RedisError as exc:  # timeouts, a read-only replica...
-            outcome = "unknown"
-            log.warning(
-                "renewal of lease %r got no answer from Redis (%s); retrying until its "
-                "local validity runs out",
-                self.name,
-                exc,
-            )
-        with self._lock:
-            if not self._state.renewing:
-                return None  # released (or lost) meanwhile: ignore the answer
-            self._renew_failures = 0 if outcome != "unknown" else self._renew_failures + 1
-            step = proto.after_renewal(
-                self._state,
-                outcome=outcome,
-                now=time.monotonic(),
-                sent_at=sent_at,
-                ttl_ms=self._ttl_ms,
-                fraction=self.fencer.renew_fraction,
-                failures=max(0, self._renew_failures - 1),
-                rand=random.random(),
-            )
-        if step.lost is not None:
-            self._lose(step.lost)
-            return None
-        return step.at
+            outcome = self._renewal_unanswered(exc)
+        return self._renewal_step(outcome, sent_at, self.fencer.renew_fraction)

@@ -423,3 +423,42 @@ def after_renewal(
     if now >= state.valid_until:
         return RenewStep(at=now, lost=renewal_timed_out_message(state.name, state.token))
     return RenewStep(at=now + wait_until(state.valid_until, now, BACKEND_BACKOFF, failures, rand))
+
+
+# ------------------------------------------------- shared by both front ends
+#
+# The sync (:mod:`sa_fence._lease`) and asyncio (:mod:`sa_fence._async`)
+# front ends validate, decide and word their errors through these, so the
+# two cannot drift apart; they differ only in how they wait and send.
+
+
+def check_lease_options(renew: object, on_lost: object, fail_fast: object) -> None:
+    """Validate acquire's ``renew``, ``on_lost`` and ``fail_fast`` (before any I/O)."""
+    if not isinstance(renew, bool):
+        raise TypeError(f"renew must be True or False, got {renew!r}")
+    if on_lost is not None and not callable(on_lost):
+        raise TypeError(f"on_lost must be a callable taking the lease, got {on_lost!r}")
+    if fail_fast is not None and not isinstance(fail_fast, bool):
+        raise TypeError(f"fail_fast must be True, False or None, got {fail_fast!r}")
+
+
+def confirm_lost_message(name: str, token: int) -> str:
+    return (
+        f"lease {name!r} expired or was taken over before its token {token} could "
+        "be recorded; the token was thrown away. Use a longer ttl if this repeats."
+    )
+
+
+def release_deleted(
+    state: LeaseState, *, deleted: bool, resent: bool, first_sent: float, now: float
+) -> bool:
+    """Whether a release deleted our live lease.
+
+    ``deleted`` is the last RELEASE reply.  When an earlier attempt's reply
+    was lost (``resent``) and the key is gone now, while the lease was still
+    within its validity both when the first attempt was sent and now, only
+    that earlier attempt can have deleted it.
+    """
+    if deleted or not resent or state.lost is not None:
+        return deleted
+    return now < state.valid_until and first_sent < state.valid_until

@@ -89,3 +89,7 @@ def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
             # fail loudly instead.  Never RESTART the token sequence.
             conn.execute(sa.text("SET LOCAL lock_timeout = '5s'"))
             conn.execute(sa.text("TRUNCATE audit, cells, jobs"))
+
+
+# The asyncio tests' fixtures (AsyncEngine, redis.asyncio client, AsyncFencer).
+pytest_plugins = ("tests._async_fixtures",)
