@@ -333,6 +333,16 @@ class AsyncFencer:
             except Exception:  # the original error matters more; the lease will expire
                 log.warning("could not release lease %s after a failed acquire", key, exc_info=True)
 
+    async def close(self) -> None:
+        """Wait for the cleanups this fencer runs in the background to finish.
+
+        (Owner-checked deletes after a cancelled or failed acquire.)  The
+        async fencer holds no token connection of its own; leases already
+        granted keep working and the fencer stays usable.
+        """
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
     def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """A task this fencer keeps alive until it is done."""
         task = asyncio.ensure_future(coro)

@@ -131,6 +131,16 @@ class Fencer:
         with self._check_lock:
             self._tokens.check()
 
+    def close(self) -> None:
+        """Close the server connection this fencer holds for drawing tokens.
+
+        ``engine.dispose()`` does not reach it (sa-fence adds no listener to
+        your Engine); garbage collection does, and so does this.  Leases
+        already granted keep working, and the fencer stays usable: the next
+        token opens a new connection.
+        """
+        self._tokens.close()
+
     def acquire(
         self,
         name: str,

@@ -68,7 +68,7 @@ def test_the_sync_and_async_classes_have_the_same_methods_and_parameters(
 
 def test_what_does_io_is_a_coroutine_on_the_async_side_and_nothing_else_is() -> None:
     for cls, io in [
-        (sa_fence.AsyncFencer, {"acquire", "check"}),
+        (sa_fence.AsyncFencer, {"acquire", "check", "close"}),
         (sa_fence.AsyncLease, {"extend", "release"}),
     ]:
         for name, member in inspect.getmembers(cls):
@@ -316,3 +316,12 @@ async def test_a_renewed_lease_dropped_without_release_stops_being_renewed(
     await asyncio.sleep(3 * TTL)
     assert redis_client.get(key) is None
     assert await no_renewal_tasks_left() == []
+
+
+async def test_async_fencer_close_waits_for_background_cleanups(
+    afencer: sa_fence.AsyncFencer,
+) -> None:
+    lease = await afencer.acquire("job:close", 5)
+    await lease.release()
+    await afencer.close()
+    assert not afencer._background

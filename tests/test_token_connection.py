@@ -41,7 +41,7 @@ def test_the_token_connection_takes_no_slot_of_the_engines_pool(
             assert conn.execute(sa.text("SELECT 1")).scalar_one() == 1
             fencer.acquire("job:2", 30).release()  # and tokens still come while it is used
     finally:
-        fencer._tokens.close()
+        fencer.close()
         small.dispose()
 
 
@@ -73,5 +73,25 @@ def test_a_closed_token_connection_is_replaced_before_use(
         assert fencer._tokens._held is not old
         assert not fencer._tokens._held.closed
     finally:
-        fencer._tokens.close()
+        fencer.close()
+        own.dispose()
+
+
+def test_fencer_close_ends_the_held_server_connection_and_the_fencer_stays_usable(
+    engine: sa.Engine, redis_client, key_prefix: str
+) -> None:
+    own = sa.create_engine(engine.url)
+    try:
+        fencer = sa_fence.Fencer(redis_client, own, sequence=SEQUENCE, key_prefix=key_prefix)
+        fencer.acquire("job:1", 30).release()
+        pid = fencer._tokens._held.info.backend_pid
+        fencer.close()
+        with engine.connect() as conn:
+            alive = conn.execute(
+                sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
+            ).scalar_one()
+        assert alive == 0
+        fencer.acquire("job:1", 30).release()  # a new connection is opened on demand
+    finally:
+        fencer.close()
         own.dispose()
