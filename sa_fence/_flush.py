@@ -365,8 +365,7 @@ def _before_execute(
         params = {**params, TOKEN_BIND: token}
     if not isinstance(elem, Insert):
         table = fence_col.table
-        pk_cols = list(table.primary_key.columns)
-        pk_names = [str(c._label if isinstance(elem, Update) else c.key) for c in pk_cols]
+        pk_cols, pk_names = _primary_key_binds(table, isinstance(elem, Update))
         if param_sets and all(n in param_sets[0] for n in pk_names):
             state.pending = _Pending(
                 statement=fenced,
@@ -378,6 +377,28 @@ def _before_execute(
                 lease_name=lease.name,
             )
     return fenced, multiparams, params
+
+
+_pk_binds: weakref.WeakKeyDictionary[Table, dict[bool, tuple[list[Column[Any]], list[str]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _primary_key_binds(table: Table, update: bool) -> tuple[list[Column[Any]], list[str]]:
+    """The primary key columns and the bind names the ORM's flush gives them.
+
+    UPDATE binds them by label (``jobs_id``), DELETE by key (``id``): a
+    statement whose parameters carry all of them targets rows by primary key,
+    so its row count must equal the number of parameter sets.
+    """
+    by_kind = _pk_binds.get(table)
+    if by_kind is None:
+        by_kind = _pk_binds[table] = {}
+    binds = by_kind.get(update)
+    if binds is None:
+        cols = list(table.primary_key.columns)
+        binds = by_kind[update] = (cols, [str(c._label if update else c.key) for c in cols])
+    return binds
 
 
 def _after_execute(
