@@ -28,8 +28,8 @@ import inspect
 import logging
 import string
 import sys
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, overload
+from collections.abc import Callable, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar, overload
 
 from sqlalchemy.orm import Session
 
@@ -48,6 +48,21 @@ log = logging.getLogger("sa_fence")
 P = ParamSpec("P")
 R = TypeVar("R")
 C = TypeVar("C", bound=type)
+
+
+class _SkippingDecorator(Protocol):
+    """What ``fenced(..., on_busy="skip")`` returns: ``SKIPPED`` joins the result type.
+
+    For a coroutine function the *awaited* result may be ``SKIPPED``.
+    """
+
+    @overload
+    def __call__(
+        self, fn: Callable[P, Coroutine[Any, Any, R]], /
+    ) -> Callable[P, Coroutine[Any, Any, R | Skipped]]: ...
+    @overload
+    def __call__(self, fn: Callable[P, R], /) -> Callable[P, R | Skipped]: ...
+
 
 OnBusy = Literal["raise", "skip", "wait"]
 _ON_BUSY = ("raise", "skip", "wait")
@@ -212,7 +227,7 @@ def fenced(
     fencer: Fencer | AsyncFencer | str = ...,
     session: Session | AsyncSession | str = ...,
     cancel_on_lost: bool | None = ...,
-) -> Callable[[Callable[P, R]], Callable[P, R | Skipped]]: ...
+) -> _SkippingDecorator: ...
 @overload
 def fenced(
     name: str,
