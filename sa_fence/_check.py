@@ -30,7 +30,7 @@ import sqlalchemy as sa
 
 from ._guard import TRIGGER_NAME, qualified
 from ._model import fence_column_of
-from ._tokens import DEFAULT_SEQUENCE
+from ._tokens import DEFAULT_SEQUENCE, SEQUENCE_SQL, sequence_problems
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -141,14 +141,6 @@ def fenced_tables(
     ]
 
 
-_SEQUENCE_SQL = sa.text(
-    """
-    SELECT format_type(s.seqtypid, NULL) AS data_type, s.seqcache, s.seqcycle,
-           s.seqincrement, s.seqstart
-      FROM pg_catalog.pg_sequence s
-     WHERE s.seqrelid = to_regclass(:name)
-    """
-)
 _TABLE_SQL = sa.text(
     """
     SELECT to_regclass(:table) IS NOT NULL AS present,
@@ -179,7 +171,7 @@ def check(
     report = Report(sequence)
     seq_schema, seq_name = _split_sequence(sequence)
     seq_quoted = qualified(seq_name, seq_schema)
-    row = conn.execute(_SEQUENCE_SQL, {"name": seq_quoted}).one_or_none()
+    row = conn.execute(SEQUENCE_SQL, {"name": seq_quoted}).one_or_none()
     if row is None:
         report.findings.append(
             Finding(
@@ -191,18 +183,7 @@ def check(
             )
         )
     else:
-        problems = []
-        if row.data_type != "bigint":
-            problems.append(f"its type is {row.data_type} (need bigint)")
-        if row.seqcache != 1:
-            problems.append(
-                f"it has CACHE {row.seqcache} (need CACHE 1: cached values are not ordered "
-                "in time across connections)"
-            )
-        if row.seqcycle:
-            problems.append("it is CYCLE (need NO CYCLE: a wrapped token looks ancient)")
-        if row.seqincrement <= 0:
-            problems.append(f"it has INCREMENT {row.seqincrement} (need a positive increment)")
+        problems = sequence_problems(row)
         if problems:
             report.findings.append(
                 Finding(

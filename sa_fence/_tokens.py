@@ -53,10 +53,11 @@ def fence_sequence(
     )
 
 
-_CHECK_SQL = text(
+#: The sequence's settings that decide whether it can issue fencing tokens.
+SEQUENCE_SQL = text(
     """
     SELECT format_type(s.seqtypid, NULL) AS data_type,
-           s.seqcache, s.seqcycle, s.seqincrement
+           s.seqcache, s.seqcycle, s.seqincrement, s.seqstart
       FROM pg_catalog.pg_sequence s
      WHERE s.seqrelid = to_regclass(:name)
     """
@@ -74,6 +75,24 @@ _TOKEN_SQL_PYFORMAT = (
     "SELECT nextval(CAST(%(name)s AS regclass)), txid_current(), "
     "current_setting('synchronous_commit')"
 )
+
+
+def sequence_problems(row: Any) -> list[str]:
+    """Why a sequence (a row of ``pg_sequence``: data_type, seqcache,
+    seqcycle, seqincrement) cannot issue fencing tokens; empty when it can."""
+    problems = []
+    if row.data_type != "bigint":
+        problems.append(f"its type is {row.data_type} (need bigint: AS bigint)")
+    if row.seqcache != 1:
+        problems.append(
+            f"it has CACHE {row.seqcache} (need CACHE 1: cached values are not "
+            "ordered in time across connections)"
+        )
+    if row.seqcycle:
+        problems.append("it is CYCLE (need NO CYCLE: a wrapped token looks ancient)")
+    if row.seqincrement <= 0:
+        problems.append(f"it has INCREMENT {row.seqincrement} (need a positive increment)")
+    return problems
 
 
 def _fix_hint(name: str) -> str:
@@ -111,7 +130,7 @@ class TokenSource:
         """Verify the sequence and the connection settings; raise FencingConfigError."""
         name = self.sequence
         with self.engine.connect() as conn:
-            row = conn.execute(_CHECK_SQL, {"name": name}).one_or_none()
+            row = conn.execute(SEQUENCE_SQL, {"name": name}).one_or_none()
             sync = conn.execute(text("SELECT current_setting('synchronous_commit')")).scalar_one()
             conn.rollback()
         if row is None:
@@ -119,18 +138,7 @@ class TokenSource:
                 f"token sequence {name!r} does not exist in {self.engine.url.database!r}. "
                 + _fix_hint(name)
             )
-        problems = []
-        if row.data_type != "bigint":
-            problems.append(f"its type is {row.data_type} (need bigint: AS bigint)")
-        if row.seqcache != 1:
-            problems.append(
-                f"it has CACHE {row.seqcache} (need CACHE 1: cached values are not "
-                "ordered in time across connections)"
-            )
-        if row.seqcycle:
-            problems.append("it is CYCLE (need NO CYCLE: a wrapped token looks ancient)")
-        if row.seqincrement <= 0:
-            problems.append(f"it has INCREMENT {row.seqincrement} (need a positive increment)")
+        problems = sequence_problems(row)
         if problems:
             raise FencingConfigError(
                 f"token sequence {name!r} cannot issue fencing tokens: "

@@ -51,7 +51,7 @@ from ._guard import (
     qualified,
 )
 from ._model import fence_column_of
-from ._tokens import DEFAULT_SEQUENCE, fence_sequence
+from ._tokens import DEFAULT_SEQUENCE, SEQUENCE_SQL, fence_sequence
 
 if TYPE_CHECKING:
     from alembic.autogenerate.api import AutogenContext
@@ -509,10 +509,6 @@ _GUARD_EXISTS_SQL = sa.text(
     "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger "
     "WHERE tgrelid = to_regclass(:table) AND tgname = :trigger AND NOT tgisinternal)"
 )
-_SEQUENCE_SQL = sa.text(
-    "SELECT s.seqcache, s.seqcycle FROM pg_catalog.pg_sequence s "
-    "WHERE s.seqrelid = to_regclass(:name)"
-)
 
 
 def _metadatas(autogen_context: AutogenContext) -> list[sa.MetaData]:
@@ -599,7 +595,7 @@ def _compare_fencing(
     sequence = str(autogen_context.opts.get("sa_fence_sequence", DEFAULT_SEQUENCE))
     seq_schema, _, seq_name = sequence.rpartition(".")
     row = conn.execute(
-        _SEQUENCE_SQL, {"name": qualified(seq_name, seq_schema or None)}
+        SEQUENCE_SQL, {"name": qualified(seq_name, seq_schema or None)}
     ).one_or_none()
     if row is None:
         upgrade_ops.ops.insert(0, CreateFenceSequenceOp(seq_name, schema=seq_schema or None))

@@ -21,26 +21,27 @@ ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "index.md"
 
 
-def quickstart_code() -> str:
-    """The first ```python block under the "Quickstart" heading of the guide."""
+def guide_block(heading: str) -> str:
+    """The first ```python block under ``heading`` in the guide (not a later section's)."""
     text = GUIDE.read_text(encoding="utf-8")
-    heading = re.search(r"^#+\s+Quickstart\s*$", text, flags=re.MULTILINE)
-    assert heading, "docs/index.md has no Quickstart heading"
+    found = re.search(rf"^#+\s+{re.escape(heading)}\s*$", text, flags=re.MULTILINE)
+    assert found, f"docs/index.md has no {heading!r} heading"
     block = re.compile(r"^```python\n(.*?)^```\s*$", flags=re.MULTILINE | re.DOTALL)
-    match = block.search(text, heading.end())
-    assert match, "no ```python block under the Quickstart heading"
-    next_heading = re.compile(r"^#+\s", flags=re.MULTILINE).search(text, heading.end())
+    match = block.search(text, found.end())
+    assert match, f"no ```python block under the {heading!r} heading"
+    next_heading = re.compile(r"^#+\s", flags=re.MULTILINE).search(text, found.end())
     assert next_heading is None or match.start() < next_heading.start(), (
-        "the first ```python block after Quickstart belongs to a later section"
+        f"the first ```python block after {heading!r} belongs to a later section"
     )
     return match.group(1)
 
 
-def test_the_quickstart_runs_and_refuses_the_stale_writer(
-    database_url: sa.URL, redis_client: redis.Redis, key_prefix: str, tmp_path: Path
-) -> None:
-    script = tmp_path / "quickstart.py"
-    script.write_text(quickstart_code(), encoding="utf-8")
+def run_guide_block(
+    heading: str, database_url: sa.URL, key_prefix: str, tmp_path: Path
+) -> list[str]:
+    """Run the block as a script against the test run's servers; its stdout lines."""
+    script = tmp_path / "guide_block.py"
+    script.write_text(guide_block(heading), encoding="utf-8")
     env = {
         **os.environ,
         "DATABASE_URL": database_url.render_as_string(hide_password=False),
@@ -56,9 +57,15 @@ def test_the_quickstart_runs_and_refuses_the_stale_writer(
         timeout=60,
         check=False,
     )
-    assert proc.returncode == 0, f"quickstart failed:\n{proc.stdout}\n{proc.stderr}"
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) >= 2, proc.stdout
+    assert proc.returncode == 0, f"{heading} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout.strip().splitlines()
+
+
+def test_the_quickstart_runs_and_refuses_the_stale_writer(
+    database_url: sa.URL, redis_client: redis.Redis, key_prefix: str, tmp_path: Path
+) -> None:
+    lines = run_guide_block("Quickstart", database_url, key_prefix, tmp_path)
+    assert len(lines) >= 2, lines
     assert re.fullmatch(r"A \(token \d+\) refused: row \(1,\) has fence \d+", lines[-2]), lines
     assert lines[-1] == "job 1 result: written by B", lines
     # the stale holder's token is smaller than the fence that refused it
