@@ -548,3 +548,21 @@ def test_a_plain_session_on_the_same_engine_is_not_fenced(
         plain.get(Job, 1).result = "plain"
         plain.commit()  # no hook: written as is (the documented limit)
     assert row(engine, 1)[0] == "plain"  # type: ignore[index]
+
+
+def test_core_dml_on_a_sessions_connection_without_a_lease_is_refused_before_it_is_sent(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    statements: list[str],
+) -> None:
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    jobs = Job.__table__
+    with make_session() as session:
+        conn = session.connection()
+        del statements[:]
+        with pytest.raises(sa_fence.UnfencedWriteError):
+            conn.execute(jobs.update().values(result="core"))
+        session.rollback()
+    assert not [s for s in statements if s.startswith("UPDATE")]
+    assert row(engine, 1)[0] == "initial"  # type: ignore[index]
