@@ -411,7 +411,7 @@ async def _renew(ref: weakref.ref[AsyncLease], at: float) -> None:
         del lease
 
 
-class AsyncLease(BaseLease):
+class AsyncLease(BaseLease["AsyncFencer"]):
     """A granted lease for asyncio: ``name``, ``owner``, ``token``, ``ttl``.
 
     As :class:`sa_fence.Lease`, with ``await lease.extend()``,
@@ -419,38 +419,11 @@ class AsyncLease(BaseLease):
     ``AsyncSession`` (or a sync ``Session``).
     """
 
-    def __init__(
-        self,
-        fencer: AsyncFencer,
-        name: str,
-        key: str,
-        owner: str,
-        token: int,
-        ttl: float,
-        value: str,
-        acquired_at: float,
-        *,
-        ttl_ms: int | None = None,
-        fail_fast: bool = False,
-        on_lost: AsyncOnLost | None = None,
-    ) -> None:
-        super().__init__(
-            name,
-            key,
-            owner,
-            token,
-            ttl,
-            value,
-            acquired_at,
-            ttl_ms=ttl_ms,
-            fail_fast=fail_fast,
-            on_lost=on_lost,
-        )
-        self.fencer = fencer
-        self._renewal: asyncio.Task[None] | None = None
-        self._releasing: asyncio.Task[bool] | None = None
-        #: Run after on_lost: the decorator's "cancel the body" hooks.
-        self._loss_hooks: list[Callable[[], object]] = []
+    _renewal: asyncio.Task[None] | None = None
+    _releasing: asyncio.Task[bool] | None = None
+    #: Run after on_lost: the decorator's "cancel the body" hooks.  A tuple,
+    #: replaced rather than mutated, so it needs no per-instance set-up.
+    _loss_hooks: tuple[Callable[[], object], ...] = ()
 
     async def extend(self, ttl: float | None = None) -> None:
         """As :meth:`sa_fence.Lease.extend`.
@@ -557,7 +530,7 @@ class AsyncLease(BaseLease):
             task.cancel()
 
     def _after_lost(self) -> None:
-        for hook in list(self._loss_hooks):
+        for hook in self._loss_hooks:
             try:
                 hook()
             except Exception:

@@ -81,7 +81,7 @@ class Skipped(enum.Enum):
 #: Returned instead of running the body when ``on_busy="skip"`` and the lease is held.
 SKIPPED = Skipped.SKIPPED
 
-_current: contextvars.ContextVar[BaseLease] = contextvars.ContextVar("sa_fence_current_lease")
+_current: contextvars.ContextVar[BaseLease[Any]] = contextvars.ContextVar("sa_fence_current_lease")
 
 
 def current_lease() -> Any:
@@ -467,7 +467,7 @@ async def _cancelled_on_loss(lease: AsyncLease, work: Any) -> Any:
         if not child.done():
             child.cancel(f"sa-fence: lease {lease.name!r} was lost")
 
-    lease._loss_hooks.append(on_loss)
+    lease._loss_hooks = (*lease._loss_hooks, on_loss)
     try:
         if lease._state.lost is not None:
             on_loss()
@@ -479,7 +479,7 @@ async def _cancelled_on_loss(lease: AsyncLease, work: Any) -> Any:
             raise LeaseLostError(f"{lost} The fenced call was cancelled.") from None
         raise
     finally:
-        lease._loss_hooks.remove(on_loss)
+        lease._loss_hooks = tuple(h for h in lease._loss_hooks if h is not on_loss)
 
 
 def fenced_methods(

@@ -81,7 +81,11 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from ._lease import BaseLease as Lease  # a Lease or an AsyncLease
+    from typing import TypeAlias
+
+    from ._lease import BaseLease
+
+    Lease: TypeAlias = BaseLease[Any]  # a Lease or an AsyncLease
 
 log = logging.getLogger("sa_fence")
 

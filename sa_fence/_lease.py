@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import redis as redis_lib
 from sqlalchemy import Engine
@@ -413,7 +413,10 @@ class _Renewer:
             del lease
 
 
-class BaseLease:
+FencerT = TypeVar("FencerT")
+
+
+class BaseLease(Generic[FencerT]):
     """What a holder knows about a granted lease, without I/O.
 
     Shared by :class:`Lease` and :class:`sa_fence.AsyncLease` (and read by the
@@ -423,6 +426,7 @@ class BaseLease:
 
     def __init__(
         self,
+        fencer: FencerT,
         name: str,
         key: str,
         owner: str,
@@ -435,6 +439,7 @@ class BaseLease:
         fail_fast: bool = False,
         on_lost: Callable[[Any], object] | None = None,
     ) -> None:
+        self.fencer = fencer
         self.name = name
         self.key = key
         self.owner = owner
@@ -585,7 +590,7 @@ class BaseLease:
             self._lose(proto.renewal_timed_out_message(self.name, self.token))
 
 
-class Lease(BaseLease):
+class Lease(BaseLease["Fencer"]):
     """A granted lease: ``name``, ``owner``, ``token``, ``ttl``.
 
     Bind it to sessions with :meth:`bind`; keep it alive with :meth:`extend`
@@ -594,35 +599,8 @@ class Lease(BaseLease):
     it as a context manager).
     """
 
-    def __init__(
-        self,
-        fencer: Fencer,
-        name: str,
-        key: str,
-        owner: str,
-        token: int,
-        ttl: float,
-        value: str,
-        acquired_at: float,
-        *,
-        ttl_ms: int | None = None,
-        fail_fast: bool = False,
-        on_lost: OnLost | None = None,
-    ) -> None:
-        super().__init__(
-            name,
-            key,
-            owner,
-            token,
-            ttl,
-            value,
-            acquired_at,
-            ttl_ms=ttl_ms,
-            fail_fast=fail_fast,
-            on_lost=on_lost,
-        )
-        self.fencer = fencer
-        self._renew_entry: int | None = None
+    #: The renewer's heap entry for this lease, while it is scheduled.
+    _renew_entry: int | None = None
 
     def extend(self, ttl: float | None = None) -> None:
         """Set the lease's remaining time to ``ttl`` seconds (default: the original ttl).
