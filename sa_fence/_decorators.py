@@ -303,6 +303,13 @@ def fenced(
     if cancel_on_lost is not None and not isinstance(cancel_on_lost, bool):
         raise TypeError(f"cancel_on_lost must be True, False or None, got {cancel_on_lost!r}")
 
+    acquire_options: dict[str, Any] = {
+        "blocking": on_busy == "wait",
+        "timeout": timeout,
+        "renew": renew,
+        "fail_fast": fail_fast,
+    }
+
     def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
         if not callable(fn):
             raise TypeError(f"@fenced decorates a function or method, got {fn!r}")
@@ -328,6 +335,13 @@ def fenced(
                 ) from None
             return proto.check_name(lease_name), bound
 
+        def skipped(lease_name: str) -> Skipped:
+            """Contention: SKIPPED under on_busy="skip", else re-raise."""
+            if on_busy != "skip":
+                raise  # the LeaseNotAcquiredError being handled
+            log.info("lease %r is busy; skipped %s()", lease_name, fn.__qualname__)
+            return SKIPPED
+
         if is_async:
             from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -342,19 +356,10 @@ def fenced(
                 the_session: AsyncSession = _locate("session", session, AsyncSession, bound)
                 try:
                     lease = await the_fencer.acquire(
-                        lease_name,
-                        ttl,
-                        blocking=on_busy == "wait",
-                        timeout=timeout,
-                        renew=renew,
-                        on_lost=on_lost_any,
-                        fail_fast=fail_fast,
+                        lease_name, ttl, on_lost=on_lost_any, **acquire_options
                     )
                 except LeaseNotAcquiredError:
-                    if on_busy == "skip":
-                        log.info("lease %r is busy; skipped %s()", lease_name, fn.__qualname__)
-                        return SKIPPED
-                    raise
+                    return skipped(lease_name)
                 return await _run_fenced_async(
                     fn, args, kwargs, lease, the_session, cancel_on_lost is not False
                 )
@@ -368,20 +373,9 @@ def fenced(
             the_fencer: Fencer = _locate("fencer", fencer, Fencer, bound)
             the_session: Session = _locate("session", session, Session, bound)
             try:
-                lease = the_fencer.acquire(
-                    lease_name,
-                    ttl,
-                    blocking=on_busy == "wait",
-                    timeout=timeout,
-                    renew=renew,
-                    on_lost=on_lost,
-                    fail_fast=fail_fast,
-                )
+                lease = the_fencer.acquire(lease_name, ttl, on_lost=on_lost, **acquire_options)
             except LeaseNotAcquiredError:
-                if on_busy == "skip":
-                    log.info("lease %r is busy; skipped %s()", lease_name, fn.__qualname__)
-                    return SKIPPED
-                raise
+                return skipped(lease_name)
             return _run_fenced(fn, args, kwargs, lease, the_session)
 
         setattr(wrapper, _MARK, True)
