@@ -60,8 +60,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.util import greenlet_spawn
 
 from . import _protocol as proto
-from ._lease import DEFAULT_KEY_PREFIX, BaseLease, check_dialect
-from ._tokens import _TOKEN_SQL, DEFAULT_SEQUENCE, TokenSource, _sync_commit_error
+from ._dialect import check_dialect
+from ._lease import DEFAULT_KEY_PREFIX, BaseLease
+from ._tokens import DEFAULT_SEQUENCE, TokenSource
 from .errors import (
     FencingConfigError,
     LeaseBackendError,
@@ -189,7 +190,7 @@ class AsyncFencer:
         try:
             started = await self._grant(name, key, owner, ttl_ms, max_wait)
             try:
-                token = await self._next_token()
+                token = await self._next_token(name)
             except SQLAlchemyError as exc:
                 raise LeaseBackendError(
                     backend="postgresql", operation="token", name=name, cause=exc
@@ -209,6 +210,8 @@ class AsyncFencer:
             await self._shielded(self._release_quietly(key, values))
             raise
         if remaining < 0:
+            # Lost before the token was confirmed: withdraw it (see Fencer.acquire).
+            await greenlet_spawn(self._tokens.withdraw, name, token)
             raise LeaseLostError(proto.confirm_lost_message(name, token))
         lease = AsyncLease(
             self,
@@ -260,16 +263,17 @@ class AsyncFencer:
 
     # ------------------------------------------------------------------ I/O
 
-    async def _next_token(self) -> int:
-        """Take the next token in its own committed transaction (the statement and
-        the ``synchronous_commit`` check of :class:`~sa_fence._tokens.TokenSource`)."""
+    async def _next_token(self, name: str) -> int:
+        """Draw and register the token in its own committed transaction (the
+        statement and checks of :class:`~sa_fence._tokens.TokenSource`)."""
+        tokens = self._tokens
         async with self.engine.connect() as conn:
             conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            result = await conn.execute(_TOKEN_SQL, {"name": self.sequence})
-            token, _xid, sync = result.one()
-        if sync == "off":
-            raise _sync_commit_error(sync)
-        return int(token)
+            result = await conn.execute(tokens.register.grant_text(), tokens.params(name))
+            row = result.one_or_none()
+        if row is None:
+            return await greenlet_spawn(tokens.granted, None, name)
+        return tokens.granted(row, name)
 
     async def _grant(self, name: str, key: str, owner: str, ttl_ms: int, max_wait: float) -> float:
         """Run ACQUIRE until granted; return the monotonic time validity counts from."""

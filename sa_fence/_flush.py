@@ -33,6 +33,7 @@ with the loaded version and forces one UPDATE per row.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -60,6 +61,7 @@ from sqlalchemy import (
     true,
     tuple_,
 )
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import (
     ORMExecuteState,
     Session,
@@ -67,11 +69,14 @@ from sqlalchemy.orm import (
     UOWTransaction,
     sessionmaker,
 )
+from sqlalchemy.orm.attributes import flag_modified, set_committed_value
+from sqlalchemy.sql import operators
 from sqlalchemy.sql.dml import Delete, Insert, Update
+from sqlalchemy.sql.elements import BinaryExpression, BindParameter, BooleanClauseList
 
-from ._guard import TOKEN_SETTING, error_from_guard
-from ._lease import check_dialect
-from ._model import fence_column_of, is_fenced_class
+from ._dialect import check_dialect
+from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check
+from ._model import fence_column_of, is_fenced_class, orm_index
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -117,6 +122,7 @@ class _SessionState:
 
     __slots__ = (
         "__weakref__",
+        "bumped",
         "connections",
         "lease",
         "pending",
@@ -131,6 +137,8 @@ class _SessionState:
         self.poisoned: FenceError | None = None
         self.pending: _Pending | None = None
         self.connections: list[Connection] = []
+        # joined-inheritance objects whose base-table fence this flush bumps
+        self.bumped: list[Any] = []
         # (transaction, token) for which raw SQL presentation already ran
         self.presented_in: tuple[Any, int] | None = None
 
@@ -201,7 +209,7 @@ _hooked: weakref.WeakSet[Connection] = weakref.WeakSet()
 _views: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary()
 _origins: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary()
 #: Original DML statement -> {sets the fence itself?: fenced statement}.
-_rewritten: weakref.WeakKeyDictionary[Any, dict[bool, Any]] = weakref.WeakKeyDictionary()
+_rewritten: weakref.WeakKeyDictionary[Any, _Fenced] = weakref.WeakKeyDictionary()
 
 _TOKEN = bindparam(TOKEN_BIND, type_=BigInteger)
 
@@ -221,7 +229,9 @@ def fence_predicate(fence_col: Column[Any], token: Any) -> ColumnElement[bool]:
     """
     setting: ColumnElement[str] = literal_column(f"'{TOKEN_SETTING}'")  # rendered inline
     presented = func.set_config(setting, cast(token, Text), true())
-    comparison: ColumnElement[bool] = fence_col <= cast(presented, BigInteger)
+    # coalesce: a NULL fence (a legacy row never written under a lease) is
+    # writable, and the token is still presented for every row examined.
+    comparison: ColumnElement[bool] = func.coalesce(fence_col, 0) <= cast(presented, BigInteger)
     return comparison
 
 
@@ -233,6 +243,8 @@ def present_token(conn: Connection, token: int) -> None:
 def _listen(target: Engine | Connection) -> None:
     event.listen(target, "before_execute", _before_execute, retval=True)
     event.listen(target, "after_execute", _after_execute)
+    event.listen(target, "commit", _check_scope_and_commit)
+    event.listen(target, "rollback", _drop_scope)
     _listen_for_guard_errors(target)
 
 
@@ -275,6 +287,80 @@ def _map_guard_error(context: Any) -> None:
     raise state.fail(error) from context.original_exception
 
 
+# ------------------------------------------------- lease scope (at COMMIT)
+
+#: Connection -> the leases whose register rows its transaction's COMMIT must
+#: find unchanged, keyed by (name, token).  Filled while a bound session or a
+#: fenced connection uses it; emptied when its transaction commits or rolls
+#: back (so it outlives a session joined to an outer transaction).
+_scopes: weakref.WeakKeyDictionary[Connection, dict[tuple[str, int], Lease]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _same_database(a: Any, b: Any) -> bool:
+    """Whether two engines reach the same database (the register is per database)."""
+    ua, ub = a.url, b.url
+    return bool(ua.database == ub.database and ua.host == ub.host and ua.port == ub.port)
+
+
+def _enter_scope(conn: Connection, lease: Lease) -> None:
+    """Make ``conn``'s transaction commit only while ``lease`` is its name's newest grant."""
+    scope = _scopes.get(conn)
+    if scope is not None and (lease.name, lease.token) in scope:
+        return
+    if not _same_database(conn.engine, lease.fencer.engine):
+        return  # another database: outside lease scope (documented)
+    if scope is None:
+        scope = _scopes[conn] = {}
+    scope[(lease.name, lease.token)] = lease
+
+
+def _drop_scope(conn: Connection) -> None:
+    _scopes.pop(conn, None)
+
+
+def _check_scope_and_commit(conn: Connection) -> None:
+    """Commit ``conn``'s transaction only if every lease in its scope is still the newest.
+
+    The register checks and ``COMMIT`` travel in one simple-protocol message
+    (``SELECT check(...); COMMIT``), so lease scope costs no extra round trip,
+    and the share lock each check takes is held by the server until the
+    ``COMMIT`` behind it ends: no client pause fits between them.  When a
+    check fails, PostgreSQL skips the rest of the message, so nothing is
+    committed; the DBAPI's own commit that SQLAlchemy sends next finds no
+    transaction and does nothing.
+    """
+    scope = _scopes.pop(conn, None)
+    if not scope:
+        return
+    sql = "; ".join(
+        lease.fencer._tokens.register.check_call(name, token)
+        for (name, token), lease in scope.items()
+    )
+    sql += "; COMMIT"
+    dbapi_conn = conn.connection.dbapi_connection
+    assert dbapi_conn is not None
+    dialect = conn.dialect
+    cursor = dbapi_conn.cursor()
+    try:
+        cursor.execute(sql)
+    except dialect.loaded_dbapi.Error as exc:
+        # End the transaction as a failed COMMIT would have: PostgreSQL skipped
+        # the COMMIT, and SQLAlchemy will not roll back a transaction whose
+        # commit failed before handing the connection back to its pool.
+        with contextlib.suppress(Exception):
+            dbapi_conn.rollback()
+        stale = lease_error_from_check(exc, scope)
+        if stale is not None:
+            raise stale from None
+        raise DBAPIError.instance(
+            sql, None, exc, dialect.loaded_dbapi.Error, dialect=dialect
+        ) from exc
+    finally:
+        cursor.close()
+
+
 def _view_of(engine: Engine) -> Engine:
     """The private fenced view of ``engine`` (created once per engine)."""
     if engine in _origins:
@@ -314,22 +400,78 @@ def _async_view_of(async_engine: Any) -> Any:
     return view
 
 
-def _rewrite(elem: Any, fence_col: Column[Any], sets_fence: bool) -> Any:
-    by_flag = _rewritten.get(elem)
-    if by_flag is None:
-        try:
-            by_flag = _rewritten[elem] = {}
-        except TypeError:  # not weak-referenceable: do not cache
-            by_flag = {}
-    fenced = by_flag.get(sets_fence)
-    if fenced is None:
-        fenced = elem
-        if not isinstance(elem, Insert):
-            fenced = fenced.where(fence_predicate(fence_col, _TOKEN))
-        if not isinstance(elem, Delete) and not sets_fence:
-            fenced = fenced.values({fence_col: _TOKEN})
-        by_flag[sets_fence] = fenced
+@dataclass(slots=True)
+class _Fenced:
+    """A fenced table's DML statement as sa-fence sends it (built once, cached)."""
+
+    statement: Any
+    #: primary key columns and the bind names that target them (None: not by key)
+    pk_cols: list[Column[Any]] | None
+    pk_names: list[str] | None
+
+
+def _rewrite(elem: Any, fence_col: Column[Any]) -> _Fenced:
+    fenced = _rewritten.get(elem)
+    if fenced is not None:
+        return fenced
+    _refuse_caller_fence(elem, fence_col)
+    stmt = elem
+    if not isinstance(elem, Insert):
+        stmt = stmt.where(fence_predicate(fence_col, _TOKEN))
+    if not isinstance(elem, Delete):
+        stmt = _with_value(stmt, fence_col, _TOKEN)
+    pk_cols, pk_names = (None, None) if isinstance(elem, Insert) else _key_binds(elem)
+    fenced = _Fenced(stmt, pk_cols, pk_names)
+    with contextlib.suppress(TypeError):  # not weak-referenceable: not cached
+        _rewritten[elem] = fenced
     return fenced
+
+
+def _with_value(stmt: Any, column: Column[Any], value: Any) -> Any:
+    """``stmt`` also setting ``column = value``; works for ``ordered_values()`` too.
+
+    ``values()`` refuses a statement with ordered values, so such a statement
+    is cloned and the pair appended (SQLAlchemy's own attribute: 2.1 keeps the
+    order flag beside ``_values``, 2.0 keeps ``_ordered_values``).
+    """
+    if getattr(stmt, "_ordered_values", None):  # SQLAlchemy 2.0
+        clone = stmt._generate()
+        clone._ordered_values = [*stmt._ordered_values, (column, value)]
+        return clone
+    if getattr(stmt, "_maintain_values_ordering", False):  # SQLAlchemy 2.1
+        clone = stmt._generate()
+        clone._values = stmt._values.union({column: value})
+        return clone
+    return stmt.values({column: value})
+
+
+def _keys(mapping_keys: Any) -> set[str]:
+    return {k if isinstance(k, str) else str(getattr(k, "key", "")) for k in mapping_keys}
+
+
+def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
+    """A statement that writes the fence column itself is refused before it is sent (I8).
+
+    Values in *parameters* are dropped instead (see _before_execute): ORM
+    bulk mappings and copied row dicts carry the fence as data.
+    """
+    names = {fence_col.key, fence_col.name}
+    given: set[str] = set()
+    if getattr(elem, "_values", None):
+        given |= _keys(elem._values)
+    if getattr(elem, "_ordered_values", None):
+        given |= _keys(k for k, _ in elem._ordered_values)
+    for rows in getattr(elem, "_multi_values", ()) or ():
+        for row in rows:
+            if isinstance(row, dict):
+                given |= _keys(row)
+    if given & names:
+        raise FencingConfigError(
+            f"this statement sets {fence_col.table.name}.{fence_col.name} itself; the fence is "
+            "written by sa-fence from the bound lease's token and no value a caller gives is "
+            f"taken (a low one would re-open the row to stale holders, a high one would lock "
+            f"every later holder out). Drop {fence_col.name!r} from values(). Nothing was sent."
+        )
 
 
 def _before_execute(
@@ -339,70 +481,118 @@ def _before_execute(
     params: dict[str, Any],
     execution_options: Any,
 ) -> tuple[Any, Sequence[dict[str, Any]], dict[str, Any]]:
-    if not isinstance(elem, Update | Delete | Insert):
-        if isinstance(elem, TextClause):
-            state = _active.get(conn)
-            if state is not None:
-                state.present_for_raw_sql(conn)
-        return elem, multiparams, params
     state = _active.get(conn)
     if state is None:
         return elem, multiparams, params
+    lease = state.lease
+    if lease is not None:
+        _enter_scope(conn, lease)
+    if not isinstance(elem, Update | Delete | Insert):
+        if isinstance(elem, TextClause):
+            state.present_for_raw_sql(conn)
+        return elem, multiparams, params
     fence_col = fence_column_of(elem.table)
     if fence_col is None:
+        if lease is None and elem.table in orm_index().association_tables:
+            try:
+                state.require_lease()  # an association row of a fenced entity
+            except FenceError as exc:
+                raise state.fail(exc) from None
         return elem, multiparams, params
     try:
         lease = state.require_lease()
         if isinstance(elem, Insert):
             _refuse_upsert(elem, fence_col)
+        fenced = _rewrite(elem, fence_col)
     except FenceError as exc:
         raise state.fail(exc) from None
-    if lease is None:
+    key = fence_col.key
+    if lease is None:  # sa_fence.unfenced(): no comparison, and no caller's fence either
+        if multiparams and key in multiparams[0]:
+            multiparams = [_without(p, key) for p in multiparams]
+        elif params and key in params:
+            params = _without(params, key)
         return elem, multiparams, params
     token = lease.token
-    param_sets: Sequence[dict[str, Any]] = multiparams or ([params] if params else [])
-    sets_fence = bool(param_sets) and fence_col.key in param_sets[0]
-    fenced = _rewrite(elem, fence_col, sets_fence)
+    # A fence in the parameters (bulk mappings, copied row dicts, the joined-
+    # inheritance bump) is never taken: the statement sets fence = :token.
     if multiparams:
-        multiparams = [{**p, TOKEN_BIND: token} for p in multiparams]
+        multiparams = [{**_without(p, key), TOKEN_BIND: token} for p in multiparams]
     else:
-        params = {**params, TOKEN_BIND: token}
-    if not isinstance(elem, Insert):
-        table = fence_col.table
-        pk_cols, pk_names = _primary_key_binds(table, isinstance(elem, Update))
-        if param_sets and all(n in param_sets[0] for n in pk_names):
+        params = {**_without(params, key), TOKEN_BIND: token}
+    if fenced.pk_names is not None and fenced.pk_cols is not None:
+        param_sets: Sequence[dict[str, Any]] = multiparams or ([params] if params else [])
+        if param_sets and all(n in param_sets[0] for n in fenced.pk_names):
             state.pending = _Pending(
-                statement=fenced,
-                table=table,
+                statement=fenced.statement,
+                table=fence_col.table,
                 token=token,
-                pk_cols=pk_cols,
-                pk_names=pk_names,
+                pk_cols=fenced.pk_cols,
+                pk_names=fenced.pk_names,
                 param_sets=param_sets,
                 lease_name=lease.name,
             )
-    return fenced, multiparams, params
+    elif len(multiparams) > 1 and not isinstance(elem, Insert):
+        raise state.fail(
+            FencingConfigError(
+                f"an executemany {'UPDATE' if isinstance(elem, Update) else 'DELETE'} of fenced "
+                f"table {fence_col.table.name!r} whose WHERE clause does not pin every primary "
+                "key column with `column == bindparam(...)`: a stale row could be skipped "
+                "without anyone noticing. Target rows by primary key, or send one statement "
+                "per parameter set. Nothing was sent."
+            )
+        )
+    return fenced.statement, multiparams, params
 
 
-_pk_binds: weakref.WeakKeyDictionary[Table, dict[bool, tuple[list[Column[Any]], list[str]]]] = (
-    weakref.WeakKeyDictionary()
-)
+def _without(params: dict[str, Any], key: str) -> dict[str, Any]:
+    if key not in params:
+        return params
+    return {k: v for k, v in params.items() if k != key}
 
 
-def _primary_key_binds(table: Table, update: bool) -> tuple[list[Column[Any]], list[str]]:
-    """The primary key columns and the bind names the ORM's flush gives them.
+def _key_binds(elem: Update | Delete) -> tuple[list[Column[Any]] | None, list[str] | None]:
+    """The primary key columns and the names of the binds the WHERE clause targets them by.
 
-    UPDATE binds them by label (``jobs_id``), DELETE by key (``id``): a
-    statement whose parameters carry all of them targets rows by primary key,
-    so its row count must equal the number of parameter sets.
+    Found in the statement itself, so the ORM flush (``jobs.id = :jobs_id``),
+    ORM bulk by primary key and Core statements with any bind names all get
+    their row counts checked.  ``(None, None)`` when the WHERE clause does not
+    pin every primary key column to a bind parameter with ``=``.
     """
-    by_kind = _pk_binds.get(table)
-    if by_kind is None:
-        by_kind = _pk_binds[table] = {}
-    binds = by_kind.get(update)
-    if binds is None:
-        cols = list(table.primary_key.columns)
-        binds = by_kind[update] = (cols, [str(c._label if update else c.key) for c in cols])
-    return binds
+    table: Any = elem.table._deannotate()  # the ORM's statements carry an AnnotatedTable
+    pk_cols: list[Column[Any]] = list(table.primary_key.columns)
+    by_column: dict[Any, str] = {}
+    for criterion in getattr(elem, "_where_criteria", ()):
+        for clause in _conjuncts(criterion):
+            pair = _column_eq_bind(clause, table)
+            if pair is not None:
+                by_column.setdefault(pair[0], pair[1])
+    if not pk_cols or any(c not in by_column for c in pk_cols):
+        return None, None
+    return pk_cols, [by_column[c] for c in pk_cols]
+
+
+def _conjuncts(clause: Any) -> Iterator[Any]:
+    if isinstance(clause, BooleanClauseList) and clause.operator is operators.and_:
+        for sub in clause.clauses:
+            yield from _conjuncts(sub)
+    else:
+        yield clause
+
+
+def _column_eq_bind(clause: Any, table: Any) -> tuple[Any, str] | None:
+    if not isinstance(clause, BinaryExpression) or clause.operator is not operators.eq:
+        return None
+    for col, other in ((clause.left, clause.right), (clause.right, clause.left)):
+        if (
+            isinstance(col, Column)
+            and col.table is table
+            and isinstance(other, BindParameter)
+            and other.callable is None
+            and other.value is None
+        ):
+            return col, str(other.key)
+    return None
 
 
 def _after_execute(
@@ -484,8 +674,10 @@ def _really_writes_fenced(session: Session) -> bool:
     for obj in chain(session.new, session.deleted):
         if is_fenced_class(type(obj)):
             return True
+    # collections count: an appended or removed many-to-many member writes an
+    # association row of this fenced entity
     return any(
-        is_fenced_class(type(obj)) and session.is_modified(obj, include_collections=False)
+        is_fenced_class(type(obj)) and session.is_modified(obj, include_collections=True)
         for obj in session.dirty
     )
 
@@ -501,6 +693,9 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
             state.require_lease()
         except FenceError as exc:
             raise state.fail(exc) from None
+        bump_keys = orm_index().bump_keys
+        if bump_keys:
+            _bump_base_fences(session, state, bump_keys)
         return
     if state.unfenced:
         if _writes_fenced(session):
@@ -512,6 +707,36 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
         state.require_lease()
     except FenceError as exc:
         raise state.fail(exc) from None
+
+
+def _bump_base_fences(session: Session, state: _SessionState, bump_keys: dict[type, str]) -> None:
+    """Joined inheritance: a change to a subclass table alone still fences the row.
+
+    The ORM updates only the tables whose columns changed, so a subclass-only
+    change would send no statement to the base table that carries the fence.
+    Flagging the fence attribute makes the ORM include the base table; the
+    statement hook then compares the fence and sets it to the token (the
+    flagged value itself is never written).
+    """
+    for obj in session.dirty:
+        key = bump_keys.get(type(obj))
+        if key is not None and session.is_modified(obj, include_collections=False):
+            flag_modified(obj, key)
+            state.bumped.append(obj)
+
+
+def _after_flush_postexec(session: Session, flush_context: UOWTransaction) -> None:
+    state = _state(session)
+    if state is None or not state.bumped:
+        return
+    lease = state.lease
+    bumped, state.bumped = state.bumped, []
+    if lease is None:
+        return
+    for obj in bumped:
+        key = orm_index().bump_keys[type(obj)]
+        # the row now carries the token (the flagged old value was not written)
+        set_committed_value(obj, key, lease.token)
 
 
 def _do_orm_execute(orm_state: ORMExecuteState) -> None:
@@ -542,8 +767,19 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
 
 def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
     state = _state_for(session)
+    other = _active.get(connection)
+    if other is not None and other is not state:
+        raise FencingConfigError(
+            "two fenced sessions (or a fenced session inside sa_fence.fence_connection()) "
+            "share one Connection: statements on it could not tell whose token to carry. "
+            "Give each fenced session its own Connection, or close the first one before "
+            "the second begins."
+        )
     _attach(connection, state)
     state.connections.append(connection)
+    if state.lease is not None:
+        _refuse_autocommit(connection)
+        _enter_scope(connection, state.lease)
 
 
 def _before_commit(session: Session) -> None:
@@ -559,6 +795,7 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
             state.poisoned = None
             state.pending = None
             state.presented_in = None
+            state.bumped.clear()
             for conn in state.connections:
                 if _active.get(conn) is state:
                     del _active[conn]
@@ -569,6 +806,7 @@ _EVENTS = (
     ("before_flush", _before_flush),
     ("do_orm_execute", _do_orm_execute),
     ("after_begin", _after_begin),
+    ("after_flush_postexec", _after_flush_postexec),
     ("before_commit", _before_commit),
     ("after_transaction_end", _after_transaction_end),
 )
@@ -737,7 +975,23 @@ def bind_lease(session: Session, lease: Lease) -> None:
             "fence nothing. Call sa_fence.install() on the session, its sessionmaker or "
             "its Session class first."
         )
-    _state_for(session).lease = lease
+    state = _state_for(session)
+    state.lease = lease
+    for conn in state.connections:  # bound mid-transaction: the COMMIT checks it too
+        _refuse_autocommit(conn)
+        _enter_scope(conn, lease)
+
+
+def _refuse_autocommit(conn: Connection) -> None:
+    """Lease scope needs a transaction to check at COMMIT: refuse autocommit connections."""
+    driver = conn.connection.driver_connection
+    if getattr(driver, "autocommit", False):
+        raise FencingConfigError(
+            "this connection is in AUTOCOMMIT mode: every statement commits on its own, so "
+            "the lease could not be checked before its writes commit (lease-scoped "
+            "fencing). Fence a connection in a transaction (the default isolation "
+            "level; conn.begin() or commit-as-you-go). Nothing was sent."
+        )
 
 
 def unbind(session: Session) -> None:
@@ -775,10 +1029,12 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
             f"the lease {lease.name!r} (token {lease.token}) was released; acquire a new "
             "lease before fencing a connection with it"
         )
+    _refuse_autocommit(conn)
     previous = _active.get(conn)
     state = _SessionState()
     state.lease = lease
     _attach(conn, state)
+    _enter_scope(conn, lease)
     try:
         state.present_for_raw_sql(conn)
         yield conn

@@ -264,3 +264,27 @@ def error_from_guard(
         current_fences=[int(fence) if fence is not None else None],
         lease_name=lease_name,
     )
+
+
+def lease_error_from_check(orig: BaseException, scope: Any) -> StaleTokenError | None:
+    """The StaleTokenError for a refused commit check (SQLSTATE SF003), else None."""
+    from ._register import LEASE_STALE_SQLSTATE
+
+    if getattr(orig, "sqlstate", None) != LEASE_STALE_SQLSTATE:
+        return None
+    diag = getattr(orig, "diag", None)
+    try:
+        detail: dict[str, Any] = json.loads(getattr(diag, "message_detail", None) or "{}")
+    except ValueError:
+        detail = {}
+    name = detail.get("name")
+    token = detail.get("token")
+    if name is None or token is None:  # cannot happen with our function; stay specific anyway
+        name, token = next(iter(scope))
+    newest = detail.get("newest")
+    return StaleTokenError(
+        statement="COMMIT",
+        token=int(token),
+        lease_name=str(name),
+        newest_token=None if newest is None else int(newest),
+    )

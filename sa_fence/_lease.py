@@ -22,19 +22,20 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import redis as redis_lib
-from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import _protocol as proto
+from ._dialect import check_engine
+from ._flush import bind_lease
 from ._tokens import DEFAULT_SEQUENCE, TokenSource
 from .errors import (
-    FencingConfigError,
     LeaseBackendError,
     LeaseLostError,
     LeaseNotAcquiredError,
 )
 
 if TYPE_CHECKING:
+    from sqlalchemy import Engine
     from sqlalchemy.orm import Session
 
 log = logging.getLogger("sa_fence")
@@ -47,32 +48,6 @@ _UNKNOWN = (redis_lib.exceptions.ConnectionError, redis_lib.exceptions.TimeoutEr
 T = TypeVar("T")
 #: ``on_lost(lease)``: runs once, on the thread that first sees the loss.
 OnLost = Callable[["Lease"], object]
-
-
-def check_engine(engine: object) -> Engine:
-    """Refuse engines that cannot fence: not PostgreSQL, or no executemany rowcounts."""
-    if hasattr(engine, "sync_engine"):  # AsyncEngine (not imported: needs greenlet)
-        raise FencingConfigError(
-            "Fencer takes a sync sqlalchemy Engine; pass async_engine.sync_engine"
-        )
-    if not isinstance(engine, Engine):
-        raise TypeError(f"engine must be a sqlalchemy Engine, got {type(engine).__name__}")
-    check_dialect(engine.dialect)
-    return engine
-
-
-def check_dialect(dialect: Any) -> None:
-    if dialect.name != "postgresql":
-        raise FencingConfigError(
-            f"sa-fence needs PostgreSQL (tokens come from a sequence in the protected "
-            f"database); this engine's dialect is {dialect.name!r}"
-        )
-    if not (dialect.supports_sane_rowcount and dialect.supports_sane_multi_rowcount):
-        raise FencingConfigError(
-            f"driver {dialect.driver!r} does not report row counts for executemany, so a "
-            "stale batched write could not be detected. Use psycopg 3: "
-            "'postgresql+psycopg://...' (or 'postgresql+psycopg_async://' for asyncio)"
-        )
 
 
 class Fencer:
@@ -186,7 +161,7 @@ class Fencer:
         owner = proto.new_owner()
         started = self._grant(name, key, owner, ttl_ms, max_wait)
         try:
-            token = self._tokens.next_token()
+            token = self._tokens.next_token(name)
         except SQLAlchemyError as exc:
             self._release_quietly(key, owner)
             raise LeaseBackendError(
@@ -205,6 +180,9 @@ class Fencer:
             self._release_quietly(key, owner)
             raise
         if remaining < 0:
+            # Lost before the token was confirmed: the token was never used, so
+            # the register goes back to the live holder's (if it still holds ours).
+            self._tokens.withdraw(name, token)
             raise LeaseLostError(proto.confirm_lost_message(name, token))
         lease = Lease(
             self,
@@ -664,8 +642,6 @@ class Lease(BaseLease["Fencer"]):
         The session (or its class / sessionmaker) must have the flush hook:
         see :func:`sa_fence.install`.  Returns the session.
         """
-        from ._flush import bind_lease
-
         bind_lease(session, self)
         return session
 

@@ -7,8 +7,7 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Column, FetchedValue, FromClause, text
 from sqlalchemy.exc import NoInspectionAvailable
-from sqlalchemy.orm import Mapped, Mapper, class_mapper, mapped_column, validates
-from sqlalchemy.orm.base import NO_VALUE, instance_state
+from sqlalchemy.orm import Mapped, Mapper, class_mapper, mapped_column
 from sqlalchemy.orm.exc import UnmappedClassError
 
 #: Key in ``Column.info`` that marks a column as a table's fence column.
@@ -35,9 +34,10 @@ class Fenced:
     """Declarative mixin: adds the ``fence`` column and marks the class fenced.
 
     ``fence`` holds the token of the last lease holder that wrote the row.
-    sa-fence writes it at flush time; assigning it by hand raises
-    ``AttributeError``.  Rows inserted without a lease (admin scripts using
-    :func:`sa_fence.unfenced`) get ``fence = 0``.
+    sa-fence writes it at flush time from the bound lease's token; a value
+    assigned to it (by hand, or by ``Session.merge`` copying a detached
+    object) is never written (DESIGN.md, I8).  Rows inserted without a lease
+    (admin scripts using :func:`sa_fence.unfenced`) get ``fence = 0``.
     """
 
     fence: Mapped[int] = mapped_column(
@@ -50,18 +50,6 @@ class Fenced:
         info={FENCE_INFO_KEY: True},
         sort_order=1000,
     )
-
-    @validates("fence")
-    def _sa_fence_refuse_manual_fence(self, key: str, value: Any) -> Any:
-        state = instance_state(self)
-        current = state.committed_state.get(key, state.dict.get(key, NO_VALUE))
-        if current is not NO_VALUE and current == value:
-            return value  # a no-op (e.g. Session.merge copying the same fence)
-        raise AttributeError(
-            f"{type(self).__name__}.{key} is written by sa-fence at flush time from the "
-            "bound lease's token; do not assign it. Bind a lease instead: "
-            "lease.bind(session)."
-        )
 
 
 _table_fences: weakref.WeakKeyDictionary[Any, Column[Any] | None] = weakref.WeakKeyDictionary()
@@ -118,3 +106,56 @@ def is_fenced_class(cls: type) -> bool:
         fenced = False
     _fenced_classes[cls] = fenced
     return fenced
+
+
+class OrmIndex:
+    """What the flush hook needs to know about all mapped classes, computed once.
+
+    * ``association_tables``: ``secondary`` tables of relationships with a
+      fenced class on either side: writing their rows needs a bound lease.
+    * ``bump_keys``: joined-inheritance subclasses of a fenced class whose
+      own table has no fence column, with the fence attribute's key: a
+      change to the subclass table alone still compares and bumps the base
+      table's fence.
+
+    Recomputed when the number of mapped classes changes.
+    """
+
+    __slots__ = ("association_tables", "bump_keys", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.association_tables: frozenset[Any] = frozenset()
+        self.bump_keys: dict[type, str] = {}
+
+
+_index = OrmIndex(-1)
+
+
+def orm_index() -> OrmIndex:
+    global _index
+    from sqlalchemy.orm import mapperlib
+
+    registries = list(mapperlib._mapper_registries)
+    size = sum(len(r._managers) for r in registries)
+    if size == _index.size:
+        return _index
+    index = OrmIndex(size)
+    association: set[Any] = set()
+    for registry in registries:
+        for mapper in registry.mappers:
+            key = fence_key_of(mapper)
+            if key is not None and mapper.inherits is not None:
+                fence_table = mapper.columns[key].table
+                if mapper.local_table is not fence_table and mapper.local_table is not (
+                    mapper.inherits.local_table
+                ):
+                    index.bump_keys[mapper.class_] = key
+            for prop in mapper.relationships:
+                if prop.secondary is not None and (
+                    key is not None or fence_key_of(prop.mapper) is not None
+                ):
+                    association.add(prop.secondary)
+    index.association_tables = frozenset(association)
+    _index = index
+    return index

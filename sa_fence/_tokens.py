@@ -8,16 +8,29 @@ failover fate (DESIGN.md, I4/I4b).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from sqlalchemy import BigInteger, Engine, MetaData, Sequence, text
+from sqlalchemy import BigInteger, Connection, Engine, MetaData, Sequence, text
 from sqlalchemy.exc import DBAPIError
 
+from ._register import (
+    CHECK_FUNCTION_SQL,
+    DEFAULT_GRANT_LOCK_TIMEOUT_MS,
+    REGISTER_COLUMNS_SQL,
+    REGISTER_SEQUENCE_SQL,
+    Register,
+    register_table,
+    shape_problems,
+    split_name,
+)
 from .errors import FencingConfigError
+
+log = logging.getLogger("sa_fence")
 
 DEFAULT_SEQUENCE = "sa_fence_token_seq"
 
@@ -36,12 +49,17 @@ def fence_sequence(
 
     ``metadata.create_all(engine)`` (or ``fence_sequence().create(conn)``)
     then emits ``CREATE SEQUENCE ... AS BIGINT INCREMENT BY 1 START WITH 1
-    CACHE 1 NO CYCLE``.  ``CACHE 1`` is required: with a cache every backend
+    CACHE 1 NO CYCLE``.  With a ``metadata``, the lease register
+    (``sa_fence_leases``, whose token default draws from this sequence) and
+    its commit check function are added too, so ``create_all()`` gives the
+    whole working schema.  ``CACHE 1`` is required: with a cache every backend
     pre-allocates a block of values and ``nextval`` stops following real time
     across connections.  Never drop or ``RESTART`` this sequence in a live
     database: tokens would start again below the fences already on the rows.
     """
-    return Sequence(
+    if schema is None and "." in name:
+        schema, name = split_name(name)
+    sequence = Sequence(
         name,
         start=1,
         increment=1,
@@ -51,6 +69,9 @@ def fence_sequence(
         metadata=metadata,
         schema=schema,
     )
+    if metadata is not None:
+        register_table(metadata, sequence)
+    return sequence
 
 
 #: The sequence's settings that decide whether it can issue fencing tokens.
@@ -61,19 +82,6 @@ SEQUENCE_SQL = text(
       FROM pg_catalog.pg_sequence s
      WHERE s.seqrelid = to_regclass(:name)
     """
-)
-
-# One round trip, autocommit: txid_current() gives the statement's implicit
-# transaction an xid, so its commit is WAL-flushed (with synchronous_commit
-# on) and covers the sequence's WAL record: a crash cannot hand this number
-# out again (DESIGN.md I4b).  Without an xid, a transaction that only calls
-# nextval commits without flushing WAL.
-_TOKEN_SQL = text(
-    "SELECT nextval(CAST(:name AS regclass)), txid_current(), current_setting('synchronous_commit')"
-)
-_TOKEN_SQL_PYFORMAT = (
-    "SELECT nextval(CAST(%(name)s AS regclass)), txid_current(), "
-    "current_setting('synchronous_commit')"
 )
 
 
@@ -95,6 +103,68 @@ def sequence_problems(row: Any) -> list[str]:
     return problems
 
 
+def setup_problem(conn: Connection, sequence: str) -> str | None:
+    """What keeps ``sequence`` and its register from granting leases, with the fix; or None."""
+    register = Register(sequence)
+    row = conn.execute(SEQUENCE_SQL, {"name": register.sequence_sql}).one_or_none()
+    if row is None:
+        return (
+            f"token sequence {sequence!r} does not exist in {conn.engine.url.database!r}. "
+            + _fix_hint(sequence)
+        )
+    problems = sequence_problems(row)
+    if problems:
+        return (
+            f"token sequence {sequence!r} cannot issue fencing tokens: "
+            + "; ".join(problems)
+            + f". Fix it with: ALTER SEQUENCE {register.sequence_sql} AS bigint CACHE 1 "
+            "NO CYCLE INCREMENT BY 1;"
+        )
+    fix = (
+        "Create it with sa_fence.fence_sequence(metadata) and metadata.create_all(), or "
+        "in a migration: op.create_fence_register()"
+        + ("" if sequence == DEFAULT_SEQUENCE else f" with sequence={sequence!r}")
+        + "."
+    )
+    columns = conn.execute(REGISTER_COLUMNS_SQL, {"register": register.table_sql}).all()
+    if not columns:
+        return (
+            f"the lease register {register.table_display} does not exist: without it a "
+            f"stale holder's INSERTs and other tables are not fenced. {fix}"
+        )
+    shape = shape_problems(columns)
+    if shape:
+        return (
+            f"the lease register {register.table_display} has the wrong shape: "
+            + "; ".join(shape)
+            + f". Drop it and recreate it: {fix}"
+        )
+    owner = conn.execute(REGISTER_SEQUENCE_SQL, {"register": register.table_sql}).scalar()
+    if owner is None:
+        return (
+            f"the lease register {register.table_display} draws its tokens from no sequence "
+            "(its token column has no nextval default). "
+            f"Fix: ALTER TABLE {register.table_sql} ALTER COLUMN token SET DEFAULT "
+            f"nextval('{register.sequence_sql}');"
+        )
+    mine = conn.execute(
+        text("SELECT CAST(:seq AS regclass)::text"), {"seq": register.sequence_sql}
+    ).scalar_one()
+    if owner != mine:
+        return (
+            f"the lease register {register.table_display} belongs to sequence {owner}, but "
+            f"this Fencer names sequence {sequence!r}: tokens of one register must come from "
+            "one sequence, or a stale holder's token could overtake a newer one. Pass "
+            f"sequence={owner!r} to the Fencer."
+        )
+    if not conn.execute(CHECK_FUNCTION_SQL, {"function": register.function_sql}).scalar_one():
+        return (
+            f"the commit check function {register.function_sql}(text, bigint) is missing, "
+            f"so no bound session could commit. {fix}"
+        )
+    return None
+
+
 def _fix_hint(name: str) -> str:
     return (
         f"Create it with sa_fence.fence_sequence(metadata, {name!r}) and "
@@ -113,11 +183,26 @@ def _sync_commit_error(value: str) -> FencingConfigError:
 
 
 @dataclass
+class Grant:
+    """A token drawn and registered for one lease name."""
+
+    token: int
+
+
+@dataclass
 class TokenSource:
-    """Draws tokens from the sequence through the protected database's engine."""
+    """Draws tokens and advances the lease register through the protected database's engine.
+
+    One statement per grant (:mod:`sa_fence._register`): the token comes from
+    the register's own sequence, checked fit in that same statement, and the
+    register row of the lease name is advanced to it, durably committed.
+    """
 
     engine: Engine
     sequence: str
+    #: Bound (ms) on a grant's wait for a committing holder's share lock on
+    #: the register row; the wait ends in LeaseBackendError naming it.
+    lock_timeout_ms: int = DEFAULT_GRANT_LOCK_TIMEOUT_MS
     _checked: bool = False
     # The connection tokens are drawn on when no other thread is drawing one
     # (see _next_token_psycopg); None until first used.
@@ -126,26 +211,21 @@ class TokenSource:
     _held_since: float = field(default=0.0, init=False, repr=False)
     _held_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
+    @property
+    def register(self) -> Register:
+        return Register(self.sequence)
+
     def check(self) -> None:
-        """Verify the sequence and the connection settings; raise FencingConfigError."""
-        name = self.sequence
+        """Verify the sequence, the register and the connection settings.
+
+        Raises :class:`FencingConfigError` naming what is wrong and how to fix it.
+        """
         with self.engine.connect() as conn:
-            row = conn.execute(SEQUENCE_SQL, {"name": name}).one_or_none()
+            problem = setup_problem(conn, self.sequence)
             sync = conn.execute(text("SELECT current_setting('synchronous_commit')")).scalar_one()
             conn.rollback()
-        if row is None:
-            raise FencingConfigError(
-                f"token sequence {name!r} does not exist in {self.engine.url.database!r}. "
-                + _fix_hint(name)
-            )
-        problems = sequence_problems(row)
-        if problems:
-            raise FencingConfigError(
-                f"token sequence {name!r} cannot issue fencing tokens: "
-                + "; ".join(problems)
-                + f". Fix it with: ALTER SEQUENCE {name} AS bigint CACHE 1 NO CYCLE "
-                "INCREMENT BY 1;"
-            )
+        if problem is not None:
+            raise FencingConfigError(problem)
         if sync == "off":
             raise _sync_commit_error(sync)
         self._checked = True
@@ -154,22 +234,64 @@ class TokenSource:
         if not self._checked:
             self.check()
 
-    def next_token(self) -> int:
-        """Take the next token in its own committed transaction."""
+    def params(self, name: str) -> dict[str, Any]:
+        register = self.register
+        return {
+            "name": name,
+            "sequence": register.sequence_sql,
+            "register": register.table_sql,
+            "lock_timeout": f"{self.lock_timeout_ms}ms",
+        }
+
+    def next_token(self, name: str) -> int:
+        """Draw a token for lease ``name`` and register it, in its own committed transaction."""
+        params = self.params(name)
         # Engines with statement listeners (logging, tracing, tests) keep the
-        # SQLAlchemy path, so that those listeners still see the token statement.
+        # SQLAlchemy path, so that those listeners still see the grant statement.
         if self.engine.dialect.driver == "psycopg" and not getattr(
             self.engine, "_has_events", True
         ):
-            token, sync = self._next_token_psycopg()
+            row = self._next_token_psycopg(params)
         else:
             with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                token, _xid, sync = conn.execute(_TOKEN_SQL, {"name": self.sequence}).one()
+                row = conn.execute(self.register.grant_text(), params).one_or_none()
+        return self.granted(row, name)
+
+    def granted(self, row: Any, name: str) -> int:
+        """The token from the grant statement's row; FencingConfigError if it drew none."""
+        if row is None:
+            # The sequence is unfit or not the register's: find out which (failure path).
+            with self.engine.connect() as conn:
+                problem = setup_problem(conn, self.sequence)
+            raise FencingConfigError(
+                f"lease {name!r} was not granted: "
+                + (problem or f"the token sequence {self.sequence!r} cannot issue tokens")
+            )
+        token, sync = row
         if sync == "off":
             raise _sync_commit_error(sync)
         return int(token)
 
-    def _next_token_psycopg(self) -> tuple[int, str]:
+    def withdraw(self, name: str, token: int) -> None:
+        """Put the register back to the token before ``token`` if it still holds ``token``.
+
+        For a grant whose lease turned out lost before its token was
+        confirmed: the token was never used, and a holder granted in between
+        must not stay fenced out.  Best effort (the failure path).
+        """
+        try:
+            with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                conn.execute(self.register.withdraw_sql(), {"name": name, "token": token})
+        except Exception:
+            log.warning(
+                "could not withdraw the unused token %d of lease %r from the register; the "
+                "lease's current holder's commits are refused until the name is granted again",
+                token,
+                name,
+                exc_info=True,
+            )
+
+    def _next_token_psycopg(self, params: dict[str, Any]) -> Any:
         """The same statement on a psycopg connection of the engine's, driven directly.
 
         Performance fix (docs/benchmarks.md): through a pooled SQLAlchemy
@@ -189,8 +311,14 @@ class TokenSource:
             try:
                 held = self._held_connection()
                 try:
-                    return self._draw(held)
-                except Exception:
+                    return self._draw(held, params)
+                except Exception as exc:
+                    if not (held.closed or held.broken):
+                        # the server refused the statement (a lock timeout, no
+                        # rights, no register): the connection is fine
+                        if isinstance(exc, self.engine.dialect.loaded_dbapi.Error):
+                            raise self._wrap(exc, params, invalidated=False) from exc
+                        raise
                     # a lost connection (server restart, idle timeout): the
                     # pool's path below (pre-ping, invalidation) decides
                     self._drop_held()
@@ -208,27 +336,25 @@ class TokenSource:
             dbapi_conn: Any = raw.driver_connection
             autocommit = dbapi_conn.autocommit  # restored: the engine may set either
             dbapi_conn.autocommit = True
-            drawn = self._draw(dbapi_conn)
+            drawn = self._draw(dbapi_conn, params)
             dbapi_conn.autocommit = autocommit
         except BaseException as exc:
             raw.invalidate(exc)  # also returns it to the pool, closed
             if isinstance(exc, dialect.loaded_dbapi.Error):
-                raise self._wrap(exc, _TOKEN_SQL_PYFORMAT, invalidated=True) from exc
+                raise self._wrap(exc, params, invalidated=True) from exc
             raise
         raw.close()
         return drawn
 
-    def _draw(self, dbapi_conn: Any) -> tuple[int, str]:
+    def _draw(self, dbapi_conn: Any, params: dict[str, Any]) -> Any:
         with dbapi_conn.cursor() as cursor:
-            cursor.execute(_TOKEN_SQL_PYFORMAT, {"name": self.sequence})
-            token, _xid, sync = cursor.fetchone()
-        return int(token), str(sync)
+            cursor.execute(self.register.grant_sql(), params)
+            return cursor.fetchone()
 
-    def _wrap(self, exc: BaseException, statement: str | None, *, invalidated: bool) -> Any:
+    def _wrap(self, exc: BaseException, params: dict[str, Any] | None, *, invalidated: bool) -> Any:
         dialect = self.engine.dialect
-        params = {"name": self.sequence} if statement else None
         return DBAPIError.instance(
-            statement,
+            self.register.grant_sql() if params else None,
             params,
             exc,
             dialect.loaded_dbapi.Error,

@@ -37,29 +37,35 @@ class FenceError(Exception):
 
 
 class StaleTokenError(FenceError, StaleDataError):
-    """A write carried a token older than the fence already on the row.
+    """A write carried a token older than the newest one: nothing of it was committed.
 
-    Raised from the flush (or an ORM bulk UPDATE/DELETE by primary key) when
-    the token-compared statement matched fewer rows than it targeted.  The
-    transaction commits nothing of that unit of work.  Because it is also a
-    :class:`sqlalchemy.orm.exc.StaleDataError`, handlers written for
-    ``version_id_col`` conflicts catch it too.
+    Raised in two places:
 
-    Attributes: ``table`` (name), ``primary_keys`` (the refused rows' keys,
-    each a tuple), ``token`` (the writer's token), ``current_fences`` (the
-    fence found on each refused row, ``None`` when the row is gone),
-    ``statement`` (``"UPDATE"`` or ``"DELETE"``).
+    * **At COMMIT** (lease scope, ``statement == "COMMIT"``): a newer lease of
+      the same name was granted, so the transaction of a session bound to the
+      older lease commits nothing, whatever it wrote.  ``lease_name``,
+      ``token`` and ``newest_token`` (the register's) are set; ``table`` is
+      ``None``.
+    * **At the flush** (the row fence, ``statement`` ``"UPDATE"`` or
+      ``"DELETE"``): the token-compared statement matched fewer rows than it
+      targeted, or a guard trigger refused a row.  ``table``,
+      ``primary_keys`` (each a tuple) and ``current_fences`` (the fence found
+      on each refused row, ``None`` when the row is gone) are set.
+
+    Because it is also a :class:`sqlalchemy.orm.exc.StaleDataError`, handlers
+    written for ``version_id_col`` conflicts catch it too.
     """
 
     def __init__(
         self,
         *,
-        table: str,
-        statement: str,
         token: int,
-        primary_keys: Sequence[tuple[Any, ...]],
-        current_fences: Sequence[int | None],
+        table: str | None = None,
+        statement: str = "UPDATE",
+        primary_keys: Sequence[tuple[Any, ...]] = (),
+        current_fences: Sequence[int | None] = (),
         lease_name: str | None = None,
+        newest_token: int | None = None,
     ) -> None:
         self.table = table
         self.statement = statement
@@ -67,17 +73,50 @@ class StaleTokenError(FenceError, StaleDataError):
         self.primary_keys = tuple(primary_keys)
         self.current_fences = tuple(current_fences)
         self.lease_name = lease_name
-        rows = ", ".join(
-            f"{_fmt_pk(pk)} (fence {'<row gone>' if f is None else f})"
-            for pk, f in zip(self.primary_keys, self.current_fences, strict=False)
+        self.newest_token = newest_token
+        if table is None:
+            newest = "none" if newest_token is None else str(newest_token)
+            message = (
+                f"commit refused: lease {lease_name!r} (token {token}) is stale: a newer "
+                f"lease of that name was granted (token {newest}). Nothing of this "
+                "transaction was committed. Roll back and re-read; the newer holder's "
+                "work stands."
+            )
+        else:
+            rows = ", ".join(
+                f"{_fmt_pk(pk)} (fence {'<row gone>' if f is None else f})"
+                for pk, f in zip(self.primary_keys, self.current_fences, strict=False)
+            )
+            lease = f" of lease {lease_name!r}" if lease_name else ""
+            message = (
+                f"{statement} on table {table!r} refused: token {token}{lease} is stale "
+                f"for row(s) {rows or '<unknown>'}. A newer lease holder has written "
+                "these rows since this lease was granted; nothing of this flush was "
+                "written. Roll back and re-read the rows."
+            )
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # keyword-only constructor: rebuild from the attributes (pickle, Celery)
+        return (
+            _rebuild,
+            (
+                type(self),
+                {
+                    "token": self.token,
+                    "table": self.table,
+                    "statement": self.statement,
+                    "primary_keys": self.primary_keys,
+                    "current_fences": self.current_fences,
+                    "lease_name": self.lease_name,
+                    "newest_token": self.newest_token,
+                },
+            ),
         )
-        lease = f" of lease {lease_name!r}" if lease_name else ""
-        super().__init__(
-            f"{statement} on table {table!r} refused: token {token}{lease} is stale "
-            f"for row(s) {rows or '<unknown>'}. A newer lease holder has written "
-            "these rows since this lease was granted; nothing of this flush was "
-            "written. Roll back and re-read the rows."
-        )
+
+
+def _rebuild(cls: type[Exception], kwargs: dict[str, Any]) -> Exception:
+    return cls(**kwargs)
 
 
 def _fmt_pk(pk: tuple[Any, ...]) -> str:

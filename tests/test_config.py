@@ -12,7 +12,8 @@ from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence._lease import check_dialect
+from sa_fence._dialect import check_dialect
+from tests._fresh_db import fresh_database
 from tests.models import Job
 
 
@@ -64,16 +65,36 @@ def test_an_unfit_token_sequence_is_refused_before_any_lease_is_written(
     assert keys(redis_client, key_prefix) == []
 
 
-def test_the_sequence_helper_declares_a_sequence_the_fencer_accepts(
+def test_the_sequence_helper_declares_a_sequence_and_register_the_fencer_accepts(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    with fresh_database("helper") as engine:
+        metadata = sa.MetaData()
+        seq = sa_fence.fence_sequence(metadata, "scratch_token_seq")
+        metadata.create_all(engine)
+        assert seq.cache == 1
+        assert "sa_fence_leases" in metadata.tables
+        fencer = make_fencer(redis_client, engine, "scratch_token_seq", key_prefix)
+        with fencer.lease("job:1", 5) as lease:
+            assert lease.token == 1
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT name, token FROM sa_fence_leases")).all() == [
+                ("job:1", 1)
+            ]
+        fencer.close()
+
+
+def test_a_fencer_naming_another_sequence_than_its_registers_is_refused(
     engine: sa.Engine, redis_client: redis.Redis, key_prefix: str, sequence: str
 ) -> None:
-    metadata = sa.MetaData()
-    seq = sa_fence.fence_sequence(metadata, sequence)
-    metadata.create_all(engine)
-    assert seq.cache == 1
+    """One register, one sequence: a second sequence's tokens could overtake the first's."""
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"CREATE SEQUENCE {sequence} AS bigint CACHE 1 NO CYCLE"))
     fencer = make_fencer(redis_client, engine, sequence, key_prefix)
-    with fencer.lease("job:1", 5) as lease:
-        assert lease.token == 1
+    with pytest.raises(sa_fence.FencingConfigError, match="belongs to sequence") as refused:
+        fencer.acquire("job:1", 5)
+    assert "sequence='sa_fence_token_seq'" in str(refused.value)  # says how to fix it
+    assert keys(redis_client, key_prefix) == []
 
 
 def test_synchronous_commit_off_is_refused_before_any_lease_is_written(

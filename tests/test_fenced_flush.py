@@ -89,6 +89,7 @@ def test_without_the_token_comparison_the_stale_write_overwrites_b(
     """The pair of the test above: remove the guard and the seeds' failure comes back."""
     monkeypatch.setattr(_flush, "fence_predicate", lambda col, token: sa.true())
     monkeypatch.setattr(_flush, "_rewritten", weakref.WeakKeyDictionary())  # built anew
+    monkeypatch.setattr(_flush, "_enter_scope", lambda conn, lease: None)  # no lease scope
     a, _b, session_a = run_seed_scenario(fencer, make_session)
     session_a.commit()  # goes through: this is the bug sa-fence exists to stop
     session_a.close()
@@ -190,12 +191,19 @@ def test_the_unfenced_opt_out_lets_an_admin_script_write_without_a_lease(
             session.commit()
 
 
-def test_assigning_the_fence_by_hand_is_refused() -> None:
-    with pytest.raises(AttributeError, match=r"Job\.fence is written by sa-fence"):
-        Job(id=1, fence=99)
-    job = Job(id=1)
-    with pytest.raises(AttributeError, match=r"lease\.bind"):
-        job.fence = 5
+def test_a_fence_assigned_by_hand_is_never_written_the_row_carries_the_token(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with fencer.lease("job:1", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add(Job(id=1, result="new", fence=2**63 - 1))  # would lock everyone out
+        session.commit()
+        assert row(engine, 1) == ("new", lease.token)
+        job = session.get(Job, 1)
+        job.fence = 0  # would re-open the row to every stale holder
+        job.result = "again"
+        session.commit()
+        assert row(engine, 1) == ("again", lease.token)
 
 
 def test_a_released_lease_no_longer_fences_its_session(
@@ -268,7 +276,7 @@ def test_one_stale_row_in_a_batched_flush_refuses_the_whole_flush_and_names_that
     assert refused.value.current_fences == (b.token,)
     updates = [s for s in statements if s.startswith("UPDATE jobs")]
     assert len(updates) == 1, "the 50 rows go out as one executemany, not one per row"
-    assert "fence <= " in updates[0]
+    assert "<= CAST(set_config('sa_fence.token'" in updates[0]
     with engine.connect() as conn:
         results = conn.execute(sa.text("SELECT DISTINCT result FROM jobs")).scalars().all()
     assert sorted(results) == ["B", "initial"]

@@ -8,9 +8,11 @@ from typing import Any
 
 import pytest
 import redis
+import sqlalchemy as sa
 
 import sa_fence
 from sa_fence import _protocol
+from tests.models import Job
 
 
 def keys(client: redis.Redis, prefix: str) -> list[bytes]:
@@ -119,12 +121,12 @@ def expire_between_set_and_token(
     seen: dict[str, Any] = {}
     original = fencer._tokens.next_token
 
-    def stalled_next_token() -> int:
+    def stalled_next_token(name: str) -> int:
         if "b" not in seen:
             seen["b"] = None
             time.sleep(0.5)
             seen["b"] = fencer.acquire("job:1", 5)
-        return original()
+        return original(name)
 
     monkeypatch.setattr(fencer._tokens, "next_token", stalled_next_token)
     return seen
@@ -141,6 +143,49 @@ def test_a_token_drawn_after_the_lease_expired_is_thrown_away(
         fencer.acquire("job:1", 0.2)
     b = seen["b"]
     assert redis_client.get(key_prefix + "job:1") == f"{b.owner}:{b.token}".encode()
+
+
+def register_token(engine: sa.Engine, name: str) -> int | None:
+    with engine.connect() as conn:
+        return conn.execute(
+            sa.text("SELECT token FROM sa_fence_leases WHERE name = :n"), {"n": name}
+        ).scalar()
+
+
+def commit_a_job(lease: sa_fence.Lease, make_session: Any) -> None:
+    with make_session() as session:
+        lease.bind(session)
+        session.add(Job(id=1, result="B"))
+        session.commit()
+
+
+def test_a_withdrawn_grant_leaves_the_live_holder_able_to_commit(
+    fencer: sa_fence.Fencer, monkeypatch: pytest.MonkeyPatch, engine: sa.Engine, make_session: Any
+) -> None:
+    """A's token, drawn after B's grant, reached the register before A learned its
+    lease was gone: A withdraws it, so B (the live holder) is not fenced out."""
+    seen = expire_between_set_and_token(fencer, monkeypatch)
+    with pytest.raises(sa_fence.LeaseLostError, match="thrown away"):
+        fencer.acquire("job:1", 0.2)
+    b = seen["b"]
+    assert register_token(engine, "job:1") == b.token
+    commit_a_job(b, make_session)  # not refused
+    b.release()
+
+
+def test_without_the_withdrawal_the_live_holder_is_fenced_out(
+    fencer: sa_fence.Fencer, monkeypatch: pytest.MonkeyPatch, engine: sa.Engine, make_session: Any
+) -> None:
+    """The pair of the test above."""
+    seen = expire_between_set_and_token(fencer, monkeypatch)
+    monkeypatch.setattr(fencer._tokens, "withdraw", lambda name, token: None)
+    with pytest.raises(sa_fence.LeaseLostError, match="thrown away"):
+        fencer.acquire("job:1", 0.2)
+    b = seen["b"]
+    assert register_token(engine, "job:1") != b.token
+    with pytest.raises(sa_fence.StaleTokenError, match="commit refused"):
+        commit_a_job(b, make_session)
+    b.release()
 
 
 def test_without_the_confirmation_the_expired_holder_gets_a_larger_token_than_the_live_one(

@@ -341,8 +341,8 @@ def test_a_confirm_whose_reply_was_lost_is_retried_and_still_succeeds(
     fencer = proxied_fencer(proxy, engine, key_prefix)
     original = fencer._tokens.next_token
 
-    def token_then_arm() -> int:
-        token = original()
+    def token_then_arm(name: str) -> int:
+        token = original(name)
         proxy.drop_reply_to(f":{token}".encode())  # only CONFIRM carries "<owner>:<token>"
         return token
 
