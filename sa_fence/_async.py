@@ -62,7 +62,7 @@ from sqlalchemy.util import greenlet_spawn
 from . import _protocol as proto
 from ._dialect import check_dialect
 from ._lease import DEFAULT_KEY_PREFIX, BaseLease
-from ._tokens import DEFAULT_SEQUENCE, TokenSource
+from ._tokens import DEFAULT_SEQUENCE, TokenSource, token_error
 from .errors import (
     FencingConfigError,
     LeaseBackendError,
@@ -192,9 +192,7 @@ class AsyncFencer:
             try:
                 token = await self._next_token(name)
             except SQLAlchemyError as exc:
-                raise LeaseBackendError(
-                    backend="postgresql", operation="token", name=name, cause=exc
-                ) from exc
+                raise token_error(name, exc, self._tokens.lock_timeout_ms) from exc
             value = proto.confirmed_value(owner, token)
             remaining = int(
                 await self._call(

@@ -778,7 +778,7 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
     _attach(connection, state)
     state.connections.append(connection)
     if state.lease is not None:
-        _refuse_autocommit(connection)
+        _refuse_unscoped(session, connection)
         _enter_scope(connection, state.lease)
 
 
@@ -978,8 +978,19 @@ def bind_lease(session: Session, lease: Lease) -> None:
     state = _state_for(session)
     state.lease = lease
     for conn in state.connections:  # bound mid-transaction: the COMMIT checks it too
-        _refuse_autocommit(conn)
+        _refuse_unscoped(session, conn)
         _enter_scope(conn, lease)
+
+
+def _refuse_unscoped(session: Session, conn: Connection) -> None:
+    """Refuse what would commit a bound session's writes without the register check."""
+    if session.twophase:
+        raise FencingConfigError(
+            "this session uses two-phase commit (twophase=True): its PREPARE TRANSACTION "
+            "and COMMIT PREPARED could not carry the lease register check, so a stale "
+            "holder's writes could commit. Use a plain session for fenced work."
+        )
+    _refuse_autocommit(conn)
 
 
 def _refuse_autocommit(conn: Connection) -> None:

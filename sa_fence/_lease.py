@@ -27,7 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from . import _protocol as proto
 from ._dialect import check_engine
 from ._flush import bind_lease
-from ._tokens import DEFAULT_SEQUENCE, TokenSource
+from ._tokens import DEFAULT_SEQUENCE, TokenSource, token_error
 from .errors import (
     LeaseBackendError,
     LeaseLostError,
@@ -164,9 +164,7 @@ class Fencer:
             token = self._tokens.next_token(name)
         except SQLAlchemyError as exc:
             self._release_quietly(key, owner)
-            raise LeaseBackendError(
-                backend="postgresql", operation="token", name=name, cause=exc
-            ) from exc
+            raise token_error(name, exc, self._tokens.lock_timeout_ms) from exc
         except BaseException:
             self._release_quietly(key, owner)
             raise

@@ -106,6 +106,11 @@ def check_name(name: object) -> str:
             f"lease name must be 1 to {MAX_NAME_LENGTH} characters, got {len(name)}: "
             "name the resource the lease protects, e.g. 'job:42'"
         )
+    if "\x00" in name:
+        raise ValueError(
+            "lease name must not contain NUL characters (PostgreSQL text cannot hold them, "
+            "and the name is kept in the lease register)"
+        )
     return name
 
 

@@ -28,7 +28,7 @@ from ._register import (
     shape_problems,
     split_name,
 )
-from .errors import FencingConfigError
+from .errors import FencingConfigError, LeaseBackendError
 
 log = logging.getLogger("sa_fence")
 
@@ -163,6 +163,24 @@ def setup_problem(conn: Connection, sequence: str) -> str | None:
             f"so no bound session could commit. {fix}"
         )
     return None
+
+
+def token_error(name: str, exc: BaseException, lock_timeout_ms: int) -> LeaseBackendError:
+    """The LeaseBackendError for a failed grant statement, saying what was waited for."""
+    if getattr(getattr(exc, "orig", None), "sqlstate", None) == "55P03":  # lock_not_available
+        return LeaseBackendError(
+            backend="postgresql",
+            operation="token",
+            name=name,
+            cause=exc,
+            detail=(
+                f"waited {lock_timeout_ms} ms for the lease register row of {name!r}, held "
+                "by a transaction committing under an older lease of this name (its commit "
+                "check holds the row until its COMMIT ends). Nothing was granted; try again. "
+                "If this repeats, a holder's connection is stuck mid-commit."
+            ),
+        )
+    return LeaseBackendError(backend="postgresql", operation="token", name=name, cause=exc)
 
 
 def _fix_hint(name: str) -> str:

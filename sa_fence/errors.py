@@ -160,15 +160,28 @@ class LeaseBackendError(FenceError):
     ``__cause__``).
     """
 
-    def __init__(self, *, backend: str, operation: str, name: str, cause: BaseException) -> None:
+    def __init__(
+        self,
+        *,
+        backend: str,
+        operation: str,
+        name: str,
+        cause: BaseException,
+        detail: str | None = None,
+    ) -> None:
         self.backend = backend
         self.operation = operation
         self.name = name
         self.cause = cause
+        self.detail = detail
         super().__init__(
-            f"{operation} of lease {name!r} failed: {backend} did not answer or failed "
-            f"({type(cause).__name__}: {cause}); the outcome is unknown. Check that "
-            f"{backend} is reachable; the lease's TTL ends anything left behind."
+            f"{operation} of lease {name!r} failed: "
+            + (
+                detail
+                or f"{backend} did not answer or failed ({type(cause).__name__}: {cause}); "
+                f"the outcome is unknown. Check that {backend} is reachable; the lease's TTL "
+                "ends anything left behind."
+            )
         )
 
 

@@ -1,0 +1,145 @@
+"""The lease register on the real servers: grants advance it, commits are checked against it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+import sa_fence
+from sa_fence.testing import expire
+from tests.models import Job
+
+
+def register_row(engine: sa.Engine, name: str) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(
+            sa.text("SELECT token, previous, granted_at FROM sa_fence_leases WHERE name = :n"),
+            {"n": name},
+        ).one_or_none()
+
+
+def keys(client: redis.Redis, prefix: str) -> list[bytes]:
+    return list(client.scan_iter(match=prefix + "*"))
+
+
+def test_each_grant_advances_the_register_to_its_token(
+    fencer: sa_fence.Fencer, engine: sa.Engine
+) -> None:
+    with fencer.lease("job:1", 5) as first:
+        row = register_row(engine, "job:1")
+        assert row.token == first.token
+        assert row.granted_at is not None
+    with fencer.lease("job:1", 5) as second:
+        row = register_row(engine, "job:1")
+        assert (row.token, row.previous) == (second.token, first.token)
+    assert second.token > first.token
+
+
+@pytest.fixture
+def committing_holder(engine: sa.Engine, fencer: sa_fence.Fencer) -> Any:
+    """A transaction of the name's current holder stuck between its commit check and COMMIT."""
+    lease = fencer.acquire("job:1", 0.2)
+    dsn = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    conn = psycopg.connect(dsn)
+    conn.execute("SELECT pg_current_xact_id()")  # it wrote something: it has an xid
+    conn.execute(fencer._tokens.register.check_call("job:1", lease.token))  # holds the row
+    yield conn
+    conn.rollback()
+    conn.close()
+
+
+def test_a_grant_waits_a_bounded_time_for_a_committing_holder_and_says_what_it_waited_for(
+    fencer: sa_fence.Fencer,
+    committing_holder: psycopg.Connection,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    fencer._tokens.lock_timeout_ms = 300
+    time.sleep(0.4)  # the holder's lease (TTL 200 ms) runs out in Redis
+    started = time.monotonic()
+    with pytest.raises(sa_fence.LeaseBackendError, match="waited 300 ms for the lease register"):
+        fencer.acquire("job:1", 5)
+    assert time.monotonic() - started < 3
+    assert keys(redis_client, key_prefix) == []  # nothing left behind in Redis
+    committing_holder.rollback()  # the holder's commit ends
+    fencer.acquire("job:1", 5).release()  # and the name can be granted again
+
+
+def test_a_paused_holders_open_transaction_does_not_hold_back_a_newer_grant(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """The register row is locked only between the commit check and COMMIT, which
+    travel in one message: a holder paused mid-transaction blocks no grant."""
+    a = fencer.acquire("job:1", 5)
+    session_a = a.bind(make_session())
+    session_a.add(Job(id=1, result="A"))
+    session_a.flush()  # A's transaction is open and has written
+    expire(a)  # A pauses past its TTL
+    started = time.monotonic()
+    b = fencer.acquire("job:1", 5)
+    assert time.monotonic() - started < 1
+    with pytest.raises(sa_fence.StaleTokenError) as refused:
+        session_a.commit()
+    session_a.close()
+    assert refused.value.statement == "COMMIT"
+    assert (refused.value.token, refused.value.newest_token) == (a.token, b.token)
+    assert refused.value.lease_name == "job:1"
+    assert "nothing of this transaction was committed" in str(refused.value).lower()
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM jobs")).scalar_one() == 0
+    b.release()
+
+
+def test_a_refused_commit_leaves_the_pooled_connection_usable(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    a = fencer.acquire("job:1", 5)
+    with make_session() as session:
+        a.bind(session)
+        session.add(Job(id=1, result="A"))
+        session.flush()
+        expire(a)
+        fencer.acquire("job:1", 5)
+        with pytest.raises(sa_fence.StaleTokenError):
+            session.commit()
+    for _ in range(3):  # the pool hands the same connection out again: it must be clean
+        with make_session() as session:
+            assert session.execute(sa.text("SELECT 1")).scalar_one() == 1
+
+
+def test_a_lease_name_with_a_nul_character_is_refused_before_anything_is_written(
+    fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    with pytest.raises(ValueError, match="NUL"):
+        fencer.acquire("job\x001", 5)
+    assert keys(redis_client, key_prefix) == []
+
+
+def test_a_lease_name_with_quotes_and_backslashes_is_checked_at_commit(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    name = "job:'1'\\; DROP TABLE jobs; --"
+    with fencer.lease(name, 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add(Job(id=1, result="ok"))
+        session.commit()
+    assert register_row(engine, name).token == lease.token
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT result FROM jobs")).scalar_one() == "ok"
+
+
+def test_a_two_phase_session_is_refused_for_fenced_work(
+    fencer: sa_fence.Fencer, engine: sa.Engine
+) -> None:
+    maker = sa_fence.install(sessionmaker(engine, twophase=True))
+    with fencer.lease("job:1", 5) as lease, maker() as session:
+        lease.bind(session)
+        session.add(Job(id=1))
+        with pytest.raises(sa_fence.FencingConfigError, match="two-phase"):
+            session.flush()
