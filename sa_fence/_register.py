@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from sqlalchemy import (
@@ -91,24 +92,24 @@ class Register:
 
     sequence: str  # as the user named it: "seq" or "schema.seq"
 
-    @property
+    @cached_property
     def schema(self) -> str | None:
         return split_name(self.sequence)[0]
 
-    @property
+    @cached_property
     def sequence_sql(self) -> str:
         schema, name = split_name(self.sequence)
         return qualified(name, schema)
 
-    @property
+    @cached_property
     def table_sql(self) -> str:
         return qualified(REGISTER_TABLE, self.schema)
 
-    @property
+    @cached_property
     def table_display(self) -> str:
         return f"{self.schema}.{REGISTER_TABLE}" if self.schema else REGISTER_TABLE
 
-    @property
+    @cached_property
     def function_sql(self) -> str:
         return qualified(CHECK_FUNCTION, self.schema)
 

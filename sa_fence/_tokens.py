@@ -229,9 +229,9 @@ class TokenSource:
     _held_since: float = field(default=0.0, init=False, repr=False)
     _held_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
-    @property
-    def register(self) -> Register:
-        return Register(self.sequence)
+    def __post_init__(self) -> None:
+        #: where the register and its check function live (read at every commit)
+        self.register = Register(self.sequence)
 
     def check(self) -> None:
         """Verify the sequence, the register and the connection settings.
