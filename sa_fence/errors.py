@@ -115,8 +115,9 @@ class StaleTokenError(FenceError, StaleDataError):
         )
 
 
-def _rebuild(cls: type[Exception], kwargs: dict[str, Any]) -> Exception:
-    return cls(**kwargs)
+def _rebuild(cls: type[Exception], kwargs: dict[str, Any], *args: Any) -> Exception:
+    """Unpickle an error whose constructor takes keywords (pickle passes only args)."""
+    return cls(*args, **kwargs)
 
 
 def _fmt_pk(pk: tuple[Any, ...]) -> str:
@@ -139,6 +140,9 @@ class LeaseNotAcquiredError(FenceError):
         held = f" (holder's token {holder_token})" if holder_token is not None else ""
         after = f" after waiting {waited:.3g} s" if waited is not None else ""
         super().__init__(f"lease {name!r} is held by another owner{held}{after}; try again later")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), {"waited": self.waited}, self.name, self.holder_token))
 
 
 class LeaseLostError(FenceError):
@@ -182,6 +186,21 @@ class LeaseBackendError(FenceError):
                 f"the outcome is unknown. Check that {backend} is reachable; the lease's TTL "
                 "ends anything left behind."
             )
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild,
+            (
+                type(self),
+                {
+                    "backend": self.backend,
+                    "operation": self.operation,
+                    "name": self.name,
+                    "cause": self.cause,
+                    "detail": self.detail,
+                },
+            ),
         )
 
 

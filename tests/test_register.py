@@ -143,3 +143,40 @@ def test_a_two_phase_session_is_refused_for_fenced_work(
         session.add(Job(id=1))
         with pytest.raises(sa_fence.FencingConfigError, match="two-phase"):
             session.flush()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        sa_fence.StaleTokenError(token=5, lease_name="job:1", statement="COMMIT", newest_token=7),
+        sa_fence.StaleTokenError(
+            token=5,
+            table="jobs",
+            statement="UPDATE",
+            primary_keys=[(1,)],
+            current_fences=[7],
+            lease_name="job:1",
+        ),
+        sa_fence.LeaseNotAcquiredError("job:1", 7, waited=0.5),
+        sa_fence.LeaseBackendError(
+            backend="redis", operation="acquire", name="job:1", cause=ConnectionError("down")
+        ),
+        sa_fence.LeaseLostError("gone"),
+        sa_fence.FencingConfigError("bad"),
+        sa_fence.UnfencedWriteError("no lease"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_every_error_survives_pickling_with_its_class_attributes_and_message(
+    error: Exception,
+) -> None:
+    """Errors cross process boundaries (multiprocessing, Celery's result backend)."""
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error)
+    assert str(copy) == str(error)
+    attributes = {k: v for k, v in vars(error).items() if k != "cause"}
+    assert {k: v for k, v in vars(copy).items() if k != "cause"} == attributes
+    if hasattr(error, "cause"):
+        assert repr(copy.cause) == repr(error.cause)
