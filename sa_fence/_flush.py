@@ -1,20 +1,32 @@
 """The fenced flush: session events plus a statement hook on the session's engine view.
 
-How a write to a fenced row becomes token-compared, without an extra round
-trip, without writing any row twice, and without per-object work in Python:
+Two lines of defence, neither costing an extra round trip:
+
+**Lease scope (at COMMIT).**  Every transaction of a bound session (or of a
+connection inside :func:`fence_connection`) commits only while the lease
+register still holds its lease's token (:mod:`sa_fence._register`): the
+``commit`` connection event sends ``SELECT sa_fence_check_lease(...);
+COMMIT`` as one message, so a stale holder's transaction commits nothing,
+whatever tables and statements it wrote.  Writes to another database are
+outside it, and so is a session with no lease bound.
+
+**The row fence (at the flush).**
 
 * ``before_flush`` (session event) refuses the flush when fenced entities
   would be written without a lease (:class:`UnfencedWriteError`, before any
-  SQL) or with a released lease (:class:`LeaseLostError`).
-* ``before_execute`` adds ``AND fence <= :token`` to every UPDATE and DELETE
-  of a fenced table, and ``fence = :token`` to every UPDATE and INSERT that
-  does not set the fence itself: the ORM's own batched executemany UPDATE,
-  ORM-enabled ``update()``/``delete()``, and Core DML sent through the
-  session.  The rewritten statement is built once per original statement and
-  cached; the token travels as a bound parameter.
+  SQL) or with a released lease (:class:`LeaseLostError`), and makes a
+  change to a joined-inheritance subclass table also write the base table.
+* ``before_execute`` adds ``AND coalesce(fence, 0) <= :token`` to every
+  UPDATE and DELETE of a fenced table, and ``fence = :token`` to every UPDATE
+  and INSERT: the ORM's own batched executemany UPDATE, ORM-enabled
+  ``update()``/``delete()``, and Core DML sent through the session.  A fence
+  the caller put in the parameters is dropped; a statement that sets it
+  itself is refused.  The rewritten statement is built once per original
+  statement and cached; the token travels as a bound parameter.
 * ``after_execute`` compares the row count of primary-key targeted statements
-  (the flush, ORM bulk UPDATE by primary key) with the number of rows they
-  targeted and raises :class:`StaleTokenError` naming table, key and token.
+  (the flush, ORM bulk by primary key, Core executemany by primary key with
+  any bind names) with the number of rows they targeted and raises
+  :class:`StaleTokenError` naming table, key and token.
 * The fence column is declared ``server_onupdate=FetchedValue()``, so the ORM
   expires ``obj.fence`` after each UPDATE and reloads the new value on access.
 
@@ -23,7 +35,7 @@ a ``sessionmaker`` (or one session) bound to an Engine re-binds it to a
 private view of that engine (``engine.execution_options()``: same pool, its
 own event listeners), so only those sessions' statements pass the hook and no
 listener is added per transaction.  Sessions whose bind is something else (a
-Session subclass, ``binds=`` maps, a Connection) get the two listeners on each
+Session subclass, ``binds=`` maps, a Connection) get the listeners on each
 Connection they begin a transaction on.
 
 ``<=`` (not ``<``) lets the same holder write one row many times.
