@@ -89,6 +89,7 @@ from sqlalchemy.sql.elements import BinaryExpression, BindParameter, BooleanClau
 from ._dialect import check_dialect
 from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check
 from ._model import fence_column_of, is_fenced_class, orm_index
+from ._register import DATABASE_ID_SQL
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -310,10 +311,42 @@ _scopes: weakref.WeakKeyDictionary[Connection, dict[tuple[str, int], Lease]] = (
 )
 
 
-def _same_database(a: Any, b: Any) -> bool:
-    """Whether two engines reach the same database (the register is per database)."""
-    ua, ub = a.url, b.url
-    return bool(ua.database == ub.database and ua.host == ub.host and ua.port == ub.port)
+#: Engine -> the (system identifier, database name) its connections reach.
+_database_ids: weakref.WeakKeyDictionary[Any, tuple[Any, ...] | None] = weakref.WeakKeyDictionary()
+
+
+def _same_database(conn: Connection, lease: Lease) -> bool:
+    """Whether ``conn`` writes to the database that holds ``lease``'s register.
+
+    Equal URLs decide at once; otherwise (another host name, a socket, a
+    pooler) the cluster identifier and database name are read once per
+    engine, on this connection with no events, and compared with the
+    Fencer's.  When either is unknown, lease scope applies (a register
+    missing there makes the COMMIT fail loudly, never pass silently).
+    """
+    fencer_engine: Any = lease.fencer.engine
+    a, b = conn.engine.url, fencer_engine.url
+    if (a.host, a.port, a.database) == (b.host, b.port, b.database):
+        return True
+    theirs = lease.fencer._tokens.database_id
+    if conn.engine not in _database_ids:
+        _database_ids[conn.engine] = _read_database_id(conn)
+    ours = _database_ids[conn.engine]
+    return theirs is None or ours is None or ours == theirs
+
+
+def _read_database_id(conn: Connection) -> tuple[Any, ...] | None:
+    dbapi_conn: Any = conn.connection.dbapi_connection
+    try:
+        cursor = dbapi_conn.cursor()
+        try:
+            cursor.execute(DATABASE_ID_SQL)
+            row = cursor.fetchone()
+        finally:
+            cursor.close()
+    except Exception:
+        return None
+    return None if row is None else tuple(row)
 
 
 def _enter_scope(conn: Connection, lease: Lease) -> None:
@@ -321,7 +354,7 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
     scope = _scopes.get(conn)
     if scope is not None and (lease.name, lease.token) in scope:
         return
-    if not _same_database(conn.engine, lease.fencer.engine):
+    if not _same_database(conn, lease):
         return  # another database: outside lease scope (documented)
     if scope is None:
         scope = _scopes[conn] = {}

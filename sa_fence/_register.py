@@ -68,6 +68,9 @@ REGISTER_TABLE = "sa_fence_leases"
 CHECK_FUNCTION = "sa_fence_check_lease"
 #: SQLSTATE of a refused commit: a newer lease of the same name was granted.
 LEASE_STALE_SQLSTATE = "SF003"
+#: Which database a connection reaches, whatever URL it was reached by (host
+#: names, sockets and poolers differ; the cluster's identifier does not).
+DATABASE_ID_SQL = "SELECT system_identifier, current_database() FROM pg_control_system()"
 #: Default bound (ms) on a grant's wait for a committing holder's share lock.
 DEFAULT_GRANT_LOCK_TIMEOUT_MS = 5000
 

@@ -20,6 +20,7 @@ from sqlalchemy.exc import DBAPIError
 
 from ._register import (
     CHECK_FUNCTION_SQL,
+    DATABASE_ID_SQL,
     DEFAULT_GRANT_LOCK_TIMEOUT_MS,
     REGISTER_COLUMNS_SQL,
     REGISTER_SEQUENCE_SQL,
@@ -229,6 +230,9 @@ class TokenSource:
     _held_since: float = field(default=0.0, init=False, repr=False)
     _held_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
+    #: (system identifier, database name) of the register's database, once checked
+    database_id: tuple[Any, ...] | None = field(default=None, init=False, repr=False)
+
     def __post_init__(self) -> None:
         #: where the register and its check function live (read at every commit)
         self.register = Register(self.sequence)
@@ -241,6 +245,7 @@ class TokenSource:
         with self.engine.connect() as conn:
             problem = setup_problem(conn, self.sequence)
             sync = conn.execute(text("SELECT current_setting('synchronous_commit')")).scalar_one()
+            self.database_id = tuple(conn.execute(text(DATABASE_ID_SQL)).one())
             conn.rollback()
         if problem is not None:
             raise FencingConfigError(problem)

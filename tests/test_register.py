@@ -180,3 +180,47 @@ def test_every_error_survives_pickling_with_its_class_attributes_and_message(
     assert {k: v for k, v in vars(copy).items() if k != "cause"} == attributes
     if hasattr(error, "cause"):
         assert repr(copy.cause) == repr(error.cause)
+
+
+def stale_commit_through(
+    fencer: sa_fence.Fencer, url: sa.URL, engine: sa.Engine
+) -> sa_fence.StaleTokenError | None:
+    """A's session reaches the database through ``url``; B is granted; A commits."""
+    other = sa.create_engine(url)
+    try:
+        maker = sa_fence.install(sessionmaker(other))
+        a = fencer.acquire("job:1", 5)
+        with maker() as session:
+            a.bind(session)
+            session.add(Job(id=1, result="A"))
+            session.flush()
+            expire(a)
+            fencer.acquire("job:1", 5)
+            try:
+                session.commit()
+            except sa_fence.StaleTokenError as exc:
+                return exc
+        return None
+    finally:
+        other.dispose()
+
+
+def test_lease_scope_holds_when_the_session_reaches_the_database_by_another_url(
+    fencer: sa_fence.Fencer, engine: sa.Engine
+) -> None:
+    """localhost vs 127.0.0.1 (or a socket, a pooler): the same database all the same."""
+    other_url = engine.url.set(host="localhost")
+    assert stale_commit_through(fencer, other_url, engine) is not None
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM jobs")).scalar_one() == 0
+
+
+def test_comparing_urls_alone_would_let_the_stale_commit_through(
+    fencer: sa_fence.Fencer, engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pair of the test above: without the database identity, scope is skipped."""
+    from sa_fence import _flush
+
+    monkeypatch.setattr(_flush, "_read_database_id", lambda conn: ("elsewhere",))
+    fencer.check()  # the fencer knows its own database's identity
+    assert stale_commit_through(fencer, engine.url.set(host="localhost"), engine) is None
