@@ -337,7 +337,13 @@ class FencedWritesModel:
         assert outcome in possible, (outcome, possible, error, writes, lease, self.rows)
         # What a run covered: pytest --hypothesis-show-statistics
         event(f"a write's outcome: {outcome}")
-        if isinstance(error, sa_fence.StaleTokenError):
+        if isinstance(error, sa_fence.StaleTokenError) and error.statement == "COMMIT":
+            assert lease is not None
+            assert error.table is None
+            assert (error.lease_name, error.token) == (self.lease_name, lease.token)
+            assert error.newest_token == self.granted[-1]
+            event("a stale holder's transaction was refused at COMMIT")
+        elif isinstance(error, sa_fence.StaleTokenError):
             assert lease is not None
             assert error.table == "jobs"
             assert error.token == lease.token
@@ -391,6 +397,11 @@ class FencedWritesModel:
             return {"LeaseLostError"}, {}
         possible: set[Outcome] = set()
         refusable: dict[str, set[int]] = {}
+        # I7: a newer grant of the name refuses the whole transaction at COMMIT
+        # (unless the row fence or a duplicate key refuses it at the flush first).
+        newer_grant = lease.token != self.granted[-1]
+        if newer_grant:
+            possible.add("StaleTokenError")
         for job_id, kind in writes.items():
             row = self.rows.get(job_id)
             if kind == "insert" and row is not None:
@@ -400,6 +411,8 @@ class FencedWritesModel:
                 refusable.setdefault(kind.upper(), set()).add(job_id)
         # Any refusal refuses the whole flush; which one is raised depends on
         # the ORM's statement order (UPDATE, INSERT, DELETE), not pinned here.
+        if newer_grant:
+            return possible, refusable
         return possible or {"committed"}, refusable
 
     def check(self) -> None:
@@ -468,7 +481,7 @@ def interruptible_fencer(
     queued: list[Callable[[], None]] = []
 
     def before_cursor_execute(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if "nextval(" in statement and queued:
+        if 'INSERT INTO "sa_fence_leases"' in statement and queued:
             queued.pop()()
 
     sa.event.listen(own, "before_cursor_execute", before_cursor_execute)
