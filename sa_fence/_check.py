@@ -5,18 +5,30 @@ writer, and says how to fix each finding:
 
 * the token sequence is missing, not ``bigint``, ``CACHE > 1``, ``CYCLE``,
   or has a non-positive increment;
+* the lease register (``sa_fence_leases`` in the sequence's schema) is
+  missing, has the wrong shape, or draws its tokens from no sequence or
+  from another one than ``--sequence``; its commit check function is
+  missing; the connecting role lacks a right the grant or the commit check
+  needs (run the check as your workers' role);
+* the database holds more than one register (two sequences fencing the
+  same rows: neither register fences out the other's holders);
 * a fenced table lacks its fence column or its guard trigger;
-* the sequence is behind ``max(fence)`` of a fenced table (after a restore
-  from backup, or a promoted logical replica: logical replication does not
-  carry sequence values).  Its next tokens would then be refused by every
-  row they are compared with, or, worse, equal a token already written.
+* the sequence is behind ``max(fence)`` of a fenced table or ``max(token)``
+  of its register (after a restore from backup, or a promoted logical
+  replica: logical replication does not carry sequence values).  Its next
+  tokens would then be refused by every row they are compared with, or,
+  worse, equal a token already written.
+
+Rows whose fence is NULL ("never fenced": any token may write them) are
+counted in a ``note`` line, not a finding, with the backfill that makes the
+column ``NOT NULL``.
 
 Fenced tables are the ones in ``--metadata`` (models marked ``Fenced`` or
 with ``fence_column()``); without it, every table that has a column named
 ``--column`` (default ``fence``) or a guard trigger.
 
-``repair-sequence`` moves the sequence past the largest fence plus a margin
-(it never moves it backwards).
+``repair-sequence`` moves the sequence past the largest fence and the
+largest registered token, plus a margin (it never moves it backwards).
 """
 
 from __future__ import annotations
@@ -30,7 +42,16 @@ import sqlalchemy as sa
 
 from ._guard import TRIGGER_NAME, qualified
 from ._model import fence_column_of
-from ._tokens import DEFAULT_SEQUENCE, SEQUENCE_SQL, sequence_problems
+from ._register import (
+    CHECK_FUNCTION_SQL,
+    REGISTER_COLUMNS_SQL,
+    REGISTER_RIGHTS_SQL,
+    REGISTER_SEQUENCE_SQL,
+    REGISTER_TABLE,
+    Register,
+    shape_problems,
+)
+from ._tokens import DEFAULT_SEQUENCE, SEQUENCE_SQL, sequence_problems, setup_problem
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -67,10 +88,22 @@ class Report:
     sequence: str
     findings: list[Finding] = field(default_factory=list)
     ok: list[str] = field(default_factory=list)
+    #: facts worth knowing that are not problems (e.g. rows never fenced)
+    notes: list[str] = field(default_factory=list)
     #: the sequence's last handed-out value (None: missing; 0: none handed out yet)
     last_value: int | None = None
     #: table display name -> max(fence) (None for an empty table)
     max_fences: dict[str, int | None] = field(default_factory=dict)
+    #: table display name -> rows whose fence is NULL (only nullable fence columns)
+    null_fences: dict[str, int] = field(default_factory=dict)
+    #: max(token) of the sequence's lease register (None: no register, or empty)
+    max_register_token: int | None = None
+    #: the sequence exists (last_value is None also when this role cannot read it)
+    sequence_found: bool = False
+
+    @property
+    def register(self) -> str:
+        return Register(self.sequence).table_display
 
     @property
     def max_fence(self) -> int:
@@ -149,15 +182,223 @@ _TABLE_SQL = sa.text(
                       AND a.attnum > 0 AND NOT a.attisdropped) AS has_column,
            EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t
                     WHERE t.tgrelid = to_regclass(:table) AND t.tgname = :trigger
-                      AND NOT t.tgisinternal AND t.tgenabled <> 'D') AS has_guard
+                      AND NOT t.tgisinternal AND t.tgenabled <> 'D') AS has_guard,
+           coalesce((SELECT a.attnotnull FROM pg_catalog.pg_attribute a
+                      WHERE a.attrelid = to_regclass(:table) AND a.attname = :column
+                        AND a.attnum > 0 AND NOT a.attisdropped), false) AS not_null
+    """
+)
+
+#: Every lease register in the database, whatever its schema, and the sequence its
+#: token default draws from (REGISTER_SEQUENCE_SQL by OID: no name lookup, so a
+#: schema this role may not use is no error).
+_REGISTERS_SQL = sa.text(
+    """
+    SELECT c.oid::regclass::text AS shown,
+           (SELECT p.refobjid::regclass::text
+              FROM pg_catalog.pg_attrdef d
+              JOIN pg_catalog.pg_attribute a
+                ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+              JOIN pg_catalog.pg_depend p
+                ON p.classid = 'pg_catalog.pg_attrdef'::regclass AND p.objid = d.oid
+               AND p.refclassid = 'pg_catalog.pg_class'::regclass
+              JOIN pg_catalog.pg_class s ON s.oid = p.refobjid AND s.relkind = 'S'
+             WHERE d.adrelid = c.oid AND a.attname = 'token') AS sequence
+      FROM pg_catalog.pg_class c
+     WHERE c.relname = :name AND c.relkind IN ('r', 'p')
+     ORDER BY 1
     """
 )
 
 
-def _last_value(conn: sa.Connection, quoted: str) -> int:
-    """The last value the sequence handed out (start - increment when none yet)."""
-    row = conn.execute(sa.text(f"SELECT last_value, is_called FROM {quoted}")).one()
-    return int(row.last_value) if row.is_called else int(row.last_value) - 1
+def _last_value(conn: sa.Connection, quoted: str, row: Any) -> int | None:
+    """The last value the sequence handed out (start - increment when none yet).
+
+    None when this role may not read it (neither SELECT nor USAGE: the
+    register's rights finding says so).  ``pg_sequence_last_value`` needs
+    either right, where ``SELECT last_value FROM seq`` would need SELECT.
+    """
+    value = conn.execute(
+        sa.text(
+            "SELECT CASE WHEN has_sequence_privilege(CAST(:seq AS regclass), 'SELECT, USAGE') "
+            "THEN 1 END AS readable, "
+            "CASE WHEN has_sequence_privilege(CAST(:seq AS regclass), 'SELECT, USAGE') "
+            "THEN pg_sequence_last_value(CAST(:seq AS regclass)) END AS last_value"
+        ),
+        {"seq": quoted},
+    ).one()
+    if value.readable is None:
+        return None
+    if value.last_value is None:
+        return int(row.seqstart) - int(row.seqincrement)
+    return int(value.last_value)
+
+
+def _register_args(sequence: str) -> str:
+    return "" if sequence == DEFAULT_SEQUENCE else f"sequence={sequence!r}"
+
+
+def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -> None:
+    """The lease register of ``report.sequence``: presence, shape, sequence, function, rights."""
+    sequence = report.sequence
+    register = Register(sequence)
+    subject = f"lease register {register.table_display}"
+    args = _register_args(sequence)
+    before = len(report.findings)
+    columns = conn.execute(REGISTER_COLUMNS_SQL, {"register": register.table_sql}).all()
+    if not columns:
+        report.findings.append(
+            Finding(
+                subject,
+                "does not exist: no Fencer grants a lease without it, and without it a "
+                "stale holder's INSERTs and writes to other tables would not be refused",
+                f"in a migration, after the sequence: op.create_fence_register({args}); or "
+                "metadata.create_all() with sa_fence.fence_sequence(metadata)",
+            )
+        )
+        return
+    shape = shape_problems(columns)
+    if shape:
+        report.findings.append(
+            Finding(
+                subject,
+                "has the wrong shape: " + "; ".join(shape),
+                "stop the workers, then drop and recreate it (it holds only the newest "
+                f"token per lease name): op.drop_fence_register({args}) and "
+                f"op.create_fence_register({args})",
+            )
+        )
+    owner = conn.execute(REGISTER_SEQUENCE_SQL, {"register": register.table_sql}).scalar()
+    mine = conn.execute(
+        sa.text("SELECT to_regclass(:seq)::text"), {"seq": register.sequence_sql}
+    ).scalar()
+    if owner is None:
+        report.findings.append(
+            Finding(
+                subject,
+                "draws its tokens from no sequence (its token column has no nextval "
+                "default): every grant is refused",
+                f"ALTER TABLE {register.table_sql} ALTER COLUMN token SET DEFAULT "
+                f"nextval('{register.sequence_sql}');",
+            )
+        )
+    elif owner != mine:
+        report.findings.append(
+            Finding(
+                subject,
+                f"draws its tokens from sequence {owner}, not from {sequence}: a Fencer "
+                f"naming {sequence} is refused (tokens of one register must come from one "
+                "sequence, or a stale holder's token could overtake a newer one)",
+                f"if your Fencers use {owner}, check with --sequence {owner}; to move the "
+                f"register to {sequence}, stop the workers, run sa-fence repair-sequence "
+                f"--sequence {sequence} first, then ALTER TABLE {register.table_sql} ALTER "
+                f"COLUMN token SET DEFAULT nextval('{register.sequence_sql}');",
+            )
+        )
+    has_function = conn.execute(CHECK_FUNCTION_SQL, {"function": register.function_sql}).scalar()
+    if not has_function:
+        report.findings.append(
+            Finding(
+                f"commit check function {register.function_sql}(text, bigint)",
+                "is missing: no session bound to a lease can commit",
+                f"op.create_fence_register({args}) (keeps the register's rows)",
+            )
+        )
+    rights = conn.execute(
+        REGISTER_RIGHTS_SQL,
+        {
+            "register": register.table_sql,
+            "sequence": register.sequence_sql,
+            "function": register.function_sql,
+        },
+    ).one()
+    role = conn.execute(sa.text("SELECT current_user")).scalar_one()
+    lacking: list[tuple[str, str, str]] = []  # (right, consequence, GRANT)
+    for allowed, right in (
+        (rights.can_select, "SELECT"),
+        (rights.can_insert, "INSERT"),
+        (rights.can_update, "UPDATE"),
+    ):
+        if allowed is False:
+            lacking.append(
+                (
+                    f"{right} on {register.table_display}",
+                    "every grant",
+                    f"GRANT {right} ON {register.table_sql} TO {_ident(role)};",
+                )
+            )
+    if rights.can_draw is False:
+        lacking.append(
+            (
+                f"USAGE on sequence {sequence}",
+                "every grant",
+                f"GRANT USAGE ON SEQUENCE {register.sequence_sql} TO {_ident(role)};",
+            )
+        )
+    if rights.can_check is False:
+        lacking.append(
+            (
+                f"EXECUTE on {register.function_sql}(text, bigint)",
+                "every commit of a bound session",
+                f"GRANT EXECUTE ON FUNCTION {register.function_sql}(text, bigint) TO "
+                f"{_ident(role)};",
+            )
+        )
+    if lacking:
+        fails = sorted({consequence for _, consequence, _ in lacking})
+        report.findings.append(
+            Finding(
+                f"role {role}",
+                "(the role this check connected as: run it as your workers' role) lacks "
+                + ", ".join(right for right, _, _ in lacking)
+                + ": "
+                + " and ".join(fails)
+                + " fails with permission denied",
+                " ".join(grant for _, _, grant in lacking),
+            )
+        )
+    if "token" in {row.name for row in columns} and rights.can_select:
+        max_token = conn.execute(sa.text(f"SELECT max(token) FROM {register.table_sql}")).scalar()
+        report.max_register_token = None if max_token is None else int(max_token)
+    if len(report.findings) == before and sequence_ok:
+        # Anything else a Fencer would refuse (one source of truth: setup_problem).
+        problem = setup_problem(conn, sequence)
+        if problem is not None:
+            report.findings.append(
+                Finding(subject, f"a Fencer would refuse it: {problem}", "as the problem says")
+            )
+            return
+    if len(report.findings) == before:
+        report.ok.append(
+            f"{subject}: tokens from {sequence}, commit check function, rights of role {role}"
+        )
+
+
+def _check_registers(conn: sa.Connection, report: Report) -> None:
+    """More than one register: two sequences that may fence the same rows."""
+    registers = conn.execute(_REGISTERS_SQL, {"name": REGISTER_TABLE}).all()
+    if len(registers) < 2:
+        return
+    described = [f"{r.shown} (tokens from {r.sequence or 'no sequence'})" for r in registers]
+    report.findings.append(
+        Finding(
+            "lease registers",
+            f"{len(registers)} in this database: "
+            + ", ".join(described)
+            + ". Fencers naming different sequences grant and check leases against "
+            "different registers: a newer lease of a name granted through one does not "
+            "fence out an older holder of the same name granted through the other, so that "
+            "stale holder's commit goes through; their row fences also compare tokens of "
+            "unrelated sequences",
+            "give every Fencer of this database one sequence (sequence=...); once no worker "
+            "uses the others, drop their registers (op.drop_fence_register('<sequence>')) and "
+            "sequences, then run sa-fence repair-sequence for the one kept",
+        )
+    )
+
+
+def _ident(name: str) -> str:
+    return qualified(name, None)
 
 
 def check(
@@ -195,7 +436,10 @@ def check(
             )
         else:
             report.ok.append(f"sequence {sequence}: bigint, CACHE 1, NO CYCLE")
-        report.last_value = _last_value(conn, seq_quoted)
+        report.sequence_found = True
+        report.last_value = _last_value(conn, seq_quoted, row)
+    _check_register(conn, report, sequence_ok=row is not None and not sequence_problems(row))
+    _check_registers(conn, report)
 
     tables = fenced_tables(conn, metadata, column)
     if not tables:
@@ -251,37 +495,68 @@ def check(
                 )
             )
         if state.has_column:
-            max_fence = conn.execute(
-                sa.text(f"SELECT max({qualified(table.column, None)}) FROM {table.quoted}")
-            ).scalar_one()
+            fence = qualified(table.column, None)
+            nulls = "0" if state.not_null else f"count(*) FILTER (WHERE {fence} IS NULL)"
+            max_fence, null_count = conn.execute(
+                sa.text(f"SELECT max({fence}), {nulls} FROM {table.quoted}")
+            ).one()
             report.max_fences[table.display] = None if max_fence is None else int(max_fence)
+            if null_count:
+                report.null_fences[table.display] = int(null_count)
+                report.notes.append(
+                    f"table {table.display}: {null_count} row(s) with a NULL {table.column} "
+                    "(never fenced: any lease may write them, and the first fenced write sets "
+                    "the fence). To make the column NOT NULL: UPDATE "
+                    f"{table.quoted} SET {fence} = 0 WHERE {fence} IS NULL; ALTER TABLE "
+                    f"{table.quoted} ALTER COLUMN {fence} SET NOT NULL;"
+                )
         if not missing:
             report.ok.append(f"table {table.display}: column {table.column}, guard {TRIGGER_NAME}")
 
     if report.last_value is not None:
-        behind = {
-            name: m
-            for name, m in report.max_fences.items()
-            if m is not None and m > report.last_value
-        }
+        last = report.last_value
+        behind = [
+            f"max(fence) of {n} is {m}"
+            for n, m in sorted(report.max_fences.items())
+            if m is not None and m > last
+        ]
+        consequences = []
         if behind:
-            worst = max(behind, key=lambda n: behind[n] or 0)
+            consequences.append(
+                "New tokens would be refused on those rows (or equal a token already written)"
+            )
+        if report.max_register_token is not None and report.max_register_token > last:
+            behind.append(
+                f"max(token) of the lease register {report.register} is {report.max_register_token}"
+            )
+            consequences.append(
+                ("and a" if consequences else "A")
+                + " new grant would register a token below one already granted"
+            )
+        if behind:
+            target = max(report.max_fence, report.max_register_token or 0)
             report.findings.append(
                 Finding(
                     f"sequence {sequence}",
-                    f"is behind the rows: its last value is {report.last_value} but "
-                    + ", ".join(f"max(fence) of {n} is {m}" for n, m in sorted(behind.items()))
-                    + ". New tokens would be refused on those rows (or equal a token "
-                    "already written). This happens after a restore from backup or a "
-                    "promoted logical replica.",
+                    f"is behind the rows: its last value is {last} but "
+                    + ", ".join(behind)
+                    + ". "
+                    + ", ".join(consequences)
+                    + ". This happens after a restore from backup or a promoted logical "
+                    "replica.",
                     f"stop the workers, then: sa-fence repair-sequence --url ... (moves it to "
-                    f"{behind[worst]} + margin)",
+                    f"{target} + margin)",
                 )
             )
         else:
             report.ok.append(
-                f"sequence {sequence}: last value {report.last_value} is at or past "
+                f"sequence {sequence}: last value {last} is at or past "
                 f"max(fence) {report.max_fence} of every fenced table"
+                + (
+                    f" and max(token) {report.max_register_token} of the lease register"
+                    if report.max_register_token is not None
+                    else ""
+                )
             )
     return report
 
@@ -290,6 +565,8 @@ def print_report(report: Report, url: str, out: TextIO) -> int:
     print(f"sa-fence check: {url}", file=out)
     for line in report.ok:
         print(f"  ok       {line}", file=out)
+    for line in report.notes:
+        print(f"  note     {line}", file=out)
     for finding in report.findings:
         print(f"  PROBLEM  {finding.subject} {finding.problem}", file=out)
         print(f"           fix: {finding.fix}", file=out)
@@ -305,6 +582,8 @@ class RepairPlan:
     sequence: str
     last_value: int
     max_fence: int
+    #: max(token) of the sequence's lease register (0: none, or no register)
+    max_register_token: int
     target: int
 
     @property
@@ -323,13 +602,19 @@ def plan_repair(
     if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
         raise ValueError(f"margin must be a whole number >= 0, got {margin!r}")
     report = check(conn, sequence=sequence, metadata=metadata, column=column)
+    if report.sequence_found and report.last_value is None:
+        raise LookupError(
+            f"this role may not read sequence {sequence}: run repair-sequence as its owner"
+        )
     if report.last_value is None:
         raise LookupError(
             f"sequence {sequence} does not exist; create it first "
             "(op.create_fence_sequence() in a migration)"
         )
-    target = report.max_fence + margin
-    return RepairPlan(sequence, report.last_value, report.max_fence, target)
+    # After a failover or a restore the register can be ahead of the rows.
+    max_register_token = report.max_register_token or 0
+    target = max(report.max_fence, max_register_token) + margin
+    return RepairPlan(sequence, report.last_value, report.max_fence, max_register_token, target)
 
 
 def apply_repair(conn: sa.Connection, plan: RepairPlan) -> int:
@@ -380,7 +665,8 @@ def run_repair(
         conn.rollback()
         print(
             f"sequence {sequence}: last value {plan.last_value}; largest fence "
-            f"{plan.max_fence}; margin {margin}",
+            f"{plan.max_fence}; largest registered token {plan.max_register_token} "
+            f"({Register(sequence).table_display}); margin {margin}",
             file=out,
         )
         if not plan.needed:

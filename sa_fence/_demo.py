@@ -676,9 +676,9 @@ class _Demo:
         upgrade_demo_schema(engine)
         t.say(
             "setup",
-            f"created the fenced tables jobs and job_steps, their guard triggers and the "
-            f"token sequence {DEFAULT_SEQUENCE} (CACHE 1) with `alembic upgrade head` "
-            "(migrations/)",
+            f"created the fenced tables jobs and job_steps, their guard triggers, the "
+            f"token sequence {DEFAULT_SEQUENCE} (CACHE 1) and the lease register "
+            "sa_fence_leases with `alembic upgrade head` (migrations/)",
         )
         handler = _TimelineLogHandler(t, "setup")
         log.addHandler(handler)

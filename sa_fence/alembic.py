@@ -9,21 +9,30 @@ it in ``env.py``)::
     # a revision
     def upgrade() -> None:
         op.create_fence_sequence()              # bigint, CACHE 1, NO CYCLE
+        op.create_fence_register()              # sa_fence_leases + its commit check
         op.add_fence_column("jobs")             # BIGINT NOT NULL DEFAULT 0, no rewrite
         op.create_fence_guard("jobs")           # trigger refusing stale writers
 
     def downgrade() -> None:
         op.drop_fence_guard("jobs")
         op.drop_fence_column("jobs")
+        op.drop_fence_register()                # before the sequence its default uses
         op.drop_fence_sequence()                # resets tokens: never in production
 
 Every operation has a ``reverse()``, so autogenerate writes both directions.
 ``alembic revision --autogenerate`` notices fenced models (``sa_fence.Fenced``
 or ``sa_fence.fence_column()``) whose table lacks the fence column or the
-guard, and a missing token sequence or one with ``CACHE > 1`` / ``CYCLE``.
+guard, a missing token sequence or one with ``CACHE > 1`` / ``CYCLE``, and a
+missing lease register or commit check function; it does so for a metadata
+that declares the register (``sa_fence.fence_sequence(metadata)``) even
+without fenced models.  The register's ``create_table`` / ``drop_table``
+that Alembic itself would write are replaced by ``create_fence_register``
+(which also creates the check function) and never dropped by autogenerate.
 The sequence's name is ``sa_fence_token_seq`` unless ``env.py`` passes
-``sa_fence_sequence="name"`` to ``context.configure()``.  The comparator
-honours ``include_name`` and ``include_object``.
+``sa_fence_sequence="name"`` (or ``"schema.name"``) to
+``context.configure()``; the register lives in the sequence's schema, and
+new guards are created for that sequence.  The comparator honours
+``include_name`` and ``include_object``.
 
 Only Alembic's plugin points are used: ``Operations.register_operation``,
 ``Operations.implementation_for``, ``alembic.autogenerate.renderers`` and
@@ -51,6 +60,13 @@ from ._guard import (
     qualified,
 )
 from ._model import fence_column_of
+from ._register import (
+    CHECK_FUNCTION_SQL,
+    REGISTER_TABLE,
+    Register,
+    create_register_sql,
+    drop_register_sql,
+)
 from ._tokens import DEFAULT_SEQUENCE, SEQUENCE_SQL, fence_sequence
 
 if TYPE_CHECKING:
@@ -60,9 +76,11 @@ __all__ = [
     "AddFenceColumnOp",
     "AlterFenceSequenceOp",
     "CreateFenceGuardOp",
+    "CreateFenceRegisterOp",
     "CreateFenceSequenceOp",
     "DropFenceColumnOp",
     "DropFenceGuardOp",
+    "DropFenceRegisterOp",
     "DropFenceSequenceOp",
 ]
 
@@ -107,7 +125,10 @@ class DropFenceSequenceOp(MigrateOperation):
     """``op.drop_fence_sequence(name="sa_fence_token_seq", *, schema=None)``.
 
     Never run this on a live database: the next sequence starts at 1 again,
-    below the fences already on the rows, and every writer is refused.
+    below the fences already on the rows, and every writer is refused.  The
+    lease register's token default depends on the sequence: drop the
+    register first (``op.drop_fence_register()``); online, this op says so
+    before sending anything.
     """
 
     def __init__(self, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None) -> None:
@@ -191,9 +212,51 @@ def _create_fence_sequence(operations: Operations, operation: CreateFenceSequenc
     operations.execute(CreateSequence(sequence))
 
 
+#: Column defaults that draw from a sequence (``nextval``), e.g. the register's token.
+_SEQUENCE_USERS_SQL = sa.text(
+    """
+    SELECT d.adrelid::regclass::text AS table_name, a.attname AS column_name,
+           c.relname = :register AS is_register
+      FROM pg_catalog.pg_depend p
+      JOIN pg_catalog.pg_attrdef d
+        ON p.classid = 'pg_catalog.pg_attrdef'::regclass AND p.objid = d.oid
+      JOIN pg_catalog.pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+      JOIN pg_catalog.pg_class c ON c.oid = d.adrelid
+     WHERE p.refclassid = 'pg_catalog.pg_class'::regclass
+       AND p.refobjid = to_regclass(:sequence)
+     ORDER BY 1, 2
+    """
+)
+
+
 @Operations.implementation_for(DropFenceSequenceOp)
 def _drop_fence_sequence(operations: Operations, operation: DropFenceSequenceOp) -> None:
     sequence = fence_sequence(None, operation.name, schema=operation.schema)
+    if not operations.get_context().as_sql:
+        users = (
+            operations.get_bind()
+            .execute(
+                _SEQUENCE_USERS_SQL,
+                {
+                    "sequence": qualified(operation.name, operation.schema),
+                    "register": REGISTER_TABLE,
+                },
+            )
+            .all()
+        )
+        if users:
+            shown = _qualified(operation.name, operation.schema)
+            register = [u for u in users if u.is_register]
+            first = (
+                f"drop the lease register first: op.drop_fence_register({_register_args(shown)})"
+                if register
+                else "drop those defaults (or their tables) first"
+            )
+            raise ValueError(
+                f"drop_fence_sequence: sequence {shown!r} is still the default of "
+                + ", ".join(f"{u.table_name}.{u.column_name}" for u in users)
+                + f"; {first}"
+            )
     operations.execute(DropSequence(sequence))
 
 
@@ -204,6 +267,86 @@ def _alter_fence_sequence(operations: Operations, operation: AlterFenceSequenceO
         f"ALTER SEQUENCE {qualified(operation.name, operation.schema)} AS bigint "
         f"CACHE {operation.cache} {cycle}"
     )
+
+
+# ================================================================ the register
+
+
+class _RegisterOp(MigrateOperation):
+    op_name = ""
+
+    def __init__(self, sequence: str = DEFAULT_SEQUENCE, *, function_only: bool = False) -> None:
+        self.sequence = check_name("sequence", sequence)
+        # Set by autogenerate when only the check function was missing: the
+        # reverse then drops the function alone, never the register's rows.
+        self.function_only = bool(function_only)
+
+    def to_diff_tuple(self) -> tuple[Any, ...]:
+        tail = ("check function only",) if self.function_only else ()
+        return (self.op_name, self.sequence, *tail)
+
+
+@Operations.register_operation("create_fence_register")
+class CreateFenceRegisterOp(_RegisterOp):
+    """``op.create_fence_register(sequence="sa_fence_token_seq")``.
+
+    Creates the lease register ``sa_fence_leases`` (in the sequence's
+    schema; its ``token`` default draws from ``sequence``, which must exist)
+    and the commit check function ``sa_fence_check_lease(text, bigint)``.
+    Idempotent: an existing register is kept and the function is replaced.
+    """
+
+    op_name = "create_fence_register"
+
+    @classmethod
+    def create_fence_register(
+        cls, operations: Operations, sequence: str = DEFAULT_SEQUENCE
+    ) -> None:
+        """Create the lease register and its commit check function for ``sequence``."""
+        operations.invoke(cls(sequence))
+
+    def reverse(self) -> DropFenceRegisterOp:
+        return DropFenceRegisterOp(self.sequence, function_only=self.function_only)
+
+
+@Operations.register_operation("drop_fence_register")
+class DropFenceRegisterOp(_RegisterOp):
+    """``op.drop_fence_register(sequence="sa_fence_token_seq")``.
+
+    Drops the commit check function and the lease register.  Never on a live
+    database: every Fencer refuses to grant without the register, and the
+    newest token of every lease name is forgotten.  Comes before
+    ``op.drop_fence_sequence()``, whose sequence the register's default uses.
+    """
+
+    op_name = "drop_fence_register"
+
+    @classmethod
+    def drop_fence_register(cls, operations: Operations, sequence: str = DEFAULT_SEQUENCE) -> None:
+        """Drop the lease register and its commit check function."""
+        operations.invoke(cls(sequence))
+
+    def reverse(self) -> CreateFenceRegisterOp:
+        return CreateFenceRegisterOp(self.sequence, function_only=self.function_only)
+
+
+@Operations.implementation_for(CreateFenceRegisterOp)
+def _create_fence_register(operations: Operations, operation: CreateFenceRegisterOp) -> None:
+    for statement in create_register_sql(operation.sequence):
+        operations.execute(statement)
+
+
+@Operations.implementation_for(DropFenceRegisterOp)
+def _drop_fence_register(operations: Operations, operation: DropFenceRegisterOp) -> None:
+    statements = drop_register_sql(operation.sequence)
+    if operation.function_only:
+        statements = [_drop_check_function_sql(operation.sequence)]
+    for statement in statements:
+        operations.execute(statement)
+
+
+def _drop_check_function_sql(sequence: str) -> str:
+    return f"DROP FUNCTION IF EXISTS {Register(sequence).function_sql}(text, bigint)"
 
 
 # ================================================================== the column
@@ -295,19 +438,23 @@ class _GuardOp(_TableOp):
         *,
         schema: str | None = None,
         on_missing_token: str = "reject",
+        sequence: str = DEFAULT_SEQUENCE,
     ) -> None:
         super().__init__(table_name, column, schema=schema)
         self.on_missing_token = check_policy(on_missing_token)
+        self.sequence = check_name("sequence", sequence)
 
 
 @Operations.register_operation("create_fence_guard")
 class CreateFenceGuardOp(_GuardOp):
     op_name = "create_fence_guard"
-    """``op.create_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject")``.
+    """``op.create_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
+    sequence="sa_fence_token_seq")``.
 
     Creates (or replaces) the PL/pgSQL function ``sa_fence_guard_<table>``
     and the ``BEFORE UPDATE OR DELETE`` trigger ``sa_fence_guard`` that
-    refuses writes lowering the fence or carrying a stale token (see
+    refuses writes lowering the fence, carrying a stale token, or carrying a
+    token or fence past the last value of ``sequence`` (see
     :mod:`sa_fence._guard` and docs/migrations.md).  ``on_missing_token``:
     ``"reject"`` refuses writers that present no token; ``"unchanged"``
     lets their UPDATEs through when the fence is left as it is.
@@ -322,9 +469,18 @@ class CreateFenceGuardOp(_GuardOp):
         *,
         schema: str | None = None,
         on_missing_token: str = "reject",
+        sequence: str = DEFAULT_SEQUENCE,
     ) -> None:
         """Create the guard trigger on ``table_name``."""
-        operations.invoke(cls(table_name, column, schema=schema, on_missing_token=on_missing_token))
+        operations.invoke(
+            cls(
+                table_name,
+                column,
+                schema=schema,
+                on_missing_token=on_missing_token,
+                sequence=sequence,
+            )
+        )
 
     def reverse(self) -> DropFenceGuardOp:
         return DropFenceGuardOp(
@@ -332,16 +488,18 @@ class CreateFenceGuardOp(_GuardOp):
             self.column,
             schema=self.schema,
             on_missing_token=self.on_missing_token,
+            sequence=self.sequence,
         )
 
 
 @Operations.register_operation("drop_fence_guard")
 class DropFenceGuardOp(_GuardOp):
     op_name = "drop_fence_guard"
-    """``op.drop_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject")``.
+    """``op.drop_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
+    sequence="sa_fence_token_seq")``.
 
-    Drops the trigger and its function; ``column`` and ``on_missing_token``
-    only tell the reverse how to recreate them.
+    Drops the trigger and its function; ``column``, ``on_missing_token``
+    and ``sequence`` only tell the reverse how to recreate them.
     """
 
     @classmethod
@@ -353,9 +511,18 @@ class DropFenceGuardOp(_GuardOp):
         *,
         schema: str | None = None,
         on_missing_token: str = "reject",
+        sequence: str = DEFAULT_SEQUENCE,
     ) -> None:
         """Drop the guard trigger and function of ``table_name``."""
-        operations.invoke(cls(table_name, column, schema=schema, on_missing_token=on_missing_token))
+        operations.invoke(
+            cls(
+                table_name,
+                column,
+                schema=schema,
+                on_missing_token=on_missing_token,
+                sequence=sequence,
+            )
+        )
 
     def reverse(self) -> CreateFenceGuardOp:
         return CreateFenceGuardOp(
@@ -363,6 +530,7 @@ class DropFenceGuardOp(_GuardOp):
             self.column,
             schema=self.schema,
             on_missing_token=self.on_missing_token,
+            sequence=self.sequence,
         )
 
 
@@ -411,6 +579,7 @@ def _create_fence_guard(operations: Operations, operation: CreateFenceGuardOp) -
         operation.column,
         schema=operation.schema,
         on_missing_token=operation.on_missing_token,
+        sequence=operation.sequence,
     ):
         operations.execute(statement)
 
@@ -441,6 +610,8 @@ def _table_keywords(op: _TableOp) -> dict[str, Any]:
         kw["schema"] = op.schema
     if isinstance(op, _GuardOp) and op.on_missing_token != "reject":
         kw["on_missing_token"] = op.on_missing_token
+    if isinstance(op, _GuardOp) and op.sequence != DEFAULT_SEQUENCE:
+        kw["sequence"] = op.sequence
     return kw
 
 
@@ -481,6 +652,23 @@ def _render_alter_sequence(autogen_context: AutogenContext, op: AlterFenceSequen
         op.name, op.schema, existing_cache=op.existing_cache, existing_cycle=op.existing_cycle
     )
     return _render(autogen_context, f"op.alter_fence_sequence({args})")
+
+
+def _register_args(sequence: str) -> str:
+    return "" if sequence == DEFAULT_SEQUENCE else _args(sequence=sequence)
+
+
+@renderers.dispatch_for(CreateFenceRegisterOp)
+def _render_create_register(autogen_context: AutogenContext, op: CreateFenceRegisterOp) -> str:
+    return _render(autogen_context, f"op.create_fence_register({_register_args(op.sequence)})")
+
+
+@renderers.dispatch_for(DropFenceRegisterOp)
+def _render_drop_register(autogen_context: AutogenContext, op: DropFenceRegisterOp) -> str:
+    if op.function_only:
+        # the reverse of a repair: the register stays, only the function goes
+        return f"op.execute({_drop_check_function_sql(op.sequence)!r})"
+    return _render(autogen_context, f"op.drop_fence_register({_register_args(op.sequence)})")
 
 
 @renderers.dispatch_for(AddFenceColumnOp)
@@ -560,6 +748,45 @@ def _take_builtin_add_column(
             upgrade_ops.ops.remove(modify)
 
 
+def _take_builtin_register_ops(upgrade_ops: alembic_ops.UpgradeOps, register: Register) -> None:
+    """Remove Alembic's own create_table / drop_table of the register.
+
+    Its create_table would make the table without the commit check function
+    (create_fence_register replaces it), and autogenerate never drops the
+    register (a metadata without it does not mean "stop fencing"; write
+    op.drop_fence_register() by hand for that).
+    """
+    upgrade_ops.ops = [
+        o
+        for o in upgrade_ops.ops
+        if not (
+            isinstance(o, (alembic_ops.CreateTableOp, alembic_ops.DropTableOp))
+            and o.table_name == REGISTER_TABLE
+            and o.schema == register.schema
+        )
+    ]
+
+
+def _register_scope(autogen_context: AutogenContext, register: Register) -> tuple[bool, bool]:
+    """(declared, included): does the metadata declare the register
+    (``fence_sequence(metadata)``), and do ``include_name`` / ``include_object``
+    leave it in scope?"""
+    key = f"{register.schema}.{REGISTER_TABLE}" if register.schema else REGISTER_TABLE
+    included = autogen_context.run_name_filters(
+        REGISTER_TABLE, "table", {"schema_name": register.schema}
+    )
+    for metadata in _metadatas(autogen_context):
+        table = metadata.tables.get(key)
+        if table is not None:
+            return True, included and autogen_context.run_object_filters(
+                table, table.name, "table", False, None
+            )
+    return False, included
+
+
+_REGISTER_EXISTS_SQL = sa.text("SELECT to_regclass(:register) IS NOT NULL")
+
+
 # LAST: Alembic's own table comparators (MEDIUM) have run by then, so their
 # add_column of the fence column can be replaced, and a new table's
 # create_table comes before its guard.
@@ -569,12 +796,17 @@ def _compare_fencing(
     upgrade_ops: alembic_ops.UpgradeOps,
     schemas: Sequence[str | None],
 ) -> PriorityDispatchResult:
-    """Fenced tables without column or guard; a missing or cached token sequence."""
+    """Fenced tables without column or guard; a missing or cached token sequence;
+    a missing lease register or commit check function."""
     conn = autogen_context.connection
     if conn is None or conn.dialect.name != "postgresql":
         return PriorityDispatchResult.CONTINUE
+    sequence = str(autogen_context.opts.get("sa_fence_sequence", DEFAULT_SEQUENCE))
+    register = Register(sequence)
+    _take_builtin_register_ops(upgrade_ops, register)
     tables = _fenced_tables(autogen_context, schemas)
-    if not tables:
+    declared, included = _register_scope(autogen_context, register)
+    if not tables and not (declared and included):
         return PriorityDispatchResult.CONTINUE
     inspector = autogen_context.inspector
     new_ops: list[MigrateOperation] = []
@@ -591,23 +823,32 @@ def _compare_fencing(
                 ).scalar_one()
                 if guarded:
                     continue
-        new_ops.append(CreateFenceGuardOp(table.name, column, schema=table.schema))
-    sequence = str(autogen_context.opts.get("sa_fence_sequence", DEFAULT_SEQUENCE))
+        new_ops.append(
+            CreateFenceGuardOp(table.name, column, schema=table.schema, sequence=sequence)
+        )
     seq_schema, _, seq_name = sequence.rpartition(".")
+    head: list[MigrateOperation] = []
     row = conn.execute(
         SEQUENCE_SQL, {"name": qualified(seq_name, seq_schema or None)}
     ).one_or_none()
     if row is None:
-        upgrade_ops.ops.insert(0, CreateFenceSequenceOp(seq_name, schema=seq_schema or None))
+        head.append(CreateFenceSequenceOp(seq_name, schema=seq_schema or None))
     elif row.seqcache != 1 or row.seqcycle:
-        upgrade_ops.ops.insert(
-            0,
+        head.append(
             AlterFenceSequenceOp(
                 seq_name,
                 existing_cache=int(row.seqcache),
                 existing_cycle=bool(row.seqcycle),
                 schema=seq_schema or None,
-            ),
+            )
         )
+    if included:
+        if not conn.execute(_REGISTER_EXISTS_SQL, {"register": register.table_sql}).scalar_one():
+            head.append(CreateFenceRegisterOp(sequence))
+        elif not conn.execute(CHECK_FUNCTION_SQL, {"function": register.function_sql}).scalar_one():
+            head.append(CreateFenceRegisterOp(sequence, function_only=True))
+    # The sequence first, then the register whose default draws from it (so
+    # the downgrade drops the register before the sequence), then the rest.
+    upgrade_ops.ops[0:0] = head
     upgrade_ops.ops.extend(new_ops)
     return PriorityDispatchResult.CONTINUE

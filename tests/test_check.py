@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
 
-from sa_fence import cli
+from sa_fence import _check, _register, cli
 from sa_fence._schema import upgrade_demo_schema
 from tests._fresh_db import fresh_database, url_of
 
@@ -46,6 +47,11 @@ def test_check_passes_on_a_database_built_by_the_migrations(
     assert "ok sequence sa_fence_token_seq: bigint, CACHE 1, NO CYCLE" in out
     assert "ok table jobs: column fence, guard sa_fence_guard" in out
     assert "ok table job_steps: column fence, guard sa_fence_guard" in out
+    assert (
+        "ok lease register sa_fence_leases: tokens from sa_fence_token_seq, commit check "
+        "function, rights of role postgres" in out
+    )
+    assert "note" not in out
     assert "No problems found." in out
 
 
@@ -156,3 +162,215 @@ def test_check_refuses_bad_arguments_and_names_an_unreachable_database(
         cli.main(["repair-sequence", "--url", "postgresql://x/y", "--margin", "-5"])
     assert usage.value.code == 2
     assert "must be >= 0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ the lease register
+
+
+def execute(engine: sa.Engine, *statements: str) -> None:
+    with engine.begin() as conn:
+        for statement in statements:
+            conn.execute(sa.text(statement))
+
+
+def test_check_names_a_missing_lease_register_with_its_fix(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    execute(
+        migrated,
+        "DROP FUNCTION sa_fence_check_lease(text, bigint)",
+        "DROP TABLE sa_fence_leases",
+    )
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert status == 1
+    assert "1 problem(s) found." in out
+    assert (
+        "PROBLEM lease register sa_fence_leases does not exist: no Fencer grants a lease "
+        "without it" in out
+    )
+    assert "fix: in a migration, after the sequence: op.create_fence_register();" in out
+
+
+def test_check_names_a_lease_register_of_the_wrong_shape(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    execute(
+        migrated,
+        "ALTER TABLE sa_fence_leases DROP COLUMN previous",
+        "ALTER TABLE sa_fence_leases ALTER COLUMN granted_at DROP NOT NULL",
+    )
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert status == 1
+    assert (
+        "PROBLEM lease register sa_fence_leases has the wrong shape: column 'granted_at' allows "
+        "NULL (need NOT NULL); has no column 'previous' (bigint)" in out
+    )
+    assert "op.drop_fence_register() and op.create_fence_register()" in out
+
+
+def test_check_names_a_register_drawing_from_another_sequence_or_from_none(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    execute(
+        migrated,
+        "CREATE SEQUENCE other_seq AS bigint CACHE 1",
+        "ALTER TABLE sa_fence_leases ALTER COLUMN token SET DEFAULT nextval('other_seq')",
+    )
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert status == 1
+    assert (
+        "PROBLEM lease register sa_fence_leases draws its tokens from sequence other_seq, not "
+        "from sa_fence_token_seq: a Fencer naming sa_fence_token_seq is refused" in out
+    )
+    assert "check with --sequence other_seq" in out
+    status, out, _ = sa_fence_cli(
+        "check", "--url", url_of(migrated), "--sequence", "other_seq", capsys=capsys
+    )
+    assert "draws its tokens from sequence" not in out
+    execute(migrated, "ALTER TABLE sa_fence_leases ALTER COLUMN token DROP DEFAULT")
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert status == 1
+    assert "PROBLEM lease register sa_fence_leases draws its tokens from no sequence" in out
+    assert (
+        'fix: ALTER TABLE "sa_fence_leases" ALTER COLUMN token SET DEFAULT '
+        "nextval('\"sa_fence_token_seq\"');" in out
+    )
+
+
+def test_check_names_a_missing_commit_check_function(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    execute(migrated, "DROP FUNCTION sa_fence_check_lease(text, bigint)")
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert status == 1
+    assert (
+        'PROBLEM commit check function "sa_fence_check_lease"(text, bigint) is missing: no '
+        "session bound to a lease can commit fix: op.create_fence_register() (keeps the "
+        "register's rows)" in out
+    )
+
+
+@pytest.fixture
+def worker_role(migrated: sa.Engine) -> Iterator[str]:
+    """A login role with no rights of its own (dropped afterwards)."""
+    name = f"sa_fence_test_{uuid.uuid4().hex[:10]}"
+    execute(migrated, f'CREATE ROLE "{name}" LOGIN')
+    try:
+        yield name
+    finally:
+        execute(migrated, f'DROP OWNED BY "{name}"', f'DROP ROLE "{name}"')
+
+
+def test_check_names_the_rights_the_connecting_role_lacks_with_the_grants(
+    migrated: sa.Engine, worker_role: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    execute(
+        migrated,
+        f'GRANT SELECT ON ALL TABLES IN SCHEMA public TO "{worker_role}"',
+        "REVOKE EXECUTE ON FUNCTION sa_fence_check_lease(text, bigint) FROM PUBLIC",
+    )
+    url = migrated.url.set(username=worker_role).render_as_string(hide_password=False)
+    status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)
+    assert status == 1
+    assert (
+        f"PROBLEM role {worker_role} (the role this check connected as: run it as your "
+        "workers' role) lacks INSERT on sa_fence_leases, UPDATE on sa_fence_leases, USAGE on "
+        'sequence sa_fence_token_seq, EXECUTE on "sa_fence_check_lease"(text, bigint): '
+        "every commit of a bound session and every grant fails with permission denied" in out
+    )
+    for grant in (
+        f'GRANT INSERT ON "sa_fence_leases" TO "{worker_role}";',
+        f'GRANT UPDATE ON "sa_fence_leases" TO "{worker_role}";',
+        f'GRANT USAGE ON SEQUENCE "sa_fence_token_seq" TO "{worker_role}";',
+        f'GRANT EXECUTE ON FUNCTION "sa_fence_check_lease"(text, bigint) TO "{worker_role}";',
+    ):
+        assert grant in out
+        execute(migrated, grant)
+    status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)
+    assert status == 0, out
+    assert f"rights of role {worker_role}" in out
+
+
+def test_check_warns_that_two_registers_in_one_database_let_a_stale_holder_commit(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    execute(
+        migrated,
+        "CREATE SCHEMA other",
+        "CREATE SEQUENCE other.tokens AS bigint CACHE 1",
+        *_register.create_register_sql("other.tokens"),
+    )
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert status == 1
+    assert (
+        "PROBLEM lease registers 2 in this database: other.sa_fence_leases (tokens from "
+        "other.tokens), sa_fence_leases (tokens from sa_fence_token_seq)." in out
+    )
+    assert "so that stale holder's commit goes through" in out
+    assert "fix: give every Fencer of this database one sequence" in out
+
+
+def test_check_counts_never_fenced_null_fences_in_a_note_not_a_problem(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    execute(
+        migrated,
+        "ALTER TABLE jobs ALTER COLUMN fence DROP NOT NULL",
+        "INSERT INTO jobs (id, fence) VALUES (1, NULL), (2, NULL), (3, 0)",
+    )
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert status == 0, out
+    backfill = (
+        'UPDATE "jobs" SET "fence" = 0 WHERE "fence" IS NULL; '
+        'ALTER TABLE "jobs" ALTER COLUMN "fence" SET NOT NULL;'
+    )
+    assert (
+        "note table jobs: 2 row(s) with a NULL fence (never fenced: any lease may write them, "
+        "and the first fenced write sets the fence). To make the column NOT NULL: "
+        + backfill
+        in out
+    )
+    execute(migrated, *backfill.split("; "))  # the documented backfill works as printed
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert (status, "note" in out) == (0, False), out
+
+
+def test_check_and_repair_take_a_register_ahead_of_the_sequence_into_account(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After a failover the register can be ahead of the rows: the target passes both."""
+    restored_behind(migrated)  # rows up to 41, sequence at 7
+    execute(migrated, "INSERT INTO sa_fence_leases (name, token) VALUES ('job:1', 500)")
+    url = url_of(migrated)
+    status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)
+    assert status == 1
+    assert (
+        "max(fence) of jobs is 41, max(token) of the lease register sa_fence_leases is 500. " in out
+    )
+    assert "a new grant would register a token below one already granted" in out
+    assert "(moves it to 500 + margin)" in out
+    status, out, _ = sa_fence_cli(
+        "repair-sequence", "--url", url, "--margin", "100", "--yes", capsys=capsys
+    )
+    assert status == 0, out
+    assert (
+        "sequence sa_fence_token_seq: last value 7; largest fence 41; largest registered "
+        "token 500 (sa_fence_leases); margin 100" in out
+    )
+    assert "Moved sa_fence_token_seq to 600; the next token is 601." in out
+    status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)
+    assert status == 0, out
+    assert "and max(token) 500 of the lease register" in out
+
+
+def test_check_reports_whatever_a_fencer_would_refuse_that_it_has_no_rule_for(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """check defers to the Fencer's own set-up test (setup_problem): never "No problems"
+    for a database a Fencer refuses."""
+    monkeypatch.setattr(_check, "setup_problem", lambda conn, sequence: "a new rule says no")
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert status == 1
+    assert (
+        "PROBLEM lease register sa_fence_leases a Fencer would refuse it: a new rule says no" in out
+    )

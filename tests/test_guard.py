@@ -7,6 +7,7 @@ head``): ``jobs`` has a guard with ``on_missing_token="unchanged"``,
 
 from __future__ import annotations
 
+import uuid
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -18,16 +19,23 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _flush, _guard
+from sa_fence import _flush, _guard, _tokens
 from sa_fence._demo import DemoJob, DemoStep
 from sa_fence._schema import upgrade_demo_schema
 from tests._fresh_db import fresh_database
+
+#: The token sequence's last value when the module starts: the raw-SQL tests
+#: present tokens at or below it ("issued"); a guard refuses any larger one.
+ISSUED = 100
+BIGINT_MAX = 2**63 - 1
 
 
 @pytest.fixture(scope="module")
 def guarded() -> Iterator[sa.Engine]:
     with fresh_database("guard") as engine:
         upgrade_demo_schema(engine)
+        with engine.begin() as conn:
+            conn.execute(sa.text("SELECT setval('sa_fence_token_seq', :v)"), {"v": ISSUED})
         yield engine
 
 
@@ -89,10 +97,16 @@ def run_script(conn: psycopg.Connection[Any], script: str) -> None:
         raise
 
 
-def recreate_guard(engine: sa.Engine) -> None:
+def recreate_guard(engine: sa.Engine, table: str = "job_steps", **kw: Any) -> None:
     with psql(engine) as conn:
-        for statement in _guard.create_guard_sql("job_steps"):
+        for statement in _guard.create_guard_sql(table, **kw):
             conn.execute(statement)  # type: ignore[arg-type]
+
+
+def refusal(engine: sa.Engine, script: str) -> psycopg.Error:
+    with psql(engine) as conn, pytest.raises(psycopg.Error) as refused:
+        run_script(conn, script)
+    return refused.value
 
 
 # ------------------------------------------------------------------ raw SQL
@@ -187,6 +201,160 @@ def test_a_connection_sa_fence_never_attached_to_sees_the_raw_error(guarded: sa.
         conn.execute(sa.text("DELETE FROM jobs WHERE id = 1"))
     assert not isinstance(refused.value, sa_fence.FenceError)
     assert refused.value.orig.sqlstate == _guard.NO_TOKEN_SQLSTATE  # type: ignore[union-attr]
+
+
+# ------------------------------------------------- tokens no lease was granted
+
+
+def test_a_guard_refuses_a_raw_writer_that_raises_the_fence_past_any_issued_token(
+    guarded: sa.Engine,
+) -> None:
+    insert_rows(guarded, fence=5)
+    for table, where in (("jobs", "id = 1"), ("job_steps", "job_id = 1")):  # both policies
+        refused = refusal(guarded, f"UPDATE {table} SET fence = {BIGINT_MAX} WHERE {where}")
+        assert refused.sqlstate == _guard.STALE_SQLSTATE
+        assert (
+            f"the new fence {BIGINT_MAX} is past the last token issued "
+            f'({ISSUED} by sequence "sa_fence_token_seq")' in str(refused)
+        )
+    assert job_row(guarded) == ("B", 5)
+    with psql(guarded) as conn:  # a fence up to the last issued token is a token: accepted
+        run_script(conn, f"UPDATE jobs SET result = 'C', fence = {ISSUED} WHERE id = 1")
+    assert job_row(guarded) == ("C", ISSUED)
+
+
+def test_without_the_issued_check_a_raw_writer_locks_every_later_holder_out(
+    guarded: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pair of the test above: the guard without its comparison with the sequence."""
+    insert_rows(guarded, fence=5)
+    monkeypatch.setattr(_guard, "ISSUED_CHECK", "false")
+    try:
+        recreate_guard(guarded)
+        with psql(guarded) as conn:
+            run_script(conn, f"UPDATE job_steps SET fence = {BIGINT_MAX}")  # accepted: the hole
+            with pytest.raises(psycopg.Error, match="is stale"):  # a real holder, for good
+                run_script(conn, STALE_UPDATE.replace("'3'", f"'{ISSUED}'"))
+    finally:
+        monkeypatch.undo()
+        recreate_guard(guarded)
+
+
+def test_a_guard_refuses_a_presented_token_larger_than_any_issued_token(
+    guarded: sa.Engine,
+) -> None:
+    insert_rows(guarded, fence=5)
+    present = "BEGIN; SELECT set_config('sa_fence.token', '{token}', true); "
+    for statement in ("UPDATE job_steps SET output = 'A'", "DELETE FROM job_steps"):
+        refused = refusal(guarded, present.format(token=ISSUED + 1) + statement)
+        assert refused.sqlstate == _guard.STALE_SQLSTATE
+        assert f"token {ISSUED + 1} is past the last token issued ({ISSUED}" in str(refused)
+    refused = refusal(  # a current token cannot carry a fence past the sequence either
+        guarded, present.format(token=ISSUED) + f"UPDATE job_steps SET fence = {ISSUED + 1}"
+    )
+    assert f"the new fence {ISSUED + 1} is past the last token issued" in str(refused)
+    with psql(guarded) as conn:
+        run_script(conn, present.format(token=ISSUED) + "UPDATE job_steps SET output = 'A'")
+        row = conn.execute("SELECT output, fence FROM job_steps").fetchone()
+    assert row == ("A", ISSUED)
+
+
+def test_the_guard_reads_the_sequence_only_for_a_write_that_raises_the_fence(
+    guarded: sa.Engine, role: str
+) -> None:
+    """A role that may not read the sequence: refused loudly when it would raise a fence,
+    untouched when it writes with the row's own token (no sequence read on that path)."""
+    insert_rows(guarded, fence=5)
+    with guarded.begin() as conn:
+        conn.execute(sa.text(f'GRANT SELECT, UPDATE ON jobs TO "{role}"'))
+    url = guarded.url.set(drivername="postgresql", username=role)
+    with psycopg.connect(url.render_as_string(hide_password=False), autocommit=True) as conn:
+        run_script(conn, "BEGIN; SELECT set_config('sa_fence.token', '5', true); "
+                         "UPDATE jobs SET result = 'same holder'")  # fmt: skip
+        with pytest.raises(psycopg.Error) as refused:
+            run_script(conn, "BEGIN; SELECT set_config('sa_fence.token', '6', true); "
+                             "UPDATE jobs SET result = 'newer holder'")  # fmt: skip
+    assert refused.value.sqlstate == "42501"
+    assert "sa_fence_token_seq" in str(refused.value)
+    assert job_row(guarded) == ("same holder", 5)
+
+
+@pytest.fixture
+def role(guarded: sa.Engine) -> Iterator[str]:
+    """A login role with no rights on the token sequence (dropped afterwards)."""
+    name = f"sa_fence_test_{uuid.uuid4().hex[:10]}"
+    with guarded.begin() as conn:
+        conn.execute(sa.text(f'CREATE ROLE "{name}" LOGIN'))
+    try:
+        yield name
+    finally:
+        with guarded.begin() as conn:
+            conn.execute(sa.text(f'DROP OWNED BY "{name}"'))
+            conn.execute(sa.text(f'DROP ROLE "{name}"'))
+
+
+def test_a_guard_names_the_sequence_it_reads_and_refuses_a_name_that_breaks_its_body() -> None:
+    body = _guard.create_guard_sql("jobs", sequence="app.tokens")[0]
+    assert 'pg_sequence_last_value(E\'"app"."tokens"\'::regclass)' in body
+    assert _guard.DEFAULT_SEQUENCE == _tokens.DEFAULT_SEQUENCE
+    with pytest.raises(ValueError, match="cannot contain"):
+        _guard.create_guard_sql("jobs", sequence="x$sa_fence$y")
+
+
+# ----------------------------------------------------------- never fenced rows
+
+
+@pytest.fixture
+def legacy(guarded: sa.Engine) -> Iterator[str]:
+    """A guarded table whose fence column allows NULL ("never fenced" rows)."""
+    with guarded.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE legacy (id int PRIMARY KEY, note text, fence bigint)"))
+        conn.execute(sa.text("INSERT INTO legacy VALUES (1, 'old', NULL), (2, 'old', 5)"))
+    recreate_guard(guarded, "legacy", on_missing_token="unchanged")
+    yield "legacy"
+    with guarded.begin() as conn:
+        conn.execute(sa.text("DROP TABLE legacy"))
+        for statement in _guard.drop_guard_sql("legacy"):
+            conn.execute(sa.text(statement))
+
+
+def legacy_rows(engine: sa.Engine) -> list[tuple[Any, ...]]:
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(sa.text("SELECT * FROM legacy ORDER BY id"))]
+
+
+def test_an_update_leaving_a_never_fenced_null_fence_null_is_not_lowering(
+    guarded: sa.Engine, legacy: str
+) -> None:
+    with psql(guarded) as conn:
+        run_script(conn, "UPDATE legacy SET note = 'legacy writer' WHERE id = 1")
+    assert legacy_rows(guarded)[0] == (1, "legacy writer", None)
+    refused = refusal(guarded, "UPDATE legacy SET fence = NULL WHERE id = 2")
+    assert refused.sqlstate == _guard.STALE_SQLSTATE
+    assert "would lower the fence from 5 to NULL" in str(refused)
+
+
+def test_a_token_write_to_a_never_fenced_row_records_its_token(
+    guarded: sa.Engine, legacy: str
+) -> None:
+    with psql(guarded) as conn:
+        run_script(conn, "BEGIN; SELECT set_config('sa_fence.token', '7', true); "
+                         "UPDATE legacy SET note = 'fenced' WHERE id = 1")  # fmt: skip
+    assert legacy_rows(guarded)[0] == (1, "fenced", 7)
+    refused = refusal(guarded, STALE_UPDATE.replace("job_steps SET output", "legacy SET note")
+                      .replace("WHERE job_id = 1 AND step = 2", "WHERE id = 1"))  # fmt: skip
+    assert "token 3 is stale: the row's fence is 7" in str(refused)
+
+
+def test_a_tokenless_writer_cannot_raise_a_never_fenced_row_past_any_issued_token(
+    guarded: sa.Engine, legacy: str
+) -> None:
+    refused = refusal(guarded, f"UPDATE legacy SET fence = {BIGINT_MAX} WHERE id = 1")
+    assert refused.sqlstate == _guard.STALE_SQLSTATE
+    assert "is past the last token issued" in str(refused)
+    with psql(guarded) as conn:  # an issued token as the first fence: accepted
+        run_script(conn, f"UPDATE legacy SET fence = {ISSUED} WHERE id = 1")
+    assert legacy_rows(guarded)[0] == (1, "old", ISSUED)
 
 
 # ---------------------------------------------------------------------- Core
@@ -368,3 +536,17 @@ def test_core_dml_inside_fence_connection_is_token_compared_like_a_session(
             conn.rollback()
     assert refused.value.primary_keys == ((1,),)
     assert job_row(guarded) == ("B", lease.token + 1)
+
+
+def test_a_raw_writer_presenting_a_token_records_that_token_not_a_fence_it_chose(
+    guarded: sa.Engine,
+) -> None:
+    """A fence above the writer's own token would shut out later holders of other names."""
+    insert_rows(guarded, fence=5)
+    with psql(guarded) as conn:
+        run_script(
+            conn,
+            "BEGIN; SELECT set_config('sa_fence.token', '7', true); "
+            f"UPDATE jobs SET result = 'C', fence = {ISSUED} WHERE id = 1",
+        )
+    assert job_row(guarded) == ("C", 7)
