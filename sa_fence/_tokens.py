@@ -18,6 +18,7 @@ from typing import Any, cast
 from sqlalchemy import BigInteger, Connection, Engine, MetaData, Sequence, text
 from sqlalchemy.exc import DBAPIError
 
+from ._guard import DEFAULT_SEQUENCE as DEFAULT_SEQUENCE  # re-exported: the package's one default
 from ._register import (
     CHECK_FUNCTION_SQL,
     DATABASE_ID_SQL,
@@ -33,7 +34,6 @@ from .errors import FencingConfigError, LeaseBackendError
 
 log = logging.getLogger("sa_fence")
 
-DEFAULT_SEQUENCE = "sa_fence_token_seq"
 
 #: Held token connections inherited through fork(): kept referenced, never
 #: closed (closing would end the parent's session on the shared socket).

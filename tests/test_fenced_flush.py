@@ -15,20 +15,15 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
 from sa_fence import _flush
+from tests._sql import recorded_statements
 from tests.models import Audit, Cell, Job
 
 
 @pytest.fixture
 def statements(engine: sa.Engine) -> Iterator[list[str]]:
     """Every SQL statement the engine sends while the test runs."""
-    sent: list[str] = []
-
-    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        sent.append(statement)
-
-    sa.event.listen(engine, "before_cursor_execute", record)
-    yield sent
-    sa.event.remove(engine, "before_cursor_execute", record)
+    with recorded_statements(engine) as sent:
+        yield sent
 
 
 def seed(fencer: sa_fence.Fencer, make_session: sessionmaker[Session], *objs: Any) -> int:

@@ -23,6 +23,7 @@ from sa_fence import _flush, _guard, _tokens
 from sa_fence._demo import DemoJob, DemoStep
 from sa_fence._schema import upgrade_demo_schema
 from tests._fresh_db import fresh_database
+from tests._sql import recorded_statements
 
 #: The token sequence's last value when the module starts: the raw-SQL tests
 #: present tokens at or below it ("issued"); a guard refuses any larger one.
@@ -420,14 +421,9 @@ def test_fence_connection_refuses_a_released_lease_and_a_session(
 
 @pytest.fixture
 def statements(guarded: sa.Engine) -> Iterator[list[str]]:
-    sent: list[str] = []
-
-    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        sent.append(statement)
-
-    sa.event.listen(guarded, "before_cursor_execute", record)
-    yield sent
-    sa.event.remove(guarded, "before_cursor_execute", record)
+    """Every SQL statement the guarded database gets while the test runs."""
+    with recorded_statements(guarded) as sent:
+        yield sent
 
 
 def test_orm_writes_to_a_reject_guarded_table_present_the_token_inside_their_statements(

@@ -47,6 +47,7 @@ import sa_fence
 from sa_fence import _flush
 from sa_fence.testing import expire
 from tests._fresh_db import fresh_database
+from tests._sql import recorded_statements
 from tests.models_scope import (
     TABLES,
     Child,
@@ -103,14 +104,8 @@ def make_session(scope_engine: sa.Engine) -> sessionmaker[Session]:
 @pytest.fixture
 def statements(scope_engine: sa.Engine) -> Iterator[list[str]]:
     """Every SQL statement sent to the scope database while the test runs."""
-    sent: list[str] = []
-
-    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        sent.append(statement)
-
-    sa.event.listen(scope_engine, "before_cursor_execute", record)
-    yield sent
-    sa.event.remove(scope_engine, "before_cursor_execute", record)
+    with recorded_statements(scope_engine) as sent:
+        yield sent
 
 
 # ------------------------------------------------------------------- helpers
