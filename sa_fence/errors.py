@@ -12,12 +12,18 @@ Every error the library raises on purpose derives from :class:`FenceError`::
 
 Bad arguments (a negative TTL, an empty lease name) raise the built-in
 ``ValueError`` / ``TypeError`` before anything is written anywhere.
+
+Every error crosses process boundaries intact: ``pickle`` rebuilds the same
+class with the same attributes, and so do result backends that keep only
+``args`` and rebuild with ``cls(*args)`` (Celery's JSON serializer): an error
+with attributes keeps them in ``args`` as ``(message, {attributes})``, and
+its constructor accepts that form.  ``str(error)`` is the message.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 from sqlalchemy.orm.exc import StaleDataError
 
@@ -34,6 +40,20 @@ __all__ = [
 
 class FenceError(Exception):
     """Base class of every error sa-fence raises on purpose."""
+
+    def __str__(self) -> str:
+        # ``args`` is ``(message,)`` or ``(message, {attributes})``: the message.
+        return str(self.args[0]) if self.args else ""
+
+
+def _from_args(cls: type[Exception], args: tuple[Any, ...]) -> dict[str, Any]:
+    """The attributes of the ``cls(message, {attributes})`` form (a result backend's rebuild)."""
+    if len(args) != 2 or not isinstance(args[0], str) or not isinstance(args[1], dict):
+        raise TypeError(
+            f"{cls.__name__}() takes keyword arguments (or its own args, "
+            f"(message, {{attributes}}), to rebuild it), got {args!r}"
+        )
+    return args[1]
 
 
 class StaleTokenError(FenceError, StaleDataError):
@@ -56,6 +76,7 @@ class StaleTokenError(FenceError, StaleDataError):
     written for ``version_id_col`` conflicts catch it too.
     """
 
+    @overload
     def __init__(
         self,
         *,
@@ -66,11 +87,33 @@ class StaleTokenError(FenceError, StaleDataError):
         current_fences: Sequence[int | None] = (),
         lease_name: str | None = None,
         newest_token: int | None = None,
+    ) -> None: ...
+    @overload
+    def __init__(self, message: str, attributes: dict[str, Any], /) -> None: ...
+    def __init__(
+        self,
+        *rebuild: Any,
+        token: int = 0,
+        table: str | None = None,
+        statement: str = "UPDATE",
+        primary_keys: Sequence[Sequence[Any]] = (),
+        current_fences: Sequence[int | None] = (),
+        lease_name: str | None = None,
+        newest_token: int | None = None,
     ) -> None:
+        if rebuild:
+            attributes = _from_args(type(self), rebuild)
+            token = attributes["token"]
+            table = attributes["table"]
+            statement = attributes["statement"]
+            primary_keys = attributes["primary_keys"]
+            current_fences = attributes["current_fences"]
+            lease_name = attributes["lease_name"]
+            newest_token = attributes["newest_token"]
         self.table = table
         self.statement = statement
         self.token = token
-        self.primary_keys = tuple(primary_keys)
+        self.primary_keys = tuple(tuple(pk) for pk in primary_keys)
         self.current_fences = tuple(current_fences)
         self.lease_name = lease_name
         self.newest_token = newest_token
@@ -94,25 +137,22 @@ class StaleTokenError(FenceError, StaleDataError):
                 "these rows since this lease was granted; nothing of this flush was "
                 "written. Roll back and re-read the rows."
             )
-        super().__init__(message)
+        super().__init__(message, self._attributes())
+
+    def _attributes(self) -> dict[str, Any]:
+        return {
+            "token": self.token,
+            "table": self.table,
+            "statement": self.statement,
+            "primary_keys": self.primary_keys,
+            "current_fences": self.current_fences,
+            "lease_name": self.lease_name,
+            "newest_token": self.newest_token,
+        }
 
     def __reduce__(self) -> tuple[Any, ...]:
         # keyword-only constructor: rebuild from the attributes (pickle, Celery)
-        return (
-            _rebuild,
-            (
-                type(self),
-                {
-                    "token": self.token,
-                    "table": self.table,
-                    "statement": self.statement,
-                    "primary_keys": self.primary_keys,
-                    "current_fences": self.current_fences,
-                    "lease_name": self.lease_name,
-                    "newest_token": self.newest_token,
-                },
-            ),
-        )
+        return (_rebuild, (type(self), self._attributes()))
 
 
 def _rebuild(cls: type[Exception], kwargs: dict[str, Any], *args: Any) -> Exception:
@@ -131,15 +171,35 @@ class LeaseNotAcquiredError(FenceError):
     current holder when known, else ``None``.
     """
 
+    @overload
     def __init__(
         self, name: str, holder_token: int | None = None, *, waited: float | None = None
+    ) -> None: ...
+    @overload
+    def __init__(self, message: str, attributes: dict[str, Any], /) -> None: ...
+    def __init__(
+        self,
+        name: str,
+        holder_token: int | dict[str, Any] | None = None,
+        *,
+        waited: float | None = None,
     ) -> None:
+        if isinstance(holder_token, dict):  # (message, {attributes}): a result backend's rebuild
+            attributes = _from_args(type(self), (name, holder_token))
+            name, holder_token, waited = (
+                attributes["name"],
+                attributes["holder_token"],
+                attributes["waited"],
+            )
         self.name = name
         self.holder_token = holder_token
         self.waited = waited
         held = f" (holder's token {holder_token})" if holder_token is not None else ""
         after = f" after waiting {waited:.3g} s" if waited is not None else ""
-        super().__init__(f"lease {name!r} is held by another owner{held}{after}; try again later")
+        super().__init__(
+            f"lease {name!r} is held by another owner{held}{after}; try again later",
+            {"name": name, "holder_token": holder_token, "waited": waited},
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), {"waited": self.waited}, self.name, self.holder_token))
@@ -164,6 +224,7 @@ class LeaseBackendError(FenceError):
     ``__cause__``).
     """
 
+    @overload
     def __init__(
         self,
         *,
@@ -172,20 +233,57 @@ class LeaseBackendError(FenceError):
         name: str,
         cause: BaseException,
         detail: str | None = None,
+    ) -> None: ...
+    @overload
+    def __init__(self, message: str, attributes: dict[str, Any], /) -> None: ...
+    def __init__(
+        self,
+        *rebuild: Any,
+        backend: str = "",
+        operation: str = "",
+        name: str = "",
+        cause: BaseException | None = None,
+        detail: str | None = None,
     ) -> None:
+        message: str | None = None
+        if rebuild:
+            attributes = _from_args(type(self), rebuild)
+            message = rebuild[0]
+            backend, operation, name, detail = (
+                attributes["backend"],
+                attributes["operation"],
+                attributes["name"],
+                attributes["detail"],
+            )
+            # Only its text travels in args (the client's exception may not
+            # serialize); pickle keeps the exception itself (__reduce__).
+            cause = Exception(attributes["cause"])
+        if cause is None:
+            raise TypeError("LeaseBackendError() needs cause=<the client's exception>")
         self.backend = backend
         self.operation = operation
         self.name = name
         self.cause = cause
         self.detail = detail
-        super().__init__(
-            f"{operation} of lease {name!r} failed: "
-            + (
+        if message is None:
+            message = f"{operation} of lease {name!r} failed: " + (
                 detail
                 or f"{backend} did not answer or failed ({type(cause).__name__}: {cause}); "
                 f"the outcome is unknown. Check that {backend} is reachable; the lease's TTL "
                 "ends anything left behind."
             )
+            cause_text = f"{type(cause).__name__}: {cause}"
+        else:
+            cause_text = str(cause)
+        super().__init__(
+            message,
+            {
+                "backend": backend,
+                "operation": operation,
+                "name": name,
+                "cause": cause_text,
+                "detail": detail,
+            },
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
