@@ -337,9 +337,13 @@ def expired_locally_message(name: str, token: int) -> str:
 
 
 def renewal_timed_out_message(name: str, token: int) -> str:
+    # Worded by what is known: no renewal succeeded within the validity.  Why
+    # is not known here: this process may have been paused (GC, swap, SIGSTOP),
+    # so that its renewer never ran, or Redis may not have answered.
     return (
-        f"lease {name!r} (token {token}) could not be renewed: Redis did not answer "
-        "before the lease's local validity ran out. Stop the work; nothing was sent."
+        f"lease {name!r} (token {token}) could not be renewed in time: its local "
+        "validity ran out before a renewal succeeded (this process may have been "
+        "paused, or Redis may not have answered). Stop the work; nothing was sent."
     )
 
 
