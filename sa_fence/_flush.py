@@ -225,6 +225,12 @@ _origins: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary(
 _rewritten: weakref.WeakKeyDictionary[Any, _Fenced] = weakref.WeakKeyDictionary()
 
 _TOKEN = bindparam(TOKEN_BIND, type_=BigInteger)
+#: The value written to the fence: an expression, not a bare bind, so that the
+#: ORM counts the column as set by the server and expires ``obj.fence`` after
+#: the INSERT or UPDATE (read next, it loads the token the row now carries).
+#: A bare bind would leave the object showing the value it had before, e.g. 0
+#: or None with ``expire_on_commit=False`` (SQLModel, FastAPI, asyncio).
+_TOKEN_WRITTEN = cast(_TOKEN, BigInteger)
 
 
 def fence_predicate(fence_col: Column[Any], token: Any) -> ColumnElement[bool]:
@@ -464,7 +470,7 @@ def _rewrite(elem: Any, fence_col: Column[Any]) -> _Fenced:
     if not isinstance(elem, Insert):
         stmt = stmt.where(fence_predicate(fence_col, _TOKEN))
     if not isinstance(elem, Delete):
-        stmt = _with_value(stmt, fence_col, _TOKEN)
+        stmt = _with_value(stmt, fence_col, _TOKEN_WRITTEN)
     pk_cols, pk_names = (None, None) if isinstance(elem, Insert) else _key_binds(elem)
     fenced = _Fenced(stmt, pk_cols, pk_names)
     with contextlib.suppress(TypeError):  # not weak-referenceable: not cached
@@ -1022,6 +1028,7 @@ def bind_lease(session: Session, lease: Lease) -> None:
         )
     state = _state_for(session)
     state.lease = lease
+    lease._bound = True
     for conn in state.connections:  # bound mid-transaction: the COMMIT checks it too
         _refuse_unscoped(session, conn)
         _enter_scope(conn, lease)
@@ -1089,6 +1096,7 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
     previous = _active.get(conn)
     state = _SessionState()
     state.lease = lease
+    lease._bound = True
     _attach(conn, state)
     _enter_scope(conn, lease)
     try:

@@ -391,6 +391,32 @@ class _Renewer:
 
 FencerT = TypeVar("FencerT")
 
+#: Fencers that already logged "a lease was released without being bound".
+_warned_unbound: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _warn_never_bound(lease: BaseLease[Any]) -> None:
+    """A lease held around writes that nothing fenced: say so once per Fencer.
+
+    Release is the one cheap place that sees it: a session with no hook
+    installed runs no sa-fence code at all, but a lease that was never bound
+    (``lease.bind()``, ``fence_connection()`` or the decorator) fenced
+    nothing that was written while it was held.
+    """
+    if lease.fencer in _warned_unbound:
+        return
+    _warned_unbound.add(lease.fencer)
+    log.warning(
+        "lease %r (token %d) was released without having been bound to a session or "
+        "connection, so nothing written while it was held was fenced by it. Bind it to "
+        "each session that writes under it (lease.bind(session), on a session whose "
+        "sessionmaker has sa_fence.install()), or use @sa_fence.fenced, which binds for "
+        "you. If you only use the lease's token (an idempotency key), ignore this; it "
+        "is logged once per Fencer.",
+        lease.name,
+        lease.token,
+    )
+
 
 class BaseLease(Generic[FencerT]):
     """What a holder knows about a granted lease, without I/O.
@@ -399,6 +425,9 @@ class BaseLease(Generic[FencerT]):
     flush hook): the state, the validity on this process's monotonic clock,
     and the "is it still usable" checks.  The subclasses add the Redis calls.
     """
+
+    #: Set once the lease is bound to a session or connection (see _warn_never_bound).
+    _bound: bool = False
 
     def __init__(
         self,
@@ -517,6 +546,8 @@ class BaseLease(Generic[FencerT]):
             self._state.on_extended(sent_at, ttl_ms)
 
     def _release_outcome(self, deleted: bool, resent: bool, first_sent: float) -> bool:
+        if not self._bound:
+            _warn_never_bound(self)
         deleted = proto.release_deleted(
             self._state, deleted=deleted, resent=resent, first_sent=first_sent, now=time.monotonic()
         )

@@ -7,7 +7,7 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Column, FetchedValue, FromClause, text
 from sqlalchemy.exc import NoInspectionAvailable
-from sqlalchemy.orm import Mapped, Mapper, class_mapper, mapped_column
+from sqlalchemy.orm import Mapped, Mapper, class_mapper, declared_attr, mapped_column
 from sqlalchemy.orm.exc import UnmappedClassError
 
 #: Key in ``Column.info`` that marks a column as a table's fence column.
@@ -38,18 +38,26 @@ class Fenced:
     assigned to it (by hand, or by ``Session.merge`` copying a detached
     object) is never written (DESIGN.md, I8).  Rows inserted without a lease
     (admin scripts using :func:`sa_fence.unfenced`) get ``fence = 0``.
+
+    Works with SQLModel too (``class Job(sa_fence.Fenced, SQLModel,
+    table=True)``): the column is declared with ``declared_attr``, which
+    SQLAlchemy maps on every subclass and pydantic does not take for a model
+    field, so ``fence`` is not a constructor argument nor part of
+    ``model_dump()``; the row's token is read as ``job.fence``.
     """
 
-    fence: Mapped[int] = mapped_column(
-        BigInteger,
-        nullable=False,
-        server_default=text("0"),
-        # sa-fence sets it in the UPDATE statement itself, so the ORM must
-        # expire and reload it after an UPDATE rather than keep the old value.
-        server_onupdate=FetchedValue(),
-        info={FENCE_INFO_KEY: True},
-        sort_order=1000,
-    )
+    @declared_attr
+    def fence(cls) -> Mapped[int]:
+        return mapped_column(
+            BigInteger,
+            nullable=False,
+            server_default=text("0"),
+            # sa-fence sets it in the UPDATE statement itself, so the ORM must
+            # expire and reload it after an UPDATE rather than keep the old value.
+            server_onupdate=FetchedValue(),
+            info={FENCE_INFO_KEY: True},
+            sort_order=1000,
+        )
 
 
 _table_fences: weakref.WeakKeyDictionary[Any, Column[Any] | None] = weakref.WeakKeyDictionary()
