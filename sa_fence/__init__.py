@@ -28,7 +28,7 @@ Quick tour (the full, tested quickstart is in ``docs/index.md``)::
 
 from typing import TYPE_CHECKING, Any
 
-from ._decorators import SKIPPED, Skipped, current_lease, fenced, fenced_methods
+from ._decorators import SKIPPED, Skipped, current_lease, current_session, fenced, fenced_methods
 from ._flush import fence_connection, install, unbind, unfenced, uninstall
 from ._lease import Fencer, Lease
 from ._model import Fenced, fence_column
@@ -62,6 +62,7 @@ __all__ = [
     "StaleTokenError",
     "UnfencedWriteError",
     "current_lease",
+    "current_session",
     "fence_column",
     "fence_connection",
     "fence_sequence",

@@ -13,8 +13,8 @@ async def finish_async(job_id: int) -> str:
 
 
 @sa_fence.fenced("job:{job_id}", ttl=5, on_busy="skip")
-def finish(job_id: int) -> str:
-    return "done"
+def finish(job_id: int) -> int:
+    return job_id
 
 
 @sa_fence.fenced("job:{job_id}", ttl=5)
