@@ -34,6 +34,8 @@ largest registered token, plus a margin (it never moves it backwards).
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -110,15 +112,38 @@ class Report:
         return max([m for m in self.max_fences.values() if m is not None], default=0)
 
 
-def load_metadata(spec: str) -> sa.MetaData:
-    """``module:attribute.path`` -> a MetaData (or a declarative base's metadata)."""
+def load_metadata(spec: str, app_dir: str = ".") -> sa.MetaData:
+    """``module:attribute.path`` -> a MetaData (or a declarative base's metadata).
+
+    ``app_dir`` (default: the current folder) is put first on ``sys.path``
+    for the import, as Alembic's ``prepend_sys_path = .`` does, so the
+    command works from the project folder where ``alembic`` works.
+    """
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path:
         raise ValueError(f"--metadata must look like 'package.module:Base.metadata', got {spec!r}")
+    folder = os.path.abspath(app_dir)
+    if not os.path.isdir(folder):
+        raise ValueError(f"--app-dir {app_dir!r} is not a folder")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     try:
         target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"--metadata: cannot import {module_name!r}: {exc}") from None
+    except ModuleNotFoundError as exc:
+        top = module_name.split(".", 1)[0]
+        if exc.name is None or top != exc.name.split(".", 1)[0]:
+            # the module was found; something it imports was not
+            raise ValueError(f"--metadata: importing {module_name!r} failed: {exc}") from None
+        raise ValueError(
+            f"--metadata: cannot import {module_name!r}: no module {exc.name!r} in {folder} "
+            f"or on the import path. Run sa-fence from the folder that holds {top}/ (or "
+            f"{top}.py), as for alembic, or pass --app-dir <that folder>, or add it to "
+            "PYTHONPATH."
+        ) from None
+    except Exception as exc:  # the user's module raised while being imported
+        raise ValueError(
+            f"--metadata: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
     for part in attr_path.split("."):
         try:
             target = getattr(target, part)
@@ -633,7 +658,14 @@ def apply_repair(conn: sa.Connection, plan: RepairPlan) -> int:
 
 
 def run_check(
-    url: str, sequence: str, metadata_spec: str | None, column: str, out: TextIO, err: TextIO
+    url: str,
+    sequence: str,
+    metadata_spec: str | None,
+    column: str,
+    out: TextIO,
+    err: TextIO,
+    *,
+    app_dir: str = ".",
 ) -> int:
     return _with_connection(
         url,
@@ -642,6 +674,7 @@ def run_check(
         lambda conn, md: print_report(
             check(conn, sequence=sequence, metadata=md, column=column), _shown(url), out
         ),
+        app_dir=app_dir,
     )
 
 
@@ -655,6 +688,8 @@ def run_repair(
     confirm: Callable[[str], str],
     out: TextIO,
     err: TextIO,
+    *,
+    app_dir: str = ".",
 ) -> int:
     def go(conn: sa.Connection, md: sa.MetaData | None) -> int:
         try:
@@ -689,7 +724,7 @@ def run_repair(
         print(f"Moved {sequence} to {value}; the next token is {value + 1}.", file=out)
         return EXIT_OK
 
-    return _with_connection(url, metadata_spec, err, go)
+    return _with_connection(url, metadata_spec, err, go, app_dir=app_dir)
 
 
 def _shown(url: str) -> str:
@@ -704,6 +739,8 @@ def _with_connection(
     metadata_spec: str | None,
     err: TextIO,
     body: Callable[[sa.Connection, sa.MetaData | None], int],
+    *,
+    app_dir: str = ".",
 ) -> int:
     command = "sa-fence"
     try:
@@ -725,7 +762,7 @@ def _with_connection(
     metadata = None
     if metadata_spec:
         try:
-            metadata = load_metadata(metadata_spec)
+            metadata = load_metadata(metadata_spec, app_dir)
         except ValueError as exc:
             print(f"{command}: {exc}", file=err)
             return EXIT_USAGE

@@ -1,5 +1,7 @@
 """The ``sa-fence`` command: a small dispatcher over subcommands.
 
+``sa-fence`` and ``python -m sa_fence`` run the same thing.
+
 ``sa-fence demo`` plays the lost-lease double write with two worker
 processes (see :mod:`sa_fence._demo`); ``sa-fence check`` and
 ``sa-fence repair-sequence`` inspect and repair a live database's fencing
@@ -21,6 +23,9 @@ DEMO_REDIS_ENV = "SA_FENCE_DEMO_REDIS"
 DEFAULT_DEMO_PG = "postgresql+psycopg://postgres@127.0.0.1:5432"
 DEFAULT_DEMO_REDIS = "redis://127.0.0.1:6379/0"
 DATABASE_URL_ENV = "SA_FENCE_DATABASE_URL"
+#: ``bench`` (and ``demo``, after $SA_FENCE_DEMO_REDIS): the Redis to use
+REDIS_URL_ENV = "SA_FENCE_REDIS_URL"
+DEFAULT_REDIS = DEFAULT_DEMO_REDIS
 #: ``repair-sequence``: tokens to skip past the largest fence
 DEFAULT_MARGIN = 1000
 
@@ -114,7 +119,13 @@ def _check(args: argparse.Namespace) -> int:
     from . import _check
 
     return _check.run_check(
-        args.url, args.sequence, args.metadata, args.column, sys.stdout, sys.stderr
+        args.url,
+        args.sequence,
+        args.metadata,
+        args.column,
+        sys.stdout,
+        sys.stderr,
+        app_dir=args.app_dir,
     )
 
 
@@ -131,6 +142,7 @@ def _repair_sequence(args: argparse.Namespace) -> int:
         input,
         sys.stdout,
         sys.stderr,
+        app_dir=args.app_dir,
     )
 
 
@@ -145,13 +157,8 @@ def _bench(args: argparse.Namespace) -> int:
 def _database_arguments(parser: argparse.ArgumentParser) -> None:
     from ._tokens import DEFAULT_SEQUENCE
 
-    url = os.environ.get(DATABASE_URL_ENV)
-    parser.add_argument(
-        "--url",
-        metavar="URL",
-        default=url,
-        required=url is None,
-        help=f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})",
+    _url_argument(
+        parser, f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})"
     )
     parser.add_argument(
         "--sequence",
@@ -163,7 +170,15 @@ def _database_arguments(parser: argparse.ArgumentParser) -> None:
         "--metadata",
         metavar="MODULE:ATTR",
         help="your models, e.g. myapp.models:Base; fenced tables are taken from them "
-        "(default: every table with a COLUMN column or a guard trigger)",
+        "(default: every table with a COLUMN column or a guard trigger). Imported with "
+        "--app-dir first on the import path, as Alembic's prepend_sys_path does",
+    )
+    parser.add_argument(
+        "--app-dir",
+        metavar="DIR",
+        default=".",
+        help="the folder --metadata is imported from, put first on the import path "
+        "(default: the current folder)",
     )
     parser.add_argument(
         "--column",
@@ -171,6 +186,28 @@ def _database_arguments(parser: argparse.ArgumentParser) -> None:
         default="fence",
         help="the fence column's name, used without --metadata (default: fence)",
     )
+
+
+def _url_argument(
+    parser: argparse.ArgumentParser, help: str, type: Callable[[str], str] | None = None
+) -> None:
+    """``--url``, defaulting to $SA_FENCE_DATABASE_URL.
+
+    Not ``required=`` in argparse: the environment variable satisfies it,
+    and ``--help`` must not say it is required.  :func:`main` asks for it
+    when neither is given.
+    """
+    parser.add_argument(
+        "--url",
+        metavar="URL",
+        type=type if type is not None else str,
+        default=os.environ.get(DATABASE_URL_ENV),
+        help=help.replace(
+            f"(default: ${DATABASE_URL_ENV})",
+            f"(default: ${DATABASE_URL_ENV}; required when it is not set)",
+        ),
+    )
+    parser.set_defaults(needs_url=True, parser=parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,8 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--redis",
         metavar="URL",
-        default=os.environ.get(DEMO_REDIS_ENV, DEFAULT_DEMO_REDIS),
-        help=f"Redis URL (default: ${DEMO_REDIS_ENV}, else {DEFAULT_DEMO_REDIS})",
+        default=os.environ.get(DEMO_REDIS_ENV) or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS),
+        help=f"Redis URL (default: ${DEMO_REDIS_ENV}, else ${REDIS_URL_ENV}, else {DEFAULT_REDIS})",
     )
     demo.add_argument(
         "--ttl",
@@ -263,22 +300,18 @@ def build_parser() -> argparse.ArgumentParser:
         "and removes them at the end. Progress goes to stderr. Exit status: 0 done, "
         "2 bad argument, 3 PostgreSQL or Redis unreachable.",
     )
-    bench_url = os.environ.get(DATABASE_URL_ENV)
-    bench.add_argument(
-        "--url",
-        metavar="URL",
-        type=_bench_pg_url,
-        default=bench_url,
-        required=bench_url is None,
-        help="SQLAlchemy URL of a PostgreSQL database where the bench may create and drop "
+    _url_argument(
+        bench,
+        "SQLAlchemy URL of a PostgreSQL database where the bench may create and drop "
         f"tables (default: ${DATABASE_URL_ENV})",
+        type=_bench_pg_url,
     )
     bench.add_argument(
         "--redis",
         metavar="URL",
         type=_redis_url,
-        default=os.environ.get(DEMO_REDIS_ENV, DEFAULT_DEMO_REDIS),
-        help=f"Redis URL (default: ${DEMO_REDIS_ENV}, else {DEFAULT_DEMO_REDIS})",
+        default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS),
+        help=f"Redis URL (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS})",
     )
     bench.add_argument(
         "--rounds",
@@ -302,6 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sa-fence`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "needs_url", False) and args.url is None:
+        args.parser.error(
+            f"--url is required when ${DATABASE_URL_ENV} is not set, e.g. "
+            "--url postgresql+psycopg://user@host:5432/dbname"
+        )
     handler: Handler = args.handler
     try:
         return handler(args)
