@@ -608,7 +608,9 @@ def _table_keywords(op: _TableOp) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     if op.schema is not None:
         kw["schema"] = op.schema
-    if isinstance(op, _GuardOp) and op.on_missing_token != "reject":
+    if isinstance(op, _GuardOp):
+        # always written out: which writers the guard refuses is a decision
+        # for whoever reads the revision, not a default to overlook
         kw["on_missing_token"] = op.on_missing_token
     if isinstance(op, _GuardOp) and op.sequence != DEFAULT_SEQUENCE:
         kw["sequence"] = op.sequence
@@ -635,9 +637,35 @@ def _render_create_sequence(autogen_context: AutogenContext, op: CreateFenceSequ
     )
 
 
+#: Above a rendered drop_fence_sequence() (it appears in downgrade()).
+DROP_SEQUENCE_WARNING = [
+    "# WARNING: this drops the token sequence.  Created again, it starts from 1 again,",
+    "# below the fences already on your rows and the tokens in the lease register:",
+    "# every later writer of those rows would be refused until it catches up.  Never",
+    "# run this on a live database; delete this line to keep the sequence.",
+]
+
+#: Above a rendered create_fence_guard(), by policy.
+GUARD_POLICY_NOTES = {
+    "unchanged": [
+        "# on_missing_token='unchanged': the table already exists, so it may have writers",
+        "# that present no token (other services, psql, sessions without sa_fence.install()).",
+        "# They may still UPDATE a row if they leave its fence alone; no writer can lower a",
+        "# fence or write with a stale token.  Once every writer presents a token, switch to",
+        "# 'reject' (the migrations guide: 'Roll the guard out in two steps').",
+    ],
+    "reject": [
+        "# on_missing_token='reject': every UPDATE and DELETE must present a lease token;",
+        "# writers without sa-fence (other services, psql) are refused.  Use 'unchanged'",
+        "# while such writers remain.",
+    ],
+}
+
+
 @renderers.dispatch_for(DropFenceSequenceOp)
-def _render_drop_sequence(autogen_context: AutogenContext, op: DropFenceSequenceOp) -> str:
-    return _render(autogen_context, f"op.drop_fence_sequence({_sequence_args(op.name, op.schema)})")
+def _render_drop_sequence(autogen_context: AutogenContext, op: DropFenceSequenceOp) -> list[str]:
+    call = _render(autogen_context, f"op.drop_fence_sequence({_sequence_args(op.name, op.schema)})")
+    return [*DROP_SEQUENCE_WARNING, call]
 
 
 @renderers.dispatch_for(AlterFenceSequenceOp)
@@ -682,8 +710,9 @@ def _render_drop_column(autogen_context: AutogenContext, op: DropFenceColumnOp) 
 
 
 @renderers.dispatch_for(CreateFenceGuardOp)
-def _render_create_guard(autogen_context: AutogenContext, op: CreateFenceGuardOp) -> str:
-    return _render(autogen_context, f"op.create_fence_guard({_table_args(op)})")
+def _render_create_guard(autogen_context: AutogenContext, op: CreateFenceGuardOp) -> list[str]:
+    call = _render(autogen_context, f"op.create_fence_guard({_table_args(op)})")
+    return [*GUARD_POLICY_NOTES[op.on_missing_token], call]
 
 
 @renderers.dispatch_for(DropFenceGuardOp)
@@ -811,7 +840,12 @@ def _compare_fencing(
     inspector = autogen_context.inspector
     new_ops: list[MigrateOperation] = []
     for table, column in tables:
+        # A table that already exists may have writers that know nothing of
+        # sa-fence: its guard starts lenient ("unchanged"), as the migrations
+        # guide advises; a table created by this revision has none yet.
+        policy = "reject"
         if inspector.has_table(table.name, schema=table.schema):
+            policy = "unchanged"
             columns = {c["name"] for c in inspector.get_columns(table.name, schema=table.schema)}
             if column not in columns:
                 _take_builtin_add_column(upgrade_ops, table, column)
@@ -824,7 +858,13 @@ def _compare_fencing(
                 if guarded:
                     continue
         new_ops.append(
-            CreateFenceGuardOp(table.name, column, schema=table.schema, sequence=sequence)
+            CreateFenceGuardOp(
+                table.name,
+                column,
+                schema=table.schema,
+                on_missing_token=policy,
+                sequence=sequence,
+            )
         )
     seq_schema, _, seq_name = sequence.rpartition(".")
     head: list[MigrateOperation] = []

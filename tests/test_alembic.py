@@ -144,24 +144,34 @@ def test_autogenerate_renders_the_fencing_ops_and_the_revision_upgrades_downgrad
         "op.create_fence_sequence()",
         "op.create_fence_register()",
         "op.add_fence_column('jobs')",
-        "op.create_fence_guard('jobs')",
-        "op.create_fence_guard('cells')",
+        # jobs existed (writers may present no token): lenient; cells is new: strict
+        "op.create_fence_guard('jobs', on_missing_token='unchanged')",
+        "op.create_fence_guard('cells', on_missing_token='reject')",
     ):
         assert call in up, up
     assert "add_column('jobs'" not in up, "Alembic's own add_column is replaced, not doubled"
     assert "create_table('sa_fence_leases'" not in up, "the register op replaces create_table"
     assert up.index("op.create_fence_sequence()") < up.index("op.create_fence_register()")
     assert up.index("op.create_fence_register()") < up.index("op.create_table('cells'")
-    assert up.index("op.create_table('cells'") < up.index("op.create_fence_guard('cells')")
+    assert up.index("op.create_table('cells'") < up.index("op.create_fence_guard('cells'")
+    # each guard says in the revision which writers it refuses
+    for note in (
+        *fence_ops.GUARD_POLICY_NOTES["unchanged"],
+        *fence_ops.GUARD_POLICY_NOTES["reject"],
+    ):
+        assert note in up, up
     for call in (
         "op.drop_fence_sequence()",
         "op.drop_fence_register()",
         "op.drop_fence_column('jobs')",
-        "op.drop_fence_guard('jobs')",
-        "op.drop_fence_guard('cells')",
+        "op.drop_fence_guard('jobs', on_missing_token='unchanged')",
+        "op.drop_fence_guard('cells', on_missing_token='reject')",
     ):
         assert call in down, down
-    assert down.index("op.drop_fence_guard('cells')") < down.index("op.drop_table('cells')")
+    assert down.index("op.drop_fence_guard('cells'") < down.index("op.drop_table('cells')")
+    # dropping the sequence is said out loud, right above the call
+    warning = "\n    ".join(fence_ops.DROP_SEQUENCE_WARNING)
+    assert f"{warning}\n    op.drop_fence_sequence()" in down, down
     assert down.index("op.drop_fence_register()") < down.index("op.drop_fence_sequence()")
 
     fenced = {
@@ -243,7 +253,7 @@ def test_autogenerate_leaves_out_tables_that_include_name_or_include_object_excl
     )
     text = Path(script.path).read_text(encoding="utf-8")
     assert "op.create_table('cells'" in text  # Alembic's own op: include_name is for reflection
-    assert "op.create_fence_guard('cells')" not in text
+    assert "create_fence_guard('cells'" not in text
     assert "'jobs'" not in text
     assert "_fence_" not in text  # no fenced table nor register in scope: no sequence op
 
@@ -262,7 +272,7 @@ def test_autogenerate_leaves_out_the_register_when_include_object_excludes_it(
     )  # fmt: skip
     text = Path(script.path).read_text(encoding="utf-8")
     assert "op.create_fence_sequence()" in text
-    assert "op.create_fence_guard('cells')" in text
+    assert "op.create_fence_guard('cells', on_missing_token='reject')" in text
     assert "sa_fence_leases" not in text
     assert "fence_register" not in text
 
@@ -334,7 +344,8 @@ def test_autogenerate_creates_sequence_and_register_for_a_metadata_with_no_fence
     text = Path(script.path).read_text(encoding="utf-8")
     up, down = body(text, "upgrade"), body(text, "downgrade")
     assert "op.create_fence_sequence()\n    op.create_fence_register()" in up
-    assert "op.drop_fence_register()\n    op.drop_fence_sequence()" in down
+    assert "op.drop_fence_register()\n    # WARNING: this drops the token sequence." in down
+    assert down.rstrip().endswith("op.drop_fence_sequence()\n    # ### end Alembic commands ###")
     attributes = {"metadata": metadata}
     run(db, project, command.upgrade, "head", attributes=attributes)
     assert schema_state(db)["tables"] == ["alembic_version", "sa_fence_leases"]
@@ -363,7 +374,7 @@ def test_autogenerate_puts_register_and_guards_on_the_sa_fence_sequence_it_is_gi
     up, down = body(text, "upgrade"), body(text, "downgrade")
     assert "op.create_fence_sequence('tokens', schema='app')" in up
     assert "op.create_fence_register(sequence='app.tokens')" in up
-    assert "op.create_fence_guard('jobs', sequence='app.tokens')" in up
+    assert "op.create_fence_guard('jobs', on_missing_token='reject', sequence='app.tokens')" in up
     assert down.index("op.drop_fence_register(sequence='app.tokens')") < down.index(
         "op.drop_fence_sequence('tokens', schema='app')"
     )
