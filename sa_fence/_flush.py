@@ -79,6 +79,7 @@ from sqlalchemy.orm import (
     Session,
     SessionTransaction,
     UOWTransaction,
+    scoped_session,
     sessionmaker,
 )
 from sqlalchemy.orm.attributes import flag_modified, set_committed_value
@@ -111,7 +112,7 @@ _STATE_KEY = "sa_fence.state"
 TOKEN_BIND = "sa_fence_token"
 
 Target = type[Session] | sessionmaker[Any] | Session
-T = TypeVar("T", bound=Target)
+T = TypeVar("T", bound=Target | scoped_session[Any])
 
 
 # ---------------------------------------------------------------- per session
@@ -894,6 +895,18 @@ def _async_target(target: object) -> Any:
 _SYNC_CLASS = "_sa_fence_private_sync_class"
 
 
+def _scoped_factory(target: object) -> Any:
+    """The ``session_factory`` of a scoped_session / async_scoped_session, else None."""
+    if isinstance(target, scoped_session):
+        return target.session_factory
+    import sys
+
+    ext = sys.modules.get("sqlalchemy.ext.asyncio")
+    if ext is not None and isinstance(target, ext.async_scoped_session):
+        return target.session_factory
+    return None
+
+
 def _fenced_sync_class(maker: Any) -> type[Session]:
     """The private Session subclass an async_sessionmaker's sessions run on."""
     current: type[Session] = maker.kw.get("sync_session_class") or maker.class_.sync_session_class
@@ -916,8 +929,8 @@ def _check_target(target: object) -> None:
     ):
         return
     raise TypeError(
-        "install()/uninstall() take a Session subclass, a sessionmaker or a Session "
-        f"(or an async_sessionmaker or AsyncSession), got {target!r}"
+        "install()/uninstall() take a Session subclass, a sessionmaker, a scoped_session "
+        f"or a Session (or their asyncio kinds), got {target!r}"
     )
 
 
@@ -932,7 +945,14 @@ def install(target: T) -> T:
     An ``async_sessionmaker`` or ``AsyncSession`` is fenced through its sync
     session; its ``AsyncEngine`` bind is re-bound the same way.  Returns
     ``target``.
+
+    A ``scoped_session`` (Flask-SQLAlchemy's ``db.session``) or
+    ``async_scoped_session`` is installed through its ``session_factory``.
     """
+    factory = _scoped_factory(target)
+    if factory is not None:
+        install(factory)
+        return target
     sync_target = _async_target(target)
     if isinstance(sync_target, Session):
         install(sync_target)
@@ -944,8 +964,9 @@ def install(target: T) -> T:
         install(_fenced_sync_class(sync_target))
         return target
     _check_target(target)
-    _rebind(target, _view_of)
-    holder = _hook_holder(target)
+    plain = cast_target(target)
+    _rebind(plain, _view_of)
+    holder = _hook_holder(plain)
     if not vars(holder).get(_INSTALLED, False):
         for name, fn in _EVENTS:
             event.listen(target, name, fn)
@@ -955,6 +976,10 @@ def install(target: T) -> T:
 
 def uninstall(target: T) -> T:
     """Remove what :func:`install` added to ``target``.  Idempotent."""
+    factory = _scoped_factory(target)
+    if factory is not None:
+        uninstall(factory)
+        return target
     sync_target = _async_target(target)
     if isinstance(sync_target, Session):
         uninstall(sync_target)
@@ -969,16 +994,22 @@ def uninstall(target: T) -> T:
             sync_target.configure(bind=_async_origins[bind])
         return target
     _check_target(target)
-    holder = _hook_holder(target)
+    plain = cast_target(target)
+    holder = _hook_holder(plain)
     if vars(holder).get(_INSTALLED, False):
         for name, fn in _EVENTS:
             event.remove(target, name, fn)
         delattr(holder, _INSTALLED)
-    _rebind(target, lambda view: _origins.get(view, view))
+    _rebind(plain, lambda view: _origins.get(view, view))
     return target
 
 
 _INSTALLED = "_sa_fence_hook_installed"
+
+
+def cast_target(target: object) -> Target:
+    """``target`` once _check_target() passed (no scoped session is left by then)."""
+    return target  # type: ignore[return-value]
 
 
 def _hook_holder(target: Target) -> Any:
@@ -1012,7 +1043,9 @@ def is_installed(session: Session) -> bool:
     return bool(vars(session).get(_INSTALLED) or getattr(type(session), _INSTALLED, False))
 
 
-def bind_lease(session: Session, lease: Lease) -> None:
+def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
+    if _scoped_factory(session) is not None:  # a scoped_session: its current session
+        session = session()  # type: ignore[operator]
     sync_session = _async_target(session)
     if isinstance(sync_session, Session):  # an AsyncSession: fenced through its sync session
         session = sync_session
@@ -1024,7 +1057,8 @@ def bind_lease(session: Session, lease: Lease) -> None:
         raise FencingConfigError(
             "this session does not have the sa-fence flush hook, so binding a lease would "
             "fence nothing. Call sa_fence.install() on the session, its sessionmaker or "
-            "its Session class first."
+            "its Session class first (for a scoped_session, such as Flask-SQLAlchemy's "
+            "db.session: sa_fence.install(db.session))."
         )
     state = _state_for(session)
     state.lease = lease

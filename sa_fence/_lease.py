@@ -36,7 +36,7 @@ from .errors import (
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
-    from sqlalchemy.orm import Session
+    from sqlalchemy.orm import Session, scoped_session
 
 log = logging.getLogger("sa_fence")
 
@@ -46,6 +46,7 @@ DEFAULT_KEY_PREFIX = "sa_fence:"
 _UNKNOWN = (redis_lib.exceptions.ConnectionError, redis_lib.exceptions.TimeoutError)
 
 T = TypeVar("T")
+S = TypeVar("S", bound="Session | scoped_session[Any]")
 #: ``on_lost(lease)``: runs once, on the thread that first sees the loss.
 OnLost = Callable[["Lease"], object]
 
@@ -665,11 +666,12 @@ class Lease(BaseLease["Fencer"]):
                 ) from exc
         return self._release_outcome(deleted, failures > 0, first_sent)
 
-    def bind(self, session: Session) -> Session:
+    def bind(self, session: S) -> S:
         """Fence ``session``'s flushes with this lease's token from now on.
 
         The session (or its class / sessionmaker) must have the flush hook:
-        see :func:`sa_fence.install`.  Returns the session.
+        see :func:`sa_fence.install`.  A ``scoped_session`` binds its current
+        session.  Returns ``session``.
         """
         bind_lease(session, self)
         return session
