@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sa-fence-installed
 
-.PHONY: demo test lint typecheck bench services clean
+.PHONY: demo test lint typecheck bench services docs clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "sa-fence needs Python >= 3.11; set PYTHON=python3.11")'
@@ -23,14 +23,19 @@ demo: $(STAMP) services
 	$(VENV)/bin/sa-fence demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check sa_fence tests
-	$(VENV)/bin/ruff format --check sa_fence tests
+	$(VENV)/bin/ruff check sa_fence tests docs/recipes docs_hooks.py
+	$(VENV)/bin/ruff format --check sa_fence tests docs/recipes docs_hooks.py
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: lint typecheck services
 	$(PY) -m pytest
+
+# The docs site (mkdocs-material) into site/; `make test` runs the same build
+# with --strict (tests/test_docs_site.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The peers (python-redis-lock, pottery) and matplotlib come from the `bench` extra.
 BENCH_STAMP := $(VENV)/.sa-fence-bench-installed
@@ -43,4 +48,4 @@ bench: $(BENCH_STAMP) services
 	$(PY) -m tests.benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site

@@ -11,13 +11,13 @@ from pathlib import Path
 import redis
 import sqlalchemy as sa
 
-from tests.test_docs import ROOT, run_guide_block
+from tests.test_docs import ASYNCIO, ROOT, run_guide_block
 
 
 def test_the_async_quickstart_runs_and_refuses_the_stale_task(
     database_url: sa.URL, redis_client: redis.Redis, key_prefix: str, tmp_path: Path
 ) -> None:
-    lines = run_guide_block("Async quickstart", database_url, key_prefix, tmp_path)
+    lines = run_guide_block("Async quickstart", database_url, key_prefix, tmp_path, ASYNCIO)
     assert re.fullmatch(r"token \d+ wrote job 1", lines[0]), lines
     refused = next(line for line in lines if line.startswith("A "))
     stale, fence = map(int, re.findall(r"\d+", refused))

@@ -1,5 +1,5 @@
-"""The user guide's claims that can be executed: the quickstart runs, and every
-public name is documented."""
+"""The docs' claims that can be executed: the quickstart runs, every public name
+is documented, and the pages speak of the product only."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
+
 import sa_fence
+from tests._fresh_db import fresh_database
 from tests.conftest import REDIS_URL
 
 if TYPE_CHECKING:
@@ -18,14 +21,17 @@ if TYPE_CHECKING:
     import sqlalchemy as sa
 
 ROOT = Path(__file__).resolve().parent.parent
-GUIDE = ROOT / "docs" / "index.md"
+DOCS = ROOT / "docs"
+#: The executed quickstarts, by page (the guide was split into a site).
+QUICKSTART = DOCS / "quickstart.md"
+ASYNCIO = DOCS / "asyncio.md"
 
 
-def guide_block(heading: str) -> str:
-    """The first ```python block under ``heading`` in the guide (not a later section's)."""
-    text = GUIDE.read_text(encoding="utf-8")
+def guide_block(heading: str, page: Path = QUICKSTART) -> str:
+    """The first ```python block under ``heading`` in ``page`` (not a later section's)."""
+    text = page.read_text(encoding="utf-8")
     found = re.search(rf"^#+\s+{re.escape(heading)}\s*$", text, flags=re.MULTILINE)
-    assert found, f"docs/index.md has no {heading!r} heading"
+    assert found, f"{page.relative_to(ROOT)} has no {heading!r} heading"
     block = re.compile(r"^```python\n(.*?)^```\s*$", flags=re.MULTILINE | re.DOTALL)
     match = block.search(text, found.end())
     assert match, f"no ```python block under the {heading!r} heading"
@@ -37,26 +43,35 @@ def guide_block(heading: str) -> str:
 
 
 def run_guide_block(
-    heading: str, database_url: sa.URL, key_prefix: str, tmp_path: Path
+    heading: str,
+    database_url: sa.URL,
+    key_prefix: str,
+    tmp_path: Path,
+    page: Path = QUICKSTART,
 ) -> list[str]:
-    """Run the block as a script against the test run's servers; its stdout lines."""
+    """Run the block as a script against the test run's servers; its stdout lines.
+
+    In a database of its own: the quickstarts create their own ``jobs`` table,
+    sequence and register, as a reader's first run would.
+    """
     script = tmp_path / "guide_block.py"
-    script.write_text(guide_block(heading), encoding="utf-8")
-    env = {
-        **os.environ,
-        "DATABASE_URL": database_url.render_as_string(hide_password=False),
-        "REDIS_URL": REDIS_URL,
-        "SA_FENCE_KEY_PREFIX": key_prefix,
-    }
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    script.write_text(guide_block(heading, page), encoding="utf-8")
+    with fresh_database("docs") as engine:
+        env = {
+            **os.environ,
+            "DATABASE_URL": engine.url.render_as_string(hide_password=False),
+            "REDIS_URL": REDIS_URL,
+            "SA_FENCE_KEY_PREFIX": key_prefix,
+        }
+        proc = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     assert proc.returncode == 0, f"{heading} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout.strip().splitlines()
 
@@ -75,10 +90,53 @@ def test_the_quickstart_runs_and_refuses_the_stale_writer(
     assert list(redis_client.scan_iter(match=f"{key_prefix}*")) == []
 
 
-def test_every_public_name_is_documented_in_the_guide() -> None:
-    text = GUIDE.read_text(encoding="utf-8")
-    code_spans = " ".join(re.findall(r"`[^`\n]+`", text))
+def pages() -> list[Path]:
+    return sorted(DOCS.glob("*.md"))
+
+
+def test_every_public_name_is_documented_in_the_reference_pages() -> None:
+    reference = " ".join(
+        (DOCS / name).read_text(encoding="utf-8")
+        for name in ("api.md", "decorators.md", "errors.md", "testing.md", "asyncio.md")
+    )
+    code_spans = " ".join(re.findall(r"`[^`\n]+`", reference))
     missing = [
         name for name in sa_fence.__all__ if not re.search(rf"\b{re.escape(name)}\b", code_spans)
     ]
-    assert missing == [], f"public names not mentioned as code in docs/index.md: {missing}"
+    assert missing == [], f"public names not mentioned as code in the reference pages: {missing}"
+    generated = (DOCS / "python-api.md").read_text(encoding="utf-8")
+    not_generated = [
+        name
+        for name in sa_fence.__all__
+        if name not in ("SKIPPED",)
+        and f"::: sa_fence.{name}\n" not in generated
+        and not name.endswith("Error")
+        and name != "FenceError"
+    ]
+    assert not_generated == [], f"not in the API from the docstrings: {not_generated}"
+
+
+#: Pages another change is rewriting now (numbers); checked once it lands.
+NOT_YET_CHECKED = {"benchmarks.md"}
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
+def test_the_user_docs_speak_of_the_product_only(page: Path) -> None:
+    """No machine paths, no internal sources, no text a user cannot read."""
+    if page.name in NOT_YET_CHECKED:
+        pytest.skip("being rewritten by another change")
+    text = page.read_text(encoding="utf-8")
+    assert not re.search(r"(?<![\w.])/(?:work|root|home|tmp|Users)/", text), "a machine path"
+    assert not re.search(r"[\u3040-\u30ff\u4e00-\u9fff]", text), "text outside English"
+    assert "shared/" not in text
+    assert "seeds" not in text
+
+
+def test_snippets_name_only_what_the_quickstart_defines() -> None:
+    """Snippets use the quickstart's Job (id, result, fence) and its table jobs."""
+    quickstart = guide_block("Quickstart")
+    assert '__tablename__ = "jobs"' in quickstart
+    for page in pages():
+        text = page.read_text(encoding="utf-8")
+        assert "Job.status" not in text, page.name
+        assert "quickstart_jobs" not in text, page.name

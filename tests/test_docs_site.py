@@ -1,0 +1,58 @@
+"""The docs site builds: ``mkdocs build --strict`` (every link, anchor,
+included recipe and generated API page resolves), and its nav takes the
+pages other changes add when they exist."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.test_docs import ROOT
+
+
+def build(site: Path, docs_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
+    config = ROOT / "mkdocs.yml"
+    args = [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)]
+    cwd = ROOT
+    if docs_dir is not None:  # a copy of the project, to add a page
+        cwd = docs_dir.parent
+        args += ["-f", str(cwd / "mkdocs.yml")]
+    else:
+        args += ["-f", str(config)]
+    return subprocess.run(
+        args,
+        cwd=cwd,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def test_the_docs_site_builds_strict(tmp_path: Path) -> None:
+    done = build(tmp_path / "site")
+    assert done.returncode == 0, done.stdout + done.stderr
+    api = (tmp_path / "site" / "python-api" / "index.html").read_text(encoding="utf-8")
+    assert "Grants leases" in api  # generated from Fencer's docstring
+    assert ":class:" not in api  # Sphinx roles rendered as code
+    celery = (tmp_path / "site" / "celery" / "index.html").read_text(encoding="utf-8")
+    assert "finish_job_unless_busy" in celery  # the recipe file, included
+
+
+def test_a_page_added_later_joins_the_nav_and_strict_still_passes(tmp_path: Path) -> None:
+    copy = tmp_path / "project"
+    shutil.copytree(ROOT / "docs", copy / "docs", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("mkdocs.yml", "docs_hooks.py"):
+        shutil.copy(ROOT / name, copy / name)
+    shutil.copytree(
+        ROOT / "sa_fence", copy / "sa_fence", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (copy / "docs" / "observability.md").write_text("# Observability\n\nMetrics.\n")
+    done = build(tmp_path / "site", copy / "docs")
+    assert done.returncode == 0, done.stdout + done.stderr
+    index = (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+    assert "observability/" in index
