@@ -10,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.test_docs import ROOT
+
+pytestmark = pytest.mark.slow  # runs mkdocs in a subprocess
 
 
 def build(site: Path, docs_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
