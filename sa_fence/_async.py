@@ -52,7 +52,6 @@ from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import redis as redis_lib
 import redis.asyncio as aioredis
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -61,9 +60,20 @@ from sqlalchemy.util import greenlet_spawn
 
 from . import _protocol as proto
 from ._dialect import check_dialect
-from ._lease import DEFAULT_KEY_PREFIX, BaseLease
+from ._lease import (
+    DEFAULT_KEY_PREFIX,
+    REDIS_ERRORS,
+    BaseLease,
+    check_budget,
+    client_socket_timeout,
+    lock_timeout_ms,
+    probe_speaks,
+    probe_target,
+    redis_error,
+)
 from ._tokens import DEFAULT_SEQUENCE, TokenSource, token_error
 from .errors import (
+    FenceError,
     FencingConfigError,
     LeaseBackendError,
     LeaseLostError,
@@ -74,9 +84,6 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
 log = logging.getLogger("sa_fence")
-
-#: Errors after which a Redis call's outcome is unknown (the reply was lost).
-_UNKNOWN = (redis_lib.exceptions.ConnectionError, redis_lib.exceptions.TimeoutError)
 
 T = TypeVar("T")
 #: ``on_lost(lease)``: a plain callable, run once, in the task that first sees the loss.
@@ -109,8 +116,8 @@ class AsyncFencer:
     ``engine`` is the ``AsyncEngine`` of the database that holds the fenced
     rows *and* the token sequence, through psycopg 3
     (``postgresql+psycopg_async://``).  Everything else is as for
-    :class:`sa_fence.Fencer`; renewed leases are extended by one asyncio task
-    per lease.
+    :class:`sa_fence.Fencer`, ``timeout`` (the failure budget) included;
+    renewed leases are extended by one asyncio task per lease.
     """
 
     def __init__(
@@ -121,6 +128,7 @@ class AsyncFencer:
         sequence: str = DEFAULT_SEQUENCE,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         renew_fraction: float = proto.DEFAULT_RENEW_FRACTION,
+        timeout: float | None = None,
     ) -> None:
         if not isinstance(redis, aioredis.Redis | aioredis.RedisCluster):
             raise TypeError(
@@ -134,7 +142,11 @@ class AsyncFencer:
         self.engine = check_async_engine(engine)
         self.key_prefix = proto.check_prefix(key_prefix)
         self.renew_fraction = proto.check_renew_fraction(renew_fraction)
-        self._tokens = TokenSource(engine.sync_engine, sequence)
+        #: the failure budget, in seconds (see sa_fence.Fencer)
+        self.timeout = check_budget(redis, timeout, "AsyncFencer")
+        self._tokens = TokenSource(
+            engine.sync_engine, sequence, lock_timeout_ms=lock_timeout_ms(self.timeout)
+        )
         self._acquire = redis.register_script(proto.ACQUIRE_SCRIPT)
         self._confirm = redis.register_script(proto.CONFIRM_SCRIPT)
         self._extend = redis.register_script(proto.EXTEND_SCRIPT)
@@ -180,28 +192,39 @@ class AsyncFencer:
             try:
                 await self.check()
             except SQLAlchemyError as exc:
-                raise LeaseBackendError(
-                    backend="postgresql", operation="check", name=name, cause=exc
-                ) from exc
+                # the chain adds nothing to the error's own cause (its .cause)
+                raise token_error(
+                    name,
+                    exc,
+                    self._tokens.lock_timeout_ms,
+                    operation="check",
+                    sequence=self.sequence,
+                ) from None
         if renew:
             self._warn_if_unbounded()
         owner = proto.new_owner()
         token: int | None = None
+        granted = False
         try:
             started = await self._grant(name, key, owner, ttl_ms, max_wait)
+            granted = True
             try:
                 token = await self._next_token(name)
             except SQLAlchemyError as exc:
-                raise token_error(name, exc, self._tokens.lock_timeout_ms) from exc
+                raise token_error(
+                    name, exc, self._tokens.lock_timeout_ms, sequence=self.sequence
+                ) from None
             value = proto.confirmed_value(owner, token)
             remaining = int(
                 await self._call(
                     name, "confirm", lambda: self._confirm(keys=[key], args=[owner, value])
                 )
             )
-        except LeaseNotAcquiredError:
-            raise  # contention: nothing of ours was set
-        except BaseException:
+        except BaseException as exc:
+            if not granted and isinstance(exc, FenceError):
+                # contention (nothing of ours was set), or the grant failed and
+                # _grant already removed what its lost attempts may have set
+                raise
             # Failed, or cancelled at an await: whatever we may have set goes
             # (owner-checked), shielded so that it finishes even if cancelled again.
             values = [owner] if token is None else [proto.confirmed_value(owner, token), owner]
@@ -275,24 +298,29 @@ class AsyncFencer:
 
     async def _grant(self, name: str, key: str, owner: str, ttl_ms: int, max_wait: float) -> float:
         """Run ACQUIRE until granted; return the monotonic time validity counts from."""
-        attempts = proto.AcquireAttempts(deadline=time.monotonic() + max_wait)
+        attempts = proto.AcquireAttempts(
+            deadline=time.monotonic() + max_wait, failed=proto.FailureBudget(self.timeout)
+        )
         waited_from = time.monotonic()
         while True:
             sent_at = time.monotonic()
             try:
                 reply = await self._acquire(keys=[key], args=[owner, ttl_ms])
-            except _UNKNOWN as exc:
-                wait = attempts.on_unknown(time.monotonic(), sent_at, random.random())
-                if wait is None:  # unknown: acquire's clean-up removes what may be set
-                    raise LeaseBackendError(
-                        backend="redis", operation="acquire", name=name, cause=exc
-                    ) from exc
+            except REDIS_ERRORS as exc:
+                failure = proto.classify_redis(exc)
+                wait = attempts.on_failure(
+                    failure, sent_at=sent_at, now=time.monotonic(), rand=random.random()
+                )
+                if wait is None:
+                    # Unknown: remove what a lost ACQUIRE may have set (a failure
+                    # that proves nothing was set needs no clean-up).
+                    if attempts.unknown_since is not None:
+                        await self._shielded(self._release_quietly(key, [owner]))
+                    raise await self._error(
+                        name, "acquire", exc, attempts.failed.failures
+                    ) from None
                 await asyncio.sleep(wait)
                 continue
-            except redis_lib.exceptions.RedisError as exc:
-                raise LeaseBackendError(
-                    backend="redis", operation="acquire", name=name, cause=exc
-                ) from exc
             outcome, holder_token = proto.parse_acquire_reply(reply)
             if outcome != proto.HELD:
                 return attempts.sent(sent_at)
@@ -303,37 +331,56 @@ class AsyncFencer:
             await asyncio.sleep(wait)
 
     async def _call(self, name: str, operation: str, do: Callable[[], Awaitable[T]]) -> T:
-        """Send an idempotent script call; resend a bounded number of times if the
-        answer is lost; LeaseBackendError when it stays unknown."""
+        """Send an idempotent script call; resend it within the failure budget while
+        it fails in a way a resend may fix; then raise the error for the failure."""
         reply, _ = await self._call_counting(name, operation, do)
         return reply
 
     async def _call_counting(
         self, name: str, operation: str, do: Callable[[], Awaitable[T]]
     ) -> tuple[T, int]:
-        """As :meth:`_call`; also how many sends had their answer lost."""
-        failures = 0
+        """As :meth:`_call`; also how many sends failed before the one that answered."""
+        budget = proto.FailureBudget(self.timeout)
         while True:
+            sent_at = time.monotonic()
             try:
-                return await do(), failures
-            except _UNKNOWN as exc:
-                failures += 1
-                if failures >= proto.BACKEND_ATTEMPTS:
-                    raise LeaseBackendError(
-                        backend="redis", operation=operation, name=name, cause=exc
-                    ) from exc
-                await asyncio.sleep(proto.BACKEND_BACKOFF.delay(failures - 1, random.random()))
-            except redis_lib.exceptions.RedisError as exc:
-                raise LeaseBackendError(
-                    backend="redis", operation=operation, name=name, cause=exc
-                ) from exc
+                return await do(), budget.failures
+            except REDIS_ERRORS as exc:
+                wait = budget.on_failure(
+                    proto.classify_redis(exc),
+                    sent_at=sent_at,
+                    now=time.monotonic(),
+                    rand=random.random(),
+                )
+                if wait is None:
+                    raise await self._error(name, operation, exc, budget.failures) from None
+                await asyncio.sleep(wait)
+
+    async def _error(
+        self, name: str, operation: str, exc: BaseException, attempts: int
+    ) -> FenceError:
+        """As :meth:`sa_fence.Fencer._error` (the probe runs in a thread)."""
+        target = probe_target(self.redis)
+        speaks = None
+        if target is not None and proto.wants_probe(proto.classify_redis(exc)):
+            speaks = await asyncio.to_thread(
+                probe_speaks, target[0], target[1], min(0.5, self.timeout)
+            )
+        return redis_error(name, operation, exc, attempts, target=target, speaks=speaks)
 
     async def _release_quietly(self, key: str, values: list[str]) -> None:
+        """Owner-checked clean-up after a failed or cancelled acquire (see
+        ``Fencer._release_quietly``): one attempt per value, failures at debug level."""
         for value in values:
             try:
                 await self._release(keys=[key], args=[value])
-            except Exception:  # the original error matters more; the lease will expire
-                log.warning("could not release lease %s after a failed acquire", key, exc_info=True)
+            except REDIS_ERRORS as exc:
+                log.debug(
+                    "could not remove lease %s after a failed acquire (%s); its TTL ends it",
+                    key,
+                    proto.cause_text(exc),
+                )
+                return
 
     async def close(self) -> None:
         """Wait for the cleanups this fencer runs in the background to finish.
@@ -358,10 +405,9 @@ class AsyncFencer:
         return await asyncio.shield(self._spawn(coro))
 
     def _warn_if_unbounded(self) -> None:
-        if self._warned_no_timeout or not isinstance(self.redis, aioredis.Redis):
+        if self._warned_no_timeout:
             return
-        kwargs = self.redis.connection_pool.connection_kwargs
-        if kwargs.get("socket_timeout") is None:
+        if client_socket_timeout(self.redis) is None:
             self._warned_no_timeout = True
             log.warning(
                 "renewed leases on a Redis client without socket_timeout: a Redis that "
@@ -397,7 +443,7 @@ async def _renew(ref: weakref.ref[AsyncLease], at: float) -> None:
                     await lease.fencer._extend(keys=[lease.key], args=[lease._value, lease._ttl_ms])
                 )
                 outcome = "extended" if reply else "not-ours"
-            except redis_lib.exceptions.RedisError as exc:  # timeouts, a read-only replica...
+            except REDIS_ERRORS as exc:  # timeouts, a read-only replica, a failover...
                 outcome = lease._renewal_unanswered(exc)
             next_at = lease._renewal_step(outcome, sent_at, lease.fencer.renew_fraction)
         except Exception as exc:  # never stop silently
@@ -510,12 +556,12 @@ class AsyncLease(BaseLease["AsyncFencer"]):
     async def _release_on_exit(self) -> None:
         try:
             await self.release()
-        except LeaseBackendError:
+        except (LeaseBackendError, FencingConfigError) as exc:
             log.warning(
-                "could not release lease %r (token %d): Redis did not answer; its TTL will end it",
+                "could not release lease %r (token %d): %s; its TTL will end it",
                 self.name,
                 self.token,
-                exc_info=True,
+                proto.cause_text(exc.cause) if exc.cause is not None else exc,
             )
 
     def _start_renewal(self, at: float) -> None:

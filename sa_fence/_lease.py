@@ -12,7 +12,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import random
+import socket
 import threading
 import time
 import weakref
@@ -29,6 +31,8 @@ from ._dialect import check_engine
 from ._flush import bind_lease
 from ._tokens import DEFAULT_SEQUENCE, TokenSource, token_error
 from .errors import (
+    FenceError,
+    FencingConfigError,
     LeaseBackendError,
     LeaseLostError,
     LeaseNotAcquiredError,
@@ -42,13 +46,114 @@ log = logging.getLogger("sa_fence")
 
 DEFAULT_KEY_PREFIX = "sa_fence:"
 
-#: Errors after which a Redis call's outcome is unknown (the reply was lost).
-_UNKNOWN = (redis_lib.exceptions.ConnectionError, redis_lib.exceptions.TimeoutError)
+#: Everything a Redis client raises for a failed call (cluster routing errors
+#: such as SlotNotCoveredError are not RedisErrors).
+REDIS_ERRORS = (redis_lib.exceptions.RedisError, redis_lib.exceptions.RedisClusterException)
 
 T = TypeVar("T")
 S = TypeVar("S", bound="Session | scoped_session[Any]")
 #: ``on_lost(lease)``: runs once, on the thread that first sees the loss.
 OnLost = Callable[["Lease"], object]
+
+#: Marks "this client's socket_timeout could not be read" (e.g. a custom client class).
+_UNKNOWN_TIMEOUT = object()
+
+
+def client_socket_timeout(client: object) -> object:
+    """The ``socket_timeout`` a (sync or asyncio) Redis or RedisCluster client's
+    connections use: a number, None (no bound), or ``_UNKNOWN_TIMEOUT``."""
+    for holder in (
+        getattr(getattr(client, "connection_pool", None), "connection_kwargs", None),
+        getattr(getattr(client, "nodes_manager", None), "connection_kwargs", None),
+        getattr(client, "connection_kwargs", None),
+    ):
+        if isinstance(holder, dict):
+            return holder.get("socket_timeout")
+    return _UNKNOWN_TIMEOUT
+
+
+def check_budget(client: object, timeout: float | None, owner: str) -> float:
+    """The failure budget for ``owner`` (a Fencer): ``timeout`` or the default.
+
+    An explicit budget on a client whose calls have no ``socket_timeout`` is
+    refused: a Redis that stops answering would hold a call for as long as the
+    operating system waits, whatever the budget says.
+    """
+    if timeout is None:
+        return proto.DEFAULT_BACKEND_TIMEOUT
+    budget = proto.check_backend_timeout(timeout)
+    if client_socket_timeout(client) is None:
+        raise FencingConfigError(
+            f"{owner}(timeout={timeout!r}) cannot keep its budget: the Redis client has no "
+            "socket_timeout, so a Redis that stops answering holds each call for as long "
+            "as the operating system waits. Create the client with socket_timeout and "
+            "socket_connect_timeout well below the budget (e.g. redis.Redis(..., "
+            f"socket_timeout={budget / 3:.3g}, socket_connect_timeout={budget / 3:.3g}))."
+        )
+    return budget
+
+
+def lock_timeout_ms(budget: float) -> int:
+    """The register's lock wait bound for a failure budget (the same seconds)."""
+    return max(1, math.ceil(budget * 1000))
+
+
+def probe_target(client: object) -> tuple[str, int, bool] | None:
+    """(host, port, tls) of a plain (non-Sentinel, non-Cluster) client, else None."""
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if not isinstance(kwargs, dict) or "Sentinel" in type(pool).__name__:
+        return None
+    host, port = kwargs.get("host"), kwargs.get("port", 6379)
+    if not isinstance(host, str) or not isinstance(port, int):
+        return None  # a Unix socket: no TLS to disagree about
+    tls = "SSL" in getattr(getattr(pool, "connection_class", None), "__name__", "")
+    return host, port, tls
+
+
+def probe_speaks(host: str, port: int, timeout: float = 0.5) -> str | None:
+    """What the server on ``host:port`` speaks: "plain" (RESP), "tls", or None
+    (no answer).  Used only after a connection failed, to tell a TLS mismatch
+    (a set-up mistake) from an outage: a plain Redis answers ``PING`` in RESP,
+    a TLS port closes the connection or answers with a TLS alert."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(b"PING\r\n")
+            data = sock.recv(16)
+    except ConnectionResetError:
+        return "tls"
+    except OSError:
+        return None
+    if not data or data[:1] in (b"\x15", b"\x16"):
+        return "tls"
+    if data[:1] in (b"+", b"-"):
+        return "plain"
+    return None
+
+
+def redis_error(
+    name: str,
+    operation: str,
+    exc: BaseException,
+    attempts: int,
+    *,
+    target: tuple[str, int, bool] | None = None,
+    speaks: str | None = None,
+) -> FenceError:
+    """The error to raise for a Redis call that failed for good (shared by both front ends)."""
+    failure = proto.classify_redis(exc, speaks=speaks, tls=bool(target and target[2]))
+    if failure.kind == proto.SETUP:
+        where = f" at {target[0]}:{target[1]}" if target else ""
+        return FencingConfigError(
+            f"{operation} of lease {name!r} failed{where}: {failure.text}", cause=exc
+        )
+    return LeaseBackendError(
+        backend="redis",
+        operation=operation,
+        name=name,
+        cause=exc,
+        detail=proto.outage_detail("Redis", failure, attempts),
+    )
 
 
 class Fencer:
@@ -59,6 +164,19 @@ class Fencer:
     Leases are stored under ``key_prefix + name``.  Renewed leases
     (``renew=True``) are extended after ``renew_fraction`` of their TTL by
     one background thread per Fencer, which runs only while such leases exist.
+
+    ``timeout`` is the failure budget in seconds (default 5): how long one
+    acquire (apart from waiting for a busy lease, which ``blocking`` and its
+    ``timeout`` bound), extend, release or token draw may spend on a failing
+    Redis or PostgreSQL before it gives up.  A failed call is resent only
+    while the next attempt, judged by the last one, ends within the budget,
+    and at most three times; a single call lasts as long as the client lets
+    it (its ``socket_timeout`` and its own ``retry``), so give the client a
+    ``socket_timeout`` well below the budget.  The same budget bounds a
+    grant's wait for a holder that is committing (the register row's lock).
+    Set-up mistakes (a wrong password or database index, TLS on one side
+    only, a missing ACL right, a missing register) are not resent: they raise
+    :class:`~sa_fence.FencingConfigError` at once, with the fix.
     """
 
     def __init__(
@@ -69,6 +187,7 @@ class Fencer:
         sequence: str = DEFAULT_SEQUENCE,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         renew_fraction: float = proto.DEFAULT_RENEW_FRACTION,
+        timeout: float | None = None,
     ) -> None:
         if not isinstance(redis, redis_lib.Redis | redis_lib.RedisCluster):
             raise TypeError(
@@ -81,7 +200,9 @@ class Fencer:
         self.engine = check_engine(engine)
         self.key_prefix = proto.check_prefix(key_prefix)
         self.renew_fraction = proto.check_renew_fraction(renew_fraction)
-        self._tokens = TokenSource(engine, sequence)
+        #: the failure budget, in seconds (see the class docstring)
+        self.timeout = check_budget(redis, timeout, "Fencer")
+        self._tokens = TokenSource(engine, sequence, lock_timeout_ms=lock_timeout_ms(self.timeout))
         self._check_lock = threading.Lock()
         self._acquire = redis.register_script(proto.ACQUIRE_SCRIPT)
         self._confirm = redis.register_script(proto.CONFIRM_SCRIPT)
@@ -140,11 +261,13 @@ class Fencer:
 
         Raises :class:`~sa_fence.LeaseNotAcquiredError` when another owner
         holds it (after the wait, if blocking), :class:`~sa_fence.LeaseBackendError`
-        when Redis or PostgreSQL did not answer (the outcome is unknown; any
-        lease left behind is removed if possible), :class:`~sa_fence.LeaseLostError`
-        when the lease expired before its token could be recorded (the token
-        is thrown away), and :class:`~sa_fence.FencingConfigError` when the
-        sequence or database is unfit (checked before anything is written).
+        when Redis or PostgreSQL did not answer within the fencer's failure
+        budget (``timeout``) or is failing over (any lease left behind is
+        removed if possible), :class:`~sa_fence.LeaseLostError` when the lease
+        expired before its token could be recorded (the token is thrown away),
+        and :class:`~sa_fence.FencingConfigError` when the set-up is wrong: the
+        sequence or register is missing or unfit, a login or ACL right is
+        refused, TLS is on one side only (checked before anything is written).
         """
         key = self.key(name)
         ttl_ms = proto.ttl_to_ms(ttl)
@@ -154,9 +277,14 @@ class Fencer:
             try:
                 self.check()
             except SQLAlchemyError as exc:
-                raise LeaseBackendError(
-                    backend="postgresql", operation="check", name=name, cause=exc
-                ) from exc
+                # the chain adds nothing to the error's own cause (its .cause)
+                raise token_error(
+                    name,
+                    exc,
+                    self._tokens.lock_timeout_ms,
+                    operation="check",
+                    sequence=self.sequence,
+                ) from None
         if renew:
             self._warn_if_unbounded()
         owner = proto.new_owner()
@@ -165,7 +293,9 @@ class Fencer:
             token = self._tokens.next_token(name)
         except SQLAlchemyError as exc:
             self._release_quietly(key, owner)
-            raise token_error(name, exc, self._tokens.lock_timeout_ms) from exc
+            raise token_error(
+                name, exc, self._tokens.lock_timeout_ms, sequence=self.sequence
+            ) from None
         except BaseException:
             self._release_quietly(key, owner)
             raise
@@ -174,9 +304,8 @@ class Fencer:
             remaining = int(
                 self._call(name, "confirm", lambda: self._confirm(keys=[key], args=[owner, value]))
             )
-        except LeaseBackendError:
-            self._release_quietly(key, value)
-            self._release_quietly(key, owner)
+        except FenceError:
+            self._release_quietly(key, value, owner)
             raise
         if remaining < 0:
             # Lost before the token was confirmed: the token was never used, so
@@ -237,27 +366,28 @@ class Fencer:
 
     def _grant(self, name: str, key: str, owner: str, ttl_ms: int, max_wait: float) -> float:
         """Run ACQUIRE until granted; return the monotonic time validity counts from."""
-        attempts = proto.AcquireAttempts(deadline=time.monotonic() + max_wait)
+        attempts = proto.AcquireAttempts(
+            deadline=time.monotonic() + max_wait, failed=proto.FailureBudget(self.timeout)
+        )
         waited_from = time.monotonic()
         while True:
             sent_at = time.monotonic()
             try:
                 reply = self._acquire(keys=[key], args=[owner, ttl_ms])
-            except _UNKNOWN as exc:
-                wait = attempts.on_unknown(time.monotonic(), sent_at, random.random())
+            except REDIS_ERRORS as exc:
+                failure = proto.classify_redis(exc)
+                wait = attempts.on_failure(
+                    failure, sent_at=sent_at, now=time.monotonic(), rand=random.random()
+                )
                 if wait is None:
-                    # Not "acquired", not "not acquired": unknown.  Remove what
-                    # a lost SET may have left (the TTL ends it otherwise).
-                    self._release_quietly(key, owner)
-                    raise LeaseBackendError(
-                        backend="redis", operation="acquire", name=name, cause=exc
-                    ) from exc
+                    # Not "acquired", not "not acquired".  Remove what a lost
+                    # ACQUIRE may have set (the TTL ends it otherwise); a failure
+                    # that proves nothing was set needs no clean-up.
+                    if attempts.unknown_since is not None:
+                        self._release_quietly(key, owner)
+                    raise self._error(name, "acquire", exc, attempts.failed.failures) from None
                 time.sleep(wait)
                 continue
-            except redis_lib.exceptions.RedisError as exc:
-                raise LeaseBackendError(
-                    backend="redis", operation="acquire", name=name, cause=exc
-                ) from exc
             outcome, holder_token = proto.parse_acquire_reply(reply)
             if outcome != proto.HELD:
                 return attempts.sent(sent_at)
@@ -268,35 +398,59 @@ class Fencer:
             time.sleep(wait)
 
     def _call(self, name: str, operation: str, do: Callable[[], T]) -> T:
-        """Send an idempotent script call; resend a bounded number of times if the
-        answer is lost; LeaseBackendError when it stays unknown."""
-        failures = 0
-        while True:
-            try:
-                return do()
-            except _UNKNOWN as exc:
-                failures += 1
-                if failures >= proto.BACKEND_ATTEMPTS:
-                    raise LeaseBackendError(
-                        backend="redis", operation=operation, name=name, cause=exc
-                    ) from exc
-                time.sleep(proto.BACKEND_BACKOFF.delay(failures - 1, random.random()))
-            except redis_lib.exceptions.RedisError as exc:
-                raise LeaseBackendError(
-                    backend="redis", operation=operation, name=name, cause=exc
-                ) from exc
+        """Send an idempotent script call; resend it within the failure budget while
+        it fails in a way a resend may fix; then raise the error for the failure."""
+        return self._call_counting(name, operation, do)[0]
 
-    def _release_quietly(self, key: str, value: str) -> None:
-        try:
-            self._release(keys=[key], args=[value])
-        except Exception:  # the original error matters more; the lease will expire
-            log.warning("could not release lease %s after a failed acquire", key, exc_info=True)
+    def _call_counting(self, name: str, operation: str, do: Callable[[], T]) -> tuple[T, int]:
+        """As :meth:`_call`; also how many sends failed before the one that answered."""
+        budget = proto.FailureBudget(self.timeout)
+        while True:
+            sent_at = time.monotonic()
+            try:
+                return do(), budget.failures
+            except REDIS_ERRORS as exc:
+                wait = budget.on_failure(
+                    proto.classify_redis(exc),
+                    sent_at=sent_at,
+                    now=time.monotonic(),
+                    rand=random.random(),
+                )
+                if wait is None:
+                    raise self._error(name, operation, exc, budget.failures) from None
+                time.sleep(wait)
+
+    def _error(self, name: str, operation: str, exc: BaseException, attempts: int) -> FenceError:
+        """The error for a Redis call that failed for good; probes the server first when
+        the connection failed before anything was sent (TLS on one side only?)."""
+        target = probe_target(self.redis)
+        speaks = None
+        if target is not None and proto.wants_probe(proto.classify_redis(exc)):
+            speaks = probe_speaks(target[0], target[1], min(0.5, self.timeout))
+        return redis_error(name, operation, exc, attempts, target=target, speaks=speaks)
+
+    def _release_quietly(self, key: str, *values: str) -> None:
+        """Owner-checked clean-up after a failed acquire: one attempt per value.
+
+        The original error matters more and the lease's TTL ends the lease
+        anyway, so a clean-up that fails too (Redis is down) is logged at
+        debug level only.
+        """
+        for value in values:
+            try:
+                self._release(keys=[key], args=[value])
+            except REDIS_ERRORS as exc:
+                log.debug(
+                    "could not remove lease %s after a failed acquire (%s); its TTL ends it",
+                    key,
+                    proto.cause_text(exc),
+                )
+                return
 
     def _warn_if_unbounded(self) -> None:
-        if self._warned_no_timeout or not isinstance(self.redis, redis_lib.Redis):
+        if self._warned_no_timeout:
             return
-        kwargs = self.redis.connection_pool.connection_kwargs
-        if kwargs.get("socket_timeout") is None:
+        if client_socket_timeout(self.redis) is None:
             self._warned_no_timeout = True
             log.warning(
                 "renewed leases on a Redis client without socket_timeout: a Redis that "
@@ -561,11 +715,12 @@ class BaseLease(Generic[FencerT]):
         return deleted
 
     def _renewal_unanswered(self, exc: Exception) -> str:
+        failure = proto.classify_redis(exc)
         log.warning(
-            "renewal of lease %r got no answer from Redis (%s); retrying until its "
-            "local validity runs out",
+            "renewal of lease %r failed (%s)%s; retrying until its local validity runs out",
             self.name,
-            exc,
+            failure.text,
+            "; a failover may be under way" if failure.kind == proto.FAILOVER else "",
         )
         return "unknown"
 
@@ -648,23 +803,10 @@ class Lease(BaseLease["Fencer"]):
         self.fencer._renewer.cancel(self)
         fencer = self.fencer
         first_sent = time.monotonic()
-        failures = 0
-        while True:
-            try:
-                deleted = bool(int(fencer._release(keys=[self.key], args=[self._value])))
-                break
-            except _UNKNOWN as exc:
-                failures += 1
-                if failures >= proto.BACKEND_ATTEMPTS:
-                    raise LeaseBackendError(
-                        backend="redis", operation="release", name=self.name, cause=exc
-                    ) from exc
-                time.sleep(proto.BACKEND_BACKOFF.delay(failures - 1, random.random()))
-            except redis_lib.exceptions.RedisError as exc:
-                raise LeaseBackendError(
-                    backend="redis", operation="release", name=self.name, cause=exc
-                ) from exc
-        return self._release_outcome(deleted, failures > 0, first_sent)
+        reply, failures = fencer._call_counting(
+            self.name, "release", lambda: fencer._release(keys=[self.key], args=[self._value])
+        )
+        return self._release_outcome(bool(int(reply)), failures > 0, first_sent)
 
     def bind(self, session: S) -> S:
         """Fence ``session``'s flushes with this lease's token from now on.
@@ -692,12 +834,12 @@ class Lease(BaseLease["Fencer"]):
     def _release_on_exit(self) -> None:
         try:
             self.release()
-        except LeaseBackendError:
+        except (LeaseBackendError, FencingConfigError) as exc:
             log.warning(
-                "could not release lease %r (token %d): Redis did not answer; its TTL will end it",
+                "could not release lease %r (token %d): %s; its TTL will end it",
                 self.name,
                 self.token,
-                exc_info=True,
+                proto.cause_text(exc.cause) if exc.cause is not None else exc,
             )
 
     def _stop_renewal(self) -> None:
@@ -712,6 +854,6 @@ class Lease(BaseLease["Fencer"]):
         try:
             reply = int(self.fencer._extend(keys=[self.key], args=[self._value, self._ttl_ms]))
             outcome = "extended" if reply else "not-ours"
-        except redis_lib.exceptions.RedisError as exc:  # timeouts, a read-only replica...
+        except REDIS_ERRORS as exc:  # timeouts, a read-only replica, a failover...
             outcome = self._renewal_unanswered(exc)
         return self._renewal_step(outcome, sent_at, self.fencer.renew_fraction)

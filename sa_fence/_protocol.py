@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Every script touches exactly one key (KEYS[1]) so it runs unchanged on
 # Redis Cluster.  Each compares the stored value with the exact value this
@@ -181,8 +181,9 @@ def parse_acquire_reply(reply: object) -> tuple[str, int | None]:
     raise ValueError(f"unexpected reply from the acquire script: {reply!r}")
 
 
-#: How many times one Redis call is sent when its answer is unknown (a
-#: connection error or timeout) before the front end gives up with
+#: How many times one Redis call is sent at most when it failed in a way a
+#: resend may fix (an outage or failover), within the failure budget
+#: (:class:`FailureBudget`), before the front end gives up with
 #: LeaseBackendError.  Every script is idempotent for one owner, so resending
 #: is safe.  (redis-py may also retry inside each call: see its ``retry``.)
 BACKEND_ATTEMPTS = 3
@@ -280,8 +281,9 @@ class AcquireAttempts:
 
     deadline: float  # give up waiting for contention at this monotonic time
     attempt: int = 0  # contention retries so far
-    unknown: int = 0  # consecutive attempts whose answer was lost
-    unknown_since: float | None = None  # send time of the first of those
+    #: resends of failed attempts, within the failure budget
+    failed: FailureBudget = field(default_factory=lambda: FailureBudget(DEFAULT_BACKEND_TIMEOUT))
+    unknown_since: float | None = None  # send time of the first attempt that may have set it
 
     def sent(self, now: float) -> float:
         """Record an attempt sent at ``now``; return the time validity counts from.
@@ -293,18 +295,18 @@ class AcquireAttempts:
             return now
         return self.unknown_since
 
-    def on_unknown(self, now: float, sent_at: float, rand: float) -> float | None:
-        """The answer was lost: seconds to wait before resending, or None to give up."""
-        if self.unknown_since is None:
+    def on_failure(
+        self, failure: Failure, *, sent_at: float, now: float, rand: float
+    ) -> float | None:
+        """The attempt failed: seconds to wait before resending, or None to give up."""
+        if failure.may_have_set and self.unknown_since is None:
             self.unknown_since = sent_at
-        self.unknown += 1
-        if self.unknown >= BACKEND_ATTEMPTS:
-            return None
-        return BACKEND_BACKOFF.delay(self.unknown - 1, rand)
+        return self.failed.on_failure(failure, sent_at=sent_at, now=now, rand=rand)
 
     def on_held(self, now: float, rand: float) -> float | None:
         """Another owner holds it: seconds to wait before the next try, or None to give up."""
-        self.unknown = 0
+        # A lost attempt of ours would have been found as ours: it set nothing.
+        self.failed.reset()
         self.unknown_since = None
         if now >= self.deadline:
             return None
@@ -471,3 +473,310 @@ def release_deleted(
     if deleted or not resent or state.lost is not None:
         return deleted
     return now < state.valid_until and first_sent < state.valid_until
+
+
+# ---------------------------------------------------------------- failures
+#
+# What a failed call means, decided here for both front ends and both
+# backends, so that every error names its cause and its fix the same way:
+#
+# * SETUP: a set-up mistake (wrong password, no such database index, TLS on
+#   one side only, a missing ACL command, no register, no rights).  Resending
+#   cannot help: FencingConfigError at once, with the fix.
+# * OUTAGE: the server did not answer or refused the connection.  Resent
+#   within the failure budget, then LeaseBackendError.
+# * FAILOVER: an outage that a failover explains (no master known to the
+#   Sentinels, a read-only replica, a cluster slot without a master): as
+#   OUTAGE, and the error says a failover may be under way.
+# * REFUSED: the server answered the call with an error no resend changes
+#   (out of memory, a busy script): LeaseBackendError at once.
+#
+# ``may_have_set`` says whether the call may have reached the server and
+# changed something: an error reply, a refused connection or a failed login
+# prove that nothing was set, so acquire skips its clean-up then (the
+# clean-up would only fail the same way and log noise).
+
+SETUP = "setup"
+OUTAGE = "outage"
+FAILOVER = "failover"
+REFUSED = "refused"
+#: Failures worth resending (within the budget).
+RESENDABLE = frozenset({OUTAGE, FAILOVER})
+
+#: Default failure budget (seconds) of one operation: see FailureBudget.
+DEFAULT_BACKEND_TIMEOUT = 5.0
+
+ACL_DOC = "docs/topologies.md#redis-acl"
+ROLE_DOC = "docs/topologies.md#postgresql-role"
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What one failed call means: its kind, whether it may have set anything, and the
+    text for the error (the cause, and for SETUP the fix)."""
+
+    kind: str
+    may_have_set: bool
+    text: str
+
+
+def cause_text(exc: BaseException) -> str:
+    """``Type: message`` of a client's exception, on one line, without SQLAlchemy's
+    statement and background link (the driver's own exception when it wraps one)."""
+    orig = getattr(exc, "orig", None)
+    if isinstance(orig, BaseException):
+        exc = orig
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def check_backend_timeout(timeout: object) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(
+            f"timeout must be a number of seconds, got {type(timeout).__name__}: {timeout!r}"
+        )
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(
+            f"timeout must be a finite number of seconds > 0, got {timeout!r}: it is how "
+            "long an operation may spend on a failing Redis or PostgreSQL before it gives up"
+        )
+    return float(timeout)
+
+
+@dataclass
+class FailureBudget:
+    """The resend policy of one operation's calls, bounded by a budget in seconds.
+
+    The budget counts from the send time of the first failed attempt (so the
+    wait for a busy lease and the calls that succeeded before are not part of
+    it).  A failure is resent only when it is resendable, fewer than
+    :data:`BACKEND_ATTEMPTS` sends were made, and the next attempt, judged by
+    how long the last one took, ends within the budget: the operation gives up
+    within the budget, or within one call of the client when a single call
+    (its ``socket_timeout`` times its own retries) takes longer than that.
+    sa-fence never multiplies the client's own retries beyond that.
+    """
+
+    budget: float
+    failures: int = 0
+    first_sent: float | None = None
+
+    def on_failure(
+        self, failure: Failure, *, sent_at: float, now: float, rand: float
+    ) -> float | None:
+        """Seconds to wait before resending, or None to give up now."""
+        if self.first_sent is None:
+            self.first_sent = sent_at
+        self.failures += 1
+        if failure.kind not in RESENDABLE or self.failures >= BACKEND_ATTEMPTS:
+            return None
+        wait = BACKEND_BACKOFF.delay(self.failures - 1, rand)
+        took = max(0.0, now - sent_at)
+        if now + wait + took > self.first_sent + self.budget:
+            return None
+        return wait
+
+    def reset(self) -> None:
+        self.failures = 0
+        self.first_sent = None
+
+
+def _redis_setup(cause: str, fix: str) -> Failure:
+    return Failure(SETUP, False, f"the Redis connection is set up wrongly ({cause}). {fix}")
+
+
+def classify_redis(exc: BaseException, *, speaks: str | None = None, tls: bool = False) -> Failure:
+    """What a failed Redis call means.
+
+    ``speaks`` is what a probe of the server found when the connection itself
+    failed: ``"tls"``, ``"plain"`` or None (not probed / no answer); ``tls``
+    is whether the client uses TLS.  A client and server that disagree about
+    TLS fail as timeouts or closed connections, so only the probe tells that
+    set-up mistake from an outage.
+    """
+    import redis.exceptions as rx
+
+    cause = cause_text(exc)
+    message = str(exc)
+    lowered = message.lower()
+    if isinstance(exc, rx.AuthenticationError | rx.AuthorizationError) or (
+        "wrongpass" in lowered or "noauth" in lowered
+    ):
+        return _redis_setup(
+            cause,
+            "Check the user name and password the client connects with (redis://user:"
+            "password@host/..., or username=/password=) against the server's ACL or "
+            "requirepass.",
+        )
+    if "db index is out of range" in lowered or "invalid db index" in lowered:
+        return _redis_setup(
+            cause,
+            "The database index in the URL (redis://host:port/<index>) or db= is higher "
+            "than the server's 'databases' setting (16 by default); use an index below it.",
+        )
+    if (
+        isinstance(exc, rx.NoPermissionError)
+        or "noperm" in lowered
+        or ("user executing the script" in lowered)
+    ):
+        return _redis_setup(
+            cause,
+            "The Redis user lacks a command or key sa-fence needs. Grant it the minimal "
+            "ACL: +evalsha +eval +script|load +get +set +pexpire +pttl +del on the key "
+            f"pattern ~<key_prefix>* (see {ACL_DOC}).",
+        )
+    if "certificate" in lowered or ("ssl" in lowered and "verify" in lowered):
+        return _redis_setup(
+            cause,
+            "The server's TLS certificate was not accepted: give the client the CA that "
+            "signed it (ssl_ca_certs=..., or ?ssl_ca_certs= in the rediss:// URL) and "
+            "connect by a name or address the certificate lists.",
+        )
+    if speaks == "plain" and tls:
+        return _redis_setup(
+            cause,
+            "The client uses TLS (rediss://, ssl=True) but the server answers in plain "
+            "Redis on that port: use redis://, or connect to the server's tls-port.",
+        )
+    if speaks == "tls" and not tls:
+        return _redis_setup(
+            cause,
+            "The server expects TLS on that port but the client speaks plain Redis: use "
+            "rediss:// (ssl=True) with ssl_ca_certs=<the CA file>.",
+        )
+    if "unknown command" in lowered:
+        return _redis_setup(
+            cause,
+            "The server does not run Lua scripts under their usual names (EVALSHA, "
+            "SCRIPT LOAD renamed or disabled); sa-fence needs them.",
+        )
+    connect_phase = "connecting to" in lowered or "error connecting" in lowered
+    if type(exc).__name__ == "MasterNotFoundError" or (
+        isinstance(exc, rx.ClusterError | rx.TryAgainError | rx.RedisClusterException)
+    ):
+        # Nothing was sent: no master to send it to (a cluster reply refused it).
+        return Failure(FAILOVER, False, cause)
+    if (
+        isinstance(exc, rx.ReadOnlyError)
+        or "previous master is now a slave" in lowered
+        or ("readonly" in lowered)
+    ):
+        return Failure(FAILOVER, False, cause)
+    if isinstance(exc, rx.BusyLoadingError):
+        return Failure(OUTAGE, False, cause)
+    if isinstance(exc, rx.ConnectionError | rx.TimeoutError):
+        return Failure(OUTAGE, not connect_phase, cause)
+    if isinstance(exc, rx.ResponseError):
+        return Failure(REFUSED, False, cause)
+    return Failure(REFUSED, True, cause)
+
+
+def wants_probe(failure: Failure) -> bool:
+    """Whether to probe the server before reporting ``failure``: a connection that
+    failed before anything was sent may be TLS on one side only (a set-up mistake
+    that looks like an outage)."""
+    return failure.kind == OUTAGE and not failure.may_have_set
+
+
+def outage_detail(backend: str, failure: Failure, attempts: int) -> str:
+    """LeaseBackendError's text for an outage: what happened, what is known, what to do."""
+    sends = "once" if attempts <= 1 else f"{attempts} times"
+    known = (
+        "the outcome is unknown (the call may have run)"
+        if failure.may_have_set
+        else "nothing was changed"
+    )
+    if failure.kind == FAILOVER:
+        return (
+            f"{backend} is failing over or has no writable primary ({failure.text}; sent "
+            f"{sends}): a failover may be under way. {known.capitalize()}; try again in a "
+            "moment: the client finds the new primary by itself."
+        )
+    if failure.kind == REFUSED:
+        return f"{backend} refused the call ({failure.text}); {known}."
+    what = "did not answer" if failure.may_have_set else "could not be reached"
+    return (
+        f"{backend} {what} ({failure.text}; sent {sends}); {known}. Check that "
+        f"{backend} is up and reachable; the lease's TTL ends anything left behind."
+    )
+
+
+# PostgreSQL: SQLSTATE classes and the connection-failure texts libpq gives
+# without a SQLSTATE (a login refused by the server arrives as a message).
+_PG_SETUP_STATES = {
+    "28P01": "auth",
+    "28000": "auth",
+    "3D000": "database",
+    "42P01": "schema",
+    "42883": "schema",
+    "3F000": "schema",
+    "42501": "rights",
+    "42P05": "prepared",
+    "26000": "prepared",
+}
+_PG_FAILOVER_STATES = {"25006"}  # read_only_sql_transaction: connected to a standby
+_PG_AUTH_TEXTS = (
+    "password authentication failed",
+    "pg_hba.conf",
+    "authentication failed",
+    "no such user",
+)
+
+
+def classify_postgres(sqlstate: str | None, message: str) -> tuple[str, str | None]:
+    """(SETUP | OUTAGE | FAILOVER | REFUSED, the set-up problem's name or None).
+
+    A login refused by the server reaches the client as a message without a
+    SQLSTATE (libpq's connection failure), so those are told by their text.
+    """
+    if sqlstate in _PG_SETUP_STATES:
+        return SETUP, _PG_SETUP_STATES[sqlstate]
+    if sqlstate in _PG_FAILOVER_STATES:
+        return FAILOVER, None
+    if sqlstate is None:
+        lowered = message.lower()
+        if "does not exist" in lowered and 'role "' in lowered:
+            return SETUP, "auth"
+        if ("does not exist" in lowered and 'database "' in lowered) or (
+            "no such database" in lowered
+        ):
+            return SETUP, "database"
+        if any(text in lowered for text in _PG_AUTH_TEXTS):
+            return SETUP, "auth"
+        return OUTAGE, None
+    if sqlstate.startswith(("08", "57", "53")):
+        return OUTAGE, None
+    return REFUSED, None
+
+
+def postgres_setup_fix(problem: str, *, sequence: str, register: str, function: str) -> str:
+    """The fix for a PostgreSQL set-up problem found by :func:`classify_postgres`."""
+    if problem == "auth":
+        return (
+            "PostgreSQL refused the login: check the user and password in the engine's "
+            "URL, and that pg_hba.conf (or PgBouncer's auth_file) admits them."
+        )
+    if problem == "database":
+        return "The database named in the engine's URL does not exist: check its name."
+    if problem == "schema":
+        return (
+            f"The token sequence {sequence}, the lease register {register} or its commit "
+            f"check {function} is missing: run `sa-fence check --url ...` to see which, and "
+            "create them with sa_fence.fence_sequence(metadata) and metadata.create_all(), "
+            "or in a migration with op.create_fence_register()."
+        )
+    if problem == "rights":
+        return (
+            "The database role lacks a right sa-fence needs: GRANT USAGE, SELECT ON "
+            f"SEQUENCE {sequence}; GRANT SELECT, INSERT, UPDATE ON {register}; GRANT "
+            f"EXECUTE ON FUNCTION {function}(text, bigint); and SELECT, INSERT, UPDATE, "
+            f"DELETE on the fenced tables (see {ROLE_DOC})."
+        )
+    if problem == "prepared":
+        return (
+            "The connection goes through a pooler that pools by transaction (PgBouncer "
+            "pool_mode = transaction, before 1.21 or with max_prepared_statements = 0), "
+            "which mixes up psycopg's prepared statements between clients. Create the "
+            "engine with connect_args={'prepare_threshold': None}."
+        )
+    return ""

@@ -18,6 +18,7 @@ from typing import Any, cast
 from sqlalchemy import BigInteger, Connection, Engine, MetaData, Sequence, text
 from sqlalchemy.exc import DBAPIError
 
+from . import _protocol as proto
 from ._guard import DEFAULT_SEQUENCE as DEFAULT_SEQUENCE  # re-exported: the package's one default
 from ._register import (
     CHECK_FUNCTION_SQL,
@@ -166,12 +167,27 @@ def setup_problem(conn: Connection, sequence: str) -> str | None:
     return None
 
 
-def token_error(name: str, exc: BaseException, lock_timeout_ms: int) -> LeaseBackendError:
-    """The LeaseBackendError for a failed grant statement, saying what was waited for."""
-    if getattr(getattr(exc, "orig", None), "sqlstate", None) == "55P03":  # lock_not_available
+def token_error(
+    name: str,
+    exc: BaseException,
+    lock_timeout_ms: int,
+    *,
+    operation: str = "token",
+    sequence: str = DEFAULT_SEQUENCE,
+) -> LeaseBackendError | FencingConfigError:
+    """The error for a failed token draw (``operation="token"``) or set-up check
+    (``"check"``), told apart by :func:`sa_fence._protocol.classify_postgres`:
+    a set-up mistake (login refused, no such database, no register or check
+    function, no rights, a transaction pooler mixing prepared statements) is a
+    FencingConfigError with the fix; an outage, a standby (failover) or a
+    wait for the register row is a LeaseBackendError saying what is known.
+    Raise it ``from None``: ``.cause`` keeps the driver's exception."""
+    orig = getattr(exc, "orig", None)
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate == "55P03":  # lock_not_available
         return LeaseBackendError(
             backend="postgresql",
-            operation="token",
+            operation=operation,
             name=name,
             cause=exc,
             detail=(
@@ -181,7 +197,38 @@ def token_error(name: str, exc: BaseException, lock_timeout_ms: int) -> LeaseBac
                 "If this repeats, a holder's connection is stuck mid-commit."
             ),
         )
-    return LeaseBackendError(backend="postgresql", operation="token", name=name, cause=exc)
+    kind, problem = proto.classify_postgres(sqlstate, str(orig if orig is not None else exc))
+    cause = proto.cause_text(exc)
+    if kind == proto.SETUP and problem is not None:
+        register = Register(sequence)
+        fix = proto.postgres_setup_fix(
+            problem,
+            sequence=register.sequence_sql,
+            register=register.table_sql,
+            function=register.function_sql,
+        )
+        return FencingConfigError(
+            f"{operation} of lease {name!r} failed: PostgreSQL refused the set-up ({cause}). {fix}",
+            cause=exc,
+        )
+    # A token draw is not resent (each draw advances the sequence and the
+    # register).  Whether it committed is unknown only when the connection was
+    # lost after the statement was sent: not after an error reply, nor when
+    # the connection could not be made.
+    unknown = (
+        operation == "token"
+        and kind == proto.OUTAGE
+        and sqlstate is None
+        and "connection failed" not in cause.lower()
+    )
+    failure = proto.Failure(kind, unknown, cause)
+    return LeaseBackendError(
+        backend="postgresql",
+        operation=operation,
+        name=name,
+        cause=exc,
+        detail=proto.outage_detail("PostgreSQL", failure, 1),
+    )
 
 
 def _fix_hint(name: str) -> str:

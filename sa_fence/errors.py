@@ -220,8 +220,12 @@ class LeaseBackendError(FenceError):
     Attributes: ``backend`` (``"redis"`` or ``"postgresql"``), ``operation``
     (``"check"``, ``"acquire"``, ``"token"``, ``"confirm"``, ``"extend"`` or
     ``"release"``),
-    ``name`` (the lease name) and ``cause`` (the client's exception, also
-    ``__cause__``).
+    ``name`` (the lease name), ``cause`` (the client's exception; not chained
+    as ``__cause__``: the message names it, and a client's chain of
+    connection errors adds nothing) and ``detail`` (what is known: "nothing
+    was changed", or "the outcome is unknown"; "a failover may be under way"
+    when the Sentinels know no master, the node is a read-only replica or a
+    cluster slot has no master).
     """
 
     @overload
@@ -316,5 +320,16 @@ class FencingConfigError(FenceError):
     Examples: the token sequence is missing or has ``CACHE > 1``;
     ``synchronous_commit`` is ``off`` on the token connection; the database
     driver cannot report executemany row counts; a session was bound without
-    the flush hook installed.
+    the flush hook installed.  Also a server refusing the set-up: a wrong
+    password, a Redis database index out of range, TLS on one side only, a
+    missing ACL command or database right.  Resending never helps; the
+    message names the cause and the fix.
+
+    ``cause`` is the client's exception when a server refused (else
+    ``None``); it is not chained as ``__cause__``, since the message already
+    says what it says.
     """
+
+    def __init__(self, *args: Any, cause: BaseException | None = None) -> None:
+        super().__init__(*args)
+        self.cause = cause
