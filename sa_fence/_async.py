@@ -314,11 +314,11 @@ class AsyncFencer:
                 if wait is None:
                     # Unknown: remove what a lost ACQUIRE may have set (a failure
                     # that proves nothing was set needs no clean-up).
-                    if attempts.unknown_since is not None:
+                    if attempts.unknown_since is not None and attempts.failed.fits_another(
+                        time.monotonic()
+                    ):
                         await self._shielded(self._release_quietly(key, [owner]))
-                    raise await self._error(
-                        name, "acquire", exc, attempts.failed.failures
-                    ) from None
+                    raise await self._error(name, "acquire", exc, attempts.failed) from None
                 await asyncio.sleep(wait)
                 continue
             outcome, holder_token = proto.parse_acquire_reply(reply)
@@ -353,20 +353,19 @@ class AsyncFencer:
                     rand=random.random(),
                 )
                 if wait is None:
-                    raise await self._error(name, operation, exc, budget.failures) from None
+                    raise await self._error(name, operation, exc, budget) from None
                 await asyncio.sleep(wait)
 
     async def _error(
-        self, name: str, operation: str, exc: BaseException, attempts: int
+        self, name: str, operation: str, exc: BaseException, budget: proto.FailureBudget
     ) -> FenceError:
         """As :meth:`sa_fence.Fencer._error` (the probe runs in a thread)."""
         target = probe_target(self.redis)
         speaks = None
         if target is not None and proto.wants_probe(proto.classify_redis(exc)):
-            speaks = await asyncio.to_thread(
-                probe_speaks, target[0], target[1], min(0.5, self.timeout)
-            )
-        return redis_error(name, operation, exc, attempts, target=target, speaks=speaks)
+            wait = proto.probe_timeout(budget.remaining(time.monotonic()))
+            speaks = await asyncio.to_thread(probe_speaks, target[0], target[1], wait)
+        return redis_error(name, operation, exc, budget.failures, target=target, speaks=speaks)
 
     async def _release_quietly(self, key: str, values: list[str]) -> None:
         """Owner-checked clean-up after a failed or cancelled acquire (see

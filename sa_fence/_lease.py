@@ -72,23 +72,67 @@ def client_socket_timeout(client: object) -> object:
     return _UNKNOWN_TIMEOUT
 
 
+def client_call_bound(client: object) -> tuple[float | None, str] | None:
+    """The longest one call of a plain or Sentinel client can last, and how that
+    comes about; None when it cannot be read (a cluster client, a custom class).
+
+    redis-py connects with up to ``retries`` retries of its own (each up to
+    ``socket_connect_timeout``, with waits of up to its backoff's cap), then
+    sends and waits up to ``socket_timeout`` for the reply, and on a failure
+    does it all again up to ``retries`` times.  With ``retry=Retry(NoBackoff(),
+    0)`` one call is one connect and one wait.  The bound is None (unbounded)
+    without a socket timeout or with endless retries.
+    """
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    if not isinstance(kwargs, dict):
+        return None
+    read = kwargs.get("socket_timeout")
+    connect = kwargs.get("socket_connect_timeout") or read
+    retry = kwargs.get("retry")
+    retries = retry.get_retries() if retry is not None else 0
+    backoff = getattr(retry, "_backoff", None)
+    cap = 0.0 if backoff is None else getattr(backoff, "_cap", getattr(backoff, "_backoff", None))
+    how = (
+        f"socket_timeout={read}, socket_connect_timeout={connect}, {retries} retries of "
+        f"its own with waits of up to {cap} s"
+    )
+    if read is None or connect is None or retries < 0:
+        return None, how
+    if not isinstance(cap, int | float):
+        return None
+    connecting = (retries + 1) * float(connect) + retries * float(cap)
+    return connecting + float(read) + retries * (connecting + float(read) + float(cap)), how
+
+
 def check_budget(client: object, timeout: float | None, owner: str) -> float:
     """The failure budget for ``owner`` (a Fencer): ``timeout`` or the default.
 
-    An explicit budget on a client whose calls have no ``socket_timeout`` is
-    refused: a Redis that stops answering would hold a call for as long as the
-    operating system waits, whatever the budget says.
+    An explicit budget that one call of the client could outlast (no socket
+    timeout, or redis-py's own retries and backoff adding up to more) is
+    refused: sa-fence cannot interrupt a call in progress, so it asks for a
+    client that keeps the budget.  The default budget is not checked this
+    way: it bounds sa-fence's own resends (see the Fencer's docstring).
     """
     if timeout is None:
         return proto.DEFAULT_BACKEND_TIMEOUT
     budget = proto.check_backend_timeout(timeout)
-    if client_socket_timeout(client) is None:
+    found = client_call_bound(client)
+    unbounded = client_socket_timeout(client) is None
+    if unbounded or (found is not None and (found[0] is None or found[0] > budget)):
+        longest = (
+            "unbounded"
+            if unbounded or found is None or found[0] is None
+            else (f"up to {found[0]:.3g} s")
+        )
+        how = f" ({found[1]})" if found is not None else ""
+        third = budget / 3
         raise FencingConfigError(
-            f"{owner}(timeout={timeout!r}) cannot keep its budget: the Redis client has no "
-            "socket_timeout, so a Redis that stops answering holds each call for as long "
-            "as the operating system waits. Create the client with socket_timeout and "
-            "socket_connect_timeout well below the budget (e.g. redis.Redis(..., "
-            f"socket_timeout={budget / 3:.3g}, socket_connect_timeout={budget / 3:.3g}))."
+            f"{owner}(timeout={timeout!r}) cannot keep its budget: one call of this Redis "
+            f"client can last {longest}{how}, and a call in progress cannot be cut short. "
+            "Create the client with socket timeouts well below the budget and few retries "
+            "of its own (sa-fence resends what is safe to resend, within the budget), e.g. "
+            f"redis.Redis(..., socket_timeout={third:.3g}, socket_connect_timeout="
+            f"{third:.3g}, retry=Retry(NoBackoff(), 0)); see {proto.TIMEOUTS_DOC}."
         )
     return budget
 
@@ -381,11 +425,14 @@ class Fencer:
                 )
                 if wait is None:
                     # Not "acquired", not "not acquired".  Remove what a lost
-                    # ACQUIRE may have set (the TTL ends it otherwise); a failure
-                    # that proves nothing was set needs no clean-up.
-                    if attempts.unknown_since is not None:
+                    # ACQUIRE may have set (the TTL ends it otherwise): not after
+                    # a failure that proves nothing was set, nor when the call
+                    # would not end within the budget (a Redis that stopped).
+                    if attempts.unknown_since is not None and attempts.failed.fits_another(
+                        time.monotonic()
+                    ):
                         self._release_quietly(key, owner)
-                    raise self._error(name, "acquire", exc, attempts.failed.failures) from None
+                    raise self._error(name, "acquire", exc, attempts.failed) from None
                 time.sleep(wait)
                 continue
             outcome, holder_token = proto.parse_acquire_reply(reply)
@@ -417,17 +464,21 @@ class Fencer:
                     rand=random.random(),
                 )
                 if wait is None:
-                    raise self._error(name, operation, exc, budget.failures) from None
+                    raise self._error(name, operation, exc, budget) from None
                 time.sleep(wait)
 
-    def _error(self, name: str, operation: str, exc: BaseException, attempts: int) -> FenceError:
-        """The error for a Redis call that failed for good; probes the server first when
-        the connection failed before anything was sent (TLS on one side only?)."""
+    def _error(
+        self, name: str, operation: str, exc: BaseException, budget: proto.FailureBudget
+    ) -> FenceError:
+        """The error for a Redis call that failed for good; probes the server first
+        (within what is left of the budget) when the connection failed before
+        anything was sent: TLS on one side only looks like an outage."""
         target = probe_target(self.redis)
         speaks = None
         if target is not None and proto.wants_probe(proto.classify_redis(exc)):
-            speaks = probe_speaks(target[0], target[1], min(0.5, self.timeout))
-        return redis_error(name, operation, exc, attempts, target=target, speaks=speaks)
+            wait = proto.probe_timeout(budget.remaining(time.monotonic()))
+            speaks = probe_speaks(target[0], target[1], wait)
+        return redis_error(name, operation, exc, budget.failures, target=target, speaks=speaks)
 
     def _release_quietly(self, key: str, *values: str) -> None:
         """Owner-checked clean-up after a failed acquire: one attempt per value.

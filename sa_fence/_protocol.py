@@ -508,6 +508,8 @@ DEFAULT_BACKEND_TIMEOUT = 5.0
 
 ACL_DOC = "docs/topologies.md#redis-acl"
 ROLE_DOC = "docs/topologies.md#postgresql-role"
+POOLER_DOC = "docs/topologies.md#pgbouncer"
+TIMEOUTS_DOC = "docs/topologies.md#timeouts"
 
 
 @dataclass(frozen=True, slots=True)
@@ -560,6 +562,7 @@ class FailureBudget:
     budget: float
     failures: int = 0
     first_sent: float | None = None
+    last_took: float = 0.0  # how long the last failed attempt took
 
     def on_failure(
         self, failure: Failure, *, sent_at: float, now: float, rand: float
@@ -571,10 +574,24 @@ class FailureBudget:
         if failure.kind not in RESENDABLE or self.failures >= BACKEND_ATTEMPTS:
             return None
         wait = BACKEND_BACKOFF.delay(self.failures - 1, rand)
-        took = max(0.0, now - sent_at)
+        took = self.last_took = max(0.0, now - sent_at)
         if now + wait + took > self.first_sent + self.budget:
             return None
         return wait
+
+    def fits_another(self, now: float) -> bool:
+        """Whether one more call, as long as the last failed one, ends within the
+        budget (the clean-up after a failed acquire is sent only then: against a
+        Redis that stopped answering it would only wait again)."""
+        return now + self.last_took <= self.budget + (
+            now if self.first_sent is None else self.first_sent
+        )
+
+    def remaining(self, now: float) -> float:
+        """Seconds of the budget left at ``now`` (all of it before a failure)."""
+        if self.first_sent is None:
+            return self.budget
+        return max(0.0, self.first_sent + self.budget - now)
 
     def reset(self) -> None:
         self.failures = 0
@@ -678,6 +695,11 @@ def wants_probe(failure: Failure) -> bool:
     return failure.kind == OUTAGE and not failure.may_have_set
 
 
+def probe_timeout(remaining: float) -> float:
+    """How long the TLS probe may wait: what is left of the budget, 0.05 to 0.5 s."""
+    return min(0.5, max(0.05, remaining))
+
+
 def outage_detail(backend: str, failure: Failure, attempts: int) -> str:
     """LeaseBackendError's text for an outage: what happened, what is known, what to do."""
     sends = "once" if attempts <= 1 else f"{attempts} times"
@@ -777,6 +799,6 @@ def postgres_setup_fix(problem: str, *, sequence: str, register: str, function: 
             "The connection goes through a pooler that pools by transaction (PgBouncer "
             "pool_mode = transaction, before 1.21 or with max_prepared_statements = 0), "
             "which mixes up psycopg's prepared statements between clients. Create the "
-            "engine with connect_args={'prepare_threshold': None}."
+            f"engine with connect_args={{'prepare_threshold': None}} (see {POOLER_DOC})."
         )
     return ""
