@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sa-fence-installed
 
-.PHONY: demo test lint typecheck bench services docs clean
+.PHONY: demo test lint typecheck bench services topology-tools docs clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "sa-fence needs Python >= 3.11; set PYTHON=python3.11")'
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml
 services:
 	@bash .ci/services
 
+# redis-server, openssl and pgbouncer for tests/topologies (installed if missing).
+topology-tools:
+	@bash .ci/topology-tools
+
 demo: $(STAMP) services
 	$(VENV)/bin/sa-fence demo
 
@@ -29,7 +33,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-test: lint typecheck services
+test: lint typecheck services topology-tools
 	$(PY) -m pytest
 
 # The docs site (mkdocs-material) into site/; `make test` runs the same build

@@ -638,9 +638,9 @@ def classify_redis(exc: BaseException, *, speaks: str | None = None, tls: bool =
     ):
         return _redis_setup(
             cause,
-            "The Redis user lacks a command or key sa-fence needs. Grant it the minimal "
-            "ACL: +evalsha +eval +script|load +get +set +pexpire +pttl +del on the key "
-            f"pattern ~<key_prefix>* (see {ACL_DOC}).",
+            "The Redis user lacks a command or key sa-fence needs. Give it the minimal "
+            "ACL: -@all +evalsha +script|load +get +set +pexpire +pttl +del "
+            f"~<key_prefix>* (see {ACL_DOC}).",
         )
     if "certificate" in lowered or ("ssl" in lowered and "verify" in lowered):
         return _redis_setup(
@@ -689,10 +689,10 @@ def classify_redis(exc: BaseException, *, speaks: str | None = None, tls: bool =
 
 
 def wants_probe(failure: Failure) -> bool:
-    """Whether to probe the server before reporting ``failure``: a connection that
-    failed before anything was sent may be TLS on one side only (a set-up mistake
-    that looks like an outage)."""
-    return failure.kind == OUTAGE and not failure.may_have_set
+    """Whether to probe the server before reporting ``failure`` as an outage: TLS
+    on one side only looks like one (a handshake that times out, a connection
+    reset while reading the reply), and only a probe tells them apart."""
+    return failure.kind == OUTAGE
 
 
 def probe_timeout(remaining: float) -> float:

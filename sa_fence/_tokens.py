@@ -167,6 +167,37 @@ def setup_problem(conn: Connection, sequence: str) -> str | None:
     return None
 
 
+def pooler_problem(conn: Connection) -> str | None:
+    """What keeps a transaction pooler in front of the database from working, or None.
+
+    psycopg prepares a statement it has run five times; a pooler that hands
+    each transaction to any server connection (PgBouncer ``pool_mode =
+    transaction`` before 1.21, or with ``max_prepared_statements = 0``) then
+    runs it where it was never prepared, or where another client prepared
+    another statement under the same name.  A pooler shows itself by the
+    backend process id: the one the connection was given at start-up (the
+    pooler's own) is not the server's ``pg_backend_pid()``.  Session pooling
+    and PgBouncer >= 1.21 with ``max_prepared_statements`` would work, but
+    cannot be told apart from here, so the fix is asked for in every case: it
+    costs one statement parse per call and works behind any pooler.
+    """
+    dbapi_conn = conn.connection.driver_connection
+    client_pid = getattr(getattr(dbapi_conn, "info", None), "backend_pid", None)
+    if client_pid is None or getattr(dbapi_conn, "prepare_threshold", None) is None:
+        return None  # not psycopg, or it never prepares
+    if conn.execute(text("SELECT pg_backend_pid()")).scalar_one() == client_pid:
+        return None  # connected to the server itself
+    return (
+        "the engine connects through a connection pooler (PgBouncer?): its connections "
+        "do not reach the server they started with. psycopg prepares statements it runs "
+        "often, and a pooler that pools by transaction (PgBouncer pool_mode = "
+        "transaction before 1.21, or with max_prepared_statements = 0) mixes them up "
+        "between clients ('prepared statement \"_pg3_0\" already exists'). Create the "
+        "engine with connect_args={'prepare_threshold': None} (see "
+        f"{proto.POOLER_DOC})."
+    )
+
+
 def token_error(
     name: str,
     exc: BaseException,
@@ -290,7 +321,7 @@ class TokenSource:
         Raises :class:`FencingConfigError` naming what is wrong and how to fix it.
         """
         with self.engine.connect() as conn:
-            problem = setup_problem(conn, self.sequence)
+            problem = setup_problem(conn, self.sequence) or pooler_problem(conn)
             sync = conn.execute(text("SELECT current_setting('synchronous_commit')")).scalar_one()
             self.database_id = tuple(conn.execute(text(DATABASE_ID_SQL)).one())
             conn.rollback()

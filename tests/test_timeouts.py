@@ -203,8 +203,8 @@ def test_a_stalled_redis_is_given_up_on_within_the_budget(
 ) -> None:
     """SIGSTOP: the server accepts connections but never answers.  Client calls
     last 1 s; budget 1.5 s: one call, no resend and no clean-up (either would
-    end at ~2 s): ~1.0 s measured.  Without the budget's guard: three calls
-    and the clean-up, ~4 s."""
+    end at ~2 s), then the TLS probe in what is left of the budget: ~1.5 s
+    measured.  Without the budget's guard: three calls and the clean-up, ~4 s."""
     client = stalling_client(server)
     fencer = sa_fence.Fencer(client, engine, sequence=SEQUENCE, key_prefix=key_prefix, timeout=1.5)
     fencer.check()
