@@ -32,6 +32,7 @@ from ._decorators import SKIPPED, Skipped, current_lease, current_session, fence
 from ._flush import fence_connection, install, unbind, unfenced, uninstall
 from ._lease import Fencer, Lease
 from ._model import Fenced, fence_column
+from ._telemetry import Telemetry, default_name_pattern
 from ._tokens import fence_sequence
 from .errors import (
     FenceError,
@@ -60,9 +61,11 @@ __all__ = [
     "LeaseNotAcquiredError",
     "Skipped",
     "StaleTokenError",
+    "Telemetry",
     "UnfencedWriteError",
     "current_lease",
     "current_session",
+    "default_name_pattern",
     "fence_column",
     "fence_connection",
     "fence_sequence",

@@ -59,6 +59,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.util import greenlet_spawn
 
 from . import _protocol as proto
+from . import _telemetry
 from ._dialect import check_dialect
 from ._lease import (
     DEFAULT_KEY_PREFIX,
@@ -83,7 +84,7 @@ from .errors import (
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-log = logging.getLogger("sa_fence")
+log = logging.getLogger(__name__)  # a child of "sa_fence"
 
 T = TypeVar("T")
 #: ``on_lost(lease)``: a plain callable, run once, in the task that first sees the loss.
@@ -129,6 +130,7 @@ class AsyncFencer:
         key_prefix: str = DEFAULT_KEY_PREFIX,
         renew_fraction: float = proto.DEFAULT_RENEW_FRACTION,
         timeout: float | None = None,
+        telemetry: _telemetry.Telemetry | None = None,
     ) -> None:
         if not isinstance(redis, aioredis.Redis | aioredis.RedisCluster):
             raise TypeError(
@@ -154,6 +156,8 @@ class AsyncFencer:
         #: Shielded clean-ups and releases still running (strong refs until done).
         self._background: set[asyncio.Task[Any]] = set()
         self._warned_no_timeout = False
+        #: where metrics and spans go (None: the global providers; docs/observability.md)
+        self._telemetry = telemetry
 
     @property
     def sequence(self) -> str:
@@ -167,6 +171,7 @@ class AsyncFencer:
         """Check the token sequence and ``synchronous_commit`` now (see ``Fencer.check``)."""
         await greenlet_spawn(self._tokens.check)
 
+    @_telemetry.traced_acquire_async
     async def acquire(
         self,
         name: str,
@@ -491,6 +496,7 @@ class AsyncLease(BaseLease["AsyncFencer"]):
         )
         self._on_extend_reply(extended, sent_at, ttl_ms)
 
+    @_telemetry.traced_release_async
     async def release(self) -> bool:
         """Give the lease back; never deletes another owner's lease.
 
@@ -561,6 +567,7 @@ class AsyncLease(BaseLease["AsyncFencer"]):
                 self.name,
                 self.token,
                 proto.cause_text(exc.cause) if exc.cause is not None else exc,
+                extra=_telemetry.log_extra(self, "release_failed"),
             )
 
     def _start_renewal(self, at: float) -> None:

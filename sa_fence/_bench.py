@@ -42,6 +42,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 from ._flush import install
 from ._lease import Fencer, Lease
 from ._model import Fenced
+from ._telemetry import redact_url
 from ._tokens import fence_sequence
 from .errors import LeaseBackendError
 
@@ -490,7 +491,7 @@ def run(
             version = conn.execute(sa.text("SHOW server_version")).scalar_one()
         print(
             f"sa-fence bench: PostgreSQL {version} at {engine.url.host}:{engine.url.port}, "
-            f"Redis at {redis_url}; {rounds} rounds",
+            f"Redis at {redact_url(redis_url)}; {rounds} rounds",
             file=out,
         )
         with bench_objects(engine, client, schema) as fencer:
@@ -537,7 +538,8 @@ def main(url: str, redis_url: str, *, rounds: int, rows: int, progress: bool = T
     except sa.exc.OperationalError as exc:
         print(f"sa-fence bench: PostgreSQL unreachable: {exc.orig}", file=sys.stderr)
     except redis_lib.exceptions.ConnectionError as exc:
-        print(f"sa-fence bench: Redis unreachable at {redis_url}: {exc}", file=sys.stderr)
+        shown = redact_url(redis_url)
+        print(f"sa-fence bench: Redis unreachable at {shown}: {exc}", file=sys.stderr)
     except LeaseBackendError as exc:
         print(f"sa-fence bench: {exc}", file=sys.stderr)
     return 3

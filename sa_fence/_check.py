@@ -586,8 +586,9 @@ def check(
     return report
 
 
-def print_report(report: Report, url: str, out: TextIO) -> int:
-    print(f"sa-fence check: {url}", file=out)
+def print_report(report: Report, shown_url: str, out: TextIO) -> int:
+    """Print ``report``; ``shown_url`` is the URL with its password hidden (_shown)."""
+    print(f"sa-fence check: {shown_url}", file=out)
     for line in report.ok:
         print(f"  ok       {line}", file=out)
     for line in report.notes:

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeAlias, 
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from . import _protocol as proto
+from . import _telemetry
 from ._lease import BaseLease, Fencer, OnLost
 from .errors import LeaseLostError, LeaseNotAcquiredError
 
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
     from ._async import AsyncFencer, AsyncLease
     from ._flush import _SessionState
 
-log = logging.getLogger("sa_fence")
+log = logging.getLogger(__name__)  # a child of "sa_fence"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -648,9 +649,10 @@ def fenced(
                 if held is not None:
                     return await _nested_async(fn, args, kwargs, held, how, source, cancel)
                 try:
-                    lease = await the_fencer.acquire(
-                        lease_name, ttl, on_lost=on_lost_any, **acquire_options
-                    )
+                    with _telemetry.naming(name):  # metrics name the template, not the name
+                        lease = await the_fencer.acquire(
+                            lease_name, ttl, on_lost=on_lost_any, **acquire_options
+                        )
                 except LeaseNotAcquiredError:
                     return skipped(lease_name)
                 limit = None
@@ -686,7 +688,8 @@ def fenced(
             if held is not None:
                 return _nested(fn, args, kwargs, held, how, source)
             try:
-                lease = the_fencer.acquire(lease_name, ttl, on_lost=on_lost, **acquire_options)
+                with _telemetry.naming(name):  # metrics name the template, not the name
+                    lease = the_fencer.acquire(lease_name, ttl, on_lost=on_lost, **acquire_options)
             except LeaseNotAcquiredError:
                 return skipped(lease_name)
             limit = None

@@ -86,7 +86,7 @@ STARTUP_TIMEOUT = 60.0
 STEP_TIMEOUT = 30.0
 CONNECT_TIMEOUT = 5
 
-log = logging.getLogger("sa_fence")
+log = logging.getLogger(__name__)  # a child of "sa_fence"
 
 
 class DemoBase(DeclarativeBase):

@@ -87,6 +87,7 @@ from sqlalchemy.sql import operators
 from sqlalchemy.sql.dml import Delete, Insert, Update
 from sqlalchemy.sql.elements import BinaryExpression, BindParameter, BooleanClauseList
 
+from . import _telemetry
 from ._dialect import check_dialect
 from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check
 from ._model import fence_column_of, is_fenced_class, orm_index
@@ -106,7 +107,7 @@ if TYPE_CHECKING:
 
     Lease: TypeAlias = BaseLease[Any]  # a Lease or an AsyncLease
 
-log = logging.getLogger("sa_fence")
+log = logging.getLogger(__name__)  # a child of "sa_fence"
 
 _STATE_KEY = "sa_fence.state"
 TOKEN_BIND = "sa_fence_token"
@@ -138,6 +139,7 @@ class _SessionState:
         "__weakref__",
         "bumped",
         "connections",
+        "flush_span",
         "lease",
         "pending",
         "poisoned",
@@ -155,6 +157,8 @@ class _SessionState:
         self.bumped: list[Any] = []
         # (transaction, token) for which raw SQL presentation already ran
         self.presented_in: tuple[Any, int] | None = None
+        # the span of the fenced flush under way (see _telemetry.flush_started)
+        self.flush_span: Any = None
 
     def require_lease(self) -> Lease | None:
         """The lease to fence with; None when the caller opted out explicitly."""
@@ -166,6 +170,7 @@ class _SessionState:
             return lease
         if self.unfenced:
             return None
+        _telemetry.unfenced_refused()
         raise UnfencedWriteError(
             "this session has no lease bound, so it may not write fenced rows. Acquire a "
             "lease and call lease.bind(session); admin scripts that must write without one "
@@ -304,6 +309,10 @@ def _map_guard_error(context: Any) -> None:
     )
     if error is None:
         return
+    if isinstance(error, UnfencedWriteError):
+        _telemetry.unfenced_refused(_telemetry.GUARD)
+    elif isinstance(error, StaleTokenError):
+        _telemetry.stale_refused(lease, _telemetry.GUARD, error)
     raise state.fail(error) from context.original_exception
 
 
@@ -395,22 +404,23 @@ def _check_scope_and_commit(conn: Connection) -> None:
     assert dbapi_conn is not None
     dialect = conn.dialect
     cursor = dbapi_conn.cursor()
-    try:
-        cursor.execute(sql)
-    except dialect.loaded_dbapi.Error as exc:
-        # End the transaction as a failed COMMIT would have: PostgreSQL skipped
-        # the COMMIT, and SQLAlchemy will not roll back a transaction whose
-        # commit failed before handing the connection back to its pool.
-        with contextlib.suppress(Exception):
-            dbapi_conn.rollback()
-        stale = lease_error_from_check(exc, scope)
-        if stale is not None:
-            raise stale from None
-        raise DBAPIError.instance(
-            sql, None, exc, dialect.loaded_dbapi.Error, dialect=dialect
-        ) from exc
-    finally:
-        cursor.close()
+    with _telemetry.CommitCheck(scope):  # latency, span; a stale refusal is counted
+        try:
+            cursor.execute(sql)
+        except dialect.loaded_dbapi.Error as exc:
+            # End the transaction as a failed COMMIT would have: PostgreSQL skipped
+            # the COMMIT, and SQLAlchemy will not roll back a transaction whose
+            # commit failed before handing the connection back to its pool.
+            with contextlib.suppress(Exception):
+                dbapi_conn.rollback()
+            stale = lease_error_from_check(exc, scope)
+            if stale is not None:
+                raise stale from None
+            raise DBAPIError.instance(
+                sql, None, exc, dialect.loaded_dbapi.Error, dialect=dialect
+            ) from exc
+        finally:
+            cursor.close()
 
 
 def _view_of(engine: Engine) -> Engine:
@@ -543,6 +553,8 @@ def _before_execute(
         if isinstance(elem, TextClause):
             state.present_for_raw_sql(conn)
         return elem, multiparams, params
+    if lease is not None:
+        _telemetry.wrote(lease)  # the first write under the lease is timed
     fence_col = fence_column_of(elem.table)
     if fence_col is None:
         if lease is None and elem.table in orm_index().association_tables:
@@ -664,7 +676,9 @@ def _after_execute(
     state.pending = None
     if result.rowcount == len(pending.param_sets):
         return
-    raise state.fail(_stale_error(conn, pending, elem))
+    error = _stale_error(conn, pending, elem)
+    _telemetry.stale_refused(state.lease, _telemetry.ROW_FENCE, error)
+    raise state.fail(error)
 
 
 def _refuse_upsert(elem: Insert, fence_col: Column[Any]) -> None:
@@ -748,6 +762,9 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
         bump_keys = orm_index().bump_keys
         if bump_keys:
             _bump_base_fences(session, state, bump_keys)
+        if state.flush_span is not None:  # a flush that found nothing to write
+            _telemetry.flush_ended(state.flush_span)
+        state.flush_span = _telemetry.flush_started(state.lease)
         return
     if state.unfenced:
         if _writes_fenced(session):
@@ -779,6 +796,9 @@ def _bump_base_fences(session: Session, state: _SessionState, bump_keys: dict[ty
 
 def _after_flush_postexec(session: Session, flush_context: UOWTransaction) -> None:
     state = _state(session)
+    if state is not None and state.flush_span is not None:
+        span, state.flush_span = state.flush_span, None
+        _telemetry.flush_ended(span)
     if state is None or not state.bumped:
         return
     lease = state.lease
@@ -834,6 +854,14 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
         _enter_scope(connection, state.lease)
 
 
+def _after_soft_rollback(session: Session, previous_transaction: SessionTransaction) -> None:
+    """A failed flush rolls back: end its span as failed."""
+    state = _state(session)
+    if state is not None and state.flush_span is not None:
+        span, state.flush_span = state.flush_span, None
+        _telemetry.flush_ended(span, failed=True)
+
+
 def _before_commit(session: Session) -> None:
     state = _state(session)
     if state is not None:
@@ -859,6 +887,7 @@ _EVENTS = (
     ("do_orm_execute", _do_orm_execute),
     ("after_begin", _after_begin),
     ("after_flush_postexec", _after_flush_postexec),
+    ("after_soft_rollback", _after_soft_rollback),
     ("before_commit", _before_commit),
     ("after_transaction_end", _after_transaction_end),
 )

@@ -27,6 +27,7 @@ import redis as redis_lib
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import _protocol as proto
+from . import _telemetry
 from ._dialect import check_engine
 from ._flush import bind_lease
 from ._tokens import DEFAULT_SEQUENCE, TokenSource, token_error
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session, scoped_session
 
-log = logging.getLogger("sa_fence")
+log = logging.getLogger(__name__)  # a child of "sa_fence"
 
 DEFAULT_KEY_PREFIX = "sa_fence:"
 
@@ -221,6 +222,10 @@ class Fencer:
     Set-up mistakes (a wrong password or database index, TLS on one side
     only, a missing ACL right, a missing register) are not resent: they raise
     :class:`~sa_fence.FencingConfigError` at once, with the fix.
+
+    ``telemetry``: where metrics and spans go, and how lease names are
+    shortened for them (:class:`~sa_fence.Telemetry`); default: the global
+    OpenTelemetry providers (no-ops without an SDK).  See docs/observability.md.
     """
 
     def __init__(
@@ -232,6 +237,7 @@ class Fencer:
         key_prefix: str = DEFAULT_KEY_PREFIX,
         renew_fraction: float = proto.DEFAULT_RENEW_FRACTION,
         timeout: float | None = None,
+        telemetry: _telemetry.Telemetry | None = None,
     ) -> None:
         if not isinstance(redis, redis_lib.Redis | redis_lib.RedisCluster):
             raise TypeError(
@@ -254,6 +260,8 @@ class Fencer:
         self._release = redis.register_script(proto.RELEASE_SCRIPT)
         self._renewer = _Renewer()
         self._warned_no_timeout = False
+        #: where metrics and spans go (None: the global providers; docs/observability.md)
+        self._telemetry = telemetry
 
     @property
     def sequence(self) -> str:
@@ -282,6 +290,7 @@ class Fencer:
         """
         self._tokens.close()
 
+    @_telemetry.traced_acquire
     def acquire(
         self,
         name: str,
@@ -621,6 +630,7 @@ def _warn_never_bound(lease: BaseLease[Any]) -> None:
         "is logged once per Fencer.",
         lease.name,
         lease.token,
+        extra=_telemetry.log_extra(lease, "never_bound"),
     )
 
 
@@ -634,6 +644,8 @@ class BaseLease(Generic[FencerT]):
 
     #: Set once the lease is bound to a session or connection (see _warn_never_bound).
     _bound: bool = False
+    #: What the lease reports its metrics under (set at acquire; see _telemetry).
+    _tel: _telemetry.LeaseTelemetry | None = None
 
     def __init__(
         self,
@@ -721,7 +733,8 @@ class BaseLease(Generic[FencerT]):
         if not first:
             return
         self._stop_renewal()
-        log.warning("%s", message)
+        _telemetry.lost(self)
+        log.warning("%s", message, extra=_telemetry.log_extra(self, "lost"))
         if self._on_lost is not None:
             try:
                 self._on_lost(self)
@@ -757,11 +770,13 @@ class BaseLease(Generic[FencerT]):
         deleted = proto.release_deleted(
             self._state, deleted=deleted, resent=resent, first_sent=first_sent, now=time.monotonic()
         )
+        _telemetry.released(self, deleted)
         if not deleted:
             log.warning(
                 "lease %r (token %d) had already expired or been taken over at release",
                 self.name,
                 self.token,
+                extra=_telemetry.log_extra(self, "expired"),
             )
         return deleted
 
@@ -772,11 +787,13 @@ class BaseLease(Generic[FencerT]):
             self.name,
             failure.text,
             "; a failover may be under way" if failure.kind == proto.FAILOVER else "",
+            extra=_telemetry.log_extra(self, "renewal_failed"),
         )
         return "unknown"
 
     def _renewal_step(self, outcome: str, sent_at: float, fraction: float) -> float | None:
         """After one renewal EXTEND: the next due time, or None to stop (lost or released)."""
+        _telemetry.renewal(self, outcome, sent_at)
         with self._lock:
             if not self._state.renewing:
                 return None  # released (or lost) meanwhile: ignore the answer
@@ -835,6 +852,7 @@ class Lease(BaseLease["Fencer"]):
         )
         self._on_extend_reply(extended, sent_at, ttl_ms)
 
+    @_telemetry.traced_release
     def release(self) -> bool:
         """Give the lease back; never deletes another owner's lease.
 
@@ -891,6 +909,7 @@ class Lease(BaseLease["Fencer"]):
                 self.name,
                 self.token,
                 proto.cause_text(exc.cause) if exc.cause is not None else exc,
+                extra=_telemetry.log_extra(self, "release_failed"),
             )
 
     def _stop_renewal(self) -> None:

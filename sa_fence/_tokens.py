@@ -33,7 +33,7 @@ from ._register import (
 )
 from .errors import FencingConfigError, LeaseBackendError
 
-log = logging.getLogger("sa_fence")
+log = logging.getLogger(__name__)  # a child of "sa_fence"
 
 
 #: Held token connections inherited through fork(): kept referenced, never

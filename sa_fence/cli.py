@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
+from typing import Any
 
 DEMO_PG_ENV = "SA_FENCE_DEMO_PG"
 DEMO_REDIS_ENV = "SA_FENCE_DEMO_REDIS"
@@ -97,9 +98,15 @@ def _bench_pg_url(text: str) -> str:
 def _redis_url(text: str) -> str:
     if not text.startswith(("redis://", "rediss://", "unix://")):
         raise argparse.ArgumentTypeError(
-            f"not a Redis URL: {text!r} (e.g. redis://127.0.0.1:6379/0)"
+            f"not a Redis URL: {_redacted(text)!r} (e.g. redis://127.0.0.1:6379/0)"
         )
     return text
+
+
+def _redacted(url: str) -> str:
+    from ._telemetry import redact_url
+
+    return redact_url(url)
 
 
 def _version() -> str:
@@ -151,6 +158,22 @@ def _bench(args: argparse.Namespace) -> int:
 
     return _bench.main(
         args.url, args.redis, rounds=args.rounds, rows=args.rows, progress=not args.quiet
+    )
+
+
+def _status(args: argparse.Namespace) -> int:
+    from . import _status
+
+    return _status.run(
+        args.url,
+        args.redis,
+        args.names,
+        sequence=args.sequence,
+        key_prefix=args.key_prefix,
+        limit=args.limit,
+        as_json=args.json,
+        out=sys.stdout,
+        err=sys.stderr,
     )
 
 
@@ -329,7 +352,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--quiet", action="store_true", help="no progress on stderr")
     bench.set_defaults(handler=_bench)
+    _status_parser(commands)
     return parser
+
+
+def _status_parser(commands: Any) -> None:
+    from ._lease import DEFAULT_KEY_PREFIX
+    from ._status import DEFAULT_LIMIT
+    from ._tokens import DEFAULT_SEQUENCE
+
+    status = commands.add_parser(
+        "status",
+        help="per lease name: the register's token and grant time, and who holds it now",
+        description="For each NAME (default: the --limit most recently granted names), "
+        "the lease register's newest token and its grant time (PostgreSQL), and whether "
+        "the lease is held in Redis now, its TTL left and the token its holder carries. "
+        "Owners are shown only as a short hash. Read-only. Exit status: 0 shown, "
+        "1 a NAME was never granted and is not held (or there is no register), "
+        "2 bad argument, 3 PostgreSQL or Redis unreachable.",
+    )
+    status.add_argument("names", metavar="NAME", nargs="*", help="lease names (default: all)")
+    _url_argument(
+        status, f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})"
+    )
+    status.add_argument(
+        "--redis",
+        metavar="URL",
+        type=_redis_url,
+        default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS),
+        help=f"Redis URL (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS})",
+    )
+    status.add_argument(
+        "--key-prefix",
+        metavar="PREFIX",
+        default=DEFAULT_KEY_PREFIX,
+        help=f"the Fencer's key_prefix (default: {DEFAULT_KEY_PREFIX})",
+    )
+    status.add_argument(
+        "--sequence",
+        metavar="NAME",
+        default=DEFAULT_SEQUENCE,
+        help=f"the token sequence, optionally schema-qualified (default: {DEFAULT_SEQUENCE})",
+    )
+    status.add_argument(
+        "--limit",
+        metavar="N",
+        type=_bounded_int(1, 100_000),
+        default=DEFAULT_LIMIT,
+        help=f"names listed without NAME, newest grants first (default: {DEFAULT_LIMIT})",
+    )
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.set_defaults(handler=_status)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

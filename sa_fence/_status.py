@@ -1,0 +1,255 @@
+"""``sa-fence status [NAME...]``: who holds which lease, since when, with which token.
+
+Two sources, read side by side:
+
+* the lease register in PostgreSQL (``sa_fence_leases``): per name, the
+  newest token granted and when; it is what every commit is checked against,
+  and it outlives the lease (a Redis-only lock forgets a holder the moment
+  its key expires);
+* Redis: whether the lease is held right now, its TTL left, and the token the
+  holder recorded in it.  The owner value (the holder's secret: whoever knows
+  it can release or extend the lease) is never shown; a short hash of it tells
+  holders apart.
+
+Read-only.  Exit status: 0 shown; 1 a NAME given is neither in the register
+nor held in Redis, or the register does not exist; 2 bad argument;
+3 PostgreSQL or Redis unreachable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+import redis as redis_lib
+import sqlalchemy as sa
+
+from . import _protocol as proto
+from ._check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, _with_connection
+from ._register import Register
+from ._telemetry import redact_url
+
+#: Rows listed when no NAME is given (newest grants first).
+DEFAULT_LIMIT = 50
+
+HELD = "held"  # in Redis, with the register's token
+GRANTING = "granting"  # in Redis, its token not recorded yet (an acquire under way)
+HELD_OTHER = "held-other-token"  # in Redis, with a token the register no longer has
+FREE = "free"  # not in Redis
+UNKNOWN = "unknown"  # neither in the register nor in Redis
+
+
+@dataclass
+class LeaseStatus:
+    name: str
+    #: the register's newest token for the name, when it was granted, the one before
+    token: int | None
+    granted_at: str | None  # ISO 8601, UTC
+    previous: int | None
+    state: str
+    #: seconds of TTL left in Redis (None: not held)
+    ttl: float | None
+    #: the token the Redis lease carries (None: not held, or not recorded yet)
+    holder_token: int | None
+    #: the first 8 hex digits of SHA-256 of the owner value (never the value)
+    holder: str | None
+
+
+def owner_hash(owner: str) -> str:
+    """A short, one-way tag of an owner value: tells holders apart, reveals nothing."""
+    return hashlib.sha256(owner.encode()).hexdigest()[:8]
+
+
+def _register_rows(
+    conn: sa.Connection, register: Register, names: Sequence[str], limit: int
+) -> dict[str, tuple[int, datetime, int | None]] | None:
+    """name -> (token, granted_at, previous); None when there is no register."""
+    exists = conn.execute(
+        sa.text("SELECT to_regclass(:register) IS NOT NULL"), {"register": register.table_sql}
+    ).scalar_one()
+    if not exists:
+        return None
+    columns = f"SELECT name, token, granted_at, previous FROM {register.table_sql}"
+    if names:
+        rows = conn.execute(sa.text(f"{columns} WHERE name = ANY(:names)"), {"names": list(names)})
+    else:
+        rows = conn.execute(
+            sa.text(f"{columns} ORDER BY granted_at DESC, name LIMIT :limit"), {"limit": limit}
+        )
+    return {row.name: (int(row.token), row.granted_at, row.previous) for row in rows}
+
+
+def _redis_state(
+    client: redis_lib.Redis, key_prefix: str, names: Sequence[str]
+) -> list[tuple[bytes | None, int]]:
+    """(stored value, PTTL in ms) of each lease key, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.get(key_prefix + name)
+        pipe.pttl(key_prefix + name)
+    replies = pipe.execute()
+    return [(replies[i], int(replies[i + 1])) for i in range(0, len(replies), 2)]
+
+
+def statuses(
+    conn: sa.Connection,
+    client: redis_lib.Redis,
+    *,
+    names: Sequence[str],
+    sequence: str,
+    key_prefix: str,
+    limit: int = DEFAULT_LIMIT,
+) -> list[LeaseStatus] | None:
+    """The status of ``names`` (or of the ``limit`` newest grants); None: no register."""
+    rows = _register_rows(conn, Register(sequence), names, limit)
+    if rows is None:
+        return None
+    listed = list(names) if names else list(rows)
+    found = []
+    for name, (value, pttl) in zip(listed, _redis_state(client, key_prefix, listed), strict=True):
+        token, granted, previous = rows.get(name, (None, None, None))
+        holder = holder_token = ttl = None
+        if value is None:
+            state = FREE if token is not None else UNKNOWN
+        else:
+            text = value.decode("utf-8", "replace")
+            holder_token = proto.token_from_value(text)
+            owner = text.rpartition(":")[0] if holder_token is not None else text
+            holder = owner_hash(owner)
+            ttl = pttl / 1000 if pttl >= 0 else None
+            if holder_token is None:
+                state = GRANTING
+            elif holder_token == token:
+                state = HELD
+            else:
+                state = HELD_OTHER
+        found.append(
+            LeaseStatus(
+                name=name,
+                token=token,
+                granted_at=None if granted is None else granted.astimezone(UTC).isoformat(),
+                previous=previous,
+                state=state,
+                ttl=ttl,
+                holder_token=holder_token,
+                holder=holder,
+            )
+        )
+    return found
+
+
+def _age(iso: str | None, now: datetime) -> str:
+    if iso is None:
+        return "-"
+    seconds = max(0.0, (now - datetime.fromisoformat(iso)).total_seconds())
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f} h ago"
+    return f"{seconds / 86400:.0f} d ago"
+
+
+def render(found: Sequence[LeaseStatus], out: TextIO) -> None:
+    now = datetime.now(UTC)
+    header = ("NAME", "TOKEN", "GRANTED (UTC)", "", "STATE", "TTL LEFT", "HOLDER")
+    rows = [header]
+    for s in found:
+        holder = "-"
+        if s.holder is not None:
+            holder = f"owner#{s.holder}" + (
+                f" token {s.holder_token}" if s.holder_token is not None else ""
+            )
+        rows.append(
+            (
+                s.name,
+                "-" if s.token is None else str(s.token),
+                "-" if s.granted_at is None else s.granted_at[:19].replace("T", " "),
+                _age(s.granted_at, now),
+                s.state,
+                "-" if s.ttl is None else f"{s.ttl:.1f} s",
+                holder,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip(), file=out)
+
+
+def run(
+    url: str,
+    redis_url: str,
+    names: Sequence[str],
+    *,
+    sequence: str,
+    key_prefix: str,
+    limit: int,
+    as_json: bool,
+    out: TextIO,
+    err: TextIO,
+) -> int:
+    """The ``sa-fence status`` command; returns the exit status (see the module)."""
+    for name in names:
+        try:
+            proto.check_name(name)
+        except ValueError as exc:
+            print(f"sa-fence status: {exc}", file=err)
+            return 2
+    try:
+        client = redis_lib.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+    except ValueError as exc:
+        print(f"sa-fence status: --redis {redact_url(redis_url)}: {exc}", file=err)
+        return 2
+    result: dict[str, Any] = {}
+
+    def body(conn: sa.Connection, _: Any) -> int:
+        try:
+            found = statuses(
+                conn, client, names=names, sequence=sequence, key_prefix=key_prefix, limit=limit
+            )
+        except redis_lib.RedisError as exc:
+            print(
+                f"sa-fence status: cannot read Redis at {redact_url(redis_url)}: "
+                f"{proto.cause_text(exc)}",
+                file=err,
+            )
+            return EXIT_UNREACHABLE
+        if found is None:
+            register = Register(sequence)
+            print(
+                f"sa-fence status: there is no lease register {register.table_display} for "
+                f"sequence {sequence!r} in this database; run `sa-fence check` to see the "
+                "set-up, or pass --sequence",
+                file=err,
+            )
+            return EXIT_FINDINGS
+        result["found"] = found
+        return EXIT_OK
+
+    try:
+        status = _with_connection(url, None, err, body)
+    finally:
+        client.close()
+    if status != EXIT_OK:
+        return status
+    found: list[LeaseStatus] = result["found"]
+    if as_json:
+        json.dump([asdict(s) for s in found], out, indent=2)
+        print(file=out)
+    elif found:
+        render(found, out)
+    else:
+        print("no lease has been granted yet", file=out)
+    unknown = [s.name for s in found if s.state == UNKNOWN]
+    if unknown:
+        print(
+            f"sa-fence status: never granted and not held: {', '.join(map(repr, unknown))}",
+            file=err,
+        )
+        return EXIT_FINDINGS
+    return EXIT_OK

@@ -1,0 +1,699 @@
+"""Metrics, spans and log fields: what sa-fence tells an OpenTelemetry SDK.
+
+::
+
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+    import sa_fence
+
+    # the global providers (what most applications set up once) ...
+    fencer = sa_fence.Fencer(redis_client, engine)
+    # ... or explicit ones, and a normaliser for names the decorator did not make
+    telemetry = sa_fence.Telemetry(
+        meter_provider=MeterProvider(...),
+        tracer_provider=TracerProvider(...),
+        name_pattern=lambda name: name.split(":", 1)[0],   # "tenant:17:job:4" -> "tenant"
+    )
+    fencer = sa_fence.Fencer(redis_client, engine, telemetry=telemetry)
+
+Only the OpenTelemetry *API* is used (``pip install 'sa-fence[otel]'``; every
+SDK installation brings it).  Without an SDK (no provider set) every
+instrument is the API's no-op; without the API installed at all, sa-fence
+uses its own no-ops.  docs/observability.md lists the signals, what each
+means, and the alerts worth setting.
+
+Cardinality: every metric attribute is bounded.  The lease name never
+appears, only its *pattern*: the decorator's template (``"job:{job_id}"``)
+when the lease was taken by ``@fenced``, otherwise ``name_pattern(name)``
+(default :func:`default_name_pattern`: digit runs become ``{n}``, UUIDs and
+long hex strings ``{id}``).  Past ``max_patterns`` distinct patterns per
+:class:`Telemetry`, further ones are reported as ``"other"`` (and a warning
+says so once).  Owner values are never reported anywhere.
+
+Cost: instruments are created once per :class:`Telemetry`; the hot paths
+(a lease cycle, a fenced flush and its commit) make a few no-op calls when
+no SDK is installed.  ``make bench`` measures both cases (telemetry section).
+
+The front ends call the plain functions at the bottom of this module, one
+line each, so that they stay free of telemetry logic.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .errors import (
+    FencingConfigError,
+    LeaseBackendError,
+    LeaseLostError,
+    LeaseNotAcquiredError,
+    StaleTokenError,
+)
+
+try:
+    from opentelemetry import metrics as otel_metrics
+    from opentelemetry import trace as otel_trace
+    from opentelemetry.context import Context as OtelContext
+except ImportError:  # the API is optional: sa-fence then reports nothing (its own no-ops)
+    otel_metrics = None  # type: ignore[assignment]
+    otel_trace = None  # type: ignore[assignment]
+    OtelContext = None  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    from ._lease import BaseLease
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: The instrumentation scope (meter and tracer name).
+SCOPE = "sa_fence"
+
+# Attribute keys (all of bounded cardinality).
+PATTERN = "sa_fence.lease.pattern"
+OUTCOME = "sa_fence.outcome"
+CHECK = "sa_fence.check"
+
+# Acquire outcomes.
+GRANTED = "granted"
+BUSY = "busy"
+BACKEND_ERROR = "backend_error"
+SETUP_ERROR = "setup_error"
+LOST = "lost"  # the lease expired before its token could be confirmed
+CANCELLED = "cancelled"
+ERROR = "error"  # anything else (a bug, an interrupt)
+
+# Where a stale write was refused.
+LEASE_SCOPE = "lease_scope"  # the register check at COMMIT
+ROW_FENCE = "row_fence"  # a fenced UPDATE/DELETE matched no row (at the flush)
+GUARD = "guard"  # the database-side guard trigger
+
+#: Histogram buckets in seconds: from half a millisecond (a commit check) to
+#: ten minutes (a long hold).  The SDK's default buckets are for milliseconds.
+BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+
+DEFAULT_MAX_PATTERNS = 100
+OTHER = "other"
+
+_UUID = re.compile(
+    r"[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}"
+)
+_HEX = re.compile(r"(?<![0-9a-zA-Z])(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*\d)[0-9a-fA-F]{16,}")
+_DIGITS = re.compile(r"\d+")
+
+
+def default_name_pattern(name: str) -> str:
+    """A lease name with its identifiers replaced: ``"job:42"`` -> ``"job:{n}"``.
+
+    UUIDs and hex strings of 16 or more characters become ``{id}``, runs of
+    digits ``{n}``.  Names with other unbounded parts (a tenant slug, an
+    e-mail) need ``Telemetry(name_pattern=...)``, or the ``"other"`` cap.
+    """
+    name = _UUID.sub("{id}", name)
+    name = _HEX.sub("{id}", name)
+    return _DIGITS.sub("{n}", name)
+
+
+#: The lease name template of the ``@fenced`` call acquiring right now.
+_template: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "sa_fence_name_template", default=None
+)
+
+
+@contextmanager
+def naming(template: str) -> Iterator[None]:
+    """Within the block, leases acquired are reported under ``template`` (the decorator's)."""
+    reset = _template.set(template)
+    try:
+        yield
+    finally:
+        _template.reset(reset)
+
+
+class _NoOp:
+    """Instruments, tracer and span when the OpenTelemetry API is not installed."""
+
+    def add(self, amount: float, attributes: Any = None) -> None:
+        pass
+
+    def record(self, amount: float, attributes: Any = None) -> None:
+        pass
+
+    def start_span(self, name: str, *args: Any, **kwargs: Any) -> _NoOp:
+        return self
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        pass
+
+    def set_status(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_exception(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def end(self, end_time: int | None = None) -> None:
+        pass
+
+
+_NOOP = _NoOp()
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("sa-fence")
+    except metadata.PackageNotFoundError:  # a source tree
+        return "0"
+
+
+class Telemetry:
+    """Where sa-fence reports: a meter and a tracer, and how lease names are shortened.
+
+    ``meter_provider`` / ``tracer_provider``: an OpenTelemetry SDK's
+    providers; None (the default) uses the global ones (``set_meter_provider``,
+    ``set_tracer_provider``), also when they are set after this object was
+    made.  ``name_pattern(name) -> str`` turns a lease name into the value of
+    the ``sa_fence.lease.pattern`` attribute for leases not taken by
+    ``@fenced`` (whose template is used): it must map the names to few
+    values.  At most ``max_patterns`` distinct patterns are reported; the
+    rest count as ``"other"``.
+
+    Pass it to :class:`sa_fence.Fencer` / :class:`sa_fence.AsyncFencer`
+    (``telemetry=``); fencers without one share a default that uses the
+    global providers.
+    """
+
+    #: False when the OpenTelemetry API is not installed (everything is a no-op then)
+    enabled: bool
+    # The instruments (OpenTelemetry API objects, or no-ops without the API).
+    tracer: Any
+    acquires: Any
+    renewals: Any
+    lost: Any
+    stale_refused: Any
+    unfenced_refused: Any
+    acquire_duration: Any
+    hold_duration: Any
+    first_write_delay: Any
+    commit_check_duration: Any
+
+    def __init__(
+        self,
+        *,
+        meter_provider: Any = None,
+        tracer_provider: Any = None,
+        name_pattern: Callable[[str], str] | None = None,
+        max_patterns: int = DEFAULT_MAX_PATTERNS,
+    ) -> None:
+        if name_pattern is not None and not callable(name_pattern):
+            raise TypeError(f"name_pattern must be a callable str -> str, got {name_pattern!r}")
+        if isinstance(max_patterns, bool) or not isinstance(max_patterns, int) or max_patterns < 1:
+            raise ValueError(f"max_patterns must be a whole number >= 1, got {max_patterns!r}")
+        self.name_pattern = name_pattern or default_name_pattern
+        self.max_patterns = max_patterns
+        self._patterns: set[str] = set()
+        self._warned_other = False
+        self._pattern_of = functools.lru_cache(maxsize=1024)(self._compute_pattern)
+        if otel_metrics is None or otel_trace is None:
+            self.enabled = False
+            self.tracer = _NOOP
+            noop: Any = _NOOP
+            self.acquires = self.renewals = self.lost = self.stale_refused = noop
+            self.unfenced_refused = noop
+            self.acquire_duration = self.hold_duration = noop
+            self.first_write_delay = self.commit_check_duration = noop
+            return
+        self.enabled = True
+        version = _version()
+        meter = otel_metrics.get_meter(SCOPE, version, meter_provider)
+        self.tracer = otel_trace.get_tracer(SCOPE, version, tracer_provider)
+
+        def histogram(name: str, description: str) -> Any:
+            return meter.create_histogram(
+                name, unit="s", description=description, explicit_bucket_boundaries_advisory=BUCKETS
+            )
+
+        self.acquires = meter.create_counter(
+            "sa_fence.lease.acquires",
+            unit="{acquire}",
+            description="Lease acquisitions, by outcome (granted, busy, backend_error, "
+            "setup_error, lost, cancelled, error).",
+        )
+        self.renewals = meter.create_counter(
+            "sa_fence.lease.renewals",
+            unit="{renewal}",
+            description="Background renewals of leases, by outcome (ok, failed).",
+        )
+        self.lost = meter.create_counter(
+            "sa_fence.lease.lost",
+            unit="{lease}",
+            description="Leases found lost while held (renewal failed or ran out, extend "
+            "found another owner, max_hold reached).",
+        )
+        self.stale_refused = meter.create_counter(
+            "sa_fence.write.stale_refused",
+            unit="{refusal}",
+            description="Writes refused because a newer lease of the name was granted, by "
+            "where (lease_scope: at COMMIT; row_fence: at the flush; guard: a trigger).",
+        )
+        self.unfenced_refused = meter.create_counter(
+            "sa_fence.write.unfenced_refused",
+            unit="{refusal}",
+            description="Writes of fenced rows refused because no lease was bound.",
+        )
+        self.acquire_duration = histogram(
+            "sa_fence.lease.acquire.duration",
+            "Time an acquire took (waiting for a busy lease included), by outcome.",
+        )
+        self.hold_duration = histogram(
+            "sa_fence.lease.hold.duration",
+            "Time from grant to release, by outcome (released, expired).",
+        )
+        self.first_write_delay = histogram(
+            "sa_fence.lease.first_write.delay",
+            "Time from grant to the first write of a session or connection bound to it.",
+        )
+        self.commit_check_duration = histogram(
+            "sa_fence.commit_check.duration",
+            "Time of the lease register check and COMMIT (one round trip), by outcome.",
+        )
+
+    def pattern(self, name: object) -> str:
+        """The ``sa_fence.lease.pattern`` value for lease ``name``."""
+        template = _template.get()
+        if template is not None:
+            return self._bounded(template)
+        if not isinstance(name, str):
+            return "invalid"
+        return self._pattern_of(name)
+
+    def _compute_pattern(self, name: str) -> str:
+        try:
+            pattern = self.name_pattern(name)
+        except Exception:
+            log.exception("name_pattern(%r) raised; the lease is reported as 'other'", name)
+            return OTHER
+        if not isinstance(pattern, str):
+            return OTHER
+        return self._bounded(pattern)
+
+    def _bounded(self, pattern: str) -> str:
+        patterns = self._patterns
+        if pattern in patterns:
+            return pattern
+        if len(patterns) >= self.max_patterns:
+            if not self._warned_other:
+                self._warned_other = True
+                log.warning(
+                    "more than %d distinct lease name patterns: the rest are reported as "
+                    "'other'. Give Telemetry(name_pattern=...) a function that maps lease "
+                    "names to few values (e.g. their prefix).",
+                    self.max_patterns,
+                )
+            return OTHER
+        patterns.add(pattern)
+        return pattern
+
+
+_default: Telemetry | None = None
+
+
+def default() -> Telemetry:
+    """The Telemetry of fencers given none: the global OpenTelemetry providers."""
+    global _default
+    if _default is None:
+        _default = Telemetry()
+    return _default
+
+
+def of(fencer: Any) -> Telemetry:
+    return getattr(fencer, "_telemetry", None) or default()
+
+
+class LeaseTelemetry:
+    """What one granted lease reports under (kept on the lease as ``_tel``)."""
+
+    __slots__ = ("attrs", "granted_at", "telemetry", "wrote")
+
+    def __init__(self, telemetry: Telemetry, pattern: str, granted_at: float) -> None:
+        self.telemetry = telemetry
+        self.attrs = {PATTERN: pattern}
+        self.granted_at = granted_at  # time.monotonic()
+        self.wrote = False
+
+
+def _lease_tel(lease: BaseLease[Any]) -> LeaseTelemetry:
+    tel: LeaseTelemetry | None = getattr(lease, "_tel", None)
+    if tel is None:  # a lease made without acquire (tests' doubles)
+        telemetry = of(lease.fencer)
+        tel = LeaseTelemetry(telemetry, telemetry.pattern(lease.name), lease.acquired_at)
+        lease._tel = tel
+    return tel
+
+
+def log_extra(lease: Any, outcome: str | None = None) -> dict[str, Any]:
+    """The ``extra`` fields of a log record about ``lease`` (never its owner)."""
+    tel = getattr(lease, "_tel", None)
+    extra: dict[str, Any] = {
+        "sa_fence_lease": getattr(lease, "name", None),
+        "sa_fence_pattern": tel.attrs[PATTERN] if tel is not None else None,
+        "sa_fence_token": getattr(lease, "token", None),
+    }
+    if outcome is not None:
+        extra["sa_fence_outcome"] = outcome
+    return extra
+
+
+def _outcome_of(exc: BaseException) -> str | None:
+    if isinstance(exc, LeaseNotAcquiredError):
+        return BUSY
+    if isinstance(exc, LeaseBackendError):
+        return BACKEND_ERROR
+    if isinstance(exc, FencingConfigError):
+        return SETUP_ERROR
+    if isinstance(exc, LeaseLostError):
+        return LOST
+    if isinstance(exc, TypeError | ValueError):
+        return None  # a bad argument: refused before anything was sent, not an acquire
+    if type(exc).__name__ == "CancelledError":
+        return CANCELLED
+    return ERROR
+
+
+def _error_status(span: Any, exc: BaseException) -> None:
+    if otel_trace is not None and span is not _NOOP:
+        span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, type(exc).__name__))
+        span.record_exception(exc)
+
+
+class _Acquiring:
+    """One acquire being measured: its span and start time."""
+
+    __slots__ = ("name", "pattern", "span", "started", "telemetry")
+
+    def __init__(self, fencer: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        self.telemetry = telemetry = of(fencer)
+        self.name = args[0] if args else kwargs.get("name")
+        self.pattern = pattern = telemetry.pattern(self.name)
+        self.span = telemetry.tracer.start_span("sa_fence.acquire", attributes={PATTERN: pattern})
+        self.started = time.perf_counter()
+
+    def granted(self, lease: BaseLease[Any]) -> None:
+        telemetry, took = self.telemetry, time.perf_counter() - self.started
+        lease._tel = LeaseTelemetry(telemetry, self.pattern, lease.acquired_at)
+        attrs = {PATTERN: self.pattern, OUTCOME: GRANTED}
+        telemetry.acquires.add(1, attrs)
+        telemetry.acquire_duration.record(took, attrs)
+        span = self.span
+        if span is not _NOOP:
+            span.set_attribute(OUTCOME, GRANTED)
+            span.set_attribute("sa_fence.token", lease.token)
+        span.end()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "lease %r granted with token %d in %.1f ms",
+                lease.name,
+                lease.token,
+                took * 1000,
+                extra=log_extra(lease, GRANTED),
+            )
+
+    def failed(self, exc: BaseException) -> None:
+        telemetry, took = self.telemetry, time.perf_counter() - self.started
+        outcome = _outcome_of(exc)
+        span = self.span
+        if outcome is not None:
+            attrs = {PATTERN: self.pattern, OUTCOME: outcome}
+            telemetry.acquires.add(1, attrs)
+            telemetry.acquire_duration.record(took, attrs)
+            span.set_attribute(OUTCOME, outcome)
+            if outcome != BUSY:
+                log.debug(
+                    "acquire of lease %r failed (%s): %s",
+                    self.name,
+                    outcome,
+                    type(exc).__name__,
+                    extra={
+                        "sa_fence_lease": self.name,
+                        "sa_fence_pattern": self.pattern,
+                        "sa_fence_outcome": outcome,
+                    },
+                )
+        if outcome != BUSY:  # contention is an answer, not an error
+            _error_status(span, exc)
+        span.end()
+
+
+def traced_acquire(fn: F) -> F:
+    """``Fencer.acquire``, measured: outcome, latency, span."""
+
+    @functools.wraps(fn)
+    def acquire(self: Any, *args: Any, **kwargs: Any) -> Any:
+        probe = _Acquiring(self, args, kwargs)
+        try:
+            lease = fn(self, *args, **kwargs)
+        except BaseException as exc:
+            probe.failed(exc)
+            raise
+        probe.granted(lease)
+        return lease
+
+    return acquire  # type: ignore[return-value]
+
+
+def traced_acquire_async(fn: F) -> F:
+    """``AsyncFencer.acquire``, measured: outcome, latency, span."""
+
+    @functools.wraps(fn)
+    async def acquire(self: Any, *args: Any, **kwargs: Any) -> Any:
+        probe = _Acquiring(self, args, kwargs)
+        try:
+            lease = await fn(self, *args, **kwargs)
+        except BaseException as exc:
+            probe.failed(exc)
+            raise
+        probe.granted(lease)
+        return lease
+
+    return acquire  # type: ignore[return-value]
+
+
+def _release_span(lease: Any) -> Any:
+    tel = _lease_tel(lease)
+    return tel.telemetry.tracer.start_span("sa_fence.release", attributes=tel.attrs)
+
+
+def traced_release(fn: F) -> F:
+    """``Lease.release`` in a span (the hold time is recorded by :func:`released`)."""
+
+    @functools.wraps(fn)
+    def release(self: Any) -> Any:
+        span = _release_span(self)
+        try:
+            return fn(self)
+        except BaseException as exc:
+            _error_status(span, exc)
+            raise
+        finally:
+            span.end()
+
+    return release  # type: ignore[return-value]
+
+
+def traced_release_async(fn: Callable[..., Awaitable[Any]]) -> Any:
+    """``AsyncLease.release`` in a span."""
+
+    @functools.wraps(fn)
+    async def release(self: Any) -> Any:
+        span = _release_span(self)
+        try:
+            return await fn(self)
+        except BaseException as exc:
+            _error_status(span, exc)
+            raise
+        finally:
+            span.end()
+
+    return release
+
+
+# ------------------------------------------------- hooks the front ends call
+
+
+def released(lease: BaseLease[Any], deleted: bool) -> None:
+    """A release answered: record how long the lease was held."""
+    tel = _lease_tel(lease)
+    outcome = "released" if deleted else "expired"
+    held = time.monotonic() - tel.granted_at
+    tel.telemetry.hold_duration.record(held, {**tel.attrs, OUTCOME: outcome})
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "lease %r (token %d) %s after %.3f s",
+            lease.name,
+            lease.token,
+            outcome,
+            held,
+            extra=log_extra(lease, outcome),
+        )
+
+
+def renewal(lease: BaseLease[Any], outcome: str, sent_at: float) -> None:
+    """A background renewal answered (``"extended"``) or not (anything else)."""
+    tel = _lease_tel(lease)
+    ok = outcome == "extended"
+    result = "ok" if ok else "failed"
+    telemetry = tel.telemetry
+    telemetry.renewals.add(1, {**tel.attrs, OUTCOME: result})
+    tracer = telemetry.tracer
+    if tracer is _NOOP:
+        return
+    # Background work: a root span, dated back to when the EXTEND was sent.
+    now_ns = time.time_ns()
+    start = now_ns - int(max(0.0, time.monotonic() - sent_at) * 1e9)
+    span = tracer.start_span(
+        "sa_fence.renew",
+        context=OtelContext(),
+        attributes={**tel.attrs, OUTCOME: result, "sa_fence.token": lease.token},
+        start_time=start,
+    )
+    if not ok and otel_trace is not None:
+        span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, outcome))
+    span.end(end_time=now_ns)
+
+
+def lost(lease: BaseLease[Any]) -> None:
+    """The lease was found lost (once per lease)."""
+    tel = _lease_tel(lease)
+    tel.telemetry.lost.add(1, tel.attrs)
+
+
+def wrote(lease: BaseLease[Any]) -> None:
+    """A write statement is about to run under ``lease``: the first one is timed."""
+    tel = lease._tel
+    if tel is None:
+        tel = _lease_tel(lease)
+    if tel.wrote:
+        return
+    tel.wrote = True
+    tel.telemetry.first_write_delay.record(time.monotonic() - tel.granted_at, tel.attrs)
+
+
+def stale_refused(lease: BaseLease[Any] | None, check: str, error: BaseException) -> None:
+    """A stale write was refused at ``check`` (LEASE_SCOPE, ROW_FENCE, GUARD)."""
+    if lease is not None:
+        tel = _lease_tel(lease)
+        telemetry, attrs = tel.telemetry, {**tel.attrs, CHECK: check}
+    else:
+        telemetry, attrs = default(), {CHECK: check}
+    telemetry.stale_refused.add(1, attrs)
+    log.info(
+        "stale write refused (%s) under lease %r (token %s): a newer lease of the name was granted",
+        check,
+        getattr(lease, "name", getattr(error, "lease_name", None)),
+        getattr(lease, "token", getattr(error, "token", None)),
+        extra={**log_extra(lease), "sa_fence_outcome": check} if lease is not None else None,
+    )
+
+
+def unfenced_refused(check: str = "flush") -> None:
+    """A write of fenced rows without a lease was refused (UnfencedWriteError)."""
+    default().unfenced_refused.add(1, {CHECK: check})
+
+
+class CommitCheck:
+    """The commit check of one transaction (``with CommitCheck(scope):``): span and latency."""
+
+    __slots__ = ("attrs", "scope", "span", "started", "telemetry")
+
+    def __init__(self, scope: Mapping[tuple[str, int], BaseLease[Any]]) -> None:
+        self.scope = scope
+        lease = next(iter(scope.values()))
+        tel = _lease_tel(lease)
+        self.telemetry, self.attrs = tel.telemetry, tel.attrs
+        self.span = tel.telemetry.tracer.start_span("sa_fence.commit_check", attributes=tel.attrs)
+        self.started = time.perf_counter()
+
+    def __enter__(self) -> CommitCheck:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        took = time.perf_counter() - self.started
+        if exc is None:
+            outcome = "ok"
+        elif isinstance(exc, StaleTokenError):
+            outcome = "stale"
+            stale = next(
+                (lease for (name, _), lease in self.scope.items() if name == exc.lease_name),
+                next(iter(self.scope.values())),
+            )
+            stale_refused(stale, LEASE_SCOPE, exc)
+        else:
+            outcome = "error"
+        self.telemetry.commit_check_duration.record(took, {**self.attrs, OUTCOME: outcome})
+        span = self.span
+        if exc is not None:
+            span.set_attribute(OUTCOME, outcome)
+            _error_status(span, exc)
+        span.end()
+
+
+def flush_started(lease: BaseLease[Any]) -> Any:
+    """A fenced flush begins: its span (ended by :func:`flush_ended`)."""
+    tel = lease._tel
+    if tel is None:
+        tel = _lease_tel(lease)
+    return tel.telemetry.tracer.start_span("sa_fence.flush", attributes=tel.attrs)
+
+
+def flush_ended(span: Any, *, failed: bool = False) -> None:
+    """The fenced flush ended (``failed``: it was rolled back)."""
+    if failed and otel_trace is not None and span is not _NOOP:
+        span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, "flush failed"))
+    span.end()
+
+
+def redact_url(url: object) -> str:
+    """``url`` (a Redis or database URL, or a SQLAlchemy ``URL``) with its password
+    shown as ``***``: every URL sa-fence prints or logs goes through this."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    text = url.render_as_string(hide_password=True) if hasattr(url, "render_as_string") else url
+    text = str(text)
+    try:
+        parts = urlsplit(text)
+        password = parts.password
+    except ValueError:  # not a URL at all: show nothing that could be a secret in it
+        return "<unparsable URL>"
+    if not password:
+        return text
+    user, _, host = parts.netloc.rpartition("@")
+    name = user.split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{name}:***@{host}"))

@@ -1,0 +1,450 @@
+"""Metrics, spans and log records: each signal moves when its event happens.
+
+Real servers; the OpenTelemetry SDK's in-memory reader and exporter receive
+what sa-fence reports.  Each test gets its own providers (a Telemetry given
+to the Fencer, and the same one as the default for what has no Fencer, such
+as an unfenced write), restored afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy.orm import Session, sessionmaker
+
+import sa_fence
+from sa_fence import _telemetry
+from sa_fence.testing import expire
+from tests.conftest import REDIS_URL
+from tests.models import SEQUENCE, Audit, Job
+
+PATTERN = "sa_fence.lease.pattern"
+OUTCOME = "sa_fence.outcome"
+
+
+@dataclass
+class Otel:
+    reader: InMemoryMetricReader
+    spans: InMemorySpanExporter
+    telemetry: sa_fence.Telemetry
+    tracer: Any
+
+    def points(self, name: str) -> list[Any]:
+        data = self.reader.get_metrics_data()
+        found = []
+        for rm in data.resource_metrics if data else ():
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    if metric.name == name:
+                        found.extend(metric.data.data_points)
+        return found
+
+    def count(self, name: str, **attrs: str) -> float:
+        """A counter's value (or a histogram's count) over points matching ``attrs``."""
+        total = 0.0
+        for p in self.points(name):
+            if all(p.attributes.get(k) == v for k, v in _keys(attrs).items()):
+                total += p.value if hasattr(p, "value") else p.count
+        return total
+
+    def finished(self, name: str) -> list[ReadableSpan]:
+        return [s for s in self.spans.get_finished_spans() if s.name == name]
+
+
+def _keys(attrs: dict[str, str]) -> dict[str, str]:
+    names = {"pattern": PATTERN, "outcome": OUTCOME, "check": "sa_fence.check"}
+    return {names[k]: v for k, v in attrs.items()}
+
+
+@pytest.fixture
+def otel(monkeypatch: pytest.MonkeyPatch) -> Iterator[Otel]:
+    reader = InMemoryMetricReader()
+    meters = MeterProvider(metric_readers=[reader])
+    exporter = InMemorySpanExporter()
+    tracers = TracerProvider()
+    tracers.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry = sa_fence.Telemetry(meter_provider=meters, tracer_provider=tracers)
+    monkeypatch.setattr(_telemetry, "_default", telemetry)  # restored after the test
+    yield Otel(reader, exporter, telemetry, tracers.get_tracer("test"))
+    meters.shutdown()
+    tracers.shutdown()
+
+
+@pytest.fixture
+def tfencer(
+    otel: Otel, redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
+) -> sa_fence.Fencer:
+    return sa_fence.Fencer(
+        redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=otel.telemetry
+    )
+
+
+def _job(make_session: sessionmaker[Session], lease: sa_fence.Lease, job_id: int) -> None:
+    with make_session() as session:
+        lease.bind(session)
+        session.add(Job(id=job_id, result="new"))
+        session.commit()
+
+
+# ------------------------------------------------------------------ acquire
+
+
+def test_a_granted_acquire_is_counted_timed_and_traced_under_the_callers_span(
+    otel: Otel, tfencer: sa_fence.Fencer
+) -> None:
+    with otel.tracer.start_as_current_span("caller") as caller:
+        lease = tfencer.acquire("job:17", ttl=5)
+    lease.release()
+    assert otel.count("sa_fence.lease.acquires", pattern="job:{n}", outcome="granted") == 1
+    assert otel.count("sa_fence.lease.acquire.duration", outcome="granted") == 1
+    (span,) = otel.finished("sa_fence.acquire")
+    assert span.parent is not None
+    assert span.parent.span_id == caller.get_span_context().span_id
+    assert span.attributes is not None
+    assert span.attributes[PATTERN] == "job:{n}"
+    assert span.attributes["sa_fence.token"] == lease.token
+
+
+def test_a_busy_lease_counts_as_busy_and_its_span_is_not_an_error(
+    otel: Otel, tfencer: sa_fence.Fencer
+) -> None:
+    with tfencer.lease("job:1", ttl=5), pytest.raises(sa_fence.LeaseNotAcquiredError):
+        tfencer.acquire("job:1", ttl=5)
+    assert otel.count("sa_fence.lease.acquires", outcome="busy") == 1
+    busy = [s for s in otel.finished("sa_fence.acquire") if s.attributes[OUTCOME] == "busy"]
+    assert len(busy) == 1
+    assert busy[0].status.is_ok
+
+
+def test_redis_down_counts_as_backend_error(otel: Otel, engine: sa.Engine, key_prefix: str) -> None:
+    down = redis.Redis(port=1, socket_timeout=0.2, socket_connect_timeout=0.2)
+    fencer = sa_fence.Fencer(
+        down, engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=otel.telemetry
+    )
+    with pytest.raises(sa_fence.LeaseBackendError):
+        fencer.acquire("job:1", ttl=5)
+    assert otel.count("sa_fence.lease.acquires", outcome="backend_error") == 1
+    (span,) = otel.finished("sa_fence.acquire")
+    assert not span.status.is_ok
+
+
+def test_a_missing_sequence_counts_as_setup_error(
+    otel: Otel, redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
+) -> None:
+    fencer = sa_fence.Fencer(
+        redis_client,
+        engine,
+        sequence="no_such_seq",
+        key_prefix=key_prefix,
+        telemetry=otel.telemetry,
+    )
+    with pytest.raises(sa_fence.FencingConfigError):
+        fencer.acquire("job:1", ttl=5)
+    assert otel.count("sa_fence.lease.acquires", outcome="setup_error") == 1
+
+
+def test_a_bad_argument_is_not_counted_as_an_acquire(otel: Otel, tfencer: sa_fence.Fencer) -> None:
+    with pytest.raises(ValueError, match="ttl"):
+        tfencer.acquire("job:1", ttl=-1)
+    assert otel.count("sa_fence.lease.acquires") == 0
+
+
+# ------------------------------------------------- renewal, loss, release
+
+
+def test_background_renewals_are_counted_ok_with_a_root_span(
+    otel: Otel, tfencer: sa_fence.Fencer
+) -> None:
+    with tfencer.lease("job:1", ttl=0.3, renew=True):
+        time.sleep(0.45)
+    assert otel.count("sa_fence.lease.renewals", outcome="ok") >= 1
+    spans = otel.finished("sa_fence.renew")
+    assert spans
+    assert all(s.parent is None for s in spans)
+    assert all(s.start_time is not None and s.end_time >= s.start_time for s in spans)  # type: ignore[operator]
+
+
+def test_a_renewal_that_finds_the_lease_gone_counts_failed_and_lost(
+    otel: Otel, tfencer: sa_fence.Fencer
+) -> None:
+    lease = tfencer.acquire("job:1", ttl=0.3, renew=True)
+    expire(lease)
+    deadline = time.monotonic() + 2
+    while not lease.lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert lease.lost
+    lease.release()
+    assert otel.count("sa_fence.lease.renewals", outcome="failed") == 1
+    assert otel.count("sa_fence.lease.lost", pattern="job:{n}") == 1
+
+
+def test_release_records_the_hold_time_as_released_or_expired(
+    otel: Otel, tfencer: sa_fence.Fencer
+) -> None:
+    with tfencer.lease("job:1", ttl=5):
+        time.sleep(0.05)
+    lease = tfencer.acquire("job:2", ttl=5)
+    expire(lease)
+    lease.release()
+    (released,) = [
+        p
+        for p in otel.points("sa_fence.lease.hold.duration")
+        if p.attributes[OUTCOME] == "released"
+    ]
+    assert released.count == 1
+    assert released.sum >= 0.05
+    assert otel.count("sa_fence.lease.hold.duration", outcome="expired") == 1
+    assert len(otel.finished("sa_fence.release")) == 2
+
+
+# ------------------------------------------------------------ writes
+
+
+def test_the_first_write_after_the_grant_is_timed_once(
+    otel: Otel, tfencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    with tfencer.lease("job:1", ttl=5) as lease:
+        time.sleep(0.02)
+        _job(make_session, lease, 1)
+        with make_session() as session:
+            lease.bind(session)
+            session.add(Audit(message="again"))
+            session.commit()
+    (point,) = otel.points("sa_fence.lease.first_write.delay")
+    assert point.count == 1
+    assert point.sum >= 0.02
+
+
+def test_a_fenced_flush_and_its_commit_check_are_traced_and_timed(
+    otel: Otel, tfencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    with (
+        tfencer.lease("job:1", ttl=5) as lease,
+        otel.tracer.start_as_current_span("caller") as caller,
+    ):
+        _job(make_session, lease, 1)
+    (flush,) = otel.finished("sa_fence.flush")
+    (check,) = otel.finished("sa_fence.commit_check")
+    caller_id = caller.get_span_context().span_id
+    assert flush.parent is not None
+    assert flush.parent.span_id == caller_id
+    assert check.parent is not None
+    assert check.parent.span_id == caller_id
+    assert flush.status.is_ok
+    assert otel.count("sa_fence.commit_check.duration", outcome="ok") == 1
+
+
+def test_a_stale_commit_is_counted_as_refused_by_lease_scope(
+    otel: Otel, tfencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    old = tfencer.acquire("job:1", ttl=5)
+    with make_session() as session:
+        old.bind(session)
+        session.add(Audit(message="late"))
+        session.flush()
+        expire(old)
+        with tfencer.lease("job:1", ttl=5), pytest.raises(sa_fence.StaleTokenError):
+            session.commit()
+    assert otel.count("sa_fence.write.stale_refused", check="lease_scope", pattern="job:{n}") == 1
+    assert otel.count("sa_fence.commit_check.duration", outcome="stale") == 1
+    (check,) = otel.finished("sa_fence.commit_check")
+    assert not check.status.is_ok
+
+
+def test_a_stale_row_write_is_counted_as_refused_by_the_row_fence(
+    otel: Otel, tfencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    old = tfencer.acquire("job:1", ttl=5)
+    expire(old)
+    with tfencer.lease("job:1", ttl=5) as new:
+        _job(make_session, new, 1)
+    with make_session() as session:
+        old.bind(session)
+        job = session.get(Job, 1)
+        assert job is not None
+        job.result = "stale"
+        with pytest.raises(sa_fence.StaleTokenError):
+            session.flush()
+    assert otel.count("sa_fence.write.stale_refused", check="row_fence") == 1
+    failed = [s for s in otel.finished("sa_fence.flush") if not s.status.is_ok]
+    assert len(failed) == 1
+
+
+def test_an_unfenced_write_is_counted_as_refused(
+    otel: Otel, make_session: sessionmaker[Session]
+) -> None:
+    with make_session() as session:
+        session.add(Job(id=1, result="x"))
+        with pytest.raises(sa_fence.UnfencedWriteError):
+            session.flush()
+    assert otel.count("sa_fence.write.unfenced_refused", check="flush") == 1
+
+
+# ------------------------------------------------------------ patterns
+
+
+def test_the_decorators_template_is_the_pattern(
+    otel: Otel, tfencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    @sa_fence.fenced("job:{job_id}", ttl=5, fencer=tfencer, session=make_session)
+    def finish(job_id: int) -> None:
+        sa_fence.current_session().add(Job(id=job_id, result="done"))
+
+    finish(7)
+    assert otel.count("sa_fence.lease.acquires", pattern="job:{job_id}", outcome="granted") == 1
+    assert otel.count("sa_fence.lease.hold.duration", pattern="job:{job_id}") == 1
+    assert otel.count("sa_fence.commit_check.duration", pattern="job:{job_id}") == 1
+
+
+def test_default_pattern_replaces_numbers_uuids_and_long_hex() -> None:
+    assert sa_fence.default_name_pattern("job:42") == "job:{n}"
+    assert (
+        sa_fence.default_name_pattern("run:1b4e28ba-2fa1-11d2-883f-0016d3cca427:step:3")
+        == "run:{id}:step:{n}"
+    )
+    assert sa_fence.default_name_pattern("blob:deadbeefcafe0123456789") == "blob:{id}"
+    assert sa_fence.default_name_pattern("nightly-report") == "nightly-report"
+
+
+def test_a_custom_normaliser_is_used_and_patterns_are_capped(
+    redis_client: redis.Redis, engine: sa.Engine, key_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    reader = InMemoryMetricReader()
+    telemetry = sa_fence.Telemetry(
+        meter_provider=MeterProvider(metric_readers=[reader]),
+        name_pattern=lambda name: name.split(":", 1)[0],
+        max_patterns=2,
+    )
+    fencer = sa_fence.Fencer(
+        redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=telemetry
+    )
+    with caplog.at_level(logging.WARNING, logger="sa_fence"):
+        for name in ("a:1", "b:1", "c:1", "d:1"):
+            fencer.acquire(name, ttl=5).release()
+    otel = Otel(reader, InMemorySpanExporter(), telemetry, None)
+    assert otel.count("sa_fence.lease.acquires", pattern="a") == 1
+    assert otel.count("sa_fence.lease.acquires", pattern="b") == 1
+    assert otel.count("sa_fence.lease.acquires", pattern="other") == 2
+    assert "distinct lease name patterns" in caplog.text
+
+
+# ------------------------------------------------------------ asyncio
+
+
+async def test_async_acquire_and_release_report_as_the_sync_ones_do(
+    otel: Otel, async_engine: Any, key_prefix: str
+) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        fencer = sa_fence.AsyncFencer(
+            client, async_engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=otel.telemetry
+        )
+        async with fencer.lease("job:5", ttl=5):
+            with pytest.raises(sa_fence.LeaseNotAcquiredError):
+                await fencer.acquire("job:5", ttl=5)
+    finally:
+        await client.aclose()
+    assert otel.count("sa_fence.lease.acquires", pattern="job:{n}", outcome="granted") == 1
+    assert otel.count("sa_fence.lease.acquires", outcome="busy") == 1
+    assert otel.count("sa_fence.lease.hold.duration", outcome="released") == 1
+    assert len(otel.finished("sa_fence.release")) == 1
+
+
+# ------------------------------------------------------------ logging
+
+
+def test_records_come_from_module_loggers_under_sa_fence_with_extra_fields_and_no_owner(
+    tfencer: sa_fence.Fencer, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.DEBUG, logger="sa_fence"):
+        lease = tfencer.acquire("job:1", ttl=0.3, renew=True)
+        expire(lease)
+        deadline = time.monotonic() + 2
+        while not lease.lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(sa_fence.LeaseLostError) as lost:
+            lease.check()
+        lease.release()
+    lost_records = [r for r in caplog.records if getattr(r, "sa_fence_outcome", None) == "lost"]
+    assert len(lost_records) == 1
+    record = lost_records[0]
+    assert record.name == "sa_fence._lease"
+    assert record.sa_fence_lease == "job:1"  # type: ignore[attr-defined]
+    assert record.sa_fence_pattern == "job:{n}"  # type: ignore[attr-defined]
+    assert record.sa_fence_token == lease.token  # type: ignore[attr-defined]
+    granted = [r for r in caplog.records if getattr(r, "sa_fence_outcome", None) == "granted"]
+    assert granted
+    assert granted[0].name == "sa_fence._telemetry"
+    everything = caplog.text + str(lost.value) + repr(lease)
+    everything += "".join(str(vars(r)) for r in caplog.records)
+    assert lease.owner not in everything
+
+
+def test_urls_are_shown_without_their_password() -> None:
+    redact = _telemetry.redact_url
+    assert redact("redis://user:s3cret@host:6379/0") == "redis://user:***@host:6379/0"
+    assert redact("redis://:s3cret@host:6379/0") == "redis://:***@host:6379/0"
+    assert redact("redis://host:6379/0") == "redis://host:6379/0"
+    assert "s3cret" not in redact(sa.make_url("postgresql+psycopg://u:s3cret@h/db"))
+
+
+def test_no_message_of_the_package_renders_a_url_with_its_password() -> None:
+    """Every URL the package prints goes through a redaction (a grep of the source)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(sa_fence.__file__).parent
+    offenders = []
+    for path in root.glob("*.py"):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            # a URL variable interpolated into text without going through a redaction
+            if re.search(r"\{(redis_url|url|pg|dsn)\}", line) and "redact" not in line:
+                offenders.append(f"{path.name}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+# ------------------------------------------------------------ no API installed
+
+
+def test_without_the_opentelemetry_api_everything_works_and_reports_nothing(
+    engine: sa.Engine, key_prefix: str
+) -> None:
+    code = f"""
+import sys
+sys.modules["opentelemetry"] = None  # as if not installed
+import redis, sqlalchemy as sa, sa_fence
+from sa_fence import _telemetry
+assert not _telemetry.Telemetry().enabled
+fencer = sa_fence.Fencer(redis.Redis.from_url({REDIS_URL!r}),
+                         sa.create_engine({engine.url.render_as_string(hide_password=False)!r}),
+                         sequence={SEQUENCE!r}, key_prefix={key_prefix!r})
+with fencer.lease("job:1", ttl=5) as lease:
+    print("token", lease.token)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("token ")
