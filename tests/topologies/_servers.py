@@ -37,6 +37,9 @@ import pytest
 import redis
 
 HOST = "127.0.0.1"
+#: The minimal ACL rule for sa-fence's Redis user (docs/topologies.md, "Redis
+#: ACL"), for the key prefix "sa_fence:"; the tests substitute their own prefix.
+MINIMAL_ACL = "-@all +evalsha +script|load +get +set +pexpire +pttl +del ~sa_fence:*"
 MASTER_NAME = "sa-fence-master"
 #: Sentinel settings the failover tests use (also in docs/topologies.md).
 DOWN_AFTER_MS = 1000

@@ -33,6 +33,7 @@ from tests.models import SEQUENCE, Audit, Job
 from tests.topologies._servers import (
     HOST,
     MASTER_NAME,
+    MINIMAL_ACL,
     Cluster,
     SentinelTopology,
     redis_cluster,
@@ -44,6 +45,10 @@ pytestmark = pytest.mark.slow
 #: Client settings of the docs' examples: bounded calls (the Sentinel client with
 #: no retries of redis-py's own: sa-fence resends what is safe, within its budget).
 CLIENT: dict[str, Any] = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
+
+
+#: What a Cluster client needs beyond the minimal ACL (docs/topologies.md).
+CLUSTER_ACL = "+cluster|slots +command"
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +189,34 @@ def test_the_lease_contract_holds_on_a_three_master_cluster(
         assert len(nodes) == 3  # the leases lived on every master
     finally:
         client.close()
+
+
+def test_on_a_cluster_the_minimal_acl_needs_only_the_slot_map_and_command_table(
+    cluster: Cluster, engine: sa.Engine, key_prefix: str
+) -> None:
+    """docs/topologies.md: the minimal rule plus +cluster|slots +command, which
+    redis-py's cluster client sends to learn the slot map and key positions."""
+    rule = (MINIMAL_ACL.replace("~sa_fence:*", f"~{key_prefix}*") + " " + CLUSTER_ACL).split()
+    for port in cluster.ports:
+        admin = redis.Redis(host=HOST, port=port)
+        admin.execute_command("ACL", "SETUSER", "fencer", "reset", "on", ">secret", *rule)
+        admin.close()
+    client = redis.RedisCluster.from_url(
+        f"redis://fencer:secret@{HOST}:{cluster.ports[0]}", **CLIENT
+    )
+    try:
+        fencer = sa_fence.Fencer(client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
+        leases = [fencer.acquire(f"job:{n}", 5) for n in range(20)]
+        for lease in leases:
+            lease.extend()
+        assert all(lease.release() for lease in leases)
+    finally:
+        client.close()
+    for port in cluster.ports:
+        admin = redis.Redis(host=HOST, port=port)
+        assert admin.execute_command("ACL", "LOG") == []  # nothing was denied
+        admin.execute_command("ACL", "DELUSER", "fencer")
+        admin.close()
 
 
 def test_the_lease_contract_holds_through_sentinel(

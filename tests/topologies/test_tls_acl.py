@@ -28,7 +28,15 @@ import sa_fence.testing
 from tests._fresh_db import fresh_database
 from tests.conftest import _admin_dsn
 from tests.models import SEQUENCE, Base, Job
-from tests.topologies._servers import HOST, TlsRedis, free_port, servers, tls_redis, wait_until
+from tests.topologies._servers import (
+    HOST,
+    MINIMAL_ACL,
+    TlsRedis,
+    free_port,
+    servers,
+    tls_redis,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +48,6 @@ CLIENT: dict[str, Any] = {
     "retry": Retry(NoBackoff(), 0),
 }
 BUDGET = 2.0
-
-#: The minimal ACL rule for sa-fence's user (docs/topologies.md, "Redis ACL"),
-#: for the key prefix "sa_fence:"; the tests substitute their own prefix.
-MINIMAL_ACL = "-@all +evalsha +script|load +get +set +pexpire +pttl +del ~sa_fence:*"
 
 
 class Clock:
