@@ -839,7 +839,9 @@ class Lease(BaseLease["Fencer"]):
         Owner-checked: raises :class:`~sa_fence.LeaseLostError` (and marks the
         lease lost) when the lease expired or another owner holds it; it is
         then never extended.  Raises :class:`~sa_fence.LeaseBackendError` when
-        Redis did not answer after bounded retries.
+        Redis did not answer within the fencer's failure budget (``timeout``),
+        and :class:`~sa_fence.FencingConfigError` when it refused the set-up
+        (e.g. the ACL lacks ``PEXPIRE``).
         """
         ttl_ms = self._extend_ttl_ms(ttl)
         sent_at = time.monotonic()
@@ -861,7 +863,9 @@ class Lease(BaseLease["Fencer"]):
         or been released.  A resend after a lost reply that finds the key gone
         counts as ours when the lease was still within its local validity
         (only our own delete can have removed it then).  Raises
-        :class:`~sa_fence.LeaseBackendError` when Redis did not answer; the
+        :class:`~sa_fence.LeaseBackendError` when Redis did not answer within
+        the fencer's failure budget (``timeout``), and
+        :class:`~sa_fence.FencingConfigError` when it refused the set-up; the
         lease's TTL then ends it.
         """
         with self._lock:
