@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sa-fence-installed
 
-.PHONY: demo test lint typecheck bench services topology-tools docs clean
+.PHONY: demo test lint typecheck bench dashboard services topology-tools docs clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "sa-fence needs Python >= 3.11; set PYTHON=python3.11")'
@@ -50,6 +50,11 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 
 bench: $(BENCH_STAMP) services
 	$(PY) -m tests.benchmarks
+	$(PY) -m tests.benchmarks.telemetry
+
+# The sample dashboard of docs/observability.md, from a 30 s run.
+dashboard: $(BENCH_STAMP) services
+	$(PY) -m tests.benchmarks.dashboard
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site
