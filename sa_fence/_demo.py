@@ -86,7 +86,8 @@ STARTUP_TIMEOUT = 60.0
 STEP_TIMEOUT = 30.0
 CONNECT_TIMEOUT = 5
 
-log = logging.getLogger(__name__)  # a child of "sa_fence"
+#: The package's parent logger: the demo shows (or keeps) what every module logs.
+log = logging.getLogger("sa_fence")
 
 
 class DemoBase(DeclarativeBase):
