@@ -5,24 +5,31 @@ Two measurements, each against its own baseline, timed interleaved (A B A B
 checkpoints, other load) hits both alike, and reported as medians:
 
 * **lease cycle**: ``Fencer.acquire()`` + ``Lease.release()`` next to the same
-  protocol written by hand with raw redis-py and psycopg calls (``SET NX PX``,
-  ``nextval`` in its own committed transaction, an owner-checked CONFIRM and
-  an owner-checked RELEASE): the floor any fencing lease pays.
+  protocol written by hand with raw redis-py and psycopg calls (``SET NX PX``;
+  the one statement that draws the token and advances the lease register,
+  on an autocommit connection; an owner-checked CONFIRM and an owner-checked
+  RELEASE): the floor any durable, lease-scoped fencing lease pays.
 * **fenced flush**: "load the rows, change a column, commit" (and "load, delete,
   commit") through a fenced session with a lease bound, next to a plain
   session on an identical table (and, optionally, SQLAlchemy's
-  ``version_id_col``).
+  ``version_id_col``).  Lease scope is on: every fenced commit carries the
+  register check (:meth:`FlushBench.verify_lease_scope` proves it before
+  anything is timed).
 
-Everything it creates is named ``sa_fence_bench_<random>_*`` (three tables,
-one sequence in the database, keys in Redis) and removed at the end, also
-on error.  No package beyond sa-fence's own dependencies is needed; the
-project's own ``make bench`` (tests/benchmarks) reuses these functions and
-adds the peers.
+Everything it creates lives in one schema of its own,
+``sa_fence_bench_<random>`` (three tables, the token sequence, the lease
+register and its check function), plus keys in Redis under the same prefix;
+all of it is removed at the end, also on error.  The schema keeps the
+benchmark's register apart from one the database may already have (a
+register belongs to the schema of its sequence).  No package beyond
+sa-fence's own dependencies is needed; the project's own ``make bench``
+(tests/benchmarks) reuses these functions and adds the peers.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import secrets
 import statistics
 import sys
@@ -42,9 +49,10 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 from ._flush import install
 from ._lease import Fencer, Lease
 from ._model import Fenced
+from ._register import CHECK_FUNCTION, DEFAULT_GRANT_LOCK_TIMEOUT_MS, Register
 from ._telemetry import redact_url
 from ._tokens import fence_sequence
-from .errors import LeaseBackendError
+from .errors import LeaseBackendError, StaleTokenError
 
 VARIANTS = ("plain", "fenced", "version_id_col")
 #: ids of the rows the delete benchmark deletes and puts back (untimed)
@@ -200,23 +208,34 @@ def fmt_time(seconds: float) -> str:
 
 @dataclass
 class Schema:
-    """The benchmark's own tables and token sequence (unique names)."""
+    """The benchmark's own tables, token sequence and lease register.
+
+    All of them live in the database schema named ``prefix`` (unique per
+    run), so that the register (``<prefix>.sa_fence_leases``, created by
+    ``metadata.create_all()`` with the sequence) never meets one the
+    database already has.
+    """
 
     prefix: str
     metadata: MetaData
     models: dict[str, type[Any]]
-    sequence: str
+    sequence: str  # "<prefix>.token_seq"
+
+    @property
+    def register(self) -> Register:
+        return Register(self.sequence)
 
 
 def make_schema(prefix: str | None = None) -> Schema:
-    """Three tables of one shape: plain, fenced (``Fenced``), ``version_id_col``."""
+    """Three tables of one shape: plain, fenced (``Fenced``), ``version_id_col``;
+    the token sequence and its lease register (``fence_sequence(metadata)``)."""
     prefix = prefix or f"sa_fence_bench_{uuid.uuid4().hex[:10]}"
 
     class Base(DeclarativeBase):
-        pass
+        metadata = MetaData(schema=prefix)
 
     class PlainItem(Base):
-        __tablename__ = f"{prefix}_plain"
+        __tablename__ = "plain"
         id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
         payload: Mapped[str] = mapped_column(String(200))
         counter: Mapped[int] = mapped_column(Integer)
@@ -224,21 +243,21 @@ def make_schema(prefix: str | None = None) -> Schema:
         fence: Mapped[int] = mapped_column(BigInteger, server_default=sa.text("0"))
 
     class FencedItem(Fenced, Base):
-        __tablename__ = f"{prefix}_fenced"
+        __tablename__ = "fenced"
         id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
         payload: Mapped[str] = mapped_column(String(200))
         counter: Mapped[int] = mapped_column(Integer)
 
     class VersionedItem(Base):
-        __tablename__ = f"{prefix}_versioned"
+        __tablename__ = "versioned"
         id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
         payload: Mapped[str] = mapped_column(String(200))
         counter: Mapped[int] = mapped_column(Integer)
         version: Mapped[int] = mapped_column(BigInteger, nullable=False)
         __mapper_args__ = {"version_id_col": version}  # noqa: RUF012 (SQLAlchemy API)
 
-    sequence = f"{prefix}_seq"
-    fence_sequence(Base.metadata, sequence)
+    sequence = f"{prefix}.token_seq"
+    fence_sequence(Base.metadata, sequence)  # also declares the register and its check
     models: dict[str, type[Any]] = {
         "plain": PlainItem,
         "fenced": FencedItem,
@@ -274,10 +293,6 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
-_FLOOR_TOKEN_SQL = (
-    "SELECT nextval(CAST(%(name)s AS regclass)), txid_current(), "
-    "current_setting('synchronous_commit')"
-)
 
 
 def psycopg_conninfo(url: sa.URL) -> str:
@@ -285,20 +300,46 @@ def psycopg_conninfo(url: sa.URL) -> str:
     return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
+def grant_params(
+    sequence: str, name: str, lock_timeout_ms: int = DEFAULT_GRANT_LOCK_TIMEOUT_MS
+) -> dict[str, Any]:
+    """The grant statement's parameters, as ``TokenSource.params(name)`` builds them
+    (pass the compared Fencer's lock wait bound: ``fencer._tokens.lock_timeout_ms``)."""
+    register = Register(sequence)
+    return {
+        "name": name,
+        "sequence": register.sequence_sql,
+        "register": register.table_sql,
+        "lock_timeout": f"{lock_timeout_ms}ms",
+    }
+
+
 class HandWritten:
     """The lease protocol written by hand: the floor a fencing lease costs.
 
-    ``SET NX PX`` with a random owner, ``nextval`` (with ``txid_current()``
-    so its commit is flushed, as sa-fence does) on an autocommit psycopg
-    connection, an owner-checked CONFIRM that records the token, and an
-    owner-checked RELEASE.  No retries, no validation, no objects.
+    ``SET NX PX`` with a random owner; the token drawn and the lease register
+    advanced by the one statement sa-fence sends
+    (``Register(sequence).grant_sql()``, same parameters), on an autocommit
+    psycopg connection, so the grant is durably committed (its row write
+    makes the commit flush the WAL); an owner-checked CONFIRM that records
+    the token; an owner-checked RELEASE.  No retries, no withdrawal, no
+    validation beyond the statement's own, no objects.
     """
 
-    def __init__(self, client: redis_lib.Redis, conninfo: str, sequence: str, key: str) -> None:
+    def __init__(
+        self,
+        client: redis_lib.Redis,
+        conninfo: str,
+        sequence: str,
+        key: str,
+        name: str = "floor",
+        lock_timeout_ms: int = DEFAULT_GRANT_LOCK_TIMEOUT_MS,
+    ) -> None:
         self.client = client
         self.conn = psycopg.connect(conninfo, autocommit=True)
-        self.sequence = sequence
         self.key = key
+        self.grant_sql = Register(sequence).grant_sql()
+        self.params = grant_params(sequence, name, lock_timeout_ms)
         self.confirm = client.register_script(_FLOOR_CONFIRM)
         self.release = client.register_script(_FLOOR_RELEASE)
 
@@ -306,8 +347,9 @@ class HandWritten:
         owner = secrets.token_hex(16)
         if not self.client.set(self.key, owner, nx=True, px=ttl_ms):
             raise RuntimeError(f"{self.key} is held")
-        row = self.conn.execute(_FLOOR_TOKEN_SQL, {"name": self.sequence}).fetchone()
-        assert row is not None
+        row = self.conn.execute(self.grant_sql, self.params).fetchone()
+        if row is None or row[1] == "off":
+            raise RuntimeError("the token sequence is unfit or synchronous_commit is off")
         token = int(row[0])
         value = f"{owner}:{token}"
         if not self.confirm(keys=[self.key], args=[owner, value]):
@@ -360,7 +402,53 @@ class FlushBench:
             session.commit()
         with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             for table in self.schema.metadata.sorted_tables:
-                conn.execute(sa.text(f'VACUUM ANALYZE "{table.name}"'))
+                conn.execute(sa.text(f'VACUUM ANALYZE "{table.schema}"."{table.name}"'))
+
+    def verify_lease_scope(self) -> str:
+        """Prove that a fenced session's commit goes through the register check.
+
+        Moves the register row of the bench's lease one past its token (as a
+        newer grant would), writes one row through a bound session and
+        expects the COMMIT to be refused (``StaleTokenError``, statement
+        ``COMMIT``), then puts the register back.  Raises RuntimeError when
+        the commit went through: the fenced timings would then not include
+        lease scope.  Returns the line the reports print.
+        """
+        register = self.schema.register
+        lease = self.lease
+        move = sa.text(
+            f"UPDATE {register.table_sql} SET token = :to WHERE name = :name AND token = :was"
+        )
+        with self.engine.begin() as conn:
+            moved = conn.execute(
+                move, {"to": lease.token + 1, "name": lease.name, "was": lease.token}
+            )
+        if moved.rowcount != 1:
+            raise RuntimeError(f"the register holds no row for lease {lease.name!r}")
+        refused = False
+        try:
+            model = self.schema.models["fenced"]
+            with self.session("fenced") as session:
+                item = session.get(model, 1)
+                assert item is not None
+                item.payload = "lease scope probe"
+                try:
+                    session.commit()
+                except StaleTokenError as exc:
+                    refused = exc.statement == "COMMIT"
+        finally:
+            with self.engine.begin() as conn:
+                conn.execute(move, {"to": lease.token, "name": lease.name, "was": lease.token + 1})
+        if not refused:
+            raise RuntimeError(
+                "lease scope is off: a fenced commit went through after the register moved "
+                "past its lease, so the fenced timings would not include the register check"
+            )
+        return (
+            f"lease scope: on: every fenced COMMIT is sent as `SELECT {CHECK_FUNCTION}(<name>, "
+            "<token>); COMMIT` (checked: a commit after the register moved past the lease "
+            "was refused)"
+        )
 
     def session(self, variant: str) -> Session:
         if variant == "fenced":
@@ -412,17 +500,37 @@ class FlushBench:
 
 @contextmanager
 def bench_objects(engine: sa.Engine, client: redis_lib.Redis, schema: Schema) -> Iterator[Fencer]:
-    """Create the schema's tables and sequence; drop them and delete the Redis keys after."""
+    """Create the bench's schema (tables, sequence, lease register and its check
+    function); drop the schema and delete the Redis keys afterwards."""
     key_prefix = f"{schema.prefix}:"
-    schema.metadata.create_all(engine)
+    quoted = f'"{schema.prefix}"'
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"CREATE SCHEMA {quoted}"))
+    fencer: Fencer | None = None
+    quiet = _NeverBoundIsExpected()
+    logging.getLogger("sa_fence._lease").addFilter(quiet)  # its logger
     try:
-        yield Fencer(client, engine, sequence=schema.sequence, key_prefix=key_prefix)
+        schema.metadata.create_all(engine)
+        fencer = Fencer(client, engine, sequence=schema.sequence, key_prefix=key_prefix)
+        yield fencer
     finally:
         try:
+            if fencer is not None:
+                fencer.close()  # its token connection
             for key in client.scan_iter(match=f"*{schema.prefix}*", count=1000):
                 client.delete(key)
         finally:
-            schema.metadata.drop_all(engine)
+            logging.getLogger("sa_fence._lease").removeFilter(quiet)
+            with engine.begin() as conn:
+                conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {quoted} CASCADE"))
+
+
+class _NeverBoundIsExpected(logging.Filter):
+    """Drops sa-fence's "released without having been bound" warning: the lease
+    cycles measured here bind nothing on purpose.  Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "without having been bound" not in record.getMessage()
 
 
 # ---------------------------------------------------------- the CLI's report
@@ -452,7 +560,13 @@ def lease_section(
     label: str = "lease cycle",
 ) -> dict[str, Timing]:
     """Lease cycles: sa-fence, the hand-written floor, and any ``extra`` contenders."""
-    floor = HandWritten(client, psycopg_conninfo(url), schema.sequence, f"{schema.prefix}:floor")
+    floor = HandWritten(
+        client,
+        psycopg_conninfo(url),
+        schema.sequence,
+        f"{schema.prefix}:floor",
+        lock_timeout_ms=fencer._tokens.lock_timeout_ms,
+    )
     try:
         ops = {
             "sa-fence": Op(sa_fence_cycle(fencer, "cycle")),
@@ -499,6 +613,7 @@ def run(
             with fencer.lease("flush", ttl=3600) as lease:
                 flush = FlushBench(engine, schema, lease, rows)
                 flush.seed()
+                scope = flush.verify_lease_scope()
                 results = {}
                 for n in sorted({1, rows}):
                     results[n] = interleave(
@@ -520,6 +635,7 @@ def run(
     print(f"  hand-written floor  {fmt_time(floor.median)}", file=out)
     print(f"  sa-fence / floor    {sa_cycle.median / floor.median:7.3f}x", file=out)
     print("fenced flush (load + change + commit), median", file=out)
+    print(f"  {scope}", file=out)
     for n, res in results.items():
         label = f"{n} row{'s' if n > 1 else ''}"
         ratio = res["fenced"].median / res["plain"].median

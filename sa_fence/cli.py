@@ -318,15 +318,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Times a lease cycle (acquire with token + release) next to the same "
         "protocol written by hand with raw redis-py and psycopg calls, and a fenced ORM "
         "update + commit of 1 row and of --rows rows next to a plain one, interleaved, "
-        "and prints medians and ratios. Creates three tables and a sequence named "
-        "sa_fence_bench_<random>_* in the database and keys with that prefix in Redis, "
-        "and removes them at the end. Progress goes to stderr. Exit status: 0 done, "
+        "and prints medians and ratios; the fenced sessions run with lease scope on. "
+        "Creates a schema sa_fence_bench_<random> (three tables, a token sequence and its "
+        "lease register) in the database and keys with that prefix in Redis, and removes "
+        "them at the end. Progress goes to stderr. Exit status: 0 done, "
         "2 bad argument, 3 PostgreSQL or Redis unreachable.",
     )
     _url_argument(
         bench,
         "SQLAlchemy URL of a PostgreSQL database where the bench may create and drop "
-        f"tables (default: ${DATABASE_URL_ENV})",
+        f"a schema (default: ${DATABASE_URL_ENV})",
         type=_bench_pg_url,
     )
     bench.add_argument(

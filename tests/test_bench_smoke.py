@@ -13,6 +13,8 @@ import redis
 import sqlalchemy as sa
 
 from sa_fence import _bench
+from sa_fence._register import Register
+from sa_fence._tokens import TokenSource
 from tests.conftest import PG_SERVER, REDIS_URL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,12 +38,17 @@ def test_every_benchmark_section_runs_and_prints_its_table(tmp_path: Path) -> No
     for heading in (
         "lease cycle (acquire + release)",
         "hand-written floor",
+        "the token statement alone",
         "redis-py Lock",
         "PG advisory lock",
+        "lease scope: on",
         "flush (load + change/delete + commit)",
         "update 1 row",
         "delete 1 row",
         "statements sent by one flush",
+        "where the fenced 1-row update's time goes",
+        "the register check in SQL",
+        "flush CPU time of this process",
         "contention:",
         "stale writes accepted",
         "memory: RSS",
@@ -71,17 +78,57 @@ def test_sa_fence_bench_core_prints_ratios_and_leaves_nothing_behind(
     text = out.getvalue()
     assert "sa-fence / floor" in text, text
     assert "fenced/plain" in text, text
+    assert "lease scope: on" in text, text  # checked by a refused commit, not assumed
     assert "lease cycle" in progress.getvalue()  # the progress indication went to its stream
     engine = sa.create_engine(database_url)
     try:
         with engine.connect() as conn:
             left = conn.execute(
-                sa.text("SELECT relname FROM pg_class WHERE relname LIKE 'sa_fence_bench_%'")
+                sa.text(
+                    "SELECT relname FROM pg_class WHERE relname LIKE 'sa_fence_bench_%' "
+                    "UNION ALL "
+                    "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'sa_fence_bench_%'"
+                )
             ).all()
     finally:
         engine.dispose()
-    assert left == []
+    assert left == []  # its schema (tables, sequence, lease register) is gone
     assert list(redis_client.scan_iter(match="*sa_fence_bench_*")) == []
+
+
+def test_the_floor_grants_with_sa_fences_own_statement_and_parameters(
+    database_url: sa.URL,
+) -> None:
+    """The hand-written floor draws and registers its token exactly as sa-fence's token
+    source does: same statement, same parameters (lock wait bound included)."""
+    engine = sa.create_engine(database_url)
+    try:
+        source = TokenSource(engine, "some_schema.some_seq", lock_timeout_ms=2500)
+        floor_params = _bench.grant_params(source.sequence, "floor", source.lock_timeout_ms)
+        assert floor_params == source.params("floor")
+        assert Register("some_schema.some_seq").grant_sql() == source.register.grant_sql()
+    finally:
+        engine.dispose()
+
+
+def test_a_fenced_commit_after_the_register_moved_is_refused_in_the_bench(
+    database_url: sa.URL, redis_client: redis.Redis
+) -> None:
+    """The flush benchmark measures lease scope on: its probe sees a refused COMMIT,
+    and puts the register back so the timed commits pass."""
+    engine = sa.create_engine(database_url)
+    schema = _bench.make_schema()
+    try:
+        with (
+            _bench.bench_objects(engine, redis_client, schema) as fencer,
+            fencer.lease("flush", ttl=60) as lease,
+        ):
+            bench = _bench.FlushBench(engine, schema, lease, 3)
+            bench.seed()
+            assert bench.verify_lease_scope().startswith("lease scope: on")
+            bench.update("fenced", 1)  # the register holds the lease's token again
+    finally:
+        engine.dispose()
 
 
 @pytest.mark.parametrize(

@@ -65,6 +65,15 @@ def _positive(text: str) -> int:
     return value
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when inside it (no machine paths in logs
+    that end up in the docs)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -123,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             schema = make_schema()
             with bench_objects(engine, client, schema) as fencer:
                 if "lease" in args.sections:
-                    pairs, notes = lease.run(fencer, client, url, schema, config, progress)
-                    targets += lease.report(pairs, notes)
+                    pairs, notes, statements = lease.run(
+                        fencer, client, url, schema, config, progress
+                    )
+                    targets += lease.report(pairs, notes, statements)
                 # before the flush section, whose dead rows autovacuum cleans up
                 # afterwards, competing for the two cores
                 if "memory" in args.sections:
@@ -138,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                     if not args.no_plot:
                         subtitle = f"PostgreSQL {version.split()[0]}, {machine().split(',')[0]}"
                         if plot.write(flush.curve(result), args.plot, subtitle):
-                            print(f"  plot written to {args.plot}")
+                            print(f"  plot written to {_shown(args.plot)}")
                         else:
                             print("  (no plot: matplotlib not installed)")
                 if "contention" in args.sections:

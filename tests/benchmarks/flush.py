@@ -5,7 +5,9 @@ column), one per contender (:func:`sa_fence._bench.make_schema`):
 
 * ``plain``: a plain ``sessionmaker``, no sa-fence;
 * ``fenced``: ``sa_fence.install(sessionmaker(...))`` with a lease bound to
-  every session (the table uses the ``Fenced`` mixin);
+  every session (the table uses the ``Fenced`` mixin), lease scope on: every
+  commit carries the register check
+  (:meth:`~sa_fence._bench.FlushBench.verify_lease_scope` proves it first);
 * ``version_id_col``: SQLAlchemy's own optimistic check, for comparison.
 
 Operations, each timed interleaved op by op (plain, fenced, version_id_col,
@@ -16,33 +18,65 @@ plain, ...), the order rotated every round:
 * delete: load ``n`` rows, delete each, commit (n = 1 and 1000; the rows are
   put back untimed before every op).
 
-Then it counts the statements one flush of 1000 rows sends.
+Then it counts the statements one flush of 1000 rows sends, and measures
+where the fenced 1-row update's extra time goes (:func:`run_breakdown`):
+the same op with the lease register check skipped (a diagnostic variant,
+never a setting), and the check's SQL alone on a raw psycopg connection
+(COMMIT, ``SELECT 1; COMMIT`` and ``SELECT sa_fence_check_lease(...);
+COMMIT`` after a 1-row UPDATE); and this process's CPU time for one flush of
+all the changed rows, plain and fenced (:func:`flush_cpu`: what sa-fence adds
+per row, free of the server's noise).  The accounts printed under a missed
+target are built from those numbers.
 """
 
 from __future__ import annotations
 
+import gc
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from sa_fence._bench import FlushBench, Progress, Timing, fmt_time, interleave, ratio_range
+from sa_fence import _flush
+from sa_fence._bench import (
+    FlushBench,
+    Op,
+    Progress,
+    Timing,
+    fmt_time,
+    interleave,
+    psycopg_conninfo,
+    ratio_range,
+)
 
 from .common import Config, Target
 
 VARIANTS = ("plain", "fenced", "version_id_col")
 TARGET = 1.05  # fenced / plain, per-op median
-WHY_ONE_ROW = (
-    "a constant per transaction, no extra statement (see the counts): SQLAlchemy's event "
-    "dispatch once any listener exists on a connection or its engine (~70 us profiled: "
-    "_JoinedListener objects per connection for begin/commit/execute) plus sa-fence's "
-    "before/after_execute and session events; it is how the token reaches the ORM's own "
-    "batched UPDATE. See docs/benchmarks.md"
+# The parts of the account that come from profiles (pyinstrument, 3000 fenced
+# 1-row ops) rather than from this run's own breakdown.
+WHY_HOOKS = (
+    "SQLAlchemy's event dispatch once any listener exists on a connection or its engine "
+    "(_JoinedListener objects per connection for begin/commit/execute) plus sa-fence's "
+    "before/after_execute and session events: how the token reaches the ORM's own batched "
+    "UPDATE"
 )
-WHY_MANY_ROWS = (
-    "the per-transaction constant of the 1-row case, plus noise: the per-round range "
-    "shows how far single rounds move on this machine"
+#: Above this much fenced Python per flushed row (seconds), the account names its cause.
+PER_ROW_NOTICE = 1e-6
+WHY_PER_ROW = (
+    "profiled, SQLAlchemy expires obj.fence on every flushed object (_expire_attributes, "
+    "_postfetch), because the fence is written as an expression, CAST(:token AS BIGINT), so "
+    "that objects show the row's token"
+)
+WHY_CHECK = (
+    "the COMMIT travels as one simple-query message `SELECT sa_fence_check_lease(...); "
+    "COMMIT` (no extra round trip; building it is ~2 us of Python): the server parses, plans "
+    "and runs a second statement and psycopg reads two results, and the check itself calls "
+    "the PL/pgSQL function, looks up the register row and takes its share lock (a WAL record)"
 )
 
 
@@ -51,6 +85,34 @@ class FlushResult:
     update: dict[int, dict[str, Timing]] = field(default_factory=dict)
     delete: dict[int, dict[str, Timing]] = field(default_factory=dict)
     counts: dict[str, FlushCount] = field(default_factory=dict)
+    scope: str = ""  # the lease scope line (verified before anything is timed)
+    breakdown: Breakdown | None = None
+
+
+@dataclass
+class Breakdown:
+    """Where the fenced 1-row update's extra time goes (see run_breakdown)."""
+
+    op: dict[str, Timing]  # plain / fenced, check skipped / fenced
+    sql: dict[str, Timing]  # raw psycopg: COMMIT / SELECT 1; COMMIT / check; COMMIT
+    rows: int = 0  # rows changed per flush in the CPU measurement
+    cpu: dict[str, list[float]] = field(default_factory=dict)  # plain / fenced: flush CPU s
+
+    def per_row(self) -> tuple[float, float, float]:
+        """Median flush CPU time, plain and fenced, and the fenced extra per row (seconds)."""
+        plain, fenced = (statistics.median(self.cpu[v]) for v in ("plain", "fenced"))
+        return plain, fenced, (fenced - plain) / max(self.rows, 1)
+
+    def extra(self) -> tuple[float, float, float, float]:
+        """(hooks, register check in the op, second statement, the check itself), seconds."""
+        op = {k: t.median for k, t in self.op.items()}
+        sql = {k: t.median for k, t in self.sql.items()}
+        return (
+            op[SKIPPED] - op["plain"],
+            op["fenced"] - op[SKIPPED],
+            sql[SELECT_1] - sql[COMMIT],
+            sql[CHECK] - sql[SELECT_1],
+        )
 
 
 @dataclass
@@ -93,6 +155,109 @@ def count_flush(bench: FlushBench, variant: str, n: int) -> FlushCount:
     return counted
 
 
+SKIPPED = "fenced, register check skipped"
+COMMIT = "COMMIT"
+SELECT_1 = "SELECT 1; COMMIT"
+CHECK = "SELECT sa_fence_check_lease(...); COMMIT"
+
+
+def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Breakdown:
+    """The fenced 1-row update with and without the register check, and the check's SQL.
+
+    The variant without the check flushes, then drops the connection's lease
+    scope (sa-fence's private per-connection record, which every fenced
+    statement renews) just before the commit, so its COMMIT is the driver's
+    own; the fenced op runs the same flush and ``session.connection()`` call
+    without dropping it.  Diagnostic only: a bound session always checks.
+    """
+    per = 2 if config.quick else 40
+
+    def keep(session: Session) -> None:
+        session.flush()
+        session.connection()
+
+    def skip(session: Session) -> None:
+        session.flush()
+        if _flush._scopes.pop(session.connection(), None) is None:
+            raise RuntimeError("no lease scope to skip: the breakdown would measure nothing")
+
+    op = interleave(
+        {
+            "plain": Op(lambda: bench.update("plain", 1)),
+            SKIPPED: Op(lambda: bench.update("fenced", 1, before_commit=skip)),
+            "fenced": Op(lambda: bench.update("fenced", 1, before_commit=keep)),
+        },
+        rounds=config.rounds,
+        per_round=per,
+        progress=progress,
+        label="flush: where the 1-row time goes",
+    )
+    lease = bench.lease
+    check = bench.schema.register.check_call(lease.name, lease.token)
+    table = bench.schema.models["plain"].__table__
+    update = f'UPDATE "{table.schema}"."{table.name}" SET counter = counter + 1 WHERE id = %s'
+    with psycopg.connect(psycopg_conninfo(bench.engine.url)) as conn:
+        serial = 0
+
+        def commit_with(message: str | None) -> Op:
+            def run() -> None:
+                nonlocal serial
+                serial += 1
+                conn.execute(update, (1 + serial % bench.rows,))
+                if message is not None:
+                    conn.execute(message)  # no parameters: one simple-query message
+                conn.commit()  # nothing left to commit after a message with COMMIT
+
+            return Op(run)
+
+        sql = interleave(
+            {
+                COMMIT: commit_with(None),
+                SELECT_1: commit_with("SELECT 1; COMMIT"),
+                CHECK: commit_with(f"{check}; COMMIT"),
+            },
+            rounds=config.rounds,
+            per_round=2 if config.quick else 100,
+            progress=progress,
+            label="flush: the register check in SQL",
+        )
+    return Breakdown(op, sql, bench.rows, flush_cpu(bench, config, progress))
+
+
+def flush_cpu(bench: FlushBench, config: Config, progress: Progress) -> dict[str, list[float]]:
+    """This process's CPU time for one flush of ``bench.rows`` changed rows, plain and fenced.
+
+    CPU time, not wall time: it leaves out the server and the wait for it, so
+    sa-fence's per-row Python shows even on a loaded machine.  Alternated
+    plain / fenced, the order swapped every round, garbage collection off
+    while a flush runs.
+    """
+    rounds, per = (1, 1) if config.quick else (config.rounds, 3)
+    cpu: dict[str, list[float]] = {"plain": [], "fenced": []}
+    progress.start(f"flush: CPU time of a {bench.rows}-row flush", rounds)
+    for r in range(rounds):
+        for _ in range(per):
+            for variant in ("plain", "fenced") if r % 2 == 0 else ("fenced", "plain"):
+                model = bench.schema.models[variant]
+                bench.serial += 1
+                with bench.session(variant) as session:
+                    items = session.scalars(sa.select(model).where(model.id <= bench.rows)).all()
+                    for item in items:
+                        item.payload = f"cpu {bench.serial}"
+                    gc.collect()
+                    gc.disable()
+                    try:
+                        started = time.process_time()
+                        session.flush()
+                        cpu[variant].append(time.process_time() - started)
+                    finally:
+                        gc.enable()
+                    session.commit()
+        progress.step()
+    progress.finish()
+    return cpu
+
+
 def per_round(n: int, config: Config) -> int:
     if config.quick:
         return 2
@@ -103,6 +268,7 @@ def run(bench: FlushBench, config: Config, progress: Progress) -> FlushResult:
     result = FlushResult()
     rows = bench.rows
     sizes = sorted({1, 10, 100, rows} if rows >= 100 else {1, rows})
+    result.scope = bench.verify_lease_scope()
     result.counts = {v: count_flush(bench, v, rows) for v in VARIANTS}
     for n in sizes:
         result.update[n] = interleave(
@@ -120,14 +286,48 @@ def run(bench: FlushBench, config: Config, progress: Progress) -> FlushResult:
             progress=progress,
             label=f"flush: delete {n} row{'s' if n > 1 else ''}",
         )
+    result.breakdown = run_breakdown(bench, config, progress)
     return result
+
+
+def why_missed(result: FlushResult, n: int, ratio: float, plain: float) -> str:
+    """The account printed under a missed flush target, with this run's own numbers."""
+    b = result.breakdown
+    if b is None:
+        return ""
+    hooks, check, second, body = b.extra()
+    base = b.op["plain"].median
+    us = 1e6
+    if n == 1:
+        return (
+            f"{(ratio - 1) * plain * us:.0f} us over plain per transaction, with no extra "
+            "round trip (the flush sends what plain sends; the COMMIT message carries the "
+            f"check). This run's breakdown of the same op: the lease register check "
+            f"{check * us:.0f} us, {check / base * 100:.1f}% of a plain op by itself: "
+            f"{WHY_CHECK}; in raw SQL a second statement in the COMMIT message costs "
+            f"{second * us:.0f} us and the check's own work {body * us:.0f} us. sa-fence's "
+            f"hooks {hooks * us:.0f} us: {WHY_HOOKS}. See docs/benchmarks.md"
+        )
+    cpu_plain, cpu_fenced, per_row = b.per_row()
+    grows = (cpu_fenced - cpu_plain) / plain * 100
+    return (
+        f"the per-transaction constant of the 1-row case (hooks {hooks * us:.0f} us + register "
+        f"check {check * us:.0f} us in this run's breakdown) is "
+        f"{(hooks + check) / plain * 100:.1f}% of this op. The fenced flush sends the one "
+        f"statement plain sends, but its Python costs {per_row * us:.1f} us more per row "
+        f"(flush CPU time {cpu_fenced * 1e3:.1f} ms against {cpu_plain * 1e3:.1f} ms: "
+        f"{grows:.1f}% of this op)"
+        + (f": {WHY_PER_ROW}" if per_row > PER_ROW_NOTICE else "")
+        + ". Whatever is left over is noise: see the per-round range"
+    )
 
 
 def report(result: FlushResult, rows: int) -> list[Target]:
     """Print the tables; return the targets with their outcome."""
     targets: list[Target] = []
+    print(f"\n{result.scope}")
     print(
-        f"\n{'flush (load + change/delete + commit)':<40}{'plain':>11}{'fenced':>11}"
+        f"{'flush (load + change/delete + commit)':<40}{'plain':>11}{'fenced':>11}"
         f"{'version_id_col':>16}{'fenced/plain':>14}{'per-round range':>18}{'vid/plain':>11}"
     )
     for kind, table in (("update", result.update), ("delete", result.delete)):
@@ -148,7 +348,7 @@ def report(result: FlushResult, rows: int) -> list[Target]:
                         ratio,
                         TARGET,
                         "x plain",
-                        WHY_ONE_ROW if n == 1 else WHY_MANY_ROWS,
+                        why_missed(result, n, ratio, med["plain"]),
                     )
                 )
     counts = result.counts
@@ -162,7 +362,36 @@ def report(result: FlushResult, rows: int) -> list[Target]:
         values = [getattr(counts[v], attr) for v in VARIANTS]
         print(f"{label:<36}{values[0]:>8}{values[1]:>8}{values[2]:>16}")
     print(f"  fenced UPDATE: {counts['fenced'].sql}")
+    if result.breakdown is not None:
+        report_breakdown(result.breakdown)
     return targets
+
+
+def report_breakdown(b: Breakdown) -> None:
+    hooks, check, second, body = b.extra()
+    n = len(b.op["plain"].samples)
+    print(f"\nwhere the fenced 1-row update's time goes (interleaved, median of {n} each)")
+    rows = (
+        ("plain session", b.op["plain"], ""),
+        (f"{SKIPPED} (diagnostic)", b.op[SKIPPED], f"{hooks * 1e6:+7.1f} us  sa-fence's hooks"),
+        ("fenced (lease scope on)", b.op["fenced"], f"{check * 1e6:+7.1f} us  register check"),
+    )
+    for label, timing, note in rows:
+        print(f"  {label:<48}{fmt_time(timing.median):>11}  {note}".rstrip())
+    n = len(b.sql[COMMIT].samples)
+    print(f"the register check in SQL: raw psycopg, 1-row UPDATE then ..., median of {n} each")
+    rows = (
+        (COMMIT, b.sql[COMMIT], ""),
+        (SELECT_1, b.sql[SELECT_1], f"{second * 1e6:+7.1f} us  a second statement"),
+        (CHECK, b.sql[CHECK], f"{body * 1e6:+7.1f} us  the check's own work"),
+    )
+    for label, timing, note in rows:
+        print(f"  {label:<48}{fmt_time(timing.median):>11}  {note}".rstrip())
+    cpu_plain, cpu_fenced, per_row = b.per_row()
+    n = len(b.cpu["plain"])
+    print(f"flush CPU time of this process, {b.rows} changed rows, median of {n} each")
+    print(f"  {'plain':<48}{fmt_time(cpu_plain):>11}")
+    print(f"  {'fenced':<48}{fmt_time(cpu_fenced):>11}  {per_row * 1e6:+7.2f} us per row")
 
 
 def curve(result: FlushResult) -> dict[str, list[tuple[int, float]]]:

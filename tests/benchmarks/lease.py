@@ -3,10 +3,11 @@
 Contenders, all against the same Redis and PostgreSQL, interleaved op by op:
 
 * ``sa-fence``: ``Fencer.acquire(name, ttl)`` + ``Lease.release()``: ACQUIRE
-  script, ``nextval`` in its own committed transaction, CONFIRM script,
-  RELEASE script;
+  script, the grant (one autocommit statement that draws the token and
+  advances the lease register), CONFIRM script, RELEASE script;
 * ``hand-written floor``: the same protocol with raw redis-py and psycopg
-  calls (:class:`sa_fence._bench.HandWritten`);
+  calls (:class:`sa_fence._bench.HandWritten`): ``SET NX PX``, the same grant
+  statement with the same parameters, owner-checked CONFIRM and RELEASE;
 * ``redis-py Lock``: ``client.lock(name, timeout=ttl)``, no token;
 * ``python-redis-lock``: ``redis_lock.Lock(client, name, expire=ttl)``, no token
   (its release also pushes to a signal list for BLPOP waiters);
@@ -16,6 +17,11 @@ Contenders, all against the same Redis and PostgreSQL, interleaved op by op:
 
 A peer whose package is not installed is left out with a note (``make bench``
 installs them through the ``bench`` extra).
+
+Then the token statement alone, on a raw autocommit psycopg connection,
+interleaved: ``SELECT 1`` (a round trip), ``SELECT nextval(...),
+txid_current()`` (the token statement before the lease register) and the
+grant: what the register costs every lease, floor included.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from sa_fence._bench import (
     Schema,
     Timing,
     fmt_time,
+    grant_params,
     interleave,
     psycopg_conninfo,
     ratio_range,
@@ -46,6 +53,24 @@ from .common import Config, Target
 
 TTL = 30.0
 TARGET = 1.05  # sa-fence / hand-written floor
+#: The token statement before the lease register (and the old floor's).
+NEXTVAL_SQL = (
+    "SELECT nextval(CAST(%(name)s AS regclass)), txid_current(), "
+    "current_setting('synchronous_commit')"
+)
+ROUND_TRIP = "SELECT 1 (a round trip)"
+NEXTVAL = "SELECT nextval(...), txid_current() (before)"
+GRANT = "the grant: draw + register (now)"
+# From per-phase timings and a run with Redis and PostgreSQL stubbed.
+WHY_LEASE = (
+    "sa-fence's own Python per cycle is ~10 us with the servers stubbed (the floor's: 1 us): "
+    "argument checks, the Lease object and its state, the renewer bookkeeping on release. "
+    "The rest is spread over the four server calls, each a few us heavier than the floor's "
+    "(timed per phase: ACQUIRE, a Lua script that answers 'already ours' on a resend, +3-9 us "
+    "over a bare SET NX PX; CONFIRM +3 us; the grant +13-18 us, with the token path's lock, "
+    "fork and recycle checks and the grant's SQL text rebuilt per call, ~4 us of it). The "
+    "grant's WAL flush, paid by both, moves by tens of us from cycle to cycle"
+)
 
 
 def peers(
@@ -104,6 +129,27 @@ def peers(
     return ops, notes, pg
 
 
+def token_statements(
+    conninfo: str, schema: Schema, config: Config, progress: Progress
+) -> dict[str, Timing]:
+    """``SELECT 1``, the old ``nextval`` statement and the grant, raw psycopg, interleaved."""
+    grant = schema.register.grant_sql()
+    params = grant_params(schema.sequence, "statements")
+    old = {"name": schema.register.sequence_sql}
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        return interleave(
+            {
+                ROUND_TRIP: Op(lambda: conn.execute("SELECT 1").fetchone()),
+                NEXTVAL: Op(lambda: conn.execute(NEXTVAL_SQL, old).fetchone()),
+                GRANT: Op(lambda: conn.execute(grant, params).fetchone()),
+            },
+            rounds=config.rounds,
+            per_round=2 if config.quick else 100,
+            progress=progress,
+            label="lease cycle: the token statement",
+        )
+
+
 def run(
     fencer: sa_fence.Fencer,
     client: redis.Redis,
@@ -111,8 +157,9 @@ def run(
     schema: Schema,
     config: Config,
     progress: Progress,
-) -> tuple[dict[str, tuple[Timing, Timing]], list[str]]:
-    """{contender: (its timing, the floor's timing in the same run)}, notes.
+) -> tuple[dict[str, tuple[Timing, Timing]], list[str], dict[str, Timing]]:
+    """{contender: (its timing, the floor's timing in the same run)}, notes, and
+    the token statements' timings (:func:`token_statements`).
 
     Each contender is interleaved with the hand-written floor alone, one pair
     after the other, so every "x floor" is a clean pairwise ratio.  (All six
@@ -122,7 +169,13 @@ def run(
     """
     conninfo = psycopg_conninfo(url)
     ops, notes, pg = peers(client, conninfo, f"{fencer.key_prefix}peer")
-    floor = HandWritten(client, conninfo, schema.sequence, f"{fencer.key_prefix}floor")
+    floor = HandWritten(
+        client,
+        conninfo,
+        schema.sequence,
+        f"{fencer.key_prefix}floor",
+        lock_timeout_ms=fencer._tokens.lock_timeout_ms,
+    )
     contenders = {"sa-fence": Op(sa_fence_cycle(fencer, "cycle")), **ops}
     pairs: dict[str, tuple[Timing, Timing]] = {}
     try:
@@ -140,10 +193,14 @@ def run(
     finally:
         floor.close()
         pg.close()
-    return pairs, notes
+    return pairs, notes, token_statements(conninfo, schema, config, progress)
 
 
-def report(pairs: dict[str, tuple[Timing, Timing]], notes: list[str]) -> list[Target]:
+def report(
+    pairs: dict[str, tuple[Timing, Timing]],
+    notes: list[str],
+    statements: dict[str, Timing],
+) -> list[Target]:
     n = len(pairs["sa-fence"][1].samples)
     print(
         f"\nlease cycle (acquire + release), each contender interleaved with the "
@@ -160,16 +217,30 @@ def report(pairs: dict[str, tuple[Timing, Timing]], notes: list[str]) -> list[Ta
             f"{name:<28}{fmt_time(timing.median):>11}{fmt_time(floor.median):>17}"
             f"{timing.median / floor.median:>9.3f}x{f'{low:.2f}-{high:.2f}x':>18}  {token}"
         )
-    print("  (the floor issues a token too: SET NX PX, nextval, owner-checked confirm+release)")
+    print(
+        "  (the floor issues a token too: SET NX PX, the same grant statement, "
+        "owner-checked confirm+release)"
+    )
     for note in notes:
         print(f"  ({note})")
-    timing, floor = pairs["sa-fence"]
-    why = (
-        "~45 us over the floor: sa-fence's own Python per cycle (13.5 us with stubbed I/O: "
-        "checks, Lease object, renewer bookkeeping), the token path's lock/fork/recycle "
-        "checks (~10 us), and ACQUIRE as a Lua script (GET+SET, idempotent on resend) "
-        "instead of a bare SET NX PX (~10 us). The token draw through a SQLAlchemy "
-        "Connection (1.70x) was fixed; see docs/benchmarks.md"
+    n = len(statements[GRANT].samples)
+    print(f"the token statement alone (raw psycopg, autocommit, interleaved, median of {n} each)")
+    trip, nextval, grant = (statements[k].median for k in (ROUND_TRIP, NEXTVAL, GRANT))
+    for label, value, note in (
+        (ROUND_TRIP, trip, ""),
+        (NEXTVAL, nextval, f"{(nextval - trip) * 1e6:+7.1f} us over a round trip"),
+        (GRANT, grant, f"{(grant - nextval) * 1e6:+7.1f} us over nextval"),
+    ):
+        print(f"  {label:<46}{fmt_time(value):>11}  {note}".rstrip())
+    print(
+        "  (the grant writes the register row, so its commit waits for a WAL flush every "
+        "time; nextval WAL-logs one value in 32, so the statement before it rarely waited)"
     )
+    timing, floor = pairs["sa-fence"]
     ratio = timing.median / floor.median
+    why = (
+        f"{(timing.median - floor.median) * 1e6:.0f} us over a floor of "
+        f"{floor.median * 1e6:.0f} us, which pays the same grant ({grant * 1e6:.0f} us in "
+        f"this run): {WHY_LEASE}. See docs/benchmarks.md"
+    )
     return [Target("lease cycle", ratio, TARGET, "x hand-written floor", why)]
