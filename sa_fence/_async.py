@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis.asyncio as aioredis
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.util import greenlet_spawn
 
@@ -293,10 +293,18 @@ class AsyncFencer:
         """Draw and register the token in its own committed transaction (the
         statement and checks of :class:`~sa_fence._tokens.TokenSource`)."""
         tokens = self._tokens
-        async with self.engine.connect() as conn:
-            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            result = await conn.execute(tokens.register.grant_text(), tokens.params(name))
-            row = result.one_or_none()
+        attempt = 1
+        while True:
+            try:
+                async with self.engine.connect() as conn:
+                    conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                    result = await conn.execute(tokens.register.grant_text(), tokens.params(name))
+                    row = result.one_or_none()
+                break
+            except DBAPIError as exc:  # lost (a pooled connection from before a restart)?
+                if not tokens.should_redraw(exc, attempt, name):
+                    raise
+                attempt += 1
         if row is None:
             return await greenlet_spawn(tokens.granted, None, name)
         return tokens.granted(row, name)

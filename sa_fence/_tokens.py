@@ -40,6 +40,15 @@ log = logging.getLogger(__name__)  # a child of "sa_fence"
 #: closed (closing would end the parent's session on the shared socket).
 _FORKED_AWAY: list[Any] = []
 
+#: How many times one grant's statement is sent when the connection it was
+#: sent on turns out lost (a server restart or crash, a failover, an idle
+#: timeout): after a restart the engine's pool still holds connections from
+#: before it (without ``pool_pre_ping``), and the first one fails.  The pool
+#: is then invalidated, as SQLAlchemy does on a disconnect, so the next try
+#: runs on a fresh connection.  Resending is always safe: a token drawn whose
+#: answer was lost is never used, which leaves only a gap in the sequence.
+DRAW_ATTEMPTS = 2
+
 
 def fence_sequence(
     metadata: MetaData | None = None,
@@ -308,6 +317,9 @@ class TokenSource:
     _held_since: float = field(default=0.0, init=False, repr=False)
     _held_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
+    #: Sends of one grant's statement when its connection is lost (DRAW_ATTEMPTS).
+    draw_attempts: int = field(default=DRAW_ATTEMPTS, init=False, repr=False)
+
     #: (system identifier, database name) of the register's database, once checked
     database_id: tuple[Any, ...] | None = field(default=None, init=False, repr=False)
 
@@ -354,9 +366,38 @@ class TokenSource:
         ):
             row = self._next_token_psycopg(params)
         else:
-            with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                row = conn.execute(self.register.grant_text(), params).one_or_none()
+            row = self._next_token_sqlalchemy(params)
         return self.granted(row, name)
+
+    def _next_token_sqlalchemy(self, params: dict[str, Any]) -> Any:
+        """The grant statement through a pooled ``Connection`` in autocommit.
+
+        A lost connection (``connection_invalidated``: SQLAlchemy has then
+        also invalidated the pool's older connections) is retried once on a
+        fresh one (see :data:`DRAW_ATTEMPTS`).
+        """
+        attempt = 1
+        while True:
+            try:
+                with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                    return conn.execute(self.register.grant_text(), params).one_or_none()
+            except DBAPIError as exc:
+                if not self.should_redraw(exc, attempt, params["name"]):
+                    raise
+                attempt += 1
+
+    def should_redraw(self, exc: DBAPIError, attempt: int, name: str) -> bool:
+        """After failed draw number ``attempt``: send the grant again?  Only when
+        its connection was lost (SQLAlchemy's ``connection_invalidated``), and
+        at most :attr:`draw_attempts` times in all."""
+        if not exc.connection_invalidated or attempt >= self.draw_attempts:
+            return False
+        log.info(
+            "the token draw for lease %r lost its connection (%s); drawing again on a fresh one",
+            name,
+            (str(exc.orig or exc).strip().splitlines() or [type(exc).__name__])[0],
+        )
+        return True
 
     def granted(self, row: Any, name: str) -> int:
         """The token from the grant statement's row; FencingConfigError if it drew none."""
@@ -403,10 +444,11 @@ class TokenSource:
         events and arguments apply) and then detached from it, stays in
         autocommit for the token statement alone; the pool keeps its full
         size.  A thread that finds it busy, and a call after it failed, uses
-        a pooled connection the same way instead.  Only for engines without
-        connection event listeners (see next_token).  Errors are raised as
-        SQLAlchemy's ``DBAPIError``, as before; a connection that failed is
-        never used again.
+        a pooled connection the same way instead, retried once on a fresh one
+        when that connection was lost too (:data:`DRAW_ATTEMPTS`).  Only for
+        engines without connection event listeners (see next_token).  Errors
+        are raised as SQLAlchemy's ``DBAPIError``, as before; a connection
+        that failed is never used again.
         """
         if self._held_lock.acquire(blocking=False):
             try:
@@ -428,21 +470,41 @@ class TokenSource:
                     raise
             finally:
                 self._held_lock.release()
+        attempt = 1
+        while True:
+            try:
+                return self._draw_pooled(params)
+            except DBAPIError as exc:
+                if not self.should_redraw(exc, attempt, params["name"]):
+                    raise
+                attempt += 1
+
+    def _draw_pooled(self, params: dict[str, Any]) -> Any:
+        """One grant statement on a pooled connection, put in autocommit for it."""
         dialect = self.engine.dialect
         try:
             raw = self.engine.raw_connection()
         except dialect.loaded_dbapi.Error as exc:  # Engine.connect() wraps this too
             raise self._wrap(exc, None, invalidated=False) from exc
+        dbapi_conn: Any = raw.driver_connection
         try:
-            dbapi_conn: Any = raw.driver_connection
             autocommit = dbapi_conn.autocommit  # restored: the engine may set either
             dbapi_conn.autocommit = True
             drawn = self._draw(dbapi_conn, params)
             dbapi_conn.autocommit = autocommit
         except BaseException as exc:
-            raw.invalidate(exc)  # also returns it to the pool, closed
+            lost = bool(dbapi_conn.closed or dbapi_conn.broken)
+            if lost:
+                # As SQLAlchemy does on a disconnect: this connection and every
+                # one the pool made before it are recycled at their next
+                # checkout, so the retry (and the application's next checkout)
+                # gets a fresh one.
+                self.engine.pool._invalidate(raw, exc)
+            else:
+                raw.invalidate(exc)  # also returns it to the pool, closed
             if isinstance(exc, dialect.loaded_dbapi.Error):
-                raise self._wrap(exc, params, invalidated=True) from exc
+                # connection_invalidated as SQLAlchemy sets it: "lost, not refused"
+                raise self._wrap(exc, params, invalidated=lost) from exc
             raise
         raw.close()
         return drawn

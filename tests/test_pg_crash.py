@@ -1,0 +1,444 @@
+"""PostgreSQL crashes at chosen points, on a private cluster (DESIGN.md, I4b, I6).
+
+Each crash is ``pg_ctl stop -m immediate``: the postmaster gets SIGQUIT and
+every server process ends at once, with no checkpoint and no flush of the WAL
+still in shared memory (the signal is sent straight to the postmaster, so it
+lands within a millisecond of the test's last statement).  The cluster then
+restarts through crash recovery.  Points chosen:
+
+* right after a grant, and right after the grant that makes the sequence
+  write WAL again (it logs 32 values ahead, so only such a grant can lose
+  anything): every token granted after the restart must be larger than every
+  token granted before it, and the register must still hold each grant the
+  holder was told about.  The pair tests run the same rounds with the draw
+  left uncommitted, and with ``synchronous_commit = off``: both hand tokens
+  out again, so these tests fail if the draw stops committing durably;
+* mid-commit (the session's server process frozen with SIGSTOP while its
+  ``check; COMMIT`` is in flight): nothing of the unit of work is committed;
+* mid-acquire (the token connection's server process frozen while the grant
+  statement is in flight): the acquire fails with LeaseBackendError and
+  leaves nothing in Redis;
+* with the application's pool full of connections from before the crash
+  (no ``pool_pre_ping``): the first acquire after the restart succeeds, on
+  the held token connection path, the pooled path and the asyncio path; the
+  pairs show the same acquire failing without the one retry.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import pytest_asyncio
+import redis
+import redis.asyncio as aioredis
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.orm import sessionmaker
+
+import sa_fence
+from sa_fence._tokens import TokenSource
+from tests._pg_cluster import PgCluster, private_cluster, wait_for_signal
+from tests.conftest import REDIS_URL
+from tests.models import SEQUENCE, Audit, Base, Job
+
+pytestmark = pytest.mark.slow
+
+DB = "fence"
+#: Rounds of "grant up to the WAL-writing grant, crash, restart" per test.
+ROUNDS = 3
+#: The pair tests stop at the first round that hands a token out again.
+MAX_BROKEN_ROUNDS = 10
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[PgCluster]:
+    with private_cluster("crash") as pg:
+        pg.create_database(DB)
+        engine = sa.create_engine(pg.url(DB), poolclass=sa.pool.NullPool)
+        Base.metadata.create_all(engine)
+        engine.dispose()
+        yield pg
+
+
+@pytest.fixture
+def pg(cluster: PgCluster) -> PgCluster:
+    """The cluster, running, with empty tables (the sequence is never reset)."""
+    if not cluster.running():
+        cluster.start()
+    with cluster.connect(DB) as conn:
+        conn.execute("TRUNCATE audit, cells, jobs")
+        conn.execute("DELETE FROM sa_fence_leases")
+    return cluster
+
+
+@pytest.fixture
+def app_engine(pg: PgCluster) -> Iterator[sa.Engine]:
+    """The application's engine: a plain pool, no pool_pre_ping (the common default)."""
+    engine = sa.create_engine(pg.url(DB))
+    yield engine
+    engine.dispose()
+
+
+def make_fencer(client: redis.Redis, engine: sa.Engine, key_prefix: str) -> sa_fence.Fencer:
+    return sa_fence.Fencer(client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
+
+
+@pytest.fixture
+def fencer(
+    redis_client: redis.Redis, app_engine: sa.Engine, key_prefix: str
+) -> Iterator[sa_fence.Fencer]:
+    fencer = make_fencer(redis_client, app_engine, key_prefix)
+    yield fencer
+    fencer.close()
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def next_token_after_restart(pg: PgCluster) -> int:
+    """The token the sequence hands out next, read without drawing it."""
+    last, called = pg.sql(f"SELECT last_value, is_called FROM {SEQUENCE}", DB)[0]
+    return int(last) + 1 if called else int(last)
+
+
+def values_before_wal(pg: PgCluster) -> int:
+    """How many more values the sequence hands out before it writes WAL again."""
+    return int(pg.sql(f"SELECT log_cnt FROM {SEQUENCE}", DB)[0][0])
+
+
+def register(pg: PgCluster) -> dict[str, int]:
+    rows = pg.sql("SELECT name, token FROM sa_fence_leases", DB)
+    return {name: int(token) for name, token in rows}
+
+
+def reissued_after_crashes(
+    pg: PgCluster, fencer: sa_fence.Fencer, rounds: int, *, stop_at_first: bool = False
+) -> tuple[list[int], dict[str, int]]:
+    """Grant, crash within ~1 ms of the last grant, restart: the tokens handed out again.
+
+    Each round grants a few leases, then exactly as many as take the sequence
+    to its next WAL record, so that the last grant before the crash is the one
+    whose loss would matter.  Returns the tokens granted before a crash that
+    the restarted sequence would hand out again, and every acknowledged grant
+    (name -> token).
+    """
+    reissued: list[int] = []
+    acknowledged: dict[str, int] = {}
+    for round_no in range(rounds):
+        before = []
+        for i in range(3):  # the first grant after a restart always writes WAL
+            name = f"r{round_no}:warm:{i}"
+            acknowledged[name] = fencer.acquire(name, 30).token
+            before.append(acknowledged[name])
+        for i in range(values_before_wal(pg) + 1):
+            name = f"r{round_no}:{i}"
+            acknowledged[name] = fencer.acquire(name, 30).token
+            before.append(acknowledged[name])
+        pg.crash()  # within ~1 ms of the grant that made the sequence write WAL
+        pg.start()
+        first_after = next_token_after_restart(pg)
+        reissued += [token for token in before if token >= first_after]
+        if stop_at_first and reissued:
+            break
+    return reissued, acknowledged
+
+
+# --------------------------------------------- durability of the token draw
+
+
+def test_every_token_granted_after_a_crash_is_larger_than_every_token_granted_before(
+    pg: PgCluster, fencer: sa_fence.Fencer
+) -> None:
+    reissued, acknowledged = reissued_after_crashes(pg, fencer, ROUNDS)
+    assert reissued == []
+    assert len(acknowledged) > ROUNDS * 32  # each round reached a WAL-writing grant
+    # no grant the holders were told about was forgotten, none invented
+    assert register(pg) == acknowledged
+    newest = fencer.acquire("after the crashes", 30)
+    assert newest.token > max(acknowledged.values())
+
+
+def test_the_crash_rounds_see_tokens_handed_out_again_when_the_draw_is_never_committed(
+    pg: PgCluster, fencer: sa_fence.Fencer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pair of the test above: the grant statement run in a transaction that
+    is never committed (as a draw with no commit of its own would be)."""
+    fencer.acquire("check first", 30)  # the set-up check runs before the change
+    open_transaction: list[psycopg.Connection[Any]] = []
+
+    def draw_uncommitted(self: TokenSource, dbapi_conn: Any, params: dict[str, Any]) -> Any:
+        if not open_transaction or open_transaction[0].broken or open_transaction[0].closed:
+            open_transaction[:] = [psycopg.connect(pg.dsn(DB), autocommit=False)]
+        with open_transaction[0].cursor() as cursor:
+            cursor.execute(self.register.grant_sql(), params)
+            return cursor.fetchone()
+
+    monkeypatch.setattr(TokenSource, "_draw", draw_uncommitted)
+    try:
+        reissued, _ = reissued_after_crashes(pg, fencer, MAX_BROKEN_ROUNDS, stop_at_first=True)
+    finally:
+        for conn in open_transaction:
+            conn.close()
+    assert reissued, "a draw that never commits survived every crash"
+
+
+def test_the_crash_rounds_see_tokens_handed_out_again_with_synchronous_commit_off(
+    pg: PgCluster, redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other pair: the same statement, committed, with ``synchronous_commit =
+    off`` on the token connection (sa-fence refuses it; the refusal is bypassed)."""
+    monkeypatch.setattr(TokenSource, "check", lambda self: setattr(self, "_checked", True))
+    monkeypatch.setattr(TokenSource, "granted", lambda self, row, name: int(row[0]))
+    engine = sa.create_engine(pg.url(DB), connect_args={"options": "-c synchronous_commit=off"})
+    fencer = make_fencer(redis_client, engine, key_prefix)
+    try:
+        reissued, _ = reissued_after_crashes(pg, fencer, MAX_BROKEN_ROUNDS, stop_at_first=True)
+    finally:
+        fencer.close()
+        engine.dispose()
+    assert reissued, "asynchronous commits survived every crash"
+
+
+# ----------------------------------------------------- crashes mid-operation
+
+
+def test_acknowledged_fenced_commits_survive_a_crash_and_the_register_and_rows_agree(
+    pg: PgCluster, fencer: sa_fence.Fencer, app_engine: sa.Engine
+) -> None:
+    make_session = sa_fence.install(sessionmaker(app_engine))
+    tokens = {}
+    for job_id in (1, 2):
+        lease = fencer.acquire(f"job:{job_id}", 30)
+        with make_session() as session:
+            lease.bind(session)
+            session.add(Job(id=job_id, result=f"written under {lease.token}"))
+            session.flush()
+            session.add(Audit(job_id=job_id, message="same unit of work"))
+            session.commit()
+        tokens[job_id] = lease.token
+    held_pid = fencer._tokens._held.info.backend_pid
+    pg.crash()  # right after the acknowledged commit
+    pg.start()
+
+    rows = dict(pg.sql("SELECT id, fence FROM jobs", DB))
+    assert rows == tokens
+    assert pg.sql("SELECT count(*) FROM audit", DB) == [(2,)]
+    assert register(pg) == {f"job:{job_id}": token for job_id, token in tokens.items()}
+
+    # The fencer reconnects on its own: no error, a new held token connection.
+    newer = fencer.acquire("job:3", 30)
+    assert newer.token > max(tokens.values())
+    again = fencer.acquire("job:4", 30)
+    assert fencer._tokens._held is not None
+    assert fencer._tokens._held.info.backend_pid != held_pid
+    assert again.token > newer.token
+
+
+def _freeze(pid: int) -> None:
+    os.kill(pid, signal.SIGSTOP)
+
+
+def _crash_with_frozen_backend(pg: PgCluster, frozen_pid: int) -> None:
+    """Crash while ``frozen_pid`` is stopped mid-statement; it dies on SIGCONT
+    (SIGQUIT is pending by then), before it reads another byte."""
+    postmaster = pg.begin_crash()
+    wait_for_signal(frozen_pid, signal.SIGQUIT)
+    os.kill(frozen_pid, signal.SIGCONT)
+    pg.wait_gone(postmaster)
+
+
+def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[BaseException]]:
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, failures
+
+
+def test_a_crash_mid_commit_commits_nothing_of_the_unit_of_work(
+    pg: PgCluster, fencer: sa_fence.Fencer, app_engine: sa.Engine
+) -> None:
+    make_session = sa_fence.install(sessionmaker(app_engine))
+    lease = fencer.acquire("job:1", 30)
+    session = lease.bind(make_session())
+    session.add(Job(id=1, result="never committed"))
+    session.flush()
+    session.add(Audit(job_id=1, message="same unit of work"))
+    session.flush()
+    backend = session.connection().exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+    _freeze(backend)
+    committing, failures = _in_thread(session.commit)  # sends "check; COMMIT", waits
+    time.sleep(0.2)
+    assert committing.is_alive()
+    _crash_with_frozen_backend(pg, backend)
+    committing.join(timeout=60)
+    assert not committing.is_alive()
+    assert len(failures) == 1, failures
+    assert isinstance(failures[0], sa.exc.OperationalError), failures
+    session.close()
+    pg.start()
+
+    assert pg.sql("SELECT count(*) FROM jobs", DB) == [(0,)]
+    assert pg.sql("SELECT count(*) FROM audit", DB) == [(0,)]
+    assert register(pg) == {"job:1": lease.token}
+    assert fencer.acquire("job:2", 30).token > lease.token
+
+
+def test_a_crash_while_the_token_draw_is_in_flight_fails_the_acquire_cleanly(
+    pg: PgCluster, fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    first = fencer.acquire("job:1", 30)
+    held = fencer._tokens._held
+    backend = held.info.backend_pid
+    _freeze(backend)
+    outcome: list[sa_fence.Lease] = []
+    drawing, failures = _in_thread(lambda: outcome.append(fencer.acquire("job:2", 30)))
+    time.sleep(0.2)
+    assert drawing.is_alive()  # waiting for the frozen server process
+    _crash_with_frozen_backend(pg, backend)
+    drawing.join(timeout=60)
+    assert not drawing.is_alive()
+
+    assert outcome == []
+    assert len(failures) == 1, failures
+    assert isinstance(failures[0], sa_fence.LeaseBackendError), failures
+    failure = failures[0]
+    assert (failure.backend, failure.operation, failure.name) == ("postgresql", "token", "job:2")
+    # nothing left in Redis: the grant's key was removed (owner-checked)
+    assert not redis_client.exists(fencer.key("job:2"))
+    assert redis_client.exists(fencer.key("job:1"))
+
+    pg.start()
+    later = fencer.acquire("job:2", 30)  # the fencer reconnects on its own
+    assert later.token > first.token
+    assert later.token > max(register(pg).values(), default=0) - 1
+
+
+# ------------------------- the application's pool still holds dead connections
+
+
+def _fill_the_pool(engine: sa.Engine, connections: int = 3) -> None:
+    """Leave ``connections`` idle connections in the engine's pool."""
+    opened = [engine.connect() for _ in range(connections)]
+    for conn in opened:
+        conn.execute(sa.text("SELECT 1"))
+    for conn in opened:
+        conn.close()
+    assert isinstance(engine.pool, sa.pool.QueuePool)
+    assert engine.pool.checkedin() >= connections
+
+
+@pytest.fixture(params=["held connection", "engine with listeners"])
+def path_engine(request: pytest.FixtureRequest, pg: PgCluster) -> Iterator[sa.Engine]:
+    """An engine on each token path: the held psycopg connection (no listeners)
+    or SQLAlchemy's Connection (an engine with a statement listener)."""
+    engine = sa.create_engine(pg.url(DB))
+    if request.param == "engine with listeners":
+        sa.event.listen(engine, "before_cursor_execute", lambda *args: None)
+    yield engine
+    engine.dispose()
+
+
+def test_the_first_acquire_after_a_restart_succeeds_with_a_pool_of_dead_connections(
+    pg: PgCluster, path_engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    fencer = make_fencer(redis_client, path_engine, key_prefix)
+    try:
+        before = fencer.acquire("job:1", 30)
+        _fill_the_pool(path_engine)
+        pg.crash()
+        pg.start()
+        after = fencer.acquire("job:2", 30)  # no error
+        assert after.token > before.token
+        # the application's next checkout gets a live connection too
+        with path_engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT 1")).scalar_one() == 1
+    finally:
+        fencer.close()
+
+
+def test_without_the_retry_the_first_acquire_after_a_restart_fails_on_a_dead_connection(
+    pg: PgCluster, path_engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The pair of the test above: one attempt only, as before the retry."""
+    fencer = make_fencer(redis_client, path_engine, key_prefix)
+    fencer._tokens.draw_attempts = 1
+    try:
+        fencer.acquire("job:1", 30)
+        _fill_the_pool(path_engine)
+        pg.crash()
+        pg.start()
+        with pytest.raises(sa_fence.LeaseBackendError) as failed:
+            fencer.acquire("job:2", 30)
+        assert (failed.value.backend, failed.value.operation) == ("postgresql", "token")
+        assert isinstance(failed.value.cause, sa.exc.OperationalError)
+        assert not redis_client.exists(fencer.key("job:2"))
+    finally:
+        fencer.close()
+
+
+@pytest_asyncio.fixture
+async def crash_async_engine(pg: PgCluster) -> AsyncIterator[AsyncEngine]:
+    engine = create_async_engine(pg.url(DB, driver="postgresql+psycopg_async"))
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+
+
+@pytest_asyncio.fixture
+async def crash_aredis() -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def _fill_the_async_pool(engine: AsyncEngine, connections: int = 3) -> None:
+    opened = [await engine.connect() for _ in range(connections)]
+    for conn in opened:
+        await conn.execute(sa.text("SELECT 1"))
+    for conn in opened:
+        await conn.close()
+
+
+@pytest.mark.parametrize("attempts", [2, 1], ids=["with the retry", "without it"])
+async def test_the_first_async_acquire_after_a_restart_with_a_pool_of_dead_connections(
+    pg: PgCluster,
+    crash_async_engine: AsyncEngine,
+    crash_aredis: aioredis.Redis,
+    key_prefix: str,
+    attempts: int,
+) -> None:
+    fencer = sa_fence.AsyncFencer(
+        crash_aredis, crash_async_engine, sequence=SEQUENCE, key_prefix=key_prefix
+    )
+    fencer._tokens.draw_attempts = attempts
+    before = await fencer.acquire("job:1", 30)
+    await _fill_the_async_pool(crash_async_engine)
+    pg.crash()
+    pg.start()
+    if attempts == 1:
+        with pytest.raises(sa_fence.LeaseBackendError) as failed:
+            await fencer.acquire("job:2", 30)
+        assert isinstance(failed.value.cause, sa.exc.OperationalError)
+        await fencer.close()
+        assert not await crash_aredis.exists(fencer.key("job:2"))
+    else:
+        after = await fencer.acquire("job:2", 30)
+        assert after.token > before.token
+    await fencer.close()
