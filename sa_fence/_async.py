@@ -105,6 +105,28 @@ def check_async_engine(engine: object) -> AsyncEngine:
     return engine
 
 
+def _cancels() -> int:
+    """How many cancellations of the current task are pending (see below)."""
+    task = asyncio.current_task()
+    return 0 if task is None else task.cancelling()
+
+
+def _raise_if_cancel_swallowed(cancels: int) -> None:
+    """Raise ``CancelledError`` if the current task was cancelled since it had
+    ``cancels`` pending, yet the call that was awaited returned normally.
+
+    redis-py sends each command through ``asyncio.wait_for(..., socket_timeout)``,
+    and before Python 3.12 ``wait_for`` returns the inner result instead of
+    raising when the cancellation arrives just as the send completes (CPython
+    gh-86296).  A blocking acquire would then keep waiting for the lease up to
+    its timeout (and might even take it) for a caller that has gone: on a busy
+    machine, often enough to fail a test now and then.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling() > cancels:
+        raise asyncio.CancelledError
+
+
 def _keep_quiet(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved: a shielded task whose caller left is not "never retrieved"
@@ -315,6 +337,7 @@ class AsyncFencer:
             deadline=time.monotonic() + max_wait, failed=proto.FailureBudget(self.timeout)
         )
         waited_from = time.monotonic()
+        cancels = _cancels()
         while True:
             sent_at = time.monotonic()
             try:
@@ -334,6 +357,7 @@ class AsyncFencer:
                     raise await self._error(name, "acquire", exc, attempts.failed) from None
                 await asyncio.sleep(wait)
                 continue
+            _raise_if_cancel_swallowed(cancels)
             outcome, holder_token = proto.parse_acquire_reply(reply)
             if outcome != proto.HELD:
                 return attempts.sent(sent_at)

@@ -450,3 +450,48 @@ async def test_a_blocking_acquire_cancelled_while_waiting_leaves_only_the_holder
     assert keys(redis_client, key_prefix) == [held.key.encode()]
     assert redis_client.get(held.key) == f"{held.owner}:{held.token}".encode()
     assert await held.release() is True
+
+
+async def test_a_cancellation_the_redis_client_swallows_still_ends_a_blocking_acquire(
+    afencer: sa_fence.AsyncFencer,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Why the test above failed now and then on a busy machine, pinned without load.
+
+    redis-py sends every command through ``asyncio.wait_for(send, socket_timeout)``;
+    before Python 3.12 that returns the send's result instead of raising when the
+    cancellation arrives just as the send completes (CPython gh-86296).  Under load
+    the 0.3 s timeout above landed there now and then: the acquire never saw its
+    cancellation, kept waiting for the held lease for its whole 20 s, and ended in
+    LeaseNotAcquiredError.  Here the cancellation is swallowed at the same place on
+    purpose; the acquire must still stop at once and leave only the holder's lease.
+    """
+    held = await afencer.acquire("job:37", 30)
+    real = afencer._acquire
+    swallowed: list[bool] = []
+
+    async def acquire_that_swallows_one_cancellation(*args: Any, **kwargs: Any) -> Any:
+        reply = await real(*args, **kwargs)
+        if not swallowed:
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()  # the caller's cancellation lands inside the client...
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                swallowed.append(True)  # ...which returns the reply anyway
+        return reply
+
+    monkeypatch.setattr(afencer, "_acquire", acquire_that_swallows_one_cancellation)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    call = asyncio.create_task(afencer.acquire("job:37", 30, blocking=True, timeout=5))
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert swallowed == [True]
+    assert loop.time() - started < 4, "the acquire kept waiting after it was cancelled"
+    await _settle(afencer)
+    assert keys(redis_client, key_prefix) == [held.key.encode()]
+    assert await held.release() is True
