@@ -29,6 +29,12 @@ with ``fence_column()``); without it, every table that has a column named
 
 ``repair-sequence`` moves the sequence past the largest fence and the
 largest registered token, plus a margin (it never moves it backwards).
+With ``--after-failover`` (a promoted asynchronous replica, a point-in-time
+or backup restore: the newest grants may be lost) it also moves past the
+sequence's own last value, since tokens the lost primary handed out after
+the last one that reached this server are known to no surviving row, and it
+fences out every lease granted before: each name of the register gets a new
+token, so no holder from before the failover can commit again.
 """
 
 from __future__ import annotations
@@ -611,10 +617,14 @@ class RepairPlan:
     #: max(token) of the sequence's lease register (0: none, or no register)
     max_register_token: int
     target: int
+    #: after a failover or restore: past the last value too, and fence out the register
+    after_failover: bool = False
+    #: names in the register (each gets a new token when after_failover)
+    register_names: int = 0
 
     @property
     def needed(self) -> bool:
-        return self.target > self.last_value
+        return self.target > self.last_value or (self.after_failover and self.register_names > 0)
 
 
 def plan_repair(
@@ -624,6 +634,7 @@ def plan_repair(
     metadata: sa.MetaData | None = None,
     column: str = "fence",
     margin: int,
+    after_failover: bool = False,
 ) -> RepairPlan:
     if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
         raise ValueError(f"margin must be a whole number >= 0, got {margin!r}")
@@ -639,12 +650,39 @@ def plan_repair(
         )
     # After a failover or a restore the register can be ahead of the rows.
     max_register_token = report.max_register_token or 0
-    target = max(report.max_fence, max_register_token) + margin
-    return RepairPlan(sequence, report.last_value, report.max_fence, max_register_token, target)
+    base = max(report.max_fence, max_register_token)
+    names = 0
+    if after_failover:
+        # A promoted asynchronous replica (or a restore) has lost the newest
+        # grants: the lost primary handed out tokens past this sequence's last
+        # value that no surviving row or register entry carries.
+        base = max(base, report.last_value)
+        names = _register_names(conn, sequence)
+    return RepairPlan(
+        sequence,
+        report.last_value,
+        report.max_fence,
+        max_register_token,
+        base + margin,
+        after_failover=after_failover,
+        register_names=names,
+    )
+
+
+def _register_names(conn: sa.Connection, sequence: str) -> int:
+    table = Register(sequence).table_sql
+    if conn.execute(sa.text("SELECT to_regclass(:t)"), {"t": table}).scalar() is None:
+        return 0
+    return int(conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one())
 
 
 def apply_repair(conn: sa.Connection, plan: RepairPlan) -> int:
-    """``setval`` the sequence to ``plan.target`` (never backwards); returns its new value."""
+    """``setval`` the sequence to ``plan.target`` (never backwards); returns its new value.
+
+    With ``plan.after_failover`` every name of the register then gets a new
+    token drawn past it (see :func:`fence_out_register`), in the same
+    transaction.
+    """
     schema, name = _split_sequence(plan.sequence)
     quoted = qualified(name, schema)
     value = conn.execute(
@@ -655,7 +693,33 @@ def apply_repair(conn: sa.Connection, plan: RepairPlan) -> int:
         ),
         {"seq": quoted, "target": plan.target},
     ).scalar_one()
+    if plan.after_failover:
+        fence_out_register(conn, plan.sequence)
     return int(value)
+
+
+def fence_out_register(conn: sa.Connection, sequence: str) -> int:
+    """Give every name of the register a new token from ``sequence`` (the register's
+    own repair); returns how many names.
+
+    After a failover that lost grants, the register holds an older token for a
+    name again: the holder of that token (whose lease a lost grant had ended)
+    would pass the commit check once more.  A new token for every name fences
+    out every lease granted before; ``previous`` is cleared so that no
+    withdrawal can bring an old token back.  The next grant of a name simply
+    replaces its token, as always.
+    """
+    register = Register(sequence)
+    if conn.execute(sa.text("SELECT to_regclass(:t)"), {"t": register.table_sql}).scalar() is None:
+        return 0
+    result = conn.execute(
+        sa.text(
+            f"UPDATE {register.table_sql} SET token = nextval(CAST(:seq AS regclass)), "
+            "previous = NULL, granted_at = clock_timestamp()"
+        ),
+        {"seq": register.sequence_sql},
+    )
+    return int(result.rowcount)
 
 
 def run_check(
@@ -691,10 +755,18 @@ def run_repair(
     err: TextIO,
     *,
     app_dir: str = ".",
+    after_failover: bool = False,
 ) -> int:
     def go(conn: sa.Connection, md: sa.MetaData | None) -> int:
         try:
-            plan = plan_repair(conn, sequence=sequence, metadata=md, column=column, margin=margin)
+            plan = plan_repair(
+                conn,
+                sequence=sequence,
+                metadata=md,
+                column=column,
+                margin=margin,
+                after_failover=after_failover,
+            )
         except LookupError as exc:
             print(f"sa-fence repair-sequence: {exc}", file=err)
             return EXIT_FINDINGS
@@ -705,6 +777,13 @@ def run_repair(
             f"({Register(sequence).table_display}); margin {margin}",
             file=out,
         )
+        if plan.after_failover:
+            print(
+                f"after a failover: past the last value too (tokens the lost primary handed "
+                f"out are on no surviving row); {plan.register_names} lease name(s) in the "
+                "register to fence out",
+                file=out,
+            )
         if not plan.needed:
             print(
                 f"Nothing to do: the sequence is already at or past {plan.target} "
@@ -712,20 +791,41 @@ def run_repair(
                 file=out,
             )
             return EXIT_OK
+        fence_out = (
+            f" and fence out the {plan.register_names} lease name(s) of the register"
+            if plan.after_failover and plan.register_names
+            else ""
+        )
         if not yes:
             answer = confirm(
-                f"Move {sequence} from {plan.last_value} to {plan.target}? Stop the "
-                "workers first. [y/N] "
+                f"Move {sequence} from {plan.last_value} to {plan.target}{fence_out}? Stop "
+                "the workers first. [y/N] "
             )
             if answer.strip().lower() not in ("y", "yes"):
                 print("Aborted: nothing changed.", file=out)
                 return EXIT_FINDINGS
         with conn.begin():
             value = apply_repair(conn, plan)
-        print(f"Moved {sequence} to {value}; the next token is {value + 1}.", file=out)
+            now = _last_value_now(conn, sequence)
+        if fence_out:
+            print(
+                f"Moved {sequence} to {value}; every lease name of the register now holds a "
+                f"new token ({value + 1} to {now}), so no lease granted before can commit; "
+                f"the next token is {now + 1}.",
+                file=out,
+            )
+        else:
+            print(f"Moved {sequence} to {value}; the next token is {value + 1}.", file=out)
         return EXIT_OK
 
     return _with_connection(url, metadata_spec, err, go, app_dir=app_dir)
+
+
+def _last_value_now(conn: sa.Connection, sequence: str) -> int:
+    schema, name = _split_sequence(sequence)
+    return int(
+        conn.execute(sa.text(f"SELECT last_value FROM {qualified(name, schema)}")).scalar_one()
+    )
 
 
 def _shown(url: str) -> str:

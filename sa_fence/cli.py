@@ -150,6 +150,7 @@ def _repair_sequence(args: argparse.Namespace) -> int:
         sys.stdout,
         sys.stderr,
         app_dir=args.app_dir,
+        after_failover=args.after_failover,
     )
 
 
@@ -310,6 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"yet written (default: {DEFAULT_MARGIN})",
     )
     repair.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    repair.add_argument(
+        "--after-failover",
+        action="store_true",
+        help="the newest grants may be lost (a promoted asynchronous replica, a point-in-"
+        "time or backup restore): also move past the sequence's own last value, and give "
+        "every lease name of the register a new token so that no lease granted before can "
+        "commit (docs/reliability.md)",
+    )
     repair.set_defaults(handler=_repair_sequence)
 
     bench = commands.add_parser(
