@@ -118,13 +118,21 @@ class Register:
 
     def grant_sql(self) -> str:
         """The draw-and-register statement (psycopg pyformat: ``%(name)s``)."""
-        return _GRANT_SQL.format(register=self.table_sql)
+        return self._grant_sql
 
     def grant_text(self) -> Any:
         """:meth:`grant_sql` as a SQLAlchemy ``text()`` (``:name`` binds)."""
+        return self._grant_text
+
+    # Built once per register (a grant is on the lease cycle's hot path).
+    @cached_property
+    def _grant_sql(self) -> str:
+        return _GRANT_SQL.format(register=self.table_sql)
+
+    @cached_property
+    def _grant_text(self) -> Any:
         return text(
-            _GRANT_SQL.format(register=self.table_sql)
-            .replace("%(name)s", ":name")
+            self._grant_sql.replace("%(name)s", ":name")
             .replace("%(sequence)s", ":sequence")
             .replace("%(register)s", ":register")
             .replace("%(lock_timeout)s", ":lock_timeout")
