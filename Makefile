@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sa-fence-installed
 
-.PHONY: demo test lint typecheck bench dashboard services topology-tools docs clean
+.PHONY: demo test lint typecheck bench dashboard chaos services topology-tools docs clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "sa-fence needs Python >= 3.11; set PYTHON=python3.11")'
@@ -55,6 +55,12 @@ bench: $(BENCH_STAMP) services
 # The sample dashboard of docs/observability.md, from a 30 s run.
 dashboard: $(BENCH_STAMP) services
 	$(PY) -m tests.benchmarks.dashboard
+
+# The Jepsen-style harness (tests/chaos/, docs/reliability.md): about 10,000
+# fenced operations under faults, then the same run unfenced; private servers
+# only (a PostgreSQL cluster and a redis-server of its own), a few minutes.
+chaos: $(STAMP)
+	$(PY) -m tests.chaos $(CHAOS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site
