@@ -271,6 +271,35 @@ def test_a_promoted_synchronous_replica_has_every_acknowledged_grant_and_needs_n
         assert sequence_findings(replica) == []  # nothing to repair
 
 
+def test_a_cancelled_wait_for_the_synchronous_replica_hands_out_a_token_promotion_repeats(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The documented exception (docs/reliability.md): PostgreSQL ends a cancelled
+    wait for the synchronous standby with a WARNING and reports the commit as done,
+    so the grant returns a token that only the lost primary has."""
+    with primary_and_replica(synchronous=True) as (primary, replica, proxy):
+        with fencer_on(primary, redis_client, key_prefix) as (fencer, _engine):
+            fencer.check()
+            proxy.hold()
+            canceller = threading.Timer(
+                1.0,
+                lambda: primary.sql(
+                    "SELECT pg_cancel_backend(pid) FROM pg_stat_activity "
+                    "WHERE wait_event = 'SyncRep'"
+                ),
+            )
+            canceller.start()
+            try:
+                lease = fencer.acquire("job:1", 30)  # returns, after the cancel
+            finally:
+                canceller.join()
+        primary.crash()
+        proxy.cut()
+        replica.promote()
+        assert register(replica) == {}
+        assert next_token(replica) <= lease.token  # handed out again
+
+
 def sequence_findings(cluster: PgCluster) -> list[str]:
     """What ``sa-fence check`` finds about the sequence (the test schema has no guards)."""
     engine = sa.create_engine(cluster.url(DB), poolclass=sa.pool.NullPool)

@@ -9,6 +9,7 @@ anomaly and the unfenced run has some (the checker sees what it must);
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         "--unfenced-ops", type=int, default=None, help="operations of the unfenced run"
     )
     args = parser.parse_args(argv)
+    # SIGTERM (a CI timeout, kill) ends the run through the finally blocks, so
+    # the private servers are stopped and their folders removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     config = ChaosConfig(
         workers=args.workers,
         ops=args.ops,
