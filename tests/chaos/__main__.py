@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from tests.chaos.nemesis import DEFAULT_FAULTS
 from tests.chaos.run import ChaosConfig, chaos_environment, run
@@ -33,6 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=["both", "fenced", "unfenced"], default="both")
     parser.add_argument(
         "--unfenced-ops", type=int, default=None, help="operations of the unfenced run"
+    )
+    parser.add_argument(
+        "--history",
+        type=Path,
+        default=None,
+        help="keep each run's history here (attempts, faults, commits in commit order, "
+        "anomalies; JSON lines)",
     )
     args = parser.parse_args(argv)
     # SIGTERM (a CI timeout, kill) ends the run through the finally blocks, so
@@ -57,12 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode in ("both", "fenced"):
             result = run(env, config, progress=progress)
             print(result.report(), flush=True)
+            if args.history:
+                print(f"  history: {result.save(args.history)}")
             if result.anomalies:
                 status = 1
         if args.mode in ("both", "unfenced"):
             unfenced = replace(config, fenced=False, ops=args.unfenced_ops or config.ops)
             result = run(env, unfenced, progress=progress)
             print(result.report(), flush=True)
+            if args.history:
+                print(f"  history: {result.save(args.history)}")
             if not result.anomalies:
                 print("  (expected anomalies here: the checker missed them)")
                 status = 1

@@ -55,6 +55,8 @@ class Change:
 class Transaction:
     xid: int
     changes: list[Change] = field(default_factory=list)
+    #: the LSN of its commit record (the position in the commit order)
+    lsn: str = ""
 
 
 @dataclass
@@ -91,15 +93,21 @@ def _value(type_name: str, text: str) -> Any:
     return text
 
 
-def parse_decoding(lines: Iterable[str]) -> list[Transaction]:
-    """``test_decoding`` output (with ``include-xids``) -> transactions in commit order."""
+def parse_decoding(lines: Iterable[str | tuple[str, str]]) -> list[Transaction]:
+    """``test_decoding`` output (with ``include-xids``) -> transactions in commit order.
+
+    Each line is the ``data`` column, or an ``(lsn, data)`` pair: the COMMIT
+    line's LSN is then the transaction's commit LSN.
+    """
     transactions: list[Transaction] = []
     current: Transaction | None = None
-    for line in lines:
+    for entry in lines:
+        lsn, line = entry if isinstance(entry, tuple) else ("", entry)
         if line.startswith("BEGIN"):
             current = Transaction(int(line.split()[1]))
         elif line.startswith("COMMIT"):
             if current is not None and current.changes:
+                current.lsn = lsn
                 transactions.append(current)
             current = None
         else:
@@ -150,7 +158,7 @@ def check(
                         "stale-commit",
                         f"unit of work {audit['uow']} under {audit['name']} token "
                         f"{audit['token']} committed while the register held "
-                        f"{newest} (commit #{position})",
+                        f"{newest} (commit #{position}, LSN {txn.lsn})",
                     )
                 )
         for grant in grants:

@@ -8,7 +8,9 @@ schedule goes round the enabled kinds in a shuffled order, one fault every
 A hook for other topologies: Redis Sentinel failover (issue 10's topology
 work) plugs in as one more entry, e.g.
 ``FAULTS["sentinel-failover"] = lambda env, rng: env.extra["sentinels"].failover()``,
-with the workers' Redis client made by ``ChaosEnv.redis_client_factory``.
+with the servers it needs in ``ChaosEnv.extra`` and the workers' Redis
+client made by ``ChaosConfig.redis_factory`` (``"module:function"``, called
+in each worker with its :class:`~tests.chaos.worker.WorkerConfig`).
 """
 
 from __future__ import annotations

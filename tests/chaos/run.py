@@ -13,6 +13,7 @@ heal everything, read the commit stream and the final tables, and check.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -155,6 +156,8 @@ class ChaosConfig:
     #: end the run once the nemesis went round every enabled kind this often
     #: (None: run to ``ops`` or ``max_seconds``)
     fault_cycles: int | None = None
+    #: the workers' Redis client for another topology (see WorkerConfig)
+    redis_factory: str | None = None
 
 
 @dataclass
@@ -165,7 +168,28 @@ class ChaosResult:
     faults: list[checker.FaultWindow]
     check: checker.CheckResult
     nemesis_errors: list[str]
-    transactions: int
+    #: every committed transaction, in commit order (from the WAL)
+    commits: list[checker.Transaction]
+
+    @property
+    def transactions(self) -> int:
+        return len(self.commits)
+
+    def save(self, folder: Path) -> Path:
+        """Write the history (attempts, faults, commits, anomalies) as JSON lines."""
+        mode = "fenced" if self.config.fenced else "unfenced"
+        target = folder / f"chaos-{mode}-seed{self.config.seed}"
+        target.mkdir(parents=True, exist_ok=True)
+        with open(target / "attempts.jsonl", "w") as out:
+            out.writelines(json.dumps(a) + "\n" for a in self.attempts)
+        with open(target / "faults.jsonl", "w") as out:
+            out.writelines(json.dumps(dataclasses.asdict(f)) + "\n" for f in self.faults)
+        with open(target / "commits.jsonl", "w") as out:
+            out.writelines(json.dumps(dataclasses.asdict(c)) + "\n" for c in self.commits)
+        with open(target / "anomalies.jsonl", "w") as out:
+            out.writelines(json.dumps(dataclasses.asdict(a)) + "\n" for a in self.anomalies)
+        (target / "report.txt").write_text(self.report() + "\n")
+        return target
 
     @property
     def anomalies(self) -> list[checker.Anomaly]:
@@ -250,14 +274,14 @@ def _commit_stream(env: ChaosEnv, database: str) -> list[checker.Transaction]:
     slot = f"{SLOT}_{database}"[:63]
     try:
         with engine.connect() as conn:
-            lines = conn.execute(
+            rows = conn.execute(
                 sa.text(
-                    "SELECT data FROM pg_logical_slot_get_changes(:slot, NULL, NULL, "
-                    "'include-xids', '1', 'skip-empty-xacts', '1')"
+                    "SELECT lsn::text, data FROM pg_logical_slot_get_changes(:slot, NULL, "
+                    "NULL, 'include-xids', '1', 'skip-empty-xacts', '1')"
                 ),
                 {"slot": slot},
-            ).scalars()
-            transactions = checker.parse_decoding(lines)
+            )
+            transactions = checker.parse_decoding((lsn, data) for lsn, data in rows)
             conn.execute(sa.text("SELECT pg_drop_replication_slot(:slot)"), {"slot": slot})
             conn.commit()
     finally:
@@ -317,6 +341,7 @@ def run(
             fenced=config.fenced,
             seed=config.seed * 1000 + i,
             think_ms=config.think_ms,
+            redis_factory=config.redis_factory,
         )
         process = context.Process(
             target=worker_main, args=(worker_config.to_json(), states[i], stop), daemon=True
@@ -365,5 +390,5 @@ def run(
         faults=nemesis.windows,
         check=result,
         nemesis_errors=nemesis.errors,
-        transactions=len(transactions),
+        commits=transactions,
     )

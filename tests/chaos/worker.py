@@ -26,6 +26,7 @@ COMMIT, so the nemesis can freeze it exactly then.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import random
@@ -50,6 +51,9 @@ class WorkerConfig:
     fenced: bool
     seed: int
     think_ms: float = 5.0
+    #: "module:function" making the worker's Redis client from this config (another
+    #: topology, e.g. Sentinel); None: a plain client on ``redis_port``
+    redis_factory: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -85,13 +89,17 @@ class Worker:
             # bounded waits: a cut or crashed server fails an operation, never hangs it
             connect_args={"connect_timeout": 3, "options": "-c statement_timeout=15000"},
         )
-        self.redis = redis.Redis(
-            host="127.0.0.1",
-            port=config.redis_port,
-            socket_timeout=0.5,
-            socket_connect_timeout=0.5,
-            retry=Retry(NoBackoff(), 0),  # sa-fence resends, within its budget
-        )
+        if config.redis_factory:
+            module, _, function = config.redis_factory.partition(":")
+            self.redis = getattr(importlib.import_module(module), function)(config)
+        else:
+            self.redis = redis.Redis(
+                host="127.0.0.1",
+                port=config.redis_port,
+                socket_timeout=0.5,
+                socket_connect_timeout=0.5,
+                retry=Retry(NoBackoff(), 0),  # sa-fence resends, within its budget
+            )
         self.fencer = sa_fence.Fencer(
             self.redis, self.engine, sequence=SEQUENCE, key_prefix=config.key_prefix, timeout=2.0
         )
