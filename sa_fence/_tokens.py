@@ -251,23 +251,22 @@ def token_error(
             f"{operation} of lease {name!r} failed: PostgreSQL refused the set-up ({cause}). {fix}",
             cause=exc,
         )
-    # A token draw is not resent (each draw advances the sequence and the
-    # register).  Whether it committed is unknown only when the connection was
-    # lost after the statement was sent: not after an error reply, nor when
-    # the connection could not be made.
-    unknown = (
-        operation == "token"
-        and kind == proto.OUTAGE
-        and sqlstate is None
-        and "connection failed" not in cause.lower()
-    )
+    # A token draw is resent only when its connection was lost (see
+    # TokenSource.should_redraw, which notes the sends).  Whether it committed
+    # is unknown only when a connection was lost after the statement was
+    # sent: not after an error reply, nor when the connection could not be made.
+    sends = getattr(exc, "sa_fence_sends", 1)
+    maybe_ran = getattr(exc, "sa_fence_maybe_ran", None)
+    if maybe_ran is None:
+        maybe_ran = sqlstate is None and "connection failed" not in cause.lower()
+    unknown = operation == "token" and kind == proto.OUTAGE and maybe_ran
     failure = proto.Failure(kind, unknown, cause)
     return LeaseBackendError(
         backend="postgresql",
         operation=operation,
         name=name,
         cause=exc,
-        detail=proto.outage_detail("PostgreSQL", failure, 1),
+        detail=proto.outage_detail("PostgreSQL", failure, max(1, sends)),
     )
 
 
@@ -386,11 +385,24 @@ class TokenSource:
                     raise
                 attempt += 1
 
-    def should_redraw(self, exc: DBAPIError, attempt: int, name: str) -> bool:
+    def should_redraw(
+        self, exc: DBAPIError, attempt: int, name: str, *, sent_before: int = 0
+    ) -> bool:
         """After failed draw number ``attempt``: send the grant again?  Only when
         its connection was lost (SQLAlchemy's ``connection_invalidated``), and
-        at most :attr:`draw_attempts` times in all."""
+        at most :attr:`draw_attempts` times in all.  When not, ``exc`` is noted
+        for :func:`token_error` with how many times the statement was sent in
+        all (``sent_before``: sent on the held connection first, and lost) and
+        whether one of those sends may have run (its connection was lost)."""
         if not exc.connection_invalidated or attempt >= self.draw_attempts:
+            # the attempts before were sent and lost; this one was sent unless
+            # its connection could not be made (no statement then)
+            sent = exc.statement is not None
+            note: Any = exc
+            note.sa_fence_sends = sent_before + attempt - 1 + sent
+            note.sa_fence_maybe_ran = bool(
+                sent_before or attempt > 1 or (sent and exc.connection_invalidated)
+            )
             return False
         log.info(
             "the token draw for lease %r lost its connection (%s); drawing again on a fresh one",
@@ -450,10 +462,12 @@ class TokenSource:
         are raised as SQLAlchemy's ``DBAPIError``, as before; a connection
         that failed is never used again.
         """
+        held_sent = 0
         if self._held_lock.acquire(blocking=False):
             try:
                 held = self._held_connection()
                 try:
+                    held_sent = 1
                     return self._draw(held, params)
                 except Exception as exc:
                     if not (held.closed or held.broken):
@@ -475,7 +489,7 @@ class TokenSource:
             try:
                 return self._draw_pooled(params)
             except DBAPIError as exc:
-                if not self.should_redraw(exc, attempt, params["name"]):
+                if not self.should_redraw(exc, attempt, params["name"], sent_before=held_sent):
                     raise
                 attempt += 1
 

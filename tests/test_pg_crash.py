@@ -317,6 +317,8 @@ def test_a_crash_while_the_token_draw_is_in_flight_fails_the_acquire_cleanly(
     assert isinstance(failures[0], sa_fence.LeaseBackendError), failures
     failure = failures[0]
     assert (failure.backend, failure.operation, failure.name) == ("postgresql", "token", "job:2")
+    # sent once, on the held connection, which was lost: it may have run
+    assert "sent once); the outcome is unknown" in str(failure)
     # nothing left in Redis: the grant's key was removed (owner-checked)
     assert not redis_client.exists(fencer.key("job:2"))
     assert redis_client.exists(fencer.key("job:1"))
@@ -385,6 +387,10 @@ def test_without_the_retry_the_first_acquire_after_a_restart_fails_on_a_dead_con
             fencer.acquire("job:2", 30)
         assert (failed.value.backend, failed.value.operation) == ("postgresql", "token")
         assert isinstance(failed.value.cause, sa.exc.OperationalError)
+        assert "the outcome is unknown" in str(failed.value)
+        # the held connection's send, then the pooled one's (listeners: pooled only)
+        sends = "sent once" if path_engine._has_events else "sent 2 times"
+        assert sends in str(failed.value)
         assert not redis_client.exists(fencer.key("job:2"))
     finally:
         fencer.close()
