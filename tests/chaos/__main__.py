@@ -3,7 +3,8 @@
 Prints, for each: operations by outcome, faults by kind, anomalies, and
 availability per fault kind.  Exit status 0 when the fenced run has no
 anomaly and the unfenced run has some (the checker sees what it must);
-1 otherwise.
+1 otherwise.  ``--mode row-fence-only`` runs the fenced workers with lease
+scope off (the row fence alone), which must show anomalies too.
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--faults", default=",".join(DEFAULT_FAULTS), help="comma-separated fault kinds"
     )
-    parser.add_argument("--mode", choices=["both", "fenced", "unfenced"], default="both")
+    parser.add_argument(
+        "--mode",
+        choices=["both", "fenced", "unfenced", "row-fence-only"],
+        default="both",
+        help="both: fenced, then unfenced; row-fence-only: fenced with lease scope off",
+    )
     parser.add_argument(
         "--unfenced-ops", type=int, default=None, help="operations of the unfenced run"
     )
@@ -62,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"... {message}", file=sys.stderr, flush=True)
 
     with chaos_environment() as env:
+        if args.mode == "row-fence-only":
+            result = run(env, replace(config, lease_scope=False), progress=progress)
+            print(result.report(), flush=True)
+            if args.history:
+                print(f"  history: {result.save(args.history)}")
+            return 0 if result.anomalies else 1
         if args.mode in ("both", "fenced"):
             result = run(env, config, progress=progress)
             print(result.report(), flush=True)

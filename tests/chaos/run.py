@@ -158,6 +158,8 @@ class ChaosConfig:
     fault_cycles: int | None = None
     #: the workers' Redis client for another topology (see WorkerConfig)
     redis_factory: str | None = None
+    #: fenced runs: False leaves the row fence alone (no register check at COMMIT)
+    lease_scope: bool = True
 
 
 @dataclass
@@ -178,6 +180,8 @@ class ChaosResult:
     def save(self, folder: Path) -> Path:
         """Write the history (attempts, faults, commits, anomalies) as JSON lines."""
         mode = "fenced" if self.config.fenced else "unfenced"
+        if self.config.fenced and not self.config.lease_scope:
+            mode = "row-fence-only"
         target = folder / f"chaos-{mode}-seed{self.config.seed}"
         target.mkdir(parents=True, exist_ok=True)
         with open(target / "attempts.jsonl", "w") as out:
@@ -200,11 +204,12 @@ class ChaosResult:
 
     def report(self) -> str:
         config = self.config
-        mode = (
-            "fenced (lease scope and row fence on)"
-            if config.fenced
-            else "UNFENCED (plain sessions: no lease scope, no row fence)"
-        )
+        if not config.fenced:
+            mode = "UNFENCED (plain sessions: no lease scope, no row fence)"
+        elif not config.lease_scope:
+            mode = "ROW FENCE ONLY (lease scope off)"
+        else:
+            mode = "fenced (lease scope and row fence on)"
         lines = [
             f"chaos run, {mode}: {config.workers} workers, {config.rows} rows, "
             f"ttl {config.ttl:g} s, seed {config.seed}, {self.seconds:.1f} s",
@@ -342,6 +347,7 @@ def run(
             seed=config.seed * 1000 + i,
             think_ms=config.think_ms,
             redis_factory=config.redis_factory,
+            lease_scope=config.lease_scope,
         )
         process = context.Process(
             target=worker_main, args=(worker_config.to_json(), states[i], stop), daemon=True

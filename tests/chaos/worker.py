@@ -54,6 +54,8 @@ class WorkerConfig:
     #: "module:function" making the worker's Redis client from this config (another
     #: topology, e.g. Sentinel); None: a plain client on ``redis_port``
     redis_factory: str | None = None
+    #: fenced runs only: False switches lease scope off (the row fence alone)
+    lease_scope: bool = True
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -103,6 +105,14 @@ class Worker:
         self.fencer = sa_fence.Fencer(
             self.redis, self.engine, sequence=SEQUENCE, key_prefix=config.key_prefix, timeout=2.0
         )
+        if config.fenced and not config.lease_scope:
+            # the comparison at COMMIT switched off: each COMMIT goes out unchecked
+            from sa_fence import _flush
+
+            def commit_unchecked(conn: Any) -> None:
+                _flush._scopes.pop(conn, None)
+
+            _flush._check_scope_and_commit = commit_unchecked
         maker = sessionmaker(self.engine)
         self.make_session = sa_fence.install(maker) if config.fenced else maker
         self.history = open(config.history, "a", buffering=1)  # noqa: SIM115 (closed in run)
