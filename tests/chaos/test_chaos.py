@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +18,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[ChaosEnv]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not on PATH")
     with chaos_environment() as environment:
         yield environment
 
