@@ -1,4 +1,4 @@
-"""Recording the SQL an engine sends (for tests that pin what reaches the server)."""
+"""Test helpers: recording the SQL an engine sends, and seeding fenced rows."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+import sa_fence
 
 
 @contextmanager
@@ -22,3 +25,12 @@ def recorded_statements(engine: sa.Engine) -> Iterator[list[str]]:
         yield sent
     finally:
         sa.event.remove(engine, "before_cursor_execute", record)
+
+
+def seed(fencer: sa_fence.Fencer, make_session: sessionmaker[Session], *objs: Any) -> int:
+    """Write ``objs`` under a lease of their own; returns its token."""
+    with fencer.lease("seed", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add_all(objs)
+        session.commit()
+        return lease.token

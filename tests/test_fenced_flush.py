@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
 from sa_fence import _flush
-from tests._sql import recorded_statements
+from tests._sql import recorded_statements, seed
 from tests.models import Audit, Cell, Job
 
 
@@ -24,14 +24,6 @@ def statements(engine: sa.Engine) -> Iterator[list[str]]:
     """Every SQL statement the engine sends while the test runs."""
     with recorded_statements(engine) as sent:
         yield sent
-
-
-def seed(fencer: sa_fence.Fencer, make_session: sessionmaker[Session], *objs: Any) -> int:
-    with fencer.lease("seed", 5) as lease, make_session() as session:
-        lease.bind(session)
-        session.add_all(objs)
-        session.commit()
-        return lease.token
 
 
 def row(engine: sa.Engine, job_id: int) -> tuple[Any, ...] | None:

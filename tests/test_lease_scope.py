@@ -47,7 +47,7 @@ import sa_fence
 from sa_fence import _flush
 from sa_fence.testing import expire
 from tests._fresh_db import fresh_database
-from tests._sql import recorded_statements
+from tests._sql import recorded_statements, seed
 from tests.models_scope import (
     TABLES,
     Child,
@@ -109,15 +109,6 @@ def statements(scope_engine: sa.Engine) -> Iterator[list[str]]:
 
 
 # ------------------------------------------------------------------- helpers
-
-
-def seed(fencer: sa_fence.Fencer, make_session: sessionmaker[Session], *objs: Any) -> int:
-    """Write ``objs`` under a lease of their own; returns its token."""
-    with fencer.lease("seed", 5) as lease, make_session() as session:
-        lease.bind(session)
-        session.add_all(objs)
-        session.commit()
-        return lease.token
 
 
 def grant_to_another_holder(fencer: sa_fence.Fencer, a: sa_fence.Lease) -> sa_fence.Lease:
