@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
 from sa_fence.testing import expire
-from tests.models import Job
+from tests.models import Audit, Job
 
 
 def register_row(engine: sa.Engine, name: str) -> Any:
@@ -224,3 +224,43 @@ def test_comparing_urls_alone_would_let_the_stale_commit_through(
     monkeypatch.setattr(_flush, "_read_database_id", lambda conn: ("elsewhere",))
     fencer.check()  # the fencer knows its own database's identity
     assert stale_commit_through(fencer, engine.url.set(host="localhost"), engine) is None
+
+
+def test_a_stale_holders_writes_inside_a_released_savepoint_are_refused_at_commit(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """Savepoints: what a released SAVEPOINT wrote is the root transaction's, and
+    the root COMMIT is what the register check guards."""
+    a = fencer.acquire("job:1", 5)
+    with make_session() as session:
+        a.bind(session)
+        with session.begin_nested():
+            session.add(Audit(id=1, message="A, in a savepoint"))
+        expire(a)
+        fencer.acquire("job:1", 5)
+        with pytest.raises(sa_fence.StaleTokenError, match="commit refused"):
+            session.commit()
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM audit")).scalar_one() == 0
+
+
+async def test_a_stale_async_sessions_insert_into_an_unfenced_table_is_refused_at_commit(
+    afencer: sa_fence.AsyncFencer,
+    make_async_session: Any,
+    engine: sa.Engine,
+    redis_client: redis.Redis,
+) -> None:
+    """asyncio: the AsyncSession's COMMIT carries the same register check."""
+    a = await afencer.acquire("job:1", 5)
+    async with make_async_session() as session:
+        a.bind(session)
+        session.add(Audit(id=2, message="A, after B's grant"))
+        await session.flush()
+        redis_client.delete(a.key)  # A's lease runs out while it is paused
+        b = await afencer.acquire("job:1", 5)
+        with pytest.raises(sa_fence.StaleTokenError) as refused:
+            await session.commit()
+    assert (refused.value.statement, refused.value.newest_token) == ("COMMIT", b.token)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM audit")).scalar_one() == 0
+    await b.release()
