@@ -9,7 +9,7 @@ reconfigured.
 * :func:`redis_cluster`: three cluster-enabled masters joined with
   ``redis-cli --cluster create``.
 * :func:`sentinel_topology`: a master, a replica that replicates through a
-  :class:`ReplicationLink` (which the test can cut, so that the replica never
+  :class:`tests._tcp_proxy.TcpProxy` (which the test can hold, so that the replica never
   receives a write), and three Sentinels (``redis-server --sentinel``).
 * :func:`tls_redis`: a redis-server on a TLS port, with a CA and a server
   certificate made by the ``openssl`` CLI at test time.
@@ -26,7 +26,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,6 +34,8 @@ from pathlib import Path
 
 import pytest
 import redis
+
+from tests._tcp_proxy import TcpProxy
 
 HOST = "127.0.0.1"
 #: The minimal ACL rule for sa-fence's Redis user (docs/topologies.md, "Redis
@@ -231,79 +232,12 @@ def redis_cluster(masters: int = 3) -> Iterator[Cluster]:
 # ----------------------------------------------------------------- Sentinel
 
 
-class ReplicationLink:
-    """A TCP relay the replica replicates through; :meth:`cut` drops everything
-    the master sends from then on, so the replica never receives those writes
-    (asynchronous replication losing the last writes, made deterministic)."""
-
-    def __init__(self, upstream: int) -> None:
-        self.upstream = upstream
-        self._listener = socket.create_server((HOST, 0))
-        self._listener.settimeout(0.05)
-        self.port: int = self._listener.getsockname()[1]
-        self._cut = threading.Event()
-        self._closed = False
-        self._sockets: list[socket.socket] = []
-        self._threads: list[threading.Thread] = []
-        self._spawn(self._accept)
-
-    def cut(self) -> None:
-        self._cut.set()
-
-    def _spawn(self, target: Callable[..., None], *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True)
-        self._threads.append(thread)
-        thread.start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection((HOST, self.upstream), timeout=2)
-            except OSError:
-                client.close()
-                continue
-            client.settimeout(None)
-            upstream.settimeout(None)
-            self._sockets += [client, upstream]
-            self._spawn(self._pump, client, upstream, False)
-            self._spawn(self._pump, upstream, client, True)
-
-    def _pump(self, source: socket.socket, sink: socket.socket, from_master: bool) -> None:
-        try:
-            while data := source.recv(65536):
-                if from_master and self._cut.is_set():
-                    continue  # lost on the way: the replica never sees it
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (source, sink):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._closed = True
-        self._listener.close()
-        for s in self._sockets:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-        for thread in self._threads:
-            thread.join(timeout=5)
-
-
 @dataclass
 class SentinelTopology:
     master: Proc
     replica: Proc
     sentinel_ports: list[int]
-    link: ReplicationLink
+    link: TcpProxy
     group: Servers
 
     @property
@@ -361,13 +295,14 @@ def _sentinel_conf(path: Path, port: int, master_port: int) -> None:
 
 @contextmanager
 def sentinel_topology() -> Iterator[SentinelTopology]:
-    """A master, a replica (through a ReplicationLink) and three Sentinels, all in sync."""
+    """A master, a replica (through a TcpProxy it replicates through) and three Sentinels,
+    all in sync."""
     with servers("sentinel") as group:
         master_port, replica_port = free_port(), free_port()
         # no 5 s wait before the replica's first (diskless) sync
         master = group.redis("master", master_port, "--repl-diskless-sync-delay", "0")
         wait_until(lambda: ping(master_port), 10, "the master")
-        link = ReplicationLink(master_port)
+        link = TcpProxy((HOST, master_port), name="replication")
         group.closers.append(link.close)
         replica = group.redis("replica", replica_port, "--replicaof", HOST, str(link.port))
 

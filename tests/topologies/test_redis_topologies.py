@@ -286,7 +286,7 @@ def lose_a_grant_in_a_failover(
         sentinel_client(topology), engine, sequence=SEQUENCE, key_prefix=key_prefix, timeout=2
     )
     seed(a_fencer, make_session, Job(id=1, result="initial"), Job(id=2, result="initial"))
-    topology.link.cut()  # from now on the replica receives nothing
+    topology.link.hold()  # from now on the replica receives nothing
     # not renewed: A learns nothing until it asks Redis, like a paused worker
     a = a_fencer.acquire("job:1", 30)
     session_a = a.bind(make_session())
