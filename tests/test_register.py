@@ -264,3 +264,21 @@ async def test_a_stale_async_sessions_insert_into_an_unfenced_table_is_refused_a
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM audit")).scalar_one() == 0
     await b.release()
+
+
+def test_a_stale_holders_exec_driver_sql_write_is_refused_at_commit(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """exec_driver_sql passes no statement hook; lease scope is the transaction's."""
+    a = fencer.acquire("job:1", 5)
+    with make_session() as session:
+        a.bind(session)
+        session.connection().exec_driver_sql(
+            "INSERT INTO audit (id, message) VALUES (3, 'A, raw driver SQL')"
+        )
+        expire(a)
+        fencer.acquire("job:1", 5)
+        with pytest.raises(sa_fence.StaleTokenError, match="commit refused"):
+            session.commit()
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM audit")).scalar_one() == 0
