@@ -268,6 +268,7 @@ def present_token(conn: Connection, token: int) -> None:
 def _listen(target: Engine | Connection) -> None:
     event.listen(target, "before_execute", _before_execute, retval=True)
     event.listen(target, "after_execute", _after_execute)
+    event.listen(target, "begin", _scope_on_begin)
     event.listen(target, "commit", _check_scope_and_commit)
     event.listen(target, "rollback", _drop_scope)
     _listen_for_guard_errors(target)
@@ -375,6 +376,18 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
     if scope is None:
         scope = _scopes[conn] = {}
     scope[(lease.name, lease.token)] = lease
+
+
+def _scope_on_begin(conn: Connection) -> None:
+    """A transaction begins on a connection fenced for a lease: scope it now.
+
+    Statements enter the scope too, but ``exec_driver_sql`` passes no statement
+    hook: without this, a transaction begun inside ``fence_connection()`` after
+    a commit, writing only driver SQL, would commit unchecked.
+    """
+    state = _active.get(conn)
+    if state is not None and state.lease is not None:
+        _enter_scope(conn, state.lease)
 
 
 def _drop_scope(conn: Connection) -> None:
@@ -1139,7 +1152,10 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
     SQL; a guard's refusal raises :class:`StaleTokenError` (or
     :class:`UnfencedWriteError`) instead of a driver error.  Statements sent
     with ``exec_driver_sql`` in a transaction begun later inside the block
-    are not seen: present the token there with ``text()`` SQL first.
+    are not presented to guards: present the token there with ``text()`` SQL
+    first.  Every transaction of ``conn`` inside the block, whatever it
+    sends, commits only while ``lease`` is its name's newest grant (lease
+    scope, as for a bound session).
 
     Presenting the token on entry begins the connection's transaction if
     none is open: call ``conn.begin()`` before entering, or use

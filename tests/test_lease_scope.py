@@ -1159,3 +1159,19 @@ def test_without_lease_scope_and_the_row_fence_the_state_machine_finds_a_stale_c
     monkeypatch.setattr(_flush, "_rewritten", weakref.WeakKeyDictionary())  # built anew
     with pytest.raises(AssertionError, match="a stale holder's transaction committed"):
         run_state_machine_as_test(machine, settings=BROKEN_MACHINE_SETTINGS)
+
+
+def test_fence_connection_scopes_a_later_transaction_that_only_sends_driver_sql(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    """exec_driver_sql passes no statement hook: the transaction is scoped when it begins."""
+    a = fencer.acquire("job:1", 5)
+    with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
+        conn.commit()  # the block's first transaction ends; the next begins on its own
+        conn.exec_driver_sql("INSERT INTO outbox (id, message) VALUES (1, 'A, raw driver SQL')")
+        b = grant_to_another_holder(fencer, a)
+        with pytest.raises(sa_fence.StaleTokenError, match="commit refused"):
+            conn.commit()
+    with scope_engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one() == 0
+    b.release()
