@@ -43,9 +43,11 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
+import os
 import re
+import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -172,6 +174,9 @@ class _NoOp:
     def set_attribute(self, key: str, value: Any) -> None:
         pass
 
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        pass
+
     def set_status(self, *args: Any, **kwargs: Any) -> None:
         pass
 
@@ -183,6 +188,49 @@ class _NoOp:
 
 
 _NOOP = _NoOp()
+
+# One lock for every tally: held for a dict update only.  A child process
+# forked while another thread held it gets a fresh one.
+_tally_lock = threading.Lock()
+
+
+def _new_tally_lock() -> None:
+    global _tally_lock
+    _tally_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_tally_lock)
+
+
+class _Tally:
+    """A counter kept in the process and reported when a metric reader collects.
+
+    Why not the API's synchronous ``Counter``: with an SDK installed, each
+    ``Counter.add`` costs 5 to 15 us of CPU (a measurement object, attribute
+    hashing, an aggregation lock, an exemplar check), paid inside every lease
+    cycle.  An ``ObservableCounter`` whose callback reports these cumulative
+    totals is the same metric to every reader and exporter (a monotonic sum per
+    attribute set, cumulative or delta as the reader asks), and counting costs a
+    dict update here.  What is lost: exemplars on counters (the histograms keep
+    theirs).
+    """
+
+    __slots__ = ("counts",)
+
+    def __init__(self) -> None:
+        self.counts: dict[frozenset[tuple[str, str]], int] = {}
+
+    def add(self, amount: int, attributes: Mapping[str, str] | None = None) -> None:
+        key = frozenset(attributes.items()) if attributes else frozenset()
+        with _tally_lock:
+            self.counts[key] = self.counts.get(key, 0) + amount
+
+    def observe(self, options: Any = None) -> Iterable[Any]:
+        """The ObservableCounter callback: every attribute set's total so far."""
+        with _tally_lock:
+            items = list(self.counts.items())
+        return [otel_metrics.Observation(total, dict(key)) for key, total in items]
 
 
 def _version() -> str:
@@ -205,6 +253,14 @@ class Telemetry:
     ``@fenced`` (whose template is used): it must map the names to few
     values.  At most ``max_patterns`` distinct patterns are reported; the
     rest count as ``"other"``.
+
+    ``root_spans``: False (the default) starts sa-fence's spans only inside a
+    trace the caller started (a request's, a task's, a span of your own):
+    they are its children, and an acquire, release or commit outside any
+    trace records no span (its metrics are recorded all the same).  True
+    makes each of those a one-span trace of its own.  A background renewal
+    is traced when its lease's acquire was, as a root span linked to it
+    (or always, with ``root_spans=True``).
 
     Pass it to :class:`sa_fence.Fencer` / :class:`sa_fence.AsyncFencer`
     (``telemetry=``); fencers without one share a default that uses the
@@ -232,13 +288,17 @@ class Telemetry:
         tracer_provider: Any = None,
         name_pattern: Callable[[str], str] | None = None,
         max_patterns: int = DEFAULT_MAX_PATTERNS,
+        root_spans: bool = False,
     ) -> None:
+        if not isinstance(root_spans, bool):
+            raise TypeError(f"root_spans must be True or False, got {root_spans!r}")
         if name_pattern is not None and not callable(name_pattern):
             raise TypeError(f"name_pattern must be a callable str -> str, got {name_pattern!r}")
         if isinstance(max_patterns, bool) or not isinstance(max_patterns, int) or max_patterns < 1:
             raise ValueError(f"max_patterns must be a whole number >= 1, got {max_patterns!r}")
         self.name_pattern = name_pattern or default_name_pattern
         self.max_patterns = max_patterns
+        self.root_spans = root_spans
         self._patterns: set[str] = set()
         self._warned_other = False
         self._pattern_of = functools.lru_cache(maxsize=1024)(self._compute_pattern)
@@ -261,33 +321,40 @@ class Telemetry:
                 name, unit="s", description=description, explicit_bucket_boundaries_advisory=BUCKETS
             )
 
-        self.acquires = meter.create_counter(
+        def counter(name: str, unit: str, description: str) -> _Tally:
+            tally = _Tally()
+            meter.create_observable_counter(
+                name, callbacks=[tally.observe], unit=unit, description=description
+            )
+            return tally
+
+        self.acquires = counter(
             "sa_fence.lease.acquires",
-            unit="{acquire}",
-            description="Lease acquisitions, by outcome (granted, busy, backend_error, "
+            "{acquire}",
+            "Lease acquisitions, by outcome (granted, busy, backend_error, "
             "setup_error, lost, cancelled, error).",
         )
-        self.renewals = meter.create_counter(
+        self.renewals = counter(
             "sa_fence.lease.renewals",
-            unit="{renewal}",
-            description="Background renewals of leases, by outcome (ok, failed).",
+            "{renewal}",
+            "Background renewals of leases, by outcome (ok, failed).",
         )
-        self.lost = meter.create_counter(
+        self.lost = counter(
             "sa_fence.lease.lost",
-            unit="{lease}",
-            description="Leases found lost while held (renewal failed or ran out, extend "
+            "{lease}",
+            "Leases found lost while held (renewal failed or ran out, extend "
             "found another owner, max_hold reached).",
         )
-        self.stale_refused = meter.create_counter(
+        self.stale_refused = counter(
             "sa_fence.write.stale_refused",
-            unit="{refusal}",
-            description="Writes refused because a newer lease of the name was granted, by "
+            "{refusal}",
+            "Writes refused because a newer lease of the name was granted, by "
             "where (lease_scope: at COMMIT; row_fence: at the flush; guard: a trigger).",
         )
-        self.unfenced_refused = meter.create_counter(
+        self.unfenced_refused = counter(
             "sa_fence.write.unfenced_refused",
-            unit="{refusal}",
-            description="Writes of fenced rows refused because no lease was bound.",
+            "{refusal}",
+            "Writes of fenced rows refused because no lease was bound.",
         )
         self.acquire_duration = histogram(
             "sa_fence.lease.acquire.duration",
@@ -305,6 +372,21 @@ class Telemetry:
             "sa_fence.commit_check.duration",
             "Time of the lease register check and COMMIT (one round trip), by outcome.",
         )
+
+    def start_span(self, name: str, attributes: Mapping[str, Any]) -> Any:
+        """A span named ``name``, child of the caller's; the no-op span outside a
+        trace (unless ``root_spans``).
+
+        Why outside a trace there is none: an SDK spends 10 to 30 us of CPU on
+        each recorded span, and one-span traces of every lease cycle, not part
+        of any request or task, are what a sampler would be asked to drop.
+        """
+        tracer = self.tracer
+        if tracer is _NOOP or not (
+            self.root_spans or otel_trace.get_current_span().get_span_context().is_valid
+        ):
+            return _NOOP
+        return tracer.start_span(name, attributes=attributes)
 
     def pattern(self, name: object) -> str:
         """The ``sa_fence.lease.pattern`` value for lease ``name``."""
@@ -361,13 +443,15 @@ def of(fencer: Any) -> Telemetry:
 class LeaseTelemetry:
     """What one granted lease reports under (kept on the lease as ``_tel``)."""
 
-    __slots__ = ("attrs", "granted_at", "telemetry", "wrote")
+    __slots__ = ("acquire_span", "attrs", "granted_at", "telemetry", "wrote")
 
     def __init__(self, telemetry: Telemetry, pattern: str, granted_at: float) -> None:
         self.telemetry = telemetry
         self.attrs = {PATTERN: pattern}
         self.granted_at = granted_at  # time.monotonic()
         self.wrote = False
+        # the recorded acquire span's context: background renewals link to it
+        self.acquire_span: Any = None
 
 
 def _lease_tel(lease: BaseLease[Any]) -> LeaseTelemetry:
@@ -423,7 +507,7 @@ class _Acquiring:
         self.telemetry = telemetry = of(fencer)
         self.name = args[0] if args else kwargs.get("name")
         self.pattern = pattern = telemetry.pattern(self.name)
-        self.span = telemetry.tracer.start_span("sa_fence.acquire", attributes={PATTERN: pattern})
+        self.span = telemetry.start_span("sa_fence.acquire", {PATTERN: pattern})
         self.started = time.perf_counter()
 
     def granted(self, lease: BaseLease[Any]) -> None:
@@ -434,9 +518,10 @@ class _Acquiring:
         telemetry.acquire_duration.record(took, attrs)
         span = self.span
         if span is not _NOOP:
-            span.set_attribute(OUTCOME, GRANTED)
-            span.set_attribute("sa_fence.token", lease.token)
-        span.end()
+            span.set_attributes({OUTCOME: GRANTED, "sa_fence.token": lease.token})
+            if span.is_recording():
+                lease._tel.acquire_span = span.get_span_context()
+            span.end()
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "lease %r granted with token %d in %.1f ms",
@@ -508,7 +593,7 @@ def traced_acquire_async(fn: F) -> F:
 
 def _release_span(lease: Any) -> Any:
     tel = _lease_tel(lease)
-    return tel.telemetry.tracer.start_span("sa_fence.release", attributes=tel.attrs)
+    return tel.telemetry.start_span("sa_fence.release", tel.attrs)
 
 
 def traced_release(fn: F) -> F:
@@ -573,15 +658,18 @@ def renewal(lease: BaseLease[Any], outcome: str, sent_at: float) -> None:
     telemetry = tel.telemetry
     telemetry.renewals.add(1, {**tel.attrs, OUTCOME: result})
     tracer = telemetry.tracer
-    if tracer is _NOOP:
+    traced = tel.acquire_span
+    if tracer is _NOOP or (traced is None and not telemetry.root_spans):
         return
-    # Background work: a root span, dated back to when the EXTEND was sent.
+    # Background work, part of no request: a root span linked to the lease's
+    # acquire span, dated back to when the EXTEND was sent.
     now_ns = time.time_ns()
     start = now_ns - int(max(0.0, time.monotonic() - sent_at) * 1e9)
     span = tracer.start_span(
         "sa_fence.renew",
         context=OtelContext(),
         attributes={**tel.attrs, OUTCOME: result, "sa_fence.token": lease.token},
+        links=[otel_trace.Link(traced)] if traced is not None else None,
         start_time=start,
     )
     if not ok and otel_trace is not None:
@@ -638,7 +726,7 @@ class CommitCheck:
         lease = next(iter(scope.values()))
         tel = _lease_tel(lease)
         self.telemetry, self.attrs = tel.telemetry, tel.attrs
-        self.span = tel.telemetry.tracer.start_span("sa_fence.commit_check", attributes=tel.attrs)
+        self.span = tel.telemetry.start_span("sa_fence.commit_check", tel.attrs)
         self.started = time.perf_counter()
 
     def __enter__(self) -> CommitCheck:
@@ -670,7 +758,7 @@ def flush_started(lease: BaseLease[Any]) -> Any:
     tel = lease._tel
     if tel is None:
         tel = _lease_tel(lease)
-    return tel.telemetry.tracer.start_span("sa_fence.flush", attributes=tel.attrs)
+    return tel.telemetry.start_span("sa_fence.flush", tel.attrs)
 
 
 def flush_ended(span: Any, *, failed: bool = False) -> None:

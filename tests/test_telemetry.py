@@ -43,6 +43,7 @@ class Otel:
     spans: InMemorySpanExporter
     telemetry: sa_fence.Telemetry
     tracer: Any
+    provider: Any = None
 
     def points(self, name: str) -> list[Any]:
         data = self.reader.get_metrics_data()
@@ -80,7 +81,7 @@ def otel(monkeypatch: pytest.MonkeyPatch) -> Iterator[Otel]:
     tracers.add_span_processor(SimpleSpanProcessor(exporter))
     telemetry = sa_fence.Telemetry(meter_provider=meters, tracer_provider=tracers)
     monkeypatch.setattr(_telemetry, "_default", telemetry)  # restored after the test
-    yield Otel(reader, exporter, telemetry, tracers.get_tracer("test"))
+    yield Otel(reader, exporter, telemetry, tracers.get_tracer("test"), tracers)
     meters.shutdown()
     tracers.shutdown()
 
@@ -123,7 +124,11 @@ def test_a_granted_acquire_is_counted_timed_and_traced_under_the_callers_span(
 def test_a_busy_lease_counts_as_busy_and_its_span_is_not_an_error(
     otel: Otel, tfencer: sa_fence.Fencer
 ) -> None:
-    with tfencer.lease("job:1", ttl=5), pytest.raises(sa_fence.LeaseNotAcquiredError):
+    with (
+        otel.tracer.start_as_current_span("caller"),
+        tfencer.lease("job:1", ttl=5),
+        pytest.raises(sa_fence.LeaseNotAcquiredError),
+    ):
         tfencer.acquire("job:1", ttl=5)
     assert otel.count("sa_fence.lease.acquires", outcome="busy") == 1
     busy = [s for s in otel.finished("sa_fence.acquire") if s.attributes[OUTCOME] == "busy"]
@@ -136,7 +141,7 @@ def test_redis_down_counts_as_backend_error(otel: Otel, engine: sa.Engine, key_p
     fencer = sa_fence.Fencer(
         down, engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=otel.telemetry
     )
-    with pytest.raises(sa_fence.LeaseBackendError):
+    with otel.tracer.start_as_current_span("caller"), pytest.raises(sa_fence.LeaseBackendError):
         fencer.acquire("job:1", ttl=5)
     assert otel.count("sa_fence.lease.acquires", outcome="backend_error") == 1
     (span,) = otel.finished("sa_fence.acquire")
@@ -167,16 +172,27 @@ def test_a_bad_argument_is_not_counted_as_an_acquire(otel: Otel, tfencer: sa_fen
 # ------------------------------------------------- renewal, loss, release
 
 
-def test_background_renewals_are_counted_ok_with_a_root_span(
+def test_background_renewals_are_counted_ok_with_root_spans_linked_to_the_acquire(
+    otel: Otel, tfencer: sa_fence.Fencer
+) -> None:
+    with otel.tracer.start_as_current_span("caller"), tfencer.lease("job:1", ttl=0.3, renew=True):
+        time.sleep(0.45)
+    assert otel.count("sa_fence.lease.renewals", outcome="ok") >= 1
+    (acquire,) = otel.finished("sa_fence.acquire")
+    spans = otel.finished("sa_fence.renew")
+    assert spans
+    assert all(s.parent is None for s in spans)
+    assert all(s.start_time is not None and s.end_time >= s.start_time for s in spans)  # type: ignore[operator]
+    assert all([link.context for link in s.links] == [acquire.context] for s in spans)
+
+
+def test_renewals_of_a_lease_acquired_outside_any_trace_are_counted_not_traced(
     otel: Otel, tfencer: sa_fence.Fencer
 ) -> None:
     with tfencer.lease("job:1", ttl=0.3, renew=True):
         time.sleep(0.45)
     assert otel.count("sa_fence.lease.renewals", outcome="ok") >= 1
-    spans = otel.finished("sa_fence.renew")
-    assert spans
-    assert all(s.parent is None for s in spans)
-    assert all(s.start_time is not None and s.end_time >= s.start_time for s in spans)  # type: ignore[operator]
+    assert otel.finished("sa_fence.renew") == []
 
 
 def test_a_renewal_that_finds_the_lease_gone_counts_failed_and_lost(
@@ -196,11 +212,12 @@ def test_a_renewal_that_finds_the_lease_gone_counts_failed_and_lost(
 def test_release_records_the_hold_time_as_released_or_expired(
     otel: Otel, tfencer: sa_fence.Fencer
 ) -> None:
-    with tfencer.lease("job:1", ttl=5):
-        time.sleep(0.05)
-    lease = tfencer.acquire("job:2", ttl=5)
-    expire(lease)
-    lease.release()
+    with otel.tracer.start_as_current_span("caller"):
+        with tfencer.lease("job:1", ttl=5):
+            time.sleep(0.05)
+        lease = tfencer.acquire("job:2", ttl=5)
+        expire(lease)
+        lease.release()
     (released,) = [
         p
         for p in otel.points("sa_fence.lease.hold.duration")
@@ -258,7 +275,11 @@ def test_a_stale_commit_is_counted_as_refused_by_lease_scope(
         session.add(Audit(message="late"))
         session.flush()
         expire(old)
-        with tfencer.lease("job:1", ttl=5), pytest.raises(sa_fence.StaleTokenError):
+        with (
+            otel.tracer.start_as_current_span("caller"),
+            tfencer.lease("job:1", ttl=5),
+            pytest.raises(sa_fence.StaleTokenError),
+        ):
             session.commit()
     assert otel.count("sa_fence.write.stale_refused", check="lease_scope", pattern="job:{n}") == 1
     assert otel.count("sa_fence.commit_check.duration", outcome="stale") == 1
@@ -278,7 +299,7 @@ def test_a_stale_row_write_is_counted_as_refused_by_the_row_fence(
         job = session.get(Job, 1)
         assert job is not None
         job.result = "stale"
-        with pytest.raises(sa_fence.StaleTokenError):
+        with otel.tracer.start_as_current_span("caller"), pytest.raises(sa_fence.StaleTokenError):
             session.flush()
     assert otel.count("sa_fence.write.stale_refused", check="row_fence") == 1
     failed = [s for s in otel.finished("sa_fence.flush") if not s.status.is_ok]
@@ -293,6 +314,76 @@ def test_an_unfenced_write_is_counted_as_refused(
         with pytest.raises(sa_fence.UnfencedWriteError):
             session.flush()
     assert otel.count("sa_fence.write.unfenced_refused", check="flush") == 1
+
+
+# ------------------------------------------------- outside any trace
+
+
+def test_outside_any_trace_nothing_is_traced_and_everything_is_counted(
+    otel: Otel, tfencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    with tfencer.lease("job:1", ttl=5) as lease:
+        _job(make_session, lease, 1)
+    assert otel.spans.get_finished_spans() == ()
+    assert otel.count("sa_fence.lease.acquires", outcome="granted") == 1
+    assert otel.count("sa_fence.lease.hold.duration", outcome="released") == 1
+    assert otel.count("sa_fence.commit_check.duration", outcome="ok") == 1
+
+
+def test_root_spans_trace_each_operation_outside_any_trace(
+    otel: Otel,
+    redis_client: redis.Redis,
+    engine: sa.Engine,
+    key_prefix: str,
+    make_session: sessionmaker[Session],
+) -> None:
+    telemetry = sa_fence.Telemetry(tracer_provider=otel.provider, root_spans=True)
+    fencer = sa_fence.Fencer(
+        redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=telemetry
+    )
+    with fencer.lease("job:1", ttl=5) as lease:
+        _job(make_session, lease, 1)
+    names = sorted(s.name for s in otel.spans.get_finished_spans())
+    assert names == [
+        "sa_fence.acquire",
+        "sa_fence.commit_check",
+        "sa_fence.flush",
+        "sa_fence.release",
+    ]
+    assert all(s.parent is None for s in otel.spans.get_finished_spans())
+
+
+def test_root_spans_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="root_spans must be True or False"):
+        sa_fence.Telemetry(root_spans="yes")  # type: ignore[arg-type]
+
+
+def test_counters_report_per_interval_to_a_delta_reader(
+    redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
+) -> None:
+    """The counters are observable (cumulative totals kept in the process); a
+    reader asking for delta temporality still gets what happened since its last
+    collection, as from a synchronous counter."""
+    from opentelemetry.sdk.metrics import ObservableCounter
+    from opentelemetry.sdk.metrics.export import AggregationTemporality
+
+    reader = InMemoryMetricReader(
+        preferred_temporality={ObservableCounter: AggregationTemporality.DELTA}
+    )
+    meters = MeterProvider(metric_readers=[reader])
+    telemetry = sa_fence.Telemetry(meter_provider=meters)
+    fencer = sa_fence.Fencer(
+        redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=telemetry
+    )
+    otel = Otel(reader, InMemorySpanExporter(), telemetry, None)
+    try:
+        for _ in range(2):
+            fencer.acquire("job:1", ttl=5).release()
+        assert otel.count("sa_fence.lease.acquires", outcome="granted") == 2
+        fencer.acquire("job:1", ttl=5).release()
+        assert otel.count("sa_fence.lease.acquires", outcome="granted") == 1
+    finally:
+        meters.shutdown()
 
 
 # ------------------------------------------------------------ patterns
@@ -356,9 +447,10 @@ async def test_async_acquire_and_release_report_as_the_sync_ones_do(
         fencer = sa_fence.AsyncFencer(
             client, async_engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=otel.telemetry
         )
-        async with fencer.lease("job:5", ttl=5):
-            with pytest.raises(sa_fence.LeaseNotAcquiredError):
-                await fencer.acquire("job:5", ttl=5)
+        with otel.tracer.start_as_current_span("caller"):
+            async with fencer.lease("job:5", ttl=5):
+                with pytest.raises(sa_fence.LeaseNotAcquiredError):
+                    await fencer.acquire("job:5", ttl=5)
     finally:
         await client.aclose()
     assert otel.count("sa_fence.lease.acquires", pattern="job:{n}", outcome="granted") == 1
