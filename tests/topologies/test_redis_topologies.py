@@ -38,6 +38,7 @@ from tests.topologies._servers import (
     SentinelTopology,
     redis_cluster,
     sentinel_topology,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -364,3 +365,70 @@ def test_without_fencing_a_grant_lost_in_a_failover_lets_both_holders_commit(
     assert job(engine)[0] == "B"
     assert job(engine, 2)[0] == "A"  # the stale holder's work went in too
     b.release()
+
+
+# ------------------------------------------------------------ a cluster that fails
+
+
+def test_a_cluster_that_lost_a_master_refuses_acquires_fast_with_a_failover_hint(
+    engine: sa.Engine, key_prefix: str
+) -> None:
+    """A master of a replica-less cluster dies: after the node timeout the others
+    answer CLUSTERDOWN for every slot.  Acquires fail within the failure budget
+    with LeaseBackendError naming the cause (a failover may be under way, or the
+    dead node), and leave nothing in Redis or in the lease register."""
+    with redis_cluster() as cluster:
+        client = cluster_client(cluster)
+        fencer = sa_fence.Fencer(
+            client, engine, sequence=SEQUENCE, key_prefix=key_prefix, timeout=3
+        )
+        try:
+            dead = cluster.group.procs[0]
+            living = [p for p in cluster.ports if p != dead.port]
+            names = [f"job:{n}" for n in range(40)]
+
+            def node_of(name: str) -> int:
+                return int(client.get_node_from_key(f"{key_prefix}{name}").port)
+
+            on_living = [n for n in names if node_of(n) in living][:2]
+            on_dead = next(n for n in names if node_of(n) == dead.port)
+            fencer.acquire(on_living[0], 5).release()  # the cluster works
+            dead.kill()
+
+            def down(port: int) -> bool:
+                node = redis.Redis(host=HOST, port=port, socket_timeout=0.5, decode_responses=True)
+                try:
+                    return bool(node.execute_command("CLUSTER INFO")["cluster_state"] == "fail")
+                finally:
+                    node.close()
+
+            for port in living:
+                wait_until(lambda p=port: down(p), 30, f"node {port} to mark the cluster failed")  # type: ignore[misc]
+            for name in (on_living[1], on_dead):  # a node answers CLUSTERDOWN / none answers
+                started = time.monotonic()
+                with pytest.raises(sa_fence.LeaseBackendError) as refused:
+                    fencer.acquire(name, 5)
+                took = time.monotonic() - started
+                # redis-py's cluster client refreshes its slot map after CLUSTERDOWN
+                # and may meet the dead node doing so: either is named, with its hint
+                error = str(refused.value)
+                assert ("ClusterDownError" in error and "a failover may be under way" in error) or (
+                    f":{dead.port}" in error and "Redis could not be reached" in error
+                ), error
+                assert "nothing was changed" in error.lower()
+                assert took < 3 + 1.5, f"the failure budget is 3 s; the acquire took {took:.1f} s"
+            for port in living:
+                node = redis.Redis(host=HOST, port=port)
+                try:
+                    assert node.keys(f"{key_prefix}*") == []
+                finally:
+                    node.close()
+            with engine.connect() as conn:
+                granted = conn.execute(
+                    sa.text("SELECT count(*) FROM sa_fence_leases WHERE name IN (:a, :b)"),
+                    {"a": on_living[1], "b": on_dead},
+                ).scalar_one()
+            assert granted == 0
+        finally:
+            fencer.close()
+            client.close()
