@@ -50,6 +50,7 @@ import sqlalchemy as sa
 
 from ._guard import TRIGGER_NAME, qualified
 from ._model import fence_column_of
+from ._protocol import POOLER_DOC
 from ._register import (
     CHECK_FUNCTION_SQL,
     REGISTER_COLUMNS_SQL,
@@ -59,7 +60,13 @@ from ._register import (
     Register,
     shape_problems,
 )
-from ._tokens import DEFAULT_SEQUENCE, SEQUENCE_SQL, sequence_problems, setup_problem
+from ._tokens import (
+    DEFAULT_SEQUENCE,
+    SEQUENCE_SQL,
+    behind_pooler,
+    sequence_problems,
+    setup_problem,
+)
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -441,6 +448,13 @@ def check(
 ) -> Report:
     """Inspect the database behind ``conn`` (read-only); return what is wrong."""
     report = Report(sequence)
+    if behind_pooler(conn):
+        report.notes.append(
+            "this URL reaches PostgreSQL through a connection pooler (PgBouncer?). If it "
+            "pools by transaction, create your application's engine with "
+            "connect_args={'prepare_threshold': None} (psycopg): a Fencer refuses to "
+            f"start without it (see {POOLER_DOC})"
+        )
     seq_schema, seq_name = _split_sequence(sequence)
     seq_quoted = qualified(seq_name, seq_schema)
     row = conn.execute(SEQUENCE_SQL, {"name": seq_quoted}).one_or_none()
@@ -867,7 +881,9 @@ def _with_connection(
         except ValueError as exc:
             print(f"{command}: {exc}", file=err)
             return EXIT_USAGE
-    engine = sa.create_engine(parsed, poolclass=sa.pool.NullPool)
+    # never prepared statements: the tools must work behind a transaction pooler too
+    connect_args = {"prepare_threshold": None} if parsed.get_driver_name() == "psycopg" else {}
+    engine = sa.create_engine(parsed, poolclass=sa.pool.NullPool, connect_args=connect_args)
     try:
         try:
             conn = engine.connect()

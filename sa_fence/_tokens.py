@@ -176,6 +176,20 @@ def setup_problem(conn: Connection, sequence: str) -> str | None:
     return None
 
 
+def behind_pooler(conn: Connection) -> bool:
+    """Whether ``conn`` reaches PostgreSQL through a connection pooler.
+
+    A pooler answers the start-up itself, so the backend process id the
+    connection was given (the pooler's) is not the server's
+    ``pg_backend_pid()``.  False when the driver does not say (not psycopg).
+    """
+    dbapi_conn = conn.connection.driver_connection
+    client_pid = getattr(getattr(dbapi_conn, "info", None), "backend_pid", None)
+    if client_pid is None:
+        return False
+    return bool(conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != client_pid)
+
+
 def pooler_problem(conn: Connection) -> str | None:
     """What keeps a transaction pooler in front of the database from working, or None.
 
@@ -191,10 +205,9 @@ def pooler_problem(conn: Connection) -> str | None:
     costs one statement parse per call and works behind any pooler.
     """
     dbapi_conn = conn.connection.driver_connection
-    client_pid = getattr(getattr(dbapi_conn, "info", None), "backend_pid", None)
-    if client_pid is None or getattr(dbapi_conn, "prepare_threshold", None) is None:
+    if getattr(dbapi_conn, "prepare_threshold", None) is None:
         return None  # not psycopg, or it never prepares
-    if conn.execute(text("SELECT pg_backend_pid()")).scalar_one() == client_pid:
+    if not behind_pooler(conn):
         return None  # connected to the server itself
     return (
         "the engine connects through a connection pooler (PgBouncer?): its connections "

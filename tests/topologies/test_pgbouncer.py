@@ -24,8 +24,8 @@ from sqlalchemy.orm import sessionmaker
 
 import sa_fence
 import sa_fence.testing
-from sa_fence import _guard, _tokens
-from tests._fresh_db import fresh_database
+from sa_fence import _guard, _tokens, cli
+from tests._fresh_db import fresh_database, url_of
 from tests.conftest import PG_SERVER
 from tests.models import SEQUENCE, Base, Job
 from tests.topologies._servers import PgBouncer, pgbouncer
@@ -187,3 +187,22 @@ def test_without_the_set_up_refusal_prepared_token_draws_break_behind_pgbouncer(
     for fencer in fencers:
         fencer.close()
     engine.dispose()
+
+
+def test_check_runs_through_pgbouncer_and_says_the_url_reaches_a_pooler(
+    bouncer: PgBouncer, database: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``sa-fence check`` prepares nothing, so it works behind a transaction
+    pooler, and it tells what a Fencer on that URL needs (its pair: a direct
+    URL gets no note, tests/test_check.py)."""
+    with database.begin() as conn:  # every fenced table guarded: nothing else to report
+        for statement in _guard.create_guard_sql("cells", sequence=SEQUENCE):
+            conn.execute(sa.text(statement))
+    engine = through(bouncer, database)
+    status = cli.main(["check", "--url", url_of(engine)])
+    out, err = capsys.readouterr()
+    engine.dispose()
+    assert err == ""
+    assert status == 0, out
+    assert "through a connection pooler" in out
+    assert "prepare_threshold" in out
