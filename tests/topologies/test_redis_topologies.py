@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -385,7 +386,8 @@ def test_a_cluster_that_lost_a_master_refuses_acquires_fast_with_a_failover_hint
         try:
             dead = cluster.group.procs[0]
             living = [p for p in cluster.ports if p != dead.port]
-            names = [f"job:{n}" for n in range(40)]
+            run = uuid.uuid4().hex[:8]  # names no other test registered
+            names = [f"down-{run}:{n}" for n in range(40)]
 
             def node_of(name: str) -> int:
                 return int(client.get_node_from_key(f"{key_prefix}{name}").port)
