@@ -540,3 +540,54 @@ with fencer.lease("job:1", ttl=5) as lease:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("token ")
+
+
+def test_global_providers_set_after_the_fencer_was_made_receive_its_signals(
+    engine: sa.Engine, key_prefix: str
+) -> None:
+    """The default Telemetry reports through the API's global proxies: providers
+    set later (as applications often do, after importing their modules) get
+    every counter, histogram and span.  A subprocess: the globals are set once."""
+    code = f"""
+import redis, sqlalchemy as sa, sa_fence
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+fencer = sa_fence.Fencer(redis.Redis.from_url({REDIS_URL!r}),
+                         sa.create_engine({engine.url.render_as_string(hide_password=False)!r}),
+                         sequence={SEQUENCE!r}, key_prefix={key_prefix!r},
+                         telemetry=sa_fence.Telemetry())  # its instruments: the API's proxies
+reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+exporter = InMemorySpanExporter()
+tracers = TracerProvider()
+tracers.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(tracers)
+with trace.get_tracer("app").start_as_current_span("request"):
+    fencer.acquire("job:1", ttl=5).release()
+names = {{m.name for rm in reader.get_metrics_data().resource_metrics
+          for sm in rm.scope_metrics for m in sm.metrics}}
+print(sorted(names))
+print(sorted(s.name for s in exporter.get_finished_spans()))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    metric_names, span_names = done.stdout.splitlines()[-2:]
+    for name in (
+        "sa_fence.lease.acquires",
+        "sa_fence.lease.acquire.duration",
+        "sa_fence.lease.hold.duration",
+    ):
+        assert repr(name) in metric_names
+    assert span_names == "['request', 'sa_fence.acquire', 'sa_fence.release']"
