@@ -47,6 +47,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -203,6 +204,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_tally_lock)
 
 
+#: The tallies of each meter provider (``_GLOBAL``: the global one), by counter name.
+_tallies: weakref.WeakKeyDictionary[Any, dict[str, _Tally]] = weakref.WeakKeyDictionary()
+_strong_tallies: dict[int, tuple[Any, dict[str, _Tally]]] = {}
+
+
+class _Global:
+    """Stands for the global meter provider as a key of ``_tallies``."""
+
+
+_GLOBAL = _Global()
+
+
 class _Tally:
     """A counter kept in the process and reported when a metric reader collects.
 
@@ -321,8 +334,22 @@ class Telemetry:
                 name, unit="s", description=description, explicit_bucket_boundaries_advisory=BUCKETS
             )
 
+        # One tally per counter and meter provider, shared by every Telemetry
+        # reporting there: a provider keeps the first observable instrument of a
+        # name (and its callback), so a second Telemetry's own would never be read.
+        key = _GLOBAL if meter_provider is None else meter_provider
+        with _tally_lock:
+            try:
+                tallies = _tallies.setdefault(key, {})
+            except TypeError:  # a provider that cannot be weakly referenced: kept
+                tallies = _strong_tallies.setdefault(id(key), (key, {}))[1]
+
         def counter(name: str, unit: str, description: str) -> _Tally:
-            tally = _Tally()
+            with _tally_lock:
+                tally = tallies.get(name)
+                if tally is not None:
+                    return tally
+                tally = tallies[name] = _Tally()
             meter.create_observable_counter(
                 name, callbacks=[tally.observe], unit=unit, description=description
             )

@@ -386,6 +386,33 @@ def test_counters_report_per_interval_to_a_delta_reader(
         meters.shutdown()
 
 
+def test_two_telemetries_on_one_meter_provider_both_count(
+    redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
+) -> None:
+    """A provider keeps the first observable counter of a name: the second
+    Telemetry (another name_pattern, say) shares its totals instead of losing them."""
+    reader = InMemoryMetricReader()
+    meters = MeterProvider(metric_readers=[reader])
+    try:
+        fencers = [
+            sa_fence.Fencer(
+                redis_client,
+                engine,
+                sequence=SEQUENCE,
+                key_prefix=key_prefix,
+                telemetry=sa_fence.Telemetry(meter_provider=meters, name_pattern=pattern),
+            )
+            for pattern in (lambda name: "first", lambda name: "second")
+        ]
+        for n, fencer in enumerate(fencers):
+            fencer.acquire(f"job:{n}", ttl=5).release()
+        otel = Otel(reader, InMemorySpanExporter(), fencers[0]._telemetry, None)  # type: ignore[arg-type]
+        assert otel.count("sa_fence.lease.acquires", pattern="first") == 1
+        assert otel.count("sa_fence.lease.acquires", pattern="second") == 1
+    finally:
+        meters.shutdown()
+
+
 # ------------------------------------------------------------ patterns
 
 
