@@ -12,9 +12,11 @@ connections pass through it.  Faults, set from any thread:
   simply stops receiving WAL); what was sent waits and flows on :meth:`heal`;
 * :meth:`cut`: every connection is closed now and new ones are refused
   (closed at once) until :meth:`heal`;
-* :meth:`heal`: back to passing traffic.
-
-(:mod:`tests._proxy` is the older, narrower proxy that loses one reply.)
+* :meth:`heal`: back to passing traffic;
+* :meth:`drop_reply_to`: the next request containing a marker (e.g. a lease
+  key) reaches the server and is executed, but its reply is thrown away and
+  the client's connection closed: exactly what a connection lost after the
+  command was sent looks like.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class TcpProxy:
         self.delay_seconds = 0.0
         self.port = 0
         self.connections = 0  # accepted so far
+        self.dropped = 0  # replies thrown away (drop_reply_to)
+        self._drop_marker: bytes | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -59,6 +63,9 @@ class TcpProxy:
     def cut(self) -> None:
         self.mode = CUT
         self._call(self._close_all)
+
+    def drop_reply_to(self, marker: bytes) -> None:
+        self._drop_marker = marker
 
     def heal(self) -> None:
         self.mode = PASS
@@ -134,9 +141,10 @@ class TcpProxy:
             writer.transport.abort()
             return
         self._writers.update((writer, up_writer))
+        lose_reply = asyncio.Event()  # set by a request carrying the drop marker
         await asyncio.gather(
-            self._pump(reader, up_writer, writer),
-            self._pump(up_reader, writer, up_writer),
+            self._pump(reader, up_writer, writer, marks=lose_reply),
+            self._pump(up_reader, writer, up_writer, loses=lose_reply),
             return_exceptions=True,
         )
 
@@ -147,8 +155,17 @@ class TcpProxy:
             await asyncio.sleep(0.01)
 
     async def _pump(
-        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, other: asyncio.StreamWriter
+        self,
+        src: asyncio.StreamReader,
+        dst: asyncio.StreamWriter,
+        other: asyncio.StreamWriter,
+        *,
+        marks: asyncio.Event | None = None,
+        loses: asyncio.Event | None = None,
     ) -> None:
+        """Forward ``src`` to ``dst``.  Requests (``marks``) carrying the drop
+        marker mark their connection; replies (``loses``) on a marked one are
+        thrown away with the connection."""
         try:
             while True:
                 await self._while_held()
@@ -158,6 +175,13 @@ class TcpProxy:
                 await self._while_held()  # read as the hold began: kept back too
                 if self.mode == CUT:
                     break
+                marker = self._drop_marker
+                if marks is not None and marker is not None and marker in data:
+                    self._drop_marker = None
+                    marks.set()
+                if loses is not None and loses.is_set():
+                    self.dropped += 1
+                    break  # the reply is lost and the connection with it
                 if self.mode == DELAY and self.delay_seconds > 0:
                     await asyncio.sleep(self.delay_seconds)
                 dst.write(data)

@@ -20,8 +20,8 @@ from sqlalchemy.orm import Session, sessionmaker
 import sa_fence
 from sa_fence import _lease
 from sa_fence import _protocol as proto
-from tests._proxy import LossyProxy
 from tests._redis_server import free_port
+from tests._tcp_proxy import TcpProxy
 from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE, Job
 
@@ -285,11 +285,11 @@ def test_postgresql_unreachable_at_the_first_acquire_is_a_backend_error_and_noth
 @pytest.fixture
 def proxy() -> Any:
     url = redis.connection.parse_url(REDIS_URL)
-    with LossyProxy((url.get("host", "127.0.0.1"), int(url.get("port", 6379)))) as p:
+    with TcpProxy((url.get("host", "127.0.0.1"), int(url.get("port", 6379)))) as p:
         yield p
 
 
-def proxied_fencer(proxy: LossyProxy, engine: sa.Engine, key_prefix: str) -> sa_fence.Fencer:
+def proxied_fencer(proxy: TcpProxy, engine: sa.Engine, key_prefix: str) -> sa_fence.Fencer:
     db = int(redis.connection.parse_url(REDIS_URL).get("db", 0))
     client = redis.Redis(port=proxy.port, db=db, socket_timeout=2, retry=Retry(NoBackoff(), 0))
     fencer = sa_fence.Fencer(client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
@@ -305,7 +305,7 @@ def load_scripts(fencer: sa_fence.Fencer) -> None:
 
 
 def test_an_acquire_whose_reply_was_lost_is_retried_and_recognised_as_ours(
-    proxy: LossyProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+    proxy: TcpProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
     fencer = proxied_fencer(proxy, engine, key_prefix)
     proxy.drop_reply_to(key_prefix.encode() + b"job:1")
@@ -321,7 +321,7 @@ def test_an_acquire_whose_reply_was_lost_is_retried_and_recognised_as_ours(
 
 
 def test_without_the_owner_check_a_lost_acquire_reply_turns_into_false_contention(
-    proxy: LossyProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+    proxy: TcpProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
     """The pair of the test above: a plain SET NX, resent, finds its own lease
     and reports contention; the lease it holds is never used nor released."""
@@ -340,7 +340,7 @@ def test_without_the_owner_check_a_lost_acquire_reply_turns_into_false_contentio
 
 
 def test_a_confirm_whose_reply_was_lost_is_retried_and_still_succeeds(
-    proxy: LossyProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+    proxy: TcpProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
     fencer = proxied_fencer(proxy, engine, key_prefix)
     original = fencer._tokens.next_token
@@ -358,7 +358,7 @@ def test_a_confirm_whose_reply_was_lost_is_retried_and_still_succeeds(
 
 
 def test_a_release_whose_reply_was_lost_still_reports_that_it_released(
-    proxy: LossyProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+    proxy: TcpProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
     fencer = proxied_fencer(proxy, engine, key_prefix)
     lease = fencer.acquire("job:1", 30)
@@ -369,7 +369,7 @@ def test_a_release_whose_reply_was_lost_still_reports_that_it_released(
 
 
 def test_an_extend_whose_reply_was_lost_is_retried_and_extends(
-    proxy: LossyProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+    proxy: TcpProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
     fencer = proxied_fencer(proxy, engine, key_prefix)
     lease = fencer.acquire("job:1", 5)
