@@ -206,7 +206,6 @@ if hasattr(os, "register_at_fork"):
 
 #: The tallies of each meter provider (``_GLOBAL``: the global one), by counter name.
 _tallies: weakref.WeakKeyDictionary[Any, dict[str, _Tally]] = weakref.WeakKeyDictionary()
-_strong_tallies: dict[int, tuple[Any, dict[str, _Tally]]] = {}
 
 
 class _Global:
@@ -341,8 +340,8 @@ class Telemetry:
         with _tally_lock:
             try:
                 tallies = _tallies.setdefault(key, {})
-            except TypeError:  # a provider that cannot be weakly referenced: kept
-                tallies = _strong_tallies.setdefault(id(key), (key, {}))[1]
+            except TypeError:  # a provider that cannot be weakly referenced: not shared
+                tallies = {}
 
         def counter(name: str, unit: str, description: str) -> _Tally:
             with _tally_lock:
