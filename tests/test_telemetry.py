@@ -542,21 +542,18 @@ def test_no_message_of_the_package_renders_a_url_with_its_password() -> None:
 # ------------------------------------------------------------ no API installed
 
 
-def test_without_the_opentelemetry_api_everything_works_and_reports_nothing(
-    engine: sa.Engine, key_prefix: str
-) -> None:
-    code = f"""
-import sys
-sys.modules["opentelemetry"] = None  # as if not installed
-import redis, sqlalchemy as sa, sa_fence
-from sa_fence import _telemetry
-assert not _telemetry.Telemetry().enabled
-fencer = sa_fence.Fencer(redis.Redis.from_url({REDIS_URL!r}),
-                         sa.create_engine({engine.url.render_as_string(hide_password=False)!r}),
-                         sequence={SEQUENCE!r}, key_prefix={key_prefix!r})
-with fencer.lease("job:1", ttl=5) as lease:
-    print("token", lease.token)
-"""
+def _fencer_code(engine: sa.Engine, key_prefix: str, telemetry: str = "None") -> str:
+    """Python source making ``fencer`` on the test servers, for a fresh interpreter."""
+    url = engine.url.render_as_string(hide_password=False)
+    return (
+        f"fencer = sa_fence.Fencer(redis.Redis.from_url({REDIS_URL!r}), "
+        f"sa.create_engine({url!r}), sequence={SEQUENCE!r}, key_prefix={key_prefix!r}, "
+        f"telemetry={telemetry})"
+    )
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter (for process-wide state: imports, global providers)."""
     done = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -566,6 +563,23 @@ with fencer.lease("job:1", ttl=5) as lease:
         check=False,
     )
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_without_the_opentelemetry_api_everything_works_and_reports_nothing(
+    engine: sa.Engine, key_prefix: str
+) -> None:
+    code = f"""
+import sys
+sys.modules["opentelemetry"] = None  # as if not installed
+import redis, sqlalchemy as sa, sa_fence
+from sa_fence import _telemetry
+assert not _telemetry.Telemetry().enabled
+{_fencer_code(engine, key_prefix)}
+with fencer.lease("job:1", ttl=5) as lease:
+    print("token", lease.token)
+"""
+    done = _run_python(code)
     assert done.stdout.startswith("token ")
 
 
@@ -584,10 +598,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-fencer = sa_fence.Fencer(redis.Redis.from_url({REDIS_URL!r}),
-                         sa.create_engine({engine.url.render_as_string(hide_password=False)!r}),
-                         sequence={SEQUENCE!r}, key_prefix={key_prefix!r},
-                         telemetry=sa_fence.Telemetry())  # its instruments: the API's proxies
+{_fencer_code(engine, key_prefix, "sa_fence.Telemetry()")}  # the API's proxies
 reader = InMemoryMetricReader()
 metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
 exporter = InMemorySpanExporter()
@@ -601,15 +612,7 @@ names = {{m.name for rm in reader.get_metrics_data().resource_metrics
 print(sorted(names))
 print(sorted(s.name for s in exporter.get_finished_spans()))
 """
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    done = _run_python(code)
     metric_names, span_names = done.stdout.splitlines()[-2:]
     for name in (
         "sa_fence.lease.acquires",
