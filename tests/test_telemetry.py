@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,7 @@ class Otel:
     telemetry: sa_fence.Telemetry
     tracer: Any
     provider: Any = None
+    meters: Any = None
 
     def points(self, name: str) -> list[Any]:
         data = self.reader.get_metrics_data()
@@ -81,7 +82,7 @@ def otel(monkeypatch: pytest.MonkeyPatch) -> Iterator[Otel]:
     tracers.add_span_processor(SimpleSpanProcessor(exporter))
     telemetry = sa_fence.Telemetry(meter_provider=meters, tracer_provider=tracers)
     monkeypatch.setattr(_telemetry, "_default", telemetry)  # restored after the test
-    yield Otel(reader, exporter, telemetry, tracers.get_tracer("test"), tracers)
+    yield Otel(reader, exporter, telemetry, tracers.get_tracer("test"), tracers, meters)
     meters.shutdown()
     tracers.shutdown()
 
@@ -93,6 +94,32 @@ def tfencer(
     return sa_fence.Fencer(
         redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=otel.telemetry
     )
+
+
+MakeFencer = Callable[..., tuple[sa_fence.Fencer, list[Otel]]]
+
+
+@pytest.fixture
+def reading(redis_client: redis.Redis, engine: sa.Engine, key_prefix: str) -> Iterator[MakeFencer]:
+    """``reading(*readers)``: a fencer reporting to a MeterProvider of its own
+    with these readers, and one Otel per reader; the providers are shut down
+    after the test."""
+    providers: list[MeterProvider] = []
+
+    def make(*readers: InMemoryMetricReader) -> tuple[sa_fence.Fencer, list[Otel]]:
+        meters = MeterProvider(metric_readers=list(readers))
+        providers.append(meters)
+        telemetry = sa_fence.Telemetry(meter_provider=meters)
+        fencer = sa_fence.Fencer(
+            redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=telemetry
+        )
+        return fencer, [
+            Otel(r, InMemorySpanExporter(), telemetry, None, meters=meters) for r in readers
+        ]
+
+    yield make
+    for meters in providers:
+        meters.shutdown()
 
 
 def _job(make_session: sessionmaker[Session], lease: sa_fence.Lease, job_id: int) -> None:
@@ -358,32 +385,23 @@ def test_root_spans_must_be_a_bool() -> None:
         sa_fence.Telemetry(root_spans="yes")  # type: ignore[arg-type]
 
 
-def test_counters_report_per_interval_to_a_delta_reader(
-    redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
-) -> None:
+def test_counters_report_per_interval_to_a_delta_reader(reading: MakeFencer) -> None:
     """The counters are observable (cumulative totals kept in the process); a
     reader asking for delta temporality still gets what happened since its last
     collection, as from a synchronous counter."""
     from opentelemetry.sdk.metrics import ObservableCounter
     from opentelemetry.sdk.metrics.export import AggregationTemporality
 
-    reader = InMemoryMetricReader(
-        preferred_temporality={ObservableCounter: AggregationTemporality.DELTA}
+    fencer, (otel,) = reading(
+        InMemoryMetricReader(
+            preferred_temporality={ObservableCounter: AggregationTemporality.DELTA}
+        )
     )
-    meters = MeterProvider(metric_readers=[reader])
-    telemetry = sa_fence.Telemetry(meter_provider=meters)
-    fencer = sa_fence.Fencer(
-        redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=telemetry
-    )
-    otel = Otel(reader, InMemorySpanExporter(), telemetry, None)
-    try:
-        for _ in range(2):
-            fencer.acquire("job:1", ttl=5).release()
-        assert otel.count("sa_fence.lease.acquires", outcome="granted") == 2
+    for _ in range(2):
         fencer.acquire("job:1", ttl=5).release()
-        assert otel.count("sa_fence.lease.acquires", outcome="granted") == 1
-    finally:
-        meters.shutdown()
+    assert otel.count("sa_fence.lease.acquires", outcome="granted") == 2
+    fencer.acquire("job:1", ttl=5).release()
+    assert otel.count("sa_fence.lease.acquires", outcome="granted") == 1
 
 
 def test_two_telemetries_on_one_meter_provider_both_count(
@@ -411,6 +429,106 @@ def test_two_telemetries_on_one_meter_provider_both_count(
         assert otel.count("sa_fence.lease.acquires", pattern="second") == 1
     finally:
         meters.shutdown()
+
+
+# -------------------------------------------- histograms recorded at collection
+
+
+def _histogram(otel: Otel, name: str) -> Any:
+    (point,) = otel.points(name)
+    return point
+
+
+def test_histograms_outside_a_trace_reach_the_next_collection_with_their_values(
+    otel: Otel, tfencer: sa_fence.Fencer
+) -> None:
+    """Outside a sampled trace a histogram measurement waits in the process and
+    is recorded when a reader collects: the same count, sum and buckets."""
+    lease = tfencer.acquire("job:1", ttl=5)
+    time.sleep(0.3)
+    lease.release()
+    held = _histogram(otel, "sa_fence.lease.hold.duration")
+    assert held.count == 1
+    assert 0.3 <= held.sum < 5
+    assert held.explicit_bounds == _telemetry.BUCKETS
+    assert sum(held.bucket_counts) == 1
+    assert _histogram(otel, "sa_fence.lease.acquire.duration").count == 1
+    tfencer.acquire("job:1", ttl=5).release()
+    assert _histogram(otel, "sa_fence.lease.hold.duration").count == 2  # cumulative
+
+
+def test_inside_a_sampled_span_a_histogram_is_recorded_at_once_with_its_exemplar(
+    otel: Otel, tfencer: sa_fence.Fencer
+) -> None:
+    """Recorded at once inside the caller's sampled span, so the SDK's default
+    (trace-based) exemplar filter links the sample to that trace."""
+    with otel.tracer.start_as_current_span("caller") as caller:
+        tfencer.acquire("job:1", ttl=5).release()
+    point = _histogram(otel, "sa_fence.lease.acquire.duration")
+    assert [e.trace_id for e in point.exemplars] == [caller.get_span_context().trace_id]
+
+
+def test_histograms_report_per_interval_to_a_delta_reader(reading: MakeFencer) -> None:
+    """Pending measurements land in the collection after which they happened."""
+    from opentelemetry.sdk.metrics import Histogram
+    from opentelemetry.sdk.metrics.export import AggregationTemporality
+
+    fencer, (otel,) = reading(
+        InMemoryMetricReader(preferred_temporality={Histogram: AggregationTemporality.DELTA})
+    )
+    for _ in range(2):
+        fencer.acquire("job:1", ttl=5).release()
+    assert _histogram(otel, "sa_fence.lease.hold.duration").count == 2
+    assert otel.points("sa_fence.lease.hold.duration") == []  # nothing since
+    fencer.acquire("job:1", ttl=5).release()
+    assert _histogram(otel, "sa_fence.lease.hold.duration").count == 1
+
+
+def test_every_reader_of_a_provider_gets_every_histogram_measurement(
+    reading: MakeFencer,
+) -> None:
+    """The first collection records what is pending for every reader: the
+    second reader, collecting later, misses nothing and counts nothing twice."""
+    fencer, (a, b) = reading(InMemoryMetricReader(), InMemoryMetricReader())
+    fencer.acquire("job:1", ttl=5).release()
+    assert _histogram(a, "sa_fence.lease.hold.duration").count == 1
+    fencer.acquire("job:1", ttl=5).release()
+    assert _histogram(b, "sa_fence.lease.hold.duration").count == 2
+    assert _histogram(a, "sa_fence.lease.hold.duration").count == 2
+
+
+def test_pending_measurements_are_bounded_when_no_reader_collects(
+    reading: MakeFencer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past PENDING_LIMIT measurements the thread adding one records them all:
+    memory stays bounded with a reader that never collects, and nothing is lost."""
+    monkeypatch.setattr(_telemetry, "PENDING_LIMIT", 8)
+    fencer, (otel,) = reading(InMemoryMetricReader())
+    pending = _telemetry._providers[otel.meters].pending
+    longest = 0
+    for _ in range(20):  # 40 measurements
+        fencer.acquire("job:1", ttl=5).release()
+        longest = max(longest, len(pending.items))
+    assert longest < 8
+    assert _histogram(otel, "sa_fence.lease.hold.duration").count == 20
+    assert _histogram(otel, "sa_fence.lease.acquire.duration").count == 20
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_drops_its_parents_pending_measurements(
+    otel: Otel, tfencer: sa_fence.Fencer
+) -> None:
+    """The parent reports what it measured; a child reporting it too would count it twice."""
+    tfencer.acquire("job:1", ttl=5).release()
+    pending = _telemetry._providers[otel.meters].pending
+    assert len(pending.items) == 2
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once, no test machinery
+        os._exit(len(pending.items))
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert len(pending.items) == 2  # the parent's are still there
+    assert _histogram(otel, "sa_fence.lease.hold.duration").count == 1
 
 
 # ------------------------------------------------------------ patterns
@@ -588,7 +706,8 @@ def test_global_providers_set_after_the_fencer_was_made_receive_its_signals(
 ) -> None:
     """The default Telemetry reports through the API's global proxies: providers
     set later (as applications often do, after importing their modules) get
-    every counter, histogram and span.  A subprocess: the globals are set once."""
+    every counter, histogram (inside a trace or not) and span.  A subprocess:
+    the globals are set once."""
     code = f"""
 import redis, sqlalchemy as sa, sa_fence
 from opentelemetry import metrics, trace
@@ -607,13 +726,16 @@ tracers.add_span_processor(SimpleSpanProcessor(exporter))
 trace.set_tracer_provider(tracers)
 with trace.get_tracer("app").start_as_current_span("request"):
     fencer.acquire("job:1", ttl=5).release()
-names = {{m.name for rm in reader.get_metrics_data().resource_metrics
-          for sm in rm.scope_metrics for m in sm.metrics}}
-print(sorted(names))
+fencer.acquire("job:2", ttl=5).release()  # outside a trace: recorded at collection
+metrics_ = {{m.name: m for rm in reader.get_metrics_data().resource_metrics
+            for sm in rm.scope_metrics for m in sm.metrics}}
+print(metrics_["sa_fence.lease.hold.duration"].data.data_points[0].count)
+print(sorted(metrics_))
 print(sorted(s.name for s in exporter.get_finished_spans()))
 """
     done = _run_python(code)
-    metric_names, span_names = done.stdout.splitlines()[-2:]
+    held, metric_names, span_names = done.stdout.splitlines()[-3:]
+    assert held == "2"
     for name in (
         "sa_fence.lease.acquires",
         "sa_fence.lease.acquire.duration",
