@@ -514,6 +514,25 @@ def test_pending_measurements_are_bounded_when_no_reader_collects(
     assert _histogram(otel, "sa_fence.lease.acquire.duration").count == 20
 
 
+def test_pending_measurements_do_not_keep_a_dropped_provider_alive() -> None:
+    """What sa-fence keeps per provider is weakly keyed: an application that
+    replaces its MeterProvider does not leak the old one through pending values."""
+    import gc
+    import weakref
+
+    def dropped() -> weakref.ref[MeterProvider]:
+        meters = MeterProvider(metric_readers=[InMemoryMetricReader()], shutdown_on_exit=False)
+        telemetry = sa_fence.Telemetry(meter_provider=meters)
+        for _ in range(3):
+            telemetry.hold_duration.record(0.1, {PATTERN: "job:{n}"})
+        assert len(_telemetry._providers[meters].pending.items) == 3
+        return weakref.ref(meters)
+
+    ref = dropped()
+    gc.collect()
+    assert ref() is None
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_drops_its_parents_pending_measurements(
     otel: Otel, tfencer: sa_fence.Fencer
