@@ -48,7 +48,7 @@ from typing import Any, TextIO
 
 import sqlalchemy as sa
 
-from ._guard import TRIGGER_NAME, qualified
+from ._guard import TGTYPE_COMPLETE, TRIGGER_NAME, qualified
 from ._model import fence_column_of
 from ._protocol import POOLER_DOC
 from ._register import (
@@ -221,6 +221,9 @@ _TABLE_SQL = sa.text(
            EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t
                     WHERE t.tgrelid = to_regclass(:table) AND t.tgname = :trigger
                       AND NOT t.tgisinternal AND t.tgenabled <> 'D') AS has_guard,
+           EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t
+                    WHERE t.tgrelid = to_regclass(:table) AND t.tgname = :trigger
+                      AND (t.tgtype::int & :complete) = :complete) AS guard_complete,
            coalesce((SELECT a.attnotnull FROM pg_catalog.pg_attribute a
                       WHERE a.attrelid = to_regclass(:table) AND a.attname = :column
                         AND a.attnum > 0 AND NOT a.attisdropped), false) AS not_null
@@ -504,7 +507,12 @@ def check(
     for table in tables:
         state = conn.execute(
             _TABLE_SQL,
-            {"table": table.quoted, "column": table.column, "trigger": TRIGGER_NAME},
+            {
+                "table": table.quoted,
+                "column": table.column,
+                "trigger": TRIGGER_NAME,
+                "complete": TGTYPE_COMPLETE,
+            },
         ).one()
         if not state.present:
             report.findings.append(
@@ -527,6 +535,11 @@ def check(
                     + ")",
                 )
             )
+        guard_fix = (
+            f"op.create_fence_guard({table.name!r}"
+            + ("" if table.column == "fence" else f", {table.column!r}")
+            + ")"
+        )
         if not state.has_guard:
             missing.append("has no guard")
             report.findings.append(
@@ -534,9 +547,19 @@ def check(
                     f"table {table.display}",
                     f"has no enabled guard trigger {TRIGGER_NAME}: writers outside fenced "
                     "sessions (raw SQL, psql, other services) are not fenced",
-                    f"op.create_fence_guard({table.name!r}"
-                    + ("" if table.column == "fence" else f", {table.column!r}")
-                    + ")",
+                    guard_fix,
+                )
+            )
+        elif not state.guard_complete:
+            missing.append("has an incomplete guard")
+            report.findings.append(
+                Finding(
+                    f"table {table.display}",
+                    f"has a guard trigger {TRIGGER_NAME} that does not fire before each INSERT, "
+                    "UPDATE and DELETE (made by hand, or by an sa-fence that did not guard "
+                    "INSERTs): a raw INSERT with a forged fence would lock every later "
+                    "holder out of its row",
+                    guard_fix + " (recreates it)",
                 )
             )
         if state.has_column:

@@ -452,9 +452,9 @@ class CreateFenceGuardOp(_GuardOp):
     sequence="sa_fence_token_seq")``.
 
     Creates (or replaces) the PL/pgSQL function ``sa_fence_guard_<table>``
-    and the ``BEFORE UPDATE OR DELETE`` trigger ``sa_fence_guard`` that
-    refuses writes lowering the fence, carrying a stale token, or carrying a
-    token or fence past the last value of ``sequence`` (see
+    and the ``BEFORE INSERT OR UPDATE OR DELETE`` trigger ``sa_fence_guard``
+    that refuses writes lowering the fence, carrying a stale token, or (INSERTs
+    included) carrying a token or fence past the last value of ``sequence`` (see
     :mod:`sa_fence._guard` and docs/migrations.md).  ``on_missing_token``:
     ``"reject"`` refuses writers that present no token; ``"unchanged"``
     lets their UPDATEs through when the fence is left as it is.

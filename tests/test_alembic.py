@@ -502,7 +502,8 @@ def test_the_ops_work_on_a_table_in_another_schema_and_drop_removes_trigger_and_
         ops = ops_on(conn)
         ops.create_fence_sequence("tokens", schema="app")
         ops.add_fence_column("Items", schema="app")
-        ops.create_fence_guard("Items", schema="app")
+        ops.create_fence_guard("Items", schema="app", sequence="app.tokens")
+        conn.execute(sa.text("SELECT setval('app.tokens', 9)"))  # token 9 was granted
         conn.execute(sa.text('INSERT INTO app."Items" (id, fence) VALUES (1, 9)'))
     with db.connect() as conn:
         conn.execute(sa.text("SELECT set_config('sa_fence.token', '8', true)"))

@@ -29,6 +29,7 @@ def sa_fence_cli(*argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 def restored_behind(engine: sa.Engine) -> None:
     """Rows written with tokens up to 41, then the sequence "restored" to 7."""
     with engine.begin() as conn:
+        conn.execute(sa.text("SELECT setval('sa_fence_token_seq', 41)"))  # issued, then lost
         conn.execute(sa.text("INSERT INTO jobs (id, fence) VALUES (1, 12), (2, 41)"))
         conn.execute(sa.text("INSERT INTO job_steps (job_id, step, fence) VALUES (1, 1, 30)"))
         conn.execute(sa.text("SELECT setval('sa_fence_token_seq', 7)"))
@@ -97,8 +98,8 @@ def test_repair_sequence_never_moves_the_sequence_backwards(
     migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with migrated.begin() as conn:
-        conn.execute(sa.text("INSERT INTO jobs (id, fence) VALUES (1, 12)"))
         conn.execute(sa.text("SELECT setval('sa_fence_token_seq', 5000)"))
+        conn.execute(sa.text("INSERT INTO jobs (id, fence) VALUES (1, 12)"))
     status, out, _ = sa_fence_cli(
         "repair-sequence", "--url", url_of(migrated), "--yes", capsys=capsys
     )
@@ -123,6 +124,25 @@ def test_check_names_a_missing_guard_and_a_cached_sequence_with_their_fixes(
     assert "PROBLEM table job_steps has no enabled guard trigger sa_fence_guard" in out
     assert "fix: op.create_fence_guard('job_steps')" in out
     assert "fix: op.create_fence_guard('legacy')" in out
+
+
+def test_check_names_a_guard_that_does_not_fire_on_insert(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A guard made before INSERTs were guarded, or by hand, is a problem with its fix."""
+    execute(
+        migrated,
+        "DROP TRIGGER sa_fence_guard ON jobs",
+        "CREATE TRIGGER sa_fence_guard BEFORE UPDATE OR DELETE ON jobs "
+        "FOR EACH ROW EXECUTE FUNCTION sa_fence_guard_jobs()",
+    )
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert (status, out.count("PROBLEM")) == (1, 1)
+    assert (
+        "PROBLEM table jobs has a guard trigger sa_fence_guard that does not fire before each "
+        "INSERT, UPDATE and DELETE" in out
+    )
+    assert "fix: op.create_fence_guard('jobs') (recreates it)" in out
 
 
 def test_check_with_metadata_finds_a_fenced_model_whose_table_lacks_its_column(

@@ -65,7 +65,18 @@ def psql(engine: sa.Engine) -> psycopg.Connection[Any]:
 
 
 def insert_rows(engine: sa.Engine, fence: int) -> None:
-    with engine.begin() as conn:  # INSERT is not guarded
+    """Job 1 and its step as the holder of token ``fence`` wrote them (a raw
+    INSERT presenting its fence as its token).  A token the sequence has not
+    handed out yet is handed out first, as the grant of a newer lease would:
+    the guard refuses a fence past the last token issued, INSERTs included."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "SELECT setval('sa_fence_token_seq', :f) "
+                "WHERE :f > (SELECT last_value FROM sa_fence_token_seq)"
+            ),
+            {"f": fence},
+        )
         conn.execute(
             sa.text("INSERT INTO jobs (id, result, fence) VALUES (1, 'B', :f)"), {"f": fence}
         )
@@ -546,3 +557,116 @@ def test_a_raw_writer_presenting_a_token_records_that_token_not_a_fence_it_chose
             f"UPDATE jobs SET result = 'C', fence = {ISSUED} WHERE id = 1",
         )
     assert job_row(guarded) == ("C", 7)
+
+
+# ------------------------------------------------------------------ INSERT
+
+
+def jobs_with_id(engine: sa.Engine, job_id: int) -> list[tuple[Any, ...]]:
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT result, fence FROM jobs WHERE id = :i"), {"i": job_id})
+        return [tuple(r) for r in rows]
+
+
+def test_a_raw_insert_of_a_fence_past_any_issued_token_is_refused(guarded: sa.Engine) -> None:
+    """A forged fence on a new row would lock every later holder out of it for
+    good, as an UPDATE raising the fence would: refused, whoever sends it."""
+    for table, values in (
+        ("jobs", f"(id, result, fence) VALUES (9, 'X', {BIGINT_MAX})"),
+        ("job_steps", f"(job_id, step, output, fence) VALUES (9, 1, 'X', {BIGINT_MAX})"),
+    ):  # both policies
+        refused = refusal(guarded, f"INSERT INTO {table} {values}")
+        assert refused.sqlstate == _guard.STALE_SQLSTATE
+        assert f"INSERT on table public.{table} refused for row (" in str(refused)
+        assert f"the new fence {BIGINT_MAX} is past the last token issued" in str(refused)
+    refused = refusal(  # a current token cannot carry a forged fence in either
+        guarded,
+        "BEGIN; SELECT set_config('sa_fence.token', '7', true); "
+        f"INSERT INTO jobs (id, result, fence) VALUES (9, 'X', {BIGINT_MAX})",
+    )
+    assert f"the new fence {BIGINT_MAX} is past the last token issued" in str(refused)
+    refused = refusal(  # nor a token no lease was granted
+        guarded,
+        f"BEGIN; SELECT set_config('sa_fence.token', '{BIGINT_MAX}', true); "
+        "INSERT INTO jobs (id, result) VALUES (9, 'X')",
+    )
+    assert f"token {BIGINT_MAX} is past the last token issued" in str(refused)
+    assert jobs_with_id(guarded, 9) == []
+
+
+def test_copy_of_a_forged_fence_is_refused_like_an_insert(guarded: sa.Engine) -> None:
+    with (
+        psql(guarded) as conn,
+        pytest.raises(psycopg.Error) as refused,
+        conn.cursor().copy("COPY jobs (id, result, fence) FROM STDIN") as copy,
+    ):
+        copy.write_row((9, "X", BIGINT_MAX))
+    assert refused.value.sqlstate == _guard.STALE_SQLSTATE
+    assert jobs_with_id(guarded, 9) == []
+
+
+@pytest.mark.parametrize("removed", ["issued check", "INSERT event"])
+def test_without_the_insert_guard_a_forged_fence_locks_every_later_holder_out(
+    guarded: sa.Engine, monkeypatch: pytest.MonkeyPatch, removed: str
+) -> None:
+    """The pair of the two tests above: a guard without its comparison with the
+    sequence, or a trigger that does not fire on INSERT (one made by hand, say),
+    lets the forged row in, and no lease can write it again."""
+    if removed == "issued check":
+        monkeypatch.setattr(_guard, "ISSUED_CHECK", "false")
+    else:
+        monkeypatch.setattr(_guard, "EVENTS", "UPDATE OR DELETE")
+    try:
+        recreate_guard(guarded, "jobs", on_missing_token="unchanged")
+        with psql(guarded) as conn:
+            run_script(conn, f"INSERT INTO jobs (id, result, fence) VALUES (9, 'X', {BIGINT_MAX})")
+            with pytest.raises(psycopg.Error, match="is stale"):  # a real holder, for good
+                run_script(
+                    conn,
+                    f"BEGIN; SELECT set_config('sa_fence.token', '{ISSUED}', true); "
+                    "UPDATE jobs SET result = 'A' WHERE id = 9",
+                )
+    finally:
+        monkeypatch.undo()
+        recreate_guard(guarded, "jobs", on_missing_token="unchanged")
+
+
+def test_a_raw_insert_records_the_presented_token_and_lets_a_never_fenced_row_in(
+    guarded: sa.Engine,
+) -> None:
+    with psql(guarded) as conn:
+        run_script(
+            conn,
+            "BEGIN; SELECT set_config('sa_fence.token', '7', true); "
+            f"INSERT INTO jobs (id, result, fence) VALUES (9, 'X', {ISSUED})",
+        )
+        run_script(conn, "INSERT INTO jobs (id, result, fence) VALUES (10, 'Y', 5)")
+        # no token and no fence: a never-fenced row, even under a "reject" guard
+        run_script(conn, "INSERT INTO job_steps (job_id, step, output) VALUES (10, 1, 'Y')")
+        step = conn.execute("SELECT fence FROM job_steps WHERE job_id = 10").fetchone()
+    assert jobs_with_id(guarded, 9) == [("X", 7)]  # the token, not the fence it chose
+    assert jobs_with_id(guarded, 10) == [("Y", 5)]  # its fence presented as its token
+    assert step is not None
+
+
+def test_a_forged_fence_through_fence_connection_is_a_config_error_not_a_stale_write(
+    guarded: sa.Engine, fencer: sa_fence.Fencer
+) -> None:
+    """Not "a newer holder wrote": no lease was granted that fence.  The error
+    says what to fix (a fence set by hand, or a guard reading another sequence)."""
+    insert_rows(guarded, fence=5)
+    with fencer.lease("job:9", 5) as lease, guarded.connect() as conn:
+        for statement in (
+            "INSERT INTO jobs (id, result, fence) VALUES (9, 'X', :f)",
+            "UPDATE jobs SET fence = :f WHERE id = 1",
+        ):
+            with sa_fence.fence_connection(conn, lease):
+                with pytest.raises(sa_fence.FencingConfigError) as refused:
+                    conn.execute(sa.text(statement), {"f": BIGINT_MAX})
+                conn.rollback()
+            assert "past the last token issued" in str(refused.value)
+            assert "sets the fence column by hand" in str(refused.value)
+            assert "sequence=" in str(refused.value)
+            assert getattr(refused.value.cause, "sqlstate", None) == _guard.STALE_SQLSTATE
+    assert jobs_with_id(guarded, 9) == []
+    assert job_row(guarded) == ("B", 5)
