@@ -221,7 +221,7 @@ class _Tally:
     totals is the same metric to every reader and exporter (a monotonic sum per
     attribute set, cumulative or delta as the reader asks), and counting costs a
     dict update here.  What is lost: exemplars on counters (the histograms keep
-    theirs).
+    theirs inside a sampled trace, see :class:`_Pending`).
     """
 
     __slots__ = ("counts",)
