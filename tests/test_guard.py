@@ -670,3 +670,26 @@ def test_a_forged_fence_through_fence_connection_is_a_config_error_not_a_stale_w
             assert getattr(refused.value.cause, "sqlstate", None) == _guard.STALE_SQLSTATE
     assert jobs_with_id(guarded, 9) == []
     assert job_row(guarded) == ("B", 5)
+
+
+def test_merge_is_guarded_as_the_insert_update_and_delete_it_runs(guarded: sa.Engine) -> None:
+    """PostgreSQL 15's MERGE fires the same row triggers as the actions it takes."""
+    with guarded.connect() as conn:
+        if conn.dialect.server_version_info < (15,):  # type: ignore[operator]
+            pytest.skip("MERGE needs PostgreSQL 15")
+    insert_rows(guarded, fence=50)
+    merge = (
+        "MERGE INTO jobs AS j USING (VALUES ({id}, 'M', {fence}::bigint)) AS v(id, result, fence) "
+        "ON j.id = v.id "
+        "WHEN MATCHED THEN UPDATE SET result = v.result "
+        "WHEN NOT MATCHED THEN INSERT (id, result, fence) VALUES (v.id, v.result, v.fence)"
+    )
+    present = "BEGIN; SELECT set_config('sa_fence.token', '{token}', true); "
+    refused = refusal(guarded, merge.format(id=9, fence=BIGINT_MAX))  # the INSERT action
+    assert "INSERT on table public.jobs refused" in str(refused)
+    assert "past the last token issued" in str(refused)
+    refused = refusal(guarded, present.format(token=3) + merge.format(id=1, fence=0))  # UPDATE
+    assert refused.sqlstate == _guard.STALE_SQLSTATE
+    assert "token 3 is stale: the row's fence is 50" in str(refused)
+    assert job_row(guarded) == ("B", 50)
+    assert jobs_with_id(guarded, 9) == []
