@@ -693,3 +693,27 @@ def test_merge_is_guarded_as_the_insert_update_and_delete_it_runs(guarded: sa.En
     assert "token 3 is stale: the row's fence is 50" in str(refused)
     assert job_row(guarded) == ("B", 50)
     assert jobs_with_id(guarded, 9) == []
+
+
+def test_orm_and_core_inserts_through_sa_fence_pass_a_reject_guard_with_their_token(
+    guarded: sa.Engine, fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """The write paths a fenced INSERT takes (unit of work, ORM bulk, Core in
+    fence_connection, text() in a bound session) go through the INSERT guard
+    and the row records the lease's token."""
+    with fencer.lease("job:1", 5) as lease:
+        with make_session() as session:
+            lease.bind(session)
+            session.add(DemoStep(job_id=1, step=1, output="uow"))
+            session.flush()
+            session.execute(sa.insert(DemoStep), [{"job_id": 1, "step": 2, "output": "bulk"}])
+            session.execute(
+                sa.text("INSERT INTO job_steps (job_id, step, output) VALUES (1, 3, 'text')")
+            )
+            session.commit()
+        with guarded.connect() as conn, sa_fence.fence_connection(conn, lease):
+            conn.execute(DemoStep.__table__.insert().values(job_id=1, step=4, output="core"))
+            conn.commit()
+    with guarded.connect() as conn:
+        rows = conn.execute(sa.text("SELECT step, fence FROM job_steps ORDER BY step")).all()
+    assert [tuple(r) for r in rows] == [(n, lease.token) for n in (1, 2, 3, 4)]
