@@ -1009,10 +1009,11 @@ def install(target: T) -> T:
     plain = cast_target(target)
     _rebind(plain, _view_of)
     holder = _hook_holder(plain)
-    if not vars(holder).get(_INSTALLED, False):
-        for name, fn in _EVENTS:
+    if not vars(holder).get(_INSTALLED):
+        listeners = _listeners_for(plain)
+        for name, fn in listeners:
             event.listen(target, name, fn)
-        setattr(holder, _INSTALLED, True)
+        setattr(holder, _INSTALLED, listeners)  # what uninstall() removes
     return target
 
 
@@ -1038,8 +1039,9 @@ def uninstall(target: T) -> T:
     _check_target(target)
     plain = cast_target(target)
     holder = _hook_holder(plain)
-    if vars(holder).get(_INSTALLED, False):
-        for name, fn in _EVENTS:
+    listeners = vars(holder).get(_INSTALLED)
+    if listeners:
+        for name, fn in listeners:
             event.remove(target, name, fn)
         delattr(holder, _INSTALLED)
     _rebind(plain, lambda view: _origins.get(view, view))
@@ -1052,6 +1054,31 @@ _INSTALLED = "_sa_fence_hook_installed"
 def cast_target(target: object) -> Target:
     """``target`` once _check_target() passed (no scoped session is left by then)."""
     return target  # type: ignore[return-value]
+
+
+def _listeners_for(target: Target) -> tuple[tuple[str, Callable[..., Any]], ...]:
+    """The (event, listener) pairs :func:`install` registers on ``target``.
+
+    A session gets listeners of its own, each calling the shared one.  Why:
+    SQLAlchemy keys its listener registry on ``(id(target), event,
+    id(listener))`` and keeps the keys of class-level listeners after their
+    target is collected.  A sessionmaker installed and then dropped leaves
+    such keys behind; a session later allocated at its address, listening
+    with the same functions, shared those keys, and removing its listeners
+    (``uninstall(session)``) failed inside SQLAlchemy.  A listener made for
+    the session, alive as long as the session holds it, cannot have the id of
+    a shared function.
+    """
+    if not isinstance(target, Session):
+        return _EVENTS
+    return tuple((name, _own_listener(fn)) for name, fn in _EVENTS)
+
+
+def _own_listener(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def listener(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return listener
 
 
 def _hook_holder(target: Target) -> Any:

@@ -217,6 +217,39 @@ def test_binding_a_session_without_the_hook_is_refused(
         lease.bind(plain)
 
 
+def test_a_session_at_a_dead_sessionmakers_address_installs_and_uninstalls(
+    engine: sa.Engine,
+) -> None:
+    """SQLAlchemy keys listeners on ``(id(target), event, id(fn))`` and keeps the
+    keys of a sessionmaker's (class-level) listeners after it is collected.  A
+    session later allocated at that address met those keys, and
+    ``uninstall(session)`` failed inside SQLAlchemy (seen in CI, by chance).
+    Here the address reuse is staged in the registry, deterministically."""
+    from sqlalchemy.event import registry
+
+    from sa_fence import _flush
+
+    dead = sa_fence.install(sessionmaker(engine))
+    session = Session(engine)
+    staged = []
+    for (target_id, name, fn_id), collections in list(registry._key_to_collection.items()):
+        if target_id == id(dead):  # what a session at that address would meet
+            key = (id(session), name, fn_id)
+            registry._key_to_collection[key] = dict(collections)
+            staged.append(key)
+    assert len(staged) == len(_flush._EVENTS)
+    try:
+        sa_fence.install(session)
+        assert _flush.is_installed(session)
+        sa_fence.uninstall(session)
+        assert not _flush.is_installed(session)
+        assert not [fn for name, _ in _flush._EVENTS for fn in getattr(session.dispatch, name)]
+    finally:
+        for key in staged:
+            registry._key_to_collection.pop(key, None)
+        sa_fence.uninstall(dead)
+
+
 def test_install_works_on_a_session_a_session_class_and_uninstall_removes_it(
     fencer: sa_fence.Fencer, engine: sa.Engine
 ) -> None:
