@@ -12,7 +12,10 @@ writer, and says how to fix each finding:
   needs (run the check as your workers' role);
 * the database holds more than one register (two sequences fencing the
   same rows: neither register fences out the other's holders);
-* a fenced table lacks its fence column or its guard trigger;
+* a fenced table lacks its fence column or its guard trigger, or its guard
+  is not the one this sa-fence creates (a trigger not firing before each
+  INSERT, UPDATE and DELETE; a function from another version or edited by
+  hand);
 * the sequence is behind ``max(fence)`` of a fenced table or ``max(token)``
   of its register (after a restore from backup, or a promoted logical
   replica: logical replication does not carry sequence values).  Its next
@@ -48,7 +51,15 @@ from typing import Any, TextIO
 
 import sqlalchemy as sa
 
-from ._guard import TGTYPE_COMPLETE, TRIGGER_NAME, qualified
+from ._guard import (
+    TGTYPE_COMPLETE,
+    TRIGGER_NAME,
+    MissingToken,
+    create_guard_sql,
+    function_source,
+    guard_made_with,
+    qualified,
+)
 from ._model import fence_column_of
 from ._protocol import POOLER_DOC
 from ._register import (
@@ -224,6 +235,9 @@ _TABLE_SQL = sa.text(
            EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t
                     WHERE t.tgrelid = to_regclass(:table) AND t.tgname = :trigger
                       AND (t.tgtype::int & :complete) = :complete) AS guard_complete,
+           (SELECT p.prosrc FROM pg_catalog.pg_trigger t
+              JOIN pg_catalog.pg_proc p ON p.oid = t.tgfoid
+             WHERE t.tgrelid = to_regclass(:table) AND t.tgname = :trigger) AS guard_source,
            coalesce((SELECT a.attnotnull FROM pg_catalog.pg_attribute a
                       WHERE a.attrelid = to_regclass(:table) AND a.attname = :column
                         AND a.attnum > 0 AND NOT a.attisdropped), false) AS not_null
@@ -442,6 +456,49 @@ def _ident(name: str) -> str:
     return qualified(name, None)
 
 
+def _guard_args(made_with: tuple[str, str] | None) -> str:
+    """The create_fence_guard() arguments that remake a guard as it was made."""
+    if made_with is None:
+        return ", on_missing_token='reject' or 'unchanged'"
+    policy, sequence = made_with
+    return ("" if policy == "reject" else f", on_missing_token={policy!r}") + (
+        "" if sequence == DEFAULT_SEQUENCE else f", sequence={sequence!r}"
+    )
+
+
+def _outdated_guard(
+    conn: sa.Connection,
+    state: Any,
+    table: FencedTable,
+    made_with: tuple[MissingToken, str] | None,
+    sequence: str,
+) -> list[str]:
+    """Why the enabled guard of ``table`` is not what this sa-fence creates (empty: it is)."""
+    why = []
+    if not state.guard_complete:
+        why.append(
+            "it does not fire before each INSERT, UPDATE and DELETE, so a raw INSERT "
+            "with a forged fence would lock every later holder out of its row"
+        )
+    if made_with is None:
+        why.append("its function was not made by sa-fence (or was edited by hand)")
+    else:
+        policy, made_sequence = made_with
+        schemas = {table.schema, None, conn.dialect.default_schema_name}
+        if not any(
+            state.guard_source
+            == function_source(
+                create_guard_sql(
+                    table.name, table.column, schema=schema, on_missing_token=policy, sequence=seq
+                )
+            )
+            for schema in schemas
+            for seq in (made_sequence, sequence)
+        ):
+            why.append("its function differs (made by another sa-fence version, or edited by hand)")
+    return why
+
+
 def check(
     conn: sa.Connection,
     *,
@@ -535,9 +592,12 @@ def check(
                     + ")",
                 )
             )
+        made_with = guard_made_with(state.guard_source or "")
         guard_fix = (
             f"op.create_fence_guard({table.name!r}"
             + ("" if table.column == "fence" else f", {table.column!r}")
+            + ("" if table.schema is None else f", schema={table.schema!r}")
+            + (_guard_args(made_with) if state.has_guard else "")
             + ")"
         )
         if not state.has_guard:
@@ -550,18 +610,18 @@ def check(
                     guard_fix,
                 )
             )
-        elif not state.guard_complete:
-            missing.append("has an incomplete guard")
-            report.findings.append(
-                Finding(
-                    f"table {table.display}",
-                    f"has a guard trigger {TRIGGER_NAME} that does not fire before each INSERT, "
-                    "UPDATE and DELETE (made by hand, or by an sa-fence that did not guard "
-                    "INSERTs): a raw INSERT with a forged fence would lock every later "
-                    "holder out of its row",
-                    guard_fix + " (recreates it)",
+        else:
+            outdated = _outdated_guard(conn, state, table, made_with, report.sequence)
+            if outdated:
+                missing.append("has an outdated guard")
+                report.findings.append(
+                    Finding(
+                        f"table {table.display}",
+                        f"has a guard trigger {TRIGGER_NAME} that is not the one this "
+                        f"sa-fence creates: {'; '.join(outdated)}",
+                        guard_fix + " (recreates it)",
+                    )
                 )
-            )
         if state.has_column:
             fence = qualified(table.column, None)
             nulls = "0" if state.not_null else f"count(*) FILTER (WHERE {fence} IS NULL)"

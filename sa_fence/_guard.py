@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Literal
 
 from .errors import FenceError, FencingConfigError, StaleTokenError, UnfencedWriteError
@@ -314,6 +315,35 @@ def create_guard_sql(
         f"CREATE TRIGGER {TRIGGER_NAME} BEFORE {EVENTS} ON {target} "
         f"FOR EACH ROW EXECUTE FUNCTION {function}()",
     ]
+
+
+_HEADER = re.compile(
+    r"\A\n-- sa-fence guard for .*? \(on_missing_token = (reject|unchanged),\n"
+    r"-- token sequence (.+?)\)\.\n",
+    re.DOTALL,
+)
+_QUOTED = re.compile(r'"((?:[^"]|"")*)"(?:\."((?:[^"]|"")*)")?\Z')
+
+
+def guard_made_with(source: str) -> tuple[MissingToken, str] | None:
+    """The ``on_missing_token`` and ``sequence`` a guard function's source
+    (``pg_proc.prosrc``) was made with, read from its header; None when the
+    source is not one :func:`create_guard_sql` made."""
+    header = _HEADER.match(source)
+    if header is None:
+        return None
+    quoted = _QUOTED.match(header.group(2))
+    if quoted is None:
+        return None
+    first, second = (part.replace('""', '"') if part else part for part in quoted.groups())
+    sequence = f"{first}.{second}" if second is not None else first
+    return check_policy(header.group(1)), sequence
+
+
+def function_source(statements: list[str]) -> str:
+    """What ``pg_proc.prosrc`` holds for the guard function ``statements``
+    (:func:`create_guard_sql`'s) create."""
+    return statements[0].split(_BODY_QUOTE)[1]
 
 
 def drop_guard_sql(table: str, *, schema: str | None = None) -> list[str]:

@@ -717,3 +717,16 @@ def test_orm_and_core_inserts_through_sa_fence_pass_a_reject_guard_with_their_to
     with guarded.connect() as conn:
         rows = conn.execute(sa.text("SELECT step, fence FROM job_steps ORDER BY step")).all()
     assert [tuple(r) for r in rows] == [(n, lease.token) for n in (1, 2, 3, 4)]
+
+
+@pytest.mark.parametrize(
+    ("policy", "sequence"),
+    [("reject", "sa_fence_token_seq"), ("unchanged", "app.tokens"), ("reject", 'we"ird.s q')],
+)
+def test_a_guard_function_says_how_it_was_made(policy: str, sequence: str) -> None:
+    """sa-fence check remakes an outdated guard as it was made: policy and sequence
+    are read back from the function's source."""
+    made = _guard.create_guard_sql("jobs", on_missing_token=policy, sequence=sequence)
+    source = _guard.function_source(made)
+    assert _guard.guard_made_with(source) == (policy, sequence)
+    assert _guard.guard_made_with("BEGIN RETURN NEW; END") is None
