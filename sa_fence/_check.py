@@ -54,10 +54,8 @@ import sqlalchemy as sa
 from ._guard import (
     TGTYPE_COMPLETE,
     TRIGGER_NAME,
-    MissingToken,
-    create_guard_sql,
-    function_source,
     guard_made_with,
+    outdated,
     qualified,
 )
 from ._model import fence_column_of
@@ -466,39 +464,6 @@ def _guard_args(made_with: tuple[str, str] | None) -> str:
     )
 
 
-def _outdated_guard(
-    conn: sa.Connection,
-    state: Any,
-    table: FencedTable,
-    made_with: tuple[MissingToken, str] | None,
-    sequence: str,
-) -> list[str]:
-    """Why the enabled guard of ``table`` is not what this sa-fence creates (empty: it is)."""
-    why = []
-    if not state.guard_complete:
-        why.append(
-            "it does not fire before each INSERT, UPDATE and DELETE, so a raw INSERT "
-            "with a forged fence would lock every later holder out of its row"
-        )
-    if made_with is None:
-        why.append("its function was not made by sa-fence (or was edited by hand)")
-    else:
-        policy, made_sequence = made_with
-        schemas = {table.schema, None, conn.dialect.default_schema_name}
-        if not any(
-            state.guard_source
-            == function_source(
-                create_guard_sql(
-                    table.name, table.column, schema=schema, on_missing_token=policy, sequence=seq
-                )
-            )
-            for schema in schemas
-            for seq in (made_sequence, sequence)
-        ):
-            why.append("its function differs (made by another sa-fence version, or edited by hand)")
-    return why
-
-
 def check(
     conn: sa.Connection,
     *,
@@ -611,14 +576,21 @@ def check(
                 )
             )
         else:
-            outdated = _outdated_guard(conn, state, table, made_with, report.sequence)
-            if outdated:
+            why = outdated(
+                state.guard_source,
+                state.guard_complete,
+                table.name,
+                table.column,
+                schemas=(table.schema, None, conn.dialect.default_schema_name),
+                sequence=report.sequence,
+            )
+            if why:
                 missing.append("has an outdated guard")
                 report.findings.append(
                     Finding(
                         f"table {table.display}",
                         f"has a guard trigger {TRIGGER_NAME} that is not the one this "
-                        f"sa-fence creates: {'; '.join(outdated)}",
+                        f"sa-fence creates: {'; '.join(why)}",
                         guard_fix + " (recreates it)",
                     )
                 )

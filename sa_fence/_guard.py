@@ -52,6 +52,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from .errors import FenceError, FencingConfigError, StaleTokenError, UnfencedWriteError
@@ -344,6 +345,61 @@ def function_source(statements: list[str]) -> str:
     """What ``pg_proc.prosrc`` holds for the guard function ``statements``
     (:func:`create_guard_sql`'s) create."""
     return statements[0].split(_BODY_QUOTE)[1]
+
+
+#: The guard trigger of a table (enabled or not; none: no row), as :func:`outdated`
+#: needs it, and the DDL that makes it again as it is (what a replace's downgrade
+#: restores).
+GUARD_STATE_SQL = f"""
+SELECT (t.tgtype::int & {TGTYPE_COMPLETE}) = {TGTYPE_COMPLETE} AS complete,
+       p.prosrc AS source,
+       pg_catalog.pg_get_functiondef(p.oid) AS function_sql,
+       pg_catalog.pg_get_triggerdef(t.oid) AS trigger_sql
+  FROM pg_catalog.pg_trigger t
+  JOIN pg_catalog.pg_proc p ON p.oid = t.tgfoid
+ WHERE t.tgrelid = to_regclass(:table) AND t.tgname = '{TRIGGER_NAME}'
+   AND NOT t.tgisinternal
+"""
+
+
+def outdated(
+    source: str | None,
+    complete: bool,
+    table: str,
+    column: str,
+    *,
+    schemas: Iterable[str | None],
+    sequence: str,
+) -> list[str]:
+    """Why an existing guard is not the one this sa-fence creates (empty: it is).
+
+    ``source``: its function's ``prosrc``; ``complete``: its trigger fires
+    before each INSERT, UPDATE and DELETE of a row.  The function is compared
+    with the one :func:`create_guard_sql` makes with the policy and sequence
+    its header names (or ``sequence``), for each of ``schemas`` (the table's
+    schema as given, and as the default one).
+    """
+    why = []
+    if not complete:
+        why.append(
+            "it does not fire before each INSERT, UPDATE and DELETE, so a raw INSERT "
+            "with a forged fence would lock every later holder out of its row"
+        )
+    made_with = guard_made_with(source or "")
+    if made_with is None:
+        why.append("its function was not made by sa-fence (or was edited by hand)")
+        return why
+    policy, made_sequence = made_with
+    if not any(
+        source
+        == function_source(
+            create_guard_sql(table, column, schema=schema, on_missing_token=policy, sequence=seq)
+        )
+        for schema in set(schemas)
+        for seq in (made_sequence, sequence)
+    ):
+        why.append("its function differs (made by another sa-fence version, or edited by hand)")
+    return why
 
 
 def drop_guard_sql(table: str, *, schema: str | None = None) -> list[str]:

@@ -20,18 +20,20 @@ it in ``env.py``)::
         op.drop_fence_sequence()                # resets tokens: never in production
 
 Every operation has a ``reverse()``, so autogenerate writes both directions.
-``alembic revision --autogenerate`` notices fenced models (``sa_fence.Fenced``
-or ``sa_fence.fence_column()``) whose table lacks the fence column or the
-guard, a missing token sequence or one with ``CACHE > 1`` / ``CYCLE``, and a
-missing lease register or commit check function; it does so for a metadata
-that declares the register (``sa_fence.fence_sequence(metadata)``) even
-without fenced models.  The register's ``create_table`` / ``drop_table``
-that Alembic itself would write are replaced by ``create_fence_register``
-(which also creates the check function) and never dropped by autogenerate.
-The sequence's name is ``sa_fence_token_seq`` unless ``env.py`` passes
+``alembic revision --autogenerate`` notices fenced models
+(``sa_fence.Fenced`` or ``sa_fence.fence_column()``) whose table lacks the
+fence column or the guard, or has a guard this sa-fence would not create
+(``replace_fence_guard``, whose downgrade puts the old guard back), a
+missing token sequence or one with ``CACHE > 1`` / ``CYCLE``, and a missing
+lease register or commit check function; it does so for a metadata that
+declares the register (``sa_fence.fence_sequence(metadata)``) even without
+fenced models. The register's ``create_table`` / ``drop_table`` that Alembic
+itself would write are replaced by ``create_fence_register`` (which also
+creates the check function) and never dropped by autogenerate. The
+sequence's name is ``sa_fence_token_seq`` unless ``env.py`` passes
 ``sa_fence_sequence="name"`` (or ``"schema.name"``) to
 ``context.configure()``; the register lives in the sequence's schema, and
-new guards are created for that sequence.  The comparator honours
+new guards are created for that sequence. The comparator honours
 ``include_name`` and ``include_object``.
 
 Only Alembic's plugin points are used: ``Operations.register_operation``,
@@ -41,8 +43,9 @@ Only Alembic's plugin points are used: ``Operations.register_operation``,
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 from alembic.autogenerate import comparators, renderers
@@ -52,11 +55,14 @@ from alembic.util import DispatchPriority, PriorityDispatchResult
 from sqlalchemy.schema import CreateSequence, DropSequence
 
 from ._guard import (
+    GUARD_STATE_SQL,
     TRIGGER_NAME,
     check_name,
     check_policy,
     create_guard_sql,
     drop_guard_sql,
+    guard_made_with,
+    outdated,
     qualified,
 )
 from ._model import fence_column_of
@@ -430,6 +436,9 @@ def _drop_fence_column(operations: Operations, operation: DropFenceColumnOp) -> 
 # =================================================================== the guard
 
 
+_G = TypeVar("_G", bound="_GuardOp")
+
+
 class _GuardOp(_TableOp):
     def __init__(
         self,
@@ -443,6 +452,17 @@ class _GuardOp(_TableOp):
         super().__init__(table_name, column, schema=schema)
         self.on_missing_token = check_policy(on_missing_token)
         self.sequence = check_name("sequence", sequence)
+
+    def same_guard(self, cls: type[_G], **extra: Any) -> _G:
+        """An op of ``cls`` on the same guard: table, column, schema, policy, sequence."""
+        return cls(
+            self.table_name,
+            self.column,
+            schema=self.schema,
+            on_missing_token=self.on_missing_token,
+            sequence=self.sequence,
+            **extra,
+        )
 
 
 @Operations.register_operation("create_fence_guard")
@@ -483,13 +503,7 @@ class CreateFenceGuardOp(_GuardOp):
         )
 
     def reverse(self) -> DropFenceGuardOp:
-        return DropFenceGuardOp(
-            self.table_name,
-            self.column,
-            schema=self.schema,
-            on_missing_token=self.on_missing_token,
-            sequence=self.sequence,
-        )
+        return self.same_guard(DropFenceGuardOp)
 
 
 @Operations.register_operation("drop_fence_guard")
@@ -525,12 +539,92 @@ class DropFenceGuardOp(_GuardOp):
         )
 
     def reverse(self) -> CreateFenceGuardOp:
-        return CreateFenceGuardOp(
-            self.table_name,
-            self.column,
-            schema=self.schema,
-            on_missing_token=self.on_missing_token,
-            sequence=self.sequence,
+        return self.same_guard(CreateFenceGuardOp)
+
+
+@Operations.register_operation("replace_fence_guard")
+class ReplaceFenceGuardOp(_GuardOp):
+    op_name = "replace_fence_guard"
+    """``op.replace_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
+    sequence="sa_fence_token_seq", previous=None)``.
+
+    Remakes an existing guard as this sa-fence creates it (the statements of
+    ``create_fence_guard``).  With ``previous`` (the function's and the
+    trigger's DDL as they were, which autogenerate writes into the
+    downgrade), puts that guard back instead: its trigger is dropped, then
+    ``previous`` runs as written.  Autogenerate emits it for a guard that is
+    not the one this sa-fence creates: a trigger that does not fire on
+    INSERT, UPDATE and DELETE, or a function another version made or someone
+    edited.
+    """
+
+    def __init__(
+        self,
+        table_name: str,
+        column: str = "fence",
+        *,
+        schema: str | None = None,
+        on_missing_token: str = "reject",
+        sequence: str = DEFAULT_SEQUENCE,
+        previous: Sequence[str] | None = None,
+        replaced: Sequence[str] | None = None,
+        reasons: Sequence[str] = (),
+    ) -> None:
+        super().__init__(
+            table_name, column, schema=schema, on_missing_token=on_missing_token, sequence=sequence
+        )
+        if previous is not None and (
+            isinstance(previous, str)
+            or not previous
+            or not all(isinstance(s, str) and s.strip() for s in previous)
+        ):
+            raise ValueError(
+                "replace_fence_guard: previous must be a list of SQL statements (the guard "
+                f"function's and trigger's DDL, as autogenerate writes them), got {previous!r}"
+            )
+        #: what to put back instead of remaking the guard (a downgrade)
+        self.previous = tuple(previous) if previous is not None else None
+        #: what the database had before this op remade it (so reverse() can put it back)
+        self.replaced = tuple(replaced) if replaced is not None else None
+        #: why autogenerate found the guard outdated (a comment in the revision)
+        self.reasons = tuple(reasons)
+
+    @classmethod
+    def replace_fence_guard(
+        cls,
+        operations: Operations,
+        table_name: str,
+        column: str = "fence",
+        *,
+        schema: str | None = None,
+        on_missing_token: str = "reject",
+        sequence: str = DEFAULT_SEQUENCE,
+        previous: Sequence[str] | None = None,
+    ) -> None:
+        """Remake the guard of ``table_name`` (or put ``previous`` back)."""
+        operations.invoke(
+            cls(
+                table_name,
+                column,
+                schema=schema,
+                on_missing_token=on_missing_token,
+                sequence=sequence,
+                previous=previous,
+            )
+        )
+
+    def reverse(self) -> ReplaceFenceGuardOp:
+        if self.previous is None and self.replaced is None:
+            raise ValueError(
+                f"replace_fence_guard({self.table_name!r}) has no reverse: what the guard "
+                "was before is unknown (autogenerate records it; a hand-written revision "
+                "can pass previous=[...] in its downgrade)"
+            )
+        return self.same_guard(
+            ReplaceFenceGuardOp,
+            previous=self.replaced,
+            replaced=self.previous,
+            reasons=self.reasons,
         )
 
 
@@ -572,7 +666,7 @@ def _check_guarded_column(operations: Operations, operation: _GuardOp) -> None:
 
 
 @Operations.implementation_for(CreateFenceGuardOp)
-def _create_fence_guard(operations: Operations, operation: CreateFenceGuardOp) -> None:
+def _create_fence_guard(operations: Operations, operation: _GuardOp) -> None:
     _check_guarded_column(operations, operation)
     for statement in create_guard_sql(
         operation.table_name,
@@ -581,6 +675,17 @@ def _create_fence_guard(operations: Operations, operation: CreateFenceGuardOp) -
         on_missing_token=operation.on_missing_token,
         sequence=operation.sequence,
     ):
+        operations.execute(statement)
+
+
+@Operations.implementation_for(ReplaceFenceGuardOp)
+def _replace_fence_guard(operations: Operations, operation: ReplaceFenceGuardOp) -> None:
+    if operation.previous is None:
+        _create_fence_guard(operations, operation)
+        return
+    target = qualified(operation.table_name, operation.schema)
+    operations.execute(f"DROP TRIGGER IF EXISTS {TRIGGER_NAME} ON {target}")
+    for statement in operation.previous:
         operations.execute(statement)
 
 
@@ -715,6 +820,39 @@ def _render_create_guard(autogen_context: AutogenContext, op: CreateFenceGuardOp
     return [*GUARD_POLICY_NOTES[op.on_missing_token], call]
 
 
+def _render_statements(statements: Sequence[str]) -> str:
+    """A list of SQL statements as Python source: each statement one string,
+    written line by line (implicit concatenation), exactly as it was."""
+    items = []
+    for statement in statements:
+        lines = statement.splitlines(keepends=True) or [statement]
+        items.append("(\n" + "".join(f"        {line!r}\n" for line in lines) + "    )")
+    return "[\n" + "".join(f"    {item},\n" for item in items) + "]"
+
+
+@renderers.dispatch_for(ReplaceFenceGuardOp)
+def _render_replace_guard(autogen_context: AutogenContext, op: ReplaceFenceGuardOp) -> list[str]:
+    args = _table_args(op)
+    if op.previous is not None:
+        call = f"op.replace_fence_guard({args}, previous={_render_statements(op.previous)})"
+        return [
+            f"# sa-fence: puts back the guard of {op.table_name!r} as it was before the upgrade",
+            _render(autogen_context, call),
+        ]
+    why = [
+        line
+        for reason in op.reasons
+        for line in textwrap.wrap(reason, 86, initial_indent="#   ", subsequent_indent="#     ")
+    ]
+    return [
+        f"# sa-fence: the guard of {op.table_name!r} is not the one this sa-fence creates:",
+        *why,
+        "# remade as it was made (same on_missing_token and sequence); the downgrade puts the",
+        "# old one back.",
+        _render(autogen_context, f"op.replace_fence_guard({args})"),
+    ]
+
+
 @renderers.dispatch_for(DropFenceGuardOp)
 def _render_drop_guard(autogen_context: AutogenContext, op: DropFenceGuardOp) -> str:
     return _render(autogen_context, f"op.drop_fence_guard({_table_args(op)})")
@@ -722,10 +860,36 @@ def _render_drop_guard(autogen_context: AutogenContext, op: DropFenceGuardOp) ->
 
 # ================================================================= comparator
 
-_GUARD_EXISTS_SQL = sa.text(
-    "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger "
-    "WHERE tgrelid = to_regclass(:table) AND tgname = :trigger AND NOT tgisinternal)"
-)
+
+def _replace_if_outdated(
+    conn: sa.Connection, table: sa.Table, column: str, guard: Any, sequence: str
+) -> ReplaceFenceGuardOp | None:
+    """The op that remakes ``table``'s existing guard, when it is not current."""
+    reasons = outdated(
+        guard.source,
+        guard.complete,
+        table.name,
+        column,
+        schemas=(table.schema, None, conn.dialect.default_schema_name),
+        sequence=sequence,
+    )
+    if not reasons:
+        return None
+    # remade as it was made; a guard sa-fence never made gets the lenient policy
+    # (its writers are unknown) and the configured sequence
+    policy, made_sequence = guard_made_with(guard.source) or ("unchanged", sequence)
+    return ReplaceFenceGuardOp(
+        table.name,
+        column,
+        schema=table.schema,
+        on_missing_token=policy,
+        sequence=made_sequence,
+        replaced=(guard.function_sql, guard.trigger_sql),
+        reasons=reasons,
+    )
+
+
+_GUARD_STATE_SQL = sa.text(GUARD_STATE_SQL)
 
 
 def _metadatas(autogen_context: AutogenContext) -> list[sa.MetaData]:
@@ -851,11 +1015,13 @@ def _compare_fencing(
                 _take_builtin_add_column(upgrade_ops, table, column)
                 new_ops.append(AddFenceColumnOp(table.name, column, schema=table.schema))
             else:
-                guarded = conn.execute(
-                    _GUARD_EXISTS_SQL,
-                    {"table": qualified(table.name, table.schema), "trigger": TRIGGER_NAME},
-                ).scalar_one()
-                if guarded:
+                guard = conn.execute(
+                    _GUARD_STATE_SQL, {"table": qualified(table.name, table.schema)}
+                ).one_or_none()
+                if guard is not None:
+                    replace = _replace_if_outdated(conn, table, column, guard, sequence)
+                    if replace is not None:
+                        new_ops.append(replace)
                     continue
         new_ops.append(
             CreateFenceGuardOp(
