@@ -1,7 +1,7 @@
 """``make bench``: sa-fence next to the peers a user would pick instead, in one run.
 
 ``python -m tests.benchmarks [--pg URL] [--redis URL] [--rounds N]
-[--memory-cycles N] [--sections lease,flush,contention,memory] [--plot PATH]
+[--memory-cycles N] [--sections lease,flush,guard,contention,memory] [--plot PATH]
 [--quick] [--strict]``
 
 Sections (each module's docstring says what it measures and how):
@@ -9,6 +9,7 @@ Sections (each module's docstring says what it measures and how):
 * lease: lease cycle, sa-fence vs redis-py Lock, python-redis-lock, pottery
   Redlock (1 master), a PostgreSQL advisory lock and the hand-written floor;
 * flush: fenced vs plain vs ``version_id_col``, update of 1..1000 rows, delete;
+* guard: the database-side guard trigger's price on INSERT, UPDATE, DELETE;
 * contention: workers with induced stalls past the TTL, stale writes accepted;
 * memory: RSS after 100k lease cycles vs after 1k.
 
@@ -37,10 +38,10 @@ import sqlalchemy as sa
 
 from sa_fence._bench import FlushBench, Progress, bench_objects, make_schema
 
-from . import contention, flush, lease, memory, plot
+from . import contention, flush, guard, lease, memory, plot
 from .common import DEFAULT_PG, DEFAULT_REDIS, Config, Target, temporary_database
 
-SECTIONS = ("lease", "memory", "flush", "contention")
+SECTIONS = ("lease", "memory", "flush", "guard", "contention")
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PLOT = ROOT / "docs" / "benchmarks-flush.svg"
 
@@ -90,7 +91,7 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tests.benchmarks",
-        description="sa-fence next to its peers: lease cycle, flush, contention, memory.",
+        description="sa-fence next to its peers: lease cycle, flush, guard, contention, memory.",
     )
     parser.add_argument("--pg", default=DEFAULT_PG, help="SQLAlchemy URL of the server")
     parser.add_argument("--redis", default=DEFAULT_REDIS, help="Redis URL")
@@ -152,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                             print(f"  plot written to {_shown(args.plot)}")
                         else:
                             print("  (no plot: matplotlib not installed)")
+                if "guard" in args.sections:
+                    targets += guard.report(guard.run(url, config, progress))
                 if "contention" in args.sections:
                     results = contention.run(engine, client, fencer, config, progress)
                     contention.report(results, config)
