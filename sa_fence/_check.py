@@ -52,7 +52,7 @@ from typing import Any, TextIO
 import sqlalchemy as sa
 
 from ._guard import (
-    TGTYPE_COMPLETE,
+    GUARD_STATE_SQL,
     TRIGGER_NAME,
     guard_made_with,
     outdated,
@@ -221,21 +221,14 @@ def fenced_tables(
     ]
 
 
+_GUARD_STATE_SQL = sa.text(GUARD_STATE_SQL)
+
 _TABLE_SQL = sa.text(
     """
     SELECT to_regclass(:table) IS NOT NULL AS present,
            EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a
                     WHERE a.attrelid = to_regclass(:table) AND a.attname = :column
                       AND a.attnum > 0 AND NOT a.attisdropped) AS has_column,
-           EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t
-                    WHERE t.tgrelid = to_regclass(:table) AND t.tgname = :trigger
-                      AND NOT t.tgisinternal AND t.tgenabled <> 'D') AS has_guard,
-           EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t
-                    WHERE t.tgrelid = to_regclass(:table) AND t.tgname = :trigger
-                      AND (t.tgtype::int & :complete) = :complete) AS guard_complete,
-           (SELECT p.prosrc FROM pg_catalog.pg_trigger t
-              JOIN pg_catalog.pg_proc p ON p.oid = t.tgfoid
-             WHERE t.tgrelid = to_regclass(:table) AND t.tgname = :trigger) AS guard_source,
            coalesce((SELECT a.attnotnull FROM pg_catalog.pg_attribute a
                       WHERE a.attrelid = to_regclass(:table) AND a.attname = :column
                         AND a.attnum > 0 AND NOT a.attisdropped), false) AS not_null
@@ -529,12 +522,7 @@ def check(
     for table in tables:
         state = conn.execute(
             _TABLE_SQL,
-            {
-                "table": table.quoted,
-                "column": table.column,
-                "trigger": TRIGGER_NAME,
-                "complete": TGTYPE_COMPLETE,
-            },
+            {"table": table.quoted, "column": table.column},
         ).one()
         if not state.present:
             report.findings.append(
@@ -557,15 +545,17 @@ def check(
                     + ")",
                 )
             )
-        made_with = guard_made_with(state.guard_source or "")
+        guard = conn.execute(_GUARD_STATE_SQL, {"table": table.quoted}).one_or_none()
+        if guard is not None and not guard.enabled:
+            guard = None  # a disabled guard refuses nothing
         guard_fix = (
             f"op.create_fence_guard({table.name!r}"
             + ("" if table.column == "fence" else f", {table.column!r}")
             + ("" if table.schema is None else f", schema={table.schema!r}")
-            + (_guard_args(made_with) if state.has_guard else "")
+            + ("" if guard is None else _guard_args(guard_made_with(guard.source)))
             + ")"
         )
-        if not state.has_guard:
+        if guard is None:
             missing.append("has no guard")
             report.findings.append(
                 Finding(
@@ -577,11 +567,12 @@ def check(
             )
         else:
             why = outdated(
-                state.guard_source,
-                state.guard_complete,
+                guard.source,
+                guard.complete,
                 table.name,
                 table.column,
-                schemas=(table.schema, None, conn.dialect.default_schema_name),
+                schema=table.schema,
+                default_schema=conn.dialect.default_schema_name,
                 sequence=report.sequence,
             )
             if why:

@@ -52,7 +52,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable
 from typing import Any, Literal
 
 from .errors import FenceError, FencingConfigError, StaleTokenError, UnfencedWriteError
@@ -351,7 +350,8 @@ def function_source(statements: list[str]) -> str:
 #: needs it, and the DDL that makes it again as it is (what a replace's downgrade
 #: restores).
 GUARD_STATE_SQL = f"""
-SELECT (t.tgtype::int & {TGTYPE_COMPLETE}) = {TGTYPE_COMPLETE} AS complete,
+SELECT t.tgenabled <> 'D' AS enabled,
+       (t.tgtype::int & {TGTYPE_COMPLETE}) = {TGTYPE_COMPLETE} AS complete,
        p.prosrc AS source,
        pg_catalog.pg_get_functiondef(p.oid) AS function_sql,
        pg_catalog.pg_get_triggerdef(t.oid) AS trigger_sql
@@ -368,7 +368,8 @@ def outdated(
     table: str,
     column: str,
     *,
-    schemas: Iterable[str | None],
+    schema: str | None,
+    default_schema: str | None,
     sequence: str,
 ) -> list[str]:
     """Why an existing guard is not the one this sa-fence creates (empty: it is).
@@ -376,8 +377,8 @@ def outdated(
     ``source``: its function's ``prosrc``; ``complete``: its trigger fires
     before each INSERT, UPDATE and DELETE of a row.  The function is compared
     with the one :func:`create_guard_sql` makes with the policy and sequence
-    its header names (or ``sequence``), for each of ``schemas`` (the table's
-    schema as given, and as the default one).
+    its header names (or ``sequence``), the table's schema named as given,
+    not at all, or as ``default_schema`` (a guard made either way is current).
     """
     why = []
     if not complete:
@@ -393,9 +394,9 @@ def outdated(
     if not any(
         source
         == function_source(
-            create_guard_sql(table, column, schema=schema, on_missing_token=policy, sequence=seq)
+            create_guard_sql(table, column, schema=named, on_missing_token=policy, sequence=seq)
         )
-        for schema in set(schemas)
+        for named in {schema, None, default_schema}
         for seq in (made_sequence, sequence)
     ):
         why.append("its function differs (made by another sa-fence version, or edited by hand)")

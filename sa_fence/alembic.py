@@ -870,7 +870,8 @@ def _replace_if_outdated(
         guard.complete,
         table.name,
         column,
-        schemas=(table.schema, None, conn.dialect.default_schema_name),
+        schema=table.schema,
+        default_schema=conn.dialect.default_schema_name,
         sequence=sequence,
     )
     if not reasons:

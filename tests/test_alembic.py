@@ -221,7 +221,13 @@ def guard_is_current(engine: sa.Engine, table: str) -> bool:
     with engine.connect() as conn:
         row = conn.execute(sa.text(_guard.GUARD_STATE_SQL), {"table": table}).one()
     return not _guard.outdated(
-        row.source, row.complete, table, "fence", schemas=[None], sequence="sa_fence_token_seq"
+        row.source,
+        row.complete,
+        table,
+        "fence",
+        schema=None,
+        default_schema="public",
+        sequence="sa_fence_token_seq",
     )
 
 

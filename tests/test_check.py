@@ -126,6 +126,16 @@ def test_check_names_a_missing_guard_and_a_cached_sequence_with_their_fixes(
     assert "fix: op.create_fence_guard('legacy')" in out
 
 
+def test_check_counts_a_disabled_guard_as_none(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    execute(migrated, "ALTER TABLE jobs DISABLE TRIGGER sa_fence_guard")
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert (status, out.count("PROBLEM")) == (1, 1)
+    assert "PROBLEM table jobs has no enabled guard trigger sa_fence_guard" in out
+    assert "fix: op.create_fence_guard('jobs')" in out
+
+
 def test_check_names_guards_that_are_not_the_ones_this_sa_fence_creates(
     migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:
