@@ -387,14 +387,6 @@ def test_a_stale_holders_insert_into_an_unfenced_table_is_refused(
     b.release()
 
 
-def _raw(engine: sa.Engine) -> Any:
-    """A plain driver connection (another service, psql), in a transaction of its own."""
-    import psycopg
-
-    url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-    return psycopg.connect(url)
-
-
 def test_a_raw_writer_that_checks_its_lease_before_commit_is_lease_scoped_too(
     fencer: sa_fence.Fencer, scope_engine: sa.Engine
 ) -> None:
@@ -403,54 +395,29 @@ def test_a_raw_writer_that_checks_its_lease_before_commit_is_lease_scoped_too(
     nothing once a newer lease of the name was granted (migrations guide)."""
     import psycopg
 
+    from sa_fence._bench import psycopg_conninfo
+
+    def raw() -> psycopg.Connection[Any]:  # another service, psql: not sa-fence
+        return psycopg.connect(psycopg_conninfo(scope_engine.url))
+
     a = fencer.acquire("job:1", 5)
     check = "SELECT sa_fence_check_lease(%s, %s)"
-    with _raw(scope_engine) as conn:  # the current holder: commits
+    with raw() as conn:  # the current holder: commits
         conn.execute("INSERT INTO outbox (id, message) VALUES (1, 'A: first')")
         conn.execute(check, (a.name, a.token))
         conn.commit()
     b = grant_to_another_holder(fencer, a)
-    with _raw(scope_engine) as conn:  # A, stale now: refused, nothing committed
+    with raw() as conn:  # A, stale now: refused, nothing committed
         conn.execute("INSERT INTO outbox (id, message) VALUES (2, 'A: late')")
         with pytest.raises(psycopg.Error) as refused:
             conn.execute(check, (a.name, a.token))
         conn.rollback()
     assert refused.value.sqlstate == "SF003"
     assert outbox(scope_engine) == ["A: first"]
-    with _raw(scope_engine) as conn:  # the pair: without the check, the stale write lands
+    with raw() as conn:  # the pair: without the check, the stale write lands
         conn.execute("INSERT INTO outbox (id, message) VALUES (2, 'A: late')")
         conn.commit()
     assert outbox(scope_engine) == ["A: first", "A: late"]
-    b.release()
-
-
-def test_a_grant_waits_for_a_raw_writer_between_its_lease_check_and_its_commit(
-    fencer: sa_fence.Fencer, scope_engine: sa.Engine
-) -> None:
-    """The check locks the register row until the transaction ends, so a newer
-    grant cannot slip between the check and a COMMIT sent separately."""
-    a = fencer.acquire("job:1", 5)
-    granted: list[sa_fence.Lease] = []
-    with _raw(scope_engine) as conn:
-        conn.execute("INSERT INTO outbox (id, message) VALUES (1, 'A: done')")
-        conn.execute("SELECT sa_fence_check_lease(%s, %s)", (a.name, a.token))
-        assert expire(a)
-        grant = threading.Thread(target=lambda: granted.append(fencer.acquire(a.name, 5)))
-        grant.start()
-        deadline = time.monotonic() + 10
-        while not fetch(  # the grant is waiting for the row lock A's check holds
-            scope_engine,
-            "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND datname = current_database()",
-        ):
-            assert time.monotonic() < deadline, "the grant never waited for the check's lock"
-            time.sleep(0.01)
-        assert granted == []
-        conn.commit()  # A's write lands: it committed before B was granted
-    grant.join(10)
-    (b,) = granted
-    assert b.token > a.token
-    assert outbox(scope_engine) == ["A: done"]
     b.release()
 
 
