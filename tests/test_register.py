@@ -226,16 +226,23 @@ def test_comparing_urls_alone_would_let_the_stale_commit_through(
     assert stale_commit_through(fencer, engine.url.set(host="localhost"), engine) is None
 
 
-def test_a_stale_holders_writes_inside_a_released_savepoint_are_refused_at_commit(
-    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+@pytest.mark.parametrize("via", ["released savepoint", "exec_driver_sql"])
+def test_a_stale_holders_writes_the_statement_hook_does_not_see_are_refused_at_commit(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine, via: str
 ) -> None:
-    """Savepoints: what a released SAVEPOINT wrote is the root transaction's, and
-    the root COMMIT is what the register check guards."""
+    """Lease scope is the transaction's: what a released SAVEPOINT wrote is the
+    root transaction's, and exec_driver_sql passes no statement hook; the root
+    COMMIT is what the register check guards."""
     a = fencer.acquire("job:1", 5)
     with make_session() as session:
         a.bind(session)
-        with session.begin_nested():
-            session.add(Audit(id=1, message="A, in a savepoint"))
+        if via == "released savepoint":
+            with session.begin_nested():
+                session.add(Audit(id=1, message="A, in a savepoint"))
+        else:
+            session.connection().exec_driver_sql(
+                "INSERT INTO audit (id, message) VALUES (3, 'A, raw driver SQL')"
+            )
         expire(a)
         fencer.acquire("job:1", 5)
         with pytest.raises(sa_fence.StaleTokenError, match="commit refused"):
@@ -264,21 +271,3 @@ async def test_a_stale_async_sessions_insert_into_an_unfenced_table_is_refused_a
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM audit")).scalar_one() == 0
     await b.release()
-
-
-def test_a_stale_holders_exec_driver_sql_write_is_refused_at_commit(
-    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
-) -> None:
-    """exec_driver_sql passes no statement hook; lease scope is the transaction's."""
-    a = fencer.acquire("job:1", 5)
-    with make_session() as session:
-        a.bind(session)
-        session.connection().exec_driver_sql(
-            "INSERT INTO audit (id, message) VALUES (3, 'A, raw driver SQL')"
-        )
-        expire(a)
-        fencer.acquire("job:1", 5)
-        with pytest.raises(sa_fence.StaleTokenError, match="commit refused"):
-            session.commit()
-    with engine.connect() as conn:
-        assert conn.execute(sa.text("SELECT count(*) FROM audit")).scalar_one() == 0
