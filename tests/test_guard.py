@@ -86,9 +86,15 @@ def insert_rows(engine: sa.Engine, fence: int) -> None:
         )
 
 
-def job_row(engine: sa.Engine) -> tuple[Any, ...]:
+def jobs_with_id(engine: sa.Engine, job_id: int) -> list[tuple[Any, ...]]:
     with engine.connect() as conn:
-        return tuple(conn.execute(sa.text("SELECT result, fence FROM jobs WHERE id = 1")).one())
+        rows = conn.execute(sa.text("SELECT result, fence FROM jobs WHERE id = :i"), {"i": job_id})
+        return [tuple(r) for r in rows]
+
+
+def job_row(engine: sa.Engine) -> tuple[Any, ...]:
+    (row,) = jobs_with_id(engine, 1)
+    return row
 
 
 STALE_UPDATE = (
@@ -562,12 +568,6 @@ def test_a_raw_writer_presenting_a_token_records_that_token_not_a_fence_it_chose
 # ------------------------------------------------------------------ INSERT
 
 
-def jobs_with_id(engine: sa.Engine, job_id: int) -> list[tuple[Any, ...]]:
-    with engine.connect() as conn:
-        rows = conn.execute(sa.text("SELECT result, fence FROM jobs WHERE id = :i"), {"i": job_id})
-        return [tuple(r) for r in rows]
-
-
 def test_a_raw_insert_of_a_fence_past_any_issued_token_is_refused(guarded: sa.Engine) -> None:
     """A forged fence on a new row would lock every later holder out of it for
     good, as an UPDATE raising the fence would: refused, whoever sends it."""
@@ -730,3 +730,33 @@ def test_a_guard_function_says_how_it_was_made(policy: str, sequence: str) -> No
     source = _guard.function_source(made)
     assert _guard.guard_made_with(source) == (policy, sequence)
     assert _guard.guard_made_with("BEGIN RETURN NEW; END") is None
+
+
+async def test_asyncio_inserts_pass_a_reject_guard_and_a_forged_fence_is_a_config_error(
+    guarded: sa.Engine, aredis: Any, key_prefix: str
+) -> None:
+    """The same triggers under an AsyncSession: its INSERT records the token,
+    and a forged fence is refused with the same FencingConfigError."""
+    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+    engine = create_async_engine(guarded.url.set(drivername="postgresql+psycopg_async"))
+    fencer = sa_fence.AsyncFencer(aredis, engine, key_prefix=key_prefix)
+    make_session = sa_fence.install(async_sessionmaker(engine))
+    try:
+        async with await fencer.acquire("job:1", 5) as lease, make_session() as session:
+            lease.bind(session)
+            session.add(DemoStep(job_id=1, step=1, output="async"))
+            await session.commit()
+            with pytest.raises(sa_fence.FencingConfigError, match="past the last token"):
+                await session.execute(
+                    sa.text("INSERT INTO jobs (id, result, fence) VALUES (9, 'X', :f)"),
+                    {"f": BIGINT_MAX},
+                )
+            await session.rollback()
+        with guarded.connect() as conn:
+            step = conn.execute(sa.text("SELECT fence FROM job_steps")).scalar_one()
+        assert step == lease.token
+        assert jobs_with_id(guarded, 9) == []
+    finally:
+        await fencer.close()
+        await engine.dispose()
