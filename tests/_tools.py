@@ -8,6 +8,8 @@ skip whole suites, so there the test fails and says how to install it.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import pytest
@@ -23,3 +25,16 @@ def missing(what: str, install_hint: str) -> NoReturn:
     if on_ci():
         pytest.fail(f"{message} (CI=true: a missing tool fails the run instead of skipping)")
     pytest.skip(message)
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll ``condition`` until it is true; fail naming ``what`` after ``timeout`` seconds.
+
+    For background work (renewals, a worker's progress) a bounded wait on the
+    outcome replaces a sleep that races the schedule on a loaded machine.
+    """
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {timeout:g} s")
+        time.sleep(0.005)
