@@ -6,6 +6,12 @@ import pytest
 
 pytest_plugins = ("pytester",)
 
+# The suite's fixtures, with the autouse teardown that a star import leaves out.
+_CONFTEST = """
+from tests.conftest import *  # noqa: F403
+from tests.conftest import _clean_tables  # noqa: F401
+"""
+
 _INNER = """
 import sqlalchemy as sa
 
@@ -27,9 +33,7 @@ def test_the_next_test_is_not_blocked(engine):
 def test_a_session_left_open_by_a_failing_test_is_closed_before_the_next_test(
     pytester: pytest.Pytester,
 ) -> None:
-    pytester.makeconftest(
-        "from tests.conftest import *  # noqa: F403\nfrom tests.conftest import _clean_tables  # noqa: F401\n"
-    )
+    pytester.makeconftest(_CONFTEST)
     pytester.makepyfile(test_inner=_INNER)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
     result.assert_outcomes(passed=1, failed=1)
