@@ -433,7 +433,7 @@ def _create_guard_parser(commands: Any) -> None:
 
 def _status_parser(commands: Any) -> None:
     from ._lease import DEFAULT_KEY_PREFIX
-    from ._status import DEFAULT_LIMIT
+    from ._status import DEFAULT_LIMIT, KEY_PREFIX_ENV
     from ._tokens import DEFAULT_SEQUENCE
 
     status = commands.add_parser(
@@ -460,8 +460,9 @@ def _status_parser(commands: Any) -> None:
     status.add_argument(
         "--key-prefix",
         metavar="PREFIX",
-        default=DEFAULT_KEY_PREFIX,
-        help=f"the Fencer's key_prefix (default: {DEFAULT_KEY_PREFIX})",
+        default=os.environ.get(KEY_PREFIX_ENV, DEFAULT_KEY_PREFIX),
+        help=f"the Fencer's key_prefix (default: ${KEY_PREFIX_ENV}, as the recipes read "
+        f"it, else {DEFAULT_KEY_PREFIX})",
     )
     status.add_argument(
         "--sequence",
