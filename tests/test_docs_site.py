@@ -45,6 +45,10 @@ def test_the_docs_site_builds_strict(tmp_path: Path) -> None:
     assert ":class:" not in api  # Sphinx roles rendered as code
     celery = (tmp_path / "site" / "celery" / "index.html").read_text(encoding="utf-8")
     assert "finish_job_unless_busy" in celery  # the recipe file, included
+    for page, diagrams in (("index.html", 1), ("how-it-works/index.html", 2)):
+        html = (tmp_path / "site" / page).read_text(encoding="utf-8")
+        # a Mermaid diagram, not a code block (tests/test_docs_browser.py renders them)
+        assert html.count('<pre class="mermaid"><code>sequenceDiagram') == diagrams, page
 
 
 def test_a_page_added_later_joins_the_nav_and_strict_still_passes(tmp_path: Path) -> None:
