@@ -137,10 +137,10 @@ def create_fence_guard(
 ) -> None:
     """Create (or replace) the guard trigger on ``table``, without Alembic.
 
-    The same trigger as ``op.create_fence_guard()`` (see
-    :doc:`migrations`): it refuses UPDATEs and DELETEs with a stale token and
-    any write, INSERT included, of a fence no lease was granted, from every
-    writer (raw SQL, ``psql``, other services).  Run it after
+    The same trigger as ``op.create_fence_guard()`` in a migration: it
+    refuses UPDATEs and DELETEs with a stale token and any write, INSERT
+    included, of a fence no lease was granted, from every writer (raw SQL,
+    ``psql``, other services).  Run it after
     ``Base.metadata.create_all(engine)``::
 
         sa_fence.fence_sequence(Base.metadata)

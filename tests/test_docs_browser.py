@@ -109,3 +109,13 @@ def test_each_diagram_renders_offline_with_the_mermaid_the_site_serves(
     assert "Error" not in console, console
     assert dom.count('<div class="mermaid"') == fences(page), console
     assert "sequenceDiagram" not in dom  # no diagram left as its source text
+
+
+def test_search_finds_a_page_in_the_browser_offline(site_url: str) -> None:
+    """mkdocs-material's search (lunr in a web worker, from the site's own index)."""
+    dom, console = browse(site_url + "?q=create-guard")
+    assert "Error" not in console, console
+    results = re.search(r'class="md-search-result__meta">\s*(\d+) matching document', dom)
+    assert results, dom[-2000:]
+    assert int(results.group(1)) >= 1
+    assert 'href="' + site_url + "cli/" in dom or 'href="cli/' in dom
