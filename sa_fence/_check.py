@@ -12,10 +12,12 @@ writer, and says how to fix each finding:
   needs (run the check as your workers' role);
 * the database holds more than one register (two sequences fencing the
   same rows: neither register fences out the other's holders);
-* a fenced table lacks its fence column or its guard trigger, or its guard
+* a fenced table lacks its fence column, its guard is disabled, or its guard
   is not the one this sa-fence creates (a trigger not firing before each
   INSERT, UPDATE and DELETE; a function from another version or edited by
-  hand);
+  hand); a table with no guard at all (a ``create_all`` database) is
+  *advice*, a finding only under ``--strict``: bound sessions are fenced
+  without it, writers outside sa-fence are not;
 * the sequence is behind ``max(fence)`` of a fenced table or ``max(token)``
   of its register (after a restore from backup, or a promoted logical
   replica: logical replication does not carry sequence values).  Its next
