@@ -238,3 +238,27 @@ def test_check_reports_advice_in_its_report_object(created: sa.Engine) -> None:
         report = _check.check(conn)
     assert sorted(f.subject for f in report.advice) == ["table cells", "table jobs"]
     assert report.findings == []
+
+
+async def test_asyncio_gets_the_same_config_error_and_can_create_the_guard_with_run_sync(
+    no_fence_column: sa.Engine,
+) -> None:
+    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+    url = no_fence_column.url.set(drivername="postgresql+psycopg_async")
+    async_engine = create_async_engine(url)
+    try:
+        make = sa_fence.install(async_sessionmaker(async_engine))
+        async with make() as session:
+            with pytest.raises(sa_fence.FencingConfigError, match=MISSING):
+                await session.get(Job, 1)
+        with pytest.raises(TypeError, match=r"conn\.run_sync"):
+            sa_fence.create_fence_guard(async_engine, "jobs")  # type: ignore[arg-type]
+        async with async_engine.begin() as conn:
+            await conn.execute(
+                sa.text("ALTER TABLE jobs ADD COLUMN fence bigint NOT NULL DEFAULT 0")
+            )
+            await conn.run_sync(sa_fence.create_fence_guard, "jobs")
+    finally:
+        await async_engine.dispose()
+    assert triggers(no_fence_column) == {"jobs"}
