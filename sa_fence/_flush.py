@@ -89,8 +89,14 @@ from sqlalchemy.sql.elements import BinaryExpression, BindParameter, BooleanClau
 
 from . import _telemetry
 from ._dialect import check_dialect
-from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check
-from ._model import fence_column_of, is_fenced_class, orm_index
+from ._guard import (
+    TOKEN_SETTING,
+    error_from_guard,
+    lease_error_from_check,
+    qualified,
+    quote_ident,
+)
+from ._model import fence_column_of, is_fenced_class, missing_fence_column, orm_index
 from ._register import DATABASE_ID_SQL
 from .errors import (
     FenceError,
@@ -302,6 +308,7 @@ def _map_guard_error(context: Any) -> None:
     state = _active.get(conn) if conn is not None else None
     if state is None:
         return
+    _refuse_missing_fence_column(context)
     lease = state.lease
     error = error_from_guard(
         context.original_exception,
@@ -315,6 +322,30 @@ def _map_guard_error(context: Any) -> None:
     elif isinstance(error, StaleTokenError):
         _telemetry.stale_refused(lease, _telemetry.GUARD, error)
     raise state.fail(error) from context.original_exception
+
+
+def _refuse_missing_fence_column(context: Any) -> None:
+    """A fenced model whose table lacks its fence column: say so, not "column
+    jobs.fence does not exist" with the whole statement."""
+    compiled = getattr(context.execution_context, "compiled", None)
+    missing = missing_fence_column(context.original_exception, getattr(compiled, "statement", None))
+    if missing is None:
+        return
+    schema, table, column = missing
+    shown = f"{schema}.{table}" if schema else table
+    raise FencingConfigError(
+        f"table {shown} has no fence column {column!r} in this database, but the model "
+        "maps it as fenced (sa_fence.Fenced or fence_column()); create_all() does not add "
+        "columns to a table that exists. Add it: in an Alembic migration "
+        f"op.add_fence_column({table!r}"
+        + ("" if column == "fence" else f", {column!r}")
+        + ("" if schema is None else f", schema={schema!r}")
+        + f"); without Alembic: ALTER TABLE {qualified(table, schema)} ADD COLUMN "
+        f"{quote_ident(column)} bigint NOT NULL DEFAULT 0; then the guard: "
+        f"sa_fence.create_fence_guard(engine, {table!r}). `sa-fence check` lists every "
+        "such table. Nothing was written.",
+        cause=context.original_exception,
+    ) from context.original_exception
 
 
 # ------------------------------------------------- lease scope (at COMMIT)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import weakref
 from typing import Any
 
@@ -167,3 +169,77 @@ def orm_index() -> OrmIndex:
     index.association_tables = frozenset(association)
     _index = index
     return index
+
+
+#: PostgreSQL's messages for an undefined column (SQLSTATE 42703): an INSERT or
+#: UPDATE target (``column "fence" of relation "jobs" does not exist``), a
+#: qualified reference (``column jobs.fence does not exist``) or a bare one.
+_UNDEFINED_COLUMN = re.compile(
+    r'column (?:"(?P<target>[^"]+)" of relation "(?P<relation>[^"]+)"'
+    r'|(?P<qualifier>[^\s"]+|"[^"]+")\.(?P<qualified>[^\s"]+|"[^"]+")'
+    r'|"(?P<bare>[^"]+)") does not exist'
+)
+UNDEFINED_COLUMN_SQLSTATE = "42703"
+
+
+def _unquoted(name: str | None) -> str | None:
+    if name and len(name) > 1 and name[0] == name[-1] == '"':
+        return name[1:-1].replace('""', '"')
+    return name
+
+
+def _mapped_fenced_tables() -> list[Any]:
+    from sqlalchemy.orm import mapperlib
+
+    found: list[Any] = []
+    for registry in list(mapperlib._mapper_registries):
+        for mapper in registry.mappers:
+            for table in mapper.tables:
+                if fence_column_of(table) is not None:
+                    found.append(table)
+    return found
+
+
+def missing_fence_column(
+    orig: BaseException, statement: Any = None
+) -> tuple[str | None, str, str] | None:
+    """(schema, table, fence column) when ``orig`` is PostgreSQL saying a fenced
+    table's fence column does not exist; else None.
+
+    The tables considered are the fenced ones ``statement`` names and every
+    mapped fenced table, so a fence column the models declare but the
+    database lacks (a table made before the model was fenced: ``create_all``
+    does not add columns) is told apart from any other missing column.
+    """
+    if getattr(orig, "sqlstate", None) != UNDEFINED_COLUMN_SQLSTATE:
+        return None
+    diag = getattr(orig, "diag", None)
+    message = str(getattr(diag, "message_primary", None) or orig)
+    match = _UNDEFINED_COLUMN.search(message)
+    if match is None:
+        return None
+    column = _unquoted(match["target"] or match["qualified"] or match["bare"]) or ""
+    relation = _unquoted(match["relation"] or match["qualifier"])
+    tables: list[Any] = []
+    if statement is not None:
+        from sqlalchemy.sql.util import find_tables
+
+        with contextlib.suppress(Exception):  # a statement find_tables cannot walk
+            tables = find_tables(statement, include_crud=True, include_joins=True)
+
+    def fenced_by(table: Any) -> bool:
+        return getattr(fence_column_of(table), "name", None) == column
+
+    in_statement = [t for t in tables if fenced_by(t)]
+    mapped = [t for t in _mapped_fenced_tables() if fenced_by(t)]
+    # the relation PostgreSQL names; else (an alias such as jobs_1) the statement's own
+    named = [
+        t
+        for t in [*in_statement, *mapped]
+        if relation is None or relation == getattr(t, "name", None)
+    ]
+    for table in named or in_statement:
+        name = getattr(table, "name", None)
+        schema = getattr(table, "schema", None)
+        return schema, str(name), column
+    return None
