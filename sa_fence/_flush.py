@@ -14,19 +14,21 @@ outside it, and so is a session with no lease bound.
 
 * ``before_flush`` (session event) refuses the flush when fenced entities
   would be written without a lease (:class:`UnfencedWriteError`, before any
-  SQL) or with a released lease (:class:`LeaseLostError`), and makes a
-  change to a joined-inheritance subclass table also write the base table.
+  SQL), with a released lease (:class:`LeaseLostError`) or with a fence
+  assigned by hand (:class:`FencingConfigError`), and makes a change to a
+  joined-inheritance subclass table also write the base table.
 * ``before_execute`` adds ``AND coalesce(fence, 0) <= :token`` to every
   UPDATE and DELETE of a fenced table, and ``fence = :token`` to every UPDATE
   and INSERT: the ORM's own batched executemany UPDATE, ORM-enabled
-  ``update()``/``delete()``, and Core DML sent through the session.  A fence
-  the caller put in the parameters is dropped; a statement that sets it
-  itself is refused.  The rewritten statement is built once per original
+  ``update()``/``delete()``, and Core DML sent through the session.  An
+  ``INSERT ... ON CONFLICT DO UPDATE`` also compares and writes in its DO
+  UPDATE.  A fence the caller put in the parameters is dropped; a statement
+  that sets it itself is refused.  The rewritten statement is built once per original
   statement and cached; the token travels as a bound parameter.
 * ``after_execute`` compares the row count of primary-key targeted statements
   (the flush, ORM bulk by primary key, Core executemany by primary key with
-  any bind names) with the number of rows they targeted and raises
-  :class:`StaleTokenError` naming table, key and token.
+  any bind names) and of upserts with the number of rows they targeted or
+  proposed, and raises :class:`StaleTokenError` naming table, key and token.
 * The fence column is declared ``server_onupdate=FetchedValue()``, so the ORM
   expires ``obj.fence`` after each UPDATE and reloads the new value on access.
 
@@ -77,6 +79,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql.dml import OnConflictDoUpdate
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import (
+    NO_VALUE,
     ORMExecuteState,
     Session,
     SessionTransaction,
@@ -84,7 +87,7 @@ from sqlalchemy.orm import (
     scoped_session,
     sessionmaker,
 )
-from sqlalchemy.orm.attributes import flag_modified, set_committed_value
+from sqlalchemy.orm.attributes import flag_modified, instance_state, set_committed_value
 from sqlalchemy.sql import operators
 from sqlalchemy.sql.dml import Delete, Insert, Update
 from sqlalchemy.sql.elements import BinaryExpression, BindParameter, BooleanClauseList
@@ -92,7 +95,7 @@ from sqlalchemy.sql.elements import BinaryExpression, BindParameter, BooleanClau
 from . import _telemetry
 from ._dialect import check_dialect
 from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check
-from ._model import fence_column_of, is_fenced_class, orm_index
+from ._model import fence_column_of, fence_key_of, is_fenced_class, orm_index
 from ._register import DATABASE_ID_SQL
 from .errors import (
     FenceError,
@@ -933,14 +936,52 @@ def _really_writes_fenced(session: Session) -> bool:
     )
 
 
+def _refuse_assigned_fences(session: Session) -> None:
+    """A fence the caller assigned on a new or loaded object is refused before any SQL (I8).
+
+    The statement hook would drop the value anyway (the fence is written from
+    the token), but silently: ``job.fence = 10**12`` looked like it worked.
+    An assignment shows as the attribute's committed (pre-change) value in
+    ``committed_state``; a value set back to what it was is no change.
+    ``Session.merge`` does not copy a loaded fence (see ``_FenceProperty``),
+    so only a fence assigned on the detached object reaches here through it.
+    Bulk mappings (``session.execute(update(Job), [...])``,
+    ``bulk_update_mappings``) carry the fence as data, not as an assignment,
+    and keep having it dropped (docs/statements.md).
+    """
+    for obj in chain(session.new, session.dirty):
+        if not is_fenced_class(type(obj)):
+            continue
+        obj_state = instance_state(obj)
+        key = fence_key_of(obj_state.mapper)
+        if key is None or key not in obj_state.committed_state:
+            continue
+        before = obj_state.committed_state[key]
+        after = obj_state.dict.get(key, NO_VALUE)
+        if before is not NO_VALUE and before == after:
+            continue
+        cls = type(obj).__name__
+        identity = obj_state.identity
+        which = f"{cls} {identity!r}" if identity is not None else f"a new {cls}"
+        raise FencingConfigError(
+            f"{cls}.{key} was assigned ({after!r}) on {which}: the fence is written by "
+            "sa-fence from the bound lease's token at every flush, and no value a caller "
+            "gives is taken (a low one would re-open the row to stale holders, a high one "
+            f"would lock every later holder out). Never set {cls}.{key}; read it after the "
+            "flush to see the token the row carries. Nothing was sent. Call "
+            "session.rollback()."
+        )
+
+
 def _before_flush(session: Session, flush_context: UOWTransaction, instances: Any) -> None:
     state = _state_for(session)
     state.check_not_poisoned("flush")
     if state.lease is not None:
-        # The hot path: no per-object work; the statement hook fences.  Only
-        # ask the lease whether it may still write (released, lost, or past
-        # its local validity with fail_fast): LeaseLostError, no SQL sent.
+        # The hot path: the statement hook fences.  Refuse a fence assigned by
+        # hand, and ask the lease whether it may still write (released, lost,
+        # or past its local validity with fail_fast): no SQL sent.
         try:
+            _refuse_assigned_fences(session)
             state.require_lease()
         except FenceError as exc:
             raise state.fail(exc) from None
@@ -953,6 +994,10 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
         return
     if state.unfenced:
         if _writes_fenced(session):
+            try:
+                _refuse_assigned_fences(session)
+            except FenceError as exc:
+                raise state.fail(exc) from None
             log.warning("flushing fenced objects without a lease (sa_fence.unfenced)")
         return
     if not (_writes_fenced(session) and _really_writes_fenced(session)):
@@ -1301,6 +1346,7 @@ def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
             "its Session class first (for a scoped_session, such as Flask-SQLAlchemy's "
             "db.session: sa_fence.install(db.session))."
         )
+    orm_index()  # meets every fenced mapper: merge() then leaves loaded fences behind
     state = _state_for(session)
     state.lease = lease
     lease._bound = True
