@@ -519,7 +519,8 @@ def _rewrite(elem: Any, fence_col: Column[Any]) -> _Fenced:
 
 
 def _with_value(stmt: Any, column: Column[Any], value: Any) -> Any:
-    """``stmt`` also setting ``column = value``, also for ``ordered_values()`` and multi-row VALUES.
+    """``stmt`` also setting ``column = value``: ``ordered_values()``, multi-row VALUES and
+    ``INSERT ... SELECT`` included.
 
     ``values()`` refuses a statement with ordered values, so such a statement
     is cloned and the pair appended (SQLAlchemy's own attribute: 2.1 keeps the
@@ -532,6 +533,14 @@ def _with_value(stmt: Any, column: Column[Any], value: Any) -> Any:
     if getattr(stmt, "_maintain_values_ordering", False):  # SQLAlchemy 2.1
         clone = stmt._generate()
         clone._values = stmt._values.union({column: value})
+        return clone
+    if isinstance(stmt, Insert) and stmt.select is not None:
+        # INSERT ... SELECT: values() is refused; the SELECT gets the column instead
+        # (wrapped, so a UNION or a DISTINCT works as written)
+        clone = stmt._generate()
+        source = stmt.select.subquery()
+        clone._select_names = [*(stmt._select_names or ()), column.key]
+        clone.select = select(*source.c, value)
         return clone
     multi = getattr(stmt, "_multi_values", ())
     if multi:  # INSERT ... VALUES (...), (...): values() would refuse to mix the forms
@@ -617,6 +626,8 @@ def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
         given |= _keys(elem._values)
     if getattr(elem, "_ordered_values", None):
         given |= _keys(k for k, _ in elem._ordered_values)
+    if isinstance(elem, Insert) and elem.select is not None:
+        given |= _keys(elem._select_names)
     for rows in getattr(elem, "_multi_values", ()) or ():
         for row in rows:
             if isinstance(row, dict):
@@ -636,7 +647,8 @@ def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
             f"this statement sets {fence_col.table.name}.{fence_col.name} itself; the fence is "
             "written by sa-fence from the bound lease's token and no value a caller gives is "
             f"taken (a low one would re-open the row to stale holders, a high one would lock "
-            f"every later holder out). Drop {fence_col.name!r} from values(). Nothing was sent."
+            f"every later holder out). Drop {fence_col.name!r} from values() (or from_select() "
+            "names). Nothing was sent."
         )
 
 

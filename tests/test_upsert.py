@@ -203,7 +203,9 @@ def test_a_stale_returning_upsert_is_refused(
     stale.release()
 
 
-@pytest.mark.parametrize("shape", ["executemany", "multi-values", "orm-bulk"])
+@pytest.mark.parametrize(
+    "shape", ["executemany", "executemany-returning", "multi-values", "orm-bulk"]
+)
 def test_a_many_row_upsert_touching_one_newer_row_is_refused_and_commits_nothing(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine, shape: str
 ) -> None:
@@ -219,6 +221,8 @@ def test_a_many_row_upsert_touching_one_newer_row_is_refused_and_commits_nothing
         stmt = insert(Job if shape == "orm-bulk" else jobs)
         params = proposed
     stmt = stmt.on_conflict_do_update(index_elements=["id"], set_={"result": stmt.excluded.result})
+    if shape == "executemany-returning":  # SQLAlchemy's "insertmanyvalues" batches
+        stmt = stmt.returning(jobs.c.id)
     with pytest.raises(sa_fence.StaleTokenError) as refused:
         _session_sender(make_session)(stale, stmt, params)
     assert refused.value.primary_keys == ((2,),)
@@ -385,6 +389,65 @@ def test_an_upsert_with_its_own_where_skips_newer_rows_silently_like_a_criteria_
         assert send(newest, conditional(2), None) == 1  # the caller's WHERE and the fence pass
     assert rows(engine)[2] == ("stale", newest.token)
     stale.release()
+
+
+def test_an_insert_from_select_upsert_skips_newer_rows_silently(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """``INSERT ... SELECT`` proposes rows the statement does not count, so it cannot
+    tell a skipped row from one never proposed: newer rows are skipped silently."""
+    stale = fencer.acquire("job:1", 5)
+    newer = write_newer(fencer, make_session, 2)
+    source = sa.select(
+        sa.literal_column("n").label("id"), sa.literal("from select").label("result")
+    ).select_from(sa.text("generate_series(1, 2) AS n"))
+    stmt = insert(jobs).from_select(["id", "result"], source)
+    stmt = stmt.on_conflict_do_update(index_elements=["id"], set_={"result": stmt.excluded.result})
+    assert _session_sender(make_session)(stale, stmt, None) == 1
+    assert rows(engine) == {1: ("from select", stale.token), 2: ("newer", newer)}
+    stale.release()
+
+
+# --------------------------------- INSERT forms that failed to compile when fenced
+
+
+@pytest.mark.parametrize("form", ["multi-values", "from-select", "from-union"])
+def test_multi_row_and_insert_select_inserts_write_the_token_on_every_row(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    front: tuple[str, Send, Any],
+    form: str,
+) -> None:
+    """Both raised InvalidRequestError inside the rewrite (values() refuses to mix
+    forms, and an INSERT ... SELECT takes no values())."""
+    _, send, target = front
+    if form == "multi-values":
+        stmt: Any = insert(target).values([{"id": 1, "result": "a"}, {"id": 2, "result": "b"}])
+    else:
+        one = sa.select(sa.literal(1).label("id"), sa.literal("a").label("result"))
+        two = sa.select(sa.literal(2).label("id"), sa.literal("b").label("result"))
+        source: Any = sa.union_all(one, two) if form == "from-union" else one
+        stmt = insert(target).from_select(["id", "result"], source)
+    with fencer.lease("job:1", 5) as lease:
+        send(lease, stmt, None)
+    expected = {1: ("a", lease.token), 2: ("b", lease.token)}
+    if form == "from-select":
+        del expected[2]
+    assert rows(engine) == expected
+
+
+def test_an_insert_select_that_names_the_fence_is_refused(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    source = sa.select(sa.literal(1), sa.literal("x"), sa.literal(2**63 - 1))
+    stmt = insert(jobs).from_select(["id", "result", "fence"], source)
+    with (
+        fencer.lease("job:1", 5) as lease,
+        pytest.raises(sa_fence.FencingConfigError, match=r"sets jobs\.fence itself"),
+    ):
+        _session_sender(make_session)(lease, stmt, None)
+    assert rows(engine) == {}
 
 
 # --------------------------------------------------------- a guarded table
