@@ -23,8 +23,8 @@ outside it, and so is a session with no lease bound.
   ``update()``/``delete()``, and Core DML sent through the session.  An
   ``INSERT ... ON CONFLICT DO UPDATE`` also compares and writes in its DO
   UPDATE.  A fence the caller put in the parameters is dropped; a statement
-  that sets it itself is refused.  The rewritten statement is built once per original
-  statement and cached; the token travels as a bound parameter.
+  that sets it itself is refused.  The rewritten statement is built once per
+  original statement and cached; the token travels as a bound parameter.
 * ``after_execute`` compares the row count of primary-key targeted statements
   (the flush, ORM bulk by primary key, Core executemany by primary key with
   any bind names) and of upserts with the number of rows they targeted or
