@@ -274,3 +274,28 @@ def test_without_the_fence_property_merge_copies_the_loaded_fence_and_is_refused
         session.merge(detached)
         with pytest.raises(sa_fence.FencingConfigError, match=REFUSED):
             session.commit()
+
+
+async def test_an_async_session_merges_a_detached_object_with_an_older_fence(
+    afencer: sa_fence.AsyncFencer,
+    make_async_session: async_sessionmaker[AsyncSession],
+    engine: sa.Engine,
+) -> None:
+    async with afencer.lease("seed", 30) as seeded, make_async_session() as session:
+        seeded.bind(session)
+        session.add(Job(id=1, result="initial"))
+        await session.commit()
+    async with make_async_session() as reader:
+        detached = await reader.get(Job, 1)
+    assert detached is not None
+    async with afencer.lease("job:1", 30) as lease:
+        async with make_async_session() as session:
+            lease.bind(session)
+            (await session.get(Job, 1)).result = "between"  # type: ignore[union-attr]
+            await session.commit()  # the row's fence is now newer than the copy's
+        detached.result = "merged"
+        async with make_async_session() as session:
+            lease.bind(session)
+            await session.merge(detached)
+            await session.commit()
+    assert row(engine, 1) == ("merged", lease.token)

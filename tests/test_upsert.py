@@ -231,15 +231,16 @@ def test_a_many_row_upsert_touching_one_newer_row_is_refused_and_commits_nothing
     stale.release()
 
 
+def cell_upsert(value: str) -> Any:
+    stmt = insert(Cell).values(sheet="s", pos=1, value=value)
+    return stmt.on_conflict_do_update(
+        index_elements=[Cell.sheet, Cell.pos], set_={"value": stmt.excluded.value}
+    )
+
+
 def test_a_stale_upsert_on_a_composite_key_names_the_whole_key(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
-    def cell_upsert(value: str) -> Any:
-        stmt = insert(Cell).values(sheet="s", pos=1, value=value)
-        return stmt.on_conflict_do_update(
-            index_elements=[Cell.sheet, Cell.pos], set_={"value": stmt.excluded.value}
-        )
-
     stale = fencer.acquire("sheet:s", 5)
     with fencer.lease("newer", 5) as newer:
         _session_sender(make_session)(newer, cell_upsert("newer"), None)
@@ -276,19 +277,62 @@ async def test_an_async_sessions_upsert_is_fenced(
 # ------------------------------------------------------ the guard-removal pairs
 
 
+def without_the_fence_predicate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_flush, "fence_predicate", lambda col, token: sa.true())
+
+
 def test_without_the_fence_predicate_the_stale_upsert_lands(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    front: tuple[str, Send, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pair of the stale-upsert refusals: the DO UPDATE's comparison is what refuses."""
+    _, send, target = front
+    without_the_fence_predicate(monkeypatch)
+    stale = fencer.acquire("job:1", 5)
+    write_newer(fencer, make_session, 1)
+    send(stale, upsert(target, "stale"), None)
+    assert rows(engine) == {1: ("stale", stale.token)}  # the newer holder's row overwritten
+    stale.release()
+
+
+def test_without_the_fence_predicate_a_stale_composite_key_upsert_lands(
     fencer: sa_fence.Fencer,
     make_session: sessionmaker[Session],
     engine: sa.Engine,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Pair of the stale-upsert refusals: the DO UPDATE's comparison is what refuses."""
-    monkeypatch.setattr(_flush, "fence_predicate", lambda col, token: sa.true())
-    stale = fencer.acquire("job:1", 5)
-    write_newer(fencer, make_session, 1)
-    _session_sender(make_session)(stale, upsert(jobs, "stale"), None)
-    assert rows(engine) == {1: ("stale", stale.token)}  # the newer holder's row overwritten
+    without_the_fence_predicate(monkeypatch)
+    stale = fencer.acquire("sheet:s", 5)
+    with fencer.lease("newer", 5) as newer:
+        _session_sender(make_session)(newer, cell_upsert("newer"), None)
+    _session_sender(make_session)(stale, cell_upsert("stale"), None)
+    with engine.connect() as conn:
+        found = conn.execute(sa.text("SELECT value, fence FROM cells")).all()
+    assert [tuple(r) for r in found] == [("stale", stale.token)]
     stale.release()
+
+
+async def test_without_the_fence_predicate_an_async_stale_upsert_lands(
+    afencer: sa_fence.AsyncFencer,
+    make_async_session: async_sessionmaker[AsyncSession],
+    engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    without_the_fence_predicate(monkeypatch)
+    stale = await afencer.acquire("job:1", 30)
+    async with afencer.lease("newer", 30) as newer, make_async_session() as session:
+        newer.bind(session)
+        await session.execute(upsert(Job, "newer"))
+        await session.commit()
+    async with make_async_session() as session:
+        stale.bind(session)
+        await session.execute(upsert(Job, "stale"))
+        await session.commit()
+    assert rows(engine) == {1: ("stale", stale.token)}
+    await stale.release()
 
 
 def test_without_the_upsert_rewrite_the_stale_upsert_lands_and_keeps_the_newer_fence(
