@@ -68,7 +68,7 @@ def test_assigning_a_loaded_objects_fence_is_refused_at_flush_and_nothing_is_sen
         job = session.get(Job, 1)
         assert job is not None
         job.result = "changed"
-        job.fence = given  # type: ignore[assignment]
+        job.fence = given
         statements.clear()
         with pytest.raises(sa_fence.FencingConfigError, match=REFUSED) as refused:
             session.commit()
@@ -197,7 +197,7 @@ def newer_fence_on_the_row(
     """A detached copy of row 1, then a write that leaves the row a newer fence."""
     seed(fencer, make_session, cls(id=1))
     with make_session() as reader:
-        detached = reader.get(cls, 1)
+        detached: Any = reader.get(cls, 1)
     with fencer.lease("between", 5) as between, make_session() as session:
         between.bind(session)
         obj = session.get(cls, 1)

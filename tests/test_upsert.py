@@ -215,6 +215,7 @@ def test_a_many_row_upsert_touching_one_newer_row_is_refused_and_commits_nothing
     newer = write_newer(fencer, make_session, 2)
     proposed = [{"id": i, "result": "stale"} for i in (1, 2, 3)]
     params: Any = None
+    stmt: Any
     if shape == "multi-values":
         stmt = insert(jobs).values(proposed)
     else:
@@ -442,7 +443,7 @@ def test_an_insert_from_select_upsert_skips_newer_rows_silently(
     tell a skipped row from one never proposed: newer rows are skipped silently."""
     stale = fencer.acquire("job:1", 5)
     newer = write_newer(fencer, make_session, 2)
-    source = sa.select(
+    source: Any = sa.select(
         sa.literal_column("n").label("id"), sa.literal("from select").label("result")
     ).select_from(sa.text("generate_series(1, 2) AS n"))
     stmt = insert(jobs).from_select(["id", "result"], source)
