@@ -299,3 +299,14 @@ async def test_an_async_session_merges_a_detached_object_with_an_older_fence(
             await session.merge(detached)
             await session.commit()
     assert row(engine, 1) == ("merged", lease.token)
+
+
+def test_bulk_save_objects_skips_the_flush_so_a_fence_it_carries_is_dropped_as_data(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """As documented in docs/statements.md: the bulk methods carry the fence as data."""
+    with fencer.lease("job:1", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.bulk_save_objects([Job(id=1, result="bulk", fence=2**63 - 1)])
+        session.commit()
+    assert row(engine, 1) == ("bulk", lease.token)
