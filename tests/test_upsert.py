@@ -534,3 +534,27 @@ def test_fenced_upserts_pass_a_guard_trigger_and_a_stale_one_is_refused(
         stale.release()
     finally:
         fencer.close()
+
+
+def test_without_the_token_presented_in_the_comparison_the_guard_refuses_a_repeat_upsert(
+    guarded: sa.Engine, redis_client: Any, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pair of the guarded upserts: the DO UPDATE's comparison presents the token
+    (set_config) before the trigger runs; compared bare, the holder's second upsert
+    of its own row (the fence unchanged, so no token in it) is refused by the guard."""
+    monkeypatch.setattr(
+        _flush, "fence_predicate", lambda col, token: sa.func.coalesce(col, 0) <= token
+    )
+    fencer = sa_fence.Fencer(redis_client, guarded, key_prefix=key_prefix)
+    make = sa_fence.install(sessionmaker(guarded))
+    stmt = insert(DemoStep).values(job_id=2, step=1, output="x")
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["job_id", "step"], set_={"output": stmt.excluded.output}
+    )
+    try:
+        with fencer.lease("job:2", 5) as lease:
+            _session_sender(make)(lease, stmt, None)  # the INSERT: its fence is its token
+            with pytest.raises(sa_fence.UnfencedWriteError):
+                _session_sender(make)(lease, stmt, None)
+    finally:
+        fencer.close()
