@@ -78,7 +78,7 @@ MAX_NAME_LENGTH = 1024
 #: Longest lease name in UTF-8 bytes.  The name is the lease register's primary
 #: key, and a btree index entry must fit in a third of a page: on PostgreSQL's
 #: default 8 kB pages an incompressible name of more than 2,692 bytes is refused
-#: ("index row size exceeds btree version 4 maximum", measured on PostgreSQL 16
+#: ("index row size exceeds btree version 4 maximum", measured on PostgreSQL 15
 #: with random ASCII; a repetitive name compresses and may pass).  2,048 bytes
 #: leaves room below that for any content; with MAX_NAME_LENGTH it allows 1,024
 #: characters of ASCII or of two-byte scripts (Cyrillic, Greek), 682 CJK ones.

@@ -64,7 +64,8 @@ class LostBeforeConfirm:
 
             async def next_token_async(name: str) -> int:
                 self.end(front.key(name), name)
-                return await original_async(name)
+                token: int = await original_async(name)
+                return token
 
             monkeypatch.setattr(front, "_next_token", next_token_async)
         else:
