@@ -56,8 +56,8 @@ class PruneResult:
     bytes: int
     #: rows old enough whose name is held in Redis now, kept
     held: int
-    #: rows old enough and not held whose token changed before the delete (a
-    #: grant in between), kept
+    #: rows old enough and not held, but granted again before the delete (a new
+    #: token) or locked by a grant or commit under way at that moment, kept
     regranted: int
     dry_run: bool
 
@@ -124,7 +124,9 @@ def _scan_sql(register: Register) -> Any:
 
 def _delete_sql(register: Register, *, dry_run: bool) -> Any:
     # Compare-and-delete: a row goes only while it holds the token the scan
-    # read; a grant in between wrote a new token, and its row stays.
+    # read; a grant in between wrote a new token, and its row stays.  A row
+    # locked right now (a grant writing it, a commit checking against it) is
+    # in use: skipped, never waited for.
     rows = (
         f"FROM {register.table_sql} r, "
         "unnest(CAST(:names AS text[]), CAST(:tokens AS bigint[])) AS d(name, token) "
@@ -133,10 +135,9 @@ def _delete_sql(register: Register, *, dry_run: bool) -> Any:
     if dry_run:
         return sa.text(f"SELECT count(*), coalesce(sum(pg_column_size(r.*)), 0) {rows}")
     return sa.text(
-        "WITH gone AS ("
-        f"DELETE FROM {register.table_sql} r "
-        "USING unnest(CAST(:names AS text[]), CAST(:tokens AS bigint[])) AS d(name, token) "
-        "WHERE r.name = d.name AND r.token = d.token RETURNING pg_column_size(r.*) AS size) "
+        f"WITH unused AS (SELECT r.name {rows} FOR UPDATE OF r SKIP LOCKED), "
+        f"gone AS (DELETE FROM {register.table_sql} r USING unused u WHERE r.name = u.name "
+        "RETURNING pg_column_size(r.*) AS size) "
         "SELECT count(*), coalesce(sum(size), 0) FROM gone"
     )
 
@@ -158,9 +159,12 @@ def find_prunable(
             return
         after = rows[-1].name
         flags = held([row.name for row in rows])
-        free = [(row.name, int(row.token)) for row, is_held in zip(rows, flags, strict=True)]
-        kept = [pair for pair, is_held in zip(free, flags, strict=True) if not is_held]
-        yield kept, len(rows) - len(kept)
+        prunable = [
+            (row.name, int(row.token))
+            for row, is_held in zip(rows, flags, strict=True)
+            if not is_held
+        ]
+        yield prunable, len(rows) - len(prunable)
         if len(rows) < batch:
             return
 

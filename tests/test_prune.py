@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 import redis
 import sqlalchemy as sa
@@ -176,6 +177,45 @@ def test_without_the_compare_on_the_token_the_grant_in_between_is_deleted(
     with pytest.raises(sa_fence.StaleTokenError, match="has no row for that name"):
         commit_a_job(granted["job:1"], db)
     granted["job:1"].release()
+
+
+@pytest.mark.parametrize("skip_locked", [True, False], ids=["skips", "waits (pair)"])
+def test_a_row_locked_by_a_commit_under_way_is_kept_without_waiting(
+    fencer: sa_fence.Fencer, db: sa.Engine, monkeypatch: pytest.MonkeyPatch, skip_locked: bool
+) -> None:
+    """A commit check holds its register row until its COMMIT ends (a grant or a
+    stuck connection may too): prune keeps that row and goes on, never waits."""
+    grant_and_release(fencer, "job:1", 40)
+    if not skip_locked:
+        original = _prune._delete_sql
+        monkeypatch.setattr(
+            _prune,
+            "_delete_sql",
+            lambda register, *, dry_run: sa.text(
+                str(original(register, dry_run=dry_run)).replace(" SKIP LOCKED", "")
+            ),
+        )
+    dsn = db.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(dsn) as committing:
+        committing.execute("SELECT 1 FROM sa_fence_leases WHERE name = 'job:1' FOR SHARE")
+        # the pair's wait is cut short: lock_timeout on the pruning connection
+        engine = sa.create_engine(db.url, connect_args={"options": "-c lock_timeout=500"})
+        held = _prune.redis_held(fencer.redis, fencer.key_prefix)
+        try:
+            if skip_locked:
+                result = _prune.prune(
+                    engine, held, SEQUENCE, older_than=30 * DAY, longest_lease=DAY
+                )
+                assert (result.rows, result.regranted) == (0, 1)
+            else:
+                with pytest.raises(sa.exc.OperationalError, match="lock"):
+                    _prune.prune(engine, held, SEQUENCE, older_than=30 * DAY, longest_lease=DAY)
+            assert names(db) == ["job:1"]
+            committing.rollback()  # the commit ends
+            result = _prune.prune(engine, held, SEQUENCE, older_than=30 * DAY, longest_lease=DAY)
+            assert result.rows == 1
+        finally:
+            engine.dispose()
 
 
 def test_a_stale_holder_of_a_pruned_name_is_refused_and_told_the_name_has_no_row(
