@@ -60,6 +60,11 @@ def age(engine: sa.Engine, name: str, days: float) -> None:
         )
 
 
+def execute(engine: sa.Engine, statement: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text(statement))
+
+
 def grant_and_release(fencer: sa_fence.Fencer, name: str, days_old: float = 0) -> int:
     lease = fencer.acquire(name, 5)
     lease.release()
@@ -307,7 +312,7 @@ def test_sa_fence_prune_refuses_bad_ages_with_exit_status_2_and_deletes_nothing(
 
 
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "unpinned (pair)"])
-def test_status_and_prune_read_the_register_whatever_schema_comes_first_on_the_search_path(
+def test_the_commands_read_the_register_whatever_schema_comes_first_on_the_search_path(
     fencer: sa_fence.Fencer,
     db: sa.Engine,
     key_prefix: str,
@@ -315,7 +320,9 @@ def test_status_and_prune_read_the_register_whatever_schema_comes_first_on_the_s
     monkeypatch: pytest.MonkeyPatch,
     pinned: bool,
 ) -> None:
-    grant_and_release(fencer, "job:1", 40)
+    """check, repair-sequence, status and prune, with a database whose search_path
+    puts a schema holding a table ``sa_fence_leases`` first."""
+    token = grant_and_release(fencer, "job:1", 40)
     with db.begin() as conn:
         conn.execute(sa.text("CREATE SCHEMA shadow"))
         conn.execute(sa.text("CREATE TABLE shadow.sa_fence_leases (LIKE public.sa_fence_leases)"))
@@ -324,6 +331,13 @@ def test_status_and_prune_read_the_register_whatever_schema_comes_first_on_the_s
         )
     if not pinned:
         monkeypatch.setattr(_register.Register, "pinned", lambda self, schema: self)
+    status, out, _ = run_cli(capsys, "check", "--url", url_of(db))
+    assert ("ok lease register sa_fence_leases: tokens from sa_fence_token_seq" in out) is pinned
+    execute(db, f"SELECT setval('{SEQUENCE}', 1, false)")  # set back below the register
+    status, out, _ = run_cli(
+        capsys, "repair-sequence", "--url", url_of(db), "--margin", "0", "--yes"
+    )
+    assert (f"largest registered token {token} " in out) is pinned
     common = ("--url", url_of(db), "--redis", REDIS_URL, "--key-prefix", key_prefix)
     status, out, _ = run_cli(capsys, "status", *common, "--json")
     assert ("job:1" in out) is pinned
