@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -31,6 +32,7 @@ import sa_fence
 from sa_fence import _register, cli
 from sa_fence.testing import expire
 from tests._fresh_db import fresh_database, url_of
+from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE, Base, Job
 
 
@@ -351,3 +353,24 @@ def test_a_temp_table_named_like_the_register_changes_nothing_fencer_check_repor
                 fencer.check()
     finally:
         engine.dispose()
+
+
+async def test_the_async_front_end_refuses_a_grant_that_would_not_move_the_register_forward(
+    make_fencer: Any, db: sa.Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    a, session_a = stale_holder_then_setback(make_fencer(), db)
+    engine = create_async_engine(db.url.set(drivername="postgresql+psycopg_async"))
+    aclient = aioredis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    try:
+        afencer = sa_fence.AsyncFencer(aclient, engine, sequence=SEQUENCE, key_prefix=key_prefix)
+        with pytest.raises(sa_fence.FencingConfigError, match=f"drew token {a.token}, but"):
+            await afencer.acquire("job:1", 5)
+        assert keys(redis_client, key_prefix) == []
+        assert register_row(db, "job:1").token == a.token
+    finally:
+        await aclient.aclose()
+        await engine.dispose()
+        session_a.rollback()
+        session_a.close()
