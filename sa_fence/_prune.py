@@ -308,6 +308,23 @@ def run(
         client.close()
 
 
+def async_redis_held(client: Any, key_prefix: str) -> Callable[[Sequence[str]], Sequence[bool]]:
+    """``held(names)`` for a ``redis.asyncio`` client, called from the sync code
+    that ``greenlet_spawn`` runs (SQLAlchemy's bridge: it awaits the pipeline)."""
+    from sqlalchemy.util import await_only
+
+    async def ask(names: Sequence[str]) -> list[bool]:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(key_prefix + name)
+        return [bool(reply) for reply in await pipe.execute()]
+
+    def held(names: Sequence[str]) -> list[bool]:
+        return await_only(ask(names))
+
+    return held
+
+
 def redis_held(client: Any, key_prefix: str) -> Callable[[Sequence[str]], Sequence[bool]]:
     """``held(names)`` for a redis-py client: one pipelined EXISTS per name."""
 

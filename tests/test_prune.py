@@ -7,14 +7,17 @@ not by waiting.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
+import pytest_asyncio
 import redis
+import redis.asyncio as aioredis
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
@@ -84,19 +87,44 @@ def three_names(fencer: sa_fence.Fencer, db: sa.Engine) -> Iterator[sa_fence.Lea
     held.release()
 
 
-def test_prune_deletes_old_rows_of_names_no_one_holds_and_keeps_the_rest(
-    fencer: sa_fence.Fencer, db: sa.Engine, three_names: sa_fence.Lease
+@pytest_asyncio.fixture(params=["sync", "async"])
+async def front(
+    request: pytest.FixtureRequest, fencer: sa_fence.Fencer, db: sa.Engine, key_prefix: str
+) -> AsyncIterator[Any]:
+    """Fencer.prune or AsyncFencer.prune, on the test's database and Redis prefix."""
+    if request.param == "sync":
+        yield fencer
+        return
+    engine = create_async_engine(db.url.set(drivername="postgresql+psycopg_async"))
+    client = aioredis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    try:
+        yield sa_fence.AsyncFencer(client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
+    finally:
+        await client.aclose()
+        await engine.dispose()
+
+
+async def prune_with(front: Any, **kwargs: Any) -> _prune.PruneResult:
+    if isinstance(front, sa_fence.AsyncFencer):
+        result: _prune.PruneResult = await front.prune(**kwargs)
+        return result
+    done: _prune.PruneResult = front.prune(**kwargs)
+    return done
+
+
+async def test_prune_deletes_old_rows_of_names_no_one_holds_and_keeps_the_rest(
+    front: Any, db: sa.Engine, three_names: sa_fence.Lease
 ) -> None:
-    result = fencer.prune(older_than=timedelta(days=30), longest_lease=timedelta(days=7))
+    result = await prune_with(front, older_than=timedelta(days=30), longest_lease=timedelta(days=7))
     assert (result.rows, result.held, result.regranted, result.dry_run) == (1, 1, 0, False)
     assert 40 < result.bytes < 200  # one short row
     assert names(db) == ["new:free", "old:held"]
 
 
-def test_a_dry_run_reports_the_same_and_deletes_nothing(
-    fencer: sa_fence.Fencer, db: sa.Engine, three_names: sa_fence.Lease
+async def test_a_dry_run_reports_the_same_and_deletes_nothing(
+    front: Any, db: sa.Engine, three_names: sa_fence.Lease
 ) -> None:
-    result = fencer.prune(older_than=30 * DAY, longest_lease=7 * DAY, dry_run=True)
+    result = await prune_with(front, older_than=30 * DAY, longest_lease=7 * DAY, dry_run=True)
     assert (result.rows, result.held, result.dry_run) == (1, 1, True)
     assert result.bytes > 0
     assert names(db) == ["new:free", "old:free", "old:held"]
