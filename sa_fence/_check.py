@@ -20,7 +20,12 @@ writer, and says how to fix each finding:
   of its register (after a restore from backup, or a promoted logical
   replica: logical replication does not carry sequence values).  Its next
   tokens would then be refused by every row they are compared with, or,
-  worse, equal a token already written.
+  worse, equal a token already written; a grant whose token is not past the
+  name's register token is refused (the register only moves forward).
+
+Every read names the sequence and the register schema-qualified
+(:func:`~sa_fence._register.pinned_register`), so a table of the register's
+name earlier on the search_path changes nothing of what is reported.
 
 Rows whose fence is NULL ("never fenced": any token may write them) are
 counted in a ``note`` line, not a finding, with the backfill that makes the

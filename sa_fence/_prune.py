@@ -10,7 +10,8 @@ names that nobody holds and that were last granted long ago:
    per batch): a held name is kept whatever its age;
 3. **compare-and-delete** (:func:`delete_prunable`): each row is deleted only
    if it still holds the token the scan read, so a grant made in between (a
-   new token) survives.
+   new token) survives; a row locked at that moment (a grant writing it, a
+   commit checking against it) is skipped, never waited for.
 
 What it does to the guarantee: a pruned name has no register row, and the
 commit check refuses a transaction whose lease's token the register does not
