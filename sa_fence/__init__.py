@@ -33,6 +33,7 @@ from ._decorators import SKIPPED, Skipped, current_lease, current_session, fence
 from ._flush import fence_connection, install, unbind, unfenced, uninstall
 from ._lease import Fencer, Lease
 from ._model import Fenced, fence_column
+from ._prune import PruneResult
 from ._telemetry import Telemetry, default_name_pattern
 from ._tokens import fence_sequence
 from .errors import (
@@ -60,6 +61,7 @@ __all__ = [
     "LeaseBackendError",
     "LeaseLostError",
     "LeaseNotAcquiredError",
+    "PruneResult",
     "Skipped",
     "StaleTokenError",
     "Telemetry",

@@ -22,7 +22,12 @@ writer, and says how to fix each finding:
   of its register (after a restore from backup, or a promoted logical
   replica: logical replication does not carry sequence values).  Its next
   tokens would then be refused by every row they are compared with, or,
-  worse, equal a token already written.
+  worse, equal a token already written; a grant whose token is not past the
+  name's register token is refused (the register only moves forward).
+
+Every read names the sequence and the register schema-qualified
+(:func:`~sa_fence._register.pinned_register`), so a table of the register's
+name earlier on the search_path changes nothing of what is reported.
 
 Rows whose fence is NULL ("never fenced": any token may write them) are
 counted in a ``note`` line, not a finding, with the backfill that makes the
@@ -69,6 +74,7 @@ from ._register import (
     REGISTER_SEQUENCE_SQL,
     REGISTER_TABLE,
     Register,
+    pinned_register,
     shape_problems,
 )
 from ._tokens import (
@@ -186,11 +192,6 @@ def load_metadata(spec: str, app_dir: str = ".") -> sa.MetaData:
     return metadata
 
 
-def _split_sequence(sequence: str) -> tuple[str | None, str]:
-    schema, _, name = sequence.rpartition(".")
-    return (schema or None), name
-
-
 _DISCOVER_SQL = sa.text(
     """
     SELECT n.nspname AS schema, c.relname AS name
@@ -274,6 +275,7 @@ def _last_value(conn: sa.Connection, quoted: str, row: Any) -> int | None:
         sa.text(
             "SELECT CASE WHEN has_sequence_privilege(CAST(:seq AS regclass), 'SELECT, USAGE') "
             "THEN 1 END AS readable, "
+            "has_sequence_privilege(CAST(:seq AS regclass), 'SELECT') AS selectable, "
             "CASE WHEN has_sequence_privilege(CAST(:seq AS regclass), 'SELECT, USAGE') "
             "THEN pg_sequence_last_value(CAST(:seq AS regclass)) END AS last_value"
         ),
@@ -281,6 +283,11 @@ def _last_value(conn: sa.Connection, quoted: str, row: Any) -> int | None:
     ).one()
     if value.readable is None:
         return None
+    if value.last_value is None and value.selectable:
+        # Not called since a setval(..., false) (or ever): the next nextval
+        # returns last_value itself, so the last one handed out is before it.
+        last, called = conn.execute(sa.text(f"SELECT last_value, is_called FROM {quoted}")).one()
+        return int(last) if called else int(last) - int(row.seqincrement)
     if value.last_value is None:
         return int(row.seqstart) - int(row.seqincrement)
     return int(value.last_value)
@@ -291,10 +298,14 @@ def _register_args(sequence: str) -> str:
 
 
 def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -> None:
-    """The lease register of ``report.sequence``: presence, shape, sequence, function, rights."""
+    """The lease register of ``report.sequence``: presence, shape, sequence, function, rights.
+
+    Reads go to the schema-qualified names (``register``); messages and fixes
+    show the names as given (``shown``)."""
     sequence = report.sequence
-    register = Register(sequence)
-    subject = f"lease register {register.table_display}"
+    shown = Register(sequence)
+    register = pinned_register(conn, sequence)
+    subject = f"lease register {shown.table_display}"
     args = _register_args(sequence)
     before = len(report.findings)
     columns = conn.execute(REGISTER_COLUMNS_SQL, {"register": register.table_sql}).all()
@@ -330,8 +341,8 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
                 subject,
                 "draws its tokens from no sequence (its token column has no nextval "
                 "default): every grant is refused",
-                f"ALTER TABLE {register.table_sql} ALTER COLUMN token SET DEFAULT "
-                f"nextval('{register.sequence_sql}');",
+                f"ALTER TABLE {shown.table_sql} ALTER COLUMN token SET DEFAULT "
+                f"nextval('{shown.sequence_sql}');",
             )
         )
     elif owner != mine:
@@ -343,15 +354,15 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
                 "sequence, or a stale holder's token could overtake a newer one)",
                 f"if your Fencers use {owner}, check with --sequence {owner}; to move the "
                 f"register to {sequence}, stop the workers, run sa-fence repair-sequence "
-                f"--sequence {sequence} first, then ALTER TABLE {register.table_sql} ALTER "
-                f"COLUMN token SET DEFAULT nextval('{register.sequence_sql}');",
+                f"--sequence {sequence} first, then ALTER TABLE {shown.table_sql} ALTER "
+                f"COLUMN token SET DEFAULT nextval('{shown.sequence_sql}');",
             )
         )
     has_function = conn.execute(CHECK_FUNCTION_SQL, {"function": register.function_sql}).scalar()
     if not has_function:
         report.findings.append(
             Finding(
-                f"commit check function {register.function_sql}(text, bigint)",
+                f"commit check function {shown.function_sql}(text, bigint)",
                 "is missing: no session bound to a lease can commit",
                 f"op.create_fence_register({args}) (keeps the register's rows)",
             )
@@ -374,9 +385,9 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
         if allowed is False:
             lacking.append(
                 (
-                    f"{right} on {register.table_display}",
+                    f"{right} on {shown.table_display}",
                     "every grant",
-                    f"GRANT {right} ON {register.table_sql} TO {_ident(role)};",
+                    f"GRANT {right} ON {shown.table_sql} TO {_ident(role)};",
                 )
             )
     if rights.can_draw is False:
@@ -384,16 +395,15 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
             (
                 f"USAGE on sequence {sequence}",
                 "every grant",
-                f"GRANT USAGE ON SEQUENCE {register.sequence_sql} TO {_ident(role)};",
+                f"GRANT USAGE ON SEQUENCE {shown.sequence_sql} TO {_ident(role)};",
             )
         )
     if rights.can_check is False:
         lacking.append(
             (
-                f"EXECUTE on {register.function_sql}(text, bigint)",
+                f"EXECUTE on {shown.function_sql}(text, bigint)",
                 "every commit of a bound session",
-                f"GRANT EXECUTE ON FUNCTION {register.function_sql}(text, bigint) TO "
-                f"{_ident(role)};",
+                f"GRANT EXECUTE ON FUNCTION {shown.function_sql}(text, bigint) TO {_ident(role)};",
             )
         )
     if lacking:
@@ -491,9 +501,11 @@ def check(
             "connect_args={'prepare_threshold': None} (psycopg): a Fencer refuses to "
             f"start without it (see {POOLER_DOC})"
         )
-    seq_schema, seq_name = _split_sequence(sequence)
-    seq_quoted = qualified(seq_name, seq_schema)
-    row = conn.execute(SEQUENCE_SQL, {"name": seq_quoted}).one_or_none()
+    seq_quoted = Register(sequence).sequence_sql  # shown in fixes
+    # read by its schema-qualified name: nothing on the search_path stands in
+    row = conn.execute(
+        SEQUENCE_SQL, {"name": pinned_register(conn, sequence).sequence_sql}
+    ).one_or_none()
     if row is None:
         report.findings.append(
             Finding(
@@ -518,7 +530,7 @@ def check(
         else:
             report.ok.append(f"sequence {sequence}: bigint, CACHE 1, NO CYCLE")
         report.sequence_found = True
-        report.last_value = _last_value(conn, seq_quoted, row)
+        report.last_value = _last_value(conn, pinned_register(conn, sequence).sequence_sql, row)
     _check_register(conn, report, sequence_ok=row is not None and not sequence_problems(row))
     _check_registers(conn, report)
 
@@ -643,7 +655,8 @@ def check(
             )
             consequences.append(
                 ("and a" if consequences else "A")
-                + " new grant would register a token below one already granted"
+                + " new grant would draw a token at or below one already granted: such a "
+                "grant is refused (the register only moves forward)"
             )
         if behind:
             target = max(report.max_fence, report.max_register_token or 0)
@@ -762,7 +775,7 @@ def plan_repair(
 
 
 def _register_names(conn: sa.Connection, sequence: str) -> int:
-    table = Register(sequence).table_sql
+    table = pinned_register(conn, sequence).table_sql
     if conn.execute(sa.text("SELECT to_regclass(:t)"), {"t": table}).scalar() is None:
         return 0
     return int(conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one())
@@ -775,8 +788,7 @@ def apply_repair(conn: sa.Connection, plan: RepairPlan) -> int:
     token drawn past it (see :func:`fence_out_register`), in the same
     transaction.
     """
-    schema, name = _split_sequence(plan.sequence)
-    quoted = qualified(name, schema)
+    quoted = pinned_register(conn, plan.sequence).sequence_sql
     value = conn.execute(
         sa.text(
             "SELECT setval(CAST(:seq AS regclass), greatest(:target, "
@@ -801,7 +813,7 @@ def fence_out_register(conn: sa.Connection, sequence: str) -> int:
     withdrawal can bring an old token back.  The next grant of a name simply
     replaces its token, as always.
     """
-    register = Register(sequence)
+    register = pinned_register(conn, sequence)
     if conn.execute(sa.text("SELECT to_regclass(:t)"), {"t": register.table_sql}).scalar() is None:
         return 0
     result = conn.execute(
@@ -918,10 +930,8 @@ def run_repair(
 
 
 def _last_value_now(conn: sa.Connection, sequence: str) -> int:
-    schema, name = _split_sequence(sequence)
-    return int(
-        conn.execute(sa.text(f"SELECT last_value FROM {qualified(name, schema)}")).scalar_one()
-    )
+    quoted = pinned_register(conn, sequence).sequence_sql
+    return int(conn.execute(sa.text(f"SELECT last_value FROM {quoted}")).scalar_one())
 
 
 def _shown(url: str) -> str:

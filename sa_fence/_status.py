@@ -31,7 +31,7 @@ import sqlalchemy as sa
 
 from . import _protocol as proto
 from ._check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, _with_connection
-from ._register import Register
+from ._register import Register, pinned_register
 from ._telemetry import redact_url
 
 #: Where the applications' key_prefix is read from (the ``--key-prefix`` default).
@@ -109,7 +109,8 @@ def statuses(
     limit: int = DEFAULT_LIMIT,
 ) -> list[LeaseStatus] | None:
     """The status of ``names`` (or of the ``limit`` newest grants); None: no register."""
-    rows = _register_rows(conn, Register(sequence), names, limit)
+    # schema-qualified: a temporary table or another schema cannot stand in
+    rows = _register_rows(conn, pinned_register(conn, sequence), names, limit)
     if rows is None:
         return None
     listed = list(names) if names else list(rows)

@@ -181,6 +181,31 @@ def _status(args: argparse.Namespace) -> int:
     )
 
 
+def _prune(args: argparse.Namespace) -> int:
+    from . import _prune
+
+    return _prune.run(
+        args.url,
+        args.redis,
+        sequence=args.sequence,
+        key_prefix=args.key_prefix,
+        older_than=args.older_than,
+        longest_lease=args.longest_lease,
+        dry_run=args.dry_run,
+        out=sys.stdout,
+        err=sys.stderr,
+    )
+
+
+def _duration(text: str) -> float:
+    from ._prune import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _database_arguments(parser: argparse.ArgumentParser) -> None:
     from ._tokens import DEFAULT_SEQUENCE
 
@@ -373,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(handler=_bench)
     _status_parser(commands)
     _create_guard_parser(commands)
+    _prune_parser(commands)
     return parser
 
 
@@ -431,10 +457,69 @@ def _create_guard_parser(commands: Any) -> None:
     guard.set_defaults(handler=_create_guard)
 
 
-def _status_parser(commands: Any) -> None:
+def _redis_arguments(parser: argparse.ArgumentParser) -> None:
     from ._lease import DEFAULT_KEY_PREFIX
-    from ._status import DEFAULT_LIMIT, KEY_PREFIX_ENV
+    from ._status import KEY_PREFIX_ENV
     from ._tokens import DEFAULT_SEQUENCE
+
+    parser.add_argument(
+        "--redis",
+        metavar="URL",
+        type=_redis_url,
+        default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS),
+        help=f"Redis URL (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS})",
+    )
+    parser.add_argument(
+        "--key-prefix",
+        metavar="PREFIX",
+        default=os.environ.get(KEY_PREFIX_ENV, DEFAULT_KEY_PREFIX),
+        help=f"the Fencer's key_prefix (default: ${KEY_PREFIX_ENV}, as the recipes read "
+        f"it, else {DEFAULT_KEY_PREFIX})",
+    )
+    parser.add_argument(
+        "--sequence",
+        metavar="NAME",
+        default=DEFAULT_SEQUENCE,
+        help=f"the token sequence, optionally schema-qualified (default: {DEFAULT_SEQUENCE})",
+    )
+
+
+def _prune_parser(commands: Any) -> None:
+    prune = commands.add_parser(
+        "prune",
+        help="delete lease register rows of names no one holds, last granted long ago",
+        description="Delete the lease register's rows whose name is not held in Redis "
+        "and whose newest grant is older than --older-than. Each row is deleted only while "
+        "it still holds the token read, so a grant made meanwhile survives. A stale holder "
+        "of a pruned name is still refused at commit. --older-than may not be shorter "
+        "than --longest-lease. Prints the rows and bytes removed. Exit status: 0 done, "
+        "1 no register, 2 bad argument, 3 PostgreSQL or Redis unreachable.",
+    )
+    _url_argument(prune, f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})")
+    _redis_arguments(prune)
+    prune.add_argument(
+        "--older-than",
+        metavar="DURATION",
+        type=_duration,
+        required=True,
+        help="prune names last granted longer ago than this: 90s, 15m, 12h, 30d, 2w",
+    )
+    prune.add_argument(
+        "--longest-lease",
+        metavar="DURATION",
+        type=_duration,
+        required=True,
+        help="the longest a lease of yours lasts from its grant to its last commit, "
+        "renewals included (a bound only you know); --older-than must be at least this",
+    )
+    prune.add_argument(
+        "--dry-run", action="store_true", help="delete nothing; print what would be removed"
+    )
+    prune.set_defaults(handler=_prune)
+
+
+def _status_parser(commands: Any) -> None:
+    from ._status import DEFAULT_LIMIT
 
     status = commands.add_parser(
         "status",
@@ -450,26 +535,7 @@ def _status_parser(commands: Any) -> None:
     _url_argument(
         status, f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})"
     )
-    status.add_argument(
-        "--redis",
-        metavar="URL",
-        type=_redis_url,
-        default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS),
-        help=f"Redis URL (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS})",
-    )
-    status.add_argument(
-        "--key-prefix",
-        metavar="PREFIX",
-        default=os.environ.get(KEY_PREFIX_ENV, DEFAULT_KEY_PREFIX),
-        help=f"the Fencer's key_prefix (default: ${KEY_PREFIX_ENV}, as the recipes read "
-        f"it, else {DEFAULT_KEY_PREFIX})",
-    )
-    status.add_argument(
-        "--sequence",
-        metavar="NAME",
-        default=DEFAULT_SEQUENCE,
-        help=f"the token sequence, optionally schema-qualified (default: {DEFAULT_SEQUENCE})",
-    )
+    _redis_arguments(status)
     status.add_argument(
         "--limit",
         metavar="N",

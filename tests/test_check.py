@@ -407,7 +407,10 @@ def test_check_and_repair_take_a_register_ahead_of_the_sequence_into_account(
     assert (
         "max(fence) of jobs is 41, max(token) of the lease register sa_fence_leases is 500. " in out
     )
-    assert "a new grant would register a token below one already granted" in out
+    assert (
+        "a new grant would draw a token at or below one already granted: such a grant is "
+        "refused (the register only moves forward)" in out
+    )
     assert "(moves it to 500 + margin)" in out
     status, out, _ = sa_fence_cli(
         "repair-sequence", "--url", url, "--margin", "100", "--yes", capsys=capsys
