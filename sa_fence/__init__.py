@@ -32,6 +32,7 @@ from ._decorators import SKIPPED, Skipped, current_lease, current_session, fence
 from ._flush import fence_connection, install, unbind, unfenced, uninstall
 from ._lease import Fencer, Lease
 from ._model import Fenced, fence_column
+from ._side_effects import SideEffect, side_effect, side_effect_async
 from ._telemetry import Telemetry, default_name_pattern
 from ._tokens import fence_sequence
 from .errors import (
@@ -59,6 +60,7 @@ __all__ = [
     "LeaseBackendError",
     "LeaseLostError",
     "LeaseNotAcquiredError",
+    "SideEffect",
     "Skipped",
     "StaleTokenError",
     "Telemetry",
@@ -72,6 +74,8 @@ __all__ = [
     "fenced",
     "fenced_methods",
     "install",
+    "side_effect",
+    "side_effect_async",
     "unbind",
     "unfenced",
     "uninstall",
