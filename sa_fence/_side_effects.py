@@ -67,7 +67,9 @@ KEY_ARGUMENT = "idempotency_key"
 
 #: PostgreSQL's id of the current transaction (assigns one if it has none yet):
 #: 64 bits with the epoch, so it never repeats in a database's life.
-_XID_SQL = "SELECT pg_current_xact_id()::text"
+#: ``txid_current()`` rather than 13's ``pg_current_xact_id()``: the same
+#: value, on every PostgreSQL sa-fence supports.
+_XID_SQL = "SELECT txid_current()::text"
 
 _INFO_KEY = "sa_fence.side_effects"
 

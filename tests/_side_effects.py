@@ -223,15 +223,24 @@ class HttpSink:
 
     def __init__(self) -> None:
         self.seen = Deliveries()
+        self.refused: list[str] = []
         self.arrived = threading.Event()
         self._release = threading.Event()
         self._release.set()
+        self._failures = 0
         sink = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 key = self.headers.get("Idempotency-Key", "")
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with sink.seen.lock:
+                    fail = sink._failures > 0
+                    sink._failures -= fail
+                if fail:  # down for maintenance: nothing applied
+                    sink.refused.append(key)
+                    self.send_error(503)
+                    return
                 applied = sink.seen.record(key, body)
                 sink.arrived.set()
                 sink._release.wait(HOLD_TIMEOUT)
@@ -252,6 +261,10 @@ class HttpSink:
     def url(self) -> str:
         host, port = self._server.server_address[:2]
         return f"http://{host!s}:{port}/hooks"
+
+    def fail_next(self, n: int) -> None:
+        """Answer the next ``n`` requests 503 without applying them."""
+        self._failures = n
 
     def hold_first(self) -> None:
         self._release.clear()

@@ -228,6 +228,35 @@ def test_a_worker_killed_mid_delivery_is_retried_with_the_same_key(
     assert [j["status"] for j in q.jobs(conninfo)] == ["succeeded"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("failures", "status", "attempts", "effects"),
+    [
+        pytest.param(1, "succeeded", 2, 1, id="retried-then-delivered"),
+        # RetryStrategy(max_attempts=3) retries three times: four attempts in all
+        pytest.param(99, "failed", 4, 0, id="dead-letter-after-the-last-retry"),
+    ],
+)
+def test_a_refused_delivery_is_retried_with_the_same_key_then_left_failed(
+    app, conninfo, receivers, fencer, make_session, failures, status, attempts, effects
+):
+    http, _ = receivers
+    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+        lease.bind(session)
+        enqueued = sa_fence.side_effect(
+            session, app.tasks["send_webhook"], url=http.url, body={"n": 1}
+        )
+        session.commit()
+    http.fail_next(failures)
+    q.run_worker(conninfo)
+
+    keys = http.refused + [key for key, _ in http.seen.attempts]
+    assert keys == [enqueued.idempotency_key] * attempts
+    assert len(http.seen.effects) == effects
+    (job,) = q.jobs(conninfo)
+    assert (job["status"], job["attempts"]) == (status, attempts)
+
+
 # ------------------------------------------------------------------- the key
 
 
@@ -239,7 +268,7 @@ def test_each_effect_has_its_own_key_lease_token_transaction_and_number(
         lease.bind(session)
         one = sa_fence.side_effect(session, send, url="http://x.invalid", body={})
         two = sa_fence.side_effect(session, send, url="http://x.invalid", body={})
-        xid = session.execute(sa.text("SELECT pg_current_xact_id()::text")).scalar_one()
+        xid = session.execute(sa.text("SELECT txid_current()::text")).scalar_one()
         session.commit()
         three = sa_fence.side_effect(session, send, url="http://x.invalid", body={})
         session.commit()

@@ -66,10 +66,10 @@ app = procrastinate.App(
 
 
 # A name of its own: the enqueuing process and the worker may import this
-# module under different names.  Retried with exponential backoff
-# (2, 4, 8, ... s); after the last attempt the job stays "failed", the
-# dead-letter state (`procrastinate jobs list --status failed`, retried by
-# `app.job_manager.retry_job_by_id(job_id, ...)`).
+# module under different names.  Retried 8 times with exponential backoff
+# (2, 4, 8, ... s); after the last retry the job stays "failed", the
+# dead-letter state (`procrastinate --app=side_effects.app shell list_jobs
+# status=failed`, given back to the queue by `shell retry JOB_ID`).
 @app.task(name="notify", retry=procrastinate.RetryStrategy(max_attempts=8, exponential_wait=2))
 def notify(webhook_url: str, job_id: int, result: str, idempotency_key: str) -> None:
     request = urllib.request.Request(
