@@ -69,15 +69,25 @@ def _mail(app: Any, smtp: q.SmtpSink, to: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "a_writes_the_row",
+    [
+        # The row fence refuses A's UPDATE at the flush already.
+        pytest.param(True, id="with-a-stale-row"),
+        # A's transaction holds only the job: lease scope alone refuses it.
+        pytest.param(False, id="the-job-alone"),
+    ],
+)
 def test_a_stale_holders_mail_never_leaves_and_the_current_holders_leaves_once(
-    app, conninfo, receivers, fencer, make_session, engine
+    app, conninfo, receivers, fencer, make_session, engine, a_writes_the_row
 ):
     _, smtp = receivers
     _insert_job(make_session)
     a = fencer.acquire(LEASE, ttl=30)
     session_a = make_session()
     a.bind(session_a)
-    session_a.get_one(Job, 1).result = "A"
+    if a_writes_the_row:
+        session_a.get_one(Job, 1).result = "A"
     enqueued_a = sa_fence.side_effect(session_a, app.tasks["send_mail"], **_mail(app, smtp, "a"))
     testing.expire(a)  # A pauses past its TTL
 
@@ -280,6 +290,23 @@ def test_each_effect_has_its_own_key_lease_token_transaction_and_number(
     assert xid3 != xid
     stored = {j["id"]: j["args"]["idempotency_key"] for j in q.jobs(conninfo)}
     assert stored == {e.job_id: e.idempotency_key for e in (one, two, three)}
+
+
+def test_a_scoped_session_enqueues_through_its_current_session(app, conninfo, fencer, engine):
+    from sqlalchemy.orm import scoped_session
+
+    scoped = sa_fence.install(scoped_session(sessionmaker(engine)))
+    try:
+        with fencer.lease(LEASE, ttl=30) as lease:
+            lease.bind(scoped)
+            effect = sa_fence.side_effect(
+                scoped, app.tasks["send_webhook"], url="http://x.invalid", body={}
+            )
+            scoped.commit()
+    finally:
+        scoped.remove()
+    assert effect.idempotency_key.startswith(f"{LEASE}:{lease.token}:")
+    assert [j["id"] for j in q.jobs(conninfo)] == [effect.job_id]
 
 
 def test_a_lease_name_is_percent_encoded_into_a_printable_key(app, conninfo, fencer, make_session):
