@@ -115,7 +115,13 @@ def _sync_session(session: object) -> Session:
 
 
 def _check_task(task: object, kwargs: dict[str, Any]) -> None:
-    from procrastinate.tasks import Task
+    try:
+        from procrastinate.tasks import Task
+    except ImportError:
+        raise ImportError(
+            "sa_fence.side_effect() enqueues procrastinate jobs, and procrastinate is not "
+            "installed: pip install 'sa-fence[side-effects]'. Nothing was enqueued."
+        ) from None
 
     if not isinstance(task, Task):
         raise TypeError(
@@ -207,12 +213,12 @@ def side_effect(
     case nothing is enqueued.  For an ``AsyncSession`` use
     :func:`side_effect_async`.
     """
+    _check_task(task, task_kwargs)
     sync = _sync_session(session)
     if sync is not session and not isinstance(session, scoped_session):
         raise TypeError(
             "side_effect() got an AsyncSession: use `await sa_fence.side_effect_async(...)`"
         )
-    _check_task(task, task_kwargs)
     lease = _bound_lease(sync)
     conn = sync.connection()  # begins the transaction: lease scope is entered here
     _require_scope(conn, lease)
@@ -238,13 +244,13 @@ async def side_effect_async(
     The job is written with ``defer_async`` on the session's own psycopg
     ``AsyncConnection``, in its current transaction.
     """
+    _check_task(task, task_kwargs)
     sync: object = getattr(session, "sync_session", None)
     if not isinstance(sync, Session):
         raise TypeError(
             "side_effect_async() takes a sqlalchemy AsyncSession bound to a lease (use "
             f"side_effect() for a Session); got {type(session).__name__}"
         )
-    _check_task(task, task_kwargs)
     lease = _bound_lease(sync)
     aconn = await session.connection()
     assert aconn.sync_connection is not None  # set once the connection is started

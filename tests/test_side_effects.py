@@ -370,6 +370,25 @@ def test_bad_tasks_and_arguments_are_refused(app, conninfo, fencer, make_session
     _no_jobs(conninfo)
 
 
+def test_without_procrastinate_sa_fence_imports_and_side_effect_says_what_to_install():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['procrastinate'] = None\n"
+        "import sa_fence\n"
+        "try:\n"
+        "    sa_fence.side_effect(None, None)\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert "pip install 'sa-fence[side-effects]'" in run.stdout
+
+
 def test_a_transaction_outside_lease_scope_is_refused(app, fencer, make_session, monkeypatch):
     """A session writing to another database than the register's: its COMMIT is unchecked.
 
