@@ -190,6 +190,29 @@ def _known_xid(session: Session) -> str | None:
     return None
 
 
+def _missing_queue(exc: BaseException) -> FencingConfigError | None:
+    """The clear error for procrastinate's tables or functions not being in this database."""
+    import psycopg.errors
+
+    missing = (
+        psycopg.errors.UndefinedTable,
+        psycopg.errors.UndefinedFunction,
+        psycopg.errors.UndefinedObject,  # its types
+    )
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, missing) and "procrastinate" in str(cause):
+            return FencingConfigError(
+                "procrastinate's queue tables are not in this session's database "
+                f"({str(cause).strip()}). Create them where the fenced rows and the lease "
+                "register are: `procrastinate --app=<your app> schema --apply`, or the "
+                "Alembic revision in the side-effects docs. Roll the session back: "
+                "nothing of this transaction can commit."
+            )
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def side_effect(
     session: Session | scoped_session[Any],
     task: Task[Any, Any, Any],
@@ -229,7 +252,13 @@ def side_effect(
             cursor.execute(_XID_SQL)
             xid = str(cursor.fetchone()[0])
     key = _next_key(sync, lease, xid)
-    job_id = task.configure(connection=driver).defer(**task_kwargs, **{KEY_ARGUMENT: key})
+    try:
+        job_id = task.configure(connection=driver).defer(**task_kwargs, **{KEY_ARGUMENT: key})
+    except Exception as exc:
+        missing = _missing_queue(exc)
+        if missing is not None:
+            raise missing from exc
+        raise
     return SideEffect(job_id=job_id, idempotency_key=key)
 
 
@@ -263,7 +292,13 @@ async def side_effect_async(
             await cursor.execute(_XID_SQL)
             xid = str((await cursor.fetchone())[0])
     key = _next_key(sync, lease, xid)
-    job_id = await task.configure(connection=driver).defer_async(
-        **task_kwargs, **{KEY_ARGUMENT: key}
-    )
+    try:
+        job_id = await task.configure(connection=driver).defer_async(
+            **task_kwargs, **{KEY_ARGUMENT: key}
+        )
+    except Exception as exc:
+        missing = _missing_queue(exc)
+        if missing is not None:
+            raise missing from exc
+        raise
     return SideEffect(job_id=job_id, idempotency_key=key)

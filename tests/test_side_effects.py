@@ -389,6 +389,24 @@ def test_without_procrastinate_sa_fence_imports_and_side_effect_says_what_to_ins
     assert "pip install 'sa-fence[side-effects]'" in run.stdout
 
 
+def test_a_database_without_the_queues_tables_is_named_and_nothing_commits(
+    app, redis_client, key_prefix
+):
+    with fresh_database("side_effects_noqueue") as other:
+        Base.metadata.create_all(other)
+        fencer = sa_fence.Fencer(redis_client, other, key_prefix=key_prefix)
+        try:
+            sessions = sa_fence.install(sessionmaker(other))
+            with fencer.lease(LEASE, ttl=30) as lease, sessions() as session:
+                lease.bind(session)
+                with pytest.raises(sa_fence.FencingConfigError, match="schema --apply"):
+                    sa_fence.side_effect(session, app.tasks["send_webhook"], url="u", body={})
+                with pytest.raises(sa.exc.InternalError):  # the transaction is aborted
+                    session.commit()
+        finally:
+            fencer.close()
+
+
 def test_a_transaction_outside_lease_scope_is_refused(app, fencer, make_session, monkeypatch):
     """A session writing to another database than the register's: its COMMIT is unchecked.
 
