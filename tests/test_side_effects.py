@@ -309,6 +309,20 @@ def test_a_scoped_session_enqueues_through_its_current_session(app, conninfo, fe
     assert [j["id"] for j in q.jobs(conninfo)] == [effect.job_id]
 
 
+def test_a_fenced_function_enqueues_in_the_transaction_its_decorator_commits(
+    app, conninfo, fencer, make_session
+):
+    @sa_fence.fenced("job:{job_id}", ttl=30, fencer=fencer, session=make_session)
+    def finish(job_id: int) -> sa_fence.SideEffect:
+        return sa_fence.side_effect(
+            sa_fence.current_session(), app.tasks["send_webhook"], url="u", body={"id": job_id}
+        )
+
+    effect = finish(1)
+    assert effect.idempotency_key.startswith("job:1:")
+    assert [(j["id"], j["status"]) for j in q.jobs(conninfo)] == [(effect.job_id, "todo")]
+
+
 def test_a_lease_name_is_percent_encoded_into_a_printable_key(app, conninfo, fencer, make_session):
     with fencer.lease("mail für 7", ttl=30) as lease, make_session() as session:
         lease.bind(session)
