@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sa-fence-installed
 
-.PHONY: demo test lint typecheck bench dashboard chaos services topology-tools docs clean
+.PHONY: demo test lint typecheck bench dashboard chaos services topology-tools docs-tools docs clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "sa-fence needs Python >= 3.11; set PYTHON=python3.11")'
@@ -23,6 +23,10 @@ services:
 topology-tools:
 	@bash .ci/topology-tools
 
+# chromium, for the browser test of the docs' diagrams (installed if missing).
+docs-tools:
+	@bash .ci/docs-tools
+
 demo: $(STAMP) services
 	$(VENV)/bin/sa-fence demo
 
@@ -33,12 +37,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-test: lint typecheck services topology-tools
+test: lint typecheck services topology-tools docs-tools
 	$(PY) -m pytest
 
 # The docs site (mkdocs-material) into site/; `make test` runs the same build
 # with --strict (tests/test_docs_site.py).
+# Mermaid (for the diagrams) is fetched once with npm into .cache/ and served
+# with the site, so the diagrams render offline too.
 docs: $(STAMP)
+	$(PY) docs_hooks.py fetch-mermaid
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The peers (python-redis-lock, pottery) and matplotlib come from the `bench` extra.
@@ -63,4 +70,4 @@ chaos: $(STAMP)
 	$(PY) -m tests.chaos $(CHAOS_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site .cache

@@ -28,6 +28,7 @@ Quick tour (the full, tested quickstart is in ``docs/index.md``)::
 
 from typing import TYPE_CHECKING, Any
 
+from ._create_guard import create_fence_guard, drop_fence_guard
 from ._decorators import SKIPPED, Skipped, current_lease, current_session, fenced, fenced_methods
 from ._flush import fence_connection, install, unbind, unfenced, uninstall
 from ._lease import Fencer, Lease
@@ -65,9 +66,11 @@ __all__ = [
     "StaleTokenError",
     "Telemetry",
     "UnfencedWriteError",
+    "create_fence_guard",
     "current_lease",
     "current_session",
     "default_name_pattern",
+    "drop_fence_guard",
     "fence_column",
     "fence_connection",
     "fence_sequence",

@@ -12,10 +12,12 @@ writer, and says how to fix each finding:
   needs (run the check as your workers' role);
 * the database holds more than one register (two sequences fencing the
   same rows: neither register fences out the other's holders);
-* a fenced table lacks its fence column or its guard trigger, or its guard
+* a fenced table lacks its fence column, its guard is disabled, or its guard
   is not the one this sa-fence creates (a trigger not firing before each
   INSERT, UPDATE and DELETE; a function from another version or edited by
-  hand);
+  hand); a table with no guard at all (a ``create_all`` database) is
+  *advice*, a finding only under ``--strict``: bound sessions are fenced
+  without it, writers outside sa-fence are not;
 * the sequence is behind ``max(fence)`` of a fenced table or ``max(token)``
   of its register (after a restore from backup, or a promoted logical
   replica: logical replication does not carry sequence values).  Its next
@@ -111,6 +113,10 @@ class Finding:
 class Report:
     sequence: str
     findings: list[Finding] = field(default_factory=list)
+    #: what would make the set-up stronger but lets no stale lease commit (a
+    #: table with no guard: only writers outside sa-fence go unfenced); findings
+    #: under ``sa-fence check --strict``
+    advice: list[Finding] = field(default_factory=list)
     ok: list[str] = field(default_factory=list)
     #: facts worth knowing that are not problems (e.g. rows never fenced)
     notes: list[str] = field(default_factory=list)
@@ -457,6 +463,18 @@ def _guard_args(made_with: tuple[str, str] | None) -> str:
     )
 
 
+def _guard_fixes(table: FencedTable, guard_args: str, guard_fix: str) -> str:
+    """Both ways to add a guard: without Alembic (a create_all database), and in a migration."""
+    command = f"sa-fence create-guard --url ... {table.name}" + (
+        "" if table.column == "fence" else f" --column {table.column}"
+    )
+    command += "" if table.schema is None else f" --schema {table.schema}"
+    return (
+        f"{command} (or in Python: sa_fence.create_fence_guard(engine, {guard_args})); "
+        f"in an Alembic migration: {guard_fix}"
+    )
+
+
 def check(
     conn: sa.Connection,
     *,
@@ -546,23 +564,26 @@ def check(
                 )
             )
         guard = conn.execute(_GUARD_STATE_SQL, {"table": table.quoted}).one_or_none()
+        absent = guard is None
         if guard is not None and not guard.enabled:
             guard = None  # a disabled guard refuses nothing
-        guard_fix = (
-            f"op.create_fence_guard({table.name!r}"
+        guard_args = (
+            repr(table.name)
             + ("" if table.column == "fence" else f", {table.column!r}")
             + ("" if table.schema is None else f", schema={table.schema!r}")
             + ("" if guard is None else _guard_args(guard_made_with(guard.source)))
-            + ")"
         )
+        guard_fix = f"op.create_fence_guard({guard_args})"
         if guard is None:
             missing.append("has no guard")
-            report.findings.append(
+            # never made (a create_all database): advice, unless --strict; a guard
+            # someone disabled is a problem
+            (report.advice if absent else report.findings).append(
                 Finding(
                     f"table {table.display}",
                     f"has no enabled guard trigger {TRIGGER_NAME}: writers outside fenced "
                     "sessions (raw SQL, psql, other services) are not fenced",
-                    guard_fix,
+                    _guard_fixes(table, guard_args, guard_fix),
                 )
             )
         else:
@@ -652,20 +673,31 @@ def check(
     return report
 
 
-def print_report(report: Report, shown_url: str, out: TextIO) -> int:
-    """Print ``report``; ``shown_url`` is the URL with its password hidden (_shown)."""
+def print_report(report: Report, shown_url: str, out: TextIO, *, strict: bool = False) -> int:
+    """Print ``report``; ``shown_url`` is the URL with its password hidden (_shown).
+
+    ``strict``: advice counts as problems (exit status 1).
+    """
     print(f"sa-fence check: {shown_url}", file=out)
     for line in report.ok:
         print(f"  ok       {line}", file=out)
     for line in report.notes:
         print(f"  note     {line}", file=out)
-    for finding in report.findings:
+    findings = report.findings + (report.advice if strict else [])
+    for finding in findings:
         print(f"  PROBLEM  {finding.subject} {finding.problem}", file=out)
         print(f"           fix: {finding.fix}", file=out)
-    if report.findings:
-        print(f"{len(report.findings)} problem(s) found.", file=out)
+    advice = [] if strict else report.advice
+    for finding in advice:
+        print(f"  advice   {finding.subject} {finding.problem}", file=out)
+        print(f"           fix: {finding.fix}", file=out)
+    tail = (
+        f" {len(advice)} piece(s) of advice (--strict counts them as problems)." if advice else ""
+    )
+    if findings:
+        print(f"{len(findings)} problem(s) found.{tail}", file=out)
         return EXIT_FINDINGS
-    print("No problems found.", file=out)
+    print(f"No problems found.{tail}", file=out)
     return EXIT_OK
 
 
@@ -791,13 +823,17 @@ def run_check(
     err: TextIO,
     *,
     app_dir: str = ".",
+    strict: bool = False,
 ) -> int:
     return _with_connection(
         url,
         metadata_spec,
         err,
         lambda conn, md: print_report(
-            check(conn, sequence=sequence, metadata=md, column=column), _shown(url), out
+            check(conn, sequence=sequence, metadata=md, column=column),
+            _shown(url),
+            out,
+            strict=strict,
         ),
         app_dir=app_dir,
     )

@@ -5,7 +5,9 @@
 ``sa-fence demo`` plays the lost-lease double write with two worker
 processes (see :mod:`sa_fence._demo`); ``sa-fence check`` and
 ``sa-fence repair-sequence`` inspect and repair a live database's fencing
-set-up (see :mod:`sa_fence._check`); ``sa-fence bench`` measures what fencing
+set-up (see :mod:`sa_fence._check`); ``sa-fence create-guard`` adds the
+guard trigger to a database made without migrations (see
+:mod:`sa_fence._create_guard`); ``sa-fence bench`` measures what fencing
 costs on the user's servers (see :mod:`sa_fence._bench`).  Each subcommand's module is imported
 only when it runs, so ``sa-fence --help`` stays fast.
 """
@@ -139,6 +141,7 @@ def _check(args: argparse.Namespace) -> int:
         sys.stdout,
         sys.stderr,
         app_dir=args.app_dir,
+        strict=args.strict,
     )
 
 
@@ -299,10 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Checks that the token sequence exists with CACHE 1 and NO CYCLE, that "
         "every fenced table has its fence column and guard trigger, and that the sequence "
         "is at or past max(fence) of every fenced table. Prints each problem with its fix. "
-        "Read-only. Exit status: 0 no problems, 1 problems found, 2 bad argument, "
-        "3 database unreachable.",
+        "A table with no guard trigger is advice (raw SQL writers go unfenced), a problem "
+        "with --strict. Read-only. Exit status: 0 no problems, 1 problems found, "
+        "2 bad argument, 3 database unreachable.",
     )
     _database_arguments(check)
+    check.add_argument(
+        "--strict",
+        action="store_true",
+        help="count advice (a fenced table with no guard trigger) as problems: exit 1",
+    )
     check.set_defaults(handler=_check)
 
     repair = commands.add_parser(
@@ -376,12 +385,68 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quiet", action="store_true", help="no progress on stderr")
     bench.set_defaults(handler=_bench)
     _status_parser(commands)
+    _create_guard_parser(commands)
     return parser
+
+
+def _create_guard(args: argparse.Namespace) -> int:
+    from . import _create_guard
+
+    return _create_guard.run(
+        args.url,
+        args.tables,
+        column=args.column,
+        schema=args.schema,
+        sequence=args.sequence,
+        on_missing_token=args.on_missing_token,
+        out=sys.stdout,
+        err=sys.stderr,
+    )
+
+
+def _create_guard_parser(commands: Any) -> None:
+    from ._guard import DEFAULT_SEQUENCE, MISSING_TOKEN_POLICIES
+
+    guard = commands.add_parser(
+        "create-guard",
+        help="create the guard trigger on fenced tables (a database made with create_all)",
+        description="Creates (or replaces) the guard trigger sa_fence_guard on each TABLE: "
+        "the trigger op.create_fence_guard() makes in a migration, for a database made "
+        "with Base.metadata.create_all(). It refuses UPDATEs and DELETEs with a stale "
+        "token and any write of a fence no lease was granted, from every writer (raw SQL, "
+        "psql, other services). All tables in one transaction: if a table, its bigint "
+        "fence column or the token sequence is missing, nothing is created. Exit status: "
+        "0 created, 1 nothing created (the message says why), 2 bad argument, "
+        "3 database unreachable.",
+    )
+    guard.add_argument("tables", metavar="TABLE", nargs="+", help="fenced tables")
+    _url_argument(guard, f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})")
+    guard.add_argument(
+        "--schema", metavar="SCHEMA", help="the tables' schema (default: the search_path)"
+    )
+    guard.add_argument(
+        "--column", metavar="COLUMN", default="fence", help="the fence column (default: fence)"
+    )
+    guard.add_argument(
+        "--sequence",
+        metavar="NAME",
+        default=DEFAULT_SEQUENCE,
+        help="the Fencers' token sequence, optionally schema-qualified "
+        f"(default: {DEFAULT_SEQUENCE})",
+    )
+    guard.add_argument(
+        "--on-missing-token",
+        choices=MISSING_TOKEN_POLICIES,
+        default="reject",
+        help="reject (default): refuse UPDATEs and DELETEs that present no token; "
+        "unchanged: let an UPDATE that leaves the fence as it is through",
+    )
+    guard.set_defaults(handler=_create_guard)
 
 
 def _status_parser(commands: Any) -> None:
     from ._lease import DEFAULT_KEY_PREFIX
-    from ._status import DEFAULT_LIMIT
+    from ._status import DEFAULT_LIMIT, KEY_PREFIX_ENV
     from ._tokens import DEFAULT_SEQUENCE
 
     status = commands.add_parser(
@@ -408,8 +473,9 @@ def _status_parser(commands: Any) -> None:
     status.add_argument(
         "--key-prefix",
         metavar="PREFIX",
-        default=DEFAULT_KEY_PREFIX,
-        help=f"the Fencer's key_prefix (default: {DEFAULT_KEY_PREFIX})",
+        default=os.environ.get(KEY_PREFIX_ENV, DEFAULT_KEY_PREFIX),
+        help=f"the Fencer's key_prefix (default: ${KEY_PREFIX_ENV}, as the recipes read "
+        f"it, else {DEFAULT_KEY_PREFIX})",
     )
     status.add_argument(
         "--sequence",

@@ -66,9 +66,10 @@ class StaleTokenError(FenceError, StaleDataError):
       older lease commits nothing, whatever it wrote.  ``lease_name``,
       ``token`` and ``newest_token`` (the register's) are set; ``table`` is
       ``None``.
-    * **At the flush** (the row fence, ``statement`` ``"UPDATE"`` or
-      ``"DELETE"``): the token-compared statement matched fewer rows than it
-      targeted, or a guard trigger refused a row.  ``table``,
+    * **At the flush** (the row fence, ``statement`` ``"UPDATE"``,
+      ``"DELETE"`` or ``"UPSERT"``): the token-compared statement matched
+      fewer rows than it targeted (an upsert: than it proposed), or a guard
+      trigger refused a row.  ``table``,
       ``primary_keys`` (each a tuple) and ``current_fences`` (the fence found
       on each refused row, ``None`` when the row is gone) are set.
 

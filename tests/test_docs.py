@@ -94,26 +94,15 @@ def pages() -> list[Path]:
     return sorted(DOCS.glob("*.md"))
 
 
-def test_every_public_name_is_documented_in_the_reference_pages() -> None:
-    reference = " ".join(
-        (DOCS / name).read_text(encoding="utf-8")
-        for name in ("api.md", "decorators.md", "errors.md", "testing.md", "asyncio.md")
-    )
-    code_spans = " ".join(re.findall(r"`[^`\n]+`", reference))
-    missing = [
-        name for name in sa_fence.__all__ if not re.search(rf"\b{re.escape(name)}\b", code_spans)
-    ]
-    assert missing == [], f"public names not mentioned as code in the reference pages: {missing}"
-    generated = (DOCS / "python-api.md").read_text(encoding="utf-8")
-    not_generated = [
-        name
-        for name in sa_fence.__all__
-        if name not in ("SKIPPED",)
-        and f"::: sa_fence.{name}\n" not in generated
-        and not name.endswith("Error")
-        and name != "FenceError"
-    ]
-    assert not_generated == [], f"not in the API from the docstrings: {not_generated}"
+def test_the_api_reference_generates_an_entry_for_every_public_name() -> None:
+    """Signatures come from the code (mkdocstrings), so they cannot drift from it;
+    tests/test_docs_site.py checks that each entry is generated."""
+    api = (DOCS / "api.md").read_text(encoding="utf-8")
+    directives = re.findall(r"^::: sa_fence\.(\w+)$", api, flags=re.MULTILINE)
+    assert sorted(set(sa_fence.__all__) - set(directives)) == []
+    assert [d for d in directives if d not in sa_fence.__all__] == ["testing"]
+    # no hand-written signature to drift: a heading names, the directive signs
+    assert not re.search(r"^#+ .*\w\(.*\)", api, flags=re.MULTILINE)
 
 
 @pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
