@@ -34,6 +34,7 @@ from ._flush import fence_connection, install, unbind, unfenced, uninstall
 from ._lease import Fencer, Lease
 from ._model import Fenced, fence_column
 from ._prune import PruneResult
+from ._side_effects import SideEffect, side_effect, side_effect_async
 from ._telemetry import Telemetry, default_name_pattern
 from ._tokens import fence_sequence
 from .errors import (
@@ -62,6 +63,7 @@ __all__ = [
     "LeaseLostError",
     "LeaseNotAcquiredError",
     "PruneResult",
+    "SideEffect",
     "Skipped",
     "StaleTokenError",
     "Telemetry",
@@ -77,6 +79,8 @@ __all__ = [
     "fenced",
     "fenced_methods",
     "install",
+    "side_effect",
+    "side_effect_async",
     "unbind",
     "unfenced",
     "uninstall",

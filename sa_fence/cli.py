@@ -121,6 +121,12 @@ def _version() -> str:
 def _demo(args: argparse.Namespace) -> int:
     from . import _demo
 
+    if args.side_effects:
+        from . import _demo_side_effects
+
+        return _demo_side_effects.run(
+            pg=args.pg, redis_url=args.redis, ttl=args.ttl, fenced=not args.unfenced
+        )
     return _demo.run(pg=args.pg, redis_url=args.redis, ttl=args.ttl, fenced=not args.unfenced)
 
 
@@ -285,6 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--unfenced",
         action="store_true",
         help="use plain sessions (no sa_fence.install): the lease alone, as most code does",
+    )
+    demo.add_argument(
+        "--side-effects",
+        action="store_true",
+        help="the same story with an e-mail per worker, enqueued with sa_fence.side_effect() "
+        "on procrastinate: A's never leaves, B's leaves once although its first delivery "
+        "is killed (needs: pip install 'sa-fence[side-effects]')",
     )
     demo.add_argument(
         "--pg",
