@@ -1,19 +1,29 @@
 # Two commands a new user needs: `make demo` and `make test`.
-# Each creates .venv, installs the package with its test deps, makes sure
-# PostgreSQL and Redis answer (starting them when installed but down), then runs.
+# Each creates .venv and installs what it needs there: `make demo` the package
+# alone (`pip install -e .`, a few seconds), `make test` also its test extra at
+# the versions of constraints/test.txt.  Both make sure PostgreSQL and Redis
+# answer (starting them when installed but down), then run.
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sa-fence-installed
+# The package alone, for `make demo`: its dependencies, none of the test extra.
+DEMO_STAMP := $(VENV)/.sa-fence-demo-installed
+# The exact versions the tests ran with (the extras give ranges only).
+CONSTRAINTS := constraints/test.txt
 
 .PHONY: demo test lint typecheck bench dashboard chaos services topology-tools docs clean
 
-$(STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "sa-fence needs Python >= 3.11; set PYTHON=python3.11")'
 	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e .
+	@touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP) pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test]'
 	@touch $(STAMP)
 
 services:
@@ -23,7 +33,7 @@ services:
 topology-tools:
 	@bash .ci/topology-tools
 
-demo: $(STAMP) services
+demo: $(DEMO_STAMP) services
 	$(VENV)/bin/sa-fence demo
 
 lint: $(STAMP)
@@ -33,8 +43,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# PYTEST_ARGS: e.g. -m "not slow" for the fast subset.
 test: lint typecheck services topology-tools
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The docs site (mkdocs-material) into site/; `make test` runs the same build
 # with --strict (tests/test_docs_site.py).
@@ -44,8 +55,8 @@ docs: $(STAMP)
 # The peers (python-redis-lock, pottery) and matplotlib come from the `bench` extra.
 BENCH_STAMP := $(VENV)/.sa-fence-bench-installed
 
-$(BENCH_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+$(BENCH_STAMP): $(STAMP) pyproject.toml $(CONSTRAINTS)
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,bench]'
 	@touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP) services
