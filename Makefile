@@ -13,7 +13,7 @@ DEMO_STAMP := $(VENV)/.sa-fence-demo-installed
 # The exact versions the tests ran with (the extras give ranges only).
 CONSTRAINTS := constraints/test.txt
 
-.PHONY: demo test lint typecheck bench dashboard chaos services topology-tools docs clean
+.PHONY: demo test lint typecheck bench dashboard chaos services topology-tools docs dist clean
 
 # Fast on purpose (`make demo` from a fresh clone in well under 15 s): the venv
 # is made without a pip of its own when $(PYTHON)'s pip can install into it
@@ -62,6 +62,13 @@ test: lint typecheck services topology-tools
 # with --strict (tests/test_docs_site.py).
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# The sdist and the wheel into dist/, checked as a package index would check
+# them (tests/test_packaging.py builds and checks the same in a temporary folder).
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(PY) -m twine check --strict dist/*
 
 # The peers (python-redis-lock, pottery) and matplotlib come from the `bench` extra.
 BENCH_STAMP := $(VENV)/.sa-fence-bench-installed
