@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -217,6 +218,11 @@ def test_a_recipe_page_runs_as_written_from_a_fresh_venv(
                 printed = []
                 for written in step.commands:
                     command = PAGE_PORT.sub(str(port), written)
+                    program = shlex.split(command)[0]
+                    assert shutil.which(program, path=env["PATH"]), (
+                        f"{name} runs {program!r}, which is not on PATH here: install it "
+                        f"(e.g. apt-get install {program})"
+                    )
                     if SERVERS.match(command):
                         servers.append(Background(command, folder, env))
                         servers[-1].wait_ready(port)
