@@ -1,7 +1,7 @@
 """sa-fence: fencing tokens for SQLAlchemy, so a worker whose Redis lease
 expired mid-work cannot overwrite the result of the worker that took over.
 
-Quick tour (the full, tested quickstart is in ``docs/index.md``)::
+Quick tour (the full, tested quickstart is in ``docs/quickstart.md``)::
 
     import redis, sqlalchemy as sa
     from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
@@ -27,6 +27,10 @@ Quick tour (the full, tested quickstart is in ``docs/index.md``)::
 """
 
 from typing import TYPE_CHECKING, Any
+
+#: The one place the version is written: the build (hatch) reads it from here
+#: into the package metadata, and ``sa-fence --version`` prints it.
+__version__ = "0.1.0.dev0"
 
 from ._create_guard import create_fence_guard, drop_fence_guard
 from ._decorators import SKIPPED, Skipped, current_lease, current_session, fenced, fenced_methods

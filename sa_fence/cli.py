@@ -18,7 +18,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from typing import Any
 
 DEMO_PG_ENV = "SA_FENCE_DEMO_PG"
@@ -112,10 +111,9 @@ def _redacted(url: str) -> str:
 
 
 def _version() -> str:
-    try:
-        return metadata.version("sa-fence")
-    except metadata.PackageNotFoundError:  # running from a source tree
-        return "unknown"
+    from . import __version__
+
+    return __version__
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -116,5 +116,6 @@ def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
             conn.execute(sa.text("TRUNCATE audit, cells, jobs"))
 
 
-# The asyncio tests' fixtures (AsyncEngine, redis.asyncio client, AsyncFencer).
-pytest_plugins = ("tests._async_fixtures",)
+# The asyncio tests' fixtures (AsyncEngine, redis.asyncio client, AsyncFencer);
+# the built wheel in fresh venvs (tests/test_packaging.py, tests/test_pages.py).
+pytest_plugins = ("tests._async_fixtures", "tests._fresh_venv")

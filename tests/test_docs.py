@@ -14,6 +14,7 @@ import pytest
 
 import sa_fence
 from tests._fresh_db import fresh_database
+from tests._fresh_venv import Venv
 from tests.conftest import REDIS_URL
 
 if TYPE_CHECKING:
@@ -48,25 +49,27 @@ def run_guide_block(
     key_prefix: str,
     tmp_path: Path,
     page: Path = QUICKSTART,
+    venv: Venv | None = None,
 ) -> list[str]:
     """Run the block as a script against the test run's servers; its stdout lines.
 
     In a database of its own: the quickstarts create their own ``jobs`` table,
-    sequence and register, as a reader's first run would.
+    sequence and register, as a reader's first run would.  With ``venv``, in
+    that venv from ``tmp_path`` (the installed wheel, no checkout on the path);
+    otherwise with this interpreter from the checkout.
     """
     script = tmp_path / "guide_block.py"
     script.write_text(guide_block(heading, page), encoding="utf-8")
     with fresh_database("docs") as engine:
-        env = {
-            **os.environ,
+        values = {
             "DATABASE_URL": engine.url.render_as_string(hide_password=False),
             "REDIS_URL": REDIS_URL,
             "SA_FENCE_KEY_PREFIX": key_prefix,
         }
         proc = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=ROOT,
-            env=env,
+            [str(venv.python) if venv else sys.executable, str(script)],
+            cwd=tmp_path if venv else ROOT,
+            env=venv.env(values) if venv else {**os.environ, **values},
             capture_output=True,
             text=True,
             timeout=60,
@@ -76,10 +79,9 @@ def run_guide_block(
     return proc.stdout.strip().splitlines()
 
 
-def test_the_quickstart_runs_and_refuses_the_stale_writer(
-    database_url: sa.URL, redis_client: redis.Redis, key_prefix: str, tmp_path: Path
+def assert_the_quickstart_output(
+    lines: list[str], redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    lines = run_guide_block("Quickstart", database_url, key_prefix, tmp_path)
     assert len(lines) >= 2, lines
     assert re.fullmatch(r"A \(token \d+\) refused: row \(1,\) has fence \d+", lines[-2]), lines
     assert lines[-1] == "job 1 result: written by B", lines
@@ -88,6 +90,13 @@ def test_the_quickstart_runs_and_refuses_the_stale_writer(
     assert stale < fence
     # its leases are gone from Redis: released, or expired (the stale one)
     assert list(redis_client.scan_iter(match=f"{key_prefix}*")) == []
+
+
+def test_the_quickstart_runs_and_refuses_the_stale_writer(
+    database_url: sa.URL, redis_client: redis.Redis, key_prefix: str, tmp_path: Path
+) -> None:
+    lines = run_guide_block("Quickstart", database_url, key_prefix, tmp_path)
+    assert_the_quickstart_output(lines, redis_client, key_prefix)
 
 
 def pages() -> list[Path]:
