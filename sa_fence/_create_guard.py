@@ -67,9 +67,12 @@ def _target(
 
 
 def _connection_of(bind: object, what: str) -> sa.Engine | sa.Connection:
-    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-
-    if isinstance(bind, AsyncEngine | AsyncConnection):
+    # An AsyncEngine or AsyncConnection proxies a sync one (``sync_engine`` /
+    # ``sync_connection``).  Told by that, not by importing sqlalchemy.ext.asyncio,
+    # which fails without greenlet, as in a plain ``pip install sa-fence``.
+    if not isinstance(bind, sa.Engine | sa.Connection) and (
+        hasattr(bind, "sync_engine") or hasattr(bind, "sync_connection")
+    ):
         raise TypeError(
             f"{what} is synchronous: with an AsyncEngine run it as "
             f"`async with engine.begin() as conn: await conn.run_sync(sa_fence.{what}, "
