@@ -132,3 +132,16 @@ def test_snippets_name_only_what_the_quickstart_defines() -> None:
         text = page.read_text(encoding="utf-8")
         assert "Job.status" not in text, page.name
         assert "quickstart_jobs" not in text, page.name
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
+def test_a_page_shows_its_code_and_it_is_the_recipe_the_suite_runs(page: Path) -> None:
+    """Readable on a repository browser (no include), and one text with docs/recipes/."""
+    text = page.read_text(encoding="utf-8")
+    assert "--8<--" not in text, f"{page.name}: show the code on the page, not only an include"
+    for name, body in re.findall(r'^```python title="([\w.]+)"\n(.*?)^```$', text, re.M | re.S):
+        recipe = DOCS / "recipes" / name
+        if recipe.exists():
+            assert body == recipe.read_text(encoding="utf-8"), (
+                f"the {name} block of docs/{page.name} differs from docs/recipes/{name}"
+            )
