@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -89,9 +91,9 @@ from sqlalchemy.sql.elements import BinaryExpression, BindParameter, BooleanClau
 
 from . import _telemetry
 from ._dialect import check_dialect
-from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check
+from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check, quote_ident
 from ._model import fence_column_of, is_fenced_class, orm_index
-from ._register import DATABASE_ID_SQL
+from ._register import DATABASE_ID_SQL, SCOPE_SCHEMA_SQL, SCOPE_TABLE, quote_literal
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -303,11 +305,17 @@ def _map_guard_error(context: Any) -> None:
     if state is None:
         return
     lease = state.lease
-    error = error_from_guard(
+    error: FenceError | None = error_from_guard(
         context.original_exception,
         lease.name if lease else None,
         lease.token if lease else None,
     )
+    if error is None and lease is not None:
+        # a COMMIT the client sent itself (text("COMMIT"), PREPARE TRANSACTION)
+        # refused by the scope trigger
+        error = lease_error_from_check(
+            context.original_exception, {(lease.name, lease.token): lease}
+        )
     if error is None:
         return
     if isinstance(error, UnfencedWriteError):
@@ -367,7 +375,11 @@ def _read_database_id(conn: Connection) -> tuple[Any, ...] | None:
 
 
 def _enter_scope(conn: Connection, lease: Lease) -> None:
-    """Make ``conn``'s transaction commit only while ``lease`` is its name's newest grant."""
+    """Make ``conn``'s transaction commit only while ``lease`` is its name's newest grant.
+
+    The transaction is *armed* (:func:`_arm`): PostgreSQL itself then checks
+    the register at COMMIT and PREPARE TRANSACTION, whatever sends them.
+    """
     scope = _scopes.get(conn)
     if scope is not None and (lease.name, lease.token) in scope:
         return
@@ -376,6 +388,198 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
     if scope is None:
         scope = _scopes[conn] = {}
     scope[(lease.name, lease.token)] = lease
+    _arm(conn, lease)
+
+
+# ------------------------------------------- arming: lease scope in PostgreSQL
+#
+# A transaction in lease scope holds one row (lease name, token) in the
+# UNLOGGED table sa_fence_scope; the deferred constraint trigger on it
+# (sa_fence._register) checks the register at COMMIT / PREPARE TRANSACTION
+# and deletes the row.  The row is written by the transaction's BEGIN message:
+# psycopg sends BEGIN as a message of its own before a transaction's first
+# statement (BaseConnection._start_query), and sa-fence replaces that step on
+# the connections it arms so that the message is ``BEGIN; INSERT INTO
+# <schema>.sa_fence_scope ...`` (one simple-protocol message, no round trip,
+# whatever the first statement is; in psycopg's pipeline mode, executemany,
+# the INSERT is queued behind BEGIN).  Every BEGIN psycopg sends while the
+# connection is in scope carries the arm, so a transaction begun after a
+# COMMIT the client sent itself (text("COMMIT"), the DBAPI's commit()) is
+# armed too.  When BEGIN has already been sent (a session joining an outer
+# transaction, a lease bound mid-transaction) or the driver is not psycopg 3,
+# the arm is its own statement: one round trip.
+
+#: Attribute on a psycopg connection: {scope table: [arm VALUES rows]} that
+#: every BEGIN sa-fence's _start_query sends carries, while in scope.
+_ARMS = "_sa_fence_arms"
+#: Attribute on a psycopg connection: sa-fence's _start_query is installed.
+_ARMED_START = "_start_query"
+
+#: (Engine, Register) -> the scope table's schema-qualified name there.
+_scope_tables: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyDictionary()
+
+
+def _scope_table(conn: Connection, lease: Lease) -> str:
+    """The scope table of ``lease``'s register, schema-qualified.
+
+    A register named without a schema lives in the first schema of the
+    search path that has one (as unqualified names resolve); that schema is
+    looked up once per engine, never in ``pg_temp``, so a ``TEMP TABLE
+    sa_fence_scope`` cannot swallow the arm.
+    """
+    register = lease.fencer._tokens.register
+    if register.schema is not None:
+        return str(register.scope_sql)
+    tables = _scope_tables.setdefault(conn.engine, {})
+    table = tables.get(register)
+    if table is None:
+        row = _run(conn, SCOPE_SCHEMA_SQL, fetch=True)
+        if row is None or row[0] is None:
+            raise FencingConfigError(
+                f"the lease scope table {SCOPE_TABLE} (and its commit trigger) is missing in "
+                "this database, so PostgreSQL could not hold this transaction to its lease "
+                "at COMMIT. Create it with op.create_fence_register() in a migration (or "
+                "sa_fence.fence_sequence(metadata) and metadata.create_all()); `sa-fence "
+                "check` lists what else is missing."
+            )
+        table = tables[register] = f"{row[0]}.{quote_ident(SCOPE_TABLE)}"
+    return table
+
+
+def _run(conn: Connection, sql: str, *, fetch: bool = False) -> Any:
+    """Send ``sql`` on ``conn``'s DBAPI connection (no events); the first row if ``fetch``.
+
+    An interruption (KeyboardInterrupt, cancellation, a signal handler's
+    exception) while it is under way leaves the connection's state unknown:
+    it is invalidated, never handed back to the pool.
+    """
+    dbapi_conn: Any = conn.connection.dbapi_connection
+    cursor = dbapi_conn.cursor()
+    try:
+        cursor.execute(sql)
+        return cursor.fetchone() if fetch else None
+    except conn.dialect.loaded_dbapi.Error:
+        raise
+    except BaseException:
+        _invalidate(conn)
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            cursor.close()
+
+
+def _invalidate(conn: Connection) -> None:
+    with contextlib.suppress(Exception):
+        conn.invalidate()
+
+
+def _arm(conn: Connection, lease: Lease) -> None:
+    """Arm ``conn``'s transaction (now or in its BEGIN) for ``lease``."""
+    table = _scope_table(conn, lease)
+    row = f"({quote_literal(lease.name)}, {int(lease.token)})"
+    driver: Any = conn.connection.driver_connection
+    if _is_psycopg(driver):
+        # every later BEGIN on this connection carries it, while in scope
+        arms = driver.__dict__.setdefault(_ARMS, {})
+        arms.setdefault(table, []).append(row)
+        if _ARMED_START not in driver.__dict__:
+            driver._start_query = types.MethodType(_start_query_armed, driver)
+        if _not_begun(driver):
+            return  # it travels in this transaction's BEGIN
+    _run(conn, f"INSERT INTO {table} (name, token) VALUES {row}")
+
+
+def _is_psycopg(driver: Any) -> bool:
+    return _PSYCOPG_BEGIN_HOOK and hasattr(driver, "_get_tx_start_command")
+
+
+def _not_begun(driver: Any) -> bool:
+    """Whether psycopg has not sent this transaction's BEGIN yet."""
+    from psycopg.pq import TransactionStatus
+
+    return bool(driver.info.transaction_status == TransactionStatus.IDLE)
+
+
+def _disarm(conn: Connection) -> None:
+    """The transaction ended: later BEGINs on this connection carry no arm."""
+    with contextlib.suppress(Exception):
+        fairy = conn.connection
+        driver: Any = fairy.driver_connection
+        if driver is not None:
+            driver.__dict__.pop(_ARMS, None)
+
+
+def _psycopg_begin_hook() -> bool:
+    """Whether psycopg has the internals :func:`_start_query_armed` replaces.
+
+    ``BaseConnection._start_query`` (sends BEGIN before a transaction's first
+    statement), ``_get_tx_start_command`` and ``_exec_command``; the test
+    suite pins them (tests/test_scope_trigger.py).  Without them every arm
+    is its own statement (one round trip).
+    """
+    try:
+        from psycopg._connection_base import BaseConnection
+    except ImportError:
+        return False
+    return all(
+        callable(getattr(BaseConnection, name, None))
+        for name in ("_start_query", "_get_tx_start_command", "_exec_command")
+    )
+
+
+_PSYCOPG_BEGIN_HOOK = _psycopg_begin_hook()
+
+
+def _start_query_armed(self: Any) -> Any:
+    """psycopg's ``_start_query`` with the arm in the BEGIN message (a generator).
+
+    Installed on one psycopg connection; psycopg runs it before every
+    statement and it sends something only when psycopg would send BEGIN.
+    """
+    from psycopg import errors, generators
+    from psycopg.pq import ExecStatus, TransactionStatus
+
+    arms = self.__dict__.get(_ARMS)
+    if not arms or self._autocommit:
+        return (yield from type(self)._start_query(self))
+    inserts = [
+        f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}".encode()
+        for table, rows in arms.items()
+    ]
+    if self.pgconn.transaction_status != TransactionStatus.IDLE:
+        return None  # in a transaction: armed when it began (or explicitly)
+    begin = self._get_tx_start_command()
+    if self._pipeline:
+        yield from self._exec_command(begin)
+        for insert in inserts:
+            yield from self._exec_command(insert)
+        yield from self._pipeline._sync_gen()
+        return None
+    self.pgconn.send_query(b"; ".join([begin, *inserts]))
+    results = yield from generators.execute(self.pgconn)
+    for result in results:
+        if result.status == ExecStatus.FATAL_ERROR:
+            raise errors.error_from_result(result, encoding=self.pgconn._encoding)
+    return None
+
+
+_CHAIN = re.compile(r"\b(COMMIT|END|ROLLBACK|ABORT)\b[^;]*\bAND\s+CHAIN\b", re.IGNORECASE)
+
+
+def _refuse_chain(sql: str) -> None:
+    """Refuse ``COMMIT AND CHAIN`` (and ROLLBACK/END/ABORT ... AND CHAIN) in lease scope.
+
+    PostgreSQL begins the chained transaction itself, so no BEGIN carries
+    the arm: that transaction would commit without the register check.
+    """
+    if "chain" in sql.lower() and _CHAIN.search(sql):
+        raise FencingConfigError(
+            "this statement ends the transaction AND CHAIN: PostgreSQL would begin the "
+            "next transaction itself, outside lease scope, so a stale holder's later "
+            "writes could commit unchecked. Send a plain COMMIT (or call "
+            "session.commit() / connection.commit()); the next statement begins a new "
+            "transaction in lease scope. Nothing was sent."
+        )
 
 
 def _scope_on_begin(conn: Connection) -> None:
@@ -392,48 +596,58 @@ def _scope_on_begin(conn: Connection) -> None:
 
 def _drop_scope(conn: Connection) -> None:
     _scopes.pop(conn, None)
+    _disarm(conn)
 
 
 def _check_scope_and_commit(conn: Connection) -> None:
-    """Commit ``conn``'s transaction only if every lease in its scope is still the newest.
+    """Commit ``conn``'s transaction, mapping a refusal of lease scope to StaleTokenError.
 
-    The register checks and ``COMMIT`` travel in one simple-protocol message
-    (``SELECT check(...); COMMIT``), so lease scope costs no extra round trip,
-    and the share lock each check takes is held by the server until the
-    ``COMMIT`` behind it ends: no client pause fits between them.  When a
-    check fails, PostgreSQL skips the rest of the message, so nothing is
-    committed; the DBAPI's own commit that SQLAlchemy sends next finds no
-    transaction and does nothing.
+    The check itself runs inside PostgreSQL, at COMMIT (the scope trigger):
+    sa-fence sends ``COMMIT`` here only to turn a refusal into a
+    :class:`StaleTokenError` and to end the transaction cleanly.  When the
+    trigger refuses, nothing is committed; the DBAPI's own commit that
+    SQLAlchemy sends next finds no transaction and does nothing.  Any other
+    interruption (KeyboardInterrupt, asyncio cancellation, a signal handler's
+    exception) invalidates the connection before SQLAlchemy can return it to
+    its pool (DESIGN.md, I10).
     """
     scope = _scopes.pop(conn, None)
+    _disarm(conn)
     if not scope:
         return
-    sql = "; ".join(
-        lease.fencer._tokens.register.check_call(name, token)
-        for (name, token), lease in scope.items()
-    )
-    sql += "; COMMIT"
     dbapi_conn = conn.connection.dbapi_connection
     assert dbapi_conn is not None
     dialect = conn.dialect
-    cursor = dbapi_conn.cursor()
     with _telemetry.CommitCheck(scope):  # latency, span; a stale refusal is counted
+        cursor = dbapi_conn.cursor()
         try:
-            cursor.execute(sql)
+            cursor.execute(COMMIT_SQL)
         except dialect.loaded_dbapi.Error as exc:
-            # End the transaction as a failed COMMIT would have: PostgreSQL skipped
-            # the COMMIT, and SQLAlchemy will not roll back a transaction whose
-            # commit failed before handing the connection back to its pool.
-            with contextlib.suppress(Exception):
+            # End the transaction as a failed COMMIT would have; SQLAlchemy
+            # will not roll back a transaction whose commit failed before
+            # handing the connection back to its pool.
+            try:
                 dbapi_conn.rollback()
+            except BaseException:
+                _invalidate(conn)
+                raise
             stale = lease_error_from_check(exc, scope)
             if stale is not None:
                 raise stale from None
             raise DBAPIError.instance(
-                sql, None, exc, dialect.loaded_dbapi.Error, dialect=dialect
+                COMMIT_SQL, None, exc, dialect.loaded_dbapi.Error, dialect=dialect
             ) from exc
+        except BaseException:
+            _invalidate(conn)
+            raise
         finally:
-            cursor.close()
+            with contextlib.suppress(Exception):
+                cursor.close()
+
+
+#: What _check_scope_and_commit sends (a test seam: the interruption tests
+#: make it wait in the server).
+COMMIT_SQL = "COMMIT"
 
 
 def _view_of(engine: Engine) -> Engine:
@@ -564,6 +778,8 @@ def _before_execute(
         _enter_scope(conn, lease)
     if not isinstance(elem, Update | Delete | Insert):
         if isinstance(elem, TextClause):
+            if lease is not None:
+                _refuse_chain(elem.text)
             state.present_for_raw_sql(conn)
         return elem, multiparams, params
     if lease is not None:

@@ -28,6 +28,7 @@ from ._register import (
     REGISTER_SEQUENCE_SQL,
     Register,
     register_table,
+    scope_trigger_problem,
     shape_problems,
     split_name,
 )
@@ -173,7 +174,7 @@ def setup_problem(conn: Connection, sequence: str) -> str | None:
             f"the commit check function {register.function_sql}(text, bigint) is missing, "
             f"so no bound session could commit. {fix}"
         )
-    return None
+    return scope_trigger_problem(conn, register)
 
 
 def behind_pooler(conn: Connection) -> bool:

@@ -78,7 +78,11 @@ def schema_state(engine: sa.Engine) -> dict[str, Any]:
         return {
             "tables": sorted(
                 conn.execute(
-                    sa.text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+                    # the scope table comes and goes with the check function
+                    sa.text(
+                        "SELECT tablename FROM pg_tables WHERE schemaname = 'public' "
+                        "AND tablename <> 'sa_fence_scope'"
+                    )
                 ).scalars()
             ),
             "fence_columns": sorted(
@@ -103,8 +107,15 @@ def schema_state(engine: sa.Engine) -> dict[str, Any]:
                     "WHERE seqrelid = to_regclass('sa_fence_token_seq')"
                 )
             ).scalar(),
+            # the commit check function, and the scope table's trigger that
+            # PostgreSQL runs at COMMIT
             "check_function": conn.execute(
-                sa.text("SELECT to_regprocedure('sa_fence_check_lease(text, bigint)') IS NOT NULL")
+                sa.text(
+                    "SELECT to_regprocedure('sa_fence_check_lease(text, bigint)') IS NOT NULL "
+                    "AND EXISTS (SELECT 1 FROM pg_trigger "
+                    "WHERE tgname = 'sa_fence_scope_check' "
+                    "AND tgrelid = to_regclass('public.sa_fence_scope'))"
+                )
             ).scalar_one(),
         }
 
@@ -118,6 +129,8 @@ def legacy_schema(engine: sa.Engine) -> None:
         conn.execute(sa.text("ALTER TABLE jobs DROP COLUMN fence"))
         conn.execute(sa.text("DROP TABLE cells"))
         conn.execute(sa.text("DROP FUNCTION sa_fence_check_lease(text, bigint)"))
+        conn.execute(sa.text("DROP TABLE sa_fence_scope"))
+        conn.execute(sa.text("DROP FUNCTION sa_fence_scope_check()"))
         conn.execute(sa.text("DROP TABLE sa_fence_leases"))
         conn.execute(sa.text("DROP SEQUENCE sa_fence_token_seq"))
 
