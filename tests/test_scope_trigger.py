@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -438,76 +440,35 @@ def test_prepare_transaction_is_checked_and_commit_prepared_commits_only_the_cur
 # ------------------------------------------- interrupted commits (item 6, I10)
 
 
-class SoftTimeLimit(Exception):
-    """What Celery's soft time limit raises from its signal handler."""
+def _interrupt_commit(engine: sa.Engine, key_prefix: str, kind: str, *extra: str) -> str:
+    """Run tests/_interrupt_commit.py: a signal handler raises ``kind`` mid-COMMIT."""
+    url = engine.url.render_as_string(hide_password=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests._interrupt_commit", url, key_prefix, kind, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
 
 
-@pytest.fixture
-def one_connection(scope_engine: sa.Engine) -> Iterator[sa.Engine]:
-    engine = sa.create_engine(scope_engine.url, pool_size=1, max_overflow=0, pool_timeout=5)
-    yield engine
-    engine.dispose()
-
-
-def _interrupt_commit(
-    engine: sa.Engine,
-    fencer: sa_fence.Fencer,
-    monkeypatch: pytest.MonkeyPatch,
-    raise_: type[BaseException],
-) -> None:
-    """A bound session's commit interrupted by a signal handler mid-COMMIT."""
-    monkeypatch.setattr(_flush, "COMMIT_SQL", "SELECT pg_sleep(3); COMMIT")
-
-    def handler(signum: int, frame: Any) -> None:
-        raise raise_("interrupted")
-
-    previous = signal.signal(signal.SIGALRM, handler)
-    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 30)
-    session = a.bind(sa_fence.install(sessionmaker(engine))())
-    try:
-        session.add(Outbox(id=1, message="interrupted"))
-        session.flush()
-        signal.setitimer(signal.ITIMER_REAL, 0.3)
-        with pytest.raises(raise_):
-            session.commit()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        monkeypatch.setattr(_flush, "COMMIT_SQL", "COMMIT")
-        with contextlib.suppress(Exception):
-            session.close()
-        a.release()
-
-
-def _next_session_works(engine: sa.Engine) -> None:
-    with Session(engine) as other:
-        assert other.execute(sa.text("SELECT 1")).scalar_one() == 1
-        other.commit()
-
-
-@pytest.mark.parametrize("raise_", [KeyboardInterrupt, SoftTimeLimit])
+@pytest.mark.parametrize("kind", ["KeyboardInterrupt", "SoftTimeLimit"])
 def test_an_interrupted_commit_never_hands_the_pool_a_broken_connection(
-    raise_: type[BaseException],
-    one_connection: sa.Engine,
-    fencer: sa_fence.Fencer,
-    scope_engine: sa.Engine,
-    monkeypatch: pytest.MonkeyPatch,
+    kind: str, scope_engine: sa.Engine, key_prefix: str
 ) -> None:
-    _interrupt_commit(one_connection, fencer, monkeypatch, raise_)
-    _next_session_works(one_connection)
+    assert _interrupt_commit(scope_engine, key_prefix, kind) == "next session ok"
     assert outbox(scope_engine) == []  # the COMMIT never ran (pg_sleep was under way)
 
 
 def test_without_the_invalidation_an_interrupted_commit_poisons_the_pool(
-    one_connection: sa.Engine,
-    fencer: sa_fence.Fencer,
-    monkeypatch: pytest.MonkeyPatch,
+    scope_engine: sa.Engine, key_prefix: str
 ) -> None:
     """Guard-removal pair: the next, unrelated session gets the broken connection."""
-    monkeypatch.setattr(_flush, "_invalidate", lambda conn: None)
-    _interrupt_commit(one_connection, fencer, monkeypatch, SoftTimeLimit)
-    with pytest.raises((sa.exc.SQLAlchemyError, psycopg.Error)):  # the poisoned pool
-        _next_session_works(one_connection)
+    result = _interrupt_commit(scope_engine, key_prefix, "SoftTimeLimit", "--no-invalidate")
+    assert result.startswith("next session failed")
 
 
 # --------------------------------------------------------------- asyncio
