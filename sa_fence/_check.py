@@ -356,6 +356,7 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
             "register": register.table_sql,
             "sequence": register.sequence_sql,
             "function": register.function_sql,
+            "scope": register.scope_sql,
         },
     ).one()
     role = conn.execute(sa.text("SELECT current_user")).scalar_one()
@@ -371,6 +372,19 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
                     f"{right} on {register.table_display}",
                     "every grant",
                     f"GRANT {right} ON {register.table_sql} TO {_ident(role)};",
+                )
+            )
+    for allowed, right in (
+        (rights.can_arm, "INSERT"),
+        (rights.can_read_scope, "SELECT"),
+        (rights.can_disarm, "DELETE"),
+    ):
+        if allowed is False:
+            lacking.append(
+                (
+                    f"{right} on {register.scope_sql}",
+                    "every transaction of a bound session",
+                    f"GRANT {right} ON {register.scope_sql} TO {_ident(role)};",
                 )
             )
     if rights.can_draw is False:

@@ -419,7 +419,9 @@ CHECK_FUNCTION_SQL = text(
     "SELECT to_regprocedure(:function || '(text, bigint)') IS NOT NULL AS present"
 )
 
-#: The rights the current role needs on the register (SELECT, INSERT, UPDATE).
+#: The rights the current role needs on the register (SELECT, INSERT, UPDATE)
+#: and on the scope table (INSERT: the arm; SELECT, DELETE: the trigger's
+#: clean-up, which runs as the committing role).
 REGISTER_RIGHTS_SQL = text(
     """
     SELECT has_table_privilege(to_regclass(:register), 'SELECT') AS can_select,
@@ -427,7 +429,10 @@ REGISTER_RIGHTS_SQL = text(
            has_table_privilege(to_regclass(:register), 'UPDATE') AS can_update,
            has_sequence_privilege(to_regclass(:sequence), 'USAGE') AS can_draw,
            has_function_privilege(to_regprocedure(:function || '(text, bigint)'), 'EXECUTE')
-               AS can_check
+               AS can_check,
+           has_table_privilege(to_regclass(:scope), 'INSERT') AS can_arm,
+           has_table_privilege(to_regclass(:scope), 'SELECT') AS can_read_scope,
+           has_table_privilege(to_regclass(:scope), 'DELETE') AS can_disarm
     """
 )
 

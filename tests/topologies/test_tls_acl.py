@@ -258,6 +258,7 @@ ROLE_SQL = [
     "GRANT USAGE ON SCHEMA public TO {role};",
     "GRANT USAGE, SELECT ON SEQUENCE sa_fence_token_seq TO {role};",
     "GRANT SELECT, INSERT, UPDATE ON sa_fence_leases TO {role};",
+    "GRANT SELECT, INSERT, DELETE ON sa_fence_scope TO {role};",
     "REVOKE EXECUTE ON FUNCTION sa_fence_check_lease(text, bigint) FROM PUBLIC;",
     "GRANT EXECUTE ON FUNCTION sa_fence_check_lease(text, bigint) TO {role};",
     "GRANT SELECT, INSERT, UPDATE, DELETE ON jobs, audit TO {role};",
