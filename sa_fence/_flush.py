@@ -2,13 +2,16 @@
 
 Two lines of defence, neither costing an extra round trip:
 
-**Lease scope (at COMMIT).**  Every transaction of a bound session (or of a
-connection inside :func:`fence_connection`) commits only while the lease
-register still holds its lease's token (:mod:`sa_fence._register`): the
-``commit`` connection event sends ``SELECT sa_fence_check_lease(...);
-COMMIT`` as one message, so a stale holder's transaction commits nothing,
-whatever tables and statements it wrote.  Writes to another database are
-outside it, and so is a session with no lease bound.
+**Lease scope (at COMMIT, in PostgreSQL).**  Every transaction of a bound
+session (or of a connection inside :func:`fence_connection`) commits only
+while the lease register still holds its lease's token
+(:mod:`sa_fence._register`): the transaction is armed by its BEGIN message
+(one row in ``sa_fence_scope``, see :func:`_arm`), and a deferred constraint
+trigger checks the register at COMMIT and PREPARE TRANSACTION, whatever
+sends them, so a stale holder's transaction commits nothing, whatever tables
+and statements it wrote.  The ``commit`` connection event sends the COMMIT
+itself only to turn a refusal into :class:`StaleTokenError`.  Writes to
+another database are outside it, and so is a session with no lease bound.
 
 **The row fence (at the flush).**
 
@@ -475,9 +478,11 @@ def _invalidate(conn: Connection) -> None:
 
 def _arm(conn: Connection, lease: Lease) -> None:
     """Arm ``conn``'s transaction (now or in its BEGIN) for ``lease``."""
+    driver: Any = conn.connection.driver_connection
+    if getattr(driver, "read_only", None):
+        raise _read_only_error()
     table = _scope_table(conn, lease)
     row = f"({quote_literal(lease.name)}, {int(lease.token)})"
-    driver: Any = conn.connection.driver_connection
     if _is_psycopg(driver):
         # every later BEGIN on this connection carries it, while in scope
         arms = driver.__dict__.setdefault(_ARMS, {})
@@ -487,6 +492,16 @@ def _arm(conn: Connection, lease: Lease) -> None:
         if _not_begun(driver):
             return  # it travels in this transaction's BEGIN
     _run(conn, f"INSERT INTO {table} (name, token) VALUES {row}")
+
+
+def _read_only_error() -> FencingConfigError:
+    return FencingConfigError(
+        "this transaction is READ ONLY (postgresql_readonly / psycopg read_only), so it "
+        "cannot write the row that holds it to its lease at COMMIT, and a read-only "
+        "transaction can still send NOTIFY. Run a bound session's transactions "
+        "read-write, or do read-only work in a session with no lease bound. Nothing "
+        "was sent."
+    )
 
 
 def _is_psycopg(driver: Any) -> bool:
@@ -548,6 +563,8 @@ def _start_query_armed(self: Any) -> Any:
     ]
     if self.pgconn.transaction_status != TransactionStatus.IDLE:
         return None  # in a transaction: armed when it began (or explicitly)
+    if self.read_only:
+        raise _read_only_error()
     begin = self._get_tx_start_command()
     if self._pipeline:
         yield from self._exec_command(begin)

@@ -32,12 +32,29 @@ its token could be confirmed in Redis, the token was never used; the register
 goes back to the token before it (compare-and-set on our token), so a live
 holder granted in between is not fenced out.
 
-**Commit check** (:func:`check_function_sql`): ``<schema>.sa_fence_check_lease
-(name, token)``, sent in the same message as ``COMMIT``: in a transaction that
-wrote anything (it has an xid) it takes a share lock on the register row and
-raises SQLSTATE :data:`LEASE_STALE_SQLSTATE` unless the row still holds the
-token.  The lock is held until the ``COMMIT`` right behind it ends, so a
-newer grant happens either before the check (refused) or after the commit.
+**Lease scope, held by PostgreSQL** (:func:`check_function_sql`)::
+
+    sa_fence_scope (UNLOGGED)
+      xact   bigint NOT NULL   the writing transaction's 64-bit id (indexed)
+      name   text NOT NULL     the lease name
+      token  bigint NOT NULL   the lease's token
+    CONSTRAINT TRIGGER sa_fence_scope_check AFTER INSERT
+      DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
+
+A transaction in lease scope inserts one row (the *arm*, sent by sa-fence in
+the transaction's BEGIN message).  At COMMIT or PREPARE TRANSACTION,
+whoever sends it, the trigger takes a share lock on the register row of the
+name, raises SQLSTATE :data:`LEASE_STALE_SQLSTATE` unless the row still holds
+the token, and deletes the transaction's scope rows.  The lock is held until
+the transaction ends, so a newer grant happens either before the check
+(refused) or after the commit.  UNLOGGED: no WAL for the arm, and a table
+that a crash empties loses only rows of transactions that died with it; a
+permanent table needs no per-connection set-up, so it works behind a
+transaction pooler.  ``<schema>.sa_fence_check_lease(name, token)`` runs the
+same check for raw writers that send it with their COMMIT.  Both functions
+name everything schema-qualified and pin ``search_path = pg_catalog,
+pg_temp``, so nothing on a caller's search path (a ``TEMP TABLE
+sa_fence_leases``) can stand in for the register.
 """
 
 from __future__ import annotations

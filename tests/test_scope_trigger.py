@@ -265,6 +265,18 @@ def test_a_stale_notify_is_not_delivered_and_the_current_holders_is(
     b.release()
 
 
+def test_a_read_only_transaction_of_a_bound_session_is_refused_before_anything_is_sent(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """A READ ONLY transaction could not take the arm (and may still NOTIFY)."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        with pytest.raises(sa_fence.FencingConfigError, match=r"READ ONLY.*Nothing was sent"):
+            session.connection(execution_options={"postgresql_readonly": True})
+    a.release()
+
+
 # ---------------------------------------------- the guards, and their pairs
 
 
