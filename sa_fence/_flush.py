@@ -417,6 +417,10 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
 _ARMS = "_sa_fence_arms"
 #: Attribute on a psycopg connection: sa-fence's _start_query is installed.
 _ARMED_START = "_start_query"
+#: Attribute on a psycopg connection: weakref to the SQLAlchemy Connection
+#: whose lease scope the arms belong to (they are dropped once it is gone or
+#: out of scope, so they never outlive it, e.g. into another pool user).
+_ARMS_OWNER = "_sa_fence_arms_owner"
 
 #: (Engine, Register) -> the scope table's schema-qualified name there.
 _scope_tables: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyDictionary()
@@ -485,6 +489,10 @@ def _arm(conn: Connection, lease: Lease) -> None:
     row = f"({quote_literal(lease.name)}, {int(lease.token)})"
     if _is_psycopg(driver):
         # every later BEGIN on this connection carries it, while in scope
+        owner = driver.__dict__.get(_ARMS_OWNER)
+        if owner is None or owner() is not conn:
+            driver.__dict__[_ARMS] = {}
+            driver.__dict__[_ARMS_OWNER] = weakref.ref(conn)
         arms = driver.__dict__.setdefault(_ARMS, {})
         arms.setdefault(table, []).append(row)
         if _ARMED_START not in driver.__dict__:
@@ -555,6 +563,12 @@ def _start_query_armed(self: Any) -> Any:
     from psycopg.pq import ExecStatus, TransactionStatus
 
     arms = self.__dict__.get(_ARMS)
+    if arms:
+        owner = self.__dict__.get(_ARMS_OWNER)
+        conn = owner() if owner is not None else None
+        if conn is None or conn not in _scopes:  # its lease scope has ended
+            self.__dict__.pop(_ARMS, None)
+            arms = None
     if not arms or self._autocommit:
         return (yield from type(self)._start_query(self))
     inserts = [

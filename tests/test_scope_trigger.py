@@ -144,6 +144,29 @@ def test_the_current_holder_commits_through_every_path_and_its_next_transaction_
     b.release()
 
 
+def test_the_arm_never_reaches_the_next_user_of_a_pooled_connection(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    engine = sa.create_engine(scope_engine.url, pool_size=1, max_overflow=0)
+    try:
+        a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        with sa_fence.install(sessionmaker(engine))() as session:
+            a.bind(session)
+            session.execute(sa.text("SELECT 1"))
+            session.execute(sa.text("COMMIT"))  # SQLAlchemy does not know it ended
+        with engine.connect() as conn:  # the same DBAPI connection, unfenced
+            armed = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM sa_fence_scope "
+                    "WHERE xact = pg_current_xact_id()::text::bigint"
+                )
+            ).scalar_one()
+            assert armed == 0
+        a.release()
+    finally:
+        engine.dispose()
+
+
 def test_commit_and_chain_is_refused_before_anything_is_sent(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
 ) -> None:
@@ -159,6 +182,29 @@ def test_commit_and_chain_is_refused_before_anything_is_sent(
     session.close()
     assert outbox(scope_engine) == []
     a.release()
+
+
+def test_without_the_chain_refusal_a_chained_transaction_commits_a_stale_holders_rows(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guard-removal pair: the chained transaction carries no arm."""
+    monkeypatch.setattr(_flush, "_refuse_chain", lambda sql: None)
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        session.add(Outbox(id=1, message="current"))
+        session.flush()
+        session.execute(sa.text("COMMIT AND CHAIN"))
+        assert expire(a)
+        b = fencer.acquire(a.name, 5)
+        session.add(Outbox(id=2, message="stale"))
+        session.flush()
+        session.execute(sa.text("COMMIT"))
+    assert outbox(scope_engine) == ["current", "stale"]  # the outcome the refusal prevents
+    b.release()
 
 
 def test_a_joined_external_transaction_is_armed_by_its_own_statement_and_refused_when_stale(
@@ -489,6 +535,7 @@ def test_without_the_invalidation_an_interrupted_commit_poisons_the_pool(
 ASYNC_PATHS = [
     "AsyncSession.commit",
     'text("COMMIT")',
+    'text("END")',
     'exec_driver_sql("COMMIT")',
     "DBAPI commit()",
 ]
@@ -497,8 +544,8 @@ ASYNC_PATHS = [
 async def _async_commit(session: AsyncSession, path: str) -> None:
     if path == "AsyncSession.commit":
         await session.commit()
-    elif path == 'text("COMMIT")':
-        await session.execute(sa.text("COMMIT"))
+    elif path.startswith("text("):
+        await session.execute(sa.text(path[6:-2]))
     elif path == 'exec_driver_sql("COMMIT")':
         await (await session.connection()).exec_driver_sql("COMMIT")
     else:
@@ -577,6 +624,38 @@ async def test_async_a_cancelled_commit_never_hands_the_pool_a_broken_connection
             await other.commit()
         assert outbox(scope_engine) == []
         await a.release()
+    finally:
+        await client.aclose()
+        await aengine.dispose()
+
+
+async def test_async_a_joined_outer_transaction_is_checked_when_it_commits(
+    scope_engine: sa.Engine, key_prefix: str
+) -> None:
+    import redis.asyncio as aioredis
+
+    from tests.conftest import REDIS_URL
+
+    aengine = create_async_engine(scope_engine.url.set(drivername="postgresql+psycopg_async"))
+    client = aioredis.Redis.from_url(REDIS_URL)
+    fencer = sa_fence.AsyncFencer(client, aengine, key_prefix=key_prefix)
+    make = sa_fence.install(async_sessionmaker(aengine, expire_on_commit=False))
+    try:
+        a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        assert await client.eval("return redis.call('del', KEYS[1])", 1, a.key)
+        b = await fencer.acquire(a.name, 5)
+        async with aengine.connect() as conn:
+            outer = await conn.begin()
+            await conn.execute(sa.text("SELECT 1"))  # BEGIN already sent, unarmed
+            session = make(bind=conn, join_transaction_mode="create_savepoint")
+            a.bind(session)
+            session.add(Outbox(id=1, message="stale"))
+            await session.commit()  # the savepoint only
+            with pytest.raises(sa_fence.StaleTokenError):
+                await outer.commit()
+            await session.close()
+        assert outbox(scope_engine) == []
+        await b.release()
     finally:
         await client.aclose()
         await aengine.dispose()
