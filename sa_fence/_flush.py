@@ -640,7 +640,7 @@ def _check_scope_and_commit(conn: Connection) -> None:
     SQLAlchemy sends next finds no transaction and does nothing.  Any other
     interruption (KeyboardInterrupt, asyncio cancellation, a signal handler's
     exception) invalidates the connection before SQLAlchemy can return it to
-    its pool (DESIGN.md, I10).
+    its pool (invariant I10).
     """
     scope = _scopes.pop(conn, None)
     _disarm(conn)
@@ -659,7 +659,9 @@ def _check_scope_and_commit(conn: Connection) -> None:
             # handing the connection back to its pool.
             try:
                 dbapi_conn.rollback()
-            except BaseException:
+            except Exception:  # the connection broke: never hand it back
+                _invalidate(conn)
+            except BaseException:  # interrupted while rolling back
                 _invalidate(conn)
                 raise
             stale = lease_error_from_check(exc, scope)
