@@ -382,7 +382,7 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
         if allowed is False:
             lacking.append(
                 (
-                    f"{right} on {register.scope_sql}",
+                    f"{right} on {register.scope_display}",
                     "every transaction of a bound session",
                     f"GRANT {right} ON {register.scope_sql} TO {_ident(role)};",
                 )

@@ -659,8 +659,8 @@ def _check_scope_and_commit(conn: Connection) -> None:
             # handing the connection back to its pool.
             try:
                 dbapi_conn.rollback()
-            except Exception:  # the connection broke: never hand it back
-                _invalidate(conn)
+            except Exception:  # a lost connection: SQLAlchemy sees the
+                pass  # disconnect in the error raised below and invalidates it
             except BaseException:  # interrupted while rolling back
                 _invalidate(conn)
                 raise

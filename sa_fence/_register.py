@@ -137,6 +137,10 @@ class Register:
     def scope_sql(self) -> str:
         return qualified(SCOPE_TABLE, self.schema)
 
+    @cached_property
+    def scope_display(self) -> str:
+        return f"{self.schema}.{SCOPE_TABLE}" if self.schema else SCOPE_TABLE
+
     def grant_sql(self) -> str:
         """The draw-and-register statement (psycopg pyformat: ``%(name)s``)."""
         return self._grant_sql
