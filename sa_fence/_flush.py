@@ -385,6 +385,8 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
     """
     scope = _scopes.get(conn)
     if scope is not None and (lease.name, lease.token) in scope:
+        if not _PSYCOPG_BEGIN_HOOK:
+            _rearm_if_ended(conn, scope)
         return
     if not _same_database(conn, lease):
         return  # another database: outside lease scope (documented)
@@ -500,6 +502,26 @@ def _arm(conn: Connection, lease: Lease) -> None:
         if _not_begun(driver):
             return  # it travels in this transaction's BEGIN
     _run(conn, f"INSERT INTO {table} (name, token) VALUES {row}")
+
+
+def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> None:
+    """Without the BEGIN hook: re-arm a transaction the client ended itself.
+
+    After a COMMIT sent as SQL, the next statement begins a new transaction
+    that no BEGIN of sa-fence's carries the arm in; the driver says the
+    connection is idle, so the arm is sent first (one round trip).  Only
+    statements that pass SQLAlchemy's statement hook get here.
+    """
+    driver: Any = conn.connection.driver_connection
+    info = getattr(driver, "info", None)
+    if info is None or getattr(driver, "autocommit", False):
+        return
+    from psycopg.pq import TransactionStatus
+
+    if info.transaction_status == TransactionStatus.IDLE:
+        for lease in scope.values():
+            row = f"({quote_literal(lease.name)}, {int(lease.token)})"
+            _run(conn, f"INSERT INTO {_scope_table(conn, lease)} (name, token) VALUES {row}")
 
 
 def _read_only_error() -> FencingConfigError:

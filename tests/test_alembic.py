@@ -390,6 +390,38 @@ def test_autogenerate_recreates_a_missing_check_function_and_its_downgrade_keeps
     assert schema_state(db)["check_function"] is True
 
 
+@pytest.mark.parametrize(
+    "drop",
+    [
+        "DROP TABLE sa_fence_scope",
+        "DROP TRIGGER sa_fence_scope_check ON sa_fence_scope",
+    ],
+)
+def test_autogenerate_recreates_a_missing_scope_trigger_and_keeps_the_register(
+    db: sa.Engine, project: Path, drop: str
+) -> None:
+    """A database migrated before PostgreSQL held lease scope at COMMIT (or one
+    whose scope trigger was dropped): autogenerate writes the idempotent op."""
+    Base.metadata.create_all(db)
+    with db.begin() as conn:
+        for table in ("jobs", "cells"):
+            for statement in _guard.create_guard_sql(table):
+                conn.execute(sa.text(statement))
+        conn.execute(sa.text("INSERT INTO sa_fence_leases (name) VALUES ('job:1')"))
+        conn.execute(sa.text(drop))
+    assert schema_state(db)["check_function"] is False
+    rows = register_rows(db)
+    script = run(db, project, command.revision, message="scope trigger", autogenerate=True)
+    text = Path(script.path).read_text(encoding="utf-8")
+    assert "op.create_fence_register()" in body(text, "upgrade")
+    assert "drop_fence_register" not in body(text, "downgrade")
+    assert "sa_fence_scope" not in text  # no create_table / drop_table of its own
+    run(db, project, command.upgrade, "head")
+    assert schema_state(db)["check_function"] is True
+    run(db, project, command.check)
+    assert register_rows(db) == rows
+
+
 def test_autogenerate_never_drops_a_register_the_metadata_does_not_declare(
     db: sa.Engine, project: Path
 ) -> None:
