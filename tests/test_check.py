@@ -308,6 +308,20 @@ def test_check_names_a_missing_commit_check_function(
     )
 
 
+def test_check_names_a_disabled_scope_trigger_with_the_fix(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Disabled, PostgreSQL would not check a COMMIT the client sends itself."""
+    execute(migrated, "ALTER TABLE sa_fence_scope DISABLE TRIGGER sa_fence_scope_check")
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert status == 1
+    assert "the lease scope trigger sa_fence_scope_check on public.sa_fence_scope is disabled" in out
+    assert "ALTER TABLE public.sa_fence_scope ENABLE TRIGGER sa_fence_scope_check;" in out
+    execute(migrated, "ALTER TABLE sa_fence_scope ENABLE TRIGGER sa_fence_scope_check")
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert status == 0, out
+
+
 @pytest.fixture
 def worker_role(migrated: sa.Engine) -> Iterator[str]:
     """A login role with no rights of its own (dropped afterwards)."""
