@@ -315,7 +315,9 @@ def test_check_names_a_disabled_scope_trigger_with_the_fix(
     execute(migrated, "ALTER TABLE sa_fence_scope DISABLE TRIGGER sa_fence_scope_check")
     status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
     assert status == 1
-    assert "the lease scope trigger sa_fence_scope_check on public.sa_fence_scope is disabled" in out
+    assert (
+        "the lease scope trigger sa_fence_scope_check on public.sa_fence_scope is disabled" in out
+    )
     assert "ALTER TABLE public.sa_fence_scope ENABLE TRIGGER sa_fence_scope_check;" in out
     execute(migrated, "ALTER TABLE sa_fence_scope ENABLE TRIGGER sa_fence_scope_check")
     status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
