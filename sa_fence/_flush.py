@@ -1412,9 +1412,10 @@ def _refuse_unscoped(session: Session, conn: Connection) -> None:
     """Refuse what would commit a bound session's writes without the register check."""
     if session.twophase:
         raise FencingConfigError(
-            "this session uses two-phase commit (twophase=True): its PREPARE TRANSACTION "
-            "and COMMIT PREPARED could not carry the lease register check, so a stale "
-            "holder's writes could commit. Use a plain session for fenced work."
+            "this session uses two-phase commit (twophase=True), which sa-fence does not "
+            "fence: the driver begins such a transaction itself (tpc_begin), outside the "
+            "BEGIN that holds a transaction to its lease. Use a plain session for fenced "
+            "work; a PREPARE TRANSACTION sent as SQL from it is checked by PostgreSQL."
         )
     _refuse_autocommit(conn)
 
