@@ -319,6 +319,8 @@ def _map_guard_error(context: Any) -> None:
         error = lease_error_from_check(
             context.original_exception, {(lease.name, lease.token): lease}
         )
+    if error is None and lease is not None:
+        error = _scope_rights_error(context.original_exception)
     if error is None:
         return
     if isinstance(error, UnfencedWriteError):
@@ -326,6 +328,18 @@ def _map_guard_error(context: Any) -> None:
     elif isinstance(error, StaleTokenError):
         _telemetry.stale_refused(lease, _telemetry.GUARD, error)
     raise state.fail(error) from context.original_exception
+
+
+def _scope_rights_error(orig: BaseException) -> FencingConfigError | None:
+    """The role may not arm its transaction (or the trigger may not clean up): a set-up mistake."""
+    if getattr(orig, "sqlstate", None) != "42501" or SCOPE_TABLE not in str(orig):
+        return None
+    return FencingConfigError(
+        f"this role may not write the lease scope table {SCOPE_TABLE} ({orig}), so its "
+        "transactions cannot be held to their lease at COMMIT. Grant it: GRANT SELECT, "
+        f"INSERT, DELETE ON {SCOPE_TABLE} TO <your workers' role>; (`sa-fence check`, run "
+        "as that role, prints the exact GRANT)."
+    )
 
 
 # ------------------------------------------------- lease scope (at COMMIT)
@@ -467,7 +481,10 @@ def _run(conn: Connection, sql: str, *, fetch: bool = False) -> Any:
     try:
         cursor.execute(sql)
         return cursor.fetchone() if fetch else None
-    except conn.dialect.loaded_dbapi.Error:
+    except conn.dialect.loaded_dbapi.Error as exc:
+        rights = _scope_rights_error(exc)
+        if rights is not None:
+            raise rights from exc
         raise
     except BaseException:
         _invalidate(conn)
