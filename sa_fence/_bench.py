@@ -49,7 +49,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 from ._flush import install
 from ._lease import Fencer, Lease
 from ._model import Fenced
-from ._register import CHECK_FUNCTION, DEFAULT_GRANT_LOCK_TIMEOUT_MS, Register
+from ._register import DEFAULT_GRANT_LOCK_TIMEOUT_MS, SCOPE_TABLE, Register
 from ._telemetry import redact_url
 from ._tokens import fence_sequence
 from .errors import LeaseBackendError, StaleTokenError
@@ -447,9 +447,10 @@ class FlushBench:
                 "past its lease, so the fenced timings would not include the register check"
             )
         return (
-            f"lease scope: on: every fenced COMMIT is sent as `SELECT {CHECK_FUNCTION}(<name>, "
-            "<token>); COMMIT` (checked: a commit after the register moved past the lease "
-            "was refused)"
+            "lease scope: on: every fenced transaction is armed in its BEGIN message "
+            f"(`BEGIN; INSERT INTO {SCOPE_TABLE} ...`) and PostgreSQL's deferred trigger checks "
+            "the register at COMMIT (checked: a commit after the register moved past the "
+            "lease was refused)"
         )
 
     def session(self, variant: str) -> Session:

@@ -373,6 +373,7 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
             "register": register.table_sql,
             "sequence": register.sequence_sql,
             "function": register.function_sql,
+            "scope": register.scope_sql,
         },
     ).one()
     role = conn.execute(sa.text("SELECT current_user")).scalar_one()
@@ -388,6 +389,19 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
                     f"{right} on {shown.table_display}",
                     "every grant",
                     f"GRANT {right} ON {shown.table_sql} TO {_ident(role)};",
+                )
+            )
+    for allowed, right in (
+        (rights.can_arm, "INSERT"),
+        (rights.can_read_scope, "SELECT"),
+        (rights.can_disarm, "DELETE"),
+    ):
+        if allowed is False:
+            lacking.append(
+                (
+                    f"{right} on {register.scope_display}",
+                    "every transaction of a bound session",
+                    f"GRANT {right} ON {register.scope_sql} TO {_ident(role)};",
                 )
             )
     if rights.can_draw is False:

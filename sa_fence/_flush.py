@@ -2,13 +2,16 @@
 
 Two lines of defence, neither costing an extra round trip:
 
-**Lease scope (at COMMIT).**  Every transaction of a bound session (or of a
-connection inside :func:`fence_connection`) commits only while the lease
-register still holds its lease's token (:mod:`sa_fence._register`): the
-``commit`` connection event sends ``SELECT sa_fence_check_lease(...);
-COMMIT`` as one message, so a stale holder's transaction commits nothing,
-whatever tables and statements it wrote.  Writes to another database are
-outside it, and so is a session with no lease bound.
+**Lease scope (at COMMIT, in PostgreSQL).**  Every transaction of a bound
+session (or of a connection inside :func:`fence_connection`) commits only
+while the lease register still holds its lease's token
+(:mod:`sa_fence._register`): the transaction is armed by its BEGIN message
+(one row in ``sa_fence_scope``, see :func:`_arm`), and a deferred constraint
+trigger checks the register at COMMIT and PREPARE TRANSACTION, whatever
+sends them, so a stale holder's transaction commits nothing, whatever tables
+and statements it wrote.  The ``commit`` connection event sends the COMMIT
+itself only to turn a refusal into :class:`StaleTokenError`.  Writes to
+another database are outside it, and so is a session with no lease bound.
 
 **The row fence (at the flush).**
 
@@ -49,6 +52,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -108,7 +113,7 @@ from ._model import (
     missing_fence_column,
     orm_index,
 )
-from ._register import DATABASE_ID_SQL
+from ._register import DATABASE_ID_SQL, SCOPE_SCHEMA_SQL, SCOPE_TABLE, quote_literal
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -326,11 +331,19 @@ def _map_guard_error(context: Any) -> None:
         return
     _refuse_missing_fence_column(context)
     lease = state.lease
-    error = error_from_guard(
+    error: FenceError | None = error_from_guard(
         context.original_exception,
         lease.name if lease else None,
         lease.token if lease else None,
     )
+    if error is None and lease is not None:
+        # a COMMIT the client sent itself (text("COMMIT"), PREPARE TRANSACTION)
+        # refused by the scope trigger
+        error = lease_error_from_check(
+            context.original_exception, {(lease.name, lease.token): lease}
+        )
+    if error is None and lease is not None:
+        error = _scope_rights_error(context.original_exception)
     if error is None:
         return
     if isinstance(error, UnfencedWriteError):
@@ -362,6 +375,18 @@ def _refuse_missing_fence_column(context: Any) -> None:
         "such table. Nothing was written.",
         cause=context.original_exception,
     ) from context.original_exception
+
+
+def _scope_rights_error(orig: BaseException) -> FencingConfigError | None:
+    """The role may not arm its transaction (or the trigger may not clean up): a set-up mistake."""
+    if getattr(orig, "sqlstate", None) != "42501" or SCOPE_TABLE not in str(orig):
+        return None
+    return FencingConfigError(
+        f"this role may not write the lease scope table {SCOPE_TABLE} ({orig}), so its "
+        "transactions cannot be held to their lease at COMMIT. Grant it: GRANT SELECT, "
+        f"INSERT, DELETE ON {SCOPE_TABLE} TO <your workers' role>; (`sa-fence check`, run "
+        "as that role, prints the exact GRANT)."
+    )
 
 
 # ------------------------------------------------- lease scope (at COMMIT)
@@ -414,15 +439,264 @@ def _read_database_id(conn: Connection) -> tuple[Any, ...] | None:
 
 
 def _enter_scope(conn: Connection, lease: Lease) -> None:
-    """Make ``conn``'s transaction commit only while ``lease`` is its name's newest grant."""
+    """Make ``conn``'s transaction commit only while ``lease`` is its name's newest grant.
+
+    The transaction is *armed* (:func:`_arm`): PostgreSQL itself then checks
+    the register at COMMIT and PREPARE TRANSACTION, whatever sends them.
+    """
     scope = _scopes.get(conn)
     if scope is not None and (lease.name, lease.token) in scope:
+        if not _PSYCOPG_BEGIN_HOOK:
+            _rearm_if_ended(conn, scope)
         return
     if not _same_database(conn, lease):
         return  # another database: outside lease scope (documented)
     if scope is None:
         scope = _scopes[conn] = {}
     scope[(lease.name, lease.token)] = lease
+    _arm(conn, lease)
+
+
+# ------------------------------------------- arming: lease scope in PostgreSQL
+#
+# A transaction in lease scope holds one row (lease name, token) in the
+# UNLOGGED table sa_fence_scope; the deferred constraint trigger on it
+# (sa_fence._register) checks the register at COMMIT / PREPARE TRANSACTION
+# and deletes the row.  The row is written by the transaction's BEGIN message:
+# psycopg sends BEGIN as a message of its own before a transaction's first
+# statement (BaseConnection._start_query), and sa-fence replaces that step on
+# the connections it arms so that the message is ``BEGIN; INSERT INTO
+# <schema>.sa_fence_scope ...`` (one simple-protocol message, no round trip,
+# whatever the first statement is; in psycopg's pipeline mode, executemany,
+# the INSERT is queued behind BEGIN).  Every BEGIN psycopg sends while the
+# connection is in scope carries the arm, so a transaction begun after a
+# COMMIT the client sent itself (text("COMMIT"), the DBAPI's commit()) is
+# armed too.  When BEGIN has already been sent (a session joining an outer
+# transaction, a lease bound mid-transaction) or the driver is not psycopg 3,
+# the arm is its own statement: one round trip.
+
+#: Attribute on a psycopg connection: {scope table: [arm VALUES rows]} that
+#: every BEGIN sa-fence's _start_query sends carries, while in scope.
+_ARMS = "_sa_fence_arms"
+#: Attribute on a psycopg connection: sa-fence's _start_query is installed.
+_ARMED_START = "_start_query"
+#: Attribute on a psycopg connection: weakref to the SQLAlchemy Connection
+#: whose lease scope the arms belong to (they are dropped once it is gone or
+#: out of scope, so they never outlive it, e.g. into another pool user).
+_ARMS_OWNER = "_sa_fence_arms_owner"
+
+#: (Engine, Register) -> the scope table's schema-qualified name there.
+_scope_tables: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyDictionary()
+
+
+def _scope_table(conn: Connection, lease: Lease) -> str:
+    """The scope table of ``lease``'s register, schema-qualified.
+
+    A register named without a schema lives in the first schema of the
+    search path that has one (as unqualified names resolve); that schema is
+    looked up once per engine, never in ``pg_temp``, so a ``TEMP TABLE
+    sa_fence_scope`` cannot swallow the arm.
+    """
+    register = lease.fencer._tokens.register
+    if register.schema is not None:
+        return str(register.scope_sql)
+    tables = _scope_tables.setdefault(conn.engine, {})
+    table = tables.get(register)
+    if table is None:
+        row = _run(conn, SCOPE_SCHEMA_SQL, fetch=True)
+        if row is None or row[0] is None:
+            raise FencingConfigError(
+                f"the lease scope table {SCOPE_TABLE} (and its commit trigger) is missing in "
+                "this database, so PostgreSQL could not hold this transaction to its lease "
+                "at COMMIT. Create it with op.create_fence_register() in a migration (or "
+                "sa_fence.fence_sequence(metadata) and metadata.create_all()); `sa-fence "
+                "check` lists what else is missing."
+            )
+        table = tables[register] = f"{row[0]}.{quote_ident(SCOPE_TABLE)}"
+    return table
+
+
+def _run(conn: Connection, sql: str, *, fetch: bool = False) -> Any:
+    """Send ``sql`` on ``conn``'s DBAPI connection (no events); the first row if ``fetch``.
+
+    An interruption (KeyboardInterrupt, cancellation, a signal handler's
+    exception) while it is under way leaves the connection's state unknown:
+    it is invalidated, never handed back to the pool.
+    """
+    dbapi_conn: Any = conn.connection.dbapi_connection
+    cursor = dbapi_conn.cursor()
+    try:
+        cursor.execute(sql)
+        return cursor.fetchone() if fetch else None
+    except conn.dialect.loaded_dbapi.Error as exc:
+        rights = _scope_rights_error(exc)
+        if rights is not None:
+            raise rights from exc
+        raise
+    except BaseException:
+        _invalidate(conn)
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            cursor.close()
+
+
+def _invalidate(conn: Connection) -> None:
+    with contextlib.suppress(Exception):
+        conn.invalidate()
+
+
+def _arm(conn: Connection, lease: Lease) -> None:
+    """Arm ``conn``'s transaction (now or in its BEGIN) for ``lease``."""
+    driver: Any = conn.connection.driver_connection
+    if getattr(driver, "read_only", None):
+        raise _read_only_error()
+    table = _scope_table(conn, lease)
+    row = f"({quote_literal(lease.name)}, {int(lease.token)})"
+    if _is_psycopg(driver):
+        # every later BEGIN on this connection carries it, while in scope
+        owner = driver.__dict__.get(_ARMS_OWNER)
+        if owner is None or owner() is not conn:
+            driver.__dict__[_ARMS] = {}
+            driver.__dict__[_ARMS_OWNER] = weakref.ref(conn)
+        arms = driver.__dict__.setdefault(_ARMS, {})
+        arms.setdefault(table, []).append(row)
+        if _ARMED_START not in driver.__dict__:
+            driver._start_query = types.MethodType(_start_query_armed, driver)
+        if _not_begun(driver):
+            return  # it travels in this transaction's BEGIN
+    _run(conn, f"INSERT INTO {table} (name, token) VALUES {row}")
+
+
+def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> None:
+    """Without the BEGIN hook: re-arm a transaction the client ended itself.
+
+    After a COMMIT sent as SQL, the next statement begins a new transaction
+    that no BEGIN of sa-fence's carries the arm in; the driver says the
+    connection is idle, so the arm is sent first (one round trip).  Only
+    statements that pass SQLAlchemy's statement hook get here.
+    """
+    driver: Any = conn.connection.driver_connection
+    info = getattr(driver, "info", None)
+    if info is None or getattr(driver, "autocommit", False):
+        return
+    from psycopg.pq import TransactionStatus
+
+    if info.transaction_status == TransactionStatus.IDLE:
+        for lease in scope.values():
+            row = f"({quote_literal(lease.name)}, {int(lease.token)})"
+            _run(conn, f"INSERT INTO {_scope_table(conn, lease)} (name, token) VALUES {row}")
+
+
+def _read_only_error() -> FencingConfigError:
+    return FencingConfigError(
+        "this transaction is READ ONLY (postgresql_readonly / psycopg read_only), so it "
+        "cannot write the row that holds it to its lease at COMMIT, and a read-only "
+        "transaction can still send NOTIFY. Run a bound session's transactions "
+        "read-write, or do read-only work in a session with no lease bound. Nothing "
+        "was sent."
+    )
+
+
+def _is_psycopg(driver: Any) -> bool:
+    return _PSYCOPG_BEGIN_HOOK and hasattr(driver, "_get_tx_start_command")
+
+
+def _not_begun(driver: Any) -> bool:
+    """Whether psycopg has not sent this transaction's BEGIN yet."""
+    from psycopg.pq import TransactionStatus
+
+    return bool(driver.info.transaction_status == TransactionStatus.IDLE)
+
+
+def _disarm(conn: Connection) -> None:
+    """The transaction ended: later BEGINs on this connection carry no arm."""
+    with contextlib.suppress(Exception):
+        fairy = conn.connection
+        driver: Any = fairy.driver_connection
+        if driver is not None:
+            driver.__dict__.pop(_ARMS, None)
+
+
+def _psycopg_begin_hook() -> bool:
+    """Whether psycopg has the internals :func:`_start_query_armed` replaces.
+
+    ``BaseConnection._start_query`` (sends BEGIN before a transaction's first
+    statement), ``_get_tx_start_command`` and ``_exec_command``; the test
+    suite pins them (tests/test_scope_trigger.py).  Without them every arm
+    is its own statement (one round trip).
+    """
+    try:
+        from psycopg._connection_base import BaseConnection
+    except ImportError:
+        return False
+    return all(
+        callable(getattr(BaseConnection, name, None))
+        for name in ("_start_query", "_get_tx_start_command", "_exec_command")
+    )
+
+
+_PSYCOPG_BEGIN_HOOK = _psycopg_begin_hook()
+
+
+def _start_query_armed(self: Any) -> Any:
+    """psycopg's ``_start_query`` with the arm in the BEGIN message (a generator).
+
+    Installed on one psycopg connection; psycopg runs it before every
+    statement and it sends something only when psycopg would send BEGIN.
+    """
+    from psycopg import errors, generators
+    from psycopg.pq import ExecStatus, TransactionStatus
+
+    arms = self.__dict__.get(_ARMS)
+    if arms:
+        owner = self.__dict__.get(_ARMS_OWNER)
+        conn = owner() if owner is not None else None
+        if conn is None or conn not in _scopes:  # its lease scope has ended
+            self.__dict__.pop(_ARMS, None)
+            arms = None
+    if not arms or self._autocommit:
+        return (yield from type(self)._start_query(self))
+    inserts = [
+        f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}".encode()
+        for table, rows in arms.items()
+    ]
+    if self.pgconn.transaction_status != TransactionStatus.IDLE:
+        return None  # in a transaction: armed when it began (or explicitly)
+    if self.read_only:
+        raise _read_only_error()
+    begin = self._get_tx_start_command()
+    if self._pipeline:
+        yield from self._exec_command(begin)
+        for insert in inserts:
+            yield from self._exec_command(insert)
+        yield from self._pipeline._sync_gen()
+        return None
+    self.pgconn.send_query(b"; ".join([begin, *inserts]))
+    results = yield from generators.execute(self.pgconn)
+    for result in results:
+        if result.status == ExecStatus.FATAL_ERROR:
+            raise errors.error_from_result(result, encoding=self.pgconn._encoding)
+    return None
+
+
+_CHAIN = re.compile(r"\b(COMMIT|END|ROLLBACK|ABORT)\b[^;]*\bAND\s+CHAIN\b", re.IGNORECASE)
+
+
+def _refuse_chain(sql: str) -> None:
+    """Refuse ``COMMIT AND CHAIN`` (and ROLLBACK/END/ABORT ... AND CHAIN) in lease scope.
+
+    PostgreSQL begins the chained transaction itself, so no BEGIN carries
+    the arm: that transaction would commit without the register check.
+    """
+    if "chain" in sql.lower() and _CHAIN.search(sql):
+        raise FencingConfigError(
+            "this statement ends the transaction AND CHAIN: PostgreSQL would begin the "
+            "next transaction itself, outside lease scope, so a stale holder's later "
+            "writes could commit unchecked. Send a plain COMMIT (or call "
+            "session.commit() / connection.commit()); the next statement begins a new "
+            "transaction in lease scope. Nothing was sent."
+        )
 
 
 def _scope_on_begin(conn: Connection) -> None:
@@ -439,48 +713,60 @@ def _scope_on_begin(conn: Connection) -> None:
 
 def _drop_scope(conn: Connection) -> None:
     _scopes.pop(conn, None)
+    _disarm(conn)
 
 
 def _check_scope_and_commit(conn: Connection) -> None:
-    """Commit ``conn``'s transaction only if every lease in its scope is still the newest.
+    """Commit ``conn``'s transaction, mapping a refusal of lease scope to StaleTokenError.
 
-    The register checks and ``COMMIT`` travel in one simple-protocol message
-    (``SELECT check(...); COMMIT``), so lease scope costs no extra round trip,
-    and the share lock each check takes is held by the server until the
-    ``COMMIT`` behind it ends: no client pause fits between them.  When a
-    check fails, PostgreSQL skips the rest of the message, so nothing is
-    committed; the DBAPI's own commit that SQLAlchemy sends next finds no
-    transaction and does nothing.
+    The check itself runs inside PostgreSQL, at COMMIT (the scope trigger):
+    sa-fence sends ``COMMIT`` here only to turn a refusal into a
+    :class:`StaleTokenError` and to end the transaction cleanly.  When the
+    trigger refuses, nothing is committed; the DBAPI's own commit that
+    SQLAlchemy sends next finds no transaction and does nothing.  Any other
+    interruption (KeyboardInterrupt, asyncio cancellation, a signal handler's
+    exception) invalidates the connection before SQLAlchemy can return it to
+    its pool (invariant I10).
     """
     scope = _scopes.pop(conn, None)
+    _disarm(conn)
     if not scope:
         return
-    sql = "; ".join(
-        lease.fencer._tokens.register.check_call(name, token)
-        for (name, token), lease in scope.items()
-    )
-    sql += "; COMMIT"
     dbapi_conn = conn.connection.dbapi_connection
     assert dbapi_conn is not None
     dialect = conn.dialect
-    cursor = dbapi_conn.cursor()
     with _telemetry.CommitCheck(scope):  # latency, span; a stale refusal is counted
+        cursor = dbapi_conn.cursor()
         try:
-            cursor.execute(sql)
+            cursor.execute(COMMIT_SQL)
         except dialect.loaded_dbapi.Error as exc:
-            # End the transaction as a failed COMMIT would have: PostgreSQL skipped
-            # the COMMIT, and SQLAlchemy will not roll back a transaction whose
-            # commit failed before handing the connection back to its pool.
-            with contextlib.suppress(Exception):
+            # End the transaction as a failed COMMIT would have; SQLAlchemy
+            # will not roll back a transaction whose commit failed before
+            # handing the connection back to its pool.
+            try:
                 dbapi_conn.rollback()
+            except Exception:  # a lost connection: SQLAlchemy sees the
+                pass  # disconnect in the error raised below and invalidates it
+            except BaseException:  # interrupted while rolling back
+                _invalidate(conn)
+                raise
             stale = lease_error_from_check(exc, scope)
             if stale is not None:
                 raise stale from None
             raise DBAPIError.instance(
-                sql, None, exc, dialect.loaded_dbapi.Error, dialect=dialect
+                COMMIT_SQL, None, exc, dialect.loaded_dbapi.Error, dialect=dialect
             ) from exc
+        except BaseException:
+            _invalidate(conn)
+            raise
         finally:
-            cursor.close()
+            with contextlib.suppress(Exception):
+                cursor.close()
+
+
+#: What _check_scope_and_commit sends (a test seam: the interruption tests
+#: make it wait in the server).
+COMMIT_SQL = "COMMIT"
 
 
 def _view_of(engine: Engine) -> Engine:
@@ -704,6 +990,8 @@ def _before_execute(
         _enter_scope(conn, lease)
     if not isinstance(elem, Update | Delete | Insert):
         if isinstance(elem, TextClause):
+            if lease is not None:
+                _refuse_chain(elem.text)
             state.present_for_raw_sql(conn)
         return elem, multiparams, params
     if lease is not None:
@@ -1414,9 +1702,10 @@ def _refuse_unscoped(session: Session, conn: Connection) -> None:
     """Refuse what would commit a bound session's writes without the register check."""
     if session.twophase:
         raise FencingConfigError(
-            "this session uses two-phase commit (twophase=True): its PREPARE TRANSACTION "
-            "and COMMIT PREPARED could not carry the lease register check, so a stale "
-            "holder's writes could commit. Use a plain session for fenced work."
+            "this session uses two-phase commit (twophase=True), which sa-fence does not "
+            "fence: the driver begins such a transaction itself (tpc_begin), outside the "
+            "BEGIN that holds a transaction to its lease. Use a plain session for fenced "
+            "work; a PREPARE TRANSACTION sent as SQL from it is checked by PostgreSQL."
         )
     _refuse_autocommit(conn)
 

@@ -32,12 +32,29 @@ its token could be confirmed in Redis, the token was never used; the register
 goes back to the token before it (compare-and-set on our token), so a live
 holder granted in between is not fenced out.
 
-**Commit check** (:func:`check_function_sql`): ``<schema>.sa_fence_check_lease
-(name, token)``, sent in the same message as ``COMMIT``: in a transaction that
-wrote anything (it has an xid) it takes a share lock on the register row and
-raises SQLSTATE :data:`LEASE_STALE_SQLSTATE` unless the row still holds the
-token.  The lock is held until the ``COMMIT`` right behind it ends, so a
-newer grant happens either before the check (refused) or after the commit.
+**Lease scope, held by PostgreSQL** (:func:`check_function_sql`)::
+
+    sa_fence_scope (UNLOGGED)
+      xact   bigint NOT NULL   the writing transaction's 64-bit id (indexed)
+      name   text NOT NULL     the lease name
+      token  bigint NOT NULL   the lease's token
+    CONSTRAINT TRIGGER sa_fence_scope_check AFTER INSERT
+      DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
+
+A transaction in lease scope inserts one row (the *arm*, sent by sa-fence in
+the transaction's BEGIN message).  At COMMIT or PREPARE TRANSACTION,
+whoever sends it, the trigger takes a share lock on the register row of the
+name, raises SQLSTATE :data:`LEASE_STALE_SQLSTATE` unless the row still holds
+the token, and deletes the transaction's scope rows.  The lock is held until
+the transaction ends, so a newer grant happens either before the check
+(refused) or after the commit.  UNLOGGED: no WAL for the arm, and a table
+that a crash empties loses only rows of transactions that died with it; a
+permanent table needs no per-connection set-up, so it works behind a
+transaction pooler.  ``<schema>.sa_fence_check_lease(name, token)`` runs the
+same check for raw writers that send it with their COMMIT.  Both functions
+name everything schema-qualified and pin ``search_path = pg_catalog,
+pg_temp``, so nothing on a caller's search path (a ``TEMP TABLE
+sa_fence_leases``) can stand in for the register.
 """
 
 from __future__ import annotations
@@ -121,6 +138,14 @@ class Register:
         if self.schema is not None or schema is None:
             return self
         return Register(f"{schema}.{split_name(self.sequence)[1]}")
+
+    @cached_property
+    def scope_sql(self) -> str:
+        return qualified(SCOPE_TABLE, self.schema)
+
+    @cached_property
+    def scope_display(self) -> str:
+        return f"{self.schema}.{SCOPE_TABLE}" if self.schema else SCOPE_TABLE
 
     def grant_sql(self) -> str:
         """The draw-and-register statement (psycopg pyformat: ``%(name)s``)."""
@@ -244,47 +269,144 @@ SELECT (SELECT g.token FROM granted g) AS token,
   FROM drawn"""
 
 
-_CHECK_FUNCTION_SQL = """\
-CREATE OR REPLACE FUNCTION {function}(lease_name text, lease_token bigint)
-RETURNS void LANGUAGE plpgsql AS $sa_fence$
--- sa-fence commit check (lease-scoped fencing).  Sent in one message with
--- COMMIT by a session bound to a lease: a transaction that wrote anything
--- commits only while the register still holds its lease's token.  The share
--- lock taken here holds a newer grant back until that COMMIT ends.
+#: The scope table's name (same schema): one row per lease a transaction
+#: entered scope for, written by the transaction's BEGIN message (the arm).
+SCOPE_TABLE = "sa_fence_scope"
+#: The deferred constraint trigger on it, and its function (same schema).
+SCOPE_TRIGGER = "sa_fence_scope_check"
+SCOPE_FUNCTION = "sa_fence_scope_check"
+#: Where the DDL below names sa-fence's schema; replaced inside PostgreSQL by
+#: the schema itself (quoted), so no name is ever found through search_path.
+_S = "@sa_fence_schema@"
+
+# The register check, shared by the commit check function and the scope
+# trigger.  `lease_name` / `lease_token` are the lease's; everything it
+# names is schema-qualified and the functions pin search_path.
+_CHECK_BODY = """\
+    SELECT r.token, r.granted_at INTO newest, granted
+      FROM @sa_fence_schema@.sa_fence_leases r WHERE r.name = lease_name FOR SHARE;
+    IF newest IS DISTINCT FROM lease_token THEN
+        RAISE EXCEPTION 'sa-fence: lease % (token %) is stale: the register holds token %',
+            pg_catalog.quote_literal(lease_name), lease_token,
+            coalesce(newest::text, 'none')
+            USING ERRCODE = '{sqlstate}',
+                  DETAIL = pg_catalog.jsonb_build_object(
+                      'name', lease_name, 'token', lease_token, 'newest', newest,
+                      'granted_at', granted)::text,
+                  HINT = 'A newer lease of this name was granted; nothing of this '
+                         'transaction was committed.  Roll back and re-read.';
+    END IF;"""
+
+_CHECK_FUNCTION = """\
+CREATE OR REPLACE FUNCTION @sa_fence_schema@.sa_fence_check_lease(
+    lease_name text, lease_token bigint)
+RETURNS void LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp AS $sa_fence$
+-- sa-fence commit check (lease-scoped fencing), for raw writers: call it
+-- before COMMIT, in the same message.  A transaction commits only while the
+-- register still holds its lease's token; the share lock taken here holds a
+-- newer grant back until that COMMIT ends.  (Sessions bound through sa-fence
+-- are checked by the scope trigger at COMMIT, whatever sends it.)
 -- Generated by sa_fence; recreate it with op.create_fence_register().
 DECLARE
     newest bigint;
     granted timestamptz;
 BEGIN
-    IF pg_catalog.pg_current_xact_id_if_assigned() IS NULL THEN
-        RETURN;  -- the transaction wrote nothing: nothing to commit
-    END IF;
-    SELECT r.token, r.granted_at INTO newest, granted
-      FROM {register} r WHERE r.name = lease_name FOR SHARE;
-    IF newest IS DISTINCT FROM lease_token THEN
-        RAISE EXCEPTION 'sa-fence: lease % (token %) is stale: the register holds token %',
-            quote_literal(lease_name), lease_token, coalesce(newest::text, 'none')
-            USING ERRCODE = '{sqlstate}',
-                  DETAIL = jsonb_build_object(
-                      'name', lease_name, 'token', lease_token, 'newest', newest,
-                      'granted_at', granted)::text,
-                  HINT = 'A newer lease of this name was granted; nothing of this '
-                         'transaction was committed.  Roll back and re-read.';
-    END IF;
+{body}
 END
 $sa_fence$"""
 
+_SCOPE_FUNCTION = """\
+CREATE OR REPLACE FUNCTION @sa_fence_schema@.sa_fence_scope_check()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp AS $sa_fence$
+-- sa-fence lease scope, run by PostgreSQL at COMMIT and PREPARE TRANSACTION
+-- (a deferred constraint trigger): a transaction that entered lease scope
+-- (a row in sa_fence_scope) commits only while the register still holds its
+-- lease's token, whichever call or statement sent the COMMIT.
+-- Generated by sa_fence; recreate it with op.create_fence_register().
+DECLARE
+    lease_name text := NEW.name;
+    lease_token bigint := NEW.token;
+    newest bigint;
+    granted timestamptz;
+BEGIN
+{body}
+    DELETE FROM @sa_fence_schema@.sa_fence_scope
+     WHERE xact = pg_catalog.pg_current_xact_id()::text::bigint;
+    RETURN NULL;
+END
+$sa_fence$"""
+
+_SCOPE_TABLE = """\
+CREATE UNLOGGED TABLE IF NOT EXISTS @sa_fence_schema@.sa_fence_scope (
+    xact bigint NOT NULL DEFAULT pg_catalog.pg_current_xact_id()::text::bigint,
+    name text NOT NULL,
+    token bigint NOT NULL
+)"""
+
+_SCOPE_INDEX = (
+    "CREATE INDEX IF NOT EXISTS sa_fence_scope_xact ON @sa_fence_schema@.sa_fence_scope (xact)"
+)
+
+_SCOPE_TRIGGER = """\
+CREATE CONSTRAINT TRIGGER sa_fence_scope_check
+AFTER INSERT ON @sa_fence_schema@.sa_fence_scope
+DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
+EXECUTE FUNCTION @sa_fence_schema@.sa_fence_scope_check()"""
+
+
+def _in_schema(register: Register, statements: list[str], *, trigger: str) -> str:
+    """One ``DO`` block running ``statements`` in the register's schema.
+
+    The schema is the register's, or (unqualified) the schema its table was
+    created in, ``current_schema()``, resolved once inside PostgreSQL and
+    written into every statement quoted: the functions it creates name
+    their objects schema-qualified (a ``TEMP TABLE sa_fence_leases`` or
+    another schema on the caller's search_path cannot stand in).  Works in
+    Alembic's offline (``--sql``) mode too: it is one plain statement.
+    """
+    schema = quote_literal(register.schema) if register.schema else "NULL"
+    run = "\n".join(
+        f"    EXECUTE pg_catalog.replace($sa_fence_ddl${sql}$sa_fence_ddl$, "
+        f"'{_S}', pg_catalog.quote_ident(s));"
+        for sql in statements
+    )
+    return (
+        "DO $sa_fence_do$\n"
+        f"DECLARE s text := coalesce({schema}, pg_catalog.current_schema());\n"
+        "BEGIN\n"
+        f"{run}\n"
+        "    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger\n"
+        "                    WHERE tgrelid = pg_catalog.to_regclass(\n"
+        f"                          pg_catalog.quote_ident(s) || '.{SCOPE_TABLE}')\n"
+        f"                      AND tgname = '{SCOPE_TRIGGER}') THEN\n"
+        f"        EXECUTE pg_catalog.replace($sa_fence_ddl${trigger}$sa_fence_ddl$, "
+        f"'{_S}', pg_catalog.quote_ident(s));\n"
+        "    END IF;\n"
+        "END\n"
+        "$sa_fence_do$"
+    )
+
 
 def check_function_sql(register: Register) -> str:
-    return _CHECK_FUNCTION_SQL.format(
-        function=register.function_sql,
-        register=register.table_sql,
-        sqlstate=LEASE_STALE_SQLSTATE,
+    """The commit check function, the scope table and its deferred trigger (idempotent)."""
+    body = _CHECK_BODY.format(sqlstate=LEASE_STALE_SQLSTATE)
+    return _in_schema(
+        register,
+        [
+            _CHECK_FUNCTION.format(body=body),
+            _SCOPE_TABLE,
+            _SCOPE_INDEX,
+            _SCOPE_FUNCTION.format(body=body),
+        ],
+        trigger=_SCOPE_TRIGGER,
     )
 
 
 def create_register_sql(sequence: str) -> list[str]:
-    """The statements that create the register and its check function (idempotent)."""
+    """The statements that create the register, its check function and the
+    scope table with its trigger (idempotent)."""
     register = Register(sequence)
     return [
         f"CREATE TABLE IF NOT EXISTS {register.table_sql} (\n"
@@ -297,12 +419,18 @@ def create_register_sql(sequence: str) -> list[str]:
     ]
 
 
+def drop_scope_sql(register: Register) -> list[str]:
+    """Drop the scope table (and its trigger), its function and the check function."""
+    return [
+        f"DROP TABLE IF EXISTS {register.scope_sql}",
+        f"DROP FUNCTION IF EXISTS {qualified(SCOPE_FUNCTION, register.schema)}()",
+        f"DROP FUNCTION IF EXISTS {register.function_sql}(text, bigint)",
+    ]
+
+
 def drop_register_sql(sequence: str) -> list[str]:
     register = Register(sequence)
-    return [
-        f"DROP FUNCTION IF EXISTS {register.function_sql}(text, bigint)",
-        f"DROP TABLE IF EXISTS {register.table_sql}",
-    ]
+    return [*drop_scope_sql(register), f"DROP TABLE IF EXISTS {register.table_sql}"]
 
 
 def register_table(metadata: MetaData, sequence: Sequence) -> Table:
@@ -334,9 +462,10 @@ def register_table(metadata: MetaData, sequence: Sequence) -> Table:
     register = Register(f"{sequence.schema}.{sequence.name}" if sequence.schema else sequence.name)
     function = check_function_sql(register).replace("%", "%%")  # DDL() formats with %
     create = DDL(function)  # type: ignore[no-untyped-call]
-    drop = DDL(f"DROP FUNCTION IF EXISTS {register.function_sql}(text, bigint)")  # type: ignore[no-untyped-call]
     event.listen(table, "after_create", create.execute_if(dialect="postgresql"))
-    event.listen(table, "before_drop", drop.execute_if(dialect="postgresql"))
+    for statement in drop_scope_sql(register):
+        drop = DDL(statement)  # type: ignore[no-untyped-call]
+        event.listen(table, "before_drop", drop.execute_if(dialect="postgresql"))
     return table
 
 
@@ -369,7 +498,9 @@ CHECK_FUNCTION_SQL = text(
     "SELECT to_regprocedure(:function || '(text, bigint)') IS NOT NULL AS present"
 )
 
-#: The rights the current role needs on the register (SELECT, INSERT, UPDATE).
+#: The rights the current role needs on the register (SELECT, INSERT, UPDATE)
+#: and on the scope table (INSERT: the arm; SELECT, DELETE: the trigger's
+#: clean-up, which runs as the committing role).
 REGISTER_RIGHTS_SQL = text(
     """
     SELECT has_table_privilege(to_regclass(:register), 'SELECT') AS can_select,
@@ -377,7 +508,10 @@ REGISTER_RIGHTS_SQL = text(
            has_table_privilege(to_regclass(:register), 'UPDATE') AS can_update,
            has_sequence_privilege(to_regclass(:sequence), 'USAGE') AS can_draw,
            has_function_privilege(to_regprocedure(:function || '(text, bigint)'), 'EXECUTE')
-               AS can_check
+               AS can_check,
+           has_table_privilege(to_regclass(:scope), 'INSERT') AS can_arm,
+           has_table_privilege(to_regclass(:scope), 'SELECT') AS can_read_scope,
+           has_table_privilege(to_regclass(:scope), 'DELETE') AS can_disarm
     """
 )
 
@@ -396,3 +530,67 @@ def shape_problems(columns: Iterable[Any]) -> list[str]:
         if not_null and not has_not_null:
             problems.append(f"column {column!r} allows NULL (need NOT NULL)")
     return problems
+
+
+#: The schema-qualified, quoted schema of the scope table an unqualified
+#: register uses: the first schema on the search path holding one, never
+#: the session's temporary schema (so a TEMP TABLE cannot stand in).
+SCOPE_SCHEMA_SQL = f"""\
+SELECT pg_catalog.quote_ident(n.nspname)
+  FROM pg_catalog.unnest(pg_catalog.current_schemas(false)) WITH ORDINALITY AS p(nsp, i)
+  JOIN pg_catalog.pg_namespace n ON n.nspname = p.nsp
+  JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid
+ WHERE c.relname = '{SCOPE_TABLE}' AND c.relkind = 'r'
+   AND n.oid <> pg_catalog.pg_my_temp_schema()
+ ORDER BY p.i LIMIT 1"""
+
+
+#: The scope table beside the register and its trigger, as the catalog has them.
+_SCOPE_STATE_SQL = text(
+    f"""
+    SELECT c.oid IS NOT NULL AS has_table,
+           pg_catalog.quote_ident(n.nspname) || '.{SCOPE_TABLE}' AS scope,
+           t.oid IS NOT NULL AS has_trigger, t.tgenabled AS enabled,
+           t.tgdeferrable AS deferrable, t.tginitdeferred AS deferred
+      FROM pg_catalog.pg_class r
+      JOIN pg_catalog.pg_namespace n ON n.oid = r.relnamespace
+      LEFT JOIN pg_catalog.pg_class c
+        ON c.relnamespace = r.relnamespace AND c.relname = '{SCOPE_TABLE}' AND c.relkind = 'r'
+      LEFT JOIN pg_catalog.pg_trigger t ON t.tgrelid = c.oid AND t.tgname = '{SCOPE_TRIGGER}'
+     WHERE r.oid = pg_catalog.to_regclass(:register)
+    """
+)
+
+
+def scope_trigger_problem(conn: Any, register: Register) -> str | None:
+    """Why PostgreSQL would not hold lease scope at COMMIT for ``register``, with the fix.
+
+    The scope table ``sa_fence_scope`` must sit beside the register with its
+    deferred constraint trigger, enabled.  None when all is well (or when the
+    register itself is missing: that is reported on its own).
+    """
+    row = conn.execute(_SCOPE_STATE_SQL, {"register": register.table_sql}).one_or_none()
+    if row is None:
+        return None
+    fix = (
+        "Recreate it with op.create_fence_register() in a migration (idempotent: the "
+        "register's rows are kept) or sa_fence.fence_sequence(metadata) and "
+        "metadata.create_all()."
+    )
+    why = "so a COMMIT the client sends itself would not be checked against the register"
+    if not row.has_table:
+        return f"the lease scope table {row.scope} is missing, {why}. {fix}"
+    if not row.has_trigger:
+        return f"the lease scope trigger {SCOPE_TRIGGER} on {row.scope} is missing, {why}. {fix}"
+    if row.enabled == "D":
+        return (
+            f"the lease scope trigger {SCOPE_TRIGGER} on {row.scope} is disabled, {why}. "
+            f"Fix: ALTER TABLE {row.scope} ENABLE TRIGGER {SCOPE_TRIGGER};"
+        )
+    if not (row.deferrable and row.deferred):
+        return (
+            f"the lease scope trigger {SCOPE_TRIGGER} on {row.scope} is not DEFERRABLE "
+            f"INITIALLY DEFERRED, so it would check at the first write, not at COMMIT. "
+            f"Fix: DROP TRIGGER {SCOPE_TRIGGER} ON {row.scope}; then {fix}"
+        )
+    return None

@@ -29,6 +29,7 @@ from ._register import (
     Register,
     pinned_register,
     register_table,
+    scope_trigger_problem,
     shape_problems,
     split_name,
 )
@@ -181,7 +182,7 @@ def setup_problem(conn: Connection, sequence: str) -> str | None:
             f"the commit check function {shown.function_sql}(text, bigint) is missing, "
             f"so no bound session could commit. {fix}"
         )
-    return None
+    return scope_trigger_problem(conn, register)
 
 
 def behind_pooler(conn: Connection) -> bool:

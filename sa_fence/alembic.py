@@ -70,9 +70,11 @@ from ._model import fence_column_of
 from ._register import (
     CHECK_FUNCTION_SQL,
     REGISTER_TABLE,
+    SCOPE_TABLE,
     Register,
     create_register_sql,
     drop_register_sql,
+    scope_trigger_problem,
 )
 from ._tokens import DEFAULT_SEQUENCE, SEQUENCE_SQL, fence_sequence
 
@@ -936,7 +938,8 @@ def _take_builtin_add_column(
 
 
 def _take_builtin_register_ops(upgrade_ops: alembic_ops.UpgradeOps, register: Register) -> None:
-    """Remove Alembic's own create_table / drop_table of the register.
+    """Remove Alembic's own create_table / drop_table of the register (and of
+    the scope table beside it, with its index).
 
     Its create_table would make the table without the commit check function
     (create_fence_register replaces it), and autogenerate never drops the
@@ -948,7 +951,13 @@ def _take_builtin_register_ops(upgrade_ops: alembic_ops.UpgradeOps, register: Re
         for o in upgrade_ops.ops
         if not (
             isinstance(o, (alembic_ops.CreateTableOp, alembic_ops.DropTableOp))
-            and o.table_name == REGISTER_TABLE
+            and o.table_name in (REGISTER_TABLE, SCOPE_TABLE)
+            and o.schema == register.schema
+        )
+        # the scope table (and its index) belongs to create_fence_register too
+        and not (
+            isinstance(o, (alembic_ops.ModifyTableOps, alembic_ops.DropIndexOp))
+            and o.table_name == SCOPE_TABLE
             and o.schema == register.schema
         )
     ]
@@ -1045,7 +1054,9 @@ def _compare_fencing(
     if included:
         if not conn.execute(_REGISTER_EXISTS_SQL, {"register": register.table_sql}).scalar_one():
             head.append(CreateFenceRegisterOp(sequence))
-        elif not conn.execute(CHECK_FUNCTION_SQL, {"function": register.function_sql}).scalar_one():
+        elif not conn.execute(
+            CHECK_FUNCTION_SQL, {"function": register.function_sql}
+        ).scalar_one() or scope_trigger_problem(conn, register):
             head.append(CreateFenceRegisterOp(sequence, function_only=True))
     # The sequence first, then the register whose default draws from it (so
     # the downgrade drops the register before the sequence), then the rest.

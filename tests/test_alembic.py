@@ -79,7 +79,11 @@ def schema_state(engine: sa.Engine) -> dict[str, Any]:
         return {
             "tables": sorted(
                 conn.execute(
-                    sa.text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+                    # the scope table comes and goes with the check function
+                    sa.text(
+                        "SELECT tablename FROM pg_tables WHERE schemaname = 'public' "
+                        "AND tablename <> 'sa_fence_scope'"
+                    )
                 ).scalars()
             ),
             "fence_columns": sorted(
@@ -104,8 +108,15 @@ def schema_state(engine: sa.Engine) -> dict[str, Any]:
                     "WHERE seqrelid = to_regclass('sa_fence_token_seq')"
                 )
             ).scalar(),
+            # the commit check function, and the scope table's trigger that
+            # PostgreSQL runs at COMMIT
             "check_function": conn.execute(
-                sa.text("SELECT to_regprocedure('sa_fence_check_lease(text, bigint)') IS NOT NULL")
+                sa.text(
+                    "SELECT to_regprocedure('sa_fence_check_lease(text, bigint)') IS NOT NULL "
+                    "AND EXISTS (SELECT 1 FROM pg_trigger "
+                    "WHERE tgname = 'sa_fence_scope_check' "
+                    "AND tgrelid = to_regclass('public.sa_fence_scope'))"
+                )
             ).scalar_one(),
         }
 
@@ -119,6 +130,8 @@ def legacy_schema(engine: sa.Engine) -> None:
         conn.execute(sa.text("ALTER TABLE jobs DROP COLUMN fence"))
         conn.execute(sa.text("DROP TABLE cells"))
         conn.execute(sa.text("DROP FUNCTION sa_fence_check_lease(text, bigint)"))
+        conn.execute(sa.text("DROP TABLE sa_fence_scope"))
+        conn.execute(sa.text("DROP FUNCTION sa_fence_scope_check()"))
         conn.execute(sa.text("DROP TABLE sa_fence_leases"))
         conn.execute(sa.text("DROP SEQUENCE sa_fence_token_seq"))
 
@@ -376,6 +389,38 @@ def test_autogenerate_recreates_a_missing_check_function_and_its_downgrade_keeps
     assert register_rows(db) == rows  # the register and its newest tokens stay
     run(db, project, command.upgrade, "head")
     assert schema_state(db)["check_function"] is True
+
+
+@pytest.mark.parametrize(
+    "drop",
+    [
+        "DROP TABLE sa_fence_scope",
+        "DROP TRIGGER sa_fence_scope_check ON sa_fence_scope",
+    ],
+)
+def test_autogenerate_recreates_a_missing_scope_trigger_and_keeps_the_register(
+    db: sa.Engine, project: Path, drop: str
+) -> None:
+    """A database migrated before PostgreSQL held lease scope at COMMIT (or one
+    whose scope trigger was dropped): autogenerate writes the idempotent op."""
+    Base.metadata.create_all(db)
+    with db.begin() as conn:
+        for table in ("jobs", "cells"):
+            for statement in _guard.create_guard_sql(table):
+                conn.execute(sa.text(statement))
+        conn.execute(sa.text("INSERT INTO sa_fence_leases (name) VALUES ('job:1')"))
+        conn.execute(sa.text(drop))
+    assert schema_state(db)["check_function"] is False
+    rows = register_rows(db)
+    script = run(db, project, command.revision, message="scope trigger", autogenerate=True)
+    text = Path(script.path).read_text(encoding="utf-8")
+    assert "op.create_fence_register()" in body(text, "upgrade")
+    assert "drop_fence_register" not in body(text, "downgrade")
+    assert "sa_fence_scope" not in text  # no create_table / drop_table of its own
+    run(db, project, command.upgrade, "head")
+    assert schema_state(db)["check_function"] is True
+    run(db, project, command.check)
+    assert register_rows(db) == rows
 
 
 def test_autogenerate_never_drops_a_register_the_metadata_does_not_declare(

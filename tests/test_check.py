@@ -310,6 +310,22 @@ def test_check_names_a_missing_commit_check_function(
     )
 
 
+def test_check_names_a_disabled_scope_trigger_with_the_fix(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Disabled, PostgreSQL would not check a COMMIT the client sends itself."""
+    execute(migrated, "ALTER TABLE sa_fence_scope DISABLE TRIGGER sa_fence_scope_check")
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert status == 1
+    assert (
+        "the lease scope trigger sa_fence_scope_check on public.sa_fence_scope is disabled" in out
+    )
+    assert "ALTER TABLE public.sa_fence_scope ENABLE TRIGGER sa_fence_scope_check;" in out
+    execute(migrated, "ALTER TABLE sa_fence_scope ENABLE TRIGGER sa_fence_scope_check")
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert status == 0, out
+
+
 @pytest.fixture
 def worker_role(migrated: sa.Engine) -> Iterator[str]:
     """A login role with no rights of its own (dropped afterwards)."""
@@ -334,13 +350,17 @@ def test_check_names_the_rights_the_connecting_role_lacks_with_the_grants(
     assert status == 1
     assert (
         f"PROBLEM role {worker_role} (the role this check connected as: run it as your "
-        "workers' role) lacks INSERT on sa_fence_leases, UPDATE on sa_fence_leases, USAGE on "
+        "workers' role) lacks INSERT on sa_fence_leases, UPDATE on sa_fence_leases, INSERT on "
+        "sa_fence_scope, DELETE on sa_fence_scope, USAGE on "
         'sequence sa_fence_token_seq, EXECUTE on "sa_fence_check_lease"(text, bigint): '
-        "every commit of a bound session and every grant fails with permission denied" in out
+        "every commit of a bound session and every grant and every transaction of a bound "
+        "session fails with permission denied" in out
     )
     for grant in (
         f'GRANT INSERT ON "sa_fence_leases" TO "{worker_role}";',
         f'GRANT UPDATE ON "sa_fence_leases" TO "{worker_role}";',
+        f'GRANT INSERT ON "sa_fence_scope" TO "{worker_role}";',
+        f'GRANT DELETE ON "sa_fence_scope" TO "{worker_role}";',
         f'GRANT USAGE ON SEQUENCE "sa_fence_token_seq" TO "{worker_role}";',
         f'GRANT EXECUTE ON FUNCTION "sa_fence_check_lease"(text, bigint) TO "{worker_role}";',
     ):

@@ -901,26 +901,31 @@ def test_many_sessions_of_the_current_lease_commit_concurrently(
     assert len(outbox(scope_engine)) == workers
 
 
-def test_a_stale_leases_read_only_transactions_still_commit_but_its_writes_do_not(
+def test_a_stale_leases_read_only_transactions_are_refused_at_commit_too(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
 ) -> None:
+    """Every transaction in lease scope is armed at BEGIN, so PostgreSQL checks
+    its COMMIT even when it only read (or only sent a NOTIFY): a stale holder
+    learns at its next commit, and its writes never commit."""
     seed(fencer, make_session, Job(id=1, result="initial"))
     a = fencer.acquire("job:1", 5)
     session_a = a.bind(make_session())
     b = grant_to_another_holder(fencer, a)
     assert session_a.get(Job, 1).result == "initial"
-    session_a.commit()  # nothing to commit: not refused
-    assert len(session_a.execute(select(Job)).all()) == 1
-    assert session_a.execute(sa.text("SELECT count(*) FROM jobs")).scalar_one() == 1
-    session_a.commit()
+    with pytest.raises(sa_fence.StaleTokenError) as refused:
+        session_a.commit()
+    assert_refused_at_commit(refused.value, a, b)
+    session_a.rollback()
     with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
         assert conn.execute(select(jobs.c.id)).scalars().all() == [1]
-        conn.commit()
+        with pytest.raises(sa_fence.StaleTokenError):
+            conn.commit()
     session_a.add(Outbox(id=1, message="A"))
     with pytest.raises(sa_fence.StaleTokenError) as refused:
         session_a.commit()
     session_a.close()
     assert_refused_at_commit(refused.value, a, b)
+    assert outbox(scope_engine) == []
     b.release()
 
 

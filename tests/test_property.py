@@ -390,6 +390,10 @@ class FencedWritesModel:
     ) -> tuple[set[Outcome], dict[str, set[int]]]:
         """What the commit may do now; for refused UPDATE/DELETEs, the rows to name."""
         if not writes:
+            # PostgreSQL checks every armed transaction at COMMIT, one that
+            # wrote nothing too: a stale holder's (if it began one) is refused.
+            if lease is not None and lease.token != self.granted[-1]:
+                return {"nothing-to-write", "StaleTokenError"}, {}
             return {"nothing-to-write"}, {}
         if lease is None:
             return {"UnfencedWriteError"}, {}

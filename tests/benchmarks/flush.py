@@ -20,10 +20,12 @@ plain, ...), the order rotated every round:
 
 Then it counts the statements one flush of 1000 rows sends, and measures
 where the fenced 1-row update's extra time goes (:func:`run_breakdown`):
-the same op with the lease register check skipped (a diagnostic variant,
-never a setting), and the check's SQL alone on a raw psycopg connection
-(COMMIT, ``SELECT 1; COMMIT`` and ``SELECT sa_fence_check_lease(...);
-COMMIT`` after a 1-row UPDATE); and this process's CPU time for one flush of
+the same op with lease scope skipped (no arm, no trigger: a diagnostic
+variant, never a setting), and the mechanism's SQL alone on raw psycopg
+connections after a 1-row UPDATE: COMMIT, ``SELECT 1; COMMIT``, the
+client-sent check of before issue 19 (``SELECT sa_fence_check_lease(...);
+COMMIT``) and today's arm in the BEGIN message with the deferred trigger at
+COMMIT, side by side; and this process's CPU time for one flush of
 all the changed rows, plain and fenced (:func:`flush_cpu`: what sa-fence adds
 per row, free of the server's noise).  The accounts printed under a missed
 target are built from those numbers.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +44,7 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from sa_fence import _flush
+from sa_fence import _flush, _register
 from sa_fence._bench import (
     FlushBench,
     Op,
@@ -73,10 +76,11 @@ WHY_PER_ROW = (
     "that objects show the row's token"
 )
 WHY_CHECK = (
-    "the COMMIT travels as one simple-query message `SELECT sa_fence_check_lease(...); "
-    "COMMIT` (no extra round trip; building it is ~2 us of Python): the server parses, plans "
-    "and runs a second statement and psycopg reads two results, and the check itself calls "
-    "the PL/pgSQL function, looks up the register row and takes its share lock (a WAL record)"
+    "the transaction's BEGIN message carries the arm, `BEGIN; INSERT INTO sa_fence_scope "
+    "...` (no extra round trip): the server parses and runs the INSERT (one row and one "
+    "index entry in an UNLOGGED table, which gives the transaction an xid), and at COMMIT "
+    "the deferred trigger calls its PL/pgSQL function, looks up the register row, takes its "
+    "share lock (a WAL record) and deletes the scope row"
 )
 
 
@@ -155,10 +159,13 @@ def count_flush(bench: FlushBench, variant: str, n: int) -> FlushCount:
     return counted
 
 
-SKIPPED = "fenced, register check skipped"
+SKIPPED = "fenced, lease scope skipped"
 COMMIT = "COMMIT"
 SELECT_1 = "SELECT 1; COMMIT"
+#: The mechanism before issue 19: the check sent by the client with COMMIT.
 CHECK = "SELECT sa_fence_check_lease(...); COMMIT"
+#: Today's: the arm in the BEGIN message, the deferred trigger at COMMIT.
+ARMED = "BEGIN; INSERT INTO sa_fence_scope ...; COMMIT (trigger)"
 
 
 def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Breakdown:
@@ -181,10 +188,18 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
         if _flush._scopes.pop(session.connection(), None) is None:
             raise RuntimeError("no lease scope to skip: the breakdown would measure nothing")
 
+    def unarmed() -> None:
+        arm = _flush._arm
+        _flush._arm = lambda conn, lease: None  # type: ignore[assignment]
+        try:
+            bench.update("fenced", 1, before_commit=skip)
+        finally:
+            _flush._arm = arm  # type: ignore[assignment]
+
     op = interleave(
         {
             "plain": Op(lambda: bench.update("plain", 1)),
-            SKIPPED: Op(lambda: bench.update("fenced", 1, before_commit=skip)),
+            SKIPPED: Op(unarmed),
             "fenced": Op(lambda: bench.update("fenced", 1, before_commit=keep)),
         },
         rounds=config.rounds,
@@ -196,17 +211,25 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
     check = bench.schema.register.check_call(lease.name, lease.token)
     table = bench.schema.models["plain"].__table__
     update = f'UPDATE "{table.schema}"."{table.name}" SET counter = counter + 1 WHERE id = %s'
-    with psycopg.connect(psycopg_conninfo(bench.engine.url)) as conn:
+    scope_table = bench.schema.register.scope_sql
+    arm_row = f"({_register.quote_literal(lease.name)}, {int(lease.token)})"
+    with (
+        psycopg.connect(psycopg_conninfo(bench.engine.url)) as conn,
+        psycopg.connect(psycopg_conninfo(bench.engine.url)) as armed,
+    ):
+        # sa-fence's own BEGIN on the second connection: every BEGIN carries the arm
+        vars(armed)[_flush._ARMS] = {scope_table: [arm_row]}
+        armed._start_query = types.MethodType(_flush._start_query_armed, armed)  # type: ignore[method-assign]
         serial = 0
 
-        def commit_with(message: str | None) -> Op:
+        def commit_with(message: str | None, on: psycopg.Connection[Any] = conn) -> Op:
             def run() -> None:
                 nonlocal serial
                 serial += 1
-                conn.execute(update, (1 + serial % bench.rows,))
+                on.execute(update, (1 + serial % bench.rows,))
                 if message is not None:
-                    conn.execute(message)  # no parameters: one simple-query message
-                conn.commit()  # nothing left to commit after a message with COMMIT
+                    on.execute(message)  # no parameters: one simple-query message
+                on.commit()  # nothing left to commit after a message with COMMIT
 
             return Op(run)
 
@@ -215,6 +238,7 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
                 COMMIT: commit_with(None),
                 SELECT_1: commit_with("SELECT 1; COMMIT"),
                 CHECK: commit_with(f"{check}; COMMIT"),
+                ARMED: commit_with(None, armed),
             },
             rounds=config.rounds,
             per_round=2 if config.quick else 100,
@@ -301,8 +325,8 @@ def why_missed(result: FlushResult, n: int, ratio: float, plain: float) -> str:
     if n == 1:
         return (
             f"{(ratio - 1) * plain * us:.0f} us over plain per transaction, with no extra "
-            "round trip (the flush sends what plain sends; the COMMIT message carries the "
-            f"check). This run's breakdown of the same op: the lease register check "
+            "round trip (the flush sends what plain sends; the BEGIN message carries the "
+            f"arm). This run's breakdown of the same op: the lease register check "
             f"{check * us:.0f} us, {check / base * 100:.1f}% of a plain op by itself: "
             f"{WHY_CHECK}; in raw SQL a second statement in the COMMIT message costs "
             f"{second * us:.0f} us and the check's own work {body * us:.0f} us. sa-fence's "
@@ -383,7 +407,12 @@ def report_breakdown(b: Breakdown) -> None:
     rows = (
         (COMMIT, b.sql[COMMIT], ""),
         (SELECT_1, b.sql[SELECT_1], f"{second * 1e6:+7.1f} us  a second statement"),
-        (CHECK, b.sql[CHECK], f"{body * 1e6:+7.1f} us  the check's own work"),
+        (CHECK, b.sql[CHECK], f"{body * 1e6:+7.1f} us  the check's own work (before)"),
+        (
+            ARMED,
+            b.sql[ARMED],
+            f"{(b.sql[ARMED].median - b.sql[COMMIT].median) * 1e6:+7.1f} us  over COMMIT (now)",
+        ),
     )
     for label, timing, note in rows:
         print(f"  {label:<48}{fmt_time(timing.median):>11}  {note}".rstrip())

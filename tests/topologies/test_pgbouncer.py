@@ -114,6 +114,22 @@ def test_every_part_of_fencing_works_through_transaction_pooling(
     session.close()
     assert refused.value.statement == "COMMIT"
 
+    # PostgreSQL holds lease scope at COMMIT through the pooler too: the arm
+    # travels in each transaction's BEGIN message to whichever server
+    # connection the transaction lands on, and the scope table is permanent,
+    # so a COMMIT the client sends itself is refused for a stale holder.
+    stale = fencer.acquire("job:1", 10)
+    with make_session() as session:
+        stale.bind(session)
+        session.execute(sa.text("INSERT INTO audit (id, message) VALUES (99, 'stale, raw COMMIT')"))
+        sa_fence.testing.expire(stale)
+        with fencer.lease("job:1", 10), pytest.raises(sa_fence.StaleTokenError):
+            session.execute(sa.text("COMMIT"))
+        session.rollback()
+    with database.connect() as conn:
+        notes = conn.execute(sa.text("SELECT count(*) FROM audit WHERE message LIKE 'stale%'"))
+        assert notes.scalar_one() == 0
+
     # The guard is live through PgBouncer: a write that presents no token is refused.
     with pytest.raises(sa.exc.DBAPIError, match="sa-fence"), engine.begin() as conn:
         conn.execute(sa.text("UPDATE jobs SET result = 'unfenced' WHERE id = 2"))

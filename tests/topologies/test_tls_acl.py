@@ -258,6 +258,7 @@ ROLE_SQL = [
     "GRANT USAGE ON SCHEMA public TO {role};",
     "GRANT USAGE, SELECT ON SEQUENCE sa_fence_token_seq TO {role};",
     "GRANT SELECT, INSERT, UPDATE ON sa_fence_leases TO {role};",
+    "GRANT SELECT, INSERT, DELETE ON sa_fence_scope TO {role};",
     "REVOKE EXECUTE ON FUNCTION sa_fence_check_lease(text, bigint) FROM PUBLIC;",
     "GRANT EXECUTE ON FUNCTION sa_fence_check_lease(text, bigint) TO {role};",
     "GRANT SELECT, INSERT, UPDATE, DELETE ON jobs, audit TO {role};",
@@ -309,6 +310,27 @@ def test_a_role_with_only_the_documented_rights_runs_everything_and_is_still_fen
     session.close()
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT result FROM jobs")).scalar_one() == "newer"
+    fencer.close()
+    engine.dispose()
+
+
+def test_without_the_scope_table_rights_a_bound_session_is_a_set_up_mistake_naming_the_grant(
+    role_database: tuple[sa.Engine, str], redis_client: redis.Redis, key_prefix: str
+) -> None:
+    owner, role = role_database
+    with owner.begin() as conn:
+        conn.exec_driver_sql(f'REVOKE INSERT ON sa_fence_scope FROM "{role}"')
+    engine = role_engine(owner, role)
+    fencer = sa_fence.Fencer(redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
+    make_session = sa_fence.install(sessionmaker(engine))
+    with fencer.lease("job:9", 5) as lease:
+        for _ in range(2):  # an arm of its own, then (schema known) the one in BEGIN
+            with make_session() as session:
+                lease.bind(session)
+                with pytest.raises(
+                    sa_fence.FencingConfigError, match="GRANT SELECT, INSERT, DELETE ON"
+                ):
+                    session.execute(sa.text("SELECT 1"))
     fencer.close()
     engine.dispose()
 

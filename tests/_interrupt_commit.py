@@ -1,0 +1,74 @@
+"""Interrupt a bound session's COMMIT with a signal handler's exception, in a process of its own.
+
+Run by tests/test_scope_trigger.py (``python -m tests._interrupt_commit URL
+PREFIX EXCEPTION [--no-invalidate]``): the exception a handler raises mid-COMMIT
+leaves CPython 3.11's AST recursion counter off for the rest of the process
+(``SystemError: AST constructor recursion depth mismatch`` at pytest's exit),
+so the interruption happens here, not in the test run.  Prints ``next session
+ok`` or ``next session failed: ...`` for the one-connection pool's next session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import uuid
+from typing import Any
+
+import redis
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+import sa_fence
+from sa_fence import _flush
+from tests.conftest import REDIS_URL
+from tests.models_scope import Outbox
+
+
+class SoftTimeLimit(Exception):
+    """What Celery's soft time limit raises from its signal handler."""
+
+
+def main(url: str, prefix: str, kind: str, invalidate: bool) -> None:
+    raise_: type[BaseException] = (
+        KeyboardInterrupt if kind == "KeyboardInterrupt" else SoftTimeLimit
+    )
+    engine = sa.create_engine(url, pool_size=1, max_overflow=0, pool_timeout=5)
+    fencer = sa_fence.Fencer(redis.Redis.from_url(REDIS_URL), engine, key_prefix=prefix)
+    if not invalidate:
+        _flush._invalidate = lambda conn: None  # type: ignore[assignment]
+    _flush.COMMIT_SQL = "SELECT pg_sleep(3); COMMIT"  # the test seam: a slow COMMIT
+
+    def handler(signum: int, frame: Any) -> None:
+        raise raise_("interrupted")
+
+    signal.signal(signal.SIGALRM, handler)
+    lease = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 30)
+    session = lease.bind(sa_fence.install(sessionmaker(engine))())
+    session.add(Outbox(id=1, message="interrupted"))
+    session.flush()
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        session.commit()
+        print("commit was not interrupted")
+        return
+    except raise_:
+        pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    _flush.COMMIT_SQL = "COMMIT"
+    with contextlib.suppress(Exception):
+        session.close()
+    lease.release()
+    try:
+        with Session(engine) as other:
+            assert other.execute(sa.text("SELECT 1")).scalar_one() == 1
+            other.commit()
+        print("next session ok")
+    except Exception as exc:
+        print(f"next session failed: {type(exc).__name__}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], "--no-invalidate" not in sys.argv)

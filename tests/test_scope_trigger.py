@@ -1,0 +1,665 @@
+"""PostgreSQL holds lease scope at COMMIT and PREPARE TRANSACTION (issue 19; invariants I7, I10).
+
+A transaction of a bound session (or of a connection inside
+``fence_connection()``) is *armed*: its BEGIN message also writes one row
+(lease name, token) into the UNLOGGED table ``sa_fence_scope``, whose
+deferred constraint trigger checks the register when the transaction
+commits or prepares, whoever sends the COMMIT.  Each commit path has a test
+that a stale holder commits nothing through it and one that the current
+holder commits through it; each guard (the trigger, the arm, the pinned
+``search_path``, the invalidation of an interrupted commit) has a test that
+fails when it is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy import bindparam, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.orm import Session, sessionmaker
+
+import sa_fence
+from sa_fence import _flush, _register
+from sa_fence.testing import expire
+from tests._fresh_db import fresh_database
+from tests._pg_cluster import private_cluster
+from tests.models_scope import TABLES, Outbox, create_scope_schema
+
+outbox_table = Outbox.__table__
+
+
+@pytest.fixture(scope="module")
+def scope_engine() -> Iterator[sa.Engine]:
+    with fresh_database("scopetrig") as engine:
+        create_scope_schema(engine)
+        yield engine
+
+
+@pytest.fixture(autouse=True)
+def _empty_tables(scope_engine: sa.Engine) -> Iterator[None]:
+    yield
+    with scope_engine.begin() as conn:
+        conn.execute(sa.text("SET LOCAL lock_timeout = '5s'"))
+        conn.execute(sa.text(f"TRUNCATE {', '.join(TABLES)}"))
+
+
+@pytest.fixture
+def fencer(
+    scope_engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+) -> Iterator[sa_fence.Fencer]:
+    fencer = sa_fence.Fencer(redis_client, scope_engine, key_prefix=key_prefix)
+    yield fencer
+    fencer.close()
+
+
+@pytest.fixture
+def make_session(scope_engine: sa.Engine) -> sessionmaker[Session]:
+    return sa_fence.install(sessionmaker(scope_engine))
+
+
+def outbox(engine: sa.Engine) -> list[str]:
+    with engine.connect() as conn:
+        return list(conn.execute(sa.text("SELECT message FROM outbox ORDER BY id")).scalars())
+
+
+def stale_pair(fencer: sa_fence.Fencer) -> tuple[sa_fence.Lease, sa_fence.Lease]:
+    """A's lease runs out (A does not notice) and B is granted the name."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    assert expire(a)
+    return a, fencer.acquire(a.name, 5)
+
+
+def _dbapi(session: Session) -> Any:
+    return session.connection().connection.dbapi_connection
+
+
+#: Every way a client can end a transaction with a COMMIT (sync).
+COMMIT_PATHS: dict[str, Callable[[Session], Any]] = {
+    "Session.commit": lambda s: s.commit(),
+    'text("COMMIT")': lambda s: s.execute(sa.text("COMMIT")),
+    'text("END")': lambda s: s.execute(sa.text("END")),
+    'exec_driver_sql("COMMIT")': lambda s: s.connection().exec_driver_sql("COMMIT"),
+    "DBAPI commit()": lambda s: _dbapi(s).commit(),
+}
+
+
+@pytest.mark.parametrize("path", COMMIT_PATHS)
+def test_a_stale_holder_commits_nothing_whichever_call_sends_the_commit(
+    path: str, fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """Invariant I7: however the transaction ends, a stale holder commits nothing."""
+    a, b = stale_pair(fencer)
+    session = a.bind(make_session())
+    session.add(Outbox(id=1, message="stale"))
+    session.flush()
+    with pytest.raises(Exception, match="is stale") as refused:
+        COMMIT_PATHS[path](session)
+    if path != "DBAPI commit()":  # below SQLAlchemy: the driver's error, SQLSTATE SF003
+        assert isinstance(refused.value, sa_fence.StaleTokenError)
+    if isinstance(refused.value, sa_fence.StaleTokenError):
+        assert refused.value.token == a.token
+        assert refused.value.newest_token == b.token
+    session.rollback()
+    session.close()
+    assert outbox(scope_engine) == []
+
+
+@pytest.mark.parametrize("path", COMMIT_PATHS)
+def test_the_current_holder_commits_through_every_path_and_its_next_transaction_is_armed_again(
+    path: str, fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    session = a.bind(make_session())
+    session.add(Outbox(id=1, message="first"))
+    session.flush()
+    COMMIT_PATHS[path](session)
+    assert outbox(scope_engine) == ["first"]
+    # The session goes on: the transaction psycopg begins next carries the arm
+    # again (a COMMIT the client sent itself ends lease scope for nobody).
+    session.add(Outbox(id=2, message="second"))
+    session.flush()
+    armed = session.execute(
+        sa.text(
+            "SELECT count(*) FROM sa_fence_scope WHERE xact = pg_current_xact_id()::text::bigint"
+        )
+    ).scalar_one()
+    assert armed == 1
+    assert expire(a)
+    b = fencer.acquire(a.name, 5)
+    with pytest.raises(Exception, match="is stale"):
+        session.execute(sa.text("COMMIT"))
+    session.rollback()
+    session.close()
+    assert outbox(scope_engine) == ["first"]
+    b.release()
+
+
+def test_the_arm_never_reaches_the_next_user_of_a_pooled_connection(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    engine = sa.create_engine(scope_engine.url, pool_size=1, max_overflow=0)
+    try:
+        a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        with sa_fence.install(sessionmaker(engine))() as session:
+            a.bind(session)
+            session.execute(sa.text("SELECT 1"))
+            session.execute(sa.text("COMMIT"))  # SQLAlchemy does not know it ended
+        with engine.connect() as conn:  # the same DBAPI connection, unfenced
+            armed = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM sa_fence_scope "
+                    "WHERE xact = pg_current_xact_id()::text::bigint"
+                )
+            ).scalar_one()
+            assert armed == 0
+        a.release()
+    finally:
+        engine.dispose()
+
+
+def test_commit_and_chain_is_refused_before_anything_is_sent(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """PostgreSQL would begin the chained transaction itself, without the arm."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    session = a.bind(make_session())
+    session.add(Outbox(id=1, message="A"))
+    session.flush()
+    for sql in ("COMMIT AND CHAIN", "end and  chain", "ROLLBACK AND CHAIN"):
+        with pytest.raises(sa_fence.FencingConfigError, match="AND CHAIN"):
+            session.execute(sa.text(sql))
+    session.rollback()  # the refusal poisons the session: nothing of it commits
+    session.close()
+    assert outbox(scope_engine) == []
+    a.release()
+
+
+def test_without_the_chain_refusal_a_chained_transaction_commits_a_stale_holders_rows(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guard-removal pair: the chained transaction carries no arm."""
+    monkeypatch.setattr(_flush, "_refuse_chain", lambda sql: None)
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        session.add(Outbox(id=1, message="current"))
+        session.flush()
+        session.execute(sa.text("COMMIT AND CHAIN"))
+        assert expire(a)
+        b = fencer.acquire(a.name, 5)
+        session.add(Outbox(id=2, message="stale"))
+        session.flush()
+        session.execute(sa.text("COMMIT"))
+    assert outbox(scope_engine) == ["current", "stale"]  # the outcome the refusal prevents
+    b.release()
+
+
+def test_a_joined_external_transaction_is_armed_by_its_own_statement_and_refused_when_stale(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    a, b = stale_pair(fencer)
+    with scope_engine.connect() as conn:
+        outer = conn.begin()
+        conn.execute(sa.text("SELECT 1"))  # BEGIN already sent, unarmed
+        session = a.bind(make_session(bind=conn, join_transaction_mode="create_savepoint"))
+        session.add(Outbox(id=1, message="stale"))
+        session.commit()  # the savepoint only
+        with pytest.raises(sa_fence.StaleTokenError):
+            outer.commit()
+        session.close()
+    assert outbox(scope_engine) == []
+    c = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with scope_engine.connect() as conn:
+        outer = conn.begin()
+        conn.execute(sa.text("SELECT 1"))
+        session = c.bind(make_session(bind=conn, join_transaction_mode="create_savepoint"))
+        session.add(Outbox(id=2, message="current"))
+        session.commit()
+        conn.exec_driver_sql("COMMIT")  # not SQLAlchemy's commit: PostgreSQL still checks
+        session.close()
+    assert outbox(scope_engine) == ["current"]
+    b.release()
+    c.release()
+
+
+def test_an_executemany_first_statement_arms_its_transaction_once(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    with scope_engine.begin() as conn:
+        conn.execute(outbox_table.insert(), [{"id": i, "message": "0"} for i in range(50)])
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    session = a.bind(make_session())
+    # psycopg sends an executemany in pipeline mode: BEGIN and the arm are queued first
+    stmt = update(outbox_table).where(outbox_table.c.id == bindparam("b_id"))
+    session.execute(stmt.values(message="A"), [{"b_id": i} for i in range(50)])
+    armed = session.execute(
+        sa.text(
+            "SELECT count(*) FROM sa_fence_scope WHERE xact = pg_current_xact_id()::text::bigint"
+        )
+    ).scalar_one()
+    assert armed == 1
+    assert expire(a)
+    b = fencer.acquire(a.name, 5)
+    with pytest.raises(sa_fence.StaleTokenError):
+        session.commit()
+    session.close()
+    assert set(outbox(scope_engine)) == {"0"}
+    b.release()
+
+
+def test_the_arm_travels_in_psycopgs_begin_message(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """Pins the psycopg internals sa-fence replaces: if psycopg changes how it
+    sends BEGIN, this fails (and sa-fence falls back to an arm statement)."""
+    from psycopg._connection_base import BaseConnection
+
+    assert _flush._PSYCOPG_BEGIN_HOOK
+    source = inspect.getsource(BaseConnection._start_query)
+    assert "transaction_status != IDLE" in source
+    assert "self._get_tx_start_command()" in source
+    assert "_exec_command" in source
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        session.execute(sa.text("SELECT 1"))  # a text() first statement
+        driver = session.connection().connection.driver_connection
+        assert "_start_query" in vars(driver)  # sa-fence's BEGIN is installed
+        sent = session.execute(
+            sa.text(
+                "SELECT name, token FROM sa_fence_scope "
+                "WHERE xact = pg_current_xact_id()::text::bigint"
+            )
+        ).all()
+        assert [tuple(r) for r in sent] == [(a.name, a.token)]
+    a.release()
+
+
+def test_a_stale_notify_is_not_delivered_and_the_current_holders_is(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    channel = f"sa_fence_{uuid.uuid4().hex[:8]}"
+    dsn = scope_engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute(f"LISTEN {channel}")
+        a, b = stale_pair(fencer)
+        with make_session() as session:
+            a.bind(session)
+            session.execute(sa.text(f"NOTIFY {channel}, 'stale'"))
+            with pytest.raises(sa_fence.StaleTokenError):
+                session.commit()
+        with make_session() as session:
+            b.bind(session)
+            session.execute(sa.text(f"NOTIFY {channel}, 'current'"))
+            session.commit()
+        got = [n.payload for n in listener.notifies(timeout=2, stop_after=1)]
+        assert got == ["current"]
+        assert [n.payload for n in listener.notifies(timeout=0.3)] == []
+    b.release()
+
+
+def test_a_read_only_transaction_of_a_bound_session_is_refused_before_anything_is_sent(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """A READ ONLY transaction could not take the arm (and may still NOTIFY)."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        with pytest.raises(sa_fence.FencingConfigError, match=r"READ ONLY.*Nothing was sent"):
+            session.connection(execution_options={"postgresql_readonly": True})
+    a.release()
+
+
+# ---------------------------------------------- the guards, and their pairs
+
+
+def test_without_the_trigger_a_raw_commit_of_a_stale_holder_goes_through(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """Guard-removal pair: the trigger disabled, text("COMMIT") commits a stale
+    holder's row; Fencer.check() reports the disabled trigger with the fix."""
+    a, b = stale_pair(fencer)
+    with scope_engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE sa_fence_scope DISABLE TRIGGER sa_fence_scope_check"))
+    try:
+        with pytest.raises(sa_fence.FencingConfigError, match=r"disabled.*ENABLE TRIGGER"):
+            fencer.check()
+        with make_session() as session:
+            a.bind(session)
+            session.add(Outbox(id=1, message="stale"))
+            session.flush()
+            session.execute(sa.text("COMMIT"))
+        assert outbox(scope_engine) == ["stale"]  # the bad outcome the trigger prevents
+    finally:
+        with scope_engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE sa_fence_scope ENABLE TRIGGER sa_fence_scope_check"))
+    b.release()
+
+
+def test_without_the_arm_a_raw_commit_of_a_stale_holder_goes_through(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_flush, "_arm", lambda conn, lease: None)
+    a, b = stale_pair(fencer)
+    with make_session() as session:
+        a.bind(session)
+        session.add(Outbox(id=1, message="stale"))
+        session.flush()
+        session.execute(sa.text("COMMIT"))
+    assert outbox(scope_engine) == ["stale"]
+    b.release()
+
+
+def test_a_missing_scope_trigger_is_a_config_error_with_the_fix(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    with scope_engine.begin() as conn:
+        conn.execute(sa.text("DROP TRIGGER sa_fence_scope_check ON sa_fence_scope"))
+    try:
+        with pytest.raises(
+            sa_fence.FencingConfigError, match=r"trigger.*missing.*create_fence_register"
+        ):
+            fencer.check()
+    finally:
+        with scope_engine.begin() as conn:
+            for statement in _register.create_register_sql("sa_fence_token_seq"):
+                conn.execute(sa.text(statement))
+    fencer.check()
+
+
+def _shadow(session: Session, token: int, name: str) -> None:
+    """A TEMP TABLE sa_fence_leases (and sa_fence_scope) holding the stale token."""
+    session.execute(
+        sa.text(
+            "CREATE TEMP TABLE sa_fence_leases (name text PRIMARY KEY, token bigint NOT NULL, "
+            "granted_at timestamptz NOT NULL DEFAULT now(), previous bigint)"
+        )
+    )
+    session.execute(sa.text("CREATE TEMP TABLE sa_fence_scope (LIKE public.sa_fence_scope)"))
+    session.execute(
+        sa.text("INSERT INTO sa_fence_leases (name, token) VALUES (:n, :t)"),
+        {"n": name, "t": token},
+    )
+
+
+def test_a_temp_register_holding_the_stale_token_does_not_stand_in(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    a, b = stale_pair(fencer)
+    with make_session() as session:
+        a.bind(session)
+        _shadow(session, a.token, a.name)
+        session.add(Outbox(id=1, message="stale"))
+        session.flush()
+        with pytest.raises(sa_fence.StaleTokenError):
+            session.execute(
+                sa.text("SELECT sa_fence_check_lease(:n, :t)"), {"n": a.name, "t": a.token}
+            )
+        session.rollback()
+        _shadow(session, a.token, a.name)
+        session.add(Outbox(id=1, message="stale"))
+        with pytest.raises(sa_fence.StaleTokenError):
+            session.commit()
+    assert outbox(scope_engine) == []
+    b.release()
+
+
+def test_without_the_pinned_search_path_a_temp_register_stands_in(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guard-removal pair: the trigger as it would be with the register found
+    through search_path (unqualified, search_path not pinned)."""
+    monkeypatch.setattr(
+        _register,
+        "_CHECK_BODY",
+        _register._CHECK_BODY.replace("@sa_fence_schema@.sa_fence_leases", "sa_fence_leases"),
+    )
+    monkeypatch.setattr(
+        _register,
+        "_SCOPE_FUNCTION",
+        _register._SCOPE_FUNCTION.replace("SET search_path = pg_catalog, pg_temp ", ""),
+    )
+    with scope_engine.begin() as conn:
+        conn.execute(
+            sa.text(_register.check_function_sql(_register.Register("sa_fence_token_seq")))
+        )
+    monkeypatch.undo()
+    try:
+        a, b = stale_pair(fencer)
+        with make_session() as session:
+            a.bind(session)
+            _shadow(session, a.token, a.name)
+            session.add(Outbox(id=1, message="stale"))
+            session.commit()
+        assert outbox(scope_engine) == ["stale"]
+    finally:
+        scope_engine.dispose()  # the committed temp tables leave with their connection
+        with scope_engine.begin() as conn:
+            for statement in _register.create_register_sql("sa_fence_token_seq"):
+                conn.execute(sa.text(statement))
+    b.release()
+
+
+# ----------------------------------------- PREPARE TRANSACTION (private cluster)
+
+
+@pytest.mark.slow
+def test_prepare_transaction_is_checked_and_commit_prepared_commits_only_the_current_holders(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    with private_cluster("prepared", max_prepared_transactions=4) as cluster:
+        engine = sa.create_engine(cluster.create_database("scope"))
+        try:
+            create_scope_schema(engine)
+            fencer = sa_fence.Fencer(redis_client, engine, key_prefix=key_prefix)
+            make_session = sa_fence.install(sessionmaker(engine))
+            a, b = stale_pair(fencer)
+            with make_session() as session:
+                a.bind(session)
+                session.add(Outbox(id=1, message="stale"))
+                session.flush()
+                with pytest.raises(sa_fence.StaleTokenError):
+                    session.execute(sa.text("PREPARE TRANSACTION 'sa_fence_stale'"))
+            with make_session() as session:
+                b.bind(session)
+                session.add(Outbox(id=2, message="current"))
+                session.flush()
+                session.execute(sa.text("PREPARE TRANSACTION 'sa_fence_current'"))
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as other:
+                prepared = other.execute(sa.text("SELECT gid FROM pg_prepared_xacts")).scalars()
+                assert list(prepared) == ["sa_fence_current"]
+                other.exec_driver_sql("COMMIT PREPARED 'sa_fence_current'")
+            assert outbox(engine) == ["current"]
+            b.release()
+            fencer.close()
+        finally:
+            engine.dispose()
+
+
+# ------------------------------------------- interrupted commits (item 6, I10)
+
+
+def _interrupt_commit(engine: sa.Engine, key_prefix: str, kind: str, *extra: str) -> str:
+    """Run tests/_interrupt_commit.py: a signal handler raises ``kind`` mid-COMMIT."""
+    url = engine.url.render_as_string(hide_password=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests._interrupt_commit", url, key_prefix, kind, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("kind", ["KeyboardInterrupt", "SoftTimeLimit"])
+def test_an_interrupted_commit_never_hands_the_pool_a_broken_connection(
+    kind: str, scope_engine: sa.Engine, key_prefix: str
+) -> None:
+    """Invariant I10: the one-connection pool's next session works."""
+    assert _interrupt_commit(scope_engine, key_prefix, kind) == "next session ok"
+    assert outbox(scope_engine) == []  # the COMMIT never ran (pg_sleep was under way)
+
+
+def test_without_the_invalidation_an_interrupted_commit_poisons_the_pool(
+    scope_engine: sa.Engine, key_prefix: str
+) -> None:
+    """Guard-removal pair: the next, unrelated session gets the broken connection."""
+    result = _interrupt_commit(scope_engine, key_prefix, "SoftTimeLimit", "--no-invalidate")
+    assert result.startswith("next session failed")
+
+
+# --------------------------------------------------------------- asyncio
+
+
+ASYNC_PATHS = [
+    "AsyncSession.commit",
+    'text("COMMIT")',
+    'text("END")',
+    'exec_driver_sql("COMMIT")',
+    "DBAPI commit()",
+]
+
+
+async def _async_commit(session: AsyncSession, path: str) -> None:
+    if path == "AsyncSession.commit":
+        await session.commit()
+    elif path.startswith("text("):
+        await session.execute(sa.text(path[6:-2]))
+    elif path == 'exec_driver_sql("COMMIT")':
+        await (await session.connection()).exec_driver_sql("COMMIT")
+    else:
+        raw = await (await session.connection()).get_raw_connection()
+        await raw.driver_connection.commit()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("path", ASYNC_PATHS)
+async def test_async_a_stale_holder_commits_nothing_and_the_current_holder_commits(
+    path: str, scope_engine: sa.Engine, key_prefix: str
+) -> None:
+    import redis.asyncio as aioredis
+
+    from tests.conftest import REDIS_URL
+
+    aengine = create_async_engine(scope_engine.url.set(drivername="postgresql+psycopg_async"))
+    client = aioredis.Redis.from_url(REDIS_URL)
+    fencer = sa_fence.AsyncFencer(client, aengine, key_prefix=key_prefix)
+    make = sa_fence.install(async_sessionmaker(aengine, expire_on_commit=False))
+    try:
+        a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        async with make() as session:
+            a.bind(session)
+            session.add(Outbox(id=1, message="current"))
+            await session.flush()
+            await _async_commit(session, path)
+        assert outbox(scope_engine) == ["current"]
+        assert await client.eval(
+            "return redis.call('del', KEYS[1])", 1, a.key
+        )  # A's lease runs out; A does not notice
+        b = await fencer.acquire(a.name, 5)
+        async with make() as session:
+            a.bind(session)
+            session.add(Outbox(id=2, message="stale"))
+            await session.flush()
+            with pytest.raises(Exception, match="is stale"):
+                await _async_commit(session, path)
+            await session.rollback()
+        assert outbox(scope_engine) == ["current"]
+        await b.release()
+    finally:
+        await client.aclose()
+        await aengine.dispose()
+
+
+async def test_async_a_cancelled_commit_never_hands_the_pool_a_broken_connection(
+    scope_engine: sa.Engine, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis.asyncio as aioredis
+
+    from tests.conftest import REDIS_URL
+
+    aengine = create_async_engine(
+        scope_engine.url.set(drivername="postgresql+psycopg_async"), pool_size=1, max_overflow=0
+    )
+    client = aioredis.Redis.from_url(REDIS_URL)
+    fencer = sa_fence.AsyncFencer(client, aengine, key_prefix=key_prefix)
+    make = sa_fence.install(async_sessionmaker(aengine, expire_on_commit=False))
+    try:
+        a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 30)
+        monkeypatch.setattr(_flush, "COMMIT_SQL", "SELECT pg_sleep(3); COMMIT")
+        session = make()
+        a.bind(session)
+        session.add(Outbox(id=1, message="cancelled"))
+        await session.flush()
+        task = asyncio.create_task(session.commit())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        monkeypatch.setattr(_flush, "COMMIT_SQL", "COMMIT")
+        with contextlib.suppress(Exception):
+            await session.close()
+        async with AsyncSession(aengine) as other:
+            assert (await other.execute(sa.text("SELECT 1"))).scalar_one() == 1
+            await other.commit()
+        assert outbox(scope_engine) == []
+        await a.release()
+    finally:
+        await client.aclose()
+        await aengine.dispose()
+
+
+async def test_async_a_joined_outer_transaction_is_checked_when_it_commits(
+    scope_engine: sa.Engine, key_prefix: str
+) -> None:
+    import redis.asyncio as aioredis
+
+    from tests.conftest import REDIS_URL
+
+    aengine = create_async_engine(scope_engine.url.set(drivername="postgresql+psycopg_async"))
+    client = aioredis.Redis.from_url(REDIS_URL)
+    fencer = sa_fence.AsyncFencer(client, aengine, key_prefix=key_prefix)
+    make = sa_fence.install(async_sessionmaker(aengine, expire_on_commit=False))
+    try:
+        a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        assert await client.eval("return redis.call('del', KEYS[1])", 1, a.key)
+        b = await fencer.acquire(a.name, 5)
+        async with aengine.connect() as conn:
+            outer = await conn.begin()
+            await conn.execute(sa.text("SELECT 1"))  # BEGIN already sent, unarmed
+            session = make(bind=conn, join_transaction_mode="create_savepoint")
+            a.bind(session)
+            session.add(Outbox(id=1, message="stale"))
+            await session.commit()  # the savepoint only
+            with pytest.raises(sa_fence.StaleTokenError):
+                await outer.commit()
+            await session.close()
+        assert outbox(scope_engine) == []
+        await b.release()
+    finally:
+        await client.aclose()
+        await aengine.dispose()
