@@ -68,6 +68,7 @@ from sqlalchemy import (
     DDL,
     BigInteger,
     Column,
+    Index,
     MetaData,
     Sequence,
     Table,
@@ -460,12 +461,38 @@ def register_table(metadata: MetaData, sequence: Sequence) -> Table:
         info={"sa_fence.register": True},
     )
     register = Register(f"{sequence.schema}.{sequence.name}" if sequence.schema else sequence.name)
+    # The scope table is declared too, so that autogenerate finds in the metadata
+    # every table create_all() made (else each run logs "Detected removed table
+    # 'sa_fence_scope'").  It is created first; the register's DDL after it
+    # (CREATE ... IF NOT EXISTS) then adds the functions and the scope trigger.
+    # Dropped in the reverse order: the register (its check function), then the
+    # scope table (its trigger with it), then the scope function.
+    scope = Table(
+        SCOPE_TABLE,
+        metadata,
+        Column(
+            "xact",
+            BigInteger,
+            nullable=False,
+            server_default=text("pg_catalog.pg_current_xact_id()::text::bigint"),
+        ),
+        Column("name", Text, nullable=False),
+        Column("token", BigInteger, nullable=False),
+        Index("sa_fence_scope_xact", "xact"),
+        schema=sequence.schema,
+        prefixes=["UNLOGGED"],
+        info={"sa_fence.scope": True},
+    )
+    table.add_is_dependent_on(scope)
     function = check_function_sql(register).replace("%", "%%")  # DDL() formats with %
     create = DDL(function)  # type: ignore[no-untyped-call]
     event.listen(table, "after_create", create.execute_if(dialect="postgresql"))
-    for statement in drop_scope_sql(register):
-        drop = DDL(statement)  # type: ignore[no-untyped-call]
-        event.listen(table, "before_drop", drop.execute_if(dialect="postgresql"))
+    drop_check = DDL(f"DROP FUNCTION IF EXISTS {register.function_sql}(text, bigint)")  # type: ignore[no-untyped-call]
+    event.listen(table, "before_drop", drop_check.execute_if(dialect="postgresql"))
+    drop_scope = DDL(  # type: ignore[no-untyped-call]
+        f"DROP FUNCTION IF EXISTS {qualified(SCOPE_FUNCTION, register.schema)}()"
+    )
+    event.listen(scope, "after_drop", drop_scope.execute_if(dialect="postgresql"))
     return table
 
 
