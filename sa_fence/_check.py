@@ -399,9 +399,9 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
         if allowed is False:
             lacking.append(
                 (
-                    f"{right} on {register.scope_display}",
+                    f"{right} on {shown.scope_display}",
                     "every transaction of a bound session",
-                    f"GRANT {right} ON {register.scope_sql} TO {_ident(role)};",
+                    f"GRANT {right} ON {shown.scope_sql} TO {_ident(role)};",
                 )
             )
     if rights.can_draw is False:
