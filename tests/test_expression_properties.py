@@ -186,8 +186,8 @@ def test_with_no_lease_bound_unfenced_classes_write_while_expression_properties_
         assert tag.upper_name == "OLIVE"
         session.delete(tag)
         session.commit()
+        session.get_one(Shape, 3).a = 7
         with pytest.raises(sa_fence.UnfencedWriteError):  # the fenced class still refuses
-            session.get_one(Shape, 3).a = 7
             session.flush()
 
 

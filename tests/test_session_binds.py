@@ -1,0 +1,184 @@
+"""Installed sessions keep the user's engine as their own (issue 18).
+
+``session.bind``, ``session.get_bind()``, ``binds={...}``,
+``AsyncSession.get_bind()`` and ``async_scoped_session`` behave as without
+sa-fence, the user's engine listeners keep firing, and the fencing still
+happens: the hook is routed per connection, never through a swapped bind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_scoped_session,
+    async_sessionmaker,
+)
+from sqlalchemy.orm import Session, sessionmaker
+
+import sa_fence
+import sa_fence.testing
+from sa_fence import _flush
+from tests._sql import seed
+from tests.models import Audit, Job
+
+
+def row(engine: sa.Engine, job_id: int) -> tuple[object, ...] | None:
+    with engine.connect() as conn:
+        found = conn.execute(
+            sa.text("SELECT result, fence FROM jobs WHERE id = :id"), {"id": job_id}
+        ).one_or_none()
+    return None if found is None else tuple(found)
+
+
+@pytest.fixture
+def user_statements(engine: sa.Engine) -> Iterator[list[str]]:
+    """What a listener the user put on their own engine sees."""
+    seen: list[str] = []
+
+    def before_cursor_execute(conn, cursor, statement, parameters, context, executemany):
+        seen.append(statement.split(None, 1)[0].upper())
+
+    sa.event.listen(engine, "before_cursor_execute", before_cursor_execute)
+    yield seen
+    sa.event.remove(engine, "before_cursor_execute", before_cursor_execute)
+
+
+def stale_write(
+    fencer: sa_fence.Fencer, make: sessionmaker[Session] | type[Session], engine: sa.Engine
+) -> tuple[sa_fence.Lease, Session]:
+    """A holder whose lease ran out loads job 1 and changes it; a newer holder writes it."""
+    old = fencer.acquire("job:1", 5)
+    session = old.bind(make())
+    session.get_one(Job, 1).result = "stale"
+    sa_fence.testing.expire(old)
+    with fencer.lease("job:1", 5) as newer, newer.bind(make()) as other:
+        other.get_one(Job, 1).result = "newer"
+        other.commit()
+    return newer, session
+
+
+def test_a_bound_session_keeps_the_users_engine_and_still_refuses_a_stale_write(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    user_statements: list[str],
+) -> None:
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    newer, session = stale_write(fencer, make_session, engine)
+    assert session.bind is engine
+    assert session.get_bind() is engine
+    assert session.get_bind(Job) is engine
+    assert session.connection().engine is engine
+    assert {engine: "keyed on the engine"}[session.get_bind()] == "keyed on the engine"
+    del user_statements[:]
+    with pytest.raises(sa_fence.StaleTokenError):
+        session.commit()
+    session.close()
+    assert "UPDATE" in user_statements  # the user's engine listener saw the fenced flush
+    assert row(engine, 1) == ("newer", newer.token)
+
+
+def test_without_routing_the_connection_through_the_hook_the_stale_write_commits(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pair of the test above: the per-connection routing is what fences."""
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    monkeypatch.setattr(_flush, "_route_through_view", lambda connection: None)
+    _newer, session = stale_write(fencer, make_session, engine)
+    session.commit()  # nothing compared the token, nothing checked the register
+    session.close()
+    assert row(engine, 1)[0] == "stale"  # type: ignore[index]
+
+
+def test_binds_maps_to_the_users_engine_work_and_are_fenced(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    maker = sa_fence.install(sessionmaker(bind=engine, binds={Job: engine, Audit: engine}))
+    with maker() as session:
+        assert session.get_bind(Job) is engine
+        session.add(Audit(message="bound to the engine in binds="))
+        session.commit()
+    newer, session = stale_write(fencer, maker, engine)
+    assert session.connection(bind_arguments={"mapper": Job}).engine is engine
+    with pytest.raises(sa_fence.StaleTokenError):
+        session.commit()
+    session.close()
+    assert row(engine, 1) == ("newer", newer.token)
+
+
+def test_the_user_engines_connections_of_other_sessions_are_not_routed(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with make_session() as fenced, Session(engine) as plain:
+        fenced_conn, plain_conn = fenced.connection(), plain.connection()
+        assert fenced_conn in _flush._hooked
+        assert plain_conn not in _flush._hooked
+        assert not sa.event.contains(engine, "commit", _flush._check_scope_and_commit)
+        plain.add(Job(id=5, result="a plain session is not fenced"))
+        plain.commit()  # the documented limit: no hook, written as is
+    assert row(engine, 5) == ("a plain session is not fenced", 0)
+
+
+def test_the_users_listener_on_the_sessions_own_connection_keeps_firing(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    seen: list[str] = []
+    with engine.connect() as conn:
+        sa.event.listen(conn, "before_execute", lambda c, e, m, p, o: seen.append(type(e).__name__))
+        with fencer.lease("job:7", 5) as lease, lease.bind(make_session(bind=conn)) as session:
+            assert session.connection() is conn
+            session.add(Job(id=7, result="through the user's connection"))
+            session.commit()
+    assert "Insert" in seen
+    assert row(engine, 7) == ("through the user's connection", lease.token)
+
+
+# ---------------------------------------------------------------- asyncio
+
+
+async def test_an_async_session_keeps_the_users_async_engine(
+    afencer: sa_fence.AsyncFencer,
+    make_async_session: async_sessionmaker[AsyncSession],
+    async_engine: AsyncEngine,
+    engine: sa.Engine,
+) -> None:
+    async with make_async_session() as session:
+        assert session.bind is async_engine
+        assert session.get_bind() is async_engine.sync_engine
+        assert (await session.connection()).engine is async_engine
+        async with afencer.lease("job:8", 5) as lease:
+            lease.bind(session)
+            session.add(Job(id=8, result="async"))
+            await session.commit()
+    assert row(engine, 8) == ("async", lease.token)
+
+
+async def test_an_async_scoped_session_finds_its_bind(
+    afencer: sa_fence.AsyncFencer, async_engine: AsyncEngine, engine: sa.Engine
+) -> None:
+    scoped = sa_fence.install(
+        async_scoped_session(
+            async_sessionmaker(async_engine, expire_on_commit=False),
+            scopefunc=asyncio.current_task,
+        )
+    )
+    try:
+        assert scoped.get_bind() is async_engine.sync_engine
+        async with afencer.lease("job:9", 5) as lease:
+            lease.bind(scoped())
+            scoped.add(Job(id=9, result="scoped"))
+            await scoped.commit()
+        assert (await scoped.connection()).engine is async_engine
+    finally:
+        await scoped.remove()
+    assert row(engine, 9) == ("scoped", lease.token)
