@@ -310,7 +310,7 @@ def _route_through_view(connection: Connection) -> None:
     slots = type(dispatch).__dict__
     for name in getattr(type(dispatch), "__slots__", ()):
         try:  # the slot as set (reading the attribute would create it)
-            joined = slots[name].__get__(dispatch)
+            joined: Any = slots[name].__get__(dispatch)
         except AttributeError:
             continue
         if isinstance(joined, _JoinedListener):  # it holds listeners added on this connection
