@@ -310,11 +310,12 @@ def _route_through_view(connection: Connection) -> None:
     slots = type(dispatch).__dict__
     for name in getattr(type(dispatch), "__slots__", ()):
         try:  # the slot as set (reading the attribute would create it)
-            joined: Any = slots[name].__get__(dispatch)
+            joined = slots[name].__get__(dispatch)
         except AttributeError:
             continue
         if isinstance(joined, _JoinedListener):  # it holds listeners added on this connection
-            setattr(routed, name, _JoinedListener(view.dispatch, name, joined.local))
+            own: Any = joined.local  # SQLAlchemy annotates the argument narrower than it stores
+            setattr(routed, name, _JoinedListener(view.dispatch, name, own))
     connection.dispatch = routed
     connection._has_events = True  # the user's engine may have no listeners of its own
 
