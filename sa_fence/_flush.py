@@ -868,19 +868,56 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
 
 def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
     state = _state_for(session)
-    other = _active.get(connection)
-    if other is not None and other is not state:
-        raise FencingConfigError(
-            "two fenced sessions (or a fenced session inside sa_fence.fence_connection()) "
-            "share one Connection: statements on it could not tell whose token to carry. "
-            "Give each fenced session its own Connection, or close the first one before "
-            "the second begins."
-        )
+    _refuse_confusable(connection, state, state.lease)
+    sharing = _sharing.setdefault(connection, [])
+    if state not in sharing:
+        sharing.append(state)
     _attach(connection, state)
     state.connections.append(connection)
     if state.lease is not None:
         _refuse_unscoped(session, connection)
         _enter_scope(connection, state.lease)
+
+
+#: Connection -> the installed sessions whose transactions run on it, in the
+#: order they began (``Session(bind=other.connection())`` puts two on one).
+#: The newest is the one in ``_active``; when it ends, the one before takes over.
+_sharing: weakref.WeakKeyDictionary[Connection, list[_SessionState]] = weakref.WeakKeyDictionary()
+
+
+def _lease_id(lease: Lease | None) -> tuple[str, int] | None:
+    return None if lease is None else (lease.name, lease.token)
+
+
+def _refuse_confusable(connection: Connection, state: _SessionState, lease: Lease | None) -> None:
+    """Refuse a second session on ``connection`` only if its token could be confused.
+
+    The statement hook finds the token to carry by connection, so sessions
+    (or a ``fence_connection()`` block) sharing one must agree on it: the
+    same lease bound, or none bound anywhere (then nothing carries a token
+    and they work as in SQLAlchemy).  One bound and one not would let the
+    unbound one's statements carry the other's token, or refuse the bound
+    one's as unfenced.
+    """
+    others = [s for s in _sharing.get(connection, ()) if s is not state]
+    active = _active.get(connection)  # a fence_connection() block is not in _sharing
+    if active is not None and active is not state and active not in others:
+        others.append(active)
+    mine = _lease_id(lease)
+    for other in others:
+        theirs = _lease_id(other.lease)
+        if theirs != mine:
+            raise FencingConfigError(
+                "two fenced sessions (or a fenced session inside sa_fence.fence_connection()) "
+                f"share one Connection with different leases bound ({_describe(theirs)} and "
+                f"{_describe(mine)}): statements on it could not tell whose token to carry. "
+                "Bind the same lease to both, give each its own Connection, or close the "
+                "first one before the second begins."
+            )
+
+
+def _describe(lease_id: tuple[str, int] | None) -> str:
+    return "no lease" if lease_id is None else f"{lease_id[0]!r} token {lease_id[1]}"
 
 
 def _after_soft_rollback(session: Session, previous_transaction: SessionTransaction) -> None:
@@ -906,8 +943,16 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
             state.presented_in = None
             state.bumped.clear()
             for conn in state.connections:
+                sharing = _sharing.get(conn, [])
+                if state in sharing:
+                    sharing.remove(state)
+                if not sharing:
+                    _sharing.pop(conn, None)
                 if _active.get(conn) is state:
-                    del _active[conn]
+                    if sharing:  # another session's transaction still runs on it
+                        _active[conn] = sharing[-1]
+                    else:
+                        del _active[conn]
             state.connections.clear()
 
 
@@ -1145,6 +1190,8 @@ def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
             "db.session: sa_fence.install(db.session))."
         )
     state = _state_for(session)
+    for conn in state.connections:  # a session sharing its connection has another lease
+        _refuse_confusable(conn, state, lease)
     state.lease = lease
     lease._bound = True
     for conn in state.connections:  # bound mid-transaction: the COMMIT checks it too

@@ -182,3 +182,99 @@ async def test_an_async_scoped_session_finds_its_bind(
     finally:
         await scoped.remove()
     assert row(engine, 9) == ("scoped", lease.token)
+
+
+# ------------------------------------------------- several sessions, one Connection
+
+
+def test_sessions_sharing_a_connection_with_no_lease_anywhere_work_as_in_sqlalchemy(
+    make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """SQLAlchemy's own pattern (its VersionOnPostUpdateTest): Session(bind=s1.connection())."""
+    with make_session() as s1:
+        s1.add(Audit(id=1, message="first"))
+        s1.flush()
+        s2 = sa_fence.install(Session(bind=s1.connection()))
+        s2.add(Audit(id=2, message="second"))
+        s2.flush()
+        assert s2.connection() is s1.connection()
+        s2.close()
+        s3 = make_session(bind=s1.connection())  # through the installed sessionmaker too
+        assert s3.get_one(Audit, 2).message == "second"
+        s3.close()
+        s1.get_one(Audit, 1).message = "first, changed after the others closed"
+        s1.commit()
+    with engine.connect() as conn:
+        assert conn.scalars(sa.select(Audit.message).order_by(Audit.id)).all() == [
+            "first, changed after the others closed",
+            "second",
+        ]
+
+
+def test_sessions_sharing_a_connection_with_the_same_lease_are_fenced(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with fencer.lease("job:1", 5) as lease, lease.bind(make_session()) as s1:
+        s1.add(Job(id=1, result="s1"))
+        s1.flush()
+        s2 = lease.bind(make_session(bind=s1.connection()))
+        s2.add(Job(id=2, result="s2"))
+        s2.flush()
+        s2.close()
+        s1.commit()
+    assert row(engine, 1) == ("s1", lease.token)
+    assert row(engine, 2) == ("s2", lease.token)
+
+
+@pytest.mark.parametrize("second", ["no lease", "another lease"])
+def test_a_second_session_on_a_bound_sessions_connection_with_another_token_is_refused(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine, second: str
+) -> None:
+    with fencer.lease("job:1", 5) as lease, fencer.lease("job:2", 5) as other:
+        s1 = lease.bind(make_session())
+        s1.add(Job(id=1, result="s1"))
+        s1.flush()
+        s2 = make_session(bind=s1.connection())
+        if second == "another lease":
+            other.bind(s2)
+        with pytest.raises(sa_fence.FencingConfigError, match="different leases bound"):
+            s2.connection()
+        s2.close()
+        s1.rollback()
+        s1.close()
+    assert row(engine, 1) is None
+
+
+def test_binding_a_lease_to_one_of_two_unbound_sessions_sharing_a_connection_is_refused(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with make_session() as s1, fencer.lease("job:1", 5) as lease:
+        s2 = make_session(bind=s1.connection())
+        s2.connection()
+        with pytest.raises(sa_fence.FencingConfigError, match="different leases bound"):
+            lease.bind(s1)
+        assert _flush._state_for(s1).lease is None  # nothing was bound
+        s2.close()
+
+
+def test_without_the_check_an_unbound_session_writes_with_another_sessions_token(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pair of the refusals above: their tokens are confused without the check."""
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    monkeypatch.setattr(_flush, "_refuse_confusable", lambda connection, state, lease: None)
+    with make_session() as unbound, fencer.lease("job:1", 5) as lease:
+        conn = unbound.connection()
+        bound = lease.bind(make_session(bind=conn))
+        bound.connection()  # begins on the shared connection: its state is the active one
+        jobs = Job.__table__
+        # Core DML on the unbound session's connection: refused as unfenced with the check
+        unbound.connection().execute(
+            jobs.update().where(jobs.c.id == 1).values(result="written unbound")
+        )
+        bound.close()
+        unbound.commit()
+    assert row(engine, 1) == ("written unbound", lease.token)  # another session's token
