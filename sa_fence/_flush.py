@@ -307,6 +307,14 @@ def _route_through_view(connection: Connection) -> None:
         return
     view = _view_of(engine)
     routed: Any = local._join(view.dispatch)
+    if "_has_events" in vars(connection):  # event.listen(connection, ...) sets it: carry over
+        _carry_over(dispatch, routed, view)
+    connection.dispatch = routed
+    connection._has_events = True  # the user's engine may have no listeners of its own
+
+
+def _carry_over(dispatch: Any, routed: Any, view: Engine) -> None:
+    """Copy the listener collections added on one connection into its routed dispatcher."""
     slots = type(dispatch).__dict__
     for name in getattr(type(dispatch), "__slots__", ()):
         try:  # the slot as set (reading the attribute would create it)
@@ -316,8 +324,6 @@ def _route_through_view(connection: Connection) -> None:
         if isinstance(joined, _JoinedListener):  # it holds listeners added on this connection
             own: Any = joined.local  # SQLAlchemy annotates the argument narrower than it stores
             setattr(routed, name, _JoinedListener(view.dispatch, name, own))
-    connection.dispatch = routed
-    connection._has_events = True  # the user's engine may have no listeners of its own
 
 
 def _listen_for_guard_errors(target: Engine | Connection) -> None:
