@@ -1,4 +1,4 @@
-"""The fenced flush: session events plus a statement hook on the session's engine view.
+"""The fenced flush: session events plus a statement hook on each fenced connection.
 
 Two lines of defence, neither costing an extra round trip:
 
@@ -30,13 +30,14 @@ outside it, and so is a session with no lease bound.
 * The fence column is declared ``server_onupdate=FetchedValue()``, so the ORM
   expires ``obj.fence`` after each UPDATE and reloads the new value on access.
 
-Where the statement hook lives: never on the user's Engine.  ``install()`` on
-a ``sessionmaker`` (or one session) bound to an Engine re-binds it to a
-private view of that engine (``engine.execution_options()``: same pool, its
-own event listeners), so only those sessions' statements pass the hook and no
-listener is added per transaction.  Sessions whose bind is something else (a
-Session subclass, ``binds=`` maps, a Connection) get the listeners on each
-Connection they begin a transaction on.
+Where the statement hook lives: never on the user's Engine, and no bind is
+swapped (``session.bind``, ``get_bind()``, ``binds=`` and the asyncio
+session keep naming the user's engine).  Each Connection an installed
+session begins a transaction on has its events re-joined to a private view
+of its engine (``engine.execution_options()``, made once per engine, with
+sa-fence's listeners after the engine's own; :func:`_route_through_view`),
+so only those connections' statements pass the hook and no listener is
+registered per transaction.
 
 ``<=`` (not ``<``) lets the same holder write one row many times.
 SQLAlchemy's ``version_id_col`` cannot be used: it compares for equality
@@ -1048,11 +1049,12 @@ def install(target: T) -> T:
 
     Sessions covered by the hook refuse to write fenced entities unless a
     lease is bound (:meth:`Lease.bind`) and compare the lease's token on every
-    UPDATE/DELETE of a fenced row.  Idempotent; never touches Mapper or the
-    Engine you pass around.  A sessionmaker (or session) bound to an Engine is
-    re-bound to a private view of it (same pool, own listeners): the fast path.
-    An ``async_sessionmaker`` or ``AsyncSession`` is fenced through its sync
-    session; its ``AsyncEngine`` bind is re-bound the same way.  Returns
+    UPDATE/DELETE of a fenced row.  Idempotent; never touches Mapper, the
+    Engine you pass around, or the bind: the session's engine stays yours
+    (the hook is routed per connection when a transaction begins).  An
+    ``async_sessionmaker`` or ``AsyncSession`` is fenced through its sync
+    session.  An Engine bind that cannot fence (not PostgreSQL with psycopg)
+    is refused here; other binds when a transaction begins.  Returns
     ``target``.
 
     A ``scoped_session`` (Flask-SQLAlchemy's ``db.session``) or
