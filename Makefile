@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sa-fence-installed
 
-.PHONY: demo test lint typecheck bench dashboard chaos services topology-tools docs clean
+.PHONY: demo test lint typecheck bench dashboard chaos services topology-tools docs clean sqlalchemy-suite
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "sa-fence needs Python >= 3.11; set PYTHON=python3.11")'
@@ -35,6 +35,13 @@ typecheck: $(STAMP)
 
 test: lint typecheck services topology-tools
 	$(PY) -m pytest
+	$(PY) -m tests.sqlalchemy_suite
+
+# SQLAlchemy's own tests (from the sdist of the installed version, downloaded
+# once into .venv/sqlalchemy-suite), run plain and with sa-fence installed on
+# every Session: any outcome that differs fails (tests/sqlalchemy_suite/).
+sqlalchemy-suite: $(STAMP) services
+	$(PY) -m tests.sqlalchemy_suite
 
 # The docs site (mkdocs-material) into site/; `make test` runs the same build
 # with --strict (tests/test_docs_site.py).

@@ -276,11 +276,17 @@ def _listen(target: Engine | Connection) -> None:
 
 
 def _attach(connection: Connection, state: _SessionState) -> None:
-    """Route ``connection``'s statements through the hook on behalf of ``state``."""
+    """Route ``connection``'s statements through the hook on behalf of ``state``.
+
+    The dialect is checked only where a lease fences the connection (a bound
+    session's begin, ``lease.bind()``, ``fence_connection()``): until then an
+    installed session works on any connection as without sa-fence.  Something
+    that only stands in for a Connection (a test's mock) is not routed.
+    """
     _active[connection] = state
     if connection not in _hooked:
-        check_dialect(connection.dialect)
-        _route_through_view(connection)
+        if isinstance(connection, Connection):
+            _route_through_view(connection)
         _hooked.add(connection)
 
 
@@ -491,7 +497,6 @@ def _view_of(engine: Engine) -> Engine:
     """
     view = _views.get(engine)
     if view is None:
-        check_dialect(engine.dialect)
         view = engine.execution_options()
         _listen(view)
         _views[engine] = view
@@ -851,12 +856,16 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
     if not (orm_state.is_update or orm_state.is_delete or orm_state.is_insert):
         return
     stmt: Any = orm_state.statement
-    if fence_column_of(stmt.table) is None:
+    dml = stmt if hasattr(stmt, "table") else getattr(stmt, "element", None)
+    table = getattr(dml, "table", None)  # None: not a table's DML after all
+    if table is None or fence_column_of(table) is None:
         return
     state = _state_for(orm_state.session)
     state.check_not_poisoned("write")
     try:
         lease = state.require_lease()
+        if lease is not None and dml is not stmt:
+            _refuse_from_statement(table)
     except FenceError as exc:
         raise state.fail(exc) from None
     if lease is None:
@@ -873,6 +882,17 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
         orm_state.update_execution_options(synchronize_session="fetch")
 
 
+def _refuse_from_statement(table: Any) -> None:
+    """``select(...).from_statement(update(...))`` reaches the connection as a SELECT."""
+    raise FencingConfigError(
+        f"select(...).from_statement() around a DML statement of fenced table "
+        f"{table.name!r} reaches the connection as a SELECT, so its WHERE clause "
+        "could not carry the token. Execute the statement itself, with "
+        ".returning(...) for the rows: session.scalars(update(...).returning(...)). "
+        "Nothing was sent."
+    )
+
+
 def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
     state = _state_for(session)
     _refuse_confusable(connection, state, state.lease)
@@ -882,6 +902,7 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
     _attach(connection, state)
     state.connections.append(connection)
     if state.lease is not None:
+        check_dialect(connection.dialect)
         _refuse_unscoped(session, connection)
         _enter_scope(connection, state.lease)
 
@@ -1199,6 +1220,7 @@ def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
         )
     state = _state_for(session)
     for conn in state.connections:  # a session sharing its connection has another lease
+        check_dialect(conn.dialect)
         _refuse_confusable(conn, state, lease)
     state.lease = lease
     lease._bound = True
@@ -1268,6 +1290,7 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
             f"the lease {lease.name!r} (token {lease.token}) was released; acquire a new "
             "lease before fencing a connection with it"
         )
+    check_dialect(conn.dialect)
     _refuse_autocommit(conn)
     previous = _active.get(conn)
     state = _SessionState()

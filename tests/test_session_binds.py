@@ -143,6 +143,26 @@ def test_the_users_listener_on_the_sessions_own_connection_keeps_firing(
     assert row(engine, 7) == ("through the user's connection", lease.token)
 
 
+def test_a_listener_added_to_the_engine_after_the_session_began_fires_too(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    seen: list[str] = []
+
+    def before_execute(conn, clauseelement, multiparams, params, execution_options):
+        seen.append(type(clauseelement).__name__)
+
+    with fencer.lease("job:6", 5) as lease, lease.bind(make_session()) as session:
+        assert session.connection() in _flush._hooked
+        sa.event.listen(engine, "before_execute", before_execute)
+        try:
+            session.add(Job(id=6, result="seen"))
+            session.commit()
+        finally:
+            sa.event.remove(engine, "before_execute", before_execute)
+    assert "Insert" in seen
+    assert row(engine, 6) == ("seen", lease.token)
+
+
 # ---------------------------------------------------------------- asyncio
 
 
@@ -278,3 +298,91 @@ def test_without_the_check_an_unbound_session_writes_with_another_sessions_token
         bound.close()
         unbound.commit()
     assert row(engine, 1) == ("written unbound", lease.token)  # another session's token
+
+
+# ------------------------------------------------------ nothing changes until bound
+
+
+def test_from_statement_dml_works_on_unfenced_tables_and_is_refused_on_fenced_ones(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    wrapped = sa.select(Audit).from_statement(
+        sa.insert(Audit).values(message="through from_statement").returning(Audit)
+    )
+    fenced = sa.select(Job).from_statement(
+        sa.update(Job).where(Job.id == 1).values(result="wrapped").returning(Job)
+    )
+    with make_session() as session:
+        assert session.scalars(wrapped).one().message == "through from_statement"
+        with pytest.raises(sa_fence.UnfencedWriteError):
+            session.execute(fenced)
+    with fencer.lease("job:1", 5) as lease, lease.bind(make_session()) as session:
+        assert session.scalars(wrapped).one().message == "through from_statement"
+        with pytest.raises(sa_fence.FencingConfigError, match="from_statement"):
+            session.execute(fenced)
+    assert row(engine, 1)[0] == "initial"  # type: ignore[index]
+
+
+def test_without_the_from_statement_refusal_a_bound_write_leaves_the_fence_behind(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pair of the test above: the wrapped UPDATE neither compares nor writes the token."""
+    first = seed(fencer, make_session, Job(id=1, result="initial"))
+    monkeypatch.setattr(_flush, "_refuse_from_statement", lambda table: None)
+    with fencer.lease("job:1", 5) as lease, lease.bind(make_session()) as session:
+        session.execute(
+            sa.select(Job).from_statement(
+                sa.update(Job).where(Job.id == 1).values(result="unfenced").returning(Job)
+            )
+        )
+        session.commit()
+    assert lease.token > first
+    assert row(engine, 1) == ("unfenced", first)  # the row still shows the old holder's token
+
+
+@pytest.fixture
+def sqlite_connection() -> Iterator[sa.Connection]:
+    sqlite = sa.create_engine("sqlite://")
+    with sqlite.connect() as conn:
+        conn.execute(sa.text("CREATE TABLE notes (id INTEGER PRIMARY KEY, body TEXT)"))
+        conn.commit()
+        yield conn
+    sqlite.dispose()
+
+
+def test_an_installed_session_works_on_any_connection_until_a_lease_is_bound(
+    fencer: sa_fence.Fencer, sqlite_connection: sa.Connection
+) -> None:
+    with sa_fence.install(Session(bind=sqlite_connection)) as session:
+        session.execute(sa.text("INSERT INTO notes (body) VALUES ('as without sa-fence')"))
+        session.commit()
+        assert session.scalar(sa.text("SELECT body FROM notes")) == "as without sa-fence"
+        session.connection()  # a transaction on SQLite is under way
+        with (
+            fencer.lease("notes", 5) as lease,
+            pytest.raises(sa_fence.FencingConfigError, match="needs PostgreSQL"),
+        ):
+            lease.bind(session)
+        session.rollback()
+        with fencer.lease("notes", 5) as lease:
+            lease.bind(session)  # no transaction yet: refused when one begins
+            with pytest.raises(sa_fence.FencingConfigError, match="needs PostgreSQL"):
+                session.execute(sa.text("INSERT INTO notes (body) VALUES ('fenced')"))
+
+
+def test_without_the_dialect_check_a_lease_on_sqlite_fails_obscurely_in_the_database(
+    fencer: sa_fence.Fencer, sqlite_connection: sa.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pair of the test above: nothing clear says the lease cannot fence there."""
+    monkeypatch.setattr(_flush, "check_dialect", lambda dialect: None)
+    with (
+        sa_fence.install(Session(bind=sqlite_connection)) as session,
+        fencer.lease("n", 5) as lease,
+    ):
+        lease.bind(session)
+        with pytest.raises(sa.exc.OperationalError, match="no such function: set_config"):
+            session.execute(sa.text("INSERT INTO notes (body) VALUES ('fenced')"))
