@@ -247,11 +247,12 @@ def report(
     explained = [d for d in found if d not in unexplained]
     if first > len(found):
         print(f"  {first - len(found)} difference(s) did not repeat when run again on their own")
-    for difference in explained:
-        print(f"  allowed: {difference.test_id}: {allowed(difference.test_id, allowlist)}")
-    unused = [p for p in allowlist if not any(matches(p, d.test_id) for d in found)]
-    for pattern in unused:
-        print(f"  note: allowlist entry {pattern!r} matched no difference in this run")
+    for pattern, why in allowlist.items():
+        hits = [d for d in explained if matches(pattern, d.test_id)]
+        if hits:
+            print(f"  allowed, {len(hits)} differing: {pattern} ({why})")
+        else:
+            print(f"  note: allowlist entry {pattern!r} matched no difference in this run")
     print(f"  {elapsed:.0f} s")
     if unexplained:
         print(f"\n{len(unexplained)} test(s) whose outcome differs with sa-fence installed:")
