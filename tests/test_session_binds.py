@@ -386,3 +386,22 @@ def test_without_the_dialect_check_a_lease_on_sqlite_fails_obscurely_in_the_data
         lease.bind(session)
         with pytest.raises(sa.exc.OperationalError, match="no such function: set_config"):
             session.execute(sa.text("INSERT INTO notes (body) VALUES ('fenced')"))
+
+
+def test_an_engine_made_per_request_is_collected_after_its_fenced_sessions(
+    engine: sa.Engine,
+) -> None:
+    """The routing keeps per engine only events that hold no reference to the engine."""
+    import gc
+    import weakref
+
+    made = []
+    for _ in range(3):
+        per_request = engine.execution_options(isolation_level="REPEATABLE READ")
+        with sa_fence.install(Session(bind=per_request)) as session:
+            assert session.connection() in _flush._hooked
+            assert session.get_bind() is per_request
+        made.append(weakref.ref(per_request))
+        del per_request, session
+    gc.collect()
+    assert [ref() for ref in made] == [None, None, None]
