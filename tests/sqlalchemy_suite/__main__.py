@@ -201,7 +201,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     allowlist = read_allowlist(ALLOWLIST)
     version = sa.__version__
     started = time.monotonic()
-    sdist = sdist_tests(args.cache, version)
+    try:
+        sdist = sdist_tests(args.cache, version)
+    except subprocess.CalledProcessError as exc:
+        print(
+            f"could not download the sdist of SQLAlchemy {version} with pip ({exc}); the "
+            "package index must be reachable, or put sqlalchemy-<version>.tar.gz into "
+            f"{args.cache} (or SA_FENCE_SQLA_CACHE) by hand",
+            file=sys.stderr,
+        )
+        return 2
     files = args.files or [*SYNC_FILES, *ASYNC_FILES]
     missing = [f for f in files if not (sdist / f).is_file()]
     if missing:
