@@ -40,6 +40,7 @@ test: lint typecheck services topology-tools
 # SQLAlchemy's own tests (from the sdist of the installed version, downloaded
 # once into .venv/sqlalchemy-suite), run plain and with sa-fence installed on
 # every Session: any outcome that differs fails (tests/sqlalchemy_suite/).
+# About 3 minutes on 2 idle cores (both modes run side by side).
 sqlalchemy-suite: $(STAMP) services
 	$(PY) -m tests.sqlalchemy_suite
 
