@@ -1296,6 +1296,7 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
     _refuse_autocommit(conn)
     previous = _active.get(conn)
     state = _SessionState()
+    _refuse_confusable(conn, state, lease)  # a session on it with another lease, or none
     state.lease = lease
     lease._bound = True
     _attach(conn, state)

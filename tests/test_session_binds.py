@@ -405,3 +405,37 @@ def test_an_engine_made_per_request_is_collected_after_its_fenced_sessions(
         del per_request, session
     gc.collect()
     assert [ref() for ref in made] == [None, None, None]
+
+
+def test_fence_connection_on_a_sessions_connection_needs_the_sessions_lease(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with fencer.lease("job:3", 5) as lease:
+        with make_session() as unbound:
+            conn = unbound.connection()
+            with (
+                pytest.raises(sa_fence.FencingConfigError, match="no lease"),
+                sa_fence.fence_connection(conn, lease),
+            ):
+                pytest.fail("entered")
+            unbound.rollback()
+        with lease.bind(make_session()) as bound:
+            with sa_fence.fence_connection(bound.connection(), lease) as conn:
+                conn.execute(Job.__table__.insert().values(id=3, result="same lease"))
+            bound.commit()
+    assert row(engine, 3) == ("same lease", lease.token)
+
+
+def test_without_the_check_fence_connection_lends_its_token_to_an_unbound_session(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pair of the test above: the unbound session's write commits with the block's token."""
+    monkeypatch.setattr(_flush, "_refuse_confusable", lambda connection, state, lease: None)
+    with fencer.lease("job:3", 5) as lease, make_session() as unbound:
+        with sa_fence.fence_connection(unbound.connection(), lease):
+            unbound.connection().execute(Job.__table__.insert().values(id=3, result="unbound"))
+        unbound.commit()
+    assert row(engine, 3) == ("unbound", lease.token)
