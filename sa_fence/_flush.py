@@ -35,7 +35,7 @@ swapped (``session.bind``, ``get_bind()``, ``binds=`` and the asyncio
 session keep naming the user's engine).  Each Connection an installed
 session begins a transaction on has its events re-joined to a private view
 of its engine (``engine.execution_options()``, made once per engine, with
-sa-fence's listeners after the engine's own; :func:`_route_through_view`),
+sa-fence's listeners joined to the engine's; :func:`_route_through_view`),
 so only those connections' statements pass the hook and no listener is
 registered per transaction.
 
@@ -298,7 +298,7 @@ def _route_through_view(connection: Connection) -> None:
     SQLAlchemy joins each Connection's own listeners to its engine's
     (``Connection.__init__``: ``self.dispatch = self.dispatch._join(
     engine.dispatch)``).  Re-joining them to the view of that engine
-    (:func:`_view_events`: the engine's listeners, then sa-fence's) routes this
+    (:func:`_view_events`: sa-fence's listeners, then the engine's) routes this
     connection alone through the hook: its ``engine`` stays the user's, the
     listeners the user put on the engine or on this connection keep firing
     (a connection keeps the listeners added to it in its joined dispatcher's
