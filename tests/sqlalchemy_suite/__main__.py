@@ -224,8 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for uri in uris.values():
             conn.execute(f'CREATE DATABASE "{uri.database}"')
     try:
-        print(f"SQLAlchemy {version}'s own tests, plain and with sa-fence installed on every ")
-        print(f"Session: {len(files)} files; logs and JUnit XML in {logs}")
+        print(
+            f"SQLAlchemy {version}'s own tests ({len(files)} files), plain and with sa-fence "
+            f"installed on every Session; logs and JUnit XML in {logs}"
+        )
         outcomes = run_modes(sdist, groups_for(files), uris, logs, "run")
         found = differences(outcomes["plain"], outcomes["fenced"])
         first = len(found)
@@ -262,7 +264,7 @@ def report(
             print(f"  allowed, {len(hits)} differing: {pattern} ({why})")
         else:
             print(f"  note: allowlist entry {pattern!r} matched no difference in this run")
-    print(f"  {elapsed:.0f} s")
+    print(f"  {elapsed:.0f} s in all")
     if unexplained:
         print(f"\n{len(unexplained)} test(s) whose outcome differs with sa-fence installed:")
         for difference in unexplained:
