@@ -1,19 +1,48 @@
 # Two commands a new user needs: `make demo` and `make test`.
-# Each creates .venv, installs the package with its test deps, makes sure
-# PostgreSQL and Redis answer (starting them when installed but down), then runs.
+# Each creates .venv and installs what it needs there: `make demo` the
+# package's dependencies alone (a few seconds), `make test` the package
+# (editable) with its test extra at the versions of constraints/test.txt.
+# Both make sure PostgreSQL and Redis answer (starting them when installed
+# but down), then run.
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sa-fence-installed
+# For `make demo`: the package's dependencies, none of the test extra.
+DEMO_STAMP := $(VENV)/.sa-fence-demo-installed
+# The exact versions the tests ran with (the extras give ranges only).
+CONSTRAINTS := constraints/test.txt
 
-.PHONY: demo test lint typecheck bench dashboard chaos services topology-tools docs clean sqlalchemy-suite
+.PHONY: demo test lint typecheck bench dashboard chaos services topology-tools docs-tools docs dist clean sqlalchemy-suite
 
-$(STAMP): pyproject.toml
+# Fast on purpose (`make demo` from a fresh clone in about 15 s on a busy
+# 2-core machine): the demo needs the package's dependencies and its source,
+# not a build of it, so it gets the dependencies of pyproject.toml alone and
+# runs the checkout's sa_fence (`python -m sa_fence demo`); building the
+# editable wheel in an isolated environment took half of `pip install -e .`.
+# The venv gets no pip of its own when $(PYTHON)'s pip can install into it
+# (pip >= 22.3: --python), and modules are compiled when first imported.
+DEPENDENCIES := $(PYTHON) -c 'import shlex, tomllib; print(*map(shlex.quote, tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))'
+
+$(DEMO_STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "sa-fence needs Python >= 3.11; set PYTHON=python3.11")'
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv --without-pip $(VENV)
+	@deps=$$($(DEPENDENCIES)) && \
+	if $(PYTHON) -m pip --python $(PY) --version >/dev/null 2>&1; then \
+	  echo "$(PYTHON) -m pip --python $(PY) install --quiet --no-compile $$deps"; \
+	  eval "$(PYTHON) -m pip --python $(PY) install --quiet --no-compile $$deps"; \
+	else \
+	  echo "$(PY) -m ensurepip && $(PY) -m pip install --quiet --no-compile $$deps"; \
+	  $(PY) -m ensurepip --default-pip >/dev/null && \
+	  eval "$(PY) -m pip install --quiet --no-compile $$deps"; \
+	fi
+	@touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP) pyproject.toml $(CONSTRAINTS)
+	@$(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip --default-pip >/dev/null
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test]'
 	@touch $(STAMP)
 
 services:
@@ -23,8 +52,12 @@ services:
 topology-tools:
 	@bash .ci/topology-tools
 
-demo: $(STAMP) services
-	$(VENV)/bin/sa-fence demo
+# chromium, for the browser test of the docs' diagrams (installed if missing).
+docs-tools:
+	@bash .ci/docs-tools
+
+demo: $(DEMO_STAMP) services
+	$(PY) -m sa_fence demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sa_fence tests docs/recipes docs_hooks.py
@@ -33,8 +66,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-test: lint typecheck services topology-tools
-	$(PY) -m pytest
+# PYTEST_ARGS: e.g. -m "not slow" for the fast subset.
+test: lint typecheck services topology-tools docs-tools
+	$(PY) -m pytest $(PYTEST_ARGS)
 	$(PY) -m tests.sqlalchemy_suite
 
 # SQLAlchemy's own tests (from the sdist of the installed version, downloaded
@@ -46,14 +80,24 @@ sqlalchemy-suite: $(STAMP) services
 
 # The docs site (mkdocs-material) into site/; `make test` runs the same build
 # with --strict (tests/test_docs_site.py).
+# Mermaid (for the diagrams) is fetched once with npm into .cache/ and served
+# with the site, so the diagrams render offline too.
 docs: $(STAMP)
+	$(PY) docs_hooks.py fetch-mermaid
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# The sdist and the wheel into dist/, checked as a package index would check
+# them (tests/test_packaging.py builds and checks the same in a temporary folder).
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(PY) -m twine check --strict dist/*
 
 # The peers (python-redis-lock, pottery) and matplotlib come from the `bench` extra.
 BENCH_STAMP := $(VENV)/.sa-fence-bench-installed
 
-$(BENCH_STAMP): $(STAMP) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+$(BENCH_STAMP): $(STAMP) pyproject.toml $(CONSTRAINTS)
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,bench]'
 	@touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP) services
@@ -71,4 +115,4 @@ chaos: $(STAMP)
 	$(PY) -m tests.chaos $(CHAOS_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site .cache

@@ -1,7 +1,7 @@
 """sa-fence: fencing tokens for SQLAlchemy, so a worker whose Redis lease
 expired mid-work cannot overwrite the result of the worker that took over.
 
-Quick tour (the full, tested quickstart is in ``docs/index.md``)::
+Quick tour (the full, tested quickstart is in ``docs/quickstart.md``)::
 
     import redis, sqlalchemy as sa
     from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
@@ -28,10 +28,17 @@ Quick tour (the full, tested quickstart is in ``docs/index.md``)::
 
 from typing import TYPE_CHECKING, Any
 
+#: The one place the version is written: the build (hatch) reads it from here
+#: into the package metadata, and ``sa-fence --version`` prints it.
+__version__ = "0.1.0.dev0"
+
+from ._create_guard import create_fence_guard, drop_fence_guard
 from ._decorators import SKIPPED, Skipped, current_lease, current_session, fenced, fenced_methods
 from ._flush import fence_connection, install, unbind, unfenced, uninstall
 from ._lease import Fencer, Lease
 from ._model import Fenced, fence_column
+from ._prune import PruneResult
+from ._side_effects import SideEffect, side_effect, side_effect_async
 from ._telemetry import Telemetry, default_name_pattern
 from ._tokens import fence_sequence
 from .errors import (
@@ -59,19 +66,25 @@ __all__ = [
     "LeaseBackendError",
     "LeaseLostError",
     "LeaseNotAcquiredError",
+    "PruneResult",
+    "SideEffect",
     "Skipped",
     "StaleTokenError",
     "Telemetry",
     "UnfencedWriteError",
+    "create_fence_guard",
     "current_lease",
     "current_session",
     "default_name_pattern",
+    "drop_fence_guard",
     "fence_column",
     "fence_connection",
     "fence_sequence",
     "fenced",
     "fenced_methods",
     "install",
+    "side_effect",
+    "side_effect_async",
     "unbind",
     "unfenced",
     "uninstall",

@@ -49,6 +49,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -59,7 +60,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.util import greenlet_spawn
 
 from . import _protocol as proto
-from . import _telemetry
+from . import _prune, _telemetry
 from ._dialect import check_dialect
 from ._lease import (
     DEFAULT_KEY_PREFIX,
@@ -83,6 +84,8 @@ from .errors import (
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
+
+    from ._prune import PruneResult
 
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
@@ -417,6 +420,26 @@ class AsyncFencer:
                     proto.cause_text(exc),
                 )
                 return
+
+    async def prune(
+        self,
+        *,
+        older_than: float | timedelta,
+        longest_lease: float | timedelta,
+        dry_run: bool = False,
+    ) -> PruneResult:
+        """Delete the lease register's rows of names no one holds, last granted more
+        than ``older_than`` ago (see ``Fencer.prune``, which it runs the same way:
+        the same statements, through this fencer's engine and Redis client)."""
+        return await greenlet_spawn(
+            _prune.prune,
+            self.engine.sync_engine,
+            _prune.async_redis_held(self.redis, self.key_prefix),
+            self.sequence,
+            older_than=older_than,
+            longest_lease=longest_lease,
+            dry_run=dry_run,
+        )
 
     async def close(self) -> None:
         """Wait for the cleanups this fencer runs in the background to finish.

@@ -348,8 +348,10 @@ class HandWritten:
         if not self.client.set(self.key, owner, nx=True, px=ttl_ms):
             raise RuntimeError(f"{self.key} is held")
         row = self.conn.execute(self.grant_sql, self.params).fetchone()
-        if row is None or row[1] == "off":
-            raise RuntimeError("the token sequence is unfit or synchronous_commit is off")
+        if row is None or row[0] is None or row[1] == "off":
+            raise RuntimeError(
+                "the token sequence is unfit or behind the register, or synchronous_commit is off"
+            )
         token = int(row[0])
         value = f"{owner}:{token}"
         if not self.confirm(keys=[self.key], args=[owner, value]):

@@ -12,15 +12,22 @@ writer, and says how to fix each finding:
   needs (run the check as your workers' role);
 * the database holds more than one register (two sequences fencing the
   same rows: neither register fences out the other's holders);
-* a fenced table lacks its fence column or its guard trigger, or its guard
+* a fenced table lacks its fence column, its guard is disabled, or its guard
   is not the one this sa-fence creates (a trigger not firing before each
   INSERT, UPDATE and DELETE; a function from another version or edited by
-  hand);
+  hand); a table with no guard at all (a ``create_all`` database) is
+  *advice*, a finding only under ``--strict``: bound sessions are fenced
+  without it, writers outside sa-fence are not;
 * the sequence is behind ``max(fence)`` of a fenced table or ``max(token)``
   of its register (after a restore from backup, or a promoted logical
   replica: logical replication does not carry sequence values).  Its next
   tokens would then be refused by every row they are compared with, or,
-  worse, equal a token already written.
+  worse, equal a token already written; a grant whose token is not past the
+  name's register token is refused (the register only moves forward).
+
+Every read names the sequence and the register schema-qualified
+(:func:`~sa_fence._register.pinned_register`), so a table of the register's
+name earlier on the search_path changes nothing of what is reported.
 
 Rows whose fence is NULL ("never fenced": any token may write them) are
 counted in a ``note`` line, not a finding, with the backfill that makes the
@@ -67,6 +74,7 @@ from ._register import (
     REGISTER_SEQUENCE_SQL,
     REGISTER_TABLE,
     Register,
+    pinned_register,
     shape_problems,
 )
 from ._tokens import (
@@ -111,6 +119,10 @@ class Finding:
 class Report:
     sequence: str
     findings: list[Finding] = field(default_factory=list)
+    #: what would make the set-up stronger but lets no stale lease commit (a
+    #: table with no guard: only writers outside sa-fence go unfenced); findings
+    #: under ``sa-fence check --strict``
+    advice: list[Finding] = field(default_factory=list)
     ok: list[str] = field(default_factory=list)
     #: facts worth knowing that are not problems (e.g. rows never fenced)
     notes: list[str] = field(default_factory=list)
@@ -178,11 +190,6 @@ def load_metadata(spec: str, app_dir: str = ".") -> sa.MetaData:
             "declarative base"
         )
     return metadata
-
-
-def _split_sequence(sequence: str) -> tuple[str | None, str]:
-    schema, _, name = sequence.rpartition(".")
-    return (schema or None), name
 
 
 _DISCOVER_SQL = sa.text(
@@ -268,6 +275,7 @@ def _last_value(conn: sa.Connection, quoted: str, row: Any) -> int | None:
         sa.text(
             "SELECT CASE WHEN has_sequence_privilege(CAST(:seq AS regclass), 'SELECT, USAGE') "
             "THEN 1 END AS readable, "
+            "has_sequence_privilege(CAST(:seq AS regclass), 'SELECT') AS selectable, "
             "CASE WHEN has_sequence_privilege(CAST(:seq AS regclass), 'SELECT, USAGE') "
             "THEN pg_sequence_last_value(CAST(:seq AS regclass)) END AS last_value"
         ),
@@ -275,6 +283,11 @@ def _last_value(conn: sa.Connection, quoted: str, row: Any) -> int | None:
     ).one()
     if value.readable is None:
         return None
+    if value.last_value is None and value.selectable:
+        # Not called since a setval(..., false) (or ever): the next nextval
+        # returns last_value itself, so the last one handed out is before it.
+        last, called = conn.execute(sa.text(f"SELECT last_value, is_called FROM {quoted}")).one()
+        return int(last) if called else int(last) - int(row.seqincrement)
     if value.last_value is None:
         return int(row.seqstart) - int(row.seqincrement)
     return int(value.last_value)
@@ -285,10 +298,14 @@ def _register_args(sequence: str) -> str:
 
 
 def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -> None:
-    """The lease register of ``report.sequence``: presence, shape, sequence, function, rights."""
+    """The lease register of ``report.sequence``: presence, shape, sequence, function, rights.
+
+    Reads go to the schema-qualified names (``register``); messages and fixes
+    show the names as given (``shown``)."""
     sequence = report.sequence
-    register = Register(sequence)
-    subject = f"lease register {register.table_display}"
+    shown = Register(sequence)
+    register = pinned_register(conn, sequence)
+    subject = f"lease register {shown.table_display}"
     args = _register_args(sequence)
     before = len(report.findings)
     columns = conn.execute(REGISTER_COLUMNS_SQL, {"register": register.table_sql}).all()
@@ -324,8 +341,8 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
                 subject,
                 "draws its tokens from no sequence (its token column has no nextval "
                 "default): every grant is refused",
-                f"ALTER TABLE {register.table_sql} ALTER COLUMN token SET DEFAULT "
-                f"nextval('{register.sequence_sql}');",
+                f"ALTER TABLE {shown.table_sql} ALTER COLUMN token SET DEFAULT "
+                f"nextval('{shown.sequence_sql}');",
             )
         )
     elif owner != mine:
@@ -337,15 +354,15 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
                 "sequence, or a stale holder's token could overtake a newer one)",
                 f"if your Fencers use {owner}, check with --sequence {owner}; to move the "
                 f"register to {sequence}, stop the workers, run sa-fence repair-sequence "
-                f"--sequence {sequence} first, then ALTER TABLE {register.table_sql} ALTER "
-                f"COLUMN token SET DEFAULT nextval('{register.sequence_sql}');",
+                f"--sequence {sequence} first, then ALTER TABLE {shown.table_sql} ALTER "
+                f"COLUMN token SET DEFAULT nextval('{shown.sequence_sql}');",
             )
         )
     has_function = conn.execute(CHECK_FUNCTION_SQL, {"function": register.function_sql}).scalar()
     if not has_function:
         report.findings.append(
             Finding(
-                f"commit check function {register.function_sql}(text, bigint)",
+                f"commit check function {shown.function_sql}(text, bigint)",
                 "is missing: no session bound to a lease can commit",
                 f"op.create_fence_register({args}) (keeps the register's rows)",
             )
@@ -368,9 +385,9 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
         if allowed is False:
             lacking.append(
                 (
-                    f"{right} on {register.table_display}",
+                    f"{right} on {shown.table_display}",
                     "every grant",
-                    f"GRANT {right} ON {register.table_sql} TO {_ident(role)};",
+                    f"GRANT {right} ON {shown.table_sql} TO {_ident(role)};",
                 )
             )
     if rights.can_draw is False:
@@ -378,16 +395,15 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
             (
                 f"USAGE on sequence {sequence}",
                 "every grant",
-                f"GRANT USAGE ON SEQUENCE {register.sequence_sql} TO {_ident(role)};",
+                f"GRANT USAGE ON SEQUENCE {shown.sequence_sql} TO {_ident(role)};",
             )
         )
     if rights.can_check is False:
         lacking.append(
             (
-                f"EXECUTE on {register.function_sql}(text, bigint)",
+                f"EXECUTE on {shown.function_sql}(text, bigint)",
                 "every commit of a bound session",
-                f"GRANT EXECUTE ON FUNCTION {register.function_sql}(text, bigint) TO "
-                f"{_ident(role)};",
+                f"GRANT EXECUTE ON FUNCTION {shown.function_sql}(text, bigint) TO {_ident(role)};",
             )
         )
     if lacking:
@@ -457,6 +473,18 @@ def _guard_args(made_with: tuple[str, str] | None) -> str:
     )
 
 
+def _guard_fixes(table: FencedTable, guard_args: str, guard_fix: str) -> str:
+    """Both ways to add a guard: without Alembic (a create_all database), and in a migration."""
+    command = f"sa-fence create-guard --url ... {table.name}" + (
+        "" if table.column == "fence" else f" --column {table.column}"
+    )
+    command += "" if table.schema is None else f" --schema {table.schema}"
+    return (
+        f"{command} (or in Python: sa_fence.create_fence_guard(engine, {guard_args})); "
+        f"in an Alembic migration: {guard_fix}"
+    )
+
+
 def check(
     conn: sa.Connection,
     *,
@@ -473,9 +501,11 @@ def check(
             "connect_args={'prepare_threshold': None} (psycopg): a Fencer refuses to "
             f"start without it (see {POOLER_DOC})"
         )
-    seq_schema, seq_name = _split_sequence(sequence)
-    seq_quoted = qualified(seq_name, seq_schema)
-    row = conn.execute(SEQUENCE_SQL, {"name": seq_quoted}).one_or_none()
+    seq_quoted = Register(sequence).sequence_sql  # shown in fixes
+    # read by its schema-qualified name: nothing on the search_path stands in
+    row = conn.execute(
+        SEQUENCE_SQL, {"name": pinned_register(conn, sequence).sequence_sql}
+    ).one_or_none()
     if row is None:
         report.findings.append(
             Finding(
@@ -500,7 +530,7 @@ def check(
         else:
             report.ok.append(f"sequence {sequence}: bigint, CACHE 1, NO CYCLE")
         report.sequence_found = True
-        report.last_value = _last_value(conn, seq_quoted, row)
+        report.last_value = _last_value(conn, pinned_register(conn, sequence).sequence_sql, row)
     _check_register(conn, report, sequence_ok=row is not None and not sequence_problems(row))
     _check_registers(conn, report)
 
@@ -546,23 +576,26 @@ def check(
                 )
             )
         guard = conn.execute(_GUARD_STATE_SQL, {"table": table.quoted}).one_or_none()
+        absent = guard is None
         if guard is not None and not guard.enabled:
             guard = None  # a disabled guard refuses nothing
-        guard_fix = (
-            f"op.create_fence_guard({table.name!r}"
+        guard_args = (
+            repr(table.name)
             + ("" if table.column == "fence" else f", {table.column!r}")
             + ("" if table.schema is None else f", schema={table.schema!r}")
             + ("" if guard is None else _guard_args(guard_made_with(guard.source)))
-            + ")"
         )
+        guard_fix = f"op.create_fence_guard({guard_args})"
         if guard is None:
             missing.append("has no guard")
-            report.findings.append(
+            # never made (a create_all database): advice, unless --strict; a guard
+            # someone disabled is a problem
+            (report.advice if absent else report.findings).append(
                 Finding(
                     f"table {table.display}",
                     f"has no enabled guard trigger {TRIGGER_NAME}: writers outside fenced "
                     "sessions (raw SQL, psql, other services) are not fenced",
-                    guard_fix,
+                    _guard_fixes(table, guard_args, guard_fix),
                 )
             )
         else:
@@ -622,7 +655,8 @@ def check(
             )
             consequences.append(
                 ("and a" if consequences else "A")
-                + " new grant would register a token below one already granted"
+                + " new grant would draw a token at or below one already granted: such a "
+                "grant is refused (the register only moves forward)"
             )
         if behind:
             target = max(report.max_fence, report.max_register_token or 0)
@@ -652,20 +686,31 @@ def check(
     return report
 
 
-def print_report(report: Report, shown_url: str, out: TextIO) -> int:
-    """Print ``report``; ``shown_url`` is the URL with its password hidden (_shown)."""
+def print_report(report: Report, shown_url: str, out: TextIO, *, strict: bool = False) -> int:
+    """Print ``report``; ``shown_url`` is the URL with its password hidden (_shown).
+
+    ``strict``: advice counts as problems (exit status 1).
+    """
     print(f"sa-fence check: {shown_url}", file=out)
     for line in report.ok:
         print(f"  ok       {line}", file=out)
     for line in report.notes:
         print(f"  note     {line}", file=out)
-    for finding in report.findings:
+    findings = report.findings + (report.advice if strict else [])
+    for finding in findings:
         print(f"  PROBLEM  {finding.subject} {finding.problem}", file=out)
         print(f"           fix: {finding.fix}", file=out)
-    if report.findings:
-        print(f"{len(report.findings)} problem(s) found.", file=out)
+    advice = [] if strict else report.advice
+    for finding in advice:
+        print(f"  advice   {finding.subject} {finding.problem}", file=out)
+        print(f"           fix: {finding.fix}", file=out)
+    tail = (
+        f" {len(advice)} piece(s) of advice (--strict counts them as problems)." if advice else ""
+    )
+    if findings:
+        print(f"{len(findings)} problem(s) found.{tail}", file=out)
         return EXIT_FINDINGS
-    print("No problems found.", file=out)
+    print(f"No problems found.{tail}", file=out)
     return EXIT_OK
 
 
@@ -730,7 +775,7 @@ def plan_repair(
 
 
 def _register_names(conn: sa.Connection, sequence: str) -> int:
-    table = Register(sequence).table_sql
+    table = pinned_register(conn, sequence).table_sql
     if conn.execute(sa.text("SELECT to_regclass(:t)"), {"t": table}).scalar() is None:
         return 0
     return int(conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one())
@@ -743,8 +788,7 @@ def apply_repair(conn: sa.Connection, plan: RepairPlan) -> int:
     token drawn past it (see :func:`fence_out_register`), in the same
     transaction.
     """
-    schema, name = _split_sequence(plan.sequence)
-    quoted = qualified(name, schema)
+    quoted = pinned_register(conn, plan.sequence).sequence_sql
     value = conn.execute(
         sa.text(
             "SELECT setval(CAST(:seq AS regclass), greatest(:target, "
@@ -769,7 +813,7 @@ def fence_out_register(conn: sa.Connection, sequence: str) -> int:
     withdrawal can bring an old token back.  The next grant of a name simply
     replaces its token, as always.
     """
-    register = Register(sequence)
+    register = pinned_register(conn, sequence)
     if conn.execute(sa.text("SELECT to_regclass(:t)"), {"t": register.table_sql}).scalar() is None:
         return 0
     result = conn.execute(
@@ -791,13 +835,17 @@ def run_check(
     err: TextIO,
     *,
     app_dir: str = ".",
+    strict: bool = False,
 ) -> int:
     return _with_connection(
         url,
         metadata_spec,
         err,
         lambda conn, md: print_report(
-            check(conn, sequence=sequence, metadata=md, column=column), _shown(url), out
+            check(conn, sequence=sequence, metadata=md, column=column),
+            _shown(url),
+            out,
+            strict=strict,
         ),
         app_dir=app_dir,
     )
@@ -882,10 +930,8 @@ def run_repair(
 
 
 def _last_value_now(conn: sa.Connection, sequence: str) -> int:
-    schema, name = _split_sequence(sequence)
-    return int(
-        conn.execute(sa.text(f"SELECT last_value FROM {qualified(name, schema)}")).scalar_one()
-    )
+    quoted = pinned_register(conn, sequence).sequence_sql
+    return int(conn.execute(sa.text(f"SELECT last_value FROM {quoted}")).scalar_one())
 
 
 def _shown(url: str) -> str:

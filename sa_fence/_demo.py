@@ -246,13 +246,21 @@ def _worker_entry(argv: list[str]) -> int:
 class _Worker:
     """The demo's handle on one worker process: commands in, JSON events out."""
 
-    def __init__(self, name: str, config: dict[str, Any], timeline: _Timeline) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: dict[str, Any],
+        timeline: _Timeline,
+        *,
+        module: str = "sa_fence._demo",
+        role: str = "worker",
+    ) -> None:
         self.name = name
         self._timeline = timeline
         self._events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._stderr: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sa_fence._demo", "worker", str(os.getpid())],
+            [sys.executable, "-m", module, role, str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -609,7 +617,8 @@ class _Demo:
             )
         )
 
-    def play(self) -> int:
+    def intro(self) -> None:
+        """The first lines: what the story is, and in which mode it runs."""
         mode = (
             "FENCED: sessions have sa_fence.install(); each worker binds its lease"
             if self.fenced
@@ -617,6 +626,9 @@ class _Demo:
         )
         self.echo("sa-fence demo: a worker's lease expires while it is paused, then it writes")
         self.summary("mode", f"{mode}")
+
+    def play(self) -> int:
+        self.intro()
         self.summary("PostgreSQL", _shown(self.server))
         self.summary("database", f"{self.database} (temporary, dropped at the end)")
         self.summary("Redis", f"{_shown_redis(self.redis_url)}, keys under {self.prefix!r}")

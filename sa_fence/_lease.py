@@ -20,6 +20,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -27,7 +28,7 @@ import redis as redis_lib
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import _protocol as proto
-from . import _telemetry
+from . import _prune, _telemetry
 from ._dialect import check_engine
 from ._flush import bind_lease
 from ._tokens import DEFAULT_SEQUENCE, TokenSource, token_error
@@ -42,6 +43,8 @@ from .errors import (
 if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session, scoped_session
+
+    from ._prune import PruneResult
 
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
@@ -279,6 +282,35 @@ class Fencer:
         """
         with self._check_lock:
             self._tokens.check()
+
+    def prune(
+        self,
+        *,
+        older_than: float | timedelta,
+        longest_lease: float | timedelta,
+        dry_run: bool = False,
+    ) -> PruneResult:
+        """Delete the lease register's rows of names that no one holds and that were
+        last granted more than ``older_than`` ago (seconds, or a ``timedelta``).
+
+        ``longest_lease`` is the longest a lease of yours can last from its grant
+        to its last commit (renewals included), a bound only you know; an
+        ``older_than`` shorter than it raises ValueError.  A name held in Redis
+        now is kept whatever its age, and a row is deleted only while it still
+        holds the token read (a grant in between survives).  A stale holder of
+        a pruned name is still refused at commit.  ``dry_run`` deletes nothing
+        and reports what would go.  Returns a :class:`PruneResult` (rows and
+        bytes removed).  ``sa-fence prune`` does the same from the command line;
+        see docs/operations.md#retention.
+        """
+        return _prune.prune(
+            self.engine,
+            _prune.redis_held(self.redis, self.key_prefix),
+            self.sequence,
+            older_than=older_than,
+            longest_lease=longest_lease,
+            dry_run=dry_run,
+        )
 
     def close(self) -> None:
         """Close the server connection this fencer holds for drawing tokens.

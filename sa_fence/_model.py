@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import BigInteger, Column, FetchedValue, FromClause, text
+from sqlalchemy import BigInteger, Column, FetchedValue, FromClause, event, text
 from sqlalchemy.exc import NoInspectionAvailable
-from sqlalchemy.orm import Mapped, Mapper, class_mapper, declared_attr, mapped_column
+from sqlalchemy.orm import (
+    ColumnProperty,
+    Mapped,
+    Mapper,
+    class_mapper,
+    declared_attr,
+    mapped_column,
+)
 from sqlalchemy.orm.exc import UnmappedClassError
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import InstanceState, Session
 
 #: Key in ``Column.info`` that marks a column as a table's fence column.
 FENCE_INFO_KEY = "sa_fence.fence"
@@ -34,9 +46,14 @@ class Fenced:
     """Declarative mixin: adds the ``fence`` column and marks the class fenced.
 
     ``fence`` holds the token of the last lease holder that wrote the row.
-    sa-fence writes it at flush time from the bound lease's token; a value
-    assigned to it (by hand, or by ``Session.merge`` copying a detached
-    object) is never written (DESIGN.md, I8).  Rows inserted without a lease
+    sa-fence writes it at flush time from the bound lease's token, and no
+    value a caller gives is ever written: assigning ``obj.fence`` (on a
+    loaded object or a new one) makes the next flush raise
+    :class:`~sa_fence.FencingConfigError` before any SQL is sent.
+    ``Session.merge`` does not copy a detached object's fence, which is
+    loaded state, not a value to write: the merged object keeps the fence
+    its row has (a fence *assigned* on the detached object is copied, and
+    refused at flush like any assignment).  Rows inserted without a lease
     (admin scripts using :func:`sa_fence.unfenced`) get ``fence = 0``.
 
     Works with SQLModel too (``class Job(sa_fence.Fenced, SQLModel,
@@ -97,6 +114,46 @@ def _scan(table: FromClause) -> Column[Any] | None:
     return None
 
 
+class _FenceProperty(ColumnProperty[int]):
+    """The fence attribute's property: ``Session.merge`` leaves a loaded fence behind.
+
+    ``merge()`` copies every loaded attribute of a detached object onto the
+    session's object, as if assigned.  A detached object's fence is what its
+    row carried when it was loaded, usually older than the row's fence now,
+    and copying it would read as an assignment (refused at flush).  So a
+    fence the detached object only *loaded* is not copied (the merged object
+    keeps its row's fence); one *assigned* on it is copied as usual, and the
+    flush refuses it.  sa-fence switches the fence's ``ColumnProperty`` to
+    this class (same slots, one method more) when it first meets the mapper.
+    """
+
+    __slots__ = ()
+
+    def merge(
+        self,
+        session: Session,
+        source_state: InstanceState[Any],
+        source_dict: dict[str, Any],
+        dest_state: InstanceState[Any],
+        dest_dict: dict[str, Any],
+        load: bool,
+        _recursive: dict[Any, object],
+        _resolve_conflict_map: dict[Any, object],
+    ) -> None:
+        if load and self.key in source_dict and self.key not in source_state.committed_state:
+            return  # loaded, never assigned: not a value to write
+        super().merge(
+            session,
+            source_state,
+            source_dict,
+            dest_state,
+            dest_dict,
+            load,
+            _recursive,
+            _resolve_conflict_map,
+        )
+
+
 def fence_key_of(mapper: Mapper[Any]) -> str | None:
     """The attribute name of ``mapper``'s fence column, or None if not fenced."""
     try:
@@ -106,10 +163,24 @@ def fence_key_of(mapper: Mapper[Any]) -> str | None:
     key = None
     for col in mapper.columns:
         if carries_fence(col):
-            key = mapper.get_property_by_column(col).key
+            prop = mapper.get_property_by_column(col)
+            if type(prop) is ColumnProperty:
+                prop.__class__ = _FenceProperty
+            key = prop.key
             break
     _mapper_fences[mapper] = key
     return key
+
+
+@event.listens_for(Fenced, "mapper_configured", propagate=True)
+def _fenced_mapper_configured(mapper: Mapper[Any], cls: type) -> None:
+    """A class using the :class:`Fenced` mixin gets its fence property before any merge.
+
+    Scoped to subclasses of the mixin (never every Mapper).  Classes mapped
+    to a table built with :func:`fence_column` get it when sa-fence first
+    meets their mapper (a lease bound to a session, a flush, a statement).
+    """
+    fence_key_of(mapper)
 
 
 _fenced_classes: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
@@ -180,3 +251,77 @@ def orm_index() -> OrmIndex:
     index.association_tables = frozenset(association)
     _index = index
     return index
+
+
+#: PostgreSQL's messages for an undefined column (SQLSTATE 42703): an INSERT or
+#: UPDATE target (``column "fence" of relation "jobs" does not exist``), a
+#: qualified reference (``column jobs.fence does not exist``) or a bare one.
+_UNDEFINED_COLUMN = re.compile(
+    r'column (?:"(?P<target>[^"]+)" of relation "(?P<relation>[^"]+)"'
+    r'|(?P<qualifier>[^\s"]+|"[^"]+")\.(?P<qualified>[^\s"]+|"[^"]+")'
+    r'|"(?P<bare>[^"]+)") does not exist'
+)
+UNDEFINED_COLUMN_SQLSTATE = "42703"
+
+
+def _unquoted(name: str | None) -> str | None:
+    if name and len(name) > 1 and name[0] == name[-1] == '"':
+        return name[1:-1].replace('""', '"')
+    return name
+
+
+def _mapped_fenced_tables() -> list[Any]:
+    from sqlalchemy.orm import mapperlib
+
+    found: list[Any] = []
+    for registry in list(mapperlib._mapper_registries):
+        for mapper in registry.mappers:
+            for table in mapper.tables:
+                if fence_column_of(table) is not None:
+                    found.append(table)
+    return found
+
+
+def missing_fence_column(
+    orig: BaseException, statement: Any = None
+) -> tuple[str | None, str, str] | None:
+    """(schema, table, fence column) when ``orig`` is PostgreSQL saying a fenced
+    table's fence column does not exist; else None.
+
+    The tables considered are the fenced ones ``statement`` names and every
+    mapped fenced table, so a fence column the models declare but the
+    database lacks (a table made before the model was fenced: ``create_all``
+    does not add columns) is told apart from any other missing column.
+    """
+    if getattr(orig, "sqlstate", None) != UNDEFINED_COLUMN_SQLSTATE:
+        return None
+    diag = getattr(orig, "diag", None)
+    message = str(getattr(diag, "message_primary", None) or orig)
+    match = _UNDEFINED_COLUMN.search(message)
+    if match is None:
+        return None
+    column = _unquoted(match["target"] or match["qualified"] or match["bare"]) or ""
+    relation = _unquoted(match["relation"] or match["qualifier"])
+    tables: list[Any] = []
+    if statement is not None:
+        from sqlalchemy.sql.util import find_tables
+
+        with contextlib.suppress(Exception):  # a statement find_tables cannot walk
+            tables = find_tables(statement, include_crud=True, include_joins=True)
+
+    def fenced_by(table: Any) -> bool:
+        return getattr(fence_column_of(table), "name", None) == column
+
+    in_statement = [t for t in tables if fenced_by(t)]
+    mapped = [t for t in _mapped_fenced_tables() if fenced_by(t)]
+    # the relation PostgreSQL names; else (an alias such as jobs_1) the statement's own
+    named = [
+        t
+        for t in [*in_statement, *mapped]
+        if relation is None or relation == getattr(t, "name", None)
+    ]
+    for table in named or in_statement:
+        name = getattr(table, "name", None)
+        schema = getattr(table, "schema", None)
+        return schema, str(name), column
+    return None

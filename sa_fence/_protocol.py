@@ -75,6 +75,14 @@ return 0
 #: long is a bug, so the bound is a sanity check, not a Redis limit).
 MAX_TTL_SECONDS = 7 * 24 * 3600.0
 MAX_NAME_LENGTH = 1024
+#: Longest lease name in UTF-8 bytes.  The name is the lease register's primary
+#: key, and a btree index entry must fit in a third of a page: on PostgreSQL's
+#: default 8 kB pages an incompressible name of more than 2,692 bytes is refused
+#: ("index row size exceeds btree version 4 maximum", measured on PostgreSQL 15
+#: with random ASCII; a repetitive name compresses and may pass).  2,048 bytes
+#: leaves room below that for any content; with MAX_NAME_LENGTH it allows 1,024
+#: characters of ASCII or of two-byte scripts (Cyrillic, Greek), 682 CJK ones.
+MAX_NAME_BYTES = 2048
 
 
 def new_owner() -> str:
@@ -110,6 +118,23 @@ def check_name(name: object) -> str:
         raise ValueError(
             "lease name must not contain NUL characters (PostgreSQL text cannot hold them, "
             "and the name is kept in the lease register)"
+        )
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"lease name is not encodable as UTF-8: {exc.object[exc.start : exc.end]!r} at "
+            f"position {exc.start} is a lone surrogate (half of a UTF-16 pair, e.g. from "
+            "bytes decoded with errors='surrogateescape'). Decode the name's bytes with its "
+            "real encoding, or escape them first (e.g. name.encode('utf-8', "
+            "'backslashreplace').decode())"
+        ) from None
+    if size > MAX_NAME_BYTES:
+        raise ValueError(
+            f"lease name must be at most {MAX_NAME_BYTES} bytes in UTF-8, got {size} bytes "
+            f"({len(name)} characters): the name is the lease register's primary key, and "
+            "PostgreSQL's btree index cannot hold longer ones. Name the resource by a "
+            "shorter key, e.g. its id, or a hash of a long natural key"
         )
     return name
 

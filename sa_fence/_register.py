@@ -116,6 +116,12 @@ class Register:
     def function_sql(self) -> str:
         return qualified(CHECK_FUNCTION, self.schema)
 
+    def pinned(self, schema: str | None) -> Register:
+        """This register with its schema named (``schema``: where the sequence was found)."""
+        if self.schema is not None or schema is None:
+            return self
+        return Register(f"{schema}.{split_name(self.sequence)[1]}")
+
     def grant_sql(self) -> str:
         """The draw-and-register statement (psycopg pyformat: ``%(name)s``)."""
         return self._grant_sql
@@ -149,6 +155,42 @@ class Register:
         return f"SELECT {self.function_sql}({quote_literal(name)}, {int(token)})"
 
 
+#: The schema an unqualified sequence name stands for: the first schema of the
+#: search_path holding a sequence of that name, never the session's temporary
+#: schema (where any role can create a stand-in); when none holds one, the first
+#: non-temporary schema of the search_path (so that what is missing is reported
+#: missing, not found in pg_temp).  NULL: no schema at all.
+SEQUENCE_SCHEMA_SQL = text(
+    """
+    SELECT coalesce(
+        (SELECT p.nspname
+           FROM unnest(pg_catalog.current_schemas(false)) WITH ORDINALITY AS p(nspname, pos)
+           JOIN pg_catalog.pg_namespace n ON n.nspname = p.nspname
+           JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid
+          WHERE c.relname = :name AND c.relkind = 'S' AND n.oid <> pg_catalog.pg_my_temp_schema()
+          ORDER BY p.pos LIMIT 1),
+        (SELECT p.nspname
+           FROM unnest(pg_catalog.current_schemas(false)) WITH ORDINALITY AS p(nspname, pos)
+           JOIN pg_catalog.pg_namespace n ON n.nspname = p.nspname
+          WHERE n.oid <> pg_catalog.pg_my_temp_schema() AND p.nspname <> 'pg_catalog'
+          ORDER BY p.pos LIMIT 1)) AS schema
+    """
+)
+
+
+def pinned_register(conn: Any, sequence: str) -> Register:
+    """The register of ``sequence`` with every name schema-qualified (DESIGN.md, I9
+    and the register's "never through search_path"): an unqualified sequence name
+    is resolved once, here, by :data:`SEQUENCE_SCHEMA_SQL`; every statement after
+    names the sequence and the register by that schema.  ``conn``: a SQLAlchemy
+    ``Connection``."""
+    register = Register(sequence)
+    if register.schema is not None:
+        return register
+    schema = conn.execute(SEQUENCE_SCHEMA_SQL, {"name": split_name(sequence)[1]}).scalar()
+    return register.pinned(schema)
+
+
 def quote_literal(value: str) -> str:
     """A PostgreSQL string literal for ``value``, safe whatever
     ``standard_conforming_strings`` is: the ``E''`` form escapes both quotes
@@ -159,31 +201,47 @@ def quote_literal(value: str) -> str:
     return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
 
 
-# One statement, autocommit.  Rows come out of the SELECT only when the
-# sequence is fit (bigint, CACHE 1, NO CYCLE, increment > 0) and is the one
-# the register's token default draws from; the INSERT then evaluates that
-# default (nextval) for the one row.  `previous` keeps the replaced token for
-# a withdrawal.  synchronous_commit is read to refuse 'off' (I4b).
+# One statement, autocommit.  `drawn` has a row only when the sequence is fit
+# (bigint, CACHE 1, NO CYCLE, increment > 0) and is the one the register's
+# token default draws from; it then draws the one token (a CTE with a volatile
+# function is evaluated once).  The upsert advances the register only forward
+# (DESIGN.md, I9): a drawn token not greater than the name's register token
+# (the sequence was set back: setval, a restore, a promoted replica) updates
+# nothing, and the row comes back with `token` NULL beside the drawn token and
+# the register's, for the refusal.  `previous` keeps the replaced token for a
+# withdrawal.  synchronous_commit is read to refuse 'off' (I4b).  The register
+# and sequence arrive schema-qualified (Register.pinned): nothing on the
+# search_path (a temporary table, another schema) can stand in for them.
 _GRANT_SQL = """\
-INSERT INTO {register} AS r (name, granted_at)
-SELECT %(name)s, clock_timestamp()
-  FROM pg_catalog.pg_sequence s
- WHERE s.seqrelid = CAST(%(sequence)s AS regclass)
-   AND s.seqtypid = 'pg_catalog.int8'::regtype
-   AND s.seqcache = 1 AND NOT s.seqcycle AND s.seqincrement > 0
-   AND EXISTS (
-       SELECT 1
-         FROM pg_catalog.pg_attrdef d
-         JOIN pg_catalog.pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
-         JOIN pg_catalog.pg_depend p
-           ON p.classid = 'pg_catalog.pg_attrdef'::regclass AND p.objid = d.oid
-          AND p.refclassid = 'pg_catalog.pg_class'::regclass
-        WHERE d.adrelid = CAST(%(register)s AS regclass) AND a.attname = 'token'
-          AND p.refobjid = s.seqrelid)
-   AND set_config('lock_timeout', %(lock_timeout)s, true) IS NOT NULL
-ON CONFLICT (name) DO UPDATE
-   SET token = EXCLUDED.token, granted_at = EXCLUDED.granted_at, previous = r.token
-RETURNING r.token, current_setting('synchronous_commit')"""
+WITH drawn AS (
+    SELECT pg_catalog.nextval(s.seqrelid) AS token
+      FROM pg_catalog.pg_sequence s
+     WHERE s.seqrelid = CAST(%(sequence)s AS pg_catalog.regclass)
+       AND s.seqtypid = 'pg_catalog.int8'::pg_catalog.regtype
+       AND s.seqcache = 1 AND NOT s.seqcycle AND s.seqincrement > 0
+       AND EXISTS (
+           SELECT 1
+             FROM pg_catalog.pg_attrdef d
+             JOIN pg_catalog.pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+             JOIN pg_catalog.pg_depend p
+               ON p.classid = 'pg_catalog.pg_attrdef'::pg_catalog.regclass AND p.objid = d.oid
+              AND p.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass
+            WHERE d.adrelid = CAST(%(register)s AS pg_catalog.regclass)
+              AND a.attname = 'token' AND p.refobjid = s.seqrelid)
+       AND pg_catalog.set_config('lock_timeout', %(lock_timeout)s, true) IS NOT NULL
+), granted AS (
+    INSERT INTO {register} AS r (name, token, granted_at)
+    SELECT %(name)s, drawn.token, pg_catalog.clock_timestamp() FROM drawn
+    ON CONFLICT (name) DO UPDATE
+       SET token = EXCLUDED.token, granted_at = EXCLUDED.granted_at, previous = r.token
+     WHERE r.token < EXCLUDED.token
+    RETURNING r.token
+)
+SELECT (SELECT g.token FROM granted g) AS token,
+       pg_catalog.current_setting('synchronous_commit') AS synchronous_commit,
+       drawn.token AS drawn,
+       (SELECT o.token FROM {register} o WHERE o.name = %(name)s) AS held
+  FROM drawn"""
 
 
 _CHECK_FUNCTION_SQL = """\

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -30,8 +31,11 @@ import sqlalchemy as sa
 
 from . import _protocol as proto
 from ._check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, _with_connection
-from ._register import Register
+from ._register import Register, pinned_register
 from ._telemetry import redact_url
+
+#: Where the applications' key_prefix is read from (the ``--key-prefix`` default).
+KEY_PREFIX_ENV = "SA_FENCE_KEY_PREFIX"
 
 #: Rows listed when no NAME is given (newest grants first).
 DEFAULT_LIMIT = 50
@@ -105,7 +109,8 @@ def statuses(
     limit: int = DEFAULT_LIMIT,
 ) -> list[LeaseStatus] | None:
     """The status of ``names`` (or of the ``limit`` newest grants); None: no register."""
-    rows = _register_rows(conn, Register(sequence), names, limit)
+    # schema-qualified: a temporary table or another schema cannot stand in
+    rows = _register_rows(conn, pinned_register(conn, sequence), names, limit)
     if rows is None:
         return None
     listed = list(names) if names else list(rows)
@@ -181,6 +186,54 @@ def render(found: Sequence[LeaseStatus], out: TextIO) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip(), file=out)
 
 
+#: SCAN calls (COUNT :data:`SCAN_COUNT` each) spent looking for the registered
+#: names under another prefix: bounded, so a large Redis costs little.
+SCAN_CALLS = 20
+SCAN_COUNT = 1000
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+
+
+def other_prefixes(client: redis_lib.Redis, key_prefix: str, name: str) -> list[str]:
+    """Prefixes other than ``key_prefix`` under which Redis holds a key for lease
+    ``name`` (a bounded SCAN: an empty list proves nothing)."""
+    raw = name.encode()
+    pattern = "*" + _GLOB_SPECIAL.sub(r"\\\1", name)
+    found: set[str] = set()
+    cursor = 0
+    for _ in range(SCAN_CALLS):
+        cursor, keys = client.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
+        for key in keys:
+            key = key if isinstance(key, bytes) else key.encode()  # decode_responses
+            if key.endswith(raw) and len(key) > len(raw):
+                prefix = key[: -len(raw)].decode("utf-8", "replace")
+                if prefix != key_prefix:
+                    found.add(prefix)
+        if cursor == 0:
+            break
+    return sorted(found)
+
+
+def no_keys_hint(
+    client: redis_lib.Redis, key_prefix: str, registered: Sequence[LeaseStatus]
+) -> str:
+    """What to say when no name the register holds has a key under ``key_prefix``."""
+    hint = (
+        f"sa-fence status: note: Redis holds no key under the prefix {key_prefix!r} for "
+        f"any of the {len(registered)} name(s) the register holds, so each shows as free. "
+        "If a lease is held now, your application's Fencer uses another key_prefix: pass "
+        f"--key-prefix, or set ${KEY_PREFIX_ENV} as the recipes read it."
+    )
+    try:
+        prefixes = other_prefixes(client, key_prefix, registered[0].name)
+    except redis_lib.RedisError:
+        prefixes = []
+    if prefixes:
+        hint += f" {registered[0].name!r} has a key under: " + ", ".join(
+            f"--key-prefix {p!r}" for p in prefixes[:5]
+        )
+    return hint
+
+
 def run(
     url: str,
     redis_url: str,
@@ -229,6 +282,9 @@ def run(
             )
             return EXIT_FINDINGS
         result["found"] = found
+        registered = [s for s in found if s.token is not None]
+        if registered and all(s.state == FREE for s in registered):
+            result["hint"] = no_keys_hint(client, key_prefix, registered)
         return EXIT_OK
 
     try:
@@ -245,6 +301,8 @@ def run(
         render(found, out)
     else:
         print("no lease has been granted yet", file=out)
+    if result.get("hint"):
+        print(result["hint"], file=err)
     unknown = [s.name for s in found if s.state == UNKNOWN]
     if unknown:
         print(

@@ -27,6 +27,7 @@ from ._register import (
     REGISTER_COLUMNS_SQL,
     REGISTER_SEQUENCE_SQL,
     Register,
+    pinned_register,
     register_table,
     shape_problems,
     split_name,
@@ -115,8 +116,15 @@ def sequence_problems(row: Any) -> list[str]:
 
 
 def setup_problem(conn: Connection, sequence: str) -> str | None:
-    """What keeps ``sequence`` and its register from granting leases, with the fix; or None."""
-    register = Register(sequence)
+    """What keeps ``sequence`` and its register from granting leases, with the fix; or None.
+
+    Reads the sequence and the register by their schema-qualified names
+    (:func:`~sa_fence._register.pinned_register`): a temporary table or a
+    table of another schema earlier on the search_path changes nothing of
+    what it finds.  Messages show the names as the user gave them (``shown``).
+    """
+    shown = Register(sequence)
+    register = pinned_register(conn, sequence)
     row = conn.execute(SEQUENCE_SQL, {"name": register.sequence_sql}).one_or_none()
     if row is None:
         return (
@@ -128,7 +136,7 @@ def setup_problem(conn: Connection, sequence: str) -> str | None:
         return (
             f"token sequence {sequence!r} cannot issue fencing tokens: "
             + "; ".join(problems)
-            + f". Fix it with: ALTER SEQUENCE {register.sequence_sql} AS bigint CACHE 1 "
+            + f". Fix it with: ALTER SEQUENCE {shown.sequence_sql} AS bigint CACHE 1 "
             "NO CYCLE INCREMENT BY 1;"
         )
     fix = (
@@ -140,37 +148,37 @@ def setup_problem(conn: Connection, sequence: str) -> str | None:
     columns = conn.execute(REGISTER_COLUMNS_SQL, {"register": register.table_sql}).all()
     if not columns:
         return (
-            f"the lease register {register.table_display} does not exist: without it a "
+            f"the lease register {shown.table_display} does not exist: without it a "
             f"stale holder's INSERTs and other tables are not fenced. {fix}"
         )
     shape = shape_problems(columns)
     if shape:
         return (
-            f"the lease register {register.table_display} has the wrong shape: "
+            f"the lease register {shown.table_display} has the wrong shape: "
             + "; ".join(shape)
             + f". Drop it and recreate it: {fix}"
         )
     owner = conn.execute(REGISTER_SEQUENCE_SQL, {"register": register.table_sql}).scalar()
     if owner is None:
         return (
-            f"the lease register {register.table_display} draws its tokens from no sequence "
+            f"the lease register {shown.table_display} draws its tokens from no sequence "
             "(its token column has no nextval default). "
-            f"Fix: ALTER TABLE {register.table_sql} ALTER COLUMN token SET DEFAULT "
-            f"nextval('{register.sequence_sql}');"
+            f"Fix: ALTER TABLE {shown.table_sql} ALTER COLUMN token SET DEFAULT "
+            f"nextval('{shown.sequence_sql}');"
         )
     mine = conn.execute(
         text("SELECT CAST(:seq AS regclass)::text"), {"seq": register.sequence_sql}
     ).scalar_one()
     if owner != mine:
         return (
-            f"the lease register {register.table_display} belongs to sequence {owner}, but "
+            f"the lease register {shown.table_display} belongs to sequence {owner}, but "
             f"this Fencer names sequence {sequence!r}: tokens of one register must come from "
             "one sequence, or a stale holder's token could overtake a newer one. Pass "
             f"sequence={owner!r} to the Fencer."
         )
     if not conn.execute(CHECK_FUNCTION_SQL, {"function": register.function_sql}).scalar_one():
         return (
-            f"the commit check function {register.function_sql}(text, bigint) is missing, "
+            f"the commit check function {shown.function_sql}(text, bigint) is missing, "
             f"so no bound session could commit. {fix}"
         )
     return None
@@ -291,6 +299,20 @@ def _fix_hint(name: str) -> str:
     )
 
 
+def not_forward_error(name: str, sequence: str, drawn: int, held: int | None) -> FencingConfigError:
+    """A grant refused because its drawn token does not move the register forward (I9)."""
+    held_text = "a token at least as large" if held is None else f"token {held}"
+    return FencingConfigError(
+        f"lease {name!r} was not granted: the token sequence {sequence!r} is behind the "
+        f"lease register: it drew token {drawn}, but the register already holds "
+        f"{held_text} for this name. The sequence was set back (setval, a restore from "
+        "backup, a promoted replica), so it would hand out tokens already held: the "
+        f"drawn token was thrown away and nothing was granted. Stop the workers and run "
+        f"`sa-fence repair-sequence --url ... --sequence {sequence}` (it moves the "
+        "sequence past every fence and every registered token)."
+    )
+
+
 def _sync_commit_error(value: str) -> FencingConfigError:
     return FencingConfigError(
         f"synchronous_commit is {value!r} on the token connection: a token could be "
@@ -348,11 +370,15 @@ class TokenSource:
             problem = setup_problem(conn, self.sequence) or pooler_problem(conn)
             sync = conn.execute(text("SELECT current_setting('synchronous_commit')")).scalar_one()
             self.database_id = tuple(conn.execute(text(DATABASE_ID_SQL)).one())
+            register = pinned_register(conn, self.sequence)
             conn.rollback()
         if problem is not None:
             raise FencingConfigError(problem)
         if sync == "off":
             raise _sync_commit_error(sync)
+        # From here on every statement names the register and the sequence by
+        # the schema found now, never through a connection's search_path.
+        self.register = register
         self._checked = True
 
     def ensure_checked(self) -> None:
@@ -434,9 +460,11 @@ class TokenSource:
                 f"lease {name!r} was not granted: "
                 + (problem or f"the token sequence {self.sequence!r} cannot issue tokens")
             )
-        token, sync = row
+        token, sync, drawn, held = row
         if sync == "off":
             raise _sync_commit_error(sync)
+        if token is None:
+            raise not_forward_error(name, self.sequence, int(drawn), held)
         return int(token)
 
     def withdraw(self, name: str, token: int) -> None:

@@ -54,6 +54,7 @@ from alembic.operations import ops as alembic_ops
 from alembic.util import DispatchPriority, PriorityDispatchResult
 from sqlalchemy.schema import CreateSequence, DropSequence
 
+from ._create_guard import COLUMN_SQL
 from ._guard import (
     GUARD_STATE_SQL,
     TRIGGER_NAME,
@@ -628,14 +629,6 @@ class ReplaceFenceGuardOp(_GuardOp):
         )
 
 
-_COLUMN_SQL = sa.text(
-    "SELECT to_regclass(:table) IS NOT NULL AS present, "
-    "(SELECT format_type(a.atttypid, NULL) FROM pg_catalog.pg_attribute a "
-    " WHERE a.attrelid = to_regclass(:table) AND a.attname = :column "
-    "   AND a.attnum > 0 AND NOT a.attisdropped) AS data_type"
-)
-
-
 def _check_guarded_column(operations: Operations, operation: _GuardOp) -> None:
     """Online: refuse a guard on a missing table or column before writing anything.
 
@@ -646,7 +639,7 @@ def _check_guarded_column(operations: Operations, operation: _GuardOp) -> None:
     table = qualified(operation.table_name, operation.schema)
     found = (
         operations.get_bind()
-        .execute(_COLUMN_SQL, {"table": table, "column": operation.column})
+        .execute(COLUMN_SQL, {"table": table, "column": operation.column})
         .one()
     )
     shown = _qualified(operation.table_name, operation.schema)

@@ -5,7 +5,9 @@
 ``sa-fence demo`` plays the lost-lease double write with two worker
 processes (see :mod:`sa_fence._demo`); ``sa-fence check`` and
 ``sa-fence repair-sequence`` inspect and repair a live database's fencing
-set-up (see :mod:`sa_fence._check`); ``sa-fence bench`` measures what fencing
+set-up (see :mod:`sa_fence._check`); ``sa-fence create-guard`` adds the
+guard trigger to a database made without migrations (see
+:mod:`sa_fence._create_guard`); ``sa-fence bench`` measures what fencing
 costs on the user's servers (see :mod:`sa_fence._bench`).  Each subcommand's module is imported
 only when it runs, so ``sa-fence --help`` stays fast.
 """
@@ -16,7 +18,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from typing import Any
 
 DEMO_PG_ENV = "SA_FENCE_DEMO_PG"
@@ -110,15 +111,20 @@ def _redacted(url: str) -> str:
 
 
 def _version() -> str:
-    try:
-        return metadata.version("sa-fence")
-    except metadata.PackageNotFoundError:  # running from a source tree
-        return "unknown"
+    from . import __version__
+
+    return __version__
 
 
 def _demo(args: argparse.Namespace) -> int:
     from . import _demo
 
+    if args.side_effects:
+        from . import _demo_side_effects
+
+        return _demo_side_effects.run(
+            pg=args.pg, redis_url=args.redis, ttl=args.ttl, fenced=not args.unfenced
+        )
     return _demo.run(pg=args.pg, redis_url=args.redis, ttl=args.ttl, fenced=not args.unfenced)
 
 
@@ -133,6 +139,7 @@ def _check(args: argparse.Namespace) -> int:
         sys.stdout,
         sys.stderr,
         app_dir=args.app_dir,
+        strict=args.strict,
     )
 
 
@@ -176,6 +183,31 @@ def _status(args: argparse.Namespace) -> int:
         out=sys.stdout,
         err=sys.stderr,
     )
+
+
+def _prune(args: argparse.Namespace) -> int:
+    from . import _prune
+
+    return _prune.run(
+        args.url,
+        args.redis,
+        sequence=args.sequence,
+        key_prefix=args.key_prefix,
+        older_than=args.older_than,
+        longest_lease=args.longest_lease,
+        dry_run=args.dry_run,
+        out=sys.stdout,
+        err=sys.stderr,
+    )
+
+
+def _duration(text: str) -> float:
+    from ._prune import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _database_arguments(parser: argparse.ArgumentParser) -> None:
@@ -259,6 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="use plain sessions (no sa_fence.install): the lease alone, as most code does",
     )
     demo.add_argument(
+        "--side-effects",
+        action="store_true",
+        help="the same story with an e-mail per worker, enqueued with sa_fence.side_effect() "
+        "on procrastinate: A's never leaves, B's leaves once although its first delivery "
+        "is killed (needs: pip install 'sa-fence[side-effects]')",
+    )
+    demo.add_argument(
         "--pg",
         metavar="URL",
         default=os.environ.get(DEMO_PG_ENV, DEFAULT_DEMO_PG),
@@ -286,10 +325,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Checks that the token sequence exists with CACHE 1 and NO CYCLE, that "
         "every fenced table has its fence column and guard trigger, and that the sequence "
         "is at or past max(fence) of every fenced table. Prints each problem with its fix. "
-        "Read-only. Exit status: 0 no problems, 1 problems found, 2 bad argument, "
-        "3 database unreachable.",
+        "A table with no guard trigger is advice (raw SQL writers go unfenced), a problem "
+        "with --strict. Read-only. Exit status: 0 no problems, 1 problems found, "
+        "2 bad argument, 3 database unreachable.",
     )
     _database_arguments(check)
+    check.add_argument(
+        "--strict",
+        action="store_true",
+        help="count advice (a fenced table with no guard trigger) as problems: exit 1",
+    )
     check.set_defaults(handler=_check)
 
     repair = commands.add_parser(
@@ -363,13 +408,129 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quiet", action="store_true", help="no progress on stderr")
     bench.set_defaults(handler=_bench)
     _status_parser(commands)
+    _create_guard_parser(commands)
+    _prune_parser(commands)
     return parser
 
 
-def _status_parser(commands: Any) -> None:
+def _create_guard(args: argparse.Namespace) -> int:
+    from . import _create_guard
+
+    return _create_guard.run(
+        args.url,
+        args.tables,
+        column=args.column,
+        schema=args.schema,
+        sequence=args.sequence,
+        on_missing_token=args.on_missing_token,
+        out=sys.stdout,
+        err=sys.stderr,
+    )
+
+
+def _create_guard_parser(commands: Any) -> None:
+    from ._guard import DEFAULT_SEQUENCE, MISSING_TOKEN_POLICIES
+
+    guard = commands.add_parser(
+        "create-guard",
+        help="create the guard trigger on fenced tables (a database made with create_all)",
+        description="Creates (or replaces) the guard trigger sa_fence_guard on each TABLE: "
+        "the trigger op.create_fence_guard() makes in a migration, for a database made "
+        "with Base.metadata.create_all(). It refuses UPDATEs and DELETEs with a stale "
+        "token and any write of a fence no lease was granted, from every writer (raw SQL, "
+        "psql, other services). All tables in one transaction: if a table, its bigint "
+        "fence column or the token sequence is missing, nothing is created. Exit status: "
+        "0 created, 1 nothing created (the message says why), 2 bad argument, "
+        "3 database unreachable.",
+    )
+    guard.add_argument("tables", metavar="TABLE", nargs="+", help="fenced tables")
+    _url_argument(guard, f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})")
+    guard.add_argument(
+        "--schema", metavar="SCHEMA", help="the tables' schema (default: the search_path)"
+    )
+    guard.add_argument(
+        "--column", metavar="COLUMN", default="fence", help="the fence column (default: fence)"
+    )
+    guard.add_argument(
+        "--sequence",
+        metavar="NAME",
+        default=DEFAULT_SEQUENCE,
+        help="the Fencers' token sequence, optionally schema-qualified "
+        f"(default: {DEFAULT_SEQUENCE})",
+    )
+    guard.add_argument(
+        "--on-missing-token",
+        choices=MISSING_TOKEN_POLICIES,
+        default="reject",
+        help="reject (default): refuse UPDATEs and DELETEs that present no token; "
+        "unchanged: let an UPDATE that leaves the fence as it is through",
+    )
+    guard.set_defaults(handler=_create_guard)
+
+
+def _redis_arguments(parser: argparse.ArgumentParser) -> None:
     from ._lease import DEFAULT_KEY_PREFIX
-    from ._status import DEFAULT_LIMIT
+    from ._status import KEY_PREFIX_ENV
     from ._tokens import DEFAULT_SEQUENCE
+
+    parser.add_argument(
+        "--redis",
+        metavar="URL",
+        type=_redis_url,
+        default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS),
+        help=f"Redis URL (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS})",
+    )
+    parser.add_argument(
+        "--key-prefix",
+        metavar="PREFIX",
+        default=os.environ.get(KEY_PREFIX_ENV, DEFAULT_KEY_PREFIX),
+        help=f"the Fencer's key_prefix (default: ${KEY_PREFIX_ENV}, as the recipes read "
+        f"it, else {DEFAULT_KEY_PREFIX})",
+    )
+    parser.add_argument(
+        "--sequence",
+        metavar="NAME",
+        default=DEFAULT_SEQUENCE,
+        help=f"the token sequence, optionally schema-qualified (default: {DEFAULT_SEQUENCE})",
+    )
+
+
+def _prune_parser(commands: Any) -> None:
+    prune = commands.add_parser(
+        "prune",
+        help="delete lease register rows of names no one holds, last granted long ago",
+        description="Delete the lease register's rows whose name is not held in Redis "
+        "and whose newest grant is older than --older-than. Each row is deleted only while "
+        "it still holds the token read, so a grant made meanwhile survives. A stale holder "
+        "of a pruned name is still refused at commit. --older-than may not be shorter "
+        "than --longest-lease. Prints the rows and bytes removed. Exit status: 0 done, "
+        "1 no register, 2 bad argument, 3 PostgreSQL or Redis unreachable.",
+    )
+    _url_argument(prune, f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})")
+    _redis_arguments(prune)
+    prune.add_argument(
+        "--older-than",
+        metavar="DURATION",
+        type=_duration,
+        required=True,
+        help="prune names last granted longer ago than this: 90s, 15m, 12h, 30d, 2w",
+    )
+    prune.add_argument(
+        "--longest-lease",
+        metavar="DURATION",
+        type=_duration,
+        required=True,
+        help="the longest a lease of yours lasts from its grant to its last commit, "
+        "renewals included (a bound only you know); --older-than must be at least this",
+    )
+    prune.add_argument(
+        "--dry-run", action="store_true", help="delete nothing; print what would be removed"
+    )
+    prune.set_defaults(handler=_prune)
+
+
+def _status_parser(commands: Any) -> None:
+    from ._status import DEFAULT_LIMIT
 
     status = commands.add_parser(
         "status",
@@ -385,25 +546,7 @@ def _status_parser(commands: Any) -> None:
     _url_argument(
         status, f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})"
     )
-    status.add_argument(
-        "--redis",
-        metavar="URL",
-        type=_redis_url,
-        default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS),
-        help=f"Redis URL (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS})",
-    )
-    status.add_argument(
-        "--key-prefix",
-        metavar="PREFIX",
-        default=DEFAULT_KEY_PREFIX,
-        help=f"the Fencer's key_prefix (default: {DEFAULT_KEY_PREFIX})",
-    )
-    status.add_argument(
-        "--sequence",
-        metavar="NAME",
-        default=DEFAULT_SEQUENCE,
-        help=f"the token sequence, optionally schema-qualified (default: {DEFAULT_SEQUENCE})",
-    )
+    _redis_arguments(status)
     status.add_argument(
         "--limit",
         metavar="N",

@@ -65,10 +65,13 @@ class StaleTokenError(FenceError, StaleDataError):
       the same name was granted, so the transaction of a session bound to the
       older lease commits nothing, whatever it wrote.  ``lease_name``,
       ``token`` and ``newest_token`` (the register's) are set; ``table`` is
-      ``None``.
-    * **At the flush** (the row fence, ``statement`` ``"UPDATE"`` or
-      ``"DELETE"``): the token-compared statement matched fewer rows than it
-      targeted, or a guard trigger refused a row.  ``table``,
+      ``None``.  ``newest_token`` is ``None`` when the register has no row for
+      the name (pruned, see ``Fencer.prune``, or never granted there): the
+      commit is refused all the same.
+    * **At the flush** (the row fence, ``statement`` ``"UPDATE"``,
+      ``"DELETE"`` or ``"UPSERT"``): the token-compared statement matched
+      fewer rows than it targeted (an upsert: than it proposed), or a guard
+      trigger refused a row.  ``table``,
       ``primary_keys`` (each a tuple) and ``current_fences`` (the fence found
       on each refused row, ``None`` when the row is gone) are set.
 
@@ -117,11 +120,18 @@ class StaleTokenError(FenceError, StaleDataError):
         self.current_fences = tuple(current_fences)
         self.lease_name = lease_name
         self.newest_token = newest_token
-        if table is None:
-            newest = "none" if newest_token is None else str(newest_token)
+        if table is None and newest_token is None:
+            message = (
+                f"commit refused: lease {lease_name!r} (token {token}) is stale: the lease "
+                "register has no row for that name (pruned by sa-fence prune after the "
+                "lease ended, or never granted in this database), so no lease of it is "
+                "current. Nothing of this transaction was committed. Roll back; take the "
+                "lease again to write under it."
+            )
+        elif table is None:
             message = (
                 f"commit refused: lease {lease_name!r} (token {token}) is stale: a newer "
-                f"lease of that name was granted (token {newest}). Nothing of this "
+                f"lease of that name was granted (token {newest_token}). Nothing of this "
                 "transaction was committed. Roll back and re-read; the newer holder's "
                 "work stands."
             )

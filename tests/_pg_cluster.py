@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import pytest
 import sqlalchemy as sa
 
 from tests._redis_server import free_port
+from tests._tools import missing
 
 PG_USER = "postgres"
 START_TIMEOUT = 60
@@ -49,12 +49,18 @@ def require_pg_bin() -> Path:
     """The binaries' folder, or skip: these tests need to start their own servers."""
     folder = pg_bin()
     if folder is None or not (folder / "initdb").exists():
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+        missing(
+            "PostgreSQL server binaries (initdb, pg_ctl) are not installed",
+            "apt-get install postgresql",
+        )
     if os.geteuid() == 0:
         try:
             pwd.getpwnam(PG_USER)
         except KeyError:
-            pytest.skip("running as root without a 'postgres' user to run the servers as")
+            missing(
+                "running as root without a 'postgres' user to run the servers as",
+                "apt-get install postgresql creates it (or: useradd --system postgres)",
+            )
     return folder
 
 

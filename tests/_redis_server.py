@@ -14,10 +14,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from tests._tools import missing
 
 
 def free_port() -> int:
@@ -58,7 +59,7 @@ class RedisServer:
 def private_redis() -> Iterator[RedisServer]:
     binary = shutil.which("redis-server")
     if binary is None:
-        pytest.skip("redis-server is not on PATH")
+        missing("redis-server is not on PATH", "apt-get install redis-server")
     port = free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],

@@ -79,9 +79,34 @@ def make_session(engine: sa.Engine) -> sessionmaker[Session]:
     return sa_fence.install(sessionmaker(engine))
 
 
+def _close_leftover_sessions() -> None:
+    """Roll back and close every sync Session a test left open, even one whose assertion failed.
+
+    Helpers such as ``run_seed_scenario`` hand their caller open sessions; a
+    test failing before it closes one would leave a transaction holding row
+    locks, and every later test would block until its timeout.  SQLAlchemy's
+    ``close_all_sessions()`` would also close AsyncSessions' sync sessions,
+    which needs a greenlet here, so this walks the same registry and skips
+    them (the asyncio fixtures close their own).
+    """
+    from sqlalchemy.orm.session import _sessions  # the registry close_all_sessions() walks
+
+    for session in list(_sessions.values()):
+        if session.in_transaction() and not _is_async(session):
+            session.close()
+
+
+def _is_async(session: Session) -> bool:
+    try:
+        return bool(session.get_bind().dialect.is_async)
+    except Exception:  # no bind to ask (binds= maps): an asyncio one would have one
+        return False
+
+
 @pytest.fixture(autouse=True)
 def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
+    _close_leftover_sessions()
     if "engine" in request.fixturenames:
         eng: sa.Engine = request.getfixturevalue("engine")
         with eng.begin() as conn:
@@ -91,5 +116,6 @@ def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
             conn.execute(sa.text("TRUNCATE audit, cells, jobs"))
 
 
-# The asyncio tests' fixtures (AsyncEngine, redis.asyncio client, AsyncFencer).
-pytest_plugins = ("tests._async_fixtures",)
+# The asyncio tests' fixtures (AsyncEngine, redis.asyncio client, AsyncFencer);
+# the built wheel in fresh venvs (tests/test_packaging.py, tests/test_pages.py).
+pytest_plugins = ("tests._async_fixtures", "tests._fresh_venv")

@@ -68,7 +68,7 @@ def test_the_sync_and_async_classes_have_the_same_methods_and_parameters(
 
 def test_what_does_io_is_a_coroutine_on_the_async_side_and_nothing_else_is() -> None:
     for cls, io in [
-        (sa_fence.AsyncFencer, {"acquire", "check", "close"}),
+        (sa_fence.AsyncFencer, {"acquire", "check", "close", "prune"}),
         (sa_fence.AsyncLease, {"extend", "release"}),
     ]:
         for name, member in inspect.getmembers(cls):

@@ -65,8 +65,18 @@ def test_every_benchmark_section_runs_and_prints_its_table(tmp_path: Path) -> No
 
 
 def test_sa_fence_bench_core_prints_ratios_and_leaves_nothing_behind(
-    database_url: sa.URL, redis_client: redis.Redis
+    database_url: sa.URL, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    made: list[_bench.Schema] = []
+
+    def make_schema(prefix: str | None = None) -> _bench.Schema:
+        made.append(real_make_schema(prefix))
+        return made[-1]
+
+    # Its Redis keys are looked for under its own prefix: a bench run elsewhere
+    # on the same Redis (another checkout's suite) has keys of its own meanwhile.
+    real_make_schema = _bench.make_schema
+    monkeypatch.setattr(_bench, "make_schema", make_schema)
     out, progress = io.StringIO(), io.StringIO()
     status = _bench.run(
         database_url,
@@ -95,7 +105,8 @@ def test_sa_fence_bench_core_prints_ratios_and_leaves_nothing_behind(
     finally:
         engine.dispose()
     assert left == []  # its schema (tables, sequence, lease register) is gone
-    assert list(redis_client.scan_iter(match="*sa_fence_bench_*")) == []
+    (schema,) = made
+    assert list(redis_client.scan_iter(match=f"*{schema.prefix}*")) == []
 
 
 def test_the_floor_grants_with_sa_fences_own_statement_and_parameters(

@@ -117,23 +117,25 @@ def test_check_names_a_missing_guard_and_a_cached_sequence_with_their_fixes(
         conn.execute(sa.text("CREATE TABLE legacy (id int PRIMARY KEY, fence bigint)"))
     status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
     assert status == 1
-    assert "3 problem(s) found." in out
+    # a table with no guard is advice (a problem only with --strict)
+    assert "1 problem(s) found. 2 piece(s) of advice" in out
     assert "PROBLEM sequence sa_fence_token_seq it has CACHE 20" in out
     assert "it is CYCLE" in out
     assert 'ALTER SEQUENCE "sa_fence_token_seq" AS bigint CACHE 1 NO CYCLE' in out
-    assert "PROBLEM table job_steps has no enabled guard trigger sa_fence_guard" in out
-    assert "fix: op.create_fence_guard('job_steps')" in out
-    assert "fix: op.create_fence_guard('legacy')" in out
+    assert "advice table job_steps has no enabled guard trigger sa_fence_guard" in out
+    assert "fix: sa-fence create-guard --url ... job_steps" in out
+    assert "in an Alembic migration: op.create_fence_guard('job_steps')" in out
+    assert "in an Alembic migration: op.create_fence_guard('legacy')" in out
 
 
-def test_check_counts_a_disabled_guard_as_none(
+def test_check_counts_a_disabled_guard_as_a_problem_not_advice(
     migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:
     execute(migrated, "ALTER TABLE jobs DISABLE TRIGGER sa_fence_guard")
     status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
     assert (status, out.count("PROBLEM")) == (1, 1)
     assert "PROBLEM table jobs has no enabled guard trigger sa_fence_guard" in out
-    assert "fix: op.create_fence_guard('jobs')" in out
+    assert "in an Alembic migration: op.create_fence_guard('jobs')" in out
 
 
 def test_check_names_guards_that_are_not_the_ones_this_sa_fence_creates(
@@ -405,7 +407,10 @@ def test_check_and_repair_take_a_register_ahead_of_the_sequence_into_account(
     assert (
         "max(fence) of jobs is 41, max(token) of the lease register sa_fence_leases is 500. " in out
     )
-    assert "a new grant would register a token below one already granted" in out
+    assert (
+        "a new grant would draw a token at or below one already granted: such a grant is "
+        "refused (the register only moves forward)" in out
+    )
     assert "(moves it to 500 + margin)" in out
     status, out, _ = sa_fence_cli(
         "repair-sequence", "--url", url, "--margin", "100", "--yes", capsys=capsys

@@ -7,14 +7,12 @@ from collections.abc import Iterator
 import pytest
 import redis
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 import sa_fence
 from sa_fence._dialect import check_dialect
 from tests._fresh_db import fresh_database
-from tests.models import Job
 
 
 def keys(client: redis.Redis, prefix: str) -> list[bytes]:
@@ -134,18 +132,3 @@ def test_an_async_redis_client_is_refused(engine: sa.Engine) -> None:
 def test_installing_on_the_base_session_class_is_refused() -> None:
     with pytest.raises(TypeError, match="every session in the process"):
         sa_fence.install(Session)
-
-
-def test_an_upsert_on_a_fenced_table_is_refused(
-    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
-) -> None:
-    stmt = insert(Job).values(id=1, result="x")
-    upsert = stmt.on_conflict_do_update(index_elements=[Job.id], set_={"result": "y"})
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
-        lease.bind(session)
-        with pytest.raises(sa_fence.FencingConfigError, match="ON CONFLICT DO UPDATE"):
-            session.execute(upsert)
-        session.rollback()
-        session.execute(stmt.on_conflict_do_nothing())  # harmless: allowed
-        session.commit()
-        assert session.get(Job, 1).fence == lease.token

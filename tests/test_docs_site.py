@@ -4,7 +4,9 @@ pages other changes add when they exist."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import sa_fence
 from tests.test_docs import ROOT
 
 pytestmark = pytest.mark.slow  # runs mkdocs in a subprocess
@@ -40,11 +43,27 @@ def build(site: Path, docs_dir: Path | None = None) -> subprocess.CompletedProce
 def test_the_docs_site_builds_strict(tmp_path: Path) -> None:
     done = build(tmp_path / "site")
     assert done.returncode == 0, done.stdout + done.stderr
-    api = (tmp_path / "site" / "python-api" / "index.html").read_text(encoding="utf-8")
+    api = (tmp_path / "site" / "api" / "index.html").read_text(encoding="utf-8")
     assert "Grants leases" in api  # generated from Fencer's docstring
     assert ":class:" not in api  # Sphinx roles rendered as code
+    # an entry generated for every public name, and the signatures from the code
+    assert [n for n in sa_fence.__all__ if f'id="sa_fence.{n}"' not in api] == []
+    fencer = api[api.index('id="sa_fence.Fencer"') :]
+    fencer = re.sub(r"<[^>]+>", "", fencer[: fencer.index('id="sa_fence.Fencer.key"')])
+    for parameter in ("sequence", "key_prefix", "renew_fraction", "timeout", "telemetry"):
+        assert f"{parameter}:" in fencer, parameter
     celery = (tmp_path / "site" / "celery" / "index.html").read_text(encoding="utf-8")
     assert "finish_job_unless_busy" in celery  # the recipe file, included
+    index = (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+    assert 'href="https://github.com/sa-fence/sa-fence"' in index  # repo_url
+    assert '<link rel="canonical" href="https://sa-fence.github.io/sa-fence/">' in index
+    search = json.loads((tmp_path / "site" / "search" / "search_index.json").read_text())
+    found = {doc["location"].split("#")[0] for doc in search["docs"]}
+    assert {"", "api/", "how-it-works/", "which-tool/", "cli/"} <= found  # search, offline
+    for page, diagrams in (("index.html", 1), ("how-it-works/index.html", 2)):
+        html = (tmp_path / "site" / page).read_text(encoding="utf-8")
+        # a Mermaid diagram, not a code block (tests/test_docs_browser.py renders them)
+        assert html.count('<pre class="mermaid"><code>sequenceDiagram') == diagrams, page
 
 
 def test_a_page_added_later_joins_the_nav_and_strict_still_passes(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import sa_fence
 from sa_fence import _protocol as proto
 from tests._redis_server import RedisServer, private_redis
+from tests._tools import wait_for
 from tests.models import SEQUENCE, Job
 
 TTL = 1.5  # renewals fall due every 0.5 s; the client gives up on a call after 0.2 s
@@ -53,7 +54,8 @@ def test_redis_paused_then_killed_mid_job_marks_the_lease_lost_and_nothing_is_wr
     session = lease.bind(make_session())
     session.get(Job, 1).result = "written while Redis was frozen"
     server.pause()  # SIGSTOP: Redis accepts connections but never answers
-    time.sleep(1.0)  # the first renewal (due at 0.5 s) has timed out by now...
+    # the first renewal (due at 0.5 s) times out after 0.2 s...
+    wait_for(lambda: lease._renew_failures >= 1, 2 * TTL, "a timed-out renewal")
     assert not lease.lost  # ...and a timeout alone does not lose a lease still valid
     assert lost.wait(2 * TTL)
     assert lost_at[0] >= valid_until  # lost only once the local validity ran out
@@ -79,7 +81,7 @@ def test_a_lease_on_a_redis_that_answers_again_in_time_is_kept(
     fencer = sa_fence.Fencer(server.client(), engine, sequence=SEQUENCE, key_prefix=key_prefix)
     lease = fencer.acquire("job:1", TTL, renew=True)
     server.pause()
-    time.sleep(0.7)  # one renewal times out
+    wait_for(lambda: lease._renew_failures >= 1, 2 * TTL, "a timed-out renewal")
     server.resume()
     time.sleep(2 * TTL)
     assert not lease.lost

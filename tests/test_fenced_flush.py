@@ -178,21 +178,6 @@ def test_the_unfenced_opt_out_lets_an_admin_script_write_without_a_lease(
             session.commit()
 
 
-def test_a_fence_assigned_by_hand_is_never_written_the_row_carries_the_token(
-    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
-) -> None:
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
-        lease.bind(session)
-        session.add(Job(id=1, result="new", fence=2**63 - 1))  # would lock everyone out
-        session.commit()
-        assert row(engine, 1) == ("new", lease.token)
-        job = session.get(Job, 1)
-        job.fence = 0  # would re-open the row to every stale holder
-        job.result = "again"
-        session.commit()
-        assert row(engine, 1) == ("again", lease.token)
-
-
 def test_a_released_lease_no_longer_fences_its_session(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:

@@ -481,7 +481,8 @@ def interruptible_fencer(
     queued: list[Callable[[], None]] = []
 
     def before_cursor_execute(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if 'INSERT INTO "sa_fence_leases"' in statement and queued:
+        grant = "nextval" in statement and 'INSERT INTO "public"."sa_fence_leases"' in statement
+        if grant and queued:
             queued.pop()()
 
     sa.event.listen(own, "before_cursor_execute", before_cursor_execute)

@@ -111,7 +111,7 @@ def recipe(
     sys.path.insert(0, str(RECIPES))
     try:
         module = importlib.import_module("celery_tasks")
-        module.Base.metadata.create_all(module.engine)
+        module.create_tables()
         yield module, env
     finally:
         module = sys.modules.pop("celery_tasks", None)

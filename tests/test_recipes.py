@@ -1,5 +1,6 @@
-"""The integration recipes in docs/recipes/ (shown in the docs by inclusion),
-each run against real PostgreSQL and Redis: FastAPI (a dependency yielding a
+"""The integration recipes in docs/recipes/ (each the code block of its page,
+run as written from a fresh venv by tests/test_pages.py), imported and
+exercised here against real PostgreSQL and Redis: FastAPI (a dependency yielding a
 fenced session, through TestClient), Flask-SQLAlchemy, SQLModel, scoped_session
 and a cron-style script.  The Celery recipe has its own module
 (tests/test_recipe_celery.py): it needs worker processes."""
@@ -95,8 +96,7 @@ def test_fastapi_a_fenced_session_dependency_writes_with_the_token_and_answers_4
     from fastapi.testclient import TestClient
 
     recipe = load("fastapi_app")
-    recipe.Base.metadata.create_all(recipe.engine)
-    with TestClient(recipe.app) as client:
+    with TestClient(recipe.app) as client:  # its lifespan creates the table
         done = client.put("/jobs/1", json={"result": "done"})
         assert done.status_code == 200, done.text
         body = done.json()
@@ -135,9 +135,7 @@ def test_flask_sqlalchemy_db_session_is_fenced_and_a_stale_commit_is_a_409(
     load: Any, engine: sa.Engine
 ) -> None:
     recipe = load("flask_app")
-    app = recipe.create_app()
-    with app.app_context():
-        recipe.db.create_all()
+    app = recipe.create_app()  # creates the table
     client = app.test_client()
     done = client.put("/jobs/1", json={"result": "done"})
     assert done.status_code == 200, done.text
@@ -193,7 +191,7 @@ def test_scoped_session_threads_each_write_on_their_own_session_under_each_jobs_
     load: Any, engine: sa.Engine
 ) -> None:
     recipe = load("scoped")
-    recipe.Base.metadata.create_all(recipe.engine)
+    recipe.create_tables()
     tokens = recipe.work(list(range(1, 9)))
     assert len(set(tokens)) == 8
     for job_id, token in zip(range(1, 9), tokens, strict=True):
@@ -219,7 +217,7 @@ def test_a_cron_run_writes_its_report_and_an_overlapping_run_skips(
     load: Any, database_url: sa.URL, engine: sa.Engine
 ) -> None:
     recipe = load("cron_job")
-    recipe.Base.metadata.create_all(recipe.engine)
+    recipe.create_tables()
     first = run_cron(database_url, "2026-11-30")
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith("report 2026-11-30: written with token ")

@@ -9,9 +9,11 @@ import sys
 from typing import Any
 
 import pytest
+import redis
 import sqlalchemy as sa
 
 import sa_fence
+from sa_fence import _status, cli
 from sa_fence._status import owner_hash
 from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE
@@ -115,3 +117,87 @@ def test_an_unreachable_redis_exits_3_without_showing_the_password(
 def test_bad_arguments_exit_2(bad: str, engine: sa.Engine, key_prefix: str) -> None:
     done = status(bad, url=engine.url, key_prefix=key_prefix)
     assert done.returncode == 2
+
+
+def status_in_process(
+    *args: str, engine: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str, str]:
+    url = engine.url.render_as_string(hide_password=False)
+    code = cli.main(["status", "--sequence", SEQUENCE, "--url", url, "--redis", REDIS_URL, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_key_prefix_comes_from_sa_fence_key_prefix_and_the_flag_wins(
+    fencer: sa_fence.Fencer,
+    engine: sa.Engine,
+    key_prefix: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SA_FENCE_KEY_PREFIX", key_prefix)
+    with fencer.lease("env:1", ttl=30) as lease:
+        from_env = status_in_process("--json", "env:1", engine=engine, capsys=capsys)
+        flag_wins = status_in_process(
+            "--json", "--key-prefix", "another:", "env:1", engine=engine, capsys=capsys
+        )
+    assert from_env[0] == 0, from_env[2]
+    (row,) = json.loads(from_env[1])
+    assert (row["state"], row["holder_token"]) == ("held", lease.token)
+    assert "note" not in from_env[2]
+    (row,) = json.loads(flag_wins[1])
+    assert row["state"] == "free"
+
+
+def test_a_held_lease_read_under_the_wrong_prefix_is_free_with_a_hint_naming_the_prefix(
+    fencer: sa_fence.Fencer,
+    engine: sa.Engine,
+    key_prefix: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with fencer.lease("hint:1", ttl=30):
+        code, out, err = status_in_process(
+            "--key-prefix", "sa_fence_wrong:", "hint:1", engine=engine, capsys=capsys
+        )
+    assert code == 0, err
+    assert "free" in out
+    err = " ".join(err.split())
+    assert (
+        "note: Redis holds no key under the prefix 'sa_fence_wrong:' for any of the 1 "
+        "name(s) the register holds" in err
+    )
+    assert "--key-prefix, or set $SA_FENCE_KEY_PREFIX" in err
+    assert f"'hint:1' has a key under: --key-prefix {key_prefix!r}" in err
+
+
+def test_no_hint_when_a_registered_name_is_held_under_the_prefix(
+    fencer: sa_fence.Fencer, engine: sa.Engine, key_prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fencer.acquire("quiet:1", ttl=30).release()
+    with fencer.lease("quiet:2", ttl=30):
+        code, out, err = status_in_process(
+            "--key-prefix", key_prefix, "quiet:1", "quiet:2", engine=engine, capsys=capsys
+        )
+    assert code == 0, err
+    assert "held" in out
+    assert "note" not in err
+
+
+def test_without_the_hint_a_wrong_prefix_shows_a_held_lease_as_free_silently(
+    fencer: sa_fence.Fencer,
+    engine: sa.Engine,
+    redis_client: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pair of the hint test: with the check removed, nothing tells the reader."""
+    url = engine.url.render_as_string(hide_password=False)
+    args = ("--sequence", SEQUENCE, "--url", url, "--redis", REDIS_URL, "pair:1")
+    with fencer.lease("pair:1", ttl=30):
+        assert cli.main(["status", "--key-prefix", "sa_fence_wrong:", *args]) == 0
+        assert "note: Redis holds no key" in capsys.readouterr().err
+        monkeypatch.setattr(_status, "no_keys_hint", lambda *_: "")  # the hint switched off
+        assert cli.main(["status", "--key-prefix", "sa_fence_wrong:", *args]) == 0
+    out, err = capsys.readouterr()
+    assert "free" in out  # the held lease, shown as free
+    assert err.strip() == ""  # and nothing says why

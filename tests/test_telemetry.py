@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import sa_fence
 from sa_fence import _telemetry
 from sa_fence.testing import expire
+from tests._tools import wait_for
 from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE, Audit, Job
 
@@ -203,7 +204,7 @@ def test_background_renewals_are_counted_ok_with_root_spans_linked_to_the_acquir
     otel: Otel, tfencer: sa_fence.Fencer
 ) -> None:
     with otel.tracer.start_as_current_span("caller"), tfencer.lease("job:1", ttl=0.3, renew=True):
-        time.sleep(0.45)
+        wait_for(lambda: otel.count("sa_fence.lease.renewals", outcome="ok"), 5, "a renewal")
     assert otel.count("sa_fence.lease.renewals", outcome="ok") >= 1
     (acquire,) = otel.finished("sa_fence.acquire")
     spans = otel.finished("sa_fence.renew")
@@ -217,7 +218,7 @@ def test_renewals_of_a_lease_acquired_outside_any_trace_are_counted_not_traced(
     otel: Otel, tfencer: sa_fence.Fencer
 ) -> None:
     with tfencer.lease("job:1", ttl=0.3, renew=True):
-        time.sleep(0.45)
+        wait_for(lambda: otel.count("sa_fence.lease.renewals", outcome="ok"), 5, "a renewal")
     assert otel.count("sa_fence.lease.renewals", outcome="ok") >= 1
     assert otel.finished("sa_fence.renew") == []
 

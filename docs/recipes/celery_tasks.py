@@ -1,6 +1,10 @@
 """Celery: a fenced task that a stalled, redelivered worker cannot overwrite.
 
-Start a worker from the folder of this file::
+Create the table, the token sequence and the lease register once::
+
+    python -c 'import celery_tasks; celery_tasks.create_tables()'
+
+start a worker from the folder of this file::
 
     celery -A celery_tasks worker --loglevel=INFO
 
@@ -55,6 +59,15 @@ Session = sa_fence.install(sessionmaker(engine))
 fencer = sa_fence.Fencer(
     redis.Redis.from_url(REDIS_URL, socket_timeout=5), engine, key_prefix=KEY_PREFIX
 )
+
+
+def create_tables() -> None:
+    """The table, the token sequence and the lease register, when missing.
+
+    Run once, before the first worker starts (or use Alembic: see migrations).
+    """
+    Base.metadata.create_all(engine)
+
 
 app = Celery(
     "celery_tasks",

@@ -1,8 +1,12 @@
 """A cron-style script: one run at a time, a hung run gives the name back.
 
-From cron, every minute::
+Create the table, the token sequence and the lease register once::
 
-    * * * * *  cd /srv/app && python cron_job.py 2026-11-30
+    python -c 'import cron_job; cron_job.create_tables()'
+
+then, from cron, every minute::
+
+    * * * * *  cd /srv/app && python cron_job.py
 
 A run that starts while the previous one still works exits 0 saying it
 skipped; ``max_hold`` bounds how long one run may keep renewing the lease
@@ -48,6 +52,11 @@ Session = sa_fence.install(sessionmaker(engine))
 fencer = sa_fence.Fencer(
     redis.Redis.from_url(REDIS_URL, socket_timeout=5), engine, key_prefix=KEY_PREFIX
 )
+
+
+def create_tables() -> None:
+    """The table, the token sequence and the lease register, when missing (or: Alembic)."""
+    Base.metadata.create_all(engine)
 
 
 @sa_fence.fenced(

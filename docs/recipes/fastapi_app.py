@@ -1,14 +1,16 @@
 """FastAPI: a dependency that yields a session fenced by the job's lease.
 
-Run it with ``uvicorn fastapi_app:app`` from the folder of this file.  The
-configuration comes from ``DATABASE_URL``, ``REDIS_URL`` and
-``SA_FENCE_KEY_PREFIX``.
+Run it with ``uvicorn fastapi_app:app`` from the folder of this file; it
+creates its table, the token sequence and the lease register at start-up
+when they are missing.  The configuration comes from ``DATABASE_URL``,
+``REDIS_URL`` and ``SA_FENCE_KEY_PREFIX``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import Annotated
 
 import redis
@@ -45,7 +47,18 @@ fencer = sa_fence.Fencer(
     redis.Redis.from_url(REDIS_URL, socket_timeout=5), engine, key_prefix=KEY_PREFIX
 )
 
-app = FastAPI()
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    # The table, the token sequence and the lease register, when missing.  An
+    # application with Alembic migrations runs `alembic upgrade head` instead.
+    Base.metadata.create_all(engine)
+    yield
+    fencer.close()
+    engine.dispose()
+
+
+app = FastAPI(lifespan=lifespan)
 
 
 def fenced_job_session(job_id: int) -> Iterator[Session]:

@@ -3,8 +3,10 @@
 ``sa_fence.install(db.session)`` installs the hook on the scoped session's
 factory (``db.session.session_factory``), so every session Flask-SQLAlchemy
 makes is fenced; ``lease.bind(db.session)`` binds the current request's
-session.  Run it with ``flask --app flask_app run``.  The configuration comes
-from ``DATABASE_URL``, ``REDIS_URL`` and ``SA_FENCE_KEY_PREFIX``.
+session.  Run it with ``flask --app flask_app run``; the app factory creates
+the table, the token sequence and the lease register when they are missing.
+The configuration comes from ``DATABASE_URL``, ``REDIS_URL`` and
+``SA_FENCE_KEY_PREFIX``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def create_app() -> Flask:
     db.init_app(app)
     sa_fence.install(db.session)  # on its session_factory: every db.session is fenced
     with app.app_context():
+        # The table, the sequence and the register, when missing (or: Alembic).
+        db.create_all()
         app.extensions["sa_fence"] = sa_fence.Fencer(
             redis.Redis.from_url(REDIS_URL, socket_timeout=5), db.engine, key_prefix=KEY_PREFIX
         )

@@ -3,8 +3,10 @@
 The decorator takes the scoped session itself: each call runs on the
 calling thread's current session (``Session()``), binds the job's lease to
 it, commits and leaves it open for the thread; the thread removes it when
-it is done.  The configuration comes from ``DATABASE_URL``, ``REDIS_URL``
-and ``SA_FENCE_KEY_PREFIX``.
+it is done.  ``python scoped.py`` creates the table, the token sequence and
+the lease register when missing, then finishes eight jobs in four threads.
+The configuration comes from ``DATABASE_URL``, ``REDIS_URL`` and
+``SA_FENCE_KEY_PREFIX``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ fencer = sa_fence.Fencer(
 )
 
 
+def create_tables() -> None:
+    """The table, the token sequence and the lease register, when missing (or: Alembic)."""
+    Base.metadata.create_all(engine)
+
+
 @sa_fence.fenced("job:{job_id}", ttl=30, renew=True, fencer=fencer, session=Session)
 def finish_job(job_id: int, result: str) -> int:
     job = Session.get(Job, job_id) or Job(id=job_id)  # this thread's session
@@ -63,3 +70,10 @@ def work(job_ids: list[int]) -> list[int]:
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         return list(pool.map(one, job_ids))
+
+
+if __name__ == "__main__":
+    create_tables()
+    tokens = work(list(range(1, 9)))
+    print(f"{len(set(tokens))} jobs written by 4 threads, each with its own lease's token")
+    fencer.close()

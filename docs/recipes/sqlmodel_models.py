@@ -2,9 +2,10 @@
 
 ``sa_fence.Fenced`` goes first among the bases.  Its ``fence`` column is a
 mapped column, not a pydantic field: it is not a constructor argument nor in
-``model_dump()``, and ``job.fence`` reads the token the row carries.  The
-configuration comes from ``DATABASE_URL``, ``REDIS_URL`` and
-``SA_FENCE_KEY_PREFIX``.
+``model_dump()``, and ``job.fence`` reads the token the row carries.
+``python sqlmodel_models.py`` creates the table, the token sequence and the
+lease register when missing, then writes job 1 twice.  The configuration
+comes from ``DATABASE_URL``, ``REDIS_URL`` and ``SA_FENCE_KEY_PREFIX``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ fencer = sa_fence.Fencer(
 
 
 def create_tables() -> None:
+    """The table, the token sequence and the lease register, when missing (or: Alembic)."""
     SQLModel.metadata.create_all(engine)
 
 
@@ -53,3 +55,11 @@ def finish_job(job_id: int, result: str) -> Job:
         session.commit()
         session.refresh(job)  # load the fence the row got (the lease's token) while open
         return job
+
+
+if __name__ == "__main__":
+    create_tables()
+    for result in ("first", "second"):
+        job = finish_job(1, result)
+        print(f"job {job.id}: result={job.result!r}, fence={job.fence}")
+    fencer.close()

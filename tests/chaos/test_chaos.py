@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests._tools import missing
 from tests.chaos.nemesis import DEFAULT_FAULTS
 from tests.chaos.run import ChaosConfig, ChaosEnv, chaos_environment, run
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def env() -> Iterator[ChaosEnv]:
     if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not on PATH")
+        missing("redis-server is not on PATH", "apt-get install redis-server")
     with chaos_environment() as environment:
         yield environment
 

@@ -32,10 +32,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
 import redis
 
 from tests._tcp_proxy import TcpProxy
+from tests._tools import missing
 
 HOST = "127.0.0.1"
 #: The minimal ACL rule for sa-fence's Redis user (docs/topologies.md, "Redis
@@ -50,7 +50,7 @@ FAILOVER_TIMEOUT_MS = 10000
 def binary(name: str) -> str:
     found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/local/sbin")
     if found is None:
-        pytest.skip(f"{name} is not installed (make test installs it)")
+        missing(f"{name} is not installed", "make test installs it (.ci/topology-tools)")
     return found
 
 

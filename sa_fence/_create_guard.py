@@ -1,0 +1,250 @@
+"""The guard trigger without Alembic: :func:`create_fence_guard`, :func:`drop_fence_guard`.
+
+A database made the quickstart way (``Base.metadata.create_all(engine)``)
+has no migrations to run ``op.create_fence_guard()`` in.  These calls run the
+very statements that op runs (:func:`sa_fence._guard.create_guard_sql`), after
+the same checks, so a guard made either way is the same guard (``sa-fence
+check`` and autogenerate find it current).  ``sa-fence create-guard`` is the
+command-line form.
+
+Every check runs before the first statement, and the statements run in one
+transaction: bad input writes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TextIO
+
+import sqlalchemy as sa
+
+from ._guard import (
+    DEFAULT_SEQUENCE,
+    TRIGGER_NAME,
+    create_guard_sql,
+    drop_guard_sql,
+    qualified,
+)
+from ._model import fence_column_of
+
+#: Whether ``:table`` exists and the type of its ``:column`` (NULL: no such column).
+#: ``op.create_fence_guard`` runs the same query.
+COLUMN_SQL = sa.text(
+    "SELECT to_regclass(:table) IS NOT NULL AS present, "
+    "(SELECT format_type(a.atttypid, NULL) FROM pg_catalog.pg_attribute a "
+    " WHERE a.attrelid = to_regclass(:table) AND a.attname = :column "
+    "   AND a.attnum > 0 AND NOT a.attisdropped) AS data_type"
+)
+
+#: Whether ``:sequence`` names a sequence (looked up as the guard will: on the
+#: writer's ``search_path`` when unqualified).
+_SEQUENCE_SQL = sa.text(
+    "SELECT c.relkind = 'S' FROM pg_catalog.pg_class c WHERE c.oid = to_regclass(:sequence)"
+)
+
+
+def _target(
+    table: str | sa.Table, column: str | None, schema: str | None
+) -> tuple[str, str, str | None]:
+    """(table name, fence column, schema) from the caller's arguments."""
+    if isinstance(table, sa.Table):
+        fence = fence_column_of(table)
+        if column is None:
+            if fence is None:
+                raise ValueError(
+                    f"table {table.fullname!r} has no fence column: add "
+                    "sa_fence.fence_column() to it (or use the sa_fence.Fenced mixin), "
+                    "or pass column='<name of its bigint fence column>'"
+                )
+            column = fence.name
+        return table.name, column, schema if schema is not None else table.schema
+    if not isinstance(table, str) or not table:
+        raise TypeError(
+            f"table must be a table name (str) or a sqlalchemy Table, got {table!r}; "
+            "for a model class pass Model.__table__"
+        )
+    return table, column if column is not None else "fence", schema
+
+
+def _connection_of(bind: object, what: str) -> sa.Engine | sa.Connection:
+    # An AsyncEngine or AsyncConnection proxies a sync one (``sync_engine`` /
+    # ``sync_connection``).  Told by that, not by importing sqlalchemy.ext.asyncio,
+    # which fails without greenlet, as in a plain ``pip install sa-fence``.
+    if not isinstance(bind, sa.Engine | sa.Connection) and (
+        hasattr(bind, "sync_engine") or hasattr(bind, "sync_connection")
+    ):
+        raise TypeError(
+            f"{what} is synchronous: with an AsyncEngine run it as "
+            f"`async with engine.begin() as conn: await conn.run_sync(sa_fence.{what}, "
+            "'jobs')`"
+        )
+    if not isinstance(bind, sa.Engine | sa.Connection):
+        raise TypeError(f"{what} needs a sqlalchemy Engine or Connection, got {bind!r}")
+    if bind.dialect.name != "postgresql":
+        raise ValueError(
+            f"{what}: the guard is a PostgreSQL trigger, but this "
+            f"{type(bind).__name__} is {bind.dialect.name}"
+        )
+    return bind
+
+
+def guard_problem(
+    conn: sa.Connection, table: str, column: str, schema: str | None, sequence: str
+) -> str | None:
+    """Why the guard cannot go on ``table`` now (None: it can)."""
+    shown = _shown_table(table, schema)
+    found = conn.execute(COLUMN_SQL, {"table": qualified(table, schema), "column": column}).one()
+    if not found.present:
+        return (
+            f"table {shown!r} does not exist; create it first "
+            "(Base.metadata.create_all(engine)), then the guard"
+        )
+    if found.data_type != "bigint":
+        what = "has no column" if found.data_type is None else f"has a {found.data_type} column"
+        return (
+            f"table {shown!r} {what} {column!r}; the guard needs the bigint fence column "
+            f"(ALTER TABLE {qualified(table, schema)} ADD COLUMN {qualified(column, None)} "
+            "bigint NOT NULL DEFAULT 0, or op.add_fence_column() in a migration)"
+        )
+    seq_schema, _, seq_name = sequence.rpartition(".")
+    is_sequence = conn.execute(
+        _SEQUENCE_SQL, {"sequence": qualified(seq_name, seq_schema or None)}
+    ).scalar_one_or_none()
+    if not is_sequence:
+        return (
+            f"the token sequence {sequence!r} does not exist (the guard reads it at every "
+            "write that raises a fence); create it first: sa_fence.fence_sequence("
+            "Base.metadata) before Base.metadata.create_all(engine), or pass sequence= "
+            "the Fencer's sequence"
+        )
+    return None
+
+
+def _run(bind: sa.Engine | sa.Connection, statements: Iterable[str]) -> None:
+    if isinstance(bind, sa.Engine):
+        with bind.begin() as conn:
+            _run(conn, statements)
+        return
+    for statement in statements:
+        bind.execute(sa.text(statement))  # as op.execute() runs a string
+
+
+def create_fence_guard(
+    bind: sa.Engine | sa.Connection,
+    table: str | sa.Table,
+    column: str | None = None,
+    *,
+    schema: str | None = None,
+    on_missing_token: str = "reject",
+    sequence: str = DEFAULT_SEQUENCE,
+) -> None:
+    """Create (or replace) the guard trigger on ``table``, without Alembic.
+
+    The same trigger as ``op.create_fence_guard()`` in a migration: it
+    refuses UPDATEs and DELETEs with a stale token and any write, INSERT
+    included, of a fence no lease was granted, from every writer (raw SQL,
+    ``psql``, other services).  Run it after
+    ``Base.metadata.create_all(engine)``::
+
+        sa_fence.fence_sequence(Base.metadata)
+        Base.metadata.create_all(engine)
+        sa_fence.create_fence_guard(engine, "jobs")   # or Job.__table__
+
+    ``bind``: an ``Engine`` (the statements run in a transaction of their
+    own and commit) or a ``Connection`` (they run in its transaction, begun
+    if none is open; commit it yourself, as with ``create_all``).  ``table``:
+    a table name, or a ``Table``, whose schema and fence column are then
+    used.  ``column`` defaults to the ``Table``'s fence column, else
+    ``"fence"``.  ``on_missing_token``: ``"reject"`` (default) refuses
+    UPDATEs and DELETEs that present no token; ``"unchanged"`` lets an UPDATE
+    that leaves the fence as it is through.  ``sequence``: the Fencers'
+    token sequence.  Running it again replaces the guard (idempotent).
+
+    Raises ``ValueError``, with nothing written, when the table, its bigint
+    fence column or the sequence does not exist, or an argument is invalid.
+    """
+    target = _connection_of(bind, "create_fence_guard")
+    name, col, schema = _target(table, column, schema)
+    statements = create_guard_sql(
+        name, col, schema=schema, on_missing_token=on_missing_token, sequence=sequence
+    )
+    if isinstance(target, sa.Engine):
+        with target.begin() as conn:
+            _create(conn, name, col, schema, sequence, statements)
+    else:
+        _create(target, name, col, schema, sequence, statements)
+
+
+def _create(
+    conn: sa.Connection,
+    name: str,
+    column: str,
+    schema: str | None,
+    sequence: str,
+    statements: list[str],
+) -> None:
+    problem = guard_problem(conn, name, column, schema, sequence)
+    if problem is not None:
+        raise ValueError(f"create_fence_guard: {problem}")
+    _run(conn, statements)
+
+
+def drop_fence_guard(
+    bind: sa.Engine | sa.Connection, table: str | sa.Table, *, schema: str | None = None
+) -> None:
+    """Drop the guard trigger of ``table`` and its function (nothing if there is none).
+
+    ``bind`` as for :func:`create_fence_guard`.
+    """
+    target = _connection_of(bind, "drop_fence_guard")
+    name, _, schema = _target(table, "fence", schema)
+    _run(target, drop_guard_sql(name, schema=schema))
+
+
+def run(
+    url: str,
+    tables: list[str],
+    *,
+    column: str,
+    schema: str | None,
+    sequence: str,
+    on_missing_token: str,
+    out: TextIO,
+    err: TextIO,
+) -> int:
+    """``sa-fence create-guard``: every table's guard in one transaction, or none.
+
+    Exit status: 0 created; 1 a table, its fence column or the sequence is
+    missing (nothing written); 2 bad argument; 3 database unreachable.
+    """
+    from ._check import EXIT_FINDINGS, EXIT_OK, _shown, _with_connection
+
+    def body(conn: sa.Connection, _: object) -> int:
+        try:
+            with conn.begin():
+                for table in tables:
+                    create_fence_guard(
+                        conn,
+                        table,
+                        column,
+                        schema=schema,
+                        on_missing_token=on_missing_token,
+                        sequence=sequence,
+                    )
+        except ValueError as exc:
+            print(f"sa-fence create-guard: {exc}. Nothing was created.", file=err)
+            return EXIT_FINDINGS
+        for table in tables:
+            print(
+                f"created guard trigger {TRIGGER_NAME} on {_shown_table(table, schema)} "
+                f"(column {column}, on_missing_token={on_missing_token}, sequence "
+                f"{sequence}) in {_shown(url)}",
+                file=out,
+            )
+        return EXIT_OK
+
+    return _with_connection(url, None, err, body)
+
+
+def _shown_table(table: str, schema: str | None) -> str:
+    return f"{schema}.{table}" if schema else table

@@ -1,0 +1,522 @@
+"""``sa-fence demo --side-effects``: a paused worker's e-mail never leaves.
+
+The story of ``sa-fence demo``, with an e-mail:
+
+1. Worker A (a process of its own) takes lease ``job:1``, sets the job's
+   result and, in the same transaction, enqueues its "job 1 is done" e-mail
+   with :func:`sa_fence.side_effect`: a procrastinate job row, not sent yet.
+2. The demo freezes A with ``SIGSTOP`` past its TTL.  Worker B takes the
+   lease over, does the same and commits: its row and its e-mail job commit
+   together.
+3. A resumes and commits.  Lease scope refuses the commit
+   (:class:`~sa_fence.StaleTokenError`), so A's e-mail job never existed
+   for any worker.
+4. A procrastinate worker process delivers the queue to a mail API on
+   loopback (an HTTP receiver in the demo process that deduplicates on the
+   ``Idempotency-Key`` header).  The demo SIGKILLs that worker while the
+   receiver holds its request open, mid-delivery; a second worker retries
+   the stalled job with the same key and the receiver drops the duplicate.
+   B's e-mail leaves exactly once.
+
+With ``--unfenced`` the workers use plain sessions and enqueue the same jobs
+in their transactions with procrastinate alone: A's commit goes through and
+its e-mail goes out too.
+
+Needs procrastinate (``pip install 'sa-fence[side-effects]'``).  The demo
+creates procrastinate's tables with its schema manager in the temporary
+database, as procrastinate documents (``procrastinate schema --apply``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.server
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TextIO
+
+import redis as redis_lib
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from . import _demo
+from ._demo import (
+    EXIT_OK,
+    EXIT_STORY,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    JOB_ID,
+    LEASE_NAME,
+    MAX_TTL,
+    MIN_TTL,
+    STARTUP_TIMEOUT,
+    STEP_TIMEOUT,
+    DemoJob,
+    StoryError,
+    _Demo,
+    _Emitter,
+    _EventLogHandler,
+    _Timeline,
+    _wait_for,
+    _Worker,
+)
+from ._flush import install
+from ._guard import drop_guard_sql
+from ._lease import Fencer
+from ._side_effects import side_effect
+from .errors import StaleTokenError
+
+if TYPE_CHECKING:
+    import procrastinate
+
+MODULE = "sa_fence._demo_side_effects"
+#: How long the mail API keeps the first delivery open, at most (the demo kills the sender).
+HOLD_TIMEOUT = 30.0
+#: The delivery workers' heartbeat, and how old one must be for its jobs to count as stalled.
+HEARTBEAT = 0.2
+STALLED_AFTER = 1.0
+
+log = logging.getLogger("sa_fence")
+
+INSTALL_HINT = (
+    "`sa-fence demo --side-effects` needs procrastinate, the job queue side effects are "
+    "enqueued on: pip install 'sa-fence[side-effects]'"
+)
+
+
+def make_app(conninfo: str) -> procrastinate.App:
+    """The demo's queue: procrastinate on the temporary database, with one task."""
+    import procrastinate
+
+    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=conninfo))
+
+    @app.task(name="send_mail", retry=procrastinate.RetryStrategy(max_attempts=3, wait=1))
+    def send_mail(api: str, to: str, subject: str, idempotency_key: str) -> None:
+        """POST the e-mail to a mail API, with the key as its ``Idempotency-Key``."""
+        request = urllib.request.Request(
+            api,
+            data=json.dumps({"to": to, "subject": subject}).encode(),
+            headers={"Content-Type": "application/json", "Idempotency-Key": idempotency_key},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=2 * HOLD_TIMEOUT) as response:
+            response.read()
+
+    return app
+
+
+# ===================================================================== workers
+
+
+def holder_main(stdin: TextIO, stdout: TextIO) -> int:
+    """A or B: acquire, write the result and enqueue the e-mail; commit on ``write``."""
+    emit = _Emitter(stdout)
+    handler = _EventLogHandler(emit)
+    log.addHandler(handler)
+    engine: sa.Engine | None = None
+    client: redis_lib.Redis | None = None
+    try:
+        config = json.loads(stdin.readline() or "{}")
+        fenced = bool(config["fenced"])
+        who = str(config["result"])
+        app = make_app(config["conninfo"])
+        send_mail = app.tasks["send_mail"]
+        engine = sa.create_engine(config["pg"])
+        client = redis_lib.Redis.from_url(
+            config["redis"], socket_connect_timeout=_demo.CONNECT_TIMEOUT
+        )
+        fencer = Fencer(client, engine, key_prefix=config["prefix"])
+        client.ping()
+        fencer.check()
+        make_session: sessionmaker[Session] = sessionmaker(engine)
+        if fenced:
+            install(make_session)
+        emit("ready", pid=os.getpid())
+
+        _wait_for(stdin, "acquire")
+        lease = fencer.acquire(LEASE_NAME, float(config["ttl"]))
+        emit("acquired", token=lease.token, ttl=lease.ttl)
+        with make_session() as session:
+            mail = {"api": config["api"], "to": f"{who.lower()}@example.invalid"}
+            mail["subject"] = f"job {JOB_ID} is done (by worker {who})"
+            if fenced:
+                lease.bind(session)
+            session.get_one(DemoJob, JOB_ID).result = who
+            if fenced:
+                effect = side_effect(session, send_mail, **mail)
+                job_id, key = effect.job_id, effect.idempotency_key
+            else:  # procrastinate alone, in the same transaction: the best without sa-fence
+                key = f"unfenced-{uuid.uuid4()}"
+                driver = session.connection().connection.driver_connection
+                job_id = send_mail.configure(connection=driver).defer(**mail, idempotency_key=key)
+            emit("enqueued", job_id=job_id, key=key, to=mail["to"])
+
+            _wait_for(stdin, "write")
+            try:
+                session.commit()
+            except StaleTokenError as exc:
+                session.rollback()
+                emit("refused", error=type(exc).__name__, message=str(exc))
+            else:
+                emit("committed")
+        _wait_for(stdin, "release")
+        emit("released", deleted=lease.release())
+        return EXIT_OK
+    except Exception as exc:
+        emit("error", error=type(exc).__name__, message=str(exc))
+        return EXIT_STORY
+    finally:
+        log.removeHandler(handler)
+        if client is not None:
+            client.close()
+        if engine is not None:
+            engine.dispose()
+
+
+async def _deliver(app: procrastinate.App, recover: bool, emit: _Emitter) -> None:
+    async with app.open_async():
+        if recover:
+            # procrastinate's recovery for a worker that died mid-job (its docs run
+            # this as a periodic task): retry the jobs of stalled workers.
+            deadline = time.monotonic() + STEP_TIMEOUT
+            while True:
+                stalled = list(
+                    await app.job_manager.get_stalled_jobs(seconds_since_heartbeat=STALLED_AFTER)
+                )
+                if stalled or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            for job in stalled:
+                await app.job_manager.retry_job(job)
+            emit("recovered", jobs=[job.id for job in stalled])
+        emit("working")
+        await app.run_worker_async(
+            wait=False,
+            concurrency=1,
+            update_heartbeat_interval=HEARTBEAT,
+            install_signal_handlers=False,
+            listen_notify=False,
+        )
+    emit("drained")
+
+
+def deliverer_main(stdin: TextIO, stdout: TextIO) -> int:
+    """A procrastinate worker: on ``deliver``, work until the queue is empty, then exit."""
+    emit = _Emitter(stdout)
+    try:
+        config = json.loads(stdin.readline() or "{}")
+        app = make_app(config["conninfo"])
+        emit("ready", pid=os.getpid())
+        _wait_for(stdin, "deliver")
+        asyncio.run(_deliver(app, bool(config["recover"]), emit))
+        return EXIT_OK
+    except Exception as exc:
+        emit("error", error=type(exc).__name__, message=str(exc))
+        return EXIT_STORY
+
+
+def _entry(argv: list[str]) -> int:
+    roles = {"worker": holder_main, "deliverer": deliverer_main}
+    if len(argv) != 2 or argv[0] not in roles or not argv[1].isdigit():
+        print(f"{MODULE} is started by `sa-fence demo --side-effects`.", file=sys.stderr)
+        return EXIT_USAGE
+    _demo._die_with_parent(int(argv[1]))
+    return roles[argv[0]](sys.stdin, sys.stdout)
+
+
+# =================================================================== receiver
+
+
+class MailApi:
+    """A mail API on loopback: it sends (counts) each e-mail once per ``Idempotency-Key``.
+
+    The first request is held open after it was accepted, until ``release``:
+    the sender is still waiting for the answer when the demo kills it.
+    """
+
+    def __init__(self, timeline: _Timeline) -> None:
+        self.attempts: list[tuple[str, dict[str, Any]]] = []
+        self.sent: dict[str, dict[str, Any]] = {}
+        self.arrived = threading.Event()
+        self._release = threading.Event()
+        self._lock = threading.Lock()
+        api = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                key = self.headers.get("Idempotency-Key", "")
+                mail = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                with api._lock:
+                    first = not api.attempts
+                    api.attempts.append((key, mail))
+                    duplicate = key in api.sent
+                    if not duplicate:
+                        api.sent[key] = mail
+                if duplicate:
+                    timeline.say("mail", f"duplicate of {key!r}: answered, NOT sent again")
+                else:
+                    timeline.say("mail", f"SENT {mail['subject']!r} to {mail['to']} (key {key!r})")
+                if first:
+                    api.arrived.set()
+                    api._release.wait(HOLD_TIMEOUT)
+                with contextlib.suppress(OSError):  # the sender may be dead by now
+                    self.send_response(200 if duplicate else 202)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}/v1/mail"
+
+    def release(self) -> None:
+        self._release.set()
+
+    def close(self) -> None:
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=STEP_TIMEOUT)
+
+
+# =============================================================== orchestrator
+
+
+@dataclass
+class _SideEffectsDemo(_Demo):
+    conninfo: str = ""
+    api: MailApi | None = field(default=None, repr=False)
+
+    def intro(self) -> None:
+        mode = (
+            "FENCED: each worker binds its lease and enqueues with sa_fence.side_effect()"
+            if self.fenced
+            else "UNFENCED: plain sessions enqueue the same jobs with procrastinate alone"
+        )
+        self.echo("sa-fence demo --side-effects: a paused worker's e-mail, and its successor's")
+        self.summary("mode", mode)
+
+    def worker(self, name: str, config: dict[str, Any], t: _Timeline, role: str) -> _Worker:
+        w = _Worker(name, config, t, module=MODULE, role=role)
+        self.workers.append(w)
+        return w
+
+    def story(self, engine: sa.Engine) -> int:
+        from ._schema import upgrade_demo_schema
+
+        t = _Timeline(self.out, self.client, self.prefix + LEASE_NAME)
+        t.header()
+        upgrade_demo_schema(engine)
+        conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        app = make_app(conninfo)
+        with app.open():
+            app.schema_manager.apply_schema()
+        t.say(
+            "setup",
+            "created the fenced jobs table and the lease register (alembic upgrade head), "
+            "and procrastinate's queue tables with its schema manager (procrastinate "
+            "schema --apply)",
+        )
+        with engine.begin() as conn:
+            if not self.fenced:  # nothing in the database checks the writers (as `demo`)
+                for table in ("jobs", "job_steps"):
+                    for statement in drop_guard_sql(table):
+                        conn.execute(sa.text(statement))
+            conn.execute(sa.insert(DemoJob).values(id=JOB_ID, result=None, fence=0))
+        self.api = api = MailApi(t)
+        try:
+            return self._play(engine, conninfo, api, t)
+        finally:
+            api.close()
+
+    def _play(self, engine: sa.Engine, conninfo: str, api: MailApi, t: _Timeline) -> int:
+        ttl = self.ttl
+        config = {
+            "pg": self.server.set(database=self.database).render_as_string(hide_password=False),
+            "conninfo": conninfo,
+            "redis": self.redis_url,
+            "prefix": self.prefix,
+            "ttl": ttl,
+            "fenced": self.fenced,
+            "api": api.url,
+        }
+        t.say("setup", f"job {JOB_ID} inserted; a mail API listens on {api.url}")
+        a = self.worker("A", {**config, "result": "A"}, t, "worker")
+        b = self.worker("B", {**config, "result": "B"}, t, "worker")
+        for w in (a, b):
+            w.expect("ready", timeout=STARTUP_TIMEOUT)
+            t.say(w.name, f"worker process started (pid {w.pid})")
+
+        a.send("acquire")
+        token_a = int(a.expect("acquired")["token"])
+        t.holders[token_a] = "A"
+        t.say("A", f"acquired lease {LEASE_NAME!r} with token {token_a}, TTL {ttl:g} s")
+        enq_a = a.expect("enqueued")
+        t.say(
+            "A",
+            f"set result='A' and enqueued its e-mail to {enq_a['to']} in the same transaction "
+            f"(job {enq_a['job_id']}, key {enq_a['key']!r}); not committed yet",
+        )
+        a.stop()
+        t.say("demo", f"SIGSTOP A for 2 x TTL = {2 * ttl:g} s, like a long GC pause")
+        time.sleep(2 * ttl)
+        if self.client.exists(self.prefix + LEASE_NAME):
+            raise StoryError(f"A's lease still exists in Redis after {2 * ttl:g} s")
+        t.say("redis", "A's lease has expired; A is stopped and cannot notice")
+
+        b.send("acquire")
+        token_b = int(b.expect("acquired")["token"])
+        t.holders[token_b] = "B"
+        t.say("B", f"acquired lease {LEASE_NAME!r} with token {token_b}")
+        enq_b = b.expect("enqueued")
+        t.say("B", f"set result='B' and enqueued its e-mail (key {enq_b['key']!r})")
+        b.send("write")
+        if b.expect("committed", "refused")["event"] != "committed":
+            raise StoryError("B's commit was refused")
+        t.say("B", "committed: its row and its e-mail job, together")
+        b.send("release")
+        b.expect("released")
+
+        a.resume()
+        t.say("demo", "SIGCONT A: it carries on as if it still held the lease")
+        a.send("write")
+        written = a.expect("committed", "refused")
+        if written["event"] == "refused":
+            t.say("A", f"commit REFUSED: {written['error']}: {written['message']}")
+        else:
+            t.say("A", "committed: its row and its e-mail job (nothing checked the lease)")
+        a.send("release")
+        a.expect("released")
+        a.finish()
+        b.finish()
+        queued = self.jobs(engine)
+        t.say("queue", f"jobs committed for the workers: {_jobs_text(queued)}")
+
+        first = self.worker("W1", {"conninfo": conninfo, "recover": False}, t, "deliverer")
+        first.expect("ready", timeout=STARTUP_TIMEOUT)
+        first.send("deliver")
+        t.say("W1", f"procrastinate worker started (pid {first.pid}); delivering")
+        if not api.arrived.wait(STEP_TIMEOUT):
+            raise StoryError("the first delivery never reached the mail API")
+        first.kill()
+        t.say("demo", "SIGKILL W1 mid-delivery: the API took the e-mail, W1 never heard back")
+        api.release()
+        t.say("queue", f"after the kill: {_jobs_text(self.jobs(engine))}")
+
+        second = self.worker("W2", {"conninfo": conninfo, "recover": True}, t, "deliverer")
+        second.expect("ready", timeout=STARTUP_TIMEOUT)
+        second.send("deliver")
+        recovered = second.expect("recovered", timeout=STEP_TIMEOUT + STARTUP_TIMEOUT)
+        t.say("W2", f"retried the stalled job(s) {recovered['jobs']} of the dead worker")
+        second.expect("working")
+        second.expect("drained", timeout=STEP_TIMEOUT * 2)
+        second.finish()
+        t.say("W2", f"queue drained: {_jobs_text(self.jobs(engine))}")
+        return self.verdict_mail(engine, written, enq_a, enq_b, api)
+
+    def jobs(self, engine: sa.Engine) -> list[tuple[int, str]]:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.text("SELECT id, status::text FROM procrastinate_jobs ORDER BY id")
+            ).all()
+        return [(int(i), str(s)) for i, s in rows]
+
+    def verdict_mail(
+        self,
+        engine: sa.Engine,
+        a_written: dict[str, Any],
+        enq_a: dict[str, Any],
+        enq_b: dict[str, Any],
+        api: MailApi,
+    ) -> int:
+        result, fence = self.row(engine)
+        sent_to = sorted(m["to"] for m in api.sent.values())
+        self.echo()
+        self.summary("final row", f"job {JOB_ID}: result={result!r}, fence={fence}")
+        self.summary(
+            "mail API",
+            f"{len(api.attempts)} delivery attempt(s), {len(api.sent)} e-mail(s) sent: "
+            + (", ".join(sent_to) or "none"),
+        )
+        if self.fenced:
+            if a_written["event"] != "refused":
+                raise StoryError("A's stale commit was NOT refused")
+            if list(api.sent) != [enq_b["key"]] or result != "B":
+                raise StoryError(
+                    f"only B's e-mail should have been sent, once; sent: {sent_to}, row {result!r}"
+                )
+            if [k for k, _ in api.attempts] != [enq_b["key"]] * 2:
+                raise StoryError(f"expected two attempts with B's key, got {api.attempts}")
+            self.summary(
+                "verdict",
+                f"OK: A's e-mail (key {enq_a['key']!r}) never left: its job was refused with "
+                "its commit. B's e-mail left exactly once: delivered at least once, the "
+                "retry after the kill carried the same key, and the API dropped it.",
+            )
+            return EXIT_OK
+        if a_written["event"] != "committed" or enq_a["key"] not in api.sent:
+            raise StoryError(f"without fencing A's e-mail should have gone out; sent: {sent_to}")
+        self.echo("  DOUBLE E-MAIL: the stale worker A's e-mail went out next to B's")
+        self.summary(
+            "verdict",
+            "the queue alone does not know A's lease expired. Run `sa-fence demo "
+            "--side-effects` (without --unfenced) to see A's e-mail never leave.",
+        )
+        return EXIT_OK
+
+
+def _jobs_text(jobs: list[tuple[int, str]]) -> str:
+    return ", ".join(f"job {i} {s}" for i, s in jobs) or "none"
+
+
+def run(*, pg: str, redis_url: str, ttl: float, fenced: bool, out: TextIO | None = None) -> int:
+    """Play the side-effects story once; the exit status is ``sa-fence demo``'s."""
+    out = sys.stdout if out is None else out
+    try:
+        import procrastinate  # noqa: F401
+    except ImportError:
+        print(f"sa-fence demo: error: {INSTALL_HINT}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        server = _demo._server_url(pg)
+        if not MIN_TTL <= ttl <= MAX_TTL:
+            raise ValueError(f"--ttl must be between {MIN_TTL:g} and {MAX_TTL:g} s, got {ttl:g}")
+        client = _demo._connect_redis(redis_url)
+    except ValueError as exc:
+        print(f"sa-fence demo: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except _demo._Unreachable as exc:
+        print(f"sa-fence demo: error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    try:
+        _demo._check_postgres(server)
+        with _demo._sigterm_as_exit():
+            return _SideEffectsDemo(server, client, redis_url, ttl, fenced, out).play()
+    except _demo._Unreachable as exc:
+        print(f"sa-fence demo: error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except StoryError as exc:
+        print(f"sa-fence demo: FAILED, the story went differently: {exc}", file=sys.stderr)
+        return EXIT_STORY
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(_entry(sys.argv[1:]))

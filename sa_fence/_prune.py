@@ -1,0 +1,338 @@
+"""Retention of the lease register: ``Fencer.prune()`` and ``sa-fence prune``.
+
+The register keeps one row per lease name forever (measured: about 116
+bytes a row with its index, docs/operations.md).  Pruning deletes the rows of
+names that nobody holds and that were last granted long ago:
+
+1. **scan** (:func:`find_prunable`): register rows granted before ``now -
+   older_than``, in batches in name order;
+2. **ask Redis** which of those names are held now (one pipelined ``EXISTS``
+   per batch): a held name is kept whatever its age;
+3. **compare-and-delete** (:func:`delete_prunable`): each row is deleted only
+   if it still holds the token the scan read, so a grant made in between (a
+   new token) survives; a row locked at that moment (a grant writing it, a
+   commit checking against it) is skipped, never waited for.
+
+What it does to the guarantee: a pruned name has no register row, and the
+commit check refuses a transaction whose lease's token the register does not
+hold, so a stale holder of a pruned name is still refused at COMMIT (the
+error says the name has no register row).  A grant of a pruned name starts a
+new row with a token from the same sequence, larger than every token before.
+The one thing pruning changes: a holder whose lease expired in Redis without
+anyone being granted the name since, and that is still working, would have
+committed before pruning and is refused after.  ``longest_lease`` (the
+longest time from a grant to the last commit under it, a bound only the user
+knows) is therefore required, and an ``older_than`` shorter than it is
+refused.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TextIO
+
+import sqlalchemy as sa
+
+from ._register import Register, pinned_register
+
+#: Names read, checked in Redis and deleted per round trip.
+BATCH = 1000
+
+Duration = float | int | timedelta
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """What :meth:`sa_fence.Fencer.prune` removed (or, with ``dry_run``, would remove)."""
+
+    #: register rows deleted (with ``dry_run``: that would be deleted)
+    rows: int
+    #: their size in the table, from ``pg_column_size`` of each row (index
+    #: entries not counted); PostgreSQL reuses the space for new rows after
+    #: VACUUM, and only VACUUM FULL gives it back to the operating system
+    bytes: int
+    #: rows old enough whose name is held in Redis now, kept
+    held: int
+    #: rows old enough and not held, but granted again before the delete (a new
+    #: token) or locked by a grant or commit under way at that moment, kept
+    regranted: int
+    dry_run: bool
+
+
+def seconds(value: object, what: str) -> float:
+    """A duration (seconds as a number, or a ``timedelta``) in seconds, > 0 and finite."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"{what} must be a number of seconds or a datetime.timedelta, got "
+            f"{type(value).__name__}: {value!r}"
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a finite duration > 0, got {value!r}")
+    return float(value)
+
+
+def check_ages(older_than: object, longest_lease: object) -> float:
+    """``older_than`` in seconds, refused when shorter than ``longest_lease``."""
+    age = seconds(older_than, "older_than")
+    longest = seconds(longest_lease, "longest_lease")
+    if age < longest:
+        raise ValueError(
+            f"older_than ({format_duration(age)}) is shorter than longest_lease "
+            f"({format_duration(longest)}): a holder granted less than longest_lease ago may "
+            "still be working, and pruning its row would refuse its next commit. Prune only "
+            "rows older than the longest a lease can last from its grant to its last "
+            "commit (renewals included): pass older_than >= longest_lease"
+        )
+    return age
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """``"90"`` / ``"90s"``, ``"15m"``, ``"12h"``, ``"30d"``, ``"2w"`` -> seconds."""
+    match = _DURATION.match(text.lower())
+    if match is None:
+        raise ValueError(
+            f"not a duration: {text!r}; use a number with a unit: 90s, 15m, 12h, 30d, 2w "
+            "(no unit: seconds)"
+        )
+    number, unit = match.groups()
+    return float(number) * _UNITS[unit or "s"]
+
+
+def format_duration(value: float) -> str:
+    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if value >= size and value % size == 0:
+            return f"{int(value // size)}{unit}"
+    return f"{value:g}s"
+
+
+def _scan_sql(register: Register) -> Any:
+    return sa.text(
+        f"SELECT r.name, r.token FROM {register.table_sql} r "
+        "WHERE r.name > :after AND r.granted_at < pg_catalog.clock_timestamp() - "
+        "pg_catalog.make_interval(secs => :age) ORDER BY r.name LIMIT :batch"
+    )
+
+
+def _delete_sql(register: Register, *, dry_run: bool) -> Any:
+    # Compare-and-delete: a row goes only while it holds the token the scan
+    # read; a grant in between wrote a new token, and its row stays.  A row
+    # locked right now (a grant writing it, a commit checking against it) is
+    # in use: skipped, never waited for.
+    rows = (
+        f"FROM {register.table_sql} r, "
+        "unnest(CAST(:names AS text[]), CAST(:tokens AS bigint[])) AS d(name, token) "
+        "WHERE r.name = d.name AND r.token = d.token"
+    )
+    if dry_run:
+        return sa.text(f"SELECT count(*), coalesce(sum(pg_column_size(r.*)), 0) {rows}")
+    return sa.text(
+        f"WITH unused AS (SELECT r.name {rows} FOR UPDATE OF r SKIP LOCKED), "
+        f"gone AS (DELETE FROM {register.table_sql} r USING unused u WHERE r.name = u.name "
+        "RETURNING pg_column_size(r.*) AS size) "
+        "SELECT count(*), coalesce(sum(size), 0) FROM gone"
+    )
+
+
+def find_prunable(
+    conn: sa.Connection,
+    register: Register,
+    held: Callable[[Sequence[str]], Sequence[bool]],
+    age: float,
+    *,
+    batch: int = BATCH,
+) -> Iterator[tuple[list[tuple[str, int]], int]]:
+    """Batches of (name, token) old enough and not held, each with how many were held."""
+    after = ""
+    while True:
+        rows = conn.execute(_scan_sql(register), {"after": after, "age": age, "batch": batch}).all()
+        conn.rollback()  # no snapshot or lock held while Redis is asked
+        if not rows:
+            return
+        after = rows[-1].name
+        flags = held([row.name for row in rows])
+        prunable = [
+            (row.name, int(row.token))
+            for row, is_held in zip(rows, flags, strict=True)
+            if not is_held
+        ]
+        yield prunable, len(rows) - len(prunable)
+        if len(rows) < batch:
+            return
+
+
+def delete_prunable(
+    conn: sa.Connection, register: Register, rows: Sequence[tuple[str, int]], *, dry_run: bool
+) -> tuple[int, int]:
+    """Delete (or count) the rows that still hold their token; (rows, bytes)."""
+    if not rows:
+        return 0, 0
+    count, size = conn.execute(
+        _delete_sql(register, dry_run=dry_run),
+        {"names": [name for name, _ in rows], "tokens": [token for _, token in rows]},
+    ).one()
+    conn.commit()
+    return int(count), int(size)
+
+
+def prune(
+    engine: sa.Engine,
+    held: Callable[[Sequence[str]], Sequence[bool]],
+    sequence: str,
+    *,
+    older_than: Duration,
+    longest_lease: Duration,
+    dry_run: bool = False,
+    batch: int = BATCH,
+) -> PruneResult:
+    """Prune ``sequence``'s register through ``engine`` (see the module);
+    ``held(names)`` says which names Redis holds now."""
+    age = check_ages(older_than, longest_lease)
+    with engine.connect() as conn:
+        return prune_on(conn, held, sequence, age, dry_run=dry_run, batch=batch)
+
+
+def prune_on(
+    conn: sa.Connection,
+    held: Callable[[Sequence[str]], Sequence[bool]],
+    sequence: str,
+    age: float,
+    *,
+    dry_run: bool,
+    batch: int = BATCH,
+) -> PruneResult:
+    """:func:`prune` on a connection, ``age`` already checked (seconds)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a whole number >= 1, got {batch!r}")
+    removed = size = kept_held = regranted = 0
+    # schema-qualified from here on: nothing on the search_path stands in
+    register = pinned_register(conn, sequence)
+    exists = conn.execute(
+        sa.text("SELECT to_regclass(:t) IS NOT NULL"), {"t": register.table_sql}
+    ).scalar_one()
+    conn.rollback()
+    if not exists:
+        raise LookupError(
+            f"there is no lease register {Register(sequence).table_display} for sequence "
+            f"{sequence!r}: nothing to prune (run `sa-fence check`, or pass --sequence)"
+        )
+    for rows, was_held in find_prunable(conn, register, held, age, batch=batch):
+        kept_held += was_held
+        count, bytes_ = delete_prunable(conn, register, rows, dry_run=dry_run)
+        removed += count
+        size += bytes_
+        regranted += len(rows) - count
+    return PruneResult(removed, size, kept_held, regranted, dry_run)
+
+
+def describe(result: PruneResult) -> str:
+    """One line for people: what was (or would be) removed and what was kept."""
+    verb = "would remove" if result.dry_run else "removed"
+    kept = [f"{result.held} held in Redis now"]
+    if result.regranted:
+        kept.append(f"{result.regranted} granted again while pruning")
+    return (
+        f"{verb} {result.rows} register row(s), {result.bytes} bytes of row data; kept "
+        + " and ".join(kept)
+        + " (old enough, but not removed)"
+    )
+
+
+def run(
+    url: str,
+    redis_url: str,
+    *,
+    sequence: str,
+    key_prefix: str,
+    older_than: float,
+    longest_lease: float,
+    dry_run: bool,
+    out: TextIO,
+    err: TextIO,
+) -> int:
+    """The ``sa-fence prune`` command; returns the exit status (0 done, 1 no
+    register, 2 bad argument, 3 PostgreSQL or Redis unreachable)."""
+    import redis as redis_lib
+
+    from ._check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, _with_connection
+    from ._protocol import cause_text
+    from ._telemetry import redact_url
+
+    try:
+        age = check_ages(older_than, longest_lease)
+    except ValueError as exc:
+        print(
+            f"sa-fence prune: {exc}".replace("older_than", "--older-than").replace(
+                "longest_lease", "--longest-lease"
+            ),
+            file=err,
+        )
+        return EXIT_USAGE
+    try:
+        client = redis_lib.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+    except ValueError as exc:
+        print(f"sa-fence prune: --redis {redact_url(redis_url)}: {exc}", file=err)
+        return EXIT_USAGE
+
+    def body(conn: sa.Connection, _: Any) -> int:
+        try:
+            result = prune_on(conn, redis_held(client, key_prefix), sequence, age, dry_run=dry_run)
+        except LookupError as exc:
+            print(f"sa-fence prune: {exc}", file=err)
+            return EXIT_FINDINGS
+        except redis_lib.RedisError as exc:
+            print(
+                f"sa-fence prune: cannot read Redis at {redact_url(redis_url)}: "
+                f"{cause_text(exc)}; what was removed before stays removed",
+                file=err,
+            )
+            return EXIT_UNREACHABLE
+        print(
+            f"sa-fence prune: rows granted more than {format_duration(age)} ago, not held: "
+            + describe(result),
+            file=out,
+        )
+        return EXIT_OK
+
+    try:
+        return _with_connection(url, None, err, body)
+    finally:
+        client.close()
+
+
+def async_redis_held(client: Any, key_prefix: str) -> Callable[[Sequence[str]], Sequence[bool]]:
+    """``held(names)`` for a ``redis.asyncio`` client, called from the sync code
+    that ``greenlet_spawn`` runs (SQLAlchemy's bridge: it awaits the pipeline)."""
+    from sqlalchemy.util import await_only
+
+    async def ask(names: Sequence[str]) -> list[bool]:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(key_prefix + name)
+        return [bool(reply) for reply in await pipe.execute()]
+
+    def held(names: Sequence[str]) -> list[bool]:
+        return await_only(ask(names))
+
+    return held
+
+
+def redis_held(client: Any, key_prefix: str) -> Callable[[Sequence[str]], Sequence[bool]]:
+    """``held(names)`` for a redis-py client: one pipelined EXISTS per name."""
+
+    def held(names: Sequence[str]) -> list[bool]:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(key_prefix + name)
+        return [bool(reply) for reply in pipe.execute()]
+
+    return held

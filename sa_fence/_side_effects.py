@@ -1,0 +1,304 @@
+"""Side effects that leave only from current holders: fenced jobs on procrastinate.
+
+An e-mail, a webhook or a payment call cannot be taken back by the commit
+check.  So it is not sent from the fenced transaction at all: it is enqueued
+there, as a job of `procrastinate <https://procrastinate.readthedocs.io/>`_
+(a PostgreSQL job queue), on the bound session's own connection.  The job
+row is then part of the transaction that lease scope checks at ``COMMIT``:
+
+- a stale holder's transaction is refused, so its job never commits and no
+  worker ever sees it;
+- the current holder's job commits with its data, or not at all;
+- a job that committed while its holder was current is delivered, even if
+  the lease is superseded before a worker picks it up.
+
+A worker then delivers the job at least once (procrastinate retries failed
+jobs, and a stalled worker's jobs can be retried).  Every job carries an
+idempotency key, ``<lease name>:<token>:<transaction>:<n>`` (the lease, its
+token, PostgreSQL's id of the enqueueing transaction and the effect's number
+within it), the same on every attempt, so a receiver that deduplicates on it
+(an ``Idempotency-Key`` header, an e-mail ``Message-ID``) makes the effect
+happen once::
+
+    import procrastinate
+    import sa_fence
+
+    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=...))
+
+    @app.task(retry=procrastinate.RetryStrategy(max_attempts=10, exponential_wait=2))
+    def send_receipt(order_id: int, idempotency_key: str) -> None:
+        httpx.post(URL, json={"order": order_id}, headers={"Idempotency-Key": idempotency_key})
+
+    with fencer.lease("order:7", ttl=30) as lease, Session() as session:
+        lease.bind(session)
+        session.get(Order, 7).state = "paid"
+        sa_fence.side_effect(session, send_receipt, order_id=7)
+        session.commit()   # the order and its job commit together, or neither does
+
+``await sa_fence.side_effect_async(async_session, task, **kwargs)`` does the
+same for an ``AsyncSession``.  Nothing here imports procrastinate until a
+side effect is enqueued, and no state is kept outside the session.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from sqlalchemy.orm import Session, scoped_session
+
+from . import _flush
+from .errors import FencingConfigError, UnfencedWriteError
+
+if TYPE_CHECKING:
+    from procrastinate.tasks import Task
+    from procrastinate.types import JSONValue
+    from sqlalchemy.engine import Connection
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from ._flush import Lease
+
+__all__ = ["KEY_ARGUMENT", "SideEffect", "side_effect", "side_effect_async"]
+
+#: The task argument each job's idempotency key is passed in.
+KEY_ARGUMENT = "idempotency_key"
+
+#: PostgreSQL's id of the current transaction (assigns one if it has none yet):
+#: 64 bits with the epoch, so it never repeats in a database's life.
+#: ``txid_current()`` rather than 13's ``pg_current_xact_id()``: the same
+#: value, on every PostgreSQL sa-fence supports.
+_XID_SQL = "SELECT txid_current()::text"
+
+_INFO_KEY = "sa_fence.side_effects"
+
+#: Characters of a lease name kept as they are in a key; the rest is
+#: percent-encoded, so a key is always printable ASCII (a valid header value).
+_SAFE = ":/@-_.~+=,;!*()[]{}"
+
+
+@dataclass(frozen=True, slots=True)
+class SideEffect:
+    """A side effect enqueued in the bound session's transaction.
+
+    It is delivered only if that transaction commits.
+    """
+
+    #: procrastinate's job id (the row is visible to workers once the transaction commits).
+    job_id: int
+    #: The key the job's task receives as ``idempotency_key``, the same on every attempt.
+    idempotency_key: str
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """The side effects numbered so far in one transaction of a session."""
+
+    transaction: object
+    xid: str
+    count: int = 0
+
+
+def _sync_session(session: object) -> Session:
+    if isinstance(session, scoped_session):
+        session = session()
+    sync = getattr(session, "sync_session", None)  # an AsyncSession
+    if isinstance(sync, Session):
+        session = sync
+    if not isinstance(session, Session):
+        raise TypeError(
+            "side_effect() takes a sqlalchemy Session (or scoped_session) bound to a lease, "
+            f"and side_effect_async() an AsyncSession; got {type(session).__name__}"
+        )
+    return session
+
+
+def _check_task(task: object, kwargs: dict[str, Any]) -> None:
+    try:
+        from procrastinate.tasks import Task
+    except ImportError:
+        raise ImportError(
+            "sa_fence.side_effect() enqueues procrastinate jobs, and procrastinate is not "
+            "installed: pip install 'sa-fence[side-effects]'. Nothing was enqueued."
+        ) from None
+
+    if not isinstance(task, Task):
+        raise TypeError(
+            "side_effect() takes a procrastinate task (a function decorated with "
+            f"@app.task), got {type(task).__name__}. Nothing was enqueued."
+        )
+    if KEY_ARGUMENT in kwargs:
+        raise ValueError(
+            f"do not pass {KEY_ARGUMENT}= to side_effect(): sa-fence makes the key from the "
+            "lease and the transaction and passes it to the task itself. Nothing was enqueued."
+        )
+    params = inspect.signature(task.func).parameters.values()
+    if not any(
+        p.kind is p.VAR_KEYWORD or (p.name == KEY_ARGUMENT and p.kind is not p.POSITIONAL_ONLY)
+        for p in params
+    ):
+        raise TypeError(
+            f"task {task.name!r} has no {KEY_ARGUMENT!r} parameter: add "
+            f"`{KEY_ARGUMENT}: str` to it and send it with the effect (an Idempotency-Key "
+            "header, a Message-ID) so the receiver can deduplicate retries. Nothing was "
+            "enqueued."
+        )
+
+
+def _bound_lease(session: Session) -> Lease:
+    """The lease bound to ``session``, still usable for a write (else raise, nothing sent)."""
+    state = _flush._state(session)
+    lease = None if state is None else state.lease
+    if lease is None:
+        raise UnfencedWriteError(
+            "this session has no lease bound, so a side effect enqueued in it would not be "
+            "fenced: a stale worker's e-mail or HTTP call would go out. Acquire a lease and "
+            "call lease.bind(session) first (sa_fence.unfenced() does not apply to side "
+            "effects). Nothing was enqueued."
+        )
+    lease._check_for_write()  # released, or known lost: LeaseLostError, nothing sent
+    return lease
+
+
+def _require_scope(conn: Connection, lease: Lease) -> None:
+    """The job row must be inside the transaction's lease scope, or it commits unchecked."""
+    scope = _flush._scopes.get(conn)
+    if scope is None or (lease.name, lease.token) not in scope:
+        raise FencingConfigError(
+            f"this session's transaction is not lease-scoped for {lease.name!r} (it writes to "
+            "another database than the lease register's), so its COMMIT would not check the "
+            "lease and a stale holder's job would be delivered. Enqueue side effects in the "
+            "database that holds the lease register and the queue's tables. Nothing was "
+            "enqueued."
+        )
+
+
+def _next_key(session: Session, lease: Lease, xid: str) -> str:
+    transaction = session.get_transaction()
+    seq = session.info.get(_INFO_KEY)
+    if not isinstance(seq, _Sequence) or seq.transaction is not transaction or seq.xid != xid:
+        seq = session.info[_INFO_KEY] = _Sequence(transaction, xid)
+    seq.count += 1
+    return f"{quote(lease.name, safe=_SAFE)}:{lease.token}:{xid}:{seq.count}"
+
+
+def _known_xid(session: Session) -> str | None:
+    seq = session.info.get(_INFO_KEY)
+    if isinstance(seq, _Sequence) and seq.transaction is session.get_transaction():
+        return seq.xid
+    return None
+
+
+def _missing_queue(exc: BaseException) -> FencingConfigError | None:
+    """The clear error for procrastinate's tables or functions not being in this database."""
+    import psycopg.errors
+
+    missing = (
+        psycopg.errors.UndefinedTable,
+        psycopg.errors.UndefinedFunction,
+        psycopg.errors.UndefinedObject,  # its types
+    )
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, missing) and "procrastinate" in str(cause):
+            return FencingConfigError(
+                "procrastinate's queue tables are not in this session's database "
+                f"({str(cause).strip()}). Create them where the fenced rows and the lease "
+                "register are: `procrastinate --app=<your app> schema --apply`, or the "
+                "Alembic revision in the side-effects docs. Roll the session back: "
+                "nothing of this transaction can commit."
+            )
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def side_effect(
+    session: Session | scoped_session[Any],
+    task: Task[Any, Any, Any],
+    /,
+    **task_kwargs: JSONValue,
+) -> SideEffect:
+    """Enqueue ``task(**task_kwargs)`` in ``session``'s transaction, fenced by its lease.
+
+    The job row is written on the session's own connection, inside its
+    current transaction, so lease scope covers it: it commits with the
+    session's other writes or not at all, and a stale holder's ``COMMIT`` is
+    refused (:class:`~sa_fence.StaleTokenError`) with the job in it.  The
+    task receives one more argument, ``idempotency_key``, unique to this
+    effect and the same on every delivery attempt.
+
+    Raises :class:`~sa_fence.UnfencedWriteError` when no lease is bound,
+    :class:`~sa_fence.LeaseLostError` when the bound lease is released or
+    known lost, :class:`~sa_fence.FencingConfigError` when the transaction is
+    not lease-scoped (another database), ``TypeError``/``ValueError`` for a
+    task that is not a procrastinate task or cannot take the key; in each
+    case nothing is enqueued.  For an ``AsyncSession`` use
+    :func:`side_effect_async`.
+    """
+    _check_task(task, task_kwargs)
+    sync = _sync_session(session)
+    if sync is not session and not isinstance(session, scoped_session):
+        raise TypeError(
+            "side_effect() got an AsyncSession: use `await sa_fence.side_effect_async(...)`"
+        )
+    lease = _bound_lease(sync)
+    conn = sync.connection()  # begins the transaction: lease scope is entered here
+    _require_scope(conn, lease)
+    driver: Any = conn.connection.driver_connection
+    xid = _known_xid(sync)
+    if xid is None:
+        with driver.cursor() as cursor:
+            cursor.execute(_XID_SQL)
+            xid = str(cursor.fetchone()[0])
+    key = _next_key(sync, lease, xid)
+    try:
+        job_id = task.configure(connection=driver).defer(**task_kwargs, **{KEY_ARGUMENT: key})
+    except Exception as exc:
+        missing = _missing_queue(exc)
+        if missing is not None:
+            raise missing from exc
+        raise
+    return SideEffect(job_id=job_id, idempotency_key=key)
+
+
+async def side_effect_async(
+    session: AsyncSession,
+    task: Task[Any, Any, Any],
+    /,
+    **task_kwargs: JSONValue,
+) -> SideEffect:
+    """:func:`side_effect` for an ``AsyncSession`` (a procrastinate ``PsycopgConnector`` app).
+
+    The job is written with ``defer_async`` on the session's own psycopg
+    ``AsyncConnection``, in its current transaction.
+    """
+    _check_task(task, task_kwargs)
+    sync: object = getattr(session, "sync_session", None)
+    if not isinstance(sync, Session):
+        raise TypeError(
+            "side_effect_async() takes a sqlalchemy AsyncSession bound to a lease (use "
+            f"side_effect() for a Session); got {type(session).__name__}"
+        )
+    lease = _bound_lease(sync)
+    aconn = await session.connection()
+    assert aconn.sync_connection is not None  # set once the connection is started
+    _require_scope(aconn.sync_connection, lease)
+    raw = await aconn.get_raw_connection()
+    driver: Any = raw.driver_connection
+    xid = _known_xid(sync)
+    if xid is None:
+        async with driver.cursor() as cursor:
+            await cursor.execute(_XID_SQL)
+            xid = str((await cursor.fetchone())[0])
+    key = _next_key(sync, lease, xid)
+    try:
+        job_id = await task.configure(connection=driver).defer_async(
+            **task_kwargs, **{KEY_ARGUMENT: key}
+        )
+    except Exception as exc:
+        missing = _missing_queue(exc)
+        if missing is not None:
+            raise missing from exc
+        raise
+    return SideEffect(job_id=job_id, idempotency_key=key)

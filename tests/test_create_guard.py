@@ -1,0 +1,264 @@
+"""A database made the quickstart way (``create_all``) gets its guard without
+Alembic, ``sa-fence check`` calls a missing guard advice, and a fenced model
+whose table lacks the fence column fails with a FencingConfigError."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+import redis
+import sqlalchemy as sa
+from sqlalchemy.orm import sessionmaker
+
+import sa_fence
+from sa_fence import _check, _flush, cli
+from tests._fresh_db import fresh_database, url_of
+from tests.models import Base, Cell, Job
+
+GUARDED = ("cells", "jobs")
+
+
+@pytest.fixture
+def created() -> Iterator[sa.Engine]:
+    """A database made with ``Base.metadata.create_all`` only: no migrations, no guard."""
+    with fresh_database("create_all") as engine:
+        Base.metadata.create_all(engine)
+        yield engine
+
+
+def run_cli(*argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, " ".join(out.split()), " ".join(err.split())
+
+
+def triggers(engine: sa.Engine) -> set[str]:
+    with engine.connect() as conn:
+        return set(
+            conn.execute(
+                sa.text(
+                    "SELECT tgrelid::regclass::text FROM pg_trigger "
+                    "WHERE tgname = 'sa_fence_guard' AND NOT tgisinternal"
+                )
+            ).scalars()
+        )
+
+
+def test_check_calls_a_missing_guard_advice_naming_both_ways_and_strict_makes_it_a_problem(
+    created: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = run_cli("check", "--url", url_of(created), capsys=capsys)
+    assert (status, err) == (0, ""), out
+    assert "PROBLEM" not in out
+    assert "advice table jobs has no enabled guard trigger sa_fence_guard" in out
+    assert (
+        "fix: sa-fence create-guard --url ... jobs (or in Python: "
+        "sa_fence.create_fence_guard(engine, 'jobs')); in an Alembic migration: "
+        "op.create_fence_guard('jobs')" in out
+    )
+    assert "No problems found. 2 piece(s) of advice" in out
+
+    status, out, _ = run_cli("check", "--strict", "--url", url_of(created), capsys=capsys)
+    assert status == 1
+    assert "PROBLEM table jobs has no enabled guard trigger sa_fence_guard" in out
+    assert "2 problem(s) found." in out
+    assert "advice" not in out
+
+
+def test_create_fence_guard_makes_the_guard_sa_fence_check_finds_current(
+    created: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sa_fence.create_fence_guard(created, "jobs")
+    sa_fence.create_fence_guard(created, Cell.__table__)  # a Table: its fence column
+    sa_fence.create_fence_guard(created, "jobs")  # again: replaces, no error
+    assert triggers(created) == set(GUARDED)
+    status, out, _ = run_cli("check", "--strict", "--url", url_of(created), capsys=capsys)
+    assert status == 0, out
+    assert "ok table jobs: column fence, guard sa_fence_guard" in out
+    assert "ok table cells: column fence, guard sa_fence_guard" in out
+    assert "advice" not in out
+
+
+def test_the_guard_made_without_alembic_refuses_a_raw_stale_write(created: sa.Engine) -> None:
+    with created.begin() as conn:
+        sa_fence.create_fence_guard(conn, "jobs")  # in the caller's transaction
+        conn.execute(sa.text("SELECT setval('sa_fence_token_seq', 9)"))
+        conn.execute(sa.text("INSERT INTO jobs (id, status, fence) VALUES (1, 'new', 9)"))
+    with created.connect() as conn:
+        conn.execute(sa.text("SELECT set_config('sa_fence.token', '5', true)"))
+        with pytest.raises(sa.exc.DBAPIError, match="sa-fence guard: UPDATE on table"):
+            conn.execute(sa.text("UPDATE jobs SET result = 'late' WHERE id = 1"))
+        conn.rollback()
+    with created.connect() as conn:
+        assert conn.execute(sa.text("SELECT result FROM jobs")).scalar_one() is None
+
+
+@pytest.mark.parametrize(
+    ("ddl", "table", "message"),
+    [
+        (None, "nope", "table 'nope' does not exist; create it first"),
+        ("CREATE TABLE bare (id int PRIMARY KEY)", "bare", "table 'bare' has no column 'fence'"),
+        (
+            "CREATE TABLE texty (id int PRIMARY KEY, fence text)",
+            "texty",
+            "table 'texty' has a text column 'fence'",
+        ),
+        (
+            "DROP SEQUENCE sa_fence_token_seq CASCADE",
+            "jobs",
+            "the token sequence 'sa_fence_token_seq' does not exist",
+        ),
+    ],
+)
+def test_create_guard_refuses_bad_input_by_name_and_writes_nothing(
+    created: sa.Engine,
+    capsys: pytest.CaptureFixture[str],
+    ddl: str | None,
+    table: str,
+    message: str,
+) -> None:
+    if ddl:
+        with created.begin() as conn:
+            conn.execute(sa.text(ddl))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sa_fence.create_fence_guard(created, table)
+    # the command: all tables in one transaction, so jobs gets no guard either
+    status, _, err = run_cli(
+        "create-guard", "--url", url_of(created), "cells", table, capsys=capsys
+    )
+    assert status == 1
+    assert message in err
+    assert "Nothing was created." in err
+    assert triggers(created) == set()
+
+
+def test_create_guard_command_guards_each_table(
+    created: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = run_cli("create-guard", "--url", url_of(created), *GUARDED, capsys=capsys)
+    assert (status, err) == (0, ""), err
+    assert "created guard trigger sa_fence_guard on jobs (column fence" in out
+    assert triggers(created) == set(GUARDED)
+
+
+def test_create_fence_guard_refuses_what_is_not_a_sync_postgresql_bind() -> None:
+    with pytest.raises(TypeError, match="Engine or Connection"):
+        sa_fence.create_fence_guard("postgresql://x/y", "jobs")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="PostgreSQL trigger, but this Engine is sqlite"):
+        sa_fence.create_fence_guard(sa.create_engine("sqlite://"), "jobs")
+    plain = sa.Table("plain", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True))
+    with pytest.raises(ValueError, match=r"has no fence column: add sa_fence\.fence_column"):
+        sa_fence.create_fence_guard(sa.create_engine("postgresql+psycopg://x/y"), plain)
+
+
+# ------------------------------------------ a fenced model, a table without the column
+
+
+@pytest.fixture
+def no_fence_column(redis_client: redis.Redis, key_prefix: str) -> Iterator[sa.Engine]:
+    """``jobs`` made before the model was fenced: create_all leaves it as it is."""
+    with fresh_database("nofence") as engine:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "CREATE TABLE jobs (id int PRIMARY KEY, result varchar(200), "
+                    "status varchar(20))"
+                )
+            )
+        Base.metadata.create_all(engine)  # the sequence, the register; jobs is kept
+        yield engine
+
+
+def fenced_session(engine: sa.Engine) -> sessionmaker[sa.orm.Session]:
+    return sa_fence.install(sessionmaker(engine))
+
+
+MISSING = (
+    r"table jobs has no fence column 'fence' in this database, but the model maps it as "
+    r"fenced .* op\.add_fence_column\('jobs'\); without Alembic: ALTER TABLE \"jobs\" ADD "
+    r"COLUMN \"fence\" bigint NOT NULL DEFAULT 0; .*sa_fence\.create_fence_guard"
+)
+
+
+def test_a_fenced_model_without_its_column_fails_with_a_config_error_at_the_first_read(
+    no_fence_column: sa.Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    fencer = sa_fence.Fencer(redis_client, no_fence_column, key_prefix=key_prefix)
+    try:
+        with fencer.lease("job:1", ttl=30) as lease, fenced_session(no_fence_column)() as s:
+            lease.bind(s)
+            with pytest.raises(sa_fence.FencingConfigError, match=MISSING) as caught:
+                s.get(Job, 1)
+            assert getattr(caught.value.cause, "sqlstate", None) == "42703"  # the driver's
+    finally:
+        fencer.close()
+
+
+def test_a_fenced_model_without_its_column_fails_with_a_config_error_at_the_first_flush(
+    no_fence_column: sa.Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    fencer = sa_fence.Fencer(redis_client, no_fence_column, key_prefix=key_prefix)
+    try:
+        with fencer.lease("job:2", ttl=30) as lease, fenced_session(no_fence_column)() as s:
+            lease.bind(s)
+            s.add(Job(id=2, result="x"))
+            with pytest.raises(sa_fence.FencingConfigError, match=MISSING):
+                s.flush()
+            s.rollback()
+    finally:
+        fencer.close()
+    with no_fence_column.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM jobs")).scalar_one() == 0
+
+
+def test_without_the_translation_the_raw_undefined_column_error_comes_through(
+    no_fence_column: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pair of the two tests above: the guard removed, the driver error is all there is."""
+    monkeypatch.setattr(_flush, "_refuse_missing_fence_column", lambda context: None)
+    with fenced_session(no_fence_column)() as s, pytest.raises(sa.exc.ProgrammingError) as caught:
+        s.get(Job, 1)
+    assert not isinstance(caught.value, sa_fence.FencingConfigError)
+    assert "column jobs.fence does not exist" in str(caught.value)
+
+
+def test_another_missing_column_is_not_taken_for_the_fence(created: sa.Engine) -> None:
+    with created.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE jobs DROP COLUMN status"))
+    with fenced_session(created)() as s, pytest.raises(sa.exc.ProgrammingError) as caught:
+        s.get(Job, 1)
+    assert not isinstance(caught.value, sa_fence.FencingConfigError)
+    assert "status" in str(caught.value)
+
+
+def test_check_reports_advice_in_its_report_object(created: sa.Engine) -> None:
+    with created.connect() as conn:
+        report = _check.check(conn)
+    assert sorted(f.subject for f in report.advice) == ["table cells", "table jobs"]
+    assert report.findings == []
+
+
+async def test_asyncio_gets_the_same_config_error_and_can_create_the_guard_with_run_sync(
+    no_fence_column: sa.Engine,
+) -> None:
+    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+    url = no_fence_column.url.set(drivername="postgresql+psycopg_async")
+    async_engine = create_async_engine(url)
+    try:
+        make = sa_fence.install(async_sessionmaker(async_engine))
+        async with make() as session:
+            with pytest.raises(sa_fence.FencingConfigError, match=MISSING):
+                await session.get(Job, 1)
+        with pytest.raises(TypeError, match=r"conn\.run_sync"):
+            sa_fence.create_fence_guard(async_engine, "jobs")  # type: ignore[arg-type]
+        async with async_engine.begin() as conn:
+            await conn.execute(
+                sa.text("ALTER TABLE jobs ADD COLUMN fence bigint NOT NULL DEFAULT 0")
+            )
+            await conn.run_sync(sa_fence.create_fence_guard, "jobs")
+    finally:
+        await async_engine.dispose()
+    assert triggers(no_fence_column) == {"jobs"}
