@@ -94,9 +94,22 @@ def fence_column_of(table: FromClause) -> Column[Any] | None:
     return col
 
 
+def carries_fence(col: object) -> bool:
+    """Whether ``col`` is a real table ``Column`` marked as its table's fence.
+
+    Only a ``Column`` can be a fence.  A mapper's ``columns`` also hold the
+    SQL expressions of expression properties (``column_property(a + b)`` is
+    a ``Label``, ``query_expression()`` another expression) and a mapping
+    against a subquery holds its derived columns; those have no ``info`` of
+    their own (asking a ``Label`` for it raises ``AttributeError``), and no
+    table to fence.
+    """
+    return isinstance(col, Column) and bool(col.info.get(FENCE_INFO_KEY))
+
+
 def _scan(table: FromClause) -> Column[Any] | None:
     for col in table.columns:
-        if col.info.get(FENCE_INFO_KEY):
+        if carries_fence(col):
             return col  # type: ignore[return-value]
     return None
 
@@ -149,7 +162,7 @@ def fence_key_of(mapper: Mapper[Any]) -> str | None:
         pass
     key = None
     for col in mapper.columns:
-        if col.info.get(FENCE_INFO_KEY):
+        if carries_fence(col):
             prop = mapper.get_property_by_column(col)
             if type(prop) is ColumnProperty:
                 prop.__class__ = _FenceProperty
