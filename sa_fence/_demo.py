@@ -436,20 +436,6 @@ class _Timeline:
         )
 
 
-class _TimelineLogHandler(logging.Handler):
-    """Shows the library's own log records (in the demo process) on the timeline."""
-
-    def __init__(self, timeline: _Timeline, who: str) -> None:
-        super().__init__(logging.INFO)
-        self._timeline = timeline
-        self._who = who
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self._timeline.say(
-            self._who, f"sa_fence logged ({record.levelname.lower()}): {record.getMessage()}"
-        )
-
-
 class _Collecting(logging.Handler):
     """Keeps log records instead of showing them (the set-up's expected warning)."""
 

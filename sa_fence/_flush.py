@@ -55,6 +55,7 @@ import contextlib
 import logging
 import re
 import types
+import typing
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -1656,7 +1657,7 @@ def install(target: T) -> T:
         install(_fenced_sync_class(sync_target))
         return target
     _check_target(target)
-    plain = cast_target(target)
+    plain = typing.cast("Target", target)  # _check_target() passed: no scoped session
     _check_bind(
         plain.kw.get("bind") if isinstance(plain, sessionmaker) else getattr(plain, "bind", None)
     )
@@ -1686,7 +1687,7 @@ def uninstall(target: T) -> T:
             sync_target.configure(sync_session_class=vars(current)[_SYNC_CLASS])
         return target
     _check_target(target)
-    plain = cast_target(target)
+    plain = typing.cast("Target", target)  # _check_target() passed: no scoped session
     holder = _hook_holder(plain)
     listeners = vars(holder).get(_INSTALLED)
     if listeners:
@@ -1697,11 +1698,6 @@ def uninstall(target: T) -> T:
 
 
 _INSTALLED = "_sa_fence_hook_installed"
-
-
-def cast_target(target: object) -> Target:
-    """``target`` once _check_target() passed (no scoped session is left by then)."""
-    return target  # type: ignore[return-value]
 
 
 def _listeners_for(target: Target) -> tuple[tuple[str, Callable[..., Any]], ...]:

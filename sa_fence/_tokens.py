@@ -324,13 +324,6 @@ def _sync_commit_error(value: str) -> FencingConfigError:
 
 
 @dataclass
-class Grant:
-    """A token drawn and registered for one lease name."""
-
-    token: int
-
-
-@dataclass
 class TokenSource:
     """Draws tokens and advances the lease register through the protected database's engine.
 
@@ -381,10 +374,6 @@ class TokenSource:
         # the schema found now, never through a connection's search_path.
         self.register = register
         self._checked = True
-
-    def ensure_checked(self) -> None:
-        if not self._checked:
-            self.check()
 
     def params(self, name: str) -> dict[str, Any]:
         register = self.register
