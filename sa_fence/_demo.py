@@ -1,6 +1,6 @@
 """``sa-fence demo``: the lost-lease double write, played by two real processes.
 
-The story (DESIGN.md, "The problem"):
+The story (docs/index.md, "The problem"):
 
 1. An admin inserts job 1 into a fenced ``jobs`` table, in a temporary
    database made for this run.

@@ -779,7 +779,7 @@ def _check_scope_and_commit(conn: Connection) -> None:
     SQLAlchemy sends next finds no transaction and does nothing.  Any other
     interruption (KeyboardInterrupt, asyncio cancellation, a signal handler's
     exception) invalidates the connection before SQLAlchemy can return it to
-    its pool (invariant I10).
+    its pool (docs/guarantees.md, "An interrupted commit never reaches the pool broken").
     """
     scope = _scopes.pop(conn, None)
     _disarm(conn)
@@ -969,7 +969,7 @@ def _keys(mapping_keys: Any) -> set[str]:
 
 
 def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
-    """A statement that writes the fence column itself is refused before it is sent (I8).
+    """A statement that writes the fence column itself is refused before it is sent.
 
     Values in *parameters* are dropped instead (see _before_execute): ORM
     bulk mappings and copied row dicts carry the fence as data.
@@ -1305,7 +1305,7 @@ def _really_writes_fenced(session: Session) -> bool:
 
 
 def _refuse_assigned_fences(session: Session) -> None:
-    """A fence the caller assigned on a new or loaded object is refused before any SQL (I8).
+    """A fence the caller assigned on a new or loaded object is refused before any SQL.
 
     The statement hook would drop the value anyway (the fence is written from
     the token), but silently: ``job.fence = 10**12`` looked like it worked.

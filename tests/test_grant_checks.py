@@ -1,6 +1,6 @@
 """What a grant checks before it hands a token out, on the real servers.
 
-* The register only moves forward (DESIGN.md, I9): a sequence set back
+* The register only moves forward (docs/guarantees.md): a sequence set back
   (``setval``, a restore, a promoted replica) makes the grant refuse, rather
   than hand out a token some holder already has.
 * The sequence stays fit after the first ``check()`` (I8): a sequence switched

@@ -1,4 +1,4 @@
-"""Lease-scoped fencing on real PostgreSQL and Redis (DESIGN.md I7, I8; issue 9).
+"""Lease-scoped fencing on real PostgreSQL and Redis (docs/lease-scope.md; issue 9).
 
 The row fence (``UPDATE ... AND fence <= :token``) refuses a stale holder's
 write only to a row the newer holder has already written.  Lease scope closes

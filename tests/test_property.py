@@ -31,9 +31,10 @@ uses: it deletes the rows of ``jobs`` and takes a lease name nobody used before.
 
 A row deleted by holder T and inserted again by a holder with token S < T is a
 *new* row to the model (its fence history starts again at S): the store keeps
-no tombstones and an INSERT is not token-compared (DESIGN.md: "INSERT writes
-fence = :token").  The check that fences never go down therefore applies per
-row lifetime.  (That a stale holder can so re-create a row the newer holder
+no tombstones and an INSERT is not token-compared (docs/how-it-works.md,
+"The hook, step by step": an INSERT gets ``fence = :token``).  The check that
+fences never go down therefore applies per row lifetime.  (That a stale
+holder can so re-create a row the newer holder
 deleted is a known gap of the design, not something this test accepts as
 right.)
 """
