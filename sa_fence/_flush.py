@@ -108,6 +108,7 @@ from ._guard import (
     lease_error_from_check,
     qualified,
     quote_ident,
+    quote_literal,
 )
 from ._model import (
     fence_column_of,
@@ -116,7 +117,7 @@ from ._model import (
     missing_fence_column,
     orm_index,
 )
-from ._register import DATABASE_ID_SQL, SCOPE_SCHEMA_SQL, SCOPE_TABLE, quote_literal
+from ._register import DATABASE_ID_SQL, SCOPE_SCHEMA_SQL, SCOPE_TABLE
 from .errors import (
     FenceError,
     FencingConfigError,

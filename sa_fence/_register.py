@@ -79,7 +79,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import TIMESTAMP
 
-from ._guard import qualified
+from ._guard import DEFAULT_SEQUENCE, qualified, quote_literal
 
 #: The register table's name (in the schema of the token sequence).
 REGISTER_TABLE = "sa_fence_leases"
@@ -219,14 +219,11 @@ def pinned_register(conn: Any, sequence: str) -> Register:
     return register.pinned(schema)
 
 
-def quote_literal(value: str) -> str:
-    """A PostgreSQL string literal for ``value``, safe whatever
-    ``standard_conforming_strings`` is: the ``E''`` form escapes both quotes
-    and backslashes.  (Used for the commit check, which must travel in one
-    simple-protocol message with ``COMMIT`` and so cannot take parameters.)"""
-    if "\x00" in value:
-        raise ValueError("a lease name cannot contain NUL characters")
-    return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+def register_op_args(sequence: str) -> str:
+    """The arguments of ``op.create_fence_register(...)`` (and ``drop_...``) for
+    ``sequence``, as autogenerate and sa-fence's hints write them: none for the
+    default sequence."""
+    return "" if sequence == DEFAULT_SEQUENCE else f"sequence={sequence!r}"
 
 
 # One statement, autocommit.  `drawn` has a row only when the sequence is fit

@@ -74,6 +74,7 @@ from ._register import (
     Register,
     create_register_sql,
     drop_register_sql,
+    register_op_args,
     scope_trigger_problem,
 )
 from ._tokens import DEFAULT_SEQUENCE, SEQUENCE_SQL, fence_sequence
@@ -257,7 +258,7 @@ def _drop_fence_sequence(operations: Operations, operation: DropFenceSequenceOp)
             shown = _qualified(operation.name, operation.schema)
             register = [u for u in users if u.is_register]
             first = (
-                f"drop the lease register first: op.drop_fence_register({_register_args(shown)})"
+                f"drop the lease register first: op.drop_fence_register({register_op_args(shown)})"
                 if register
                 else "drop those defaults (or their tables) first"
             )
@@ -782,13 +783,9 @@ def _render_alter_sequence(autogen_context: AutogenContext, op: AlterFenceSequen
     return _render(autogen_context, f"op.alter_fence_sequence({args})")
 
 
-def _register_args(sequence: str) -> str:
-    return "" if sequence == DEFAULT_SEQUENCE else _args(sequence=sequence)
-
-
 @renderers.dispatch_for(CreateFenceRegisterOp)
 def _render_create_register(autogen_context: AutogenContext, op: CreateFenceRegisterOp) -> str:
-    return _render(autogen_context, f"op.create_fence_register({_register_args(op.sequence)})")
+    return _render(autogen_context, f"op.create_fence_register({register_op_args(op.sequence)})")
 
 
 @renderers.dispatch_for(DropFenceRegisterOp)
@@ -796,7 +793,7 @@ def _render_drop_register(autogen_context: AutogenContext, op: DropFenceRegister
     if op.function_only:
         # the reverse of a repair: the register stays, only the function goes
         return f"op.execute({_drop_check_function_sql(op.sequence)!r})"
-    return _render(autogen_context, f"op.drop_fence_register({_register_args(op.sequence)})")
+    return _render(autogen_context, f"op.drop_fence_register({register_op_args(op.sequence)})")
 
 
 @renderers.dispatch_for(AddFenceColumnOp)
