@@ -377,7 +377,6 @@ class _TableOp(MigrateOperation):
 
 @Operations.register_operation("add_fence_column")
 class AddFenceColumnOp(_TableOp):
-    op_name = "add_fence_column"
     """``op.add_fence_column(table, column="fence", *, schema=None)``.
 
     Adds ``BIGINT NOT NULL DEFAULT 0``.  On PostgreSQL >= 11 a constant
@@ -385,6 +384,8 @@ class AddFenceColumnOp(_TableOp):
     this is instant on a large table (it takes a brief ACCESS EXCLUSIVE
     lock; set ``lock_timeout`` so it cannot queue behind long queries).
     """
+
+    op_name = "add_fence_column"
 
     @classmethod
     def add_fence_column(
@@ -404,8 +405,9 @@ class AddFenceColumnOp(_TableOp):
 
 @Operations.register_operation("drop_fence_column")
 class DropFenceColumnOp(_TableOp):
-    op_name = "drop_fence_column"
     """``op.drop_fence_column(table, column="fence", *, schema=None)``."""
+
+    op_name = "drop_fence_column"
 
     @classmethod
     def drop_fence_column(
@@ -471,7 +473,6 @@ class _GuardOp(_TableOp):
 
 @Operations.register_operation("create_fence_guard")
 class CreateFenceGuardOp(_GuardOp):
-    op_name = "create_fence_guard"
     """``op.create_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
     sequence="sa_fence_token_seq")``.
 
@@ -483,6 +484,8 @@ class CreateFenceGuardOp(_GuardOp):
     ``"reject"`` refuses writers that present no token; ``"unchanged"``
     lets their UPDATEs through when the fence is left as it is.
     """
+
+    op_name = "create_fence_guard"
 
     @classmethod
     def create_fence_guard(
@@ -512,13 +515,14 @@ class CreateFenceGuardOp(_GuardOp):
 
 @Operations.register_operation("drop_fence_guard")
 class DropFenceGuardOp(_GuardOp):
-    op_name = "drop_fence_guard"
     """``op.drop_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
     sequence="sa_fence_token_seq")``.
 
     Drops the trigger and its function; ``column``, ``on_missing_token``
     and ``sequence`` only tell the reverse how to recreate them.
     """
+
+    op_name = "drop_fence_guard"
 
     @classmethod
     def drop_fence_guard(
@@ -548,7 +552,6 @@ class DropFenceGuardOp(_GuardOp):
 
 @Operations.register_operation("replace_fence_guard")
 class ReplaceFenceGuardOp(_GuardOp):
-    op_name = "replace_fence_guard"
     """``op.replace_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
     sequence="sa_fence_token_seq", previous=None)``.
 
@@ -561,6 +564,8 @@ class ReplaceFenceGuardOp(_GuardOp):
     INSERT, UPDATE and DELETE, or a function another version made or someone
     edited.
     """
+
+    op_name = "replace_fence_guard"
 
     def __init__(
         self,
