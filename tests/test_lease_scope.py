@@ -8,7 +8,7 @@ lease of that name commits anything.  Each hole of issue 9 has a named test
 here, as does each false refusal fixed with it, and a stateful property test
 checks the rule over random interleavings (with its guard-removed pair).
 
-A stale holder is made the seeds' way (a short TTL and a stall of twice the
+A stale holder is made the slow way (a short TTL and a stall of twice the
 TTL) in a few tests, and with :func:`sa_fence.testing.expire` (the Redis key
 gone, the worker unaware) everywhere else, so the file runs in seconds.
 

@@ -198,7 +198,7 @@ class FencedWritesModel:
             case ("acquire", drawn):
                 self.acquire(drawn % self.n_workers)
             case ("take-over", drawn, ops):
-                # The seeds' scenario: the holder stalls past its TTL, another
+                # The lost-lease scenario: the holder stalls past its TTL, another
                 # worker takes the lease over and writes at once.
                 stalled = self.holder
                 if stalled is not None:
