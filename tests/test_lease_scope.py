@@ -424,7 +424,7 @@ def test_a_raw_writer_that_checks_its_lease_before_commit_is_lease_scoped_too(
 def test_a_write_flushed_before_the_newer_grant_but_committed_after_it_is_refused(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
 ) -> None:
-    """Only what the older holder *committed* before the grant stands (I7)."""
+    """Only what the older holder *committed* before the grant stands."""
     seed_token = seed(fencer, make_session, Job(id=1, result="initial"))
     a = fencer.acquire("job:1", 5)
     session_a = a.bind(make_session())
@@ -446,7 +446,7 @@ def test_a_session_on_another_engine_for_the_same_database_is_still_lease_scoped
 ) -> None:
     """The same database reached through another spelling of its host (localhost for
     127.0.0.1, as a second service's configuration may have it) is still the register's
-    database: a stale holder's transaction there must not commit either (I7)."""
+    database: a stale holder's transaction there must not commit either."""
     host = scope_engine.url.host
     alias = "localhost" if host in ("127.0.0.1", "::1") else "127.0.0.1"
     other = sa.create_engine(scope_engine.url.set(host=alias))
@@ -696,7 +696,7 @@ def test_a_session_joined_to_an_outer_transaction_with_a_stale_lease_refuses_the
 def test_a_sequence_altered_to_cache_20_after_the_first_check_refuses_the_next_acquire(
     redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    """The fitness check runs at every grant, not only before the first one (I4, I8).
+    """The fitness check runs at every grant, not only before the first one.
 
     (A Fencer naming a second sequence in the same database is refused:
     tests/test_config.py::test_a_fencer_naming_another_sequence_than_its_registers_is_refused.)
