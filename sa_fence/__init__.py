@@ -51,13 +51,19 @@ from .errors import (
     UnfencedWriteError,
 )
 
-if TYPE_CHECKING:
-    from ._async import AsyncFencer, AsyncLease
+if TYPE_CHECKING:  # the "as" form re-exports them to type checkers (see _LAZY)
+    from ._async import AsyncFencer as AsyncFencer
+    from ._async import AsyncLease as AsyncLease
+
+#: Public names imported on first use: the asyncio front end loads
+#: SQLAlchemy's asyncio extension (greenlet at run time), which sync users
+#: never need.  ``sa_fence.AsyncFencer`` and ``from sa_fence import
+#: AsyncFencer`` load it; they are kept out of ``__all__`` so that ``from
+#: sa_fence import *`` does not.
+_LAZY = ("AsyncFencer", "AsyncLease")
 
 __all__ = [
     "SKIPPED",
-    "AsyncFencer",
-    "AsyncLease",
     "FenceError",
     "Fenced",
     "Fencer",
@@ -92,10 +98,12 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The asyncio front end loads SQLAlchemy's asyncio extension (greenlet at
-    # run time), so it is imported on first use: sync users never need it.
-    if name in ("AsyncFencer", "AsyncLease"):
+    if name in _LAZY:
         from . import _async
 
         return getattr(_async, name)
     raise AttributeError(f"module 'sa_fence' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -75,6 +75,7 @@ from ._register import (
     REGISTER_TABLE,
     Register,
     pinned_register,
+    register_op_args,
     shape_problems,
 )
 from ._tokens import (
@@ -293,10 +294,6 @@ def _last_value(conn: sa.Connection, quoted: str, row: Any) -> int | None:
     return int(value.last_value)
 
 
-def _register_args(sequence: str) -> str:
-    return "" if sequence == DEFAULT_SEQUENCE else f"sequence={sequence!r}"
-
-
 def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -> None:
     """The lease register of ``report.sequence``: presence, shape, sequence, function, rights.
 
@@ -306,7 +303,7 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
     shown = Register(sequence)
     register = pinned_register(conn, sequence)
     subject = f"lease register {shown.table_display}"
-    args = _register_args(sequence)
+    args = register_op_args(sequence)
     before = len(report.findings)
     columns = conn.execute(REGISTER_COLUMNS_SQL, {"register": register.table_sql}).all()
     if not columns:

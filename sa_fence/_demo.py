@@ -1,6 +1,6 @@
 """``sa-fence demo``: the lost-lease double write, played by two real processes.
 
-The story (DESIGN.md, "The problem"):
+The story (docs/index.md, "The problem"):
 
 1. An admin inserts job 1 into a fenced ``jobs`` table, in a temporary
    database made for this run.
@@ -433,20 +433,6 @@ class _Timeline:
             ),
             file=self.out,
             flush=True,
-        )
-
-
-class _TimelineLogHandler(logging.Handler):
-    """Shows the library's own log records (in the demo process) on the timeline."""
-
-    def __init__(self, timeline: _Timeline, who: str) -> None:
-        super().__init__(logging.INFO)
-        self._timeline = timeline
-        self._who = who
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self._timeline.say(
-            self._who, f"sa_fence logged ({record.levelname.lower()}): {record.getMessage()}"
         )
 
 

@@ -55,6 +55,7 @@ import contextlib
 import logging
 import re
 import types
+import typing
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -107,6 +108,7 @@ from ._guard import (
     lease_error_from_check,
     qualified,
     quote_ident,
+    quote_literal,
 )
 from ._model import (
     fence_column_of,
@@ -115,7 +117,7 @@ from ._model import (
     missing_fence_column,
     orm_index,
 )
-from ._register import DATABASE_ID_SQL, SCOPE_SCHEMA_SQL, SCOPE_TABLE, quote_literal
+from ._register import DATABASE_ID_SQL, SCOPE_SCHEMA_SQL, SCOPE_TABLE
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -778,7 +780,7 @@ def _check_scope_and_commit(conn: Connection) -> None:
     SQLAlchemy sends next finds no transaction and does nothing.  Any other
     interruption (KeyboardInterrupt, asyncio cancellation, a signal handler's
     exception) invalidates the connection before SQLAlchemy can return it to
-    its pool (invariant I10).
+    its pool (docs/guarantees.md, "An interrupted commit never reaches the pool broken").
     """
     scope = _scopes.pop(conn, None)
     _disarm(conn)
@@ -968,7 +970,7 @@ def _keys(mapping_keys: Any) -> set[str]:
 
 
 def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
-    """A statement that writes the fence column itself is refused before it is sent (I8).
+    """A statement that writes the fence column itself is refused before it is sent.
 
     Values in *parameters* are dropped instead (see _before_execute): ORM
     bulk mappings and copied row dicts carry the fence as data.
@@ -1304,7 +1306,7 @@ def _really_writes_fenced(session: Session) -> bool:
 
 
 def _refuse_assigned_fences(session: Session) -> None:
-    """A fence the caller assigned on a new or loaded object is refused before any SQL (I8).
+    """A fence the caller assigned on a new or loaded object is refused before any SQL.
 
     The statement hook would drop the value anyway (the fence is written from
     the token), but silently: ``job.fence = 10**12`` looked like it worked.
@@ -1656,7 +1658,7 @@ def install(target: T) -> T:
         install(_fenced_sync_class(sync_target))
         return target
     _check_target(target)
-    plain = cast_target(target)
+    plain = typing.cast("Target", target)  # _check_target() passed: no scoped session
     _check_bind(
         plain.kw.get("bind") if isinstance(plain, sessionmaker) else getattr(plain, "bind", None)
     )
@@ -1686,7 +1688,7 @@ def uninstall(target: T) -> T:
             sync_target.configure(sync_session_class=vars(current)[_SYNC_CLASS])
         return target
     _check_target(target)
-    plain = cast_target(target)
+    plain = typing.cast("Target", target)  # _check_target() passed: no scoped session
     holder = _hook_holder(plain)
     listeners = vars(holder).get(_INSTALLED)
     if listeners:
@@ -1697,11 +1699,6 @@ def uninstall(target: T) -> T:
 
 
 _INSTALLED = "_sa_fence_hook_installed"
-
-
-def cast_target(target: object) -> Target:
-    """``target`` once _check_target() passed (no scoped session is left by then)."""
-    return target  # type: ignore[return-value]
 
 
 def _listeners_for(target: Target) -> tuple[tuple[str, Callable[..., Any]], ...]:

@@ -262,8 +262,16 @@ $sa_fence$
 _BODY_QUOTE = "$sa_fence$"
 
 
-def _literal(value: str) -> str:
-    """A string literal safe whatever ``standard_conforming_strings`` is (``E''`` form)."""
+def quote_literal(value: str) -> str:
+    """A PostgreSQL string literal for ``value``, safe whatever
+    ``standard_conforming_strings`` is: the ``E''`` form escapes both quotes
+    and backslashes.  (Used where a statement cannot take parameters: the
+    guard function's body, and the commit check, which must travel in one
+    simple-protocol message with ``COMMIT``.)"""
+    if "\x00" in value:
+        raise ValueError(
+            f"{value!r} contains a NUL character, which PostgreSQL text cannot hold: remove it"
+        )
     return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
 
 
@@ -298,7 +306,7 @@ def create_guard_sql(
         function=function,
         table_text=target.replace("$", ""),
         sequence_text=sequence_sql.replace("$", ""),
-        sequence_literal=_literal(sequence_sql),
+        sequence_literal=quote_literal(sequence_sql),
         column=quote_ident(column),
         column_text=column.replace("'", "''"),
         policy=policy,

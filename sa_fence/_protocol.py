@@ -4,7 +4,7 @@ Everything here is pure: no Redis, no PostgreSQL.  The sync front end
 (:mod:`sa_fence._lease`) drives it today; an asyncio front end can drive the
 same functions and scripts without copying them.
 
-The protocol (DESIGN.md, invariant I3)::
+The protocol (docs/how-it-works.md, "The protocol")::
 
     1. ACQUIRE: if the key is free,           Redis: grant the lease (a resend
        SET <key> <owner> PX <ttl>              after a lost reply finds <owner>

@@ -4,7 +4,8 @@ The row fence refuses a stale write only to a row a newer holder has
 already written.  The register closes the rest (INSERTs, association and
 subclass tables, the database's own cascades, rows the newer holder has not
 reached yet): a transaction of a session bound to a lease commits only
-while the register still holds that lease's token (DESIGN.md, I7, I8)::
+while the register still holds that lease's token (docs/guarantees.md, "A
+stale holder commits nothing"; docs/lease-scope.md)::
 
     sa_fence_leases
       name        text PRIMARY KEY   the lease name
@@ -18,7 +19,7 @@ draws from the sequence the default depends on, and a Fencer naming another
 sequence is refused (two sequences on one set of rows would let a stale
 holder's token overtake a newer one).
 
-**Grant** (:data:`GRANT_SQL`): one autocommit statement draws the token and
+**Grant** (:meth:`Register.grant_sql`): one autocommit statement draws the token and
 advances the register.  The upsert writes a row, so the transaction has an
 xid and its commit flushes the WAL (with ``synchronous_commit`` on): a crash
 cannot hand the token out again.  The same statement checks the sequence's
@@ -27,7 +28,7 @@ the register's own; an unfit sequence draws nothing and the statement
 returns no row.  ``lock_timeout`` bounds the wait for a committing holder's
 share lock on the register row.
 
-**Withdraw** (:data:`WITHDRAW_SQL`): when the lease turned out lost before
+**Withdraw** (:meth:`Register.withdraw_sql`): when the lease turned out lost before
 its token could be confirmed in Redis, the token was never used; the register
 goes back to the token before it (compare-and-set on our token), so a live
 holder granted in between is not fenced out.
@@ -78,7 +79,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import TIMESTAMP
 
-from ._guard import qualified
+from ._guard import DEFAULT_SEQUENCE, qualified, quote_literal
 
 #: The register table's name (in the schema of the token sequence).
 REGISTER_TABLE = "sa_fence_leases"
@@ -205,9 +206,10 @@ SEQUENCE_SCHEMA_SQL = text(
 
 
 def pinned_register(conn: Any, sequence: str) -> Register:
-    """The register of ``sequence`` with every name schema-qualified (DESIGN.md, I9
-    and the register's "never through search_path"): an unqualified sequence name
-    is resolved once, here, by :data:`SEQUENCE_SCHEMA_SQL`; every statement after
+    """The register of ``sequence`` with every name schema-qualified
+    (docs/guarantees.md, "Nothing on the search path stands in for sa-fence's
+    objects"): an unqualified sequence name is resolved once, here, by
+    :data:`SEQUENCE_SCHEMA_SQL`; every statement after
     names the sequence and the register by that schema.  ``conn``: a SQLAlchemy
     ``Connection``."""
     register = Register(sequence)
@@ -217,25 +219,23 @@ def pinned_register(conn: Any, sequence: str) -> Register:
     return register.pinned(schema)
 
 
-def quote_literal(value: str) -> str:
-    """A PostgreSQL string literal for ``value``, safe whatever
-    ``standard_conforming_strings`` is: the ``E''`` form escapes both quotes
-    and backslashes.  (Used for the commit check, which must travel in one
-    simple-protocol message with ``COMMIT`` and so cannot take parameters.)"""
-    if "\x00" in value:
-        raise ValueError("a lease name cannot contain NUL characters")
-    return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+def register_op_args(sequence: str) -> str:
+    """The arguments of ``op.create_fence_register(...)`` (and ``drop_...``) for
+    ``sequence``, as autogenerate and sa-fence's hints write them: none for the
+    default sequence."""
+    return "" if sequence == DEFAULT_SEQUENCE else f"sequence={sequence!r}"
 
 
 # One statement, autocommit.  `drawn` has a row only when the sequence is fit
 # (bigint, CACHE 1, NO CYCLE, increment > 0) and is the one the register's
 # token default draws from; it then draws the one token (a CTE with a volatile
 # function is evaluated once).  The upsert advances the register only forward
-# (DESIGN.md, I9): a drawn token not greater than the name's register token
-# (the sequence was set back: setval, a restore, a promoted replica) updates
+# (docs/guarantees.md, "The register only moves forward"): a drawn token not
+# greater than the name's register token (the sequence was set back: setval, a
+# restore, a promoted replica) updates
 # nothing, and the row comes back with `token` NULL beside the drawn token and
 # the register's, for the refusal.  `previous` keeps the replaced token for a
-# withdrawal.  synchronous_commit is read to refuse 'off' (I4b).  The register
+# withdrawal.  synchronous_commit is read to refuse 'off' (docs/reliability.md).  The register
 # and sequence arrive schema-qualified (Register.pinned): nothing on the
 # search_path (a temporary table, another schema) can stand in for them.
 _GRANT_SQL = """\

@@ -330,15 +330,6 @@ class _Global:
 _GLOBAL = _Global()
 
 
-def _version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("sa-fence")
-    except metadata.PackageNotFoundError:  # a source tree
-        return "0"
-
-
 class Telemetry:
     """Where sa-fence reports: a meter and a tracer, and how lease names are shortened.
 
@@ -409,7 +400,8 @@ class Telemetry:
             self.first_write_delay = self.commit_check_duration = noop
             return
         self.enabled = True
-        version = _version()
+        from . import __version__ as version
+
         meter = otel_metrics.get_meter(SCOPE, version, meter_provider)
         self.tracer = otel_trace.get_tracer(SCOPE, version, tracer_provider)
 

@@ -2,7 +2,7 @@
 
 Tokens come from a sequence (``CACHE 1``, ``NO CYCLE``, ``bigint``) in the
 same database as the fenced rows, so token and rows share one WAL and one
-failover fate (DESIGN.md, I4/I4b).
+failover fate (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ def _fix_hint(name: str) -> str:
 
 
 def not_forward_error(name: str, sequence: str, drawn: int, held: int | None) -> FencingConfigError:
-    """A grant refused because its drawn token does not move the register forward (I9)."""
+    """A grant refused because its drawn token does not move the register forward."""
     held_text = "a token at least as large" if held is None else f"token {held}"
     return FencingConfigError(
         f"lease {name!r} was not granted: the token sequence {sequence!r} is behind the "
@@ -321,13 +321,6 @@ def _sync_commit_error(value: str) -> FencingConfigError:
         "synchronous_commit = on, or remove the override from the engine's "
         "connect_args / postgresql.conf)."
     )
-
-
-@dataclass
-class Grant:
-    """A token drawn and registered for one lease name."""
-
-    token: int
 
 
 @dataclass
@@ -381,10 +374,6 @@ class TokenSource:
         # the schema found now, never through a connection's search_path.
         self.register = register
         self._checked = True
-
-    def ensure_checked(self) -> None:
-        if not self._checked:
-            self.check()
 
     def params(self, name: str) -> dict[str, Any]:
         register = self.register

@@ -74,6 +74,7 @@ from ._register import (
     Register,
     create_register_sql,
     drop_register_sql,
+    register_op_args,
     scope_trigger_problem,
 )
 from ._tokens import DEFAULT_SEQUENCE, SEQUENCE_SQL, fence_sequence
@@ -257,7 +258,7 @@ def _drop_fence_sequence(operations: Operations, operation: DropFenceSequenceOp)
             shown = _qualified(operation.name, operation.schema)
             register = [u for u in users if u.is_register]
             first = (
-                f"drop the lease register first: op.drop_fence_register({_register_args(shown)})"
+                f"drop the lease register first: op.drop_fence_register({register_op_args(shown)})"
                 if register
                 else "drop those defaults (or their tables) first"
             )
@@ -376,7 +377,6 @@ class _TableOp(MigrateOperation):
 
 @Operations.register_operation("add_fence_column")
 class AddFenceColumnOp(_TableOp):
-    op_name = "add_fence_column"
     """``op.add_fence_column(table, column="fence", *, schema=None)``.
 
     Adds ``BIGINT NOT NULL DEFAULT 0``.  On PostgreSQL >= 11 a constant
@@ -384,6 +384,8 @@ class AddFenceColumnOp(_TableOp):
     this is instant on a large table (it takes a brief ACCESS EXCLUSIVE
     lock; set ``lock_timeout`` so it cannot queue behind long queries).
     """
+
+    op_name = "add_fence_column"
 
     @classmethod
     def add_fence_column(
@@ -403,8 +405,9 @@ class AddFenceColumnOp(_TableOp):
 
 @Operations.register_operation("drop_fence_column")
 class DropFenceColumnOp(_TableOp):
-    op_name = "drop_fence_column"
     """``op.drop_fence_column(table, column="fence", *, schema=None)``."""
+
+    op_name = "drop_fence_column"
 
     @classmethod
     def drop_fence_column(
@@ -470,7 +473,6 @@ class _GuardOp(_TableOp):
 
 @Operations.register_operation("create_fence_guard")
 class CreateFenceGuardOp(_GuardOp):
-    op_name = "create_fence_guard"
     """``op.create_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
     sequence="sa_fence_token_seq")``.
 
@@ -482,6 +484,8 @@ class CreateFenceGuardOp(_GuardOp):
     ``"reject"`` refuses writers that present no token; ``"unchanged"``
     lets their UPDATEs through when the fence is left as it is.
     """
+
+    op_name = "create_fence_guard"
 
     @classmethod
     def create_fence_guard(
@@ -511,13 +515,14 @@ class CreateFenceGuardOp(_GuardOp):
 
 @Operations.register_operation("drop_fence_guard")
 class DropFenceGuardOp(_GuardOp):
-    op_name = "drop_fence_guard"
     """``op.drop_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
     sequence="sa_fence_token_seq")``.
 
     Drops the trigger and its function; ``column``, ``on_missing_token``
     and ``sequence`` only tell the reverse how to recreate them.
     """
+
+    op_name = "drop_fence_guard"
 
     @classmethod
     def drop_fence_guard(
@@ -547,7 +552,6 @@ class DropFenceGuardOp(_GuardOp):
 
 @Operations.register_operation("replace_fence_guard")
 class ReplaceFenceGuardOp(_GuardOp):
-    op_name = "replace_fence_guard"
     """``op.replace_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
     sequence="sa_fence_token_seq", previous=None)``.
 
@@ -560,6 +564,8 @@ class ReplaceFenceGuardOp(_GuardOp):
     INSERT, UPDATE and DELETE, or a function another version made or someone
     edited.
     """
+
+    op_name = "replace_fence_guard"
 
     def __init__(
         self,
@@ -782,13 +788,9 @@ def _render_alter_sequence(autogen_context: AutogenContext, op: AlterFenceSequen
     return _render(autogen_context, f"op.alter_fence_sequence({args})")
 
 
-def _register_args(sequence: str) -> str:
-    return "" if sequence == DEFAULT_SEQUENCE else _args(sequence=sequence)
-
-
 @renderers.dispatch_for(CreateFenceRegisterOp)
 def _render_create_register(autogen_context: AutogenContext, op: CreateFenceRegisterOp) -> str:
-    return _render(autogen_context, f"op.create_fence_register({_register_args(op.sequence)})")
+    return _render(autogen_context, f"op.create_fence_register({register_op_args(op.sequence)})")
 
 
 @renderers.dispatch_for(DropFenceRegisterOp)
@@ -796,7 +798,7 @@ def _render_drop_register(autogen_context: AutogenContext, op: DropFenceRegister
     if op.function_only:
         # the reverse of a repair: the register stays, only the function goes
         return f"op.execute({_drop_check_function_sql(op.sequence)!r})"
-    return _render(autogen_context, f"op.drop_fence_register({_register_args(op.sequence)})")
+    return _render(autogen_context, f"op.drop_fence_register({register_op_args(op.sequence)})")
 
 
 @renderers.dispatch_for(AddFenceColumnOp)

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import __version__
+
 DEMO_PG_ENV = "SA_FENCE_DEMO_PG"
 DEMO_REDIS_ENV = "SA_FENCE_DEMO_REDIS"
 DEFAULT_DEMO_PG = "postgresql+psycopg://postgres@127.0.0.1:5432"
@@ -108,12 +110,6 @@ def _redacted(url: str) -> str:
     from ._telemetry import redact_url
 
     return redact_url(url)
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -272,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fencing tokens for SQLAlchemy: a worker whose Redis lease expired "
         "cannot overwrite the newer holder's rows.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = commands.add_parser(

@@ -2,8 +2,8 @@
 
 A lease that expires in production is just a Redis key that is gone (or
 belongs to someone else) while the worker still holds a ``Lease`` object.
-:func:`expire` makes that happen on demand, so a test can run the seeds'
-scenario deterministically against real servers::
+:func:`expire` makes that happen on demand, so a test can run the lost-lease
+scenario (docs/index.md, "The problem") deterministically against real servers::
 
     from sa_fence.testing import expire
 

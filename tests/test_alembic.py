@@ -5,6 +5,7 @@ Generated revisions go to a temporary directory, never into the repository.
 
 from __future__ import annotations
 
+import ast
 import io
 import logging
 import re
@@ -820,3 +821,40 @@ def test_without_fence_sequence_in_target_metadata_every_autogenerate_logs_a_rem
         "pass",
         "# ### end Alembic commands ###",
     ]
+
+
+def _registered_operations() -> list[tuple[str, str]]:
+    """(op name, class name) of every ``@Operations.register_operation`` in sa_fence.alembic."""
+    tree = ast.parse(Path(fence_ops.__file__).read_text())
+    found: list[tuple[str, str]] = []
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for deco in node.decorator_list:
+            if (
+                isinstance(deco, ast.Call)
+                and isinstance(deco.func, ast.Attribute)
+                and deco.func.attr == "register_operation"
+            ):
+                arg = deco.args[0]
+                assert isinstance(arg, ast.Constant)
+                assert isinstance(arg.value, str)
+                found.append((arg.value, node.name))
+    return found
+
+
+def test_every_registered_op_class_and_op_function_has_a_docstring() -> None:
+    """help(op.add_fence_column) and the op classes' __doc__ say what they do.
+
+    A docstring placed after ``op_name = ...`` is a bare string, not the
+    class's ``__doc__``: this test fails on such a class."""
+    operations = _registered_operations()
+    assert len(operations) >= 10, operations  # the source scan found the registrations
+    missing = []
+    for op_name, class_name in operations:
+        op_class = getattr(fence_ops, class_name)
+        if not (op_class.__doc__ or "").strip():
+            missing.append(class_name)
+        if not (getattr(Operations, op_name).__doc__ or "").strip():
+            missing.append(f"op.{op_name}")
+    assert missing == [], f"no docstring: {missing}"

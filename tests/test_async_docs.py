@@ -35,7 +35,30 @@ def test_sync_users_import_and_use_sa_fence_without_greenlet() -> None:
         "sa_fence.install(sessionmaker())\n"
         "assert 'sqlalchemy.ext.asyncio' not in sys.modules\n"
         "assert 'sa_fence._async' not in sys.modules\n"
-        "assert 'AsyncFencer' in sa_fence.__all__\n"
+        "assert 'AsyncFencer' in dir(sa_fence)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_star_import_leaves_the_asyncio_machinery_unloaded() -> None:
+    """``from sa_fence import *`` stays light; the async names still load by name.
+
+    Were AsyncFencer in ``__all__``, the star import would resolve it through
+    the module's ``__getattr__`` and import ``sa_fence._async``."""
+    code = (
+        "import sys\n"
+        "from sa_fence import *\n"
+        "assert 'Fencer' in dir() and 'install' in dir()\n"
+        "loaded = sorted({'sqlalchemy.ext.asyncio', 'sa_fence._async'} & set(sys.modules))\n"
+        "assert loaded == [], loaded\n"
+        "assert 'AsyncFencer' not in dir()\n"
+        "from sa_fence import AsyncFencer, AsyncLease\n"
+        "import sa_fence, sa_fence._async\n"
+        "assert sa_fence.AsyncFencer is AsyncFencer is sa_fence._async.AsyncFencer\n"
+        "assert AsyncLease is sa_fence._async.AsyncLease\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False

@@ -3,9 +3,10 @@
 Between ``SET NX`` and the owner-checked CONFIRM the grant draws its token.
 If the lease key is gone (the TTL ran out) or taken over by then, the token
 was never used: acquire raises LeaseLostError, leaves nothing of its own in
-Redis, and puts the register back to the live holder's token (DESIGN.md,
-I3).  The seam is deterministic: the token draw itself first ends the key
-(and, for "taken over", lets a second holder B be granted the name).
+Redis, and puts the register back to the live holder's token
+(docs/guarantees.md, "Token order follows grant order").  The seam is
+deterministic: the token draw itself first ends the key (and, for "taken
+over", lets a second holder B be granted the name).
 
 Each test has its pair: without the confirm (the script's answer forced to
 "still held") the lost holder gets a lease whose token is larger than the

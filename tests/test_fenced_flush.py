@@ -37,7 +37,7 @@ def row(engine: sa.Engine, job_id: int) -> tuple[Any, ...] | None:
 def run_seed_scenario(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
 ) -> tuple[sa_fence.Lease, sa_fence.Lease, Session]:
-    """The seeds' scenario up to A's late write: A (TTL 200 ms) stalls 500 ms, B writes."""
+    """The lost-lease scenario up to A's late write: A (TTL 200 ms) stalls 500 ms, B writes."""
     seed(fencer, make_session, Job(id=1, result="initial"))
     a = fencer.acquire("job:1", 0.2)
     session_a = a.bind(make_session())
@@ -73,7 +73,7 @@ def test_without_the_token_comparison_the_stale_write_overwrites_b(
     engine: sa.Engine,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The pair of the test above: remove the guard and the seeds' failure comes back."""
+    """The pair of the test above: remove the guard and the lost-lease double write comes back."""
     monkeypatch.setattr(_flush, "fence_predicate", lambda col, token: sa.true())
     monkeypatch.setattr(_flush, "_rewritten", weakref.WeakKeyDictionary())  # built anew
     monkeypatch.setattr(_flush, "_enter_scope", lambda conn, lease: None)  # no lease scope

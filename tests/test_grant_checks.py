@@ -1,9 +1,9 @@
 """What a grant checks before it hands a token out, on the real servers.
 
-* The register only moves forward (DESIGN.md, I9): a sequence set back
+* The register only moves forward (docs/guarantees.md): a sequence set back
   (``setval``, a restore, a promoted replica) makes the grant refuse, rather
   than hand out a token some holder already has.
-* The sequence stays fit after the first ``check()`` (I8): a sequence switched
+* The sequence stays fit after the first ``check()``: a sequence switched
   to ``CYCLE``, ``AS integer`` or a negative increment, or a register whose
   token default was pointed at another sequence, refuses the grant and
   writes nothing.
@@ -97,7 +97,7 @@ def jobs(engine: sa.Engine) -> list[tuple[int, str | None]]:
         return [tuple(r) for r in conn.execute(sa.text("SELECT id, result FROM jobs ORDER BY id"))]
 
 
-# ------------------------------------------------------------ forward only (I9)
+# ------------------------------------------------------------------ forward only
 
 
 def stale_holder_then_setback(
@@ -193,7 +193,7 @@ def test_check_reads_a_sequence_set_back_with_is_called_false_exactly(
     assert f"is behind the rows: its last value is {token}" in out
 
 
-# ------------------------------------------------------------ fitness at each grant (I8)
+# --------------------------------------------------------- fitness at each grant
 
 FITNESS = [
     pytest.param(

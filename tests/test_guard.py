@@ -760,3 +760,12 @@ async def test_asyncio_inserts_pass_a_reject_guard_and_a_forged_fence_is_a_confi
     finally:
         await fencer.close()
         await engine.dispose()
+
+
+def test_a_sequence_name_with_a_nul_character_is_refused_before_any_sql() -> None:
+    """The guard's body quotes the sequence name with the commit check's
+    ``quote_literal``: a NUL (which PostgreSQL text cannot hold) is refused
+    with a ValueError naming the value, not sent."""
+    with pytest.raises(ValueError, match="contains a NUL character"):
+        _guard.create_guard_sql("jobs", sequence="seq\x00")
+    assert _guard.quote_literal("it's a \\ name") == "E'it''s a \\\\ name'"

@@ -191,7 +191,7 @@ def test_without_the_withdrawal_the_live_holder_is_fenced_out(
 def test_without_the_confirmation_the_expired_holder_gets_a_larger_token_than_the_live_one(
     fencer: sa_fence.Fencer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The pair of the test above: drop the confirm script and I3 breaks."""
+    """The pair of the test above: drop the confirm script and token order breaks."""
     seen = expire_between_set_and_token(fencer, monkeypatch)
     monkeypatch.setattr(fencer, "_confirm", lambda keys, args: 1000)
     a = fencer.acquire("job:1", 0.2)

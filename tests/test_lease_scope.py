@@ -1,4 +1,4 @@
-"""Lease-scoped fencing on real PostgreSQL and Redis (DESIGN.md I7, I8; issue 9).
+"""Lease-scoped fencing on real PostgreSQL and Redis (docs/lease-scope.md; issue 9).
 
 The row fence (``UPDATE ... AND fence <= :token``) refuses a stale holder's
 write only to a row the newer holder has already written.  Lease scope closes
@@ -8,7 +8,7 @@ lease of that name commits anything.  Each hole of issue 9 has a named test
 here, as does each false refusal fixed with it, and a stateful property test
 checks the rule over random interleavings (with its guard-removed pair).
 
-A stale holder is made the seeds' way (a short TTL and a stall of twice the
+A stale holder is made the slow way (a short TTL and a stall of twice the
 TTL) in a few tests, and with :func:`sa_fence.testing.expire` (the Redis key
 gone, the worker unaware) everywhere else, so the file runs in seconds.
 
@@ -424,7 +424,7 @@ def test_a_raw_writer_that_checks_its_lease_before_commit_is_lease_scoped_too(
 def test_a_write_flushed_before_the_newer_grant_but_committed_after_it_is_refused(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
 ) -> None:
-    """Only what the older holder *committed* before the grant stands (I7)."""
+    """Only what the older holder *committed* before the grant stands."""
     seed_token = seed(fencer, make_session, Job(id=1, result="initial"))
     a = fencer.acquire("job:1", 5)
     session_a = a.bind(make_session())
@@ -446,7 +446,7 @@ def test_a_session_on_another_engine_for_the_same_database_is_still_lease_scoped
 ) -> None:
     """The same database reached through another spelling of its host (localhost for
     127.0.0.1, as a second service's configuration may have it) is still the register's
-    database: a stale holder's transaction there must not commit either (I7)."""
+    database: a stale holder's transaction there must not commit either."""
     host = scope_engine.url.host
     alias = "localhost" if host in ("127.0.0.1", "::1") else "127.0.0.1"
     other = sa.create_engine(scope_engine.url.set(host=alias))
@@ -696,7 +696,7 @@ def test_a_session_joined_to_an_outer_transaction_with_a_stale_lease_refuses_the
 def test_a_sequence_altered_to_cache_20_after_the_first_check_refuses_the_next_acquire(
     redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    """The fitness check runs at every grant, not only before the first one (I4, I8).
+    """The fitness check runs at every grant, not only before the first one.
 
     (A Fencer naming a second sequence in the same database is refused:
     tests/test_config.py::test_a_fencer_naming_another_sequence_than_its_registers_is_refused.)

@@ -1,4 +1,4 @@
-"""PostgreSQL crashes at chosen points, on a private cluster (DESIGN.md, I4b, I6).
+"""PostgreSQL crashes at chosen points, on a private cluster (docs/reliability.md).
 
 Each crash is ``pg_ctl stop -m immediate``: the postmaster gets SIGQUIT and
 every server process ends at once, with no checkpoint and no flush of the WAL

@@ -13,12 +13,13 @@ Two properties:
   commit's outcome (committed, ``StaleTokenError``, ``LeaseLostError``,
   ``UnfencedWriteError``, or ``IntegrityError`` when a staged INSERT's row was
   inserted meanwhile) and, after every step, the whole ``jobs`` table is
-  compared with it: I1 (a row's fence is the highest token that committed to
-  it, and never goes down; a write whose token is below the row's fence at
-  commit time never commits), I2 (a refused unit of work leaves every row
-  exactly as it was; the error names the table, the refused keys, their
-  fences and the token), I5 and I6.  Redis must hold exactly the live lease.
-* Successive grants of one lease name carry strictly increasing tokens (I3),
+  compared with it: a row's fence is the highest token that committed to it,
+  and never goes down; a write whose token is below the row's fence at
+  commit time never commits; a refused unit of work leaves every row exactly
+  as it was (the error names the table, the refused keys, their fences and
+  the token); a session with no lease writes nothing; nothing that fails
+  leaves data behind.  Redis must hold exactly the live lease.
+* Successive grants of one lease name carry strictly increasing tokens,
   also when the lease is lost while its token is drawn.
 
 Hypothesis draws a plain list of steps (``@given``) with explicit weights.  A
@@ -31,9 +32,10 @@ uses: it deletes the rows of ``jobs`` and takes a lease name nobody used before.
 
 A row deleted by holder T and inserted again by a holder with token S < T is a
 *new* row to the model (its fence history starts again at S): the store keeps
-no tombstones and an INSERT is not token-compared (DESIGN.md: "INSERT writes
-fence = :token").  The check that fences never go down therefore applies per
-row lifetime.  (That a stale holder can so re-create a row the newer holder
+no tombstones and an INSERT is not token-compared (docs/how-it-works.md,
+"The hook, step by step": an INSERT gets ``fence = :token``).  The check that
+fences never go down therefore applies per row lifetime.  (That a stale
+holder can so re-create a row the newer holder
 deleted is a known gap of the design, not something this test accepts as
 right.)
 """
@@ -197,7 +199,7 @@ class FencedWritesModel:
             case ("acquire", drawn):
                 self.acquire(drawn % self.n_workers)
             case ("take-over", drawn, ops):
-                # The seeds' scenario: the holder stalls past its TTL, another
+                # The lost-lease scenario: the holder stalls past its TTL, another
                 # worker takes the lease over and writes at once.
                 stalled = self.holder
                 if stalled is not None:
@@ -352,7 +354,7 @@ class FencedWritesModel:
             others = "alone" if len(writes) == 1 else "with other rows in the flush"
             event(f"a stale {error.statement} was refused, {others}")
         if outcome != "committed":
-            # I2/I6: a refused (or empty) unit of work leaves every row exactly as it was.
+            # A refused (or empty) unit of work leaves every row exactly as it was.
             assert read_jobs(self.engine) == before
             return
         assert lease is not None
@@ -401,7 +403,7 @@ class FencedWritesModel:
             return {"LeaseLostError"}, {}
         possible: set[Outcome] = set()
         refusable: dict[str, set[int]] = {}
-        # I7: a newer grant of the name refuses the whole transaction at COMMIT
+        # Lease scope: a newer grant of the name refuses the whole transaction at COMMIT
         # (unless the row fence or a duplicate key refuses it at the flush first).
         newer_grant = lease.token != self.granted[-1]
         if newer_grant:
@@ -421,7 +423,7 @@ class FencedWritesModel:
 
     def check(self) -> None:
         """The invariants, after every step, against the servers."""
-        # I1: every row is exactly what the model says, its fence the highest
+        # The row fence: every row is exactly what the model says, its fence the highest
         # token that committed to it, and no fence ever went down.
         actual = read_jobs(self.engine)
         assert actual == {job_id: (m.result, m.fence) for job_id, m in self.rows.items()}
@@ -479,7 +481,7 @@ def interruptible_fencer(
     """A Fencer on its own engine that runs a queued callback just before drawing a token.
 
     Lets a test lose the lease (and let a rival take it) after ``SET NX`` and
-    before the token is recorded: the window I3's confirm step closes.
+    before the token is recorded: the window the confirm step closes.
     """
     own = sa.create_engine(engine.url)
     queued: list[Callable[[], None]] = []

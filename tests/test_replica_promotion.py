@@ -1,4 +1,4 @@
-"""A streaming replica promoted after the primary dies (DESIGN.md, I4b).
+"""A streaming replica promoted after the primary dies (docs/reliability.md).
 
 The tests start a primary and a streaming replica of it (``pg_basebackup
 -R``) on private clusters; the replica reaches the primary through a TCP

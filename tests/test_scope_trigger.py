@@ -1,4 +1,4 @@
-"""PostgreSQL holds lease scope at COMMIT and PREPARE TRANSACTION (issue 19; invariants I7, I10).
+"""PostgreSQL holds lease scope at COMMIT and PREPARE TRANSACTION (issue 19; docs/guarantees.md).
 
 A transaction of a bound session (or of a connection inside
 ``fence_connection()``) is *armed*: its BEGIN message also writes one row
@@ -100,7 +100,7 @@ COMMIT_PATHS: dict[str, Callable[[Session], Any]] = {
 def test_a_stale_holder_commits_nothing_whichever_call_sends_the_commit(
     path: str, fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
 ) -> None:
-    """Invariant I7: however the transaction ends, a stale holder commits nothing."""
+    """However the transaction ends, a stale holder commits nothing."""
     a, b = stale_pair(fencer)
     session = a.bind(make_session())
     session.add(Outbox(id=1, message="stale"))
@@ -498,7 +498,7 @@ def test_prepare_transaction_is_checked_and_commit_prepared_commits_only_the_cur
             engine.dispose()
 
 
-# ------------------------------------------- interrupted commits (item 6, I10)
+# ------------------------------------------------ interrupted commits (item 6)
 
 
 def _interrupt_commit(engine: sa.Engine, key_prefix: str, kind: str, *extra: str) -> str:
@@ -520,7 +520,7 @@ def _interrupt_commit(engine: sa.Engine, key_prefix: str, kind: str, *extra: str
 def test_an_interrupted_commit_never_hands_the_pool_a_broken_connection(
     kind: str, scope_engine: sa.Engine, key_prefix: str
 ) -> None:
-    """Invariant I10: the one-connection pool's next session works."""
+    """An interrupted commit: the one-connection pool's next session works."""
     assert _interrupt_commit(scope_engine, key_prefix, kind) == "next session ok"
     assert outbox(scope_engine) == []  # the COMMIT never ran (pg_sleep was under way)
 

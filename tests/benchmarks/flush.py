@@ -44,7 +44,7 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from sa_fence import _flush, _register
+from sa_fence import _flush, _guard
 from sa_fence._bench import (
     FlushBench,
     Op,
@@ -212,7 +212,7 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
     table = bench.schema.models["plain"].__table__
     update = f'UPDATE "{table.schema}"."{table.name}" SET counter = counter + 1 WHERE id = %s'
     scope_table = bench.schema.register.scope_sql
-    arm_row = f"({_register.quote_literal(lease.name)}, {int(lease.token)})"
+    arm_row = f"({_guard.quote_literal(lease.name)}, {int(lease.token)})"
     with (
         psycopg.connect(psycopg_conninfo(bench.engine.url)) as conn,
         psycopg.connect(psycopg_conninfo(bench.engine.url)) as armed,
