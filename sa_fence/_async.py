@@ -188,6 +188,12 @@ class AsyncFencer:
     def sequence(self) -> str:
         return self._tokens.sequence
 
+    # Package-internal (no docstring, so not on the API page): the flush hook
+    # reads the register and the database's identity of this fencer's tokens.
+    @property
+    def token_source(self) -> TokenSource:
+        return self._tokens
+
     def key(self, name: str) -> str:
         """The Redis key that holds lease ``name``."""
         return self.key_prefix + proto.check_name(name)
@@ -218,7 +224,7 @@ class AsyncFencer:
         ttl_ms = proto.ttl_to_ms(ttl)
         max_wait = proto.check_timeout(blocking, timeout, float(ttl))
         proto.check_lease_options(renew, on_lost, fail_fast)
-        if not self._tokens._checked:
+        if not self._tokens.checked:
             try:
                 await self.check()
             except SQLAlchemyError as exc:

@@ -129,9 +129,9 @@ from .errors import (
 if TYPE_CHECKING:
     from typing import TypeAlias
 
-    from ._lease import BaseLease
+    from ._lease_view import LeaseView
 
-    Lease: TypeAlias = BaseLease[Any]  # a Lease or an AsyncLease
+    Lease: TypeAlias = LeaseView  # a Lease or an AsyncLease
 
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
@@ -239,6 +239,12 @@ class _SessionState:
 
 def _state(session: Session) -> _SessionState | None:
     return session.info.get(_STATE_KEY)
+
+
+def bound_lease(session: Session) -> Lease | None:
+    """The lease bound to ``session``, or None."""
+    state = _state(session)
+    return None if state is None else state.lease
 
 
 def _state_for(session: Session) -> _SessionState:
@@ -454,6 +460,12 @@ _scopes: weakref.WeakKeyDictionary[Connection, dict[tuple[str, int], Lease]] = (
 )
 
 
+def in_scope(conn: Connection, lease: Lease) -> bool:
+    """Whether ``conn``'s transaction checks ``lease`` at COMMIT (is lease-scoped for it)."""
+    scope = _scopes.get(conn)
+    return scope is not None and (lease.name, lease.token) in scope
+
+
 #: Engine -> the (system identifier, database name) its connections reach.
 _database_ids: weakref.WeakKeyDictionary[Any, tuple[Any, ...] | None] = weakref.WeakKeyDictionary()
 
@@ -471,7 +483,7 @@ def _same_database(conn: Connection, lease: Lease) -> bool:
     a, b = conn.engine.url, fencer_engine.url
     if (a.host, a.port, a.database) == (b.host, b.port, b.database):
         return True
-    theirs = lease.fencer._tokens.database_id
+    theirs = lease.fencer.token_source.database_id
     if conn.engine not in _database_ids:
         _database_ids[conn.engine] = _read_database_id(conn)
     ours = _database_ids[conn.engine]
@@ -551,7 +563,7 @@ def _scope_table(conn: Connection, lease: Lease) -> str:
     looked up once per engine, never in ``pg_temp``, so a ``TEMP TABLE
     sa_fence_scope`` cannot swallow the arm.
     """
-    register = lease.fencer._tokens.register
+    register = lease.fencer.token_source.register
     if register.schema is not None:
         return str(register.scope_sql)
     tables = _scope_tables.setdefault(conn.engine, {})

@@ -64,9 +64,11 @@ NO_TOKEN_SQLSTATE = "SF002"
 TOKEN_SETTING = "sa_fence.token"
 #: The trigger's name on every guarded table.
 TRIGGER_NAME = "sa_fence_guard"
-#: The token sequence a guard reads when none is named (the same value as
-#: ``sa_fence._tokens.DEFAULT_SEQUENCE``, which cannot be imported here:
-#: ``_tokens`` imports this module through ``_register``).
+#: SQLSTATE of a refused commit: a newer lease of the same name was granted
+#: (the commit check in ``_register`` raises it, :func:`lease_error_from_check` reads it).
+LEASE_STALE_SQLSTATE = "SF003"
+#: The token sequence a guard reads when none is named; the package's one
+#: default (``_register``, ``_tokens`` and the tools import it from here).
 DEFAULT_SEQUENCE = "sa_fence_token_seq"
 
 MissingToken = Literal["reject", "unchanged"]
@@ -481,8 +483,6 @@ def error_from_guard(
 
 def lease_error_from_check(orig: BaseException, scope: Any) -> StaleTokenError | None:
     """The StaleTokenError for a refused commit check (SQLSTATE SF003), else None."""
-    from ._register import LEASE_STALE_SQLSTATE
-
     if getattr(orig, "sqlstate", None) != LEASE_STALE_SQLSTATE:
         return None
     diag = getattr(orig, "diag", None)

@@ -31,6 +31,7 @@ from . import _protocol as proto
 from . import _prune, _telemetry
 from ._dialect import check_engine
 from ._flush import bind_lease
+from ._lease_view import FencerView
 from ._tokens import DEFAULT_SEQUENCE, TokenSource, token_error
 from .errors import (
     FenceError,
@@ -270,6 +271,12 @@ class Fencer:
     def sequence(self) -> str:
         return self._tokens.sequence
 
+    # Package-internal (no docstring, so not on the API page): the flush hook
+    # reads the register and the database's identity of this fencer's tokens.
+    @property
+    def token_source(self) -> TokenSource:
+        return self._tokens
+
     def key(self, name: str) -> str:
         """The Redis key that holds lease ``name``."""
         return self.key_prefix + proto.check_name(name)
@@ -358,7 +365,7 @@ class Fencer:
         ttl_ms = proto.ttl_to_ms(ttl)
         max_wait = proto.check_timeout(blocking, timeout, float(ttl))
         proto.check_lease_options(renew, on_lost, fail_fast)
-        if not self._tokens._checked:
+        if not self._tokens.checked:
             try:
                 self.check()
             except SQLAlchemyError as exc:
@@ -636,7 +643,7 @@ class _Renewer:
             del lease
 
 
-FencerT = TypeVar("FencerT")
+FencerT = TypeVar("FencerT", bound=FencerView)
 
 #: Fencers that already logged "a lease was released without being bound".
 _warned_unbound: weakref.WeakSet[Any] = weakref.WeakSet()

@@ -79,14 +79,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import TIMESTAMP
 
-from ._guard import DEFAULT_SEQUENCE, qualified, quote_literal
+from ._guard import DEFAULT_SEQUENCE, LEASE_STALE_SQLSTATE, qualified, quote_literal
 
 #: The register table's name (in the schema of the token sequence).
 REGISTER_TABLE = "sa_fence_leases"
 #: The commit check function's name (same schema).
 CHECK_FUNCTION = "sa_fence_check_lease"
-#: SQLSTATE of a refused commit: a newer lease of the same name was granted.
-LEASE_STALE_SQLSTATE = "SF003"
 #: Which database a connection reaches, whatever URL it was reached by (host
 #: names, sockets and poolers differ; the cluster's identifier does not).
 DATABASE_ID_SQL = "SELECT system_identifier, current_database() FROM pg_control_system()"

@@ -148,8 +148,7 @@ def _check_task(task: object, kwargs: dict[str, Any]) -> None:
 
 def _bound_lease(session: Session) -> Lease:
     """The lease bound to ``session``, still usable for a write (else raise, nothing sent)."""
-    state = _flush._state(session)
-    lease = None if state is None else state.lease
+    lease = _flush.bound_lease(session)
     if lease is None:
         raise UnfencedWriteError(
             "this session has no lease bound, so a side effect enqueued in it would not be "
@@ -163,8 +162,7 @@ def _bound_lease(session: Session) -> Lease:
 
 def _require_scope(conn: Connection, lease: Lease) -> None:
     """The job row must be inside the transaction's lease scope, or it commits unchecked."""
-    scope = _flush._scopes.get(conn)
-    if scope is None or (lease.name, lease.token) not in scope:
+    if not _flush.in_scope(conn, lease):
         raise FencingConfigError(
             f"this session's transaction is not lease-scoped for {lease.name!r} (it writes to "
             "another database than the lease register's), so its COMMIT would not check the "

@@ -74,7 +74,7 @@ except ImportError:  # the API is optional: sa-fence then reports nothing (its o
     OtelContext = None  # type: ignore[assignment,misc]
 
 if TYPE_CHECKING:
-    from ._lease import BaseLease
+    from ._lease_view import LeaseView
 
 log = logging.getLogger(__name__)
 
@@ -570,7 +570,7 @@ class LeaseTelemetry:
         self.acquire_span: Any = None
 
 
-def _lease_tel(lease: BaseLease[Any]) -> LeaseTelemetry:
+def _lease_tel(lease: LeaseView) -> LeaseTelemetry:
     tel: LeaseTelemetry | None = getattr(lease, "_tel", None)
     if tel is None:  # a lease made without acquire (tests' doubles)
         telemetry = of(lease.fencer)
@@ -626,7 +626,7 @@ class _Acquiring:
         self.span = telemetry.start_span("sa_fence.acquire", {PATTERN: pattern})
         self.started = time.perf_counter()
 
-    def granted(self, lease: BaseLease[Any]) -> None:
+    def granted(self, lease: LeaseView) -> None:
         telemetry, took = self.telemetry, time.perf_counter() - self.started
         lease._tel = LeaseTelemetry(telemetry, self.pattern, lease.acquired_at)
         attrs = {PATTERN: self.pattern, OUTCOME: GRANTED}
@@ -749,7 +749,7 @@ def traced_release_async(fn: Callable[..., Awaitable[Any]]) -> Any:
 # ------------------------------------------------- hooks the front ends call
 
 
-def released(lease: BaseLease[Any], deleted: bool) -> None:
+def released(lease: LeaseView, deleted: bool) -> None:
     """A release answered: record how long the lease was held."""
     tel = _lease_tel(lease)
     outcome = "released" if deleted else "expired"
@@ -766,7 +766,7 @@ def released(lease: BaseLease[Any], deleted: bool) -> None:
         )
 
 
-def renewal(lease: BaseLease[Any], outcome: str, sent_at: float) -> None:
+def renewal(lease: LeaseView, outcome: str, sent_at: float) -> None:
     """A background renewal answered (``"extended"``) or not (anything else)."""
     tel = _lease_tel(lease)
     ok = outcome == "extended"
@@ -793,13 +793,13 @@ def renewal(lease: BaseLease[Any], outcome: str, sent_at: float) -> None:
     span.end(end_time=now_ns)
 
 
-def lost(lease: BaseLease[Any]) -> None:
+def lost(lease: LeaseView) -> None:
     """The lease was found lost (once per lease)."""
     tel = _lease_tel(lease)
     tel.telemetry.lost.add(1, tel.attrs)
 
 
-def wrote(lease: BaseLease[Any]) -> None:
+def wrote(lease: LeaseView) -> None:
     """A write statement is about to run under ``lease``: the first one is timed."""
     tel = lease._tel
     if tel is None:
@@ -810,7 +810,7 @@ def wrote(lease: BaseLease[Any]) -> None:
     tel.telemetry.first_write_delay.record(time.monotonic() - tel.granted_at, tel.attrs)
 
 
-def stale_refused(lease: BaseLease[Any] | None, check: str, error: BaseException) -> None:
+def stale_refused(lease: LeaseView | None, check: str, error: BaseException) -> None:
     """A stale write was refused at ``check`` (LEASE_SCOPE, ROW_FENCE, GUARD)."""
     if lease is not None:
         tel = _lease_tel(lease)
@@ -837,7 +837,7 @@ class CommitCheck:
 
     __slots__ = ("attrs", "scope", "span", "started", "telemetry")
 
-    def __init__(self, scope: Mapping[tuple[str, int], BaseLease[Any]]) -> None:
+    def __init__(self, scope: Mapping[tuple[str, int], LeaseView]) -> None:
         self.scope = scope
         lease = next(iter(scope.values()))
         tel = _lease_tel(lease)
@@ -869,7 +869,7 @@ class CommitCheck:
         span.end()
 
 
-def flush_started(lease: BaseLease[Any]) -> Any:
+def flush_started(lease: LeaseView) -> Any:
     """A fenced flush begins: its span (ended by :func:`flush_ended`)."""
     tel = lease._tel
     if tel is None:

@@ -355,6 +355,11 @@ class TokenSource:
         #: where the register and its check function live (read at every commit)
         self.register = Register(self.sequence)
 
+    @property
+    def checked(self) -> bool:
+        """Whether :meth:`check` has passed (a fencer runs it before its first token)."""
+        return self._checked
+
     def check(self) -> None:
         """Verify the sequence, the register and the connection settings.
 

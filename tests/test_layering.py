@@ -1,0 +1,140 @@
+"""The package's modules import one another in one direction only.
+
+A cycle among sa_fence modules, at run time or under ``if TYPE_CHECKING:``, means
+two modules cannot be read, tested or moved apart; this test parses every module
+with :mod:`ast` (imports at the top, inside functions and under ``TYPE_CHECKING``
+alike) and fails naming the first cycle it finds.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "sa_fence"
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(current: str, is_package: bool, level: int, module: str | None) -> str:
+    """The absolute name of ``from <level dots><module> import ...`` in ``current``."""
+    if level == 0:
+        return module or ""
+    base = current.split(".")
+    drop = level - 1 if is_package else level
+    base = base[: len(base) - drop]
+    return ".".join([*base, module] if module else base)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the package modules it imports, anywhere in its source."""
+    modules = {_module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, is_package, node.level, node.module)
+                # ``from . import _flush`` imports the module _flush, not the package
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                # a submodule importing its own package's __init__ is not a dependency
+                # worth a cycle (Python runs __init__ first anyway)
+                if target and target != name and not name.startswith(target + "."):
+                    graph[name].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as [a, b, ..., a], or None."""
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start in done:
+            continue
+        path: list[str] = [start]
+        on_path = {start}
+        stack = [iter(sorted(graph[start]))]
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                stack.pop()
+                done.add(on_path_node := path.pop())
+                on_path.discard(on_path_node)
+                continue
+            if nxt in on_path:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in done:
+                path.append(nxt)
+                on_path.add(nxt)
+                stack.append(iter(sorted(graph[nxt])))
+    return None
+
+
+def test_no_import_cycle_among_package_modules() -> None:
+    cycle = find_cycle(import_graph(PACKAGE))
+    assert cycle is None, "import cycle among sa_fence modules: " + " -> ".join(cycle or [])
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    package = root / "pkg"
+    for name, source in files.items():
+        path = package / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source, encoding="utf-8")
+    return package
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        pytest.param(
+            {"__init__.py": "", "a.py": "from .b import x\n", "b.py": "from .a import y\n"},
+            id="run-time",
+        ),
+        pytest.param(
+            {
+                "__init__.py": "",
+                "a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from .b import x\n",
+                "b.py": "from . import c\n",
+                "c.py": "import pkg.a\n",
+            },
+            id="type-checking",
+        ),
+        pytest.param(
+            {
+                "__init__.py": "",
+                "a.py": "def f():\n    from . import b\n",
+                "b.py": "from .a import f\n",
+            },
+            id="inside-a-function",
+        ),
+    ],
+)
+def test_a_cycle_is_found_and_named(tmp_path: Path, files: dict[str, str]) -> None:
+    cycle = find_cycle(import_graph(_write(tmp_path, files)))
+    assert cycle is not None
+    assert cycle[0] == cycle[-1]
+    assert {"pkg.a", "pkg.b"} <= set(cycle)
+
+
+def test_imports_in_one_direction_are_no_cycle(tmp_path: Path) -> None:
+    files = {
+        "__init__.py": "from .b import x\nfrom .a import y\n",
+        "a.py": "from .b import x\nfrom . import c\n",
+        "b.py": "from .c import z\nimport pkg\n",
+        "c.py": "z = 1\n",
+    }
+    assert find_cycle(import_graph(_write(tmp_path, files))) is None
