@@ -698,7 +698,7 @@ def check(
 
 
 def print_report(report: Report, shown_url: str, out: TextIO, *, strict: bool = False) -> int:
-    """Print ``report``; ``shown_url`` is the URL with its password hidden (_shown).
+    """Print ``report``; ``shown_url`` is the URL with its password hidden (hidden_password).
 
     ``strict``: advice counts as problems (exit status 1).
     """
@@ -848,13 +848,13 @@ def run_check(
     app_dir: str = ".",
     strict: bool = False,
 ) -> int:
-    return _with_connection(
+    return with_connection(
         url,
         metadata_spec,
         err,
         lambda conn, md: print_report(
             check(conn, sequence=sequence, metadata=md, column=column),
-            _shown(url),
+            hidden_password(url),
             out,
             strict=strict,
         ),
@@ -937,7 +937,7 @@ def run_repair(
             print(f"Moved {sequence} to {value}; the next token is {value + 1}.", file=out)
         return EXIT_OK
 
-    return _with_connection(url, metadata_spec, err, go, app_dir=app_dir)
+    return with_connection(url, metadata_spec, err, go, app_dir=app_dir)
 
 
 def _last_value_now(conn: sa.Connection, sequence: str) -> int:
@@ -945,14 +945,14 @@ def _last_value_now(conn: sa.Connection, sequence: str) -> int:
     return int(conn.execute(sa.text(f"SELECT last_value FROM {quoted}")).scalar_one())
 
 
-def _shown(url: str) -> str:
+def hidden_password(url: str) -> str:
     try:
         return sa.make_url(url).render_as_string(hide_password=True)
     except sa.exc.ArgumentError:
         return url
 
 
-def _with_connection(
+def with_connection(
     url: str,
     metadata_spec: str | None,
     err: TextIO,
@@ -973,7 +973,7 @@ def _with_connection(
     if parsed.get_backend_name() != "postgresql" or not parsed.database:
         print(
             f"{command}: --url must name a PostgreSQL database, e.g. "
-            f"postgresql+psycopg://user@host:5432/dbname (got {_shown(url)})",
+            f"postgresql+psycopg://user@host:5432/dbname (got {hidden_password(url)})",
             file=err,
         )
         return EXIT_USAGE
@@ -992,7 +992,7 @@ def _with_connection(
             conn = engine.connect()
         except sa.exc.OperationalError as exc:
             print(
-                f"{command}: cannot connect to {_shown(url)}: {_first_line(exc)}",
+                f"{command}: cannot connect to {hidden_password(url)}: {_first_line(exc)}",
                 file=err,
             )
             return EXIT_UNREACHABLE

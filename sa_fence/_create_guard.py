@@ -217,7 +217,7 @@ def run(
     Exit status: 0 created; 1 a table, its fence column or the sequence is
     missing (nothing written); 2 bad argument; 3 database unreachable.
     """
-    from ._check import EXIT_FINDINGS, EXIT_OK, _shown, _with_connection
+    from ._check import EXIT_FINDINGS, EXIT_OK, hidden_password, with_connection
 
     def body(conn: sa.Connection, _: object) -> int:
         try:
@@ -238,12 +238,12 @@ def run(
             print(
                 f"created guard trigger {TRIGGER_NAME} on {_shown_table(table, schema)} "
                 f"(column {column}, on_missing_token={on_missing_token}, sequence "
-                f"{sequence}) in {_shown(url)}",
+                f"{sequence}) in {hidden_password(url)}",
                 file=out,
             )
         return EXIT_OK
 
-    return _with_connection(url, None, err, body)
+    return with_connection(url, None, err, body)
 
 
 def _shown_table(table: str, schema: str | None) -> str:

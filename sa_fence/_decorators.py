@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
 
     from ._async import AsyncFencer, AsyncLease
-    from ._flush import _SessionState
+    from ._flush import SessionState
 
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
@@ -717,11 +717,11 @@ def fenced(
     return decorate
 
 
-def _session_state(session: Any) -> _SessionState:
-    from ._flush import _state_for
+def _session_state(session: Any) -> SessionState:
+    from ._flush import state_for
 
     sync_session = getattr(session, "sync_session", session)  # an AsyncSession's own
-    return _state_for(sync_session)
+    return state_for(sync_session)
 
 
 def _run_fenced(

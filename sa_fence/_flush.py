@@ -162,7 +162,7 @@ class _Pending:
     counted: int = 0
 
 
-class _SessionState:
+class SessionState:
     """What sa-fence keeps on one session (in ``session.info``)."""
 
     __slots__ = (
@@ -237,7 +237,7 @@ class _SessionState:
         self.presented_in = (conn.get_transaction(), lease.token)
 
 
-def _state(session: Session) -> _SessionState | None:
+def _state(session: Session) -> SessionState | None:
     return session.info.get(_STATE_KEY)
 
 
@@ -247,17 +247,17 @@ def bound_lease(session: Session) -> Lease | None:
     return None if state is None else state.lease
 
 
-def _state_for(session: Session) -> _SessionState:
+def state_for(session: Session) -> SessionState:
     st = session.info.get(_STATE_KEY)
     if st is None:
-        st = session.info[_STATE_KEY] = _SessionState()
+        st = session.info[_STATE_KEY] = SessionState()
     return st
 
 
 # ----------------------------------------------------------- statement hook
 
 #: Connection -> the fenced session whose transaction runs on it.
-_active: weakref.WeakKeyDictionary[Connection, _SessionState] = weakref.WeakKeyDictionary()
+_active: weakref.WeakKeyDictionary[Connection, SessionState] = weakref.WeakKeyDictionary()
 #: Connections routed through the hook (see _route_through_view).
 _hooked: weakref.WeakSet[Connection] = weakref.WeakSet()
 #: User engine -> the events of its private fenced view (see _view_events).  The
@@ -312,7 +312,7 @@ def _listen(target: Engine | Connection) -> None:
     _listen_for_guard_errors(target)
 
 
-def _attach(connection: Connection, state: _SessionState) -> None:
+def _attach(connection: Connection, state: SessionState) -> None:
     """Route ``connection``'s statements through the hook on behalf of ``state``.
 
     The dialect is checked only where a lease fences the connection (a bound
@@ -1361,7 +1361,7 @@ def _refuse_assigned_fences(session: Session) -> None:
 
 
 def _before_flush(session: Session, flush_context: UOWTransaction, instances: Any) -> None:
-    state = _state_for(session)
+    state = state_for(session)
     state.check_not_poisoned("flush")
     if state.lease is not None:
         # The hot path: the statement hook fences.  Refuse a fence assigned by
@@ -1395,7 +1395,7 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
         raise state.fail(exc) from None
 
 
-def _bump_base_fences(session: Session, state: _SessionState, bump_keys: dict[type, str]) -> None:
+def _bump_base_fences(session: Session, state: SessionState, bump_keys: dict[type, str]) -> None:
     """Joined inheritance: a change to a subclass table alone still fences the row.
 
     The ORM updates only the tables whose columns changed, so a subclass-only
@@ -1436,7 +1436,7 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
     table = getattr(dml, "table", None)  # None: not a table's DML after all
     if table is None or fence_column_of(table) is None:
         return
-    state = _state_for(orm_state.session)
+    state = state_for(orm_state.session)
     state.check_not_poisoned("write")
     try:
         lease = state.require_lease()
@@ -1470,7 +1470,7 @@ def _refuse_from_statement(table: Any) -> None:
 
 
 def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
-    state = _state_for(session)
+    state = state_for(session)
     _refuse_confusable(connection, state, state.lease)
     sharing = _sharing.setdefault(connection, [])
     if state not in sharing:
@@ -1486,14 +1486,14 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
 #: Connection -> the installed sessions whose transactions run on it, in the
 #: order they began (``Session(bind=other.connection())`` puts two on one).
 #: The newest is the one in ``_active``; when it ends, the one before takes over.
-_sharing: weakref.WeakKeyDictionary[Connection, list[_SessionState]] = weakref.WeakKeyDictionary()
+_sharing: weakref.WeakKeyDictionary[Connection, list[SessionState]] = weakref.WeakKeyDictionary()
 
 
 def _lease_id(lease: Lease | None) -> tuple[str, int] | None:
     return None if lease is None else (lease.name, lease.token)
 
 
-def _refuse_confusable(connection: Connection, state: _SessionState, lease: Lease | None) -> None:
+def _refuse_confusable(connection: Connection, state: SessionState, lease: Lease | None) -> None:
     """Refuse a second session on ``connection`` only if its token could be confused.
 
     The statement hook finds the token to carry by connection, so sessions
@@ -1790,7 +1790,7 @@ def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
             "db.session: sa_fence.install(db.session))."
         )
     orm_index()  # meets every fenced mapper: merge() then leaves loaded fences behind
-    state = _state_for(session)
+    state = state_for(session)
     for conn in state.connections:  # a session sharing its connection has another lease
         check_dialect(conn.dialect)
         _refuse_confusable(conn, state, lease)
@@ -1866,7 +1866,7 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
     check_dialect(conn.dialect)
     _refuse_autocommit(conn)
     previous = _active.get(conn)
-    state = _SessionState()
+    state = SessionState()
     _refuse_confusable(conn, state, lease)  # a session on it with another lease, or none
     state.lease = lease
     lease._bound = True
@@ -1891,7 +1891,7 @@ def unfenced(session: Session) -> Iterator[Session]:
     INSERTs get ``fence = 0``.  A bound lease still fences as usual.  Each
     such flush logs a warning on the ``sa_fence`` logger.
     """
-    state = _state_for(session)
+    state = state_for(session)
     state.unfenced += 1
     try:
         yield session

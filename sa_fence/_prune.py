@@ -263,7 +263,7 @@ def run(
     register, 2 bad argument, 3 PostgreSQL or Redis unreachable)."""
     import redis as redis_lib
 
-    from ._check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, _with_connection
+    from ._check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, with_connection
     from ._protocol import cause_text
     from ._telemetry import redact_url
 
@@ -304,7 +304,7 @@ def run(
         return EXIT_OK
 
     try:
-        return _with_connection(url, None, err, body)
+        return with_connection(url, None, err, body)
     finally:
         client.close()
 

@@ -30,7 +30,7 @@ import redis as redis_lib
 import sqlalchemy as sa
 
 from . import _protocol as proto
-from ._check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, _with_connection
+from ._check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, with_connection
 from ._register import Register, pinned_register
 from ._telemetry import redact_url
 
@@ -288,7 +288,7 @@ def run(
         return EXIT_OK
 
     try:
-        status = _with_connection(url, None, err, body)
+        status = with_connection(url, None, err, body)
     finally:
         client.close()
     if status != EXIT_OK:

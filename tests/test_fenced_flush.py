@@ -439,7 +439,7 @@ def test_without_poisoning_the_outer_transaction_would_commit_the_other_writes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The pair of the test above: SQLAlchemy alone lets the savepoint's siblings commit."""
-    monkeypatch.setattr(_flush._SessionState, "fail", lambda self, error: error)
+    monkeypatch.setattr(_flush.SessionState, "fail", lambda self, error: error)
     with stale_write_in_a_savepoint(fencer, make_session) as session:
         session.commit()
     with engine.connect() as conn:

@@ -138,3 +138,68 @@ def test_imports_in_one_direction_are_no_cycle(tmp_path: Path) -> None:
         "c.py": "z = 1\n",
     }
     assert find_cycle(import_graph(_write(tmp_path, files))) is None
+
+
+#: Private names one module still takes from another: the demo's two stories
+#: share the demo's process machinery (tools, outside the library's layers).
+PRIVATE_IMPORTS_ALLOWED = {("sa_fence._demo_side_effects", "sa_fence._demo")}
+
+
+def private_names_taken(root: Path) -> list[str]:
+    """``module -> other: _name`` for each private name a module takes from another.
+
+    Both forms count: ``from ._other import _name`` and ``_other._name`` where
+    ``_other`` was imported as a module (``from . import _other [as alias]``).
+    """
+    modules = {_module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+    found: list[str] = []
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        aliases: dict[str, str] = {}  # local name -> package module it stands for
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = _resolve(name, is_package, node.level, node.module)
+            for alias in node.names:
+                if f"{base}.{alias.name}" in modules:
+                    aliases[alias.asname or alias.name] = f"{base}.{alias.name}"
+                elif (
+                    base in modules
+                    and base != name
+                    and alias.name.startswith("_")
+                    and not alias.name.startswith("__")
+                ):
+                    found.append(f"{name} -> {base}: {alias.name}")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                found.append(f"{name} -> {aliases[node.value.id]}: {node.attr}")
+    return sorted(
+        entry
+        for entry in set(found)
+        if tuple(entry.split(":")[0].split(" -> ")) not in PRIVATE_IMPORTS_ALLOWED
+    )
+
+
+def test_no_module_takes_another_modules_private_names() -> None:
+    taken = private_names_taken(PACKAGE)
+    assert taken == [], "give the owner a name without a leading underscore: " + "; ".join(taken)
+
+
+def test_a_private_name_taken_is_found(tmp_path: Path) -> None:
+    files = {
+        "__init__.py": "",
+        "a.py": "_x = 1\ny = 2\n",
+        "b.py": "from .a import _x, y\n",
+        "c.py": "from . import a as m\nprint(m._x, m.y)\n",
+    }
+    assert private_names_taken(_write(tmp_path, files)) == [
+        "pkg.b -> pkg.a: _x",
+        "pkg.c -> pkg.a: _x",
+    ]

@@ -280,7 +280,7 @@ def test_binding_a_lease_to_one_of_two_unbound_sessions_sharing_a_connection_is_
         s2.connection()
         with pytest.raises(sa_fence.FencingConfigError, match="different leases bound"):
             lease.bind(s1)
-        assert _flush._state_for(s1).lease is None  # nothing was bound
+        assert _flush.state_for(s1).lease is None  # nothing was bound
         s2.close()
 
 
