@@ -46,6 +46,7 @@ from sqlalchemy.orm.exc import ObjectDeletedError
 import sa_fence
 from sa_fence import _flush
 from sa_fence.testing import expire
+from tests import _scope_fixtures
 from tests._fresh_db import fresh_database
 from tests._sql import recorded_statements, seed
 from tests.models_scope import (
@@ -57,7 +58,6 @@ from tests.models_scope import (
     Parent,
     SpecialJob,
     Tag,
-    create_scope_schema,
     job_tags,
 )
 from tests.test_property import stored_token
@@ -71,34 +71,12 @@ FENCES_A_CALLER_MIGHT_SEND = [0, 2**63 - 1]
 # ------------------------------------------------------------------ fixtures
 
 
-@pytest.fixture(scope="module")
-def scope_engine() -> Iterator[sa.Engine]:
-    with fresh_database("scope") as engine:
-        create_scope_schema(engine)
-        yield engine
-
-
-@pytest.fixture(autouse=True)
-def _empty_tables(scope_engine: sa.Engine) -> Iterator[None]:
-    yield
-    with scope_engine.begin() as conn:
-        # A test that leaves a transaction open would block TRUNCATE forever.
-        conn.execute(sa.text("SET LOCAL lock_timeout = '5s'"))
-        conn.execute(sa.text(f"TRUNCATE {', '.join(TABLES)}"))
-
-
-@pytest.fixture
-def fencer(
-    scope_engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
-) -> Iterator[sa_fence.Fencer]:
-    fencer = sa_fence.Fencer(redis_client, scope_engine, key_prefix=key_prefix)
-    yield fencer
-    fencer.close()
-
-
-@pytest.fixture
-def make_session(scope_engine: sa.Engine) -> sessionmaker[Session]:
-    return sa_fence.install(sessionmaker(scope_engine))
+# The scope database and its fixtures, shared with the other lease-scope module
+# (module-scoped: each module gets a database of its own).
+scope_engine = _scope_fixtures.scope_engine
+_empty_tables = _scope_fixtures.empty_tables
+fencer = _scope_fixtures.fencer
+make_session = _scope_fixtures.make_session
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import inspect
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,40 +34,19 @@ from sqlalchemy.orm import Session, sessionmaker
 import sa_fence
 from sa_fence import _flush, _register
 from sa_fence.testing import expire
-from tests._fresh_db import fresh_database
+from tests import _scope_fixtures
 from tests._pg_cluster import private_cluster
-from tests.models_scope import TABLES, Outbox, create_scope_schema
+from tests.models_scope import Outbox, create_scope_schema
 
 outbox_table = Outbox.__table__
 
 
-@pytest.fixture(scope="module")
-def scope_engine() -> Iterator[sa.Engine]:
-    with fresh_database("scopetrig") as engine:
-        create_scope_schema(engine)
-        yield engine
-
-
-@pytest.fixture(autouse=True)
-def _empty_tables(scope_engine: sa.Engine) -> Iterator[None]:
-    yield
-    with scope_engine.begin() as conn:
-        conn.execute(sa.text("SET LOCAL lock_timeout = '5s'"))
-        conn.execute(sa.text(f"TRUNCATE {', '.join(TABLES)}"))
-
-
-@pytest.fixture
-def fencer(
-    scope_engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
-) -> Iterator[sa_fence.Fencer]:
-    fencer = sa_fence.Fencer(redis_client, scope_engine, key_prefix=key_prefix)
-    yield fencer
-    fencer.close()
-
-
-@pytest.fixture
-def make_session(scope_engine: sa.Engine) -> sessionmaker[Session]:
-    return sa_fence.install(sessionmaker(scope_engine))
+# The scope database and its fixtures, shared with the other lease-scope module
+# (module-scoped: each module gets a database of its own).
+scope_engine = _scope_fixtures.scope_engine
+_empty_tables = _scope_fixtures.empty_tables
+fencer = _scope_fixtures.fencer
+make_session = _scope_fixtures.make_session
 
 
 def outbox(engine: sa.Engine) -> list[str]:
