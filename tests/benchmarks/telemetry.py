@@ -435,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for key in client.scan_iter(match=f"{prefix}*", count=1000):
                 client.delete(key)
             client.close()
-    if misses and not args.quick:
+    if misses and (args.strict or not args.quick):
         print(f"\ntelemetry: {len(misses)} ratio(s) above the limit: {'; '.join(misses)}")
     else:
         print("\ntelemetry: ratios within the limits" + (" (QUICK)" if args.quick else ""))
