@@ -151,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                         if "flush" in args.sections:
                             result = flush.run(bench, config, progress)
                         if "calls" in args.sections:
-                            counted = calls.run(bench, fencer, config, progress)
+                            counted = calls.run(
+                                url, client, schema, fencer.key_prefix, config, progress
+                            )
                     if "flush" in args.sections:
                         targets += flush.report(result, config.rows)
                     if "calls" in args.sections:

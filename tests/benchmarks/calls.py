@@ -5,7 +5,9 @@ statements), then ``n`` times under :mod:`cProfile` (enabled around the op
 only: a delete's untimed ``prepare``, which puts its rows back, is not
 counted), with garbage collection off; the figure is cProfile's total number
 of calls (Python functions and C builtins alike) divided by ``n``.  Only the
-calling thread is profiled (a lease's renewer thread is not).
+calling thread is profiled (a lease's renewer thread is not).  The ops run on
+an engine and a fencer of this section's own (see :func:`run`), so that what
+the other sections did to their engine does not change the counts.
 
 Ops: a plain and a fenced 1-row update+commit (the difference is
 "sa-fence's own calls per fenced transaction"), the same for 1000 rows and
@@ -23,8 +25,11 @@ import gc
 import pstats
 from dataclasses import dataclass, field
 
+import redis
+import sqlalchemy as sa
+
 import sa_fence
-from sa_fence._bench import FlushBench, Op, Progress, sa_fence_cycle
+from sa_fence._bench import FlushBench, Op, Progress, Schema, sa_fence_cycle
 
 from .common import Config, Target
 
@@ -188,6 +193,29 @@ def ops_counted(rows: int) -> list[tuple[str, str, int]]:
 
 
 def run(
+    url: sa.URL,
+    client: redis.Redis,
+    schema: Schema,
+    key_prefix: str,
+    config: Config,
+    progress: Progress,
+) -> CallsResult:
+    """Count on an engine and a fencer of the section's own, made here: an engine that
+    has ever had a listener keeps paying SQLAlchemy's dispatch machinery after it was
+    removed (and its token grants take the SQLAlchemy path), so counts taken on the
+    engine the other sections used depend on which of them ran.  The tables must hold
+    ``config.rows`` seeded rows already."""
+    engine = sa.create_engine(url)
+    fencer = sa_fence.Fencer(client, engine, sequence=schema.sequence, key_prefix=key_prefix)
+    try:
+        with fencer.lease("calls-flush", ttl=3600) as lease:
+            return _run(FlushBench(engine, schema, lease, config.rows), fencer, config, progress)
+    finally:
+        fencer.close()
+        engine.dispose()
+
+
+def _run(
     bench: FlushBench, fencer: sa_fence.Fencer, config: Config, progress: Progress
 ) -> CallsResult:
     n, warmup = (2, 1) if config.quick else (200, 20)
