@@ -277,7 +277,7 @@ def report(result: CallsResult) -> list[Target]:
         if round(f - p) == 0:
             continue
         print(f"  {name:<62}{round(p):>8}{round(f):>8}{round(f - p):>+8}")
-    print(f"  {'functions with the most extra calls':<62}")
+    print("  functions with the most extra calls")
     for name, p, f in functions:
         print(f"  {name[:62]:<62}{round(p):>8}{round(f):>8}{round(f - p):>+8}")
     targets.append(
