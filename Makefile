@@ -102,7 +102,8 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml $(CONSTRAINTS)
 
 # BENCH_ARGS go to `python -m tests.benchmarks` (e.g. BENCH_ARGS=--strict:
 # exit 1 when a target is missed); --strict and --quick also go to the
-# telemetry benchmark.  Both always run; the status is the first failure's.
+# telemetry benchmark.  Both always run; the recipe fails with the first
+# failure's status (make itself then exits 2).
 BENCH_ARGS ?=
 bench: $(BENCH_STAMP) services
 	@status=0; \
