@@ -156,14 +156,15 @@ def main(argv: list[str] | None = None) -> int:
                             )
                     if "flush" in args.sections:
                         targets += flush.report(result, config.rows)
+                        if not args.no_plot:
+                            host = machine().split(",")[0]
+                            subtitle = f"PostgreSQL {version.split()[0]}, {host}"
+                            if plot.write(flush.curve(result), args.plot, subtitle):
+                                print(f"  plot written to {_shown(args.plot)}")
+                            else:
+                                print("  (no plot: matplotlib not installed)")
                     if "calls" in args.sections:
                         targets += calls.report(counted)
-                if "flush" in args.sections and not args.no_plot:
-                    subtitle = f"PostgreSQL {version.split()[0]}, {machine().split(',')[0]}"
-                    if plot.write(flush.curve(result), args.plot, subtitle):
-                        print(f"  plot written to {_shown(args.plot)}")
-                    else:
-                        print("  (no plot: matplotlib not installed)")
                 if "guard" in args.sections:
                     targets += guard.report(guard.run(url, config, progress))
                 if "contention" in args.sections:
