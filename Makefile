@@ -100,9 +100,19 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test,bench]'
 	@touch $(BENCH_STAMP)
 
+# BENCH_ARGS go to `python -m tests.benchmarks` (e.g. BENCH_ARGS=--strict:
+# exit 1 when a target is missed); --strict and --quick also go to the
+# telemetry benchmark.  Both always run; the recipe fails with the first
+# failure's status (make itself then exits 2).
+BENCH_ARGS ?=
 bench: $(BENCH_STAMP) services
-	$(PY) -m tests.benchmarks
-	$(PY) -m tests.benchmarks.telemetry
+	@status=0; \
+	echo "$(PY) -m tests.benchmarks $(BENCH_ARGS)"; \
+	$(PY) -m tests.benchmarks $(BENCH_ARGS) || status=$$?; \
+	echo "$(PY) -m tests.benchmarks.telemetry $(filter --strict --quick,$(BENCH_ARGS))"; \
+	$(PY) -m tests.benchmarks.telemetry $(filter --strict --quick,$(BENCH_ARGS)) || \
+	  { rc=$$?; [ $$status -ne 0 ] || status=$$rc; }; \
+	exit $$status
 
 # The sample dashboard of docs/observability.md, from a 30 s run.
 dashboard: $(BENCH_STAMP) services

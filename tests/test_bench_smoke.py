@@ -4,6 +4,7 @@ with tiny counts.  Nothing here looks at a time: machine noise never fails it.""
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,14 +55,46 @@ def test_every_benchmark_section_runs_and_prints_its_table(tmp_path: Path) -> No
         "contention:",
         "stale writes accepted",
         "memory: RSS",
+        "Python function calls per op (cProfile",
+        "where the calls go: fenced vs plain, update 1 row",
         "targets",
+        "sa-fence's own calls, update 1 row",
+        "sa-fence's own calls, delete 1 row",
+        "calls per lease cycle",
     ):
         assert heading in out, f"{heading!r} missing from:\n{out}"
+    # the call counts (their values are not checked: only that they were counted)
+    counted = re.findall(r"^(update|delete) (1|20) rows? +(\d+) +(\d+) +[+-]\d+ ", out, re.M)
+    assert len(counted) == 4, out
+    assert all(int(plain) > 0 and int(fenced) > 0 for _, _, plain, fenced in counted)
+    (cycle,) = re.findall(r"^lease cycle \(acquire \+ release\) +(\d+)$", out, re.M)
+    assert int(cycle) > 0
     # the contention section's counts come from the database, not from timing
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if "stale writes accepted  refused" in line)
     rows = {line.split()[0]: line.split() for line in lines[header + 1 : header + 3]}
     assert rows["sa-fence"][3] == "0", rows  # no stale write accepted
+
+
+@pytest.mark.parametrize(
+    ("strict", "limit", "status"),
+    [(True, 0, 1), (False, 0, 0), (True, 10**9, 0)],
+    ids=["strict-missed", "missed-without-strict", "strict-all-met"],
+)
+def test_strict_exits_1_only_when_a_target_is_missed(
+    monkeypatch: pytest.MonkeyPatch, strict: bool, limit: int, status: int
+) -> None:
+    """``--strict`` turns a MISS into exit status 1; without it a miss still exits 0.
+    The call-count limits are set so that every target of the section is missed (0)
+    or met (10**9), whatever this machine counts."""
+    from tests.benchmarks import __main__ as bench_main
+    from tests.benchmarks import calls
+
+    monkeypatch.setattr(calls, "TRANSACTION_LIMIT", limit)
+    monkeypatch.setattr(calls, "CYCLE_LIMIT", limit)
+    argv = ["--pg", PG_SERVER, "--redis", REDIS_URL, "--quick", "--quiet", "--no-plot"]
+    argv += ["--sections", "calls", *(["--strict"] if strict else [])]
+    assert bench_main.main(argv) == status
 
 
 def test_sa_fence_bench_core_prints_ratios_and_leaves_nothing_behind(

@@ -1,7 +1,7 @@
 """``make bench``: sa-fence next to the peers a user would pick instead, in one run.
 
 ``python -m tests.benchmarks [--pg URL] [--redis URL] [--rounds N]
-[--memory-cycles N] [--sections lease,flush,guard,contention,memory] [--plot PATH]
+[--memory-cycles N] [--sections lease,memory,flush,calls,guard,contention] [--plot PATH]
 [--quick] [--strict]``
 
 Sections (each module's docstring says what it measures and how):
@@ -9,6 +9,9 @@ Sections (each module's docstring says what it measures and how):
 * lease: lease cycle, sa-fence vs redis-py Lock, python-redis-lock, pottery
   Redlock (1 master), a PostgreSQL advisory lock and the hand-written floor;
 * flush: fenced vs plain vs ``version_id_col``, update of 1..1000 rows, delete;
+* calls: Python function calls per op (cProfile; deterministic where times are
+  not): plain vs fenced update/delete of 1 and 1000 rows, a lease cycle, and
+  where the fenced transaction's extra calls go;
 * guard: the database-side guard trigger's price on INSERT, UPDATE, DELETE;
 * contention: workers with induced stalls past the TTL, stale writes accepted;
 * memory: RSS after 100k lease cycles vs after 1k.
@@ -38,10 +41,10 @@ import sqlalchemy as sa
 
 from sa_fence._bench import FlushBench, Progress, bench_objects, make_schema
 
-from . import contention, flush, guard, lease, memory, plot
+from . import calls, contention, flush, guard, lease, memory, plot
 from .common import DEFAULT_PG, DEFAULT_REDIS, Config, Target, temporary_database
 
-SECTIONS = ("lease", "memory", "flush", "guard", "contention")
+SECTIONS = ("lease", "memory", "flush", "calls", "guard", "contention")
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PLOT = ROOT / "docs" / "benchmarks-flush.svg"
 
@@ -141,18 +144,27 @@ def main(argv: list[str] | None = None) -> int:
                 # afterwards, competing for the two cores
                 if "memory" in args.sections:
                     targets += memory.report(memory.run(fencer, config, progress))
-                if "flush" in args.sections:
+                if "flush" in args.sections or "calls" in args.sections:
                     with fencer.lease("flush", ttl=3600) as held:
                         bench = FlushBench(engine, schema, held, config.rows)
                         bench.seed()
-                        result = flush.run(bench, config, progress)
-                    targets += flush.report(result, config.rows)
-                    if not args.no_plot:
-                        subtitle = f"PostgreSQL {version.split()[0]}, {machine().split(',')[0]}"
-                        if plot.write(flush.curve(result), args.plot, subtitle):
-                            print(f"  plot written to {_shown(args.plot)}")
-                        else:
-                            print("  (no plot: matplotlib not installed)")
+                        if "flush" in args.sections:
+                            result = flush.run(bench, config, progress)
+                        if "calls" in args.sections:
+                            counted = calls.run(
+                                url, client, schema, fencer.key_prefix, config, progress
+                            )
+                    if "flush" in args.sections:
+                        targets += flush.report(result, config.rows)
+                        if not args.no_plot:
+                            host = machine().split(",")[0]
+                            subtitle = f"PostgreSQL {version.split()[0]}, {host}"
+                            if plot.write(flush.curve(result), args.plot, subtitle):
+                                print(f"  plot written to {_shown(args.plot)}")
+                            else:
+                                print("  (no plot: matplotlib not installed)")
+                    if "calls" in args.sections:
+                        targets += calls.report(counted)
                 if "guard" in args.sections:
                     targets += guard.report(guard.run(url, config, progress))
                 if "contention" in args.sections:
@@ -174,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntargets{' (QUICK run: not meaningful)' if config.quick else ''}")
     for t in targets:
         print(
-            f"  {t.name:<42}{t.value:>9.3f} {t.unit:<22} <= {t.limit:<6g} "
+            f"  {t.name:<42}{t.value:>9.{t.decimals}f} {t.unit:<22} <= {t.limit:<6g} "
             f"{'PASS' if t.met else 'MISS'}"
         )
         if not t.met and t.why_missed and not config.quick:

@@ -32,6 +32,7 @@ class Target:
     limit: float
     unit: str
     why_missed: str = ""  # printed under a MISS: the profiled cause
+    decimals: int = 3  # counts (calls, writes) are printed as whole numbers
 
     @property
     def met(self) -> bool:

@@ -1,7 +1,8 @@
 """What telemetry costs: a lease cycle and a fenced flush, with and without an SDK.
 
 ``python -m tests.benchmarks.telemetry [--pg URL] [--redis URL] [--rounds N]
-[--ops N] [--quick]`` (``make bench`` runs it after the other sections).
+[--ops N] [--quick] [--strict]`` (``make bench`` runs it after the other
+sections; ``--strict``: exit 1 when a ratio is above its limit).
 
 Fencers on the same servers, differing only in their
 :class:`sa_fence.Telemetry`:
@@ -296,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--ops", type=int, default=200, help="ops per variant per round")
     parser.add_argument("--quick", action="store_true", help="tiny counts (smoke run)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a limit is exceeded")
     args = parser.parse_args(argv)
     # the cycles bind nothing on purpose: not the "never bound" warning
     logging.getLogger("sa_fence._lease").setLevel(logging.ERROR)
@@ -433,11 +435,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for key in client.scan_iter(match=f"{prefix}*", count=1000):
                 client.delete(key)
             client.close()
-    if misses and not args.quick:
+    if misses and (args.strict or not args.quick):
         print(f"\ntelemetry: {len(misses)} ratio(s) above the limit: {'; '.join(misses)}")
     else:
         print("\ntelemetry: ratios within the limits" + (" (QUICK)" if args.quick else ""))
-    return 0
+    return 1 if args.strict and misses else 0
 
 
 if __name__ == "__main__":
