@@ -63,6 +63,8 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from psycopg import errors, generators
+from psycopg.pq import ExecStatus, TransactionStatus
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -646,8 +648,6 @@ def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> No
     info = getattr(driver, "info", None)
     if info is None or getattr(driver, "autocommit", False):
         return
-    from psycopg.pq import TransactionStatus
-
     if info.transaction_status == TransactionStatus.IDLE:
         for lease in scope.values():
             row = f"({quote_literal(lease.name)}, {int(lease.token)})"
@@ -670,8 +670,6 @@ def _is_psycopg(driver: Any) -> bool:
 
 def _not_begun(driver: Any) -> bool:
     """Whether psycopg has not sent this transaction's BEGIN yet."""
-    from psycopg.pq import TransactionStatus
-
     return bool(driver.info.transaction_status == TransactionStatus.IDLE)
 
 
@@ -711,9 +709,6 @@ def _start_query_armed(self: Any) -> Any:
     Installed on one psycopg connection; psycopg runs it before every
     statement and it sends something only when psycopg would send BEGIN.
     """
-    from psycopg import errors, generators
-    from psycopg.pq import ExecStatus, TransactionStatus
-
     arms = self.__dict__.get(_ARMS)
     if arms:
         owner = self.__dict__.get(_ARMS_OWNER)

@@ -16,6 +16,7 @@ from sqlalchemy.orm import (
     class_mapper,
     declared_attr,
     mapped_column,
+    mapperlib,
 )
 from sqlalchemy.orm.exc import UnmappedClassError
 
@@ -226,8 +227,6 @@ _index = OrmIndex(-1)
 
 def orm_index() -> OrmIndex:
     global _index
-    from sqlalchemy.orm import mapperlib
-
     registries = list(mapperlib._mapper_registries)
     size = sum(len(r._managers) for r in registries)
     if size == _index.size:
@@ -271,8 +270,6 @@ def _unquoted(name: str | None) -> str | None:
 
 
 def _mapped_fenced_tables() -> list[Any]:
-    from sqlalchemy.orm import mapperlib
-
     found: list[Any] = []
     for registry in list(mapperlib._mapper_registries):
         for mapper in registry.mappers:
