@@ -296,9 +296,8 @@ def report(result: CallsResult) -> list[Target]:
 WHY_TRANSACTION = (
     "profiled (cProfile, callers): SQLAlchemy's event dispatch of the session, connection "
     "and execute events sa-fence listens to (listener collections iterated per event); "
-    "sa-fence's own hooks, with ~16 WeakKeyDictionary lookups per transaction (weakref.py) "
-    "and function-level imports in the per-query BEGIN hook (importlib); its flush span "
-    "(opentelemetry); see 'where the calls go' above and docs/benchmarks.md"
+    "sa-fence's own hooks, with ~16 WeakKeyDictionary lookups per transaction (weakref.py); "
+    "its flush span (opentelemetry); see 'where the calls go' above and docs/benchmarks.md"
 )
 WHY_CYCLE = (
     "profiled: redis-py's client path for the three scripts (its connection pool, command "
