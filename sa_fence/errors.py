@@ -41,9 +41,30 @@ __all__ = [
 class FenceError(Exception):
     """Base class of every error sa-fence raises on purpose."""
 
+    #: The attributes an error carries, kept in ``args[1]`` and given back to
+    #: its keyword constructor by pickle; empty for message-only errors.
+    _fields: tuple[str, ...] = ()
+
     def __str__(self) -> str:
         # ``args`` is ``(message,)`` or ``(message, {attributes})``: the message.
         return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        if not self._fields:
+            return super().__reduce__()
+        # keyword constructors: rebuild from the attributes (pickle, Celery)
+        return (_rebuild, (type(self), {f: getattr(self, f) for f in self._fields}))
+
+    def _init(self, message: str, attributes: dict[str, Any], **shown: Any) -> None:
+        """Set the attributes; ``args`` is ``(message, {attributes, then shown})``."""
+        for field, value in attributes.items():
+            setattr(self, field, value)
+        super().__init__(message, {**attributes, **shown})
+
+
+def _rebuild(cls: type[Exception], kwargs: dict[str, Any]) -> Exception:
+    """Unpickle an error whose constructor takes keywords (pickle passes only args)."""
+    return cls(**kwargs)
 
 
 def _from_args(cls: type[Exception], args: tuple[Any, ...]) -> dict[str, Any]:
@@ -79,6 +100,11 @@ class StaleTokenError(FenceError, StaleDataError):
     written for ``version_id_col`` conflicts catch it too.
     """
 
+    _fields = (
+        "token", "table", "statement", "primary_keys", "current_fences", "lease_name",
+        "newest_token",
+    )  # fmt: skip
+
     @overload
     def __init__(
         self,
@@ -106,20 +132,12 @@ class StaleTokenError(FenceError, StaleDataError):
     ) -> None:
         if rebuild:
             attributes = _from_args(type(self), rebuild)
-            token = attributes["token"]
-            table = attributes["table"]
-            statement = attributes["statement"]
-            primary_keys = attributes["primary_keys"]
-            current_fences = attributes["current_fences"]
-            lease_name = attributes["lease_name"]
-            newest_token = attributes["newest_token"]
-        self.table = table
-        self.statement = statement
-        self.token = token
-        self.primary_keys = tuple(tuple(pk) for pk in primary_keys)
-        self.current_fences = tuple(current_fences)
-        self.lease_name = lease_name
-        self.newest_token = newest_token
+            token, table, statement, lease_name, newest_token = (
+                attributes[f] for f in ("token", "table", "statement", "lease_name", "newest_token")
+            )
+            primary_keys, current_fences = attributes["primary_keys"], attributes["current_fences"]
+        pks = tuple(tuple(pk) for pk in primary_keys)
+        fences = tuple(current_fences)
         if table is None and newest_token is None:
             message = (
                 f"commit refused: lease {lease_name!r} (token {token}) is stale: the lease "
@@ -138,7 +156,7 @@ class StaleTokenError(FenceError, StaleDataError):
         else:
             rows = ", ".join(
                 f"{_fmt_pk(pk)} (fence {'<row gone>' if f is None else f})"
-                for pk, f in zip(self.primary_keys, self.current_fences, strict=False)
+                for pk, f in zip(pks, fences, strict=False)
             )
             lease = f" of lease {lease_name!r}" if lease_name else ""
             message = (
@@ -147,27 +165,18 @@ class StaleTokenError(FenceError, StaleDataError):
                 "these rows since this lease was granted; nothing of this flush was "
                 "written. Roll back and re-read the rows."
             )
-        super().__init__(message, self._attributes())
-
-    def _attributes(self) -> dict[str, Any]:
-        return {
-            "token": self.token,
-            "table": self.table,
-            "statement": self.statement,
-            "primary_keys": self.primary_keys,
-            "current_fences": self.current_fences,
-            "lease_name": self.lease_name,
-            "newest_token": self.newest_token,
-        }
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # keyword-only constructor: rebuild from the attributes (pickle, Celery)
-        return (_rebuild, (type(self), self._attributes()))
-
-
-def _rebuild(cls: type[Exception], kwargs: dict[str, Any], *args: Any) -> Exception:
-    """Unpickle an error whose constructor takes keywords (pickle passes only args)."""
-    return cls(*args, **kwargs)
+        self._init(
+            message,
+            {
+                "token": token,
+                "table": table,
+                "statement": statement,
+                "primary_keys": pks,
+                "current_fences": fences,
+                "lease_name": lease_name,
+                "newest_token": newest_token,
+            },
+        )
 
 
 def _fmt_pk(pk: tuple[Any, ...]) -> str:
@@ -180,6 +189,8 @@ class LeaseNotAcquiredError(FenceError):
     ``name`` is the lease name; ``holder_token`` is the token recorded by the
     current holder when known, else ``None``.
     """
+
+    _fields = ("name", "holder_token", "waited")
 
     @overload
     def __init__(
@@ -196,23 +207,13 @@ class LeaseNotAcquiredError(FenceError):
     ) -> None:
         if isinstance(holder_token, dict):  # (message, {attributes}): a result backend's rebuild
             attributes = _from_args(type(self), (name, holder_token))
-            name, holder_token, waited = (
-                attributes["name"],
-                attributes["holder_token"],
-                attributes["waited"],
-            )
-        self.name = name
-        self.holder_token = holder_token
-        self.waited = waited
+            name, holder_token, waited = (attributes[f] for f in self._fields)
         held = f" (holder's token {holder_token})" if holder_token is not None else ""
         after = f" after waiting {waited:.3g} s" if waited is not None else ""
-        super().__init__(
+        self._init(
             f"lease {name!r} is held by another owner{held}{after}; try again later",
             {"name": name, "holder_token": holder_token, "waited": waited},
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (type(self), {"waited": self.waited}, self.name, self.holder_token))
 
 
 class LeaseLostError(FenceError):
@@ -237,6 +238,8 @@ class LeaseBackendError(FenceError):
     when the Sentinels know no master, the node is a read-only replica or a
     cluster slot has no master).
     """
+
+    _fields = ("backend", "operation", "name", "cause", "detail")
 
     @overload
     def __init__(
@@ -264,21 +267,13 @@ class LeaseBackendError(FenceError):
             attributes = _from_args(type(self), rebuild)
             message = rebuild[0]
             backend, operation, name, detail = (
-                attributes["backend"],
-                attributes["operation"],
-                attributes["name"],
-                attributes["detail"],
+                attributes[f] for f in ("backend", "operation", "name", "detail")
             )
             # Only its text travels in args (the client's exception may not
             # serialize); pickle keeps the exception itself (__reduce__).
             cause = Exception(attributes["cause"])
         if cause is None:
             raise TypeError("LeaseBackendError() needs cause=<the client's exception>")
-        self.backend = backend
-        self.operation = operation
-        self.name = name
-        self.cause = cause
-        self.detail = detail
         if message is None:
             message = f"{operation} of lease {name!r} failed: " + (
                 detail
@@ -289,31 +284,12 @@ class LeaseBackendError(FenceError):
             cause_text = f"{type(cause).__name__}: {cause}"
         else:
             cause_text = str(cause)
-        super().__init__(
+        self._init(
             message,
-            {
-                "backend": backend,
-                "operation": operation,
-                "name": name,
-                "cause": cause_text,
-                "detail": detail,
-            },
+            {"backend": backend, "operation": operation, "name": name, "detail": detail},
+            cause=cause_text,
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            _rebuild,
-            (
-                type(self),
-                {
-                    "backend": self.backend,
-                    "operation": self.operation,
-                    "name": self.name,
-                    "cause": self.cause,
-                    "detail": self.detail,
-                },
-            ),
-        )
+        self.cause = cause
 
 
 class UnfencedWriteError(FenceError):
