@@ -29,8 +29,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _register, _tokens, cli
+from sa_fence import _register, _tokens
 from sa_fence.testing import expire
+from sa_fence.tools import cli
 from tests._fresh_db import fresh_database, url_of
 from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE, Base, Job

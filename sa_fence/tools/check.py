@@ -58,16 +58,16 @@ from typing import Any, TextIO
 
 import sqlalchemy as sa
 
-from ._guard import (
+from .._guard import (
     GUARD_STATE_SQL,
     TRIGGER_NAME,
     guard_made_with,
     outdated,
     qualified,
 )
-from ._model import fence_column_of
-from ._protocol import POOLER_DOC
-from ._register import (
+from .._model import fence_column_of
+from .._protocol import POOLER_DOC
+from .._register import (
     CHECK_FUNCTION_SQL,
     REGISTER_COLUMNS_SQL,
     REGISTER_RIGHTS_SQL,
@@ -78,7 +78,7 @@ from ._register import (
     register_op_args,
     shape_problems,
 )
-from ._tokens import (
+from .._tokens import (
     DEFAULT_SEQUENCE,
     SEQUENCE_SQL,
     behind_pooler,

@@ -29,10 +29,10 @@ from typing import Any, TextIO
 import redis as redis_lib
 import sqlalchemy as sa
 
-from . import _protocol as proto
-from ._check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, with_connection
-from ._register import Register, pinned_register
-from ._telemetry import redact_url
+from .. import _protocol as proto
+from .._register import Register, pinned_register
+from .._telemetry import redact_url
+from .check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, with_connection
 
 #: Where the applications' key_prefix is read from (the ``--key-prefix`` default).
 KEY_PREFIX_ENV = "SA_FENCE_KEY_PREFIX"
