@@ -121,7 +121,10 @@ def test_check_names_a_missing_guard_and_a_cached_sequence_with_their_fixes(
     assert status == 1
     # a table with no guard is advice (a problem only with --strict)
     assert "1 problem(s) found. 2 piece(s) of advice" in out
-    assert "PROBLEM sequence sa_fence_token_seq it has CACHE 20" in out
+    assert (
+        "PROBLEM token sequence sa_fence_token_seq cannot issue fencing tokens: it has CACHE 20"
+        in out
+    )
     assert "it is CYCLE" in out
     assert 'ALTER SEQUENCE "sa_fence_token_seq" AS bigint CACHE 1 NO CYCLE' in out
     assert "advice table job_steps has no enabled guard trigger sa_fence_guard" in out
