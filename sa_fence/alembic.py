@@ -1043,7 +1043,7 @@ def _compare_fencing(
     ).one_or_none()
     if row is None:
         head.append(CreateFenceSequenceOp(seq_name, schema=seq_schema or None))
-    elif row.seqcache != 1 or row.seqcycle:
+    elif not (row.is_cache_1 and row.is_no_cycle):  # the rules AlterFenceSequenceOp fixes
         head.append(
             AlterFenceSequenceOp(
                 seq_name,

@@ -164,3 +164,18 @@ def test_sequence_rules_are_read_by_fencer_check_and_sa_fence_check(
     monkeypatch.setattr(_fitness, "SEQUENCE_RULES", rules)
     assert MARK in fencer_refusal(migrated, redis_client, key_prefix, "sa_fence_token_seq")
     assert MARK in command(capsys, "check", "--url", url_of(migrated))[1]
+
+
+def test_status_names_a_register_of_the_wrong_shape_and_exits_1(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It used to fail reading the missing column; now it says the rule's problem and fix."""
+    execute(migrated, "ALTER TABLE sa_fence_leases DROP COLUMN previous")
+    status, shown = command(
+        capsys, "status", "--url", url_of(migrated), "--redis", REDIS_URL, "--key-prefix", "x:"
+    )
+    assert status == 1
+    assert (
+        "the lease register sa_fence_leases has the wrong shape: has no column 'previous' "
+        "(bigint). Fix: stop the workers, then drop and recreate it" in shown
+    )
