@@ -104,8 +104,9 @@ def sequence_problems(row: Any) -> list[str]:
 
 
 def token_sequences_sql(register: str) -> str:
-    """A subquery: the OIDs of the sequences the token default of ``register``
-    (an SQL expression of type regclass) draws from."""
+    """A subquery: the OIDs of the relations the token default of ``register``
+    (an SQL expression of type regclass) depends on; the sequences among them
+    are the ones it draws from."""
     return f"""(
            SELECT p.refobjid
              FROM pg_catalog.pg_attrdef d
@@ -113,7 +114,6 @@ def token_sequences_sql(register: str) -> str:
              JOIN pg_catalog.pg_depend p
                ON p.classid = 'pg_catalog.pg_attrdef'::pg_catalog.regclass AND p.objid = d.oid
               AND p.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass
-             JOIN pg_catalog.pg_class q ON q.oid = p.refobjid AND q.relkind = 'S'
             WHERE d.adrelid = {register} AND a.attname = 'token')"""
 
 
@@ -129,7 +129,8 @@ REGISTER_COLUMNS_SQL = text(
 
 #: The sequence the register's token default draws from (NULL: none).
 REGISTER_SEQUENCE_SQL = text(
-    "SELECT t.oid::regclass::text AS sequence FROM pg_catalog.pg_class t WHERE t.oid IN "
+    "SELECT t.oid::regclass::text AS sequence FROM pg_catalog.pg_class t "
+    "WHERE t.relkind = 'S' AND t.oid IN "
     + token_sequences_sql("to_regclass(:register)")
     + " ORDER BY 1 LIMIT 1"
 )

@@ -244,7 +244,7 @@ _TABLE_SQL = sa.text(
 #: schema this role may not use is no error).
 _REGISTERS_SQL = sa.text(
     "SELECT c.oid::regclass::text AS shown, (SELECT t.oid::regclass::text "
-    "FROM pg_catalog.pg_class t WHERE t.oid IN "
+    "FROM pg_catalog.pg_class t WHERE t.relkind = 'S' AND t.oid IN "
     + token_sequences_sql("c.oid")
     + " ORDER BY 1 LIMIT 1) AS sequence "
     "FROM pg_catalog.pg_class c WHERE c.relname = :name AND c.relkind IN ('r', 'p') ORDER BY 1"
