@@ -14,13 +14,11 @@ transaction: bad input writes nothing.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TextIO
 
 import sqlalchemy as sa
 
 from ._guard import (
     DEFAULT_SEQUENCE,
-    TRIGGER_NAME,
     create_guard_sql,
     drop_guard_sql,
     qualified,
@@ -92,7 +90,7 @@ def guard_problem(
     conn: sa.Connection, table: str, column: str, schema: str | None, sequence: str
 ) -> str | None:
     """Why the guard cannot go on ``table`` now (None: it can)."""
-    shown = _shown_table(table, schema)
+    shown = shown_table(table, schema)
     found = conn.execute(COLUMN_SQL, {"table": qualified(table, schema), "column": column}).one()
     if not found.present:
         return (
@@ -201,50 +199,5 @@ def drop_fence_guard(
     _run(target, drop_guard_sql(name, schema=schema))
 
 
-def run(
-    url: str,
-    tables: list[str],
-    *,
-    column: str,
-    schema: str | None,
-    sequence: str,
-    on_missing_token: str,
-    out: TextIO,
-    err: TextIO,
-) -> int:
-    """``sa-fence create-guard``: every table's guard in one transaction, or none.
-
-    Exit status: 0 created; 1 a table, its fence column or the sequence is
-    missing (nothing written); 2 bad argument; 3 database unreachable.
-    """
-    from ._check import EXIT_FINDINGS, EXIT_OK, hidden_password, with_connection
-
-    def body(conn: sa.Connection, _: object) -> int:
-        try:
-            with conn.begin():
-                for table in tables:
-                    create_fence_guard(
-                        conn,
-                        table,
-                        column,
-                        schema=schema,
-                        on_missing_token=on_missing_token,
-                        sequence=sequence,
-                    )
-        except ValueError as exc:
-            print(f"sa-fence create-guard: {exc}. Nothing was created.", file=err)
-            return EXIT_FINDINGS
-        for table in tables:
-            print(
-                f"created guard trigger {TRIGGER_NAME} on {_shown_table(table, schema)} "
-                f"(column {column}, on_missing_token={on_missing_token}, sequence "
-                f"{sequence}) in {hidden_password(url)}",
-                file=out,
-            )
-        return EXIT_OK
-
-    return with_connection(url, None, err, body)
-
-
-def _shown_table(table: str, schema: str | None) -> str:
+def shown_table(table: str, schema: str | None) -> str:
     return f"{schema}.{table}" if schema else table

@@ -1,4 +1,6 @@
-"""Retention of the lease register: ``Fencer.prune()`` and ``sa-fence prune``.
+"""Retention of the lease register: ``Fencer.prune()``.
+
+``sa-fence prune`` (:mod:`sa_fence.tools.prune`) is its command.
 
 The register keeps one row per lease name forever (measured: about 116
 bytes a row with its index, docs/operations.md).  Pruning deletes the rows of
@@ -33,7 +35,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TextIO
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -232,81 +234,6 @@ def prune_on(
         size += bytes_
         regranted += len(rows) - count
     return PruneResult(removed, size, kept_held, regranted, dry_run)
-
-
-def describe(result: PruneResult) -> str:
-    """One line for people: what was (or would be) removed and what was kept."""
-    verb = "would remove" if result.dry_run else "removed"
-    kept = [f"{result.held} held in Redis now"]
-    if result.regranted:
-        kept.append(f"{result.regranted} granted again while pruning")
-    return (
-        f"{verb} {result.rows} register row(s), {result.bytes} bytes of row data; kept "
-        + " and ".join(kept)
-        + " (old enough, but not removed)"
-    )
-
-
-def run(
-    url: str,
-    redis_url: str,
-    *,
-    sequence: str,
-    key_prefix: str,
-    older_than: float,
-    longest_lease: float,
-    dry_run: bool,
-    out: TextIO,
-    err: TextIO,
-) -> int:
-    """The ``sa-fence prune`` command; returns the exit status (0 done, 1 no
-    register, 2 bad argument, 3 PostgreSQL or Redis unreachable)."""
-    import redis as redis_lib
-
-    from ._check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, with_connection
-    from ._protocol import cause_text
-    from ._telemetry import redact_url
-
-    try:
-        age = check_ages(older_than, longest_lease)
-    except ValueError as exc:
-        print(
-            f"sa-fence prune: {exc}".replace("older_than", "--older-than").replace(
-                "longest_lease", "--longest-lease"
-            ),
-            file=err,
-        )
-        return EXIT_USAGE
-    try:
-        client = redis_lib.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
-    except ValueError as exc:
-        print(f"sa-fence prune: --redis {redact_url(redis_url)}: {exc}", file=err)
-        return EXIT_USAGE
-
-    def body(conn: sa.Connection, _: Any) -> int:
-        try:
-            result = prune_on(conn, redis_held(client, key_prefix), sequence, age, dry_run=dry_run)
-        except LookupError as exc:
-            print(f"sa-fence prune: {exc}", file=err)
-            return EXIT_FINDINGS
-        except redis_lib.RedisError as exc:
-            print(
-                f"sa-fence prune: cannot read Redis at {redact_url(redis_url)}: "
-                f"{cause_text(exc)}; what was removed before stays removed",
-                file=err,
-            )
-            return EXIT_UNREACHABLE
-        print(
-            f"sa-fence prune: rows granted more than {format_duration(age)} ago, not held: "
-            + describe(result),
-            file=out,
-        )
-        return EXIT_OK
-
-    try:
-        return with_connection(url, None, err, body)
-    finally:
-        client.close()
 
 
 def async_redis_held(client: Any, key_prefix: str) -> Callable[[Sequence[str]], Sequence[bool]]:

@@ -60,7 +60,6 @@ sa_fence_leases``) can stand in for the register.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -79,7 +78,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import TIMESTAMP
 
-from ._guard import DEFAULT_SEQUENCE, LEASE_STALE_SQLSTATE, qualified, quote_literal
+from ._fitness import SEQUENCE_FIT_SQL, token_sequences_sql
+from ._guard import LEASE_STALE_SQLSTATE, qualified, quote_literal
 
 #: The register table's name (in the schema of the token sequence).
 REGISTER_TABLE = "sa_fence_leases"
@@ -90,14 +90,6 @@ CHECK_FUNCTION = "sa_fence_check_lease"
 DATABASE_ID_SQL = "SELECT system_identifier, current_database() FROM pg_control_system()"
 #: Default bound (ms) on a grant's wait for a committing holder's share lock.
 DEFAULT_GRANT_LOCK_TIMEOUT_MS = 5000
-
-#: What the register must look like: column -> (type, not null).
-REGISTER_SHAPE: dict[str, tuple[str, bool]] = {
-    "name": ("text", True),
-    "token": ("bigint", True),
-    "granted_at": ("timestamp with time zone", True),
-    "previous": ("bigint", False),
-}
 
 
 def split_name(name: str) -> tuple[str | None, str]:
@@ -158,7 +150,11 @@ class Register:
     # Built once per register (a grant is on the lease cycle's hot path).
     @cached_property
     def _grant_sql(self) -> str:
-        return _GRANT_SQL.format(register=self.table_sql)
+        return _GRANT_SQL.format(
+            register=self.table_sql,
+            sequence_fit=SEQUENCE_FIT_SQL,
+            token_sequences=token_sequences_sql("CAST(%(register)s AS pg_catalog.regclass)"),
+        )
 
     @cached_property
     def _grant_text(self) -> Any:
@@ -217,15 +213,8 @@ def pinned_register(conn: Any, sequence: str) -> Register:
     return register.pinned(schema)
 
 
-def register_op_args(sequence: str) -> str:
-    """The arguments of ``op.create_fence_register(...)`` (and ``drop_...``) for
-    ``sequence``, as autogenerate and sa-fence's hints write them: none for the
-    default sequence."""
-    return "" if sequence == DEFAULT_SEQUENCE else f"sequence={sequence!r}"
-
-
 # One statement, autocommit.  `drawn` has a row only when the sequence is fit
-# (bigint, CACHE 1, NO CYCLE, increment > 0) and is the one the register's
+# (the rules of sa_fence._fitness) and is the one the register's
 # token default draws from; it then draws the one token (a CTE with a volatile
 # function is evaluated once).  The upsert advances the register only forward
 # (docs/guarantees.md, "The register only moves forward"): a drawn token not
@@ -241,17 +230,8 @@ WITH drawn AS (
     SELECT pg_catalog.nextval(s.seqrelid) AS token
       FROM pg_catalog.pg_sequence s
      WHERE s.seqrelid = CAST(%(sequence)s AS pg_catalog.regclass)
-       AND s.seqtypid = 'pg_catalog.int8'::pg_catalog.regtype
-       AND s.seqcache = 1 AND NOT s.seqcycle AND s.seqincrement > 0
-       AND EXISTS (
-           SELECT 1
-             FROM pg_catalog.pg_attrdef d
-             JOIN pg_catalog.pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
-             JOIN pg_catalog.pg_depend p
-               ON p.classid = 'pg_catalog.pg_attrdef'::pg_catalog.regclass AND p.objid = d.oid
-              AND p.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass
-            WHERE d.adrelid = CAST(%(register)s AS pg_catalog.regclass)
-              AND a.attname = 'token' AND p.refobjid = s.seqrelid)
+       AND {sequence_fit}
+       AND s.seqrelid IN {token_sequences}
        AND pg_catalog.set_config('lock_timeout', %(lock_timeout)s, true) IS NOT NULL
 ), granted AS (
     INSERT INTO {register} AS r (name, token, granted_at)
@@ -494,35 +474,6 @@ def register_table(metadata: MetaData, sequence: Sequence) -> Table:
     return table
 
 
-#: The register's columns as the catalog has them (for the checks).
-REGISTER_COLUMNS_SQL = text(
-    """
-    SELECT a.attname AS name, format_type(a.atttypid, a.atttypmod) AS data_type,
-           a.attnotnull AS not_null
-      FROM pg_catalog.pg_attribute a
-     WHERE a.attrelid = to_regclass(:register) AND a.attnum > 0 AND NOT a.attisdropped
-    """
-)
-
-#: The sequence the register's token default draws from (NULL: none).
-REGISTER_SEQUENCE_SQL = text(
-    """
-    SELECT p.refobjid::regclass::text AS sequence
-      FROM pg_catalog.pg_attrdef d
-      JOIN pg_catalog.pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
-      JOIN pg_catalog.pg_depend p
-        ON p.classid = 'pg_catalog.pg_attrdef'::regclass AND p.objid = d.oid
-       AND p.refclassid = 'pg_catalog.pg_class'::regclass
-      JOIN pg_catalog.pg_class c ON c.oid = p.refobjid AND c.relkind = 'S'
-     WHERE d.adrelid = to_regclass(:register) AND a.attname = 'token'
-    """
-)
-
-#: Does the check function exist (with the right arguments)?
-CHECK_FUNCTION_SQL = text(
-    "SELECT to_regprocedure(:function || '(text, bigint)') IS NOT NULL AS present"
-)
-
 #: The rights the current role needs on the register (SELECT, INSERT, UPDATE)
 #: and on the scope table (INSERT: the arm; SELECT, DELETE: the trigger's
 #: clean-up, which runs as the committing role).
@@ -539,22 +490,6 @@ REGISTER_RIGHTS_SQL = text(
            has_table_privilege(to_regclass(:scope), 'DELETE') AS can_disarm
     """
 )
-
-
-def shape_problems(columns: Iterable[Any]) -> list[str]:
-    """Why the register's columns (rows of REGISTER_COLUMNS_SQL) are not the expected shape."""
-    found = {row.name: (row.data_type, bool(row.not_null)) for row in columns}
-    problems = []
-    for column, (data_type, not_null) in REGISTER_SHAPE.items():
-        if column not in found:
-            problems.append(f"has no column {column!r} ({data_type})")
-            continue
-        has_type, has_not_null = found[column]
-        if has_type != data_type:
-            problems.append(f"column {column!r} is {has_type} (need {data_type})")
-        if not_null and not has_not_null:
-            problems.append(f"column {column!r} allows NULL (need NOT NULL)")
-    return problems
 
 
 #: The schema-qualified, quoted schema of the scope table an unqualified

@@ -19,18 +19,15 @@ from sqlalchemy import BigInteger, Connection, Engine, MetaData, Sequence, text
 from sqlalchemy.exc import DBAPIError
 
 from . import _protocol as proto
+from ._fitness import register_problems, sequence_problem
 from ._guard import DEFAULT_SEQUENCE as DEFAULT_SEQUENCE  # re-exported: the package's one default
 from ._register import (
-    CHECK_FUNCTION_SQL,
     DATABASE_ID_SQL,
     DEFAULT_GRANT_LOCK_TIMEOUT_MS,
-    REGISTER_COLUMNS_SQL,
-    REGISTER_SEQUENCE_SQL,
     Register,
     pinned_register,
     register_table,
     scope_trigger_problem,
-    shape_problems,
     split_name,
 )
 from .errors import FencingConfigError, LeaseBackendError
@@ -87,101 +84,24 @@ def fence_sequence(
     return sequence
 
 
-#: The sequence's settings that decide whether it can issue fencing tokens.
-SEQUENCE_SQL = text(
-    """
-    SELECT format_type(s.seqtypid, NULL) AS data_type,
-           s.seqcache, s.seqcycle, s.seqincrement, s.seqstart
-      FROM pg_catalog.pg_sequence s
-     WHERE s.seqrelid = to_regclass(:name)
-    """
-)
-
-
-def sequence_problems(row: Any) -> list[str]:
-    """Why a sequence (a row of ``pg_sequence``: data_type, seqcache,
-    seqcycle, seqincrement) cannot issue fencing tokens; empty when it can."""
-    problems = []
-    if row.data_type != "bigint":
-        problems.append(f"its type is {row.data_type} (need bigint: AS bigint)")
-    if row.seqcache != 1:
-        problems.append(
-            f"it has CACHE {row.seqcache} (need CACHE 1: cached values are not "
-            "ordered in time across connections)"
-        )
-    if row.seqcycle:
-        problems.append("it is CYCLE (need NO CYCLE: a wrapped token looks ancient)")
-    if row.seqincrement <= 0:
-        problems.append(f"it has INCREMENT {row.seqincrement} (need a positive increment)")
-    return problems
-
-
 def setup_problem(conn: Connection, sequence: str) -> str | None:
     """What keeps ``sequence`` and its register from granting leases, with the fix; or None.
 
-    Reads the sequence and the register by their schema-qualified names
-    (:func:`~sa_fence._register.pinned_register`): a temporary table or a
-    table of another schema earlier on the search_path changes nothing of
-    what it finds.  Messages show the names as the user gave them (``shown``).
+    The first broken rule of :mod:`sa_fence._fitness` (the rules ``sa-fence
+    check`` reports, and the grant statement enforces), then the scope
+    trigger.  Reads the sequence and the register by their schema-qualified
+    names (:func:`~sa_fence._register.pinned_register`): a temporary table or
+    a table of another schema earlier on the search_path changes nothing of
+    what it finds.  Messages show the names as the user gave them.
     """
     shown = Register(sequence)
     register = pinned_register(conn, sequence)
-    row = conn.execute(SEQUENCE_SQL, {"name": register.sequence_sql}).one_or_none()
-    if row is None:
-        return (
-            f"token sequence {sequence!r} does not exist in {conn.engine.url.database!r}. "
-            + _fix_hint(sequence)
-        )
-    problems = sequence_problems(row)
-    if problems:
-        return (
-            f"token sequence {sequence!r} cannot issue fencing tokens: "
-            + "; ".join(problems)
-            + f". Fix it with: ALTER SEQUENCE {shown.sequence_sql} AS bigint CACHE 1 "
-            "NO CYCLE INCREMENT BY 1;"
-        )
-    fix = (
-        "Create it with sa_fence.fence_sequence(metadata) and metadata.create_all(), or "
-        "in a migration: op.create_fence_register()"
-        + ("" if sequence == DEFAULT_SEQUENCE else f" with sequence={sequence!r}")
-        + "."
-    )
-    columns = conn.execute(REGISTER_COLUMNS_SQL, {"register": register.table_sql}).all()
-    if not columns:
-        return (
-            f"the lease register {shown.table_display} does not exist: without it a "
-            f"stale holder's INSERTs and other tables are not fenced. {fix}"
-        )
-    shape = shape_problems(columns)
-    if shape:
-        return (
-            f"the lease register {shown.table_display} has the wrong shape: "
-            + "; ".join(shape)
-            + f". Drop it and recreate it: {fix}"
-        )
-    owner = conn.execute(REGISTER_SEQUENCE_SQL, {"register": register.table_sql}).scalar()
-    if owner is None:
-        return (
-            f"the lease register {shown.table_display} draws its tokens from no sequence "
-            "(its token column has no nextval default). "
-            f"Fix: ALTER TABLE {shown.table_sql} ALTER COLUMN token SET DEFAULT "
-            f"nextval('{shown.sequence_sql}');"
-        )
-    mine = conn.execute(
-        text("SELECT CAST(:seq AS regclass)::text"), {"seq": register.sequence_sql}
-    ).scalar_one()
-    if owner != mine:
-        return (
-            f"the lease register {shown.table_display} belongs to sequence {owner}, but "
-            f"this Fencer names sequence {sequence!r}: tokens of one register must come from "
-            "one sequence, or a stale holder's token could overtake a newer one. Pass "
-            f"sequence={owner!r} to the Fencer."
-        )
-    if not conn.execute(CHECK_FUNCTION_SQL, {"function": register.function_sql}).scalar_one():
-        return (
-            f"the commit check function {shown.function_sql}(text, bigint) is missing, "
-            f"so no bound session could commit. {fix}"
-        )
+    _, problem = sequence_problem(conn, shown, register)
+    if problem is None:
+        problems = register_problems(conn, shown, register)
+        problem = problems[0] if problems else None
+    if problem is not None:
+        return problem.sentence()
     return scope_trigger_problem(conn, register)
 
 
@@ -289,14 +209,6 @@ def token_error(
         name=name,
         cause=exc,
         detail=proto.outage_detail("PostgreSQL", failure, max(1, sends)),
-    )
-
-
-def _fix_hint(name: str) -> str:
-    return (
-        f"Create it with sa_fence.fence_sequence(metadata, {name!r}) and "
-        f"metadata.create_all(), or in SQL: CREATE SEQUENCE {name} AS bigint "
-        "CACHE 1 NO CYCLE;"
     )
 
 

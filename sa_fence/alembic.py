@@ -55,6 +55,7 @@ from alembic.util import DispatchPriority, PriorityDispatchResult
 from sqlalchemy.schema import CreateSequence, DropSequence
 
 from ._create_guard import COLUMN_SQL
+from ._fitness import CHECK_FUNCTION_SQL, SEQUENCE_SQL, register_op_args
 from ._guard import (
     GUARD_STATE_SQL,
     TRIGGER_NAME,
@@ -68,16 +69,14 @@ from ._guard import (
 )
 from ._model import fence_column_of
 from ._register import (
-    CHECK_FUNCTION_SQL,
     REGISTER_TABLE,
     SCOPE_TABLE,
     Register,
     create_register_sql,
     drop_register_sql,
-    register_op_args,
     scope_trigger_problem,
 )
-from ._tokens import DEFAULT_SEQUENCE, SEQUENCE_SQL, fence_sequence
+from ._tokens import DEFAULT_SEQUENCE, fence_sequence
 
 if TYPE_CHECKING:
     from alembic.autogenerate.api import AutogenContext
@@ -1044,7 +1043,7 @@ def _compare_fencing(
     ).one_or_none()
     if row is None:
         head.append(CreateFenceSequenceOp(seq_name, schema=seq_schema or None))
-    elif row.seqcache != 1 or row.seqcycle:
+    elif not (row.is_cache_1 and row.is_no_cycle):  # the rules AlterFenceSequenceOp fixes
         head.append(
             AlterFenceSequenceOp(
                 seq_name,

@@ -8,8 +8,10 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-from sa_fence import _check, _register, cli
-from sa_fence._schema import upgrade_demo_schema
+from sa_fence import _register
+from sa_fence.tools import check as _check
+from sa_fence.tools import cli
+from sa_fence.tools.schema import upgrade_demo_schema
 from tests._fresh_db import fresh_database, url_of
 
 
@@ -119,7 +121,10 @@ def test_check_names_a_missing_guard_and_a_cached_sequence_with_their_fixes(
     assert status == 1
     # a table with no guard is advice (a problem only with --strict)
     assert "1 problem(s) found. 2 piece(s) of advice" in out
-    assert "PROBLEM sequence sa_fence_token_seq it has CACHE 20" in out
+    assert (
+        "PROBLEM token sequence sa_fence_token_seq cannot issue fencing tokens: it has CACHE 20"
+        in out
+    )
     assert "it is CYCLE" in out
     assert 'ALTER SEQUENCE "sa_fence_token_seq" AS bigint CACHE 1 NO CYCLE' in out
     assert "advice table job_steps has no enabled guard trigger sa_fence_guard" in out
@@ -192,7 +197,12 @@ def test_check_with_metadata_finds_a_fenced_model_whose_table_lacks_its_column(
         conn.execute(sa.text("DROP TRIGGER sa_fence_guard ON jobs"))
         conn.execute(sa.text("ALTER TABLE jobs DROP COLUMN fence"))
     status, out, _ = sa_fence_cli(
-        "check", "--url", url_of(migrated), "--metadata", "sa_fence._demo:DemoBase", capsys=capsys
+        "check",
+        "--url",
+        url_of(migrated),
+        "--metadata",
+        "sa_fence.tools.demo_models:DemoBase",
+        capsys=capsys,
     )
     assert status == 1
     assert "PROBLEM table jobs has no fence column 'fence' fix: op.add_fence_column('jobs')" in out

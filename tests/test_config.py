@@ -89,7 +89,9 @@ def test_a_fencer_naming_another_sequence_than_its_registers_is_refused(
     with engine.begin() as conn:
         conn.execute(sa.text(f"CREATE SEQUENCE {sequence} AS bigint CACHE 1 NO CYCLE"))
     fencer = make_fencer(redis_client, engine, sequence, key_prefix)
-    with pytest.raises(sa_fence.FencingConfigError, match="belongs to sequence") as refused:
+    with pytest.raises(
+        sa_fence.FencingConfigError, match="draws its tokens from sequence"
+    ) as refused:
         fencer.acquire("job:1", 5)
     assert "sequence='sa_fence_token_seq'" in str(refused.value)  # says how to fix it
     assert keys(redis_client, key_prefix) == []

@@ -13,7 +13,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import sessionmaker
 
 import sa_fence
-from sa_fence import _check, _flush, cli
+from sa_fence import _flush
+from sa_fence.tools import check as _check
+from sa_fence.tools import cli
 from tests._fresh_db import fresh_database, url_of
 from tests.models import Base, Cell, Job
 

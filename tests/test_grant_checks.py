@@ -29,8 +29,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _register, _tokens, cli
+from sa_fence import _fitness, _register, _tokens
 from sa_fence.testing import expire
+from sa_fence.tools import cli
 from tests._fresh_db import fresh_database, url_of
 from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE, Base, Job
@@ -198,19 +199,19 @@ def test_check_reads_a_sequence_set_back_with_is_called_false_exactly(
 FITNESS = [
     pytest.param(
         [f"ALTER SEQUENCE {SEQUENCE} CYCLE"],
-        "AND NOT s.seqcycle",
+        "is_no_cycle",
         "it is CYCLE (need NO CYCLE",
         id="cycle",
     ),
     pytest.param(
         [f"ALTER SEQUENCE {SEQUENCE} AS integer"],
-        "AND s.seqtypid = 'pg_catalog.int8'::pg_catalog.regtype\n",
+        "is_bigint",
         "its type is integer (need bigint",
         id="as-integer",
     ),
     pytest.param(
         [f"ALTER SEQUENCE {SEQUENCE} INCREMENT BY -1 MINVALUE -100"],
-        " AND s.seqincrement > 0",
+        "is_increasing",
         "it has INCREMENT -1 (need a positive increment)",
         id="negative-increment",
     ),
@@ -219,20 +220,31 @@ FITNESS = [
             "CREATE SEQUENCE other_seq AS bigint CACHE 1 NO CYCLE START 1000",
             "ALTER TABLE sa_fence_leases ALTER COLUMN token SET DEFAULT nextval('other_seq')",
         ],
-        None,  # the EXISTS (...) clause: cut out below
-        "belongs to sequence other_seq, but this Fencer names sequence",
+        None,  # the register's own sequence: cut out below
+        "draws its tokens from sequence other_seq, not from sa_fence_token_seq: a Fencer "
+        "naming sa_fence_token_seq is refused",
         id="default-from-another-sequence",
     ),
 ]
 
 
 def without_default_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    sql = _register._GRANT_SQL
-    start = sql.index("       AND EXISTS (")
-    end = sql.index("AND a.attname = 'token' AND p.refobjid = s.seqrelid)\n") + len(
-        "AND a.attname = 'token' AND p.refobjid = s.seqrelid)\n"
-    )
-    monkeypatch.setattr(_register, "_GRANT_SQL", sql[:start] + sql[end:])
+    """The grant without its test that the sequence is the register's own."""
+    grant = _register.Register(SEQUENCE).grant_sql()
+    assert (
+        "s.seqrelid IN " + _fitness.token_sequences_sql("CAST(%(register)s AS pg_catalog.regclass)")
+        in grant
+    ), "the register's sequence is no longer tested in the grant statement"
+    monkeypatch.setattr(_register, "token_sequences_sql", lambda register: "(s.seqrelid)")
+
+
+def without_rule(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
+    """The grant without one rule of sa_fence._fitness.SEQUENCE_RULES (the one
+    statement of it that the grant, Fencer.check() and sa-fence check read)."""
+    assert _fitness.SEQUENCE_FIT_SQL in _register.Register(SEQUENCE).grant_sql()
+    kept = [rule.sql for rule in _fitness.SEQUENCE_RULES if rule.key != key]
+    assert len(kept) == len(_fitness.SEQUENCE_RULES) - 1, f"no sequence rule {key!r}"
+    monkeypatch.setattr(_register, "SEQUENCE_FIT_SQL", " AND ".join(kept))
 
 
 @pytest.mark.parametrize(("alter", "guard", "problem"), FITNESS)
@@ -275,7 +287,7 @@ def test_without_its_fitness_guard_the_unfit_sequence_grants(
     if guard is None:
         without_default_check(monkeypatch)
     else:
-        without(monkeypatch, guard)
+        without_rule(monkeypatch, guard)
     fencer = make_fencer()
     fencer.acquire("job:1", 5).release()
     execute(db, *alter)

@@ -373,7 +373,7 @@ def test_a_raw_writer_that_checks_its_lease_before_commit_is_lease_scoped_too(
     nothing once a newer lease of the name was granted (migrations guide)."""
     import psycopg
 
-    from sa_fence._bench import psycopg_conninfo
+    from sa_fence.tools.bench import psycopg_conninfo
 
     def raw() -> psycopg.Connection[Any]:  # another service, psql: not sa-fence
         return psycopg.connect(psycopg_conninfo(scope_engine.url))

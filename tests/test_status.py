@@ -13,8 +13,9 @@ import redis
 import sqlalchemy as sa
 
 import sa_fence
-from sa_fence import _status, cli
-from sa_fence._status import owner_hash
+from sa_fence.tools import cli
+from sa_fence.tools import status as _status
+from sa_fence.tools.status import owner_hash
 from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE
 

@@ -25,8 +25,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
 from sa_fence import _flush
-from sa_fence._demo import DemoStep
-from sa_fence._schema import upgrade_demo_schema
+from sa_fence.tools.demo_models import DemoStep
+from sa_fence.tools.schema import upgrade_demo_schema
 from tests._fresh_db import fresh_database
 from tests._sql import recorded_statements
 from tests.models import Cell, Job

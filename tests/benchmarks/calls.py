@@ -29,7 +29,7 @@ import redis
 import sqlalchemy as sa
 
 import sa_fence
-from sa_fence._bench import FlushBench, Op, Progress, Schema, sa_fence_cycle
+from sa_fence.tools.bench import FlushBench, Op, Progress, Schema, sa_fence_cycle
 
 from .common import Config, Target
 

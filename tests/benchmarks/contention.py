@@ -40,7 +40,7 @@ from sqlalchemy import BigInteger, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 import sa_fence
-from sa_fence._bench import Progress
+from sa_fence.tools.bench import Progress
 
 from .common import Config
 

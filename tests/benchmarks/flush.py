@@ -1,13 +1,13 @@
 """Flush: a fenced ORM write next to a plain one and to ``version_id_col``.
 
 Three tables of the same shape (``id``, ``payload``, ``counter`` and a bigint
-column), one per contender (:func:`sa_fence._bench.make_schema`):
+column), one per contender (:func:`sa_fence.tools.bench.make_schema`):
 
 * ``plain``: a plain ``sessionmaker``, no sa-fence;
 * ``fenced``: ``sa_fence.install(sessionmaker(...))`` with a lease bound to
   every session (the table uses the ``Fenced`` mixin), lease scope on: every
   commit carries the register check
-  (:meth:`~sa_fence._bench.FlushBench.verify_lease_scope` proves it first);
+  (:meth:`~sa_fence.tools.bench.FlushBench.verify_lease_scope` proves it first);
 * ``version_id_col``: SQLAlchemy's own optimistic check, for comparison.
 
 Operations, each timed interleaved op by op (plain, fenced, version_id_col,
@@ -45,7 +45,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from sa_fence import _flush, _guard
-from sa_fence._bench import (
+from sa_fence.tools.bench import (
     FlushBench,
     Op,
     Progress,

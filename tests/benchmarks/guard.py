@@ -29,7 +29,7 @@ import psycopg
 import sqlalchemy as sa
 
 from sa_fence import _guard
-from sa_fence._bench import (
+from sa_fence.tools.bench import (
     Op,
     Progress,
     Timing,

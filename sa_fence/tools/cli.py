@@ -3,12 +3,12 @@
 ``sa-fence`` and ``python -m sa_fence`` run the same thing.
 
 ``sa-fence demo`` plays the lost-lease double write with two worker
-processes (see :mod:`sa_fence._demo`); ``sa-fence check`` and
+processes (see :mod:`sa_fence.tools.demo`); ``sa-fence check`` and
 ``sa-fence repair-sequence`` inspect and repair a live database's fencing
-set-up (see :mod:`sa_fence._check`); ``sa-fence create-guard`` adds the
+set-up (see :mod:`sa_fence.tools.check`); ``sa-fence create-guard`` adds the
 guard trigger to a database made without migrations (see
-:mod:`sa_fence._create_guard`); ``sa-fence bench`` measures what fencing
-costs on the user's servers (see :mod:`sa_fence._bench`).  Each subcommand's module is imported
+:mod:`sa_fence.tools.create_guard`); ``sa-fence bench`` measures what fencing
+costs on the user's servers (see :mod:`sa_fence.tools.bench`).  Each subcommand's module is imported
 only when it runs, so ``sa-fence --help`` stays fast.
 """
 
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import __version__
+from .. import __version__
 
 DEMO_PG_ENV = "SA_FENCE_DEMO_PG"
 DEMO_REDIS_ENV = "SA_FENCE_DEMO_REDIS"
@@ -107,27 +107,27 @@ def _redis_url(text: str) -> str:
 
 
 def _redacted(url: str) -> str:
-    from ._telemetry import redact_url
+    from .._telemetry import redact_url
 
     return redact_url(url)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from . import _demo
+    from . import demo
 
     if args.side_effects:
-        from . import _demo_side_effects
+        from . import demo_side_effects
 
-        return _demo_side_effects.run(
+        return demo_side_effects.run(
             pg=args.pg, redis_url=args.redis, ttl=args.ttl, fenced=not args.unfenced
         )
-    return _demo.run(pg=args.pg, redis_url=args.redis, ttl=args.ttl, fenced=not args.unfenced)
+    return demo.run(pg=args.pg, redis_url=args.redis, ttl=args.ttl, fenced=not args.unfenced)
 
 
 def _check(args: argparse.Namespace) -> int:
-    from . import _check
+    from . import check
 
-    return _check.run_check(
+    return check.run_check(
         args.url,
         args.sequence,
         args.metadata,
@@ -140,9 +140,9 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _repair_sequence(args: argparse.Namespace) -> int:
-    from . import _check
+    from . import check
 
-    return _check.run_repair(
+    return check.run_repair(
         args.url,
         args.sequence,
         args.metadata,
@@ -158,17 +158,17 @@ def _repair_sequence(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from . import _bench
+    from . import bench
 
-    return _bench.main(
+    return bench.main(
         args.url, args.redis, rounds=args.rounds, rows=args.rows, progress=not args.quiet
     )
 
 
 def _status(args: argparse.Namespace) -> int:
-    from . import _status
+    from . import status
 
-    return _status.run(
+    return status.run(
         args.url,
         args.redis,
         args.names,
@@ -182,9 +182,9 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    from . import _prune
+    from . import prune
 
-    return _prune.run(
+    return prune.run(
         args.url,
         args.redis,
         sequence=args.sequence,
@@ -198,7 +198,7 @@ def _prune(args: argparse.Namespace) -> int:
 
 
 def _duration(text: str) -> float:
-    from ._prune import parse_duration
+    from .prune import parse_duration
 
     try:
         return parse_duration(text)
@@ -207,7 +207,7 @@ def _duration(text: str) -> float:
 
 
 def _database_arguments(parser: argparse.ArgumentParser) -> None:
-    from ._tokens import DEFAULT_SEQUENCE
+    from .._tokens import DEFAULT_SEQUENCE
 
     _url_argument(
         parser, f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})"
@@ -410,9 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _create_guard(args: argparse.Namespace) -> int:
-    from . import _create_guard
+    from . import create_guard
 
-    return _create_guard.run(
+    return create_guard.run(
         args.url,
         args.tables,
         column=args.column,
@@ -425,7 +425,7 @@ def _create_guard(args: argparse.Namespace) -> int:
 
 
 def _create_guard_parser(commands: Any) -> None:
-    from ._guard import DEFAULT_SEQUENCE, MISSING_TOKEN_POLICIES
+    from .._guard import DEFAULT_SEQUENCE, MISSING_TOKEN_POLICIES
 
     guard = commands.add_parser(
         "create-guard",
@@ -465,9 +465,9 @@ def _create_guard_parser(commands: Any) -> None:
 
 
 def _redis_arguments(parser: argparse.ArgumentParser) -> None:
-    from ._lease import DEFAULT_KEY_PREFIX
-    from ._status import KEY_PREFIX_ENV
-    from ._tokens import DEFAULT_SEQUENCE
+    from .._lease import DEFAULT_KEY_PREFIX
+    from .._tokens import DEFAULT_SEQUENCE
+    from .status import KEY_PREFIX_ENV
 
     parser.add_argument(
         "--redis",
@@ -526,7 +526,7 @@ def _prune_parser(commands: Any) -> None:
 
 
 def _status_parser(commands: Any) -> None:
-    from ._status import DEFAULT_LIMIT
+    from .status import DEFAULT_LIMIT
 
     status = commands.add_parser(
         "status",

@@ -58,33 +58,29 @@ from typing import Any, TextIO
 
 import sqlalchemy as sa
 
-from ._guard import (
+from .._fitness import (
+    REGISTER_COLUMNS_SQL,
+    SEQUENCE_SHOWN,
+    register_problems,
+    sequence_problem,
+    token_sequences_sql,
+)
+from .._guard import (
     GUARD_STATE_SQL,
     TRIGGER_NAME,
     guard_made_with,
     outdated,
     qualified,
 )
-from ._model import fence_column_of
-from ._protocol import POOLER_DOC
-from ._register import (
-    CHECK_FUNCTION_SQL,
-    REGISTER_COLUMNS_SQL,
+from .._model import fence_column_of
+from .._protocol import POOLER_DOC
+from .._register import (
     REGISTER_RIGHTS_SQL,
-    REGISTER_SEQUENCE_SQL,
     REGISTER_TABLE,
     Register,
     pinned_register,
-    register_op_args,
-    shape_problems,
 )
-from ._tokens import (
-    DEFAULT_SEQUENCE,
-    SEQUENCE_SQL,
-    behind_pooler,
-    sequence_problems,
-    setup_problem,
-)
+from .._tokens import DEFAULT_SEQUENCE, behind_pooler, setup_problem
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -247,21 +243,11 @@ _TABLE_SQL = sa.text(
 #: token default draws from (REGISTER_SEQUENCE_SQL by OID: no name lookup, so a
 #: schema this role may not use is no error).
 _REGISTERS_SQL = sa.text(
-    """
-    SELECT c.oid::regclass::text AS shown,
-           (SELECT p.refobjid::regclass::text
-              FROM pg_catalog.pg_attrdef d
-              JOIN pg_catalog.pg_attribute a
-                ON a.attrelid = d.adrelid AND a.attnum = d.adnum
-              JOIN pg_catalog.pg_depend p
-                ON p.classid = 'pg_catalog.pg_attrdef'::regclass AND p.objid = d.oid
-               AND p.refclassid = 'pg_catalog.pg_class'::regclass
-              JOIN pg_catalog.pg_class s ON s.oid = p.refobjid AND s.relkind = 'S'
-             WHERE d.adrelid = c.oid AND a.attname = 'token') AS sequence
-      FROM pg_catalog.pg_class c
-     WHERE c.relname = :name AND c.relkind IN ('r', 'p')
-     ORDER BY 1
-    """
+    "SELECT c.oid::regclass::text AS shown, (SELECT t.oid::regclass::text "
+    "FROM pg_catalog.pg_class t WHERE t.relkind = 'S' AND t.oid IN "
+    + token_sequences_sql("c.oid")
+    + " ORDER BY 1 LIMIT 1) AS sequence "
+    "FROM pg_catalog.pg_class c WHERE c.relname = :name AND c.relkind IN ('r', 'p') ORDER BY 1"
 )
 
 
@@ -303,67 +289,16 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
     shown = Register(sequence)
     register = pinned_register(conn, sequence)
     subject = f"lease register {shown.table_display}"
-    args = register_op_args(sequence)
     before = len(report.findings)
-    columns = conn.execute(REGISTER_COLUMNS_SQL, {"register": register.table_sql}).all()
+    # the rules a Fencer's check and its grant read too (sa_fence._fitness)
+    report.findings.extend(
+        Finding(p.subject, p.problem, p.fix) for p in register_problems(conn, shown, register)
+    )
+    columns = {
+        row.name for row in conn.execute(REGISTER_COLUMNS_SQL, {"register": register.table_sql})
+    }
     if not columns:
-        report.findings.append(
-            Finding(
-                subject,
-                "does not exist: no Fencer grants a lease without it, and without it a "
-                "stale holder's INSERTs and writes to other tables would not be refused",
-                f"in a migration, after the sequence: op.create_fence_register({args}); or "
-                "metadata.create_all() with sa_fence.fence_sequence(metadata)",
-            )
-        )
-        return
-    shape = shape_problems(columns)
-    if shape:
-        report.findings.append(
-            Finding(
-                subject,
-                "has the wrong shape: " + "; ".join(shape),
-                "stop the workers, then drop and recreate it (it holds only the newest "
-                f"token per lease name): op.drop_fence_register({args}) and "
-                f"op.create_fence_register({args})",
-            )
-        )
-    owner = conn.execute(REGISTER_SEQUENCE_SQL, {"register": register.table_sql}).scalar()
-    mine = conn.execute(
-        sa.text("SELECT to_regclass(:seq)::text"), {"seq": register.sequence_sql}
-    ).scalar()
-    if owner is None:
-        report.findings.append(
-            Finding(
-                subject,
-                "draws its tokens from no sequence (its token column has no nextval "
-                "default): every grant is refused",
-                f"ALTER TABLE {shown.table_sql} ALTER COLUMN token SET DEFAULT "
-                f"nextval('{shown.sequence_sql}');",
-            )
-        )
-    elif owner != mine:
-        report.findings.append(
-            Finding(
-                subject,
-                f"draws its tokens from sequence {owner}, not from {sequence}: a Fencer "
-                f"naming {sequence} is refused (tokens of one register must come from one "
-                "sequence, or a stale holder's token could overtake a newer one)",
-                f"if your Fencers use {owner}, check with --sequence {owner}; to move the "
-                f"register to {sequence}, stop the workers, run sa-fence repair-sequence "
-                f"--sequence {sequence} first, then ALTER TABLE {shown.table_sql} ALTER "
-                f"COLUMN token SET DEFAULT nextval('{shown.sequence_sql}');",
-            )
-        )
-    has_function = conn.execute(CHECK_FUNCTION_SQL, {"function": register.function_sql}).scalar()
-    if not has_function:
-        report.findings.append(
-            Finding(
-                f"commit check function {shown.function_sql}(text, bigint)",
-                "is missing: no session bound to a lease can commit",
-                f"op.create_fence_register({args}) (keeps the register's rows)",
-            )
-        )
+        return  # no register: nothing more to read
     rights = conn.execute(
         REGISTER_RIGHTS_SQL,
         {
@@ -430,7 +365,7 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
                 " ".join(grant for _, _, grant in lacking),
             )
         )
-    if "token" in {row.name for row in columns} and rights.can_select:
+    if "token" in columns and rights.can_select:
         max_token = conn.execute(sa.text(f"SELECT max(token) FROM {register.table_sql}")).scalar()
         report.max_register_token = None if max_token is None else int(max_token)
     if len(report.findings) == before and sequence_ok:
@@ -512,37 +447,18 @@ def check(
             "connect_args={'prepare_threshold': None} (psycopg): a Fencer refuses to "
             f"start without it (see {POOLER_DOC})"
         )
-    seq_quoted = Register(sequence).sequence_sql  # shown in fixes
+    shown = Register(sequence)
+    pinned = pinned_register(conn, sequence)
     # read by its schema-qualified name: nothing on the search_path stands in
-    row = conn.execute(
-        SEQUENCE_SQL, {"name": pinned_register(conn, sequence).sequence_sql}
-    ).one_or_none()
-    if row is None:
-        report.findings.append(
-            Finding(
-                f"sequence {sequence}",
-                "does not exist, so no lease can get a token",
-                "in a migration: op.create_fence_sequence("
-                + ("" if sequence == DEFAULT_SEQUENCE else repr(sequence))
-                + f"); or in SQL: CREATE SEQUENCE {seq_quoted} AS bigint CACHE 1 NO CYCLE;",
-            )
-        )
-    else:
-        problems = sequence_problems(row)
-        if problems:
-            report.findings.append(
-                Finding(
-                    f"sequence {sequence}",
-                    "; ".join(problems),
-                    f"ALTER SEQUENCE {seq_quoted} AS bigint CACHE 1 NO CYCLE INCREMENT BY 1; "
-                    "(in a migration: op.alter_fence_sequence(...))",
-                )
-            )
-        else:
-            report.ok.append(f"sequence {sequence}: bigint, CACHE 1, NO CYCLE")
+    row, problem = sequence_problem(conn, shown, pinned)
+    if problem is not None:
+        report.findings.append(Finding(problem.subject, problem.problem, problem.fix))
+    if row is not None:
+        if problem is None:
+            report.ok.append(f"sequence {sequence}: {SEQUENCE_SHOWN}")
         report.sequence_found = True
-        report.last_value = _last_value(conn, pinned_register(conn, sequence).sequence_sql, row)
-    _check_register(conn, report, sequence_ok=row is not None and not sequence_problems(row))
+        report.last_value = _last_value(conn, pinned.sequence_sql, row)
+    _check_register(conn, report, sequence_ok=row is not None and problem is None)
     _check_registers(conn, report)
 
     tables = fenced_tables(conn, metadata, column)

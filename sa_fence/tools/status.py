@@ -29,16 +29,19 @@ from typing import Any, TextIO
 import redis as redis_lib
 import sqlalchemy as sa
 
-from . import _protocol as proto
-from ._check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, with_connection
-from ._register import Register, pinned_register
-from ._telemetry import redact_url
+from .. import _protocol as proto
+from .._fitness import register_problems
+from .._register import Register, pinned_register
+from .._telemetry import redact_url
+from .check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, with_connection
 
 #: Where the applications' key_prefix is read from (the ``--key-prefix`` default).
 KEY_PREFIX_ENV = "SA_FENCE_KEY_PREFIX"
 
 #: Rows listed when no NAME is given (newest grants first).
 DEFAULT_LIMIT = 50
+#: Broken register rules (sa_fence._fitness) that leave no register to read.
+UNREADABLE = {"missing", "shape"}
 
 HELD = "held"  # in Redis, with the register's token
 GRANTING = "granting"  # in Redis, its token not recorded yet (an acquire under way)
@@ -261,6 +264,17 @@ def run(
     result: dict[str, Any] = {}
 
     def body(conn: sa.Connection, _: Any) -> int:
+        # the register's rules, as Fencer.check() and sa-fence check read them
+        problems = register_problems(conn, Register(sequence), pinned_register(conn, sequence))
+        for problem in problems:
+            print(f"sa-fence status: {problem.sentence()}", file=err)
+        if any(p.rule in UNREADABLE for p in problems):
+            print(
+                "sa-fence status: no lease register to read; run `sa-fence check` to see "
+                "the set-up, or pass --sequence",
+                file=err,
+            )
+            return EXIT_FINDINGS
         try:
             found = statuses(
                 conn, client, names=names, sequence=sequence, key_prefix=key_prefix, limit=limit

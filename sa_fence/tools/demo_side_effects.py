@@ -47,8 +47,13 @@ import redis as redis_lib
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from . import _demo
-from ._demo import (
+from .._flush import install
+from .._guard import drop_guard_sql
+from .._lease import Fencer
+from .._side_effects import side_effect
+from ..errors import StaleTokenError
+from . import demo
+from .demo import (
     EXIT_OK,
     EXIT_STORY,
     EXIT_UNREACHABLE,
@@ -59,7 +64,6 @@ from ._demo import (
     MIN_TTL,
     STARTUP_TIMEOUT,
     STEP_TIMEOUT,
-    DemoJob,
     StoryError,
     _Demo,
     _Emitter,
@@ -68,16 +72,12 @@ from ._demo import (
     _wait_for,
     _Worker,
 )
-from ._flush import install
-from ._guard import drop_guard_sql
-from ._lease import Fencer
-from ._side_effects import side_effect
-from .errors import StaleTokenError
+from .demo_models import DemoJob
 
 if TYPE_CHECKING:
     import procrastinate
 
-MODULE = "sa_fence._demo_side_effects"
+MODULE = "sa_fence.tools.demo_side_effects"
 #: How long the mail API keeps the first delivery open, at most (the demo kills the sender).
 HOLD_TIMEOUT = 30.0
 #: The delivery workers' heartbeat, and how old one must be for its jobs to count as stalled.
@@ -131,7 +131,7 @@ def holder_main(stdin: TextIO, stdout: TextIO) -> int:
         send_mail = app.tasks["send_mail"]
         engine = sa.create_engine(config["pg"])
         client = redis_lib.Redis.from_url(
-            config["redis"], socket_connect_timeout=_demo.CONNECT_TIMEOUT
+            config["redis"], socket_connect_timeout=demo.CONNECT_TIMEOUT
         )
         fencer = Fencer(client, engine, key_prefix=config["prefix"])
         client.ping()
@@ -228,7 +228,7 @@ def _entry(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in roles or not argv[1].isdigit():
         print(f"{MODULE} is started by `sa-fence demo --side-effects`.", file=sys.stderr)
         return EXIT_USAGE
-    _demo._die_with_parent(int(argv[1]))
+    demo._die_with_parent(int(argv[1]))
     return roles[argv[0]](sys.stdin, sys.stdout)
 
 
@@ -318,7 +318,7 @@ class _SideEffectsDemo(_Demo):
         return w
 
     def story(self, engine: sa.Engine) -> int:
-        from ._schema import upgrade_demo_schema
+        from .schema import upgrade_demo_schema
 
         t = _Timeline(self.out, self.client, self.prefix + LEASE_NAME)
         t.header()
@@ -494,21 +494,21 @@ def run(*, pg: str, redis_url: str, ttl: float, fenced: bool, out: TextIO | None
         print(f"sa-fence demo: error: {INSTALL_HINT}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        server = _demo._server_url(pg)
+        server = demo._server_url(pg)
         if not MIN_TTL <= ttl <= MAX_TTL:
             raise ValueError(f"--ttl must be between {MIN_TTL:g} and {MAX_TTL:g} s, got {ttl:g}")
-        client = _demo._connect_redis(redis_url)
+        client = demo._connect_redis(redis_url)
     except ValueError as exc:
         print(f"sa-fence demo: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except _demo._Unreachable as exc:
+    except demo._Unreachable as exc:
         print(f"sa-fence demo: error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     try:
-        _demo._check_postgres(server)
-        with _demo._sigterm_as_exit():
+        demo._check_postgres(server)
+        with demo._sigterm_as_exit():
             return _SideEffectsDemo(server, client, redis_url, ttl, fenced, out).play()
-    except _demo._Unreachable as exc:
+    except demo._Unreachable as exc:
         print(f"sa-fence demo: error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except StoryError as exc:

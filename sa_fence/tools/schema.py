@@ -18,7 +18,8 @@ from alembic.config import Config
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+#: the package (sa_fence/), where the wheel puts its copy of migrations/
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
 
 def migrations_dir() -> Path:

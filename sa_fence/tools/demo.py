@@ -21,7 +21,7 @@ refused with :class:`~sa_fence.StaleTokenError`: B's result survives.  With
 as most code does today) and A's write silently replaces B's.
 
 The demo process only orchestrates: it starts each worker as
-``python -m sa_fence._demo worker``, sends it its settings as one JSON line
+``python -m sa_fence.tools.demo worker``, sends it its settings as one JSON line
 and then one command per line on stdin (``acquire``, ``write``), and reads
 one JSON event per line from its stdout.  A can only write after it was
 stopped and resumed, because it waits for ``write`` on stdin; every read has
@@ -58,16 +58,16 @@ import psycopg
 import redis as redis_lib
 import sqlalchemy as sa
 from psycopg import sql
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
-from . import testing
-from ._flush import install, unfenced
-from ._guard import drop_guard_sql
-from ._lease import Fencer
-from ._model import Fenced
-from ._protocol import token_from_value
-from ._tokens import DEFAULT_SEQUENCE, fence_sequence
-from .errors import StaleTokenError
+from .. import testing
+from .._flush import install, unfenced
+from .._guard import drop_guard_sql
+from .._lease import Fencer
+from .._protocol import token_from_value
+from .._tokens import DEFAULT_SEQUENCE
+from ..errors import StaleTokenError
+from .demo_models import DemoJob
 
 DEFAULT_TTL = 1.0
 MIN_TTL = 0.1
@@ -88,32 +88,6 @@ CONNECT_TIMEOUT = 5
 
 #: The package's parent logger: the demo shows (or keeps) what every module logs.
 log = logging.getLogger("sa_fence")
-
-
-class DemoBase(DeclarativeBase):
-    pass
-
-
-fence_sequence(DemoBase.metadata)
-
-
-class DemoJob(Fenced, DemoBase):
-    """The protected row: one job and the result of whoever processed it."""
-
-    __tablename__ = "jobs"
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    result: Mapped[str | None] = mapped_column(sa.String(200))
-
-
-class DemoStep(Fenced, DemoBase):
-    """A second fenced table (composite key) that migrations/ also creates and guards."""
-
-    __tablename__ = "job_steps"
-
-    job_id: Mapped[int] = mapped_column(primary_key=True)
-    step: Mapped[int] = mapped_column(primary_key=True)
-    output: Mapped[str | None] = mapped_column(sa.String(200))
 
 
 class StoryError(Exception):
@@ -232,7 +206,7 @@ def worker_main(stdin: TextIO, stdout: TextIO) -> int:
 def _worker_entry(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "worker" or not argv[1].isdigit():
         print(
-            "sa_fence._demo is started by `sa-fence demo`; run that instead.",
+            "sa_fence.tools.demo is started by `sa-fence demo`; run that instead.",
             file=sys.stderr,
         )
         return EXIT_USAGE
@@ -252,7 +226,7 @@ class _Worker:
         config: dict[str, Any],
         timeline: _Timeline,
         *,
-        module: str = "sa_fence._demo",
+        module: str = "sa_fence.tools.demo",
         role: str = "worker",
     ) -> None:
         self.name = name
@@ -682,7 +656,7 @@ class _Demo:
         t = _Timeline(self.out, self.client, self.prefix + LEASE_NAME)
         ttl = self.ttl
         t.header()
-        from ._schema import upgrade_demo_schema
+        from .schema import upgrade_demo_schema
 
         upgrade_demo_schema(engine)
         created = (

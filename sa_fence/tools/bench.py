@@ -46,13 +46,13 @@ import sqlalchemy as sa
 from sqlalchemy import BigInteger, Integer, MetaData, String, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from ._flush import install
-from ._lease import Fencer, Lease
-from ._model import Fenced
-from ._register import DEFAULT_GRANT_LOCK_TIMEOUT_MS, SCOPE_TABLE, Register
-from ._telemetry import redact_url
-from ._tokens import fence_sequence
-from .errors import LeaseBackendError, StaleTokenError
+from .._flush import install
+from .._lease import Fencer, Lease
+from .._model import Fenced
+from .._register import DEFAULT_GRANT_LOCK_TIMEOUT_MS, SCOPE_TABLE, Register
+from .._telemetry import redact_url
+from .._tokens import fence_sequence
+from ..errors import LeaseBackendError, StaleTokenError
 
 VARIANTS = ("plain", "fenced", "version_id_col")
 #: ids of the rows the delete benchmark deletes and puts back (untimed)

@@ -1,0 +1,56 @@
+"""``sa-fence create-guard``: the command over :func:`sa_fence.create_fence_guard`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, TextIO
+
+from .._create_guard import create_fence_guard, shown_table
+from .._guard import TRIGGER_NAME
+from .check import EXIT_FINDINGS, EXIT_OK, hidden_password, with_connection
+
+if TYPE_CHECKING:
+    import sqlalchemy as sa
+
+
+def run(
+    url: str,
+    tables: list[str],
+    *,
+    column: str,
+    schema: str | None,
+    sequence: str,
+    on_missing_token: str,
+    out: TextIO,
+    err: TextIO,
+) -> int:
+    """``sa-fence create-guard``: every table's guard in one transaction, or none.
+
+    Exit status: 0 created; 1 a table, its fence column or the sequence is
+    missing (nothing written); 2 bad argument; 3 database unreachable.
+    """
+
+    def body(conn: sa.Connection, _: object) -> int:
+        try:
+            with conn.begin():
+                for table in tables:
+                    create_fence_guard(
+                        conn,
+                        table,
+                        column,
+                        schema=schema,
+                        on_missing_token=on_missing_token,
+                        sequence=sequence,
+                    )
+        except ValueError as exc:
+            print(f"sa-fence create-guard: {exc}. Nothing was created.", file=err)
+            return EXIT_FINDINGS
+        for table in tables:
+            print(
+                f"created guard trigger {TRIGGER_NAME} on {shown_table(table, schema)} "
+                f"(column {column}, on_missing_token={on_missing_token}, sequence "
+                f"{sequence}) in {hidden_password(url)}",
+                file=out,
+            )
+        return EXIT_OK
+
+    return with_connection(url, None, err, body)
