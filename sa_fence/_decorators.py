@@ -36,14 +36,14 @@ they are awaitables and :func:`_run_async` awaits each one first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import enum
 import functools
-import heapq
 import inspect
-import itertools
 import logging
 import os
+import sched
 import string
 import sys
 import threading
@@ -458,67 +458,57 @@ def _max_hold_message(lease: BaseLease[Any], max_hold: float) -> str:
     )
 
 
+def _lose_at_max_hold(lease: BaseLease[Any], message: str) -> None:
+    try:
+        lease._lose(message)
+    except Exception:  # never stop the others
+        log.exception("marking lease %r lost at its max_hold failed", lease.name)
+
+
 class _HoldLimits:
     """Marks leases lost when they reach their ``max_hold``: one daemon thread.
 
-    A heap of deadlines, as the Fencer's renewer keeps: any number of capped
-    leases cost one thread, which starts with the first and exits as soon as
-    none is pending.  Each fenced call cancels its entry when it ends.
+    A :class:`sched.scheduler` of deadlines: any number of capped leases cost
+    one thread, which starts with the first and exits as soon as none is
+    pending.  Each fenced call cancels its entry when it ends.
     """
 
     def __init__(self) -> None:
         self._reset()
 
     def _reset(self) -> None:
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, BaseLease[Any], str]] = []
-        self._pending: set[int] = set()
-        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()  # add() and cancel() cut the scheduler's sleep short
+        self._scheduler = sched.scheduler(time.monotonic, self._sleep)
         self._thread: threading.Thread | None = None
 
-    def add(self, at: float, lease: BaseLease[Any], message: str) -> int:
-        with self._cond:
-            entry = next(self._seq)
-            heapq.heappush(self._heap, (at, entry, lease, message))
-            self._pending.add(entry)
-            if self._thread is None or not self._thread.is_alive():
+    def _sleep(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        self._wake.clear()  # the scheduler looks at its queue again next
+
+    def add(self, at: float, lease: BaseLease[Any], message: str) -> sched.Event:
+        with self._lock:
+            entry = self._scheduler.enterabs(at, 0, _lose_at_max_hold, (lease, message))
+            if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="sa-fence-max-hold", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+        self._wake.set()
         return entry
 
-    def cancel(self, entry: int) -> None:
-        with self._cond:
-            self._pending.discard(entry)
-            self._cond.notify()
-
-    def _next_due(self) -> tuple[BaseLease[Any], str] | None:
-        with self._cond:
-            while True:
-                while self._heap and self._heap[0][1] not in self._pending:
-                    heapq.heappop(self._heap)
-                if not self._heap:
-                    self._thread = None
-                    return None
-                at, entry, lease, message = self._heap[0]
-                now = time.monotonic()
-                if at > now:
-                    self._cond.wait(at - now)
-                    continue
-                heapq.heappop(self._heap)
-                self._pending.discard(entry)
-                return lease, message
+    def cancel(self, entry: sched.Event) -> None:
+        with contextlib.suppress(ValueError):  # it has run already
+            self._scheduler.cancel(entry)
+        self._wake.set()
 
     def _run(self) -> None:
-        while (due := self._next_due()) is not None:
-            lease, message = due
-            try:
-                lease._lose(message)
-            except Exception:  # never stop the others
-                log.exception("marking lease %r lost at its max_hold failed", lease.name)
-            del lease, due
+        while True:
+            self._scheduler.run()  # returns once nothing is pending
+            with self._lock:  # add() starts a new thread only when this one is gone
+                if self._scheduler.empty():
+                    self._thread = None
+                    return
 
 
 _hold_limits = _HoldLimits()
@@ -576,7 +566,7 @@ async def _run_async(steps: _Steps[Any]) -> Any:
             return stop.value
         try:
             value, error = await awaitable, None
-        except BaseException as exc:  # noqa: BLE001  # thrown into the generator above
+        except BaseException as exc:  # thrown into the generator above
             value, error = None, exc
 
 
@@ -601,9 +591,10 @@ def _fenced_call(
     lease_name = proto.check_name(lease_name)
     fencer = _locate_fencer(options.fencer, kind.fencer_type, bound)
     how, source = _locate_session(options.session, bound, kind.is_async)
+    body = functools.partial(fn, *args, **kwargs)
     held = _held(fencer, lease_name)
     if held is not None:
-        return (yield from _nested(fn, args, kwargs, held, how, source, kind))
+        return (yield from _nested(body, held, how, source, kind))
     try:
         with _telemetry.naming(options.name):  # metrics name the template, not the name
             lease = yield options.acquire(fencer, lease_name)
@@ -617,7 +608,7 @@ def _fenced_call(
         session = _open(how, source, kind.is_async)
         try:
             frame = _Frame(fencer, lease_name, lease, session)
-            return (yield from _bound_call(fn, args, kwargs, frame, kind))
+            return (yield from _bound_call(body, frame, kind))
         finally:
             if how == _FACTORY:
                 yield session.close()
@@ -627,27 +618,23 @@ def _fenced_call(
         yield lease._release_on_exit()
 
 
-def _bound_call(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], frame: _Frame, kind: _Kind
-) -> _Steps[Any]:
+def _bound_call(body: Callable[[], Any], frame: _Frame, kind: _Kind) -> _Steps[Any]:
     """Bind, run the unit of work, restore the session's previous binding."""
     state = _session_state(frame.session)
     previous = state.lease
     reset = _frames.set((*_frames.get(), frame))
     try:
         frame.lease.bind(frame.session)
-        return (yield kind.unit_of_work(frame.lease, _unit_of_work(fn, args, kwargs, frame)))
+        return (yield kind.unit_of_work(frame.lease, _unit_of_work(body, frame)))
     finally:
         state.lease = previous
         _frames.reset(reset)
 
 
-def _unit_of_work(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], frame: _Frame
-) -> _Steps[Any]:
+def _unit_of_work(body: Callable[[], Any], frame: _Frame) -> _Steps[Any]:
     """Run the body, commit (unless the lease was lost) or roll back."""
     try:
-        result = yield fn(*args, **kwargs)
+        result = yield body()
         frame.lease._check_for_write()  # lost (renewal, max_hold) or released: commit nothing
         yield frame.session.commit()
     except BaseException:
@@ -657,13 +644,7 @@ def _unit_of_work(
 
 
 def _nested(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    held: _Frame,
-    how: str,
-    source: Any,
-    kind: _Kind,
+    body: Callable[[], Any], held: _Frame, how: str, source: Any, kind: _Kind
 ) -> _Steps[Any]:
     """A call on a name this call stack already holds: reuse the lease, never wait for it."""
     held.lease._check_for_write()  # lost: stop here
@@ -671,11 +652,11 @@ def _nested(
     try:
         frame = _Frame(held.fencer, held.name, held.lease, session)
         if how == _FACTORY or _session_state(session).lease is not held.lease:
-            return (yield from _bound_call(fn, args, kwargs, frame, kind))
+            return (yield from _bound_call(body, frame, kind))
         # the same unit of work: the call that bound this session commits it
         reset = _frames.set((*_frames.get(), frame))
         try:
-            return (yield fn(*args, **kwargs))
+            return (yield body())
         finally:
             _frames.reset(reset)
     finally:
@@ -711,7 +692,6 @@ async def _cancelled_on_loss(lease: AsyncLease, work: Any) -> Any:
         raise
     finally:
         lease._loss_hooks = tuple(h for h in lease._loss_hooks if h is not on_loss)
-
 
 
 # ----------------------------------------------------------------- decorator
