@@ -801,19 +801,7 @@ def fenced(
     by ``inspect.getfullargspec``), so frameworks that check arguments before
     calling (Celery's ``apply_async``, FastAPI) see the real parameters.
     """
-    options = _Options(
-        name,
-        ttl=ttl,
-        on_busy=on_busy,
-        timeout=timeout,
-        renew=renew,
-        max_hold=max_hold,
-        on_lost=on_lost,
-        fail_fast=fail_fast,
-        fencer=fencer,
-        session=session,
-        cancel_on_lost=cancel_on_lost,
-    )
+    options = _Options(**locals())  # every parameter of fenced(), by name
 
     def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
         return _decorate(options, fn)
@@ -880,20 +868,8 @@ def fenced_methods(
     calling another on the same name reuses the held lease (see
     :func:`fenced`, "Nested calls").
     """
+    options = _Options(**{k: v for k, v in locals().items() if k != "exclude"})
     excluded = {exclude} if isinstance(exclude, str) else set(exclude)
-    decorator = fenced(
-        name,
-        ttl=ttl,
-        on_busy=on_busy,
-        timeout=timeout,
-        renew=renew,
-        max_hold=max_hold,
-        on_lost=on_lost,
-        fail_fast=fail_fast,
-        fencer=fencer,
-        session=session,
-        cancel_on_lost=cancel_on_lost,
-    )
 
     def decorate(cls: C) -> C:
         if not isinstance(cls, type):
@@ -912,7 +888,7 @@ def fenced_methods(
         for attr, fn in methods.items():
             if attr in excluded or getattr(fn, _MARK, False):
                 continue
-            setattr(cls, attr, decorator(fn))
+            setattr(cls, attr, _decorate(options, fn))
         return cls
 
     return decorate
