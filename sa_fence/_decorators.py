@@ -260,51 +260,41 @@ def _session_kind(value: object, *, any_callable: bool) -> tuple[str, bool | Non
     return None
 
 
-def _check_locators(fencer: object, session: object) -> None:
-    """``fencer=`` and ``session=`` are of a kind :func:`fenced` can use (or a name)."""
+def _sides(fencer: object, session: object) -> tuple[bool | None, bool | None]:
+    """Are the fencer and the session given asyncio's (None: a name, or any callable)?
+
+    ``TypeError`` for what :func:`fenced` cannot use.
+    """
     kinds = _async_kinds()
-    if not (
-        (isinstance(fencer, str) and fencer.isidentifier())
-        or isinstance(fencer, Fencer)
-        or (kinds is not None and isinstance(fencer, kinds[0]))
-    ):
+    if isinstance(fencer, str) and fencer.isidentifier():
+        fencer_side = None
+    elif isinstance(fencer, Fencer) or (kinds is not None and isinstance(fencer, kinds[0])):
+        fencer_side = not isinstance(fencer, Fencer)
+    else:
         raise TypeError(
             "fencer must be a Fencer or the name of a parameter / attribute of the first "
             f"argument holding one (AsyncFencer for an async def), got {fencer!r}"
         )
-    if not (isinstance(session, str) and session.isidentifier()) and (
-        _session_kind(session, any_callable=True) is None
-    ):
+    if isinstance(session, str) and session.isidentifier():
+        return fencer_side, None
+    found = _session_kind(session, any_callable=True)
+    if found is None:
         raise TypeError(
             "session must be a Session, a scoped_session, a session factory (a sessionmaker, "
             "or any callable returning a Session; a session is opened and closed per call), "
             "or the name of a parameter / attribute of the first argument holding one "
             f"(their asyncio kinds for an async def), got {session!r}"
         )
+    return fencer_side, found[1]
 
 
-def _check_sides(fn: Callable[..., Any], is_async: bool, fencer: object, session: object) -> None:
-    """An async def needs the asyncio kinds given explicitly, a def the sync ones."""
-    kind = "an async def" if is_async else "a plain def"
-    if not isinstance(fencer, str) and isinstance(fencer, Fencer) == is_async:
-        want = "AsyncFencer" if is_async else "Fencer"
-        raise TypeError(
-            f"@fenced on {kind} ({fn.__qualname__}) needs fencer=<a {want}>, got "
-            f"{type(fencer).__name__}"
-        )
-    if isinstance(session, str):
-        return
-    found = _session_kind(session, any_callable=True)
-    if found is not None and found[1] is not None and found[1] != is_async:
-        want = (
-            "an AsyncSession, async_scoped_session or async_sessionmaker"
-            if is_async
-            else "a Session, scoped_session or sessionmaker"
-        )
-        raise TypeError(
-            f"@fenced on {kind} ({fn.__qualname__}) needs session=<{want}>, got "
-            f"{type(session).__name__}"
-        )
+_WANTED = {  # what an async def / a plain def needs, by argument
+    "fencer": ("a AsyncFencer", "a Fencer"),
+    "session": (
+        "an AsyncSession, async_scoped_session or async_sessionmaker",
+        "a Session, scoped_session or sessionmaker",
+    ),
+}
 
 
 @dataclass(slots=True)
@@ -323,6 +313,7 @@ class _Options:
     session: object
     cancel_on_lost: bool | None
     fields: list[str] = field(init=False)
+    sides: tuple[bool | None, bool | None] = field(init=False)  # see _sides()
 
     def __post_init__(self) -> None:
         self.fields = _template_fields(self.name)
@@ -344,7 +335,7 @@ class _Options:
         for flag, value in (("fail_fast", self.fail_fast), ("cancel_on_lost", self.cancel_on_lost)):
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{flag} must be True, False or None, got {value!r}")
-        _check_locators(self.fencer, self.session)
+        self.sides = _sides(self.fencer, self.session)
 
     def _check_max_hold(self, max_hold: float) -> None:
         proto.ttl_to_ms(max_hold, "max_hold")
@@ -819,7 +810,14 @@ def _decorate(options: _Options, fn: Callable[P, R]) -> Callable[P, Any]:
             f"{fn.__qualname__} is a plain def: drop cancel_on_lost and call "
             "current_lease().check() between steps instead"
         )
-    _check_sides(fn, is_async, options.fencer, options.session)
+    for what, side, given in zip(
+        _WANTED, options.sides, (options.fencer, options.session), strict=True
+    ):
+        if side is not None and side != is_async:  # an async def needs the asyncio kinds
+            raise TypeError(
+                f"@fenced on {'an async def' if is_async else 'a plain def'} ({fn.__qualname__}) "
+                f"needs {what}=<{_WANTED[what][not is_async]}>, got {type(given).__name__}"
+            )
     sig = _check_fields(options.name, options.fields, fn)
     wrapper: Callable[P, Any]
     if is_async:
