@@ -20,21 +20,16 @@ it in ``env.py``)::
         op.drop_fence_sequence()                # resets tokens: never in production
 
 Every operation has a ``reverse()``, so autogenerate writes both directions.
-``alembic revision --autogenerate`` notices fenced models
-(``sa_fence.Fenced`` or ``sa_fence.fence_column()``) whose table lacks the
-fence column or the guard, or has a guard this sa-fence would not create
-(``replace_fence_guard``, whose downgrade puts the old guard back), a
-missing token sequence or one with ``CACHE > 1`` / ``CYCLE``, and a missing
-lease register or commit check function; it does so for a metadata that
-declares the register (``sa_fence.fence_sequence(metadata)``) even without
-fenced models. The register's ``create_table`` / ``drop_table`` that Alembic
-itself would write are replaced by ``create_fence_register`` (which also
-creates the check function) and never dropped by autogenerate. The
-sequence's name is ``sa_fence_token_seq`` unless ``env.py`` passes
-``sa_fence_sequence="name"`` (or ``"schema.name"``) to
-``context.configure()``; the register lives in the sequence's schema, and
-new guards are created for that sequence. The comparator honours
-``include_name`` and ``include_object``.
+``alembic revision --autogenerate`` adds what fenced models
+(``sa_fence.Fenced``, ``sa_fence.fence_column()``) and a declared register
+(``sa_fence.fence_sequence(metadata)``) lack: the fence column, the guard
+(``replace_fence_guard`` for one this sa-fence would not create), a sequence
+fit for tokens (none, or ``CACHE > 1`` / ``CYCLE``), the lease register and
+its commit check.  Alembic's own ``create_table`` / ``drop_table`` of the
+register give way to ``create_fence_register``; autogenerate never drops it.
+``context.configure(sa_fence_sequence="schema.name")`` names another
+sequence (the register lives in its schema); ``include_name`` and
+``include_object`` are honoured.  docs/migrations.md has the details.
 
 Only Alembic's plugin points are used: ``Operations.register_operation``,
 ``Operations.implementation_for``, ``alembic.autogenerate.renderers`` and
@@ -805,24 +800,25 @@ def _metadatas(autogen_context: AutogenContext) -> list[sa.MetaData]:
     return list(metadata)
 
 
+def _included(autogen_context: AutogenContext, table: sa.Table) -> bool:
+    """Do ``include_name`` and ``include_object`` leave ``table`` in scope?"""
+    return autogen_context.run_name_filters(
+        table.name, "table", {"schema_name": table.schema}
+    ) and autogen_context.run_object_filters(table, table.name, "table", False, None)
+
+
 def _fenced_tables(
     autogen_context: AutogenContext, schemas: Iterable[str | None]
 ) -> list[tuple[sa.Table, str]]:
     wanted = set(schemas)
-    found: list[tuple[sa.Table, str]] = []
-    for metadata in _metadatas(autogen_context):
-        for table in metadata.tables.values():
-            fence = fence_column_of(table)
-            if fence is None or table.schema not in wanted:
-                continue
-            if not autogen_context.run_name_filters(
-                table.name, "table", {"schema_name": table.schema}
-            ):
-                continue
-            if not autogen_context.run_object_filters(table, table.name, "table", False, None):
-                continue
-            found.append((table, fence.name))
-    return found
+    return [
+        (table, fence.name)
+        for metadata in _metadatas(autogen_context)
+        for table in metadata.tables.values()
+        if (fence := fence_column_of(table)) is not None
+        and table.schema in wanted
+        and _included(autogen_context, table)
+    ]
 
 
 def _take_builtin_add_column(
@@ -876,16 +872,13 @@ def _register_scope(autogen_context: AutogenContext, register: Register) -> tupl
     (``fence_sequence(metadata)``), and do ``include_name`` / ``include_object``
     leave it in scope?"""
     key = f"{register.schema}.{REGISTER_TABLE}" if register.schema else REGISTER_TABLE
-    included = autogen_context.run_name_filters(
-        REGISTER_TABLE, "table", {"schema_name": register.schema}
-    )
     for metadata in _metadatas(autogen_context):
         table = metadata.tables.get(key)
         if table is not None:
-            return True, included and autogen_context.run_object_filters(
-                table, table.name, "table", False, None
-            )
-    return False, included
+            return True, _included(autogen_context, table)
+    return False, autogen_context.run_name_filters(
+        REGISTER_TABLE, "table", {"schema_name": register.schema}
+    )
 
 
 _REGISTER_EXISTS_SQL = sa.text("SELECT to_regclass(:register) IS NOT NULL")
