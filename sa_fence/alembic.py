@@ -105,7 +105,7 @@ class _FenceOp(MigrateOperation):
     """What every sa-fence op has: a name, the SQL it runs, and its arguments as source.
 
     Ops of one kind share one entry point (``op.<op_name>``, registered with
-    ``sourcename``); its help is the op class's docstring (end of module).
+    ``sourcename``); its help is the op class's docstring (set after the guard ops).
     """
 
     op_name: ClassVar[str] = ""
