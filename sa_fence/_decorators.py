@@ -441,14 +441,6 @@ def _session_state(session: Any) -> SessionState:
 # ------------------------------------------------------------------- max_hold
 
 
-def _max_hold_message(lease: BaseLease[Any], max_hold: float) -> str:
-    return (
-        f"lease {lease.name!r} (token {lease.token}) reached its max_hold of {max_hold:g} s, "
-        "the cap on its renewal: it is no longer renewed and counts as lost. Stop the "
-        "work; its writes will be refused."
-    )
-
-
 def _lose_at_max_hold(lease: BaseLease[Any], message: str) -> None:
     try:
         lease._lose(message)
@@ -520,7 +512,12 @@ class _Kind:
 
     def hold_limit(self, lease: BaseLease[Any], max_hold: float) -> Callable[[], object]:
         """Mark ``lease`` lost once it reaches ``max_hold``; returns what cancels that."""
-        at, message = lease.acquired_at + max_hold, _max_hold_message(lease, max_hold)
+        at = lease.acquired_at + max_hold
+        message = (
+            f"lease {lease.name!r} (token {lease.token}) reached its max_hold of {max_hold:g} s, "
+            "the cap on its renewal: it is no longer renewed and counts as lost. Stop the "
+            "work; its writes will be refused."
+        )
         if self.is_async:  # the event loop's timer: no thread
             delay = max(0.0, at - time.monotonic())
             return asyncio.get_running_loop().call_later(delay, lease._lose, message).cancel
