@@ -25,25 +25,31 @@ fenced call nested inside another on the same name and Fencer, in the same
 call stack (thread or asyncio task), reuses the held lease instead of
 waiting for itself.  :func:`fenced_methods` does the same for every public
 method of a class.
+
+That algorithm is written once, as generators (:func:`_fenced_call`) that
+``yield`` every value a coroutine function would ``await``: the body's result,
+acquire, commit, rollback, close, release.  For a plain def they are plain
+values and :func:`_run_sync` sends them straight back; for an ``async def``
+they are awaitables and :func:`_run_async` awaits each one first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import enum
 import functools
-import heapq
 import inspect
-import itertools
 import logging
 import os
+import sched
 import string
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine, Generator, Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeAlias, TypeVar, overload
 
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
@@ -64,6 +70,8 @@ log = logging.getLogger(__name__)  # a child of "sa_fence"
 P = ParamSpec("P")
 R = TypeVar("R")
 C = TypeVar("C", bound=type)
+#: What the algorithm's generators are: they yield values or awaitables, get results back.
+_Steps: TypeAlias = Generator[Any, Any, R]
 
 #: What ``session=`` takes: a session, a scoped session (its current session
 #: is used), a factory (a session is opened and closed per call), or the name
@@ -131,6 +139,13 @@ _frames: contextvars.ContextVar[tuple[_Frame, ...]] = contextvars.ContextVar(
 )
 
 
+def _innermost(function: str) -> _Frame:
+    frames = _frames.get()
+    if not frames:
+        raise LookupError(f"sa_fence.{function}() was called outside a @sa_fence.fenced call")
+    return frames[-1]
+
+
 def current_lease() -> Any:
     """The lease of the innermost :func:`fenced` call running in this context.
 
@@ -141,10 +156,7 @@ def current_lease() -> Any:
     idempotency key for external side effects, or ``current_lease().check()``
     between steps of long work.  Raises ``LookupError`` outside a fenced call.
     """
-    frames = _frames.get()
-    if not frames:
-        raise LookupError("sa_fence.current_lease() was called outside a @sa_fence.fenced call")
-    return frames[-1].lease
+    return _innermost("current_lease").lease
 
 
 def current_session() -> Any:
@@ -155,10 +167,7 @@ def current_session() -> Any:
     lease and committed when the call returns.  Raises ``LookupError``
     outside a fenced call.
     """
-    frames = _frames.get()
-    if not frames:
-        raise LookupError("sa_fence.current_session() was called outside a @sa_fence.fenced call")
-    return frames[-1].session
+    return _innermost("current_session").session
 
 
 def _held(fencer: object, name: str) -> _Frame | None:
@@ -169,22 +178,11 @@ def _held(fencer: object, name: str) -> _Frame | None:
     return None
 
 
-def _template_fields(template: str) -> list[str]:
-    roots = []
-    for _, field, _, _ in string.Formatter().parse(template):
-        if field is None:
-            continue
-        root = field.split(".", 1)[0].split("[", 1)[0]
-        if not root or root.isdigit():
-            raise ValueError(
-                f"lease name template {template!r} has a positional field {{{field}}}: "
-                "name the parameter instead, e.g. 'job:{job_id}'"
-            )
-        roots.append(root)
-    return roots
+# ------------------------------------------------------- checking the arguments
 
 
-def _check_template(template: object) -> list[str]:
+def _template_fields(template: object) -> list[str]:
+    """The parameter names a lease name template formats (each field's root)."""
     if not isinstance(template, str):
         raise TypeError(
             f"the lease name template must be a str such as 'job:{{job_id}}', got {template!r}"
@@ -192,14 +190,20 @@ def _check_template(template: object) -> list[str]:
     if not template:
         raise ValueError("the lease name template is empty; name the resource, e.g. 'job:{job_id}'")
     try:
-        return _template_fields(template)
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
     except ValueError as exc:
-        if "positional field" in str(exc):
-            raise
         raise ValueError(
             f"lease name template {template!r} is not a valid format string ({exc}); "
             "use str.format fields such as 'job:{job_id}' and double braces for literal ones"
         ) from None
+    roots = [f.split(".", 1)[0].split("[", 1)[0] for f in fields]
+    for f, root in zip(fields, roots, strict=True):
+        if not root or root.isdigit():
+            raise ValueError(
+                f"lease name template {template!r} has a positional field {{{f}}}: "
+                "name the parameter instead, e.g. 'job:{job_id}'"
+            )
+    return roots
 
 
 def _check_fields(template: str, fields: list[str], fn: Callable[..., Any]) -> inspect.Signature:
@@ -240,75 +244,126 @@ _FACTORY = "factory"  # a session factory: a new session per call, closed after 
 
 def _session_kind(value: object, *, any_callable: bool) -> tuple[str, bool | None] | None:
     """(how it is used, is it asyncio's: True/False, None when unknown) or None."""
-    if isinstance(value, Session):
-        return _SESSION, False
-    if isinstance(value, scoped_session):
-        return _SCOPED, False
-    if isinstance(value, sessionmaker) or (isinstance(value, type) and issubclass(value, Session)):
-        return _FACTORY, False
+    families: list[tuple[bool, type, type, type]] = [(False, Session, sessionmaker, scoped_session)]
     kinds = _async_kinds()
     if kinds is not None:
-        _, async_session, async_maker, async_scoped = kinds
-        if isinstance(value, async_session):
-            return _SESSION, True
-        if isinstance(value, async_scoped):
-            return _SCOPED, True
-        if isinstance(value, async_maker) or (
-            isinstance(value, type) and issubclass(value, async_session)
-        ):
-            return _FACTORY, True
+        families.append((True, *kinds[1:]))
+    for is_async, session, maker, scoped in families:
+        if isinstance(value, session):
+            return _SESSION, is_async
+        if isinstance(value, scoped):
+            return _SCOPED, is_async
+        if isinstance(value, maker) or (isinstance(value, type) and issubclass(value, session)):
+            return _FACTORY, is_async
     if any_callable and callable(value):
         return _FACTORY, None
     return None
 
 
-def _check_fencer_locator(value: object) -> None:
-    if (isinstance(value, str) and value.isidentifier()) or isinstance(value, Fencer):
-        return
+def _sides(fencer: object, session: object) -> tuple[bool | None, bool | None]:
+    """Are the fencer and the session given asyncio's (None: a name, or any callable)?
+
+    ``TypeError`` for what :func:`fenced` cannot use.
+    """
     kinds = _async_kinds()
-    if kinds is not None and isinstance(value, kinds[0]):
-        return
-    raise TypeError(
-        "fencer must be a Fencer or the name of a parameter / attribute of the first "
-        f"argument holding one (AsyncFencer for an async def), got {value!r}"
-    )
-
-
-def _check_session_locator(value: object) -> None:
-    if isinstance(value, str) and value.isidentifier():
-        return
-    if _session_kind(value, any_callable=True) is not None:
-        return
-    raise TypeError(
-        "session must be a Session, a scoped_session, a session factory (a sessionmaker, "
-        "or any callable returning a Session; a session is opened and closed per call), "
-        "or the name of a parameter / attribute of the first argument holding one "
-        f"(their asyncio kinds for an async def), got {value!r}"
-    )
-
-
-def _check_sides(fn: Callable[..., Any], is_async: bool, fencer: object, session: object) -> None:
-    """An async def needs the asyncio kinds given explicitly, a def the sync ones."""
-    kind = "an async def" if is_async else "a plain def"
-    if not isinstance(fencer, str) and isinstance(fencer, Fencer) == is_async:
-        want = "AsyncFencer" if is_async else "Fencer"
+    if isinstance(fencer, str) and fencer.isidentifier():
+        fencer_side = None
+    elif isinstance(fencer, Fencer) or (kinds is not None and isinstance(fencer, kinds[0])):
+        fencer_side = not isinstance(fencer, Fencer)
+    else:
         raise TypeError(
-            f"@fenced on {kind} ({fn.__qualname__}) needs fencer=<a {want}>, got "
-            f"{type(fencer).__name__}"
+            "fencer must be a Fencer or the name of a parameter / attribute of the first "
+            f"argument holding one (AsyncFencer for an async def), got {fencer!r}"
         )
-    if isinstance(session, str):
-        return
+    if isinstance(session, str) and session.isidentifier():
+        return fencer_side, None
     found = _session_kind(session, any_callable=True)
-    if found is not None and found[1] is not None and found[1] != is_async:
-        want = (
-            "an AsyncSession, async_scoped_session or async_sessionmaker"
-            if is_async
-            else "a Session, scoped_session or sessionmaker"
-        )
+    if found is None:
         raise TypeError(
-            f"@fenced on {kind} ({fn.__qualname__}) needs session=<{want}>, got "
-            f"{type(session).__name__}"
+            "session must be a Session, a scoped_session, a session factory (a sessionmaker, "
+            "or any callable returning a Session; a session is opened and closed per call), "
+            "or the name of a parameter / attribute of the first argument holding one "
+            f"(their asyncio kinds for an async def), got {session!r}"
         )
+    return fencer_side, found[1]
+
+
+_WANTED = {  # what an async def / a plain def needs, by argument
+    "fencer": ("a AsyncFencer", "a Fencer"),
+    "session": (
+        "an AsyncSession, async_scoped_session or async_sessionmaker",
+        "a Session, scoped_session or sessionmaker",
+    ),
+}
+
+
+@dataclass(slots=True)
+class _Options:
+    """The arguments of one :func:`fenced`, checked at decoration time."""
+
+    name: str
+    ttl: float
+    on_busy: OnBusy
+    timeout: float | None
+    renew: bool
+    max_hold: float | None
+    on_lost: OnLost | None
+    fail_fast: bool | None
+    fencer: object
+    session: object
+    cancel_on_lost: bool | None
+    fields: list[str] = field(init=False)
+    sides: tuple[bool | None, bool | None] = field(init=False)  # see _sides()
+
+    def __post_init__(self) -> None:
+        self.fields = _template_fields(self.name)
+        ttl_ms = proto.ttl_to_ms(self.ttl)
+        if self.on_busy not in _ON_BUSY:
+            raise ValueError(f"on_busy must be one of {', '.join(_ON_BUSY)}, got {self.on_busy!r}")
+        if self.on_busy != "wait" and self.timeout is not None:
+            raise ValueError(
+                f"timeout={self.timeout!r} applies only with on_busy='wait': pass "
+                "on_busy='wait' to wait for a busy lease, or drop timeout"
+            )
+        proto.check_timeout(self.on_busy == "wait", self.timeout, ttl_ms / 1000)
+        if not isinstance(self.renew, bool):
+            raise TypeError(f"renew must be True or False, got {self.renew!r}")
+        if self.max_hold is not None:
+            self._check_max_hold(self.max_hold)
+        if self.on_lost is not None and not callable(self.on_lost):
+            raise TypeError(f"on_lost must be a callable taking the lease, got {self.on_lost!r}")
+        for flag, value in (("fail_fast", self.fail_fast), ("cancel_on_lost", self.cancel_on_lost)):
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{flag} must be True, False or None, got {value!r}")
+        self.sides = _sides(self.fencer, self.session)
+
+    def _check_max_hold(self, max_hold: float) -> None:
+        proto.ttl_to_ms(max_hold, "max_hold")
+        if not self.renew:
+            raise ValueError(
+                f"max_hold={max_hold!r} caps renewal, so it needs renew=True (without "
+                "renewal the lease ends after its ttl anyway)"
+            )
+        if max_hold < self.ttl:
+            raise ValueError(
+                f"max_hold={max_hold!r} is shorter than ttl={self.ttl!r}: the lease would "
+                "count as lost before it was ever renewed; use a shorter ttl or a longer max_hold"
+            )
+
+    def acquire(self, fencer: Any, lease_name: str) -> Any:
+        """``fencer.acquire(...)`` for this call: a Lease, or an awaitable of an AsyncLease."""
+        return fencer.acquire(
+            lease_name,
+            self.ttl,
+            on_lost=self.on_lost,
+            blocking=self.on_busy == "wait",
+            timeout=self.timeout,
+            renew=self.renew,
+            fail_fast=self.fail_fast,
+        )
+
+
+# ---------------------------------------------------------- finding, at a call
 
 
 def _first_or_parameter(what: str, locator: str, bound: inspect.BoundArguments) -> Any:
@@ -376,83 +431,255 @@ def _open(how: str, source: Any, is_async: bool) -> Any:
     return session
 
 
-# ------------------------------------------------------------------ max_hold
+def _session_state(session: Any) -> SessionState:
+    from ._flush import state_for
+
+    sync_session = getattr(session, "sync_session", session)  # an AsyncSession's own
+    return state_for(sync_session)
 
 
-def _max_hold_message(lease: BaseLease[Any], max_hold: float) -> str:
-    return (
-        f"lease {lease.name!r} (token {lease.token}) reached its max_hold of {max_hold:g} s, "
-        "the cap on its renewal: it is no longer renewed and counts as lost. Stop the "
-        "work; its writes will be refused."
-    )
+# ------------------------------------------------------------------- max_hold
+
+
+def _lose_at_max_hold(lease: BaseLease[Any], message: str) -> None:
+    try:
+        lease._lose(message)
+    except Exception:  # never stop the others
+        log.exception("marking lease %r lost at its max_hold failed", lease.name)
 
 
 class _HoldLimits:
     """Marks leases lost when they reach their ``max_hold``: one daemon thread.
 
-    A heap of deadlines, as the Fencer's renewer keeps: any number of capped
-    leases cost one thread, which starts with the first and exits as soon as
-    none is pending.  Each fenced call cancels its entry when it ends.
+    A :class:`sched.scheduler` of deadlines: any number of capped leases cost
+    one thread, which starts with the first and exits as soon as none is
+    pending.  Each fenced call cancels its entry when it ends.
     """
 
     def __init__(self) -> None:
         self._reset()
 
     def _reset(self) -> None:
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, BaseLease[Any], str]] = []
-        self._pending: set[int] = set()
-        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()  # add() and cancel() cut the scheduler's sleep short
+        self._scheduler = sched.scheduler(time.monotonic, self._sleep)
         self._thread: threading.Thread | None = None
 
-    def add(self, at: float, lease: BaseLease[Any], message: str) -> int:
-        with self._cond:
-            entry = next(self._seq)
-            heapq.heappush(self._heap, (at, entry, lease, message))
-            self._pending.add(entry)
-            if self._thread is None or not self._thread.is_alive():
+    def _sleep(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        self._wake.clear()  # the scheduler looks at its queue again next
+
+    def add(self, at: float, lease: BaseLease[Any], message: str) -> sched.Event:
+        with self._lock:
+            entry = self._scheduler.enterabs(at, 0, _lose_at_max_hold, (lease, message))
+            if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="sa-fence-max-hold", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+        self._wake.set()
         return entry
 
-    def cancel(self, entry: int) -> None:
-        with self._cond:
-            self._pending.discard(entry)
-            self._cond.notify()
-
-    def _next_due(self) -> tuple[BaseLease[Any], str] | None:
-        with self._cond:
-            while True:
-                while self._heap and self._heap[0][1] not in self._pending:
-                    heapq.heappop(self._heap)
-                if not self._heap:
-                    self._thread = None
-                    return None
-                at, entry, lease, message = self._heap[0]
-                now = time.monotonic()
-                if at > now:
-                    self._cond.wait(at - now)
-                    continue
-                heapq.heappop(self._heap)
-                self._pending.discard(entry)
-                return lease, message
+    def cancel(self, entry: sched.Event) -> None:
+        with contextlib.suppress(ValueError):  # it has run already
+            self._scheduler.cancel(entry)
+        self._wake.set()
 
     def _run(self) -> None:
-        while (due := self._next_due()) is not None:
-            lease, message = due
-            try:
-                lease._lose(message)
-            except Exception:  # never stop the others
-                log.exception("marking lease %r lost at its max_hold failed", lease.name)
-            del lease, due
+        while True:
+            self._scheduler.run()  # returns once nothing is pending
+            with self._lock:  # add() starts a new thread only when this one is gone
+                if self._scheduler.empty():
+                    self._thread = None
+                    return
 
 
 _hold_limits = _HoldLimits()
 # A forked child (Celery's prefork pool) starts with no thread and no entries.
 os.register_at_fork(after_in_child=_hold_limits._reset)
+
+
+# ---------------------------------------------------- one call, sync or async
+
+
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    """What differs between a fenced def and a fenced async def."""
+
+    fencer_type: type
+    is_async: bool
+    cancel_on_lost: bool = False
+
+    def hold_limit(self, lease: BaseLease[Any], max_hold: float) -> Callable[[], object]:
+        """Mark ``lease`` lost once it reaches ``max_hold``; returns what cancels that."""
+        at = lease.acquired_at + max_hold
+        message = (
+            f"lease {lease.name!r} (token {lease.token}) reached its max_hold of {max_hold:g} s, "
+            "the cap on its renewal: it is no longer renewed and counts as lost. Stop the "
+            "work; its writes will be refused."
+        )
+        if self.is_async:  # the event loop's timer: no thread
+            delay = max(0.0, at - time.monotonic())
+            return asyncio.get_running_loop().call_later(delay, lease._lose, message).cancel
+        return functools.partial(_hold_limits.cancel, _hold_limits.add(at, lease, message))
+
+    def unit_of_work(self, lease: Any, steps: _Steps[Any]) -> Any:
+        """Run ``steps`` now (a def), or an awaitable running them (an async def),
+        in a child task that the lease's loss cancels with ``cancel_on_lost``."""
+        if not self.is_async:
+            return _run_sync(steps)
+        work = _run_async(steps)
+        return _cancelled_on_loss(lease, work) if self.cancel_on_lost else work
+
+
+def _run_sync(steps: _Steps[R]) -> R:
+    """Drive ``steps`` in a plain def: each value it yields is already the result."""
+    value: Any = None
+    try:
+        while True:
+            value = steps.send(value)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+
+
+async def _run_async(steps: _Steps[Any]) -> Any:
+    """Drive ``steps`` in an async def: await each awaitable it yields, then send
+    back its result (or throw in its exception, for the generator to handle)."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            awaitable = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        try:
+            value, error = await awaitable, None
+        except BaseException as exc:  # thrown into the generator above
+            value, error = None, exc
+
+
+def _fenced_call(
+    options: _Options,
+    fn: Callable[..., Any],
+    sig: inspect.Signature,
+    kind: _Kind,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> _Steps[Any]:
+    """One call of a fenced function: acquire, open, run bound, close, release."""
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    try:
+        lease_name = options.name.format_map(bound.arguments)
+    except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
+        raise ValueError(
+            f"could not fill lease name template {options.name!r} from the arguments of "
+            f"{fn.__qualname__}(): {type(exc).__name__}: {exc}"
+        ) from None
+    lease_name = proto.check_name(lease_name)
+    fencer = _locate_fencer(options.fencer, kind.fencer_type, bound)
+    how, source = _locate_session(options.session, bound, kind.is_async)
+    body = functools.partial(fn, *args, **kwargs)
+    held = _held(fencer, lease_name)
+    if held is not None:
+        return (yield from _nested(body, held, how, source, kind))
+    try:
+        with _telemetry.naming(options.name):  # metrics name the template, not the name
+            lease = yield options.acquire(fencer, lease_name)
+    except LeaseNotAcquiredError:
+        if options.on_busy != "skip":
+            raise
+        log.info("lease %r is busy; skipped %s()", lease_name, fn.__qualname__)
+        return SKIPPED
+    stop_limit = None if options.max_hold is None else kind.hold_limit(lease, options.max_hold)
+    try:
+        session = _open(how, source, kind.is_async)
+        try:
+            frame = _Frame(fencer, lease_name, lease, session)
+            return (yield from _bound_call(body, frame, kind))
+        finally:
+            if how == _FACTORY:
+                yield session.close()
+    finally:
+        if stop_limit is not None:
+            stop_limit()
+        yield lease._release_on_exit()
+
+
+def _bound_call(body: Callable[[], Any], frame: _Frame, kind: _Kind) -> _Steps[Any]:
+    """Bind, run the unit of work, restore the session's previous binding."""
+    state = _session_state(frame.session)
+    previous = state.lease
+    reset = _frames.set((*_frames.get(), frame))
+    try:
+        frame.lease.bind(frame.session)
+        return (yield kind.unit_of_work(frame.lease, _unit_of_work(body, frame)))
+    finally:
+        state.lease = previous
+        _frames.reset(reset)
+
+
+def _unit_of_work(body: Callable[[], Any], frame: _Frame) -> _Steps[Any]:
+    """Run the body, commit (unless the lease was lost) or roll back."""
+    try:
+        result = yield body()
+        frame.lease._check_for_write()  # lost (renewal, max_hold) or released: commit nothing
+        yield frame.session.commit()
+    except BaseException:
+        yield frame.session.rollback()
+        raise
+    return result
+
+
+def _nested(
+    body: Callable[[], Any], held: _Frame, how: str, source: Any, kind: _Kind
+) -> _Steps[Any]:
+    """A call on a name this call stack already holds: reuse the lease, never wait for it."""
+    held.lease._check_for_write()  # lost: stop here
+    session = _open(how, source, kind.is_async)
+    try:
+        frame = _Frame(held.fencer, held.name, held.lease, session)
+        if how == _FACTORY or _session_state(session).lease is not held.lease:
+            return (yield from _bound_call(body, frame, kind))
+        # the same unit of work: the call that bound this session commits it
+        reset = _frames.set((*_frames.get(), frame))
+        try:
+            return (yield body())
+        finally:
+            _frames.reset(reset)
+    finally:
+        if how == _FACTORY:
+            yield session.close()
+
+
+async def _cancelled_on_loss(lease: AsyncLease, work: Any) -> Any:
+    """Run ``work`` in a child task that the lease's loss cancels (LeaseLostError then).
+
+    A child task, so that the loss cancels the body only: the caller's task
+    is never cancelled by us, and a cancellation of the caller still reaches
+    the body (awaiting a task forwards the cancellation to it) and is
+    re-raised as such.  The child runs in a copy of this context, so
+    ``current_lease()`` works in the body.
+    """
+    child = asyncio.ensure_future(work)
+
+    def on_loss() -> None:
+        if not child.done():
+            child.cancel(f"sa-fence: lease {lease.name!r} was lost")
+
+    lease._loss_hooks = (*lease._loss_hooks, on_loss)
+    try:
+        if lease._state.lost is not None:
+            on_loss()
+        return await child
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        lost = lease._state.lost
+        if lost is not None and child.cancelled() and (me is None or me.cancelling() == 0):
+            raise LeaseLostError(f"{lost} The fenced call was cancelled.") from None
+        raise
+    finally:
+        lease._loss_hooks = tuple(h for h in lease._loss_hooks if h is not on_loss)
 
 
 # ----------------------------------------------------------------- decorator
@@ -562,306 +789,53 @@ def fenced(
     by ``inspect.getfullargspec``), so frameworks that check arguments before
     calling (Celery's ``apply_async``, FastAPI) see the real parameters.
     """
-    fields = _check_template(name)
-    ttl_ms = proto.ttl_to_ms(ttl)
-    if on_busy not in _ON_BUSY:
-        raise ValueError(f"on_busy must be one of {', '.join(_ON_BUSY)}, got {on_busy!r}")
-    if on_busy != "wait" and timeout is not None:
-        raise ValueError(
-            f"timeout={timeout!r} applies only with on_busy='wait': pass on_busy='wait' "
-            "to wait for a busy lease, or drop timeout"
-        )
-    proto.check_timeout(on_busy == "wait", timeout, ttl_ms / 1000)
-    if not isinstance(renew, bool):
-        raise TypeError(f"renew must be True or False, got {renew!r}")
-    if max_hold is not None:
-        proto.ttl_to_ms(max_hold, "max_hold")
-        if not renew:
-            raise ValueError(
-                f"max_hold={max_hold!r} caps renewal, so it needs renew=True (without "
-                "renewal the lease ends after its ttl anyway)"
-            )
-        if max_hold < ttl:
-            raise ValueError(
-                f"max_hold={max_hold!r} is shorter than ttl={ttl!r}: the lease would count "
-                "as lost before it was ever renewed; use a shorter ttl or a longer max_hold"
-            )
-    if on_lost is not None and not callable(on_lost):
-        raise TypeError(f"on_lost must be a callable taking the lease, got {on_lost!r}")
-    if fail_fast is not None and not isinstance(fail_fast, bool):
-        raise TypeError(f"fail_fast must be True, False or None, got {fail_fast!r}")
-    _check_fencer_locator(fencer)
-    _check_session_locator(session)
-    if cancel_on_lost is not None and not isinstance(cancel_on_lost, bool):
-        raise TypeError(f"cancel_on_lost must be True, False or None, got {cancel_on_lost!r}")
-
-    acquire_options: dict[str, Any] = {
-        "blocking": on_busy == "wait",
-        "timeout": timeout,
-        "renew": renew,
-        "fail_fast": fail_fast,
-    }
+    options = _Options(**locals())  # every parameter of fenced(), by name
 
     def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
-        if not callable(fn):
-            raise TypeError(f"@fenced decorates a function or method, got {fn!r}")
-        is_async = inspect.iscoroutinefunction(fn)
-        if cancel_on_lost is not None and not is_async:
-            raise ValueError(
-                f"cancel_on_lost applies only to an async def (a thread cannot be cancelled); "
-                f"{fn.__qualname__} is a plain def: drop cancel_on_lost and call "
-                "current_lease().check() between steps instead"
-            )
-        _check_sides(fn, is_async, fencer, session)
-        sig = _check_fields(name, fields, fn)
-
-        def lease_name_of(args: Any, kwargs: Any) -> tuple[str, inspect.BoundArguments]:
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            try:
-                lease_name = name.format_map(bound.arguments)
-            except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
-                raise ValueError(
-                    f"could not fill lease name template {name!r} from the arguments of "
-                    f"{fn.__qualname__}(): {type(exc).__name__}: {exc}"
-                ) from None
-            return proto.check_name(lease_name), bound
-
-        def skipped(lease_name: str) -> Skipped:
-            """Contention: SKIPPED under on_busy="skip", else re-raise."""
-            if on_busy != "skip":
-                raise  # the LeaseNotAcquiredError being handled
-            log.info("lease %r is busy; skipped %s()", lease_name, fn.__qualname__)
-            return SKIPPED
-
-        if is_async:
-            from ._async import AsyncFencer
-
-            on_lost_any: Any = on_lost  # called with the AsyncLease
-            cancel = cancel_on_lost is not False
-
-            @functools.wraps(fn)
-            async def async_wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-                lease_name, bound = lease_name_of(args, kwargs)
-                the_fencer: AsyncFencer = _locate_fencer(fencer, AsyncFencer, bound)
-                how, source = _locate_session(session, bound, is_async=True)
-                held = _held(the_fencer, lease_name)
-                if held is not None:
-                    return await _nested_async(fn, args, kwargs, held, how, source, cancel)
-                try:
-                    with _telemetry.naming(name):  # metrics name the template, not the name
-                        lease = await the_fencer.acquire(
-                            lease_name, ttl, on_lost=on_lost_any, **acquire_options
-                        )
-                except LeaseNotAcquiredError:
-                    return skipped(lease_name)
-                limit = None
-                if max_hold is not None:
-                    limit = asyncio.get_running_loop().call_later(
-                        max(0.0, lease.acquired_at + max_hold - time.monotonic()),
-                        lease._lose,
-                        _max_hold_message(lease, max_hold),
-                    )
-                try:
-                    the_session = _open(how, source, is_async=True)
-                    try:
-                        frame = _Frame(the_fencer, lease_name, lease, the_session)
-                        return await _run_fenced_async(fn, args, kwargs, frame, cancel)
-                    finally:
-                        if how == _FACTORY:
-                            await the_session.close()
-                finally:
-                    if limit is not None:
-                        limit.cancel()
-                    await lease._release_on_exit()
-
-            setattr(async_wrapper, _MARK, True)
-            setattr(async_wrapper, "__signature__", sig)  # noqa: B010  # getfullargspec reads it
-            return async_wrapper
-
-        @functools.wraps(fn)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-            lease_name, bound = lease_name_of(args, kwargs)
-            the_fencer: Fencer = _locate_fencer(fencer, Fencer, bound)
-            how, source = _locate_session(session, bound, is_async=False)
-            held = _held(the_fencer, lease_name)
-            if held is not None:
-                return _nested(fn, args, kwargs, held, how, source)
-            try:
-                with _telemetry.naming(name):  # metrics name the template, not the name
-                    lease = the_fencer.acquire(lease_name, ttl, on_lost=on_lost, **acquire_options)
-            except LeaseNotAcquiredError:
-                return skipped(lease_name)
-            limit = None
-            if max_hold is not None:
-                limit = _hold_limits.add(
-                    lease.acquired_at + max_hold, lease, _max_hold_message(lease, max_hold)
-                )
-            try:
-                the_session = _open(how, source, is_async=False)
-                try:
-                    frame = _Frame(the_fencer, lease_name, lease, the_session)
-                    return _run_fenced(fn, args, kwargs, frame)
-                finally:
-                    if how == _FACTORY:
-                        the_session.close()
-            finally:
-                if limit is not None:
-                    _hold_limits.cancel(limit)
-                lease._release_on_exit()
-
-        setattr(wrapper, _MARK, True)
-        setattr(wrapper, "__signature__", sig)  # noqa: B010  # getfullargspec reads it
-        return wrapper
+        return _decorate(options, fn)
 
     return decorate
 
 
-def _session_state(session: Any) -> SessionState:
-    from ._flush import state_for
+def _decorate(options: _Options, fn: Callable[P, R]) -> Callable[P, Any]:
+    if not callable(fn):
+        raise TypeError(f"@fenced decorates a function or method, got {fn!r}")
+    is_async = inspect.iscoroutinefunction(fn)
+    if options.cancel_on_lost is not None and not is_async:
+        raise ValueError(
+            f"cancel_on_lost applies only to an async def (a thread cannot be cancelled); "
+            f"{fn.__qualname__} is a plain def: drop cancel_on_lost and call "
+            "current_lease().check() between steps instead"
+        )
+    for what, side, given in zip(
+        _WANTED, options.sides, (options.fencer, options.session), strict=True
+    ):
+        if side is not None and side != is_async:  # an async def needs the asyncio kinds
+            raise TypeError(
+                f"@fenced on {'an async def' if is_async else 'a plain def'} ({fn.__qualname__}) "
+                f"needs {what}=<{_WANTED[what][not is_async]}>, got {type(given).__name__}"
+            )
+    sig = _check_fields(options.name, options.fields, fn)
+    wrapper: Callable[P, Any]
+    if is_async:
+        from ._async import AsyncFencer
 
-    sync_session = getattr(session, "sync_session", session)  # an AsyncSession's own
-    return state_for(sync_session)
+        kind = _Kind(AsyncFencer, True, options.cancel_on_lost is not False)
 
+        @functools.wraps(fn)
+        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
+            return await _run_async(_fenced_call(options, fn, sig, kind, args, kwargs))
 
-def _run_fenced(
-    fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any], frame: _Frame
-) -> R:
-    """Bind, run, commit (unless the lease was lost) or roll back, restore the binding."""
-    lease, session = frame.lease, frame.session
-    state = _session_state(session)
-    previous = state.lease
-    reset = _frames.set((*_frames.get(), frame))
-    try:
-        lease.bind(session)
-        try:
-            result = fn(*args, **kwargs)
-            # Lost (renewal, max_hold) or released meanwhile: commit nothing.
-            lease._check_for_write()
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
-        return result
-    finally:
-        state.lease = previous
-        _frames.reset(reset)
+    else:
+        kind = _Kind(Fencer, False)
 
+        @functools.wraps(fn)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
+            return _run_sync(_fenced_call(options, fn, sig, kind, args, kwargs))
 
-def _nested(
-    fn: Callable[..., R],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    held: _Frame,
-    how: str,
-    source: Any,
-) -> R:
-    """A call on a name this call stack already holds: reuse the lease, never wait for it."""
-    held.lease._check_for_write()  # lost: stop here
-    session = _open(how, source, is_async=False)
-    try:
-        frame = _Frame(held.fencer, held.name, held.lease, session)
-        if how != _FACTORY and _session_state(session).lease is held.lease:
-            # the same unit of work: the call that bound this session commits it
-            reset = _frames.set((*_frames.get(), frame))
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _frames.reset(reset)
-        return _run_fenced(fn, args, kwargs, frame)
-    finally:
-        if how == _FACTORY:
-            session.close()
-
-
-async def _run_fenced_async(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    frame: _Frame,
-    cancel_on_lost: bool,
-) -> Any:
-    """The async twin of :func:`_run_fenced`."""
-    lease: AsyncLease = frame.lease
-    session: AsyncSession = frame.session
-    state = _session_state(session)
-    previous = state.lease
-    reset = _frames.set((*_frames.get(), frame))
-    try:
-        lease.bind(session)
-
-        async def unit_of_work() -> Any:
-            try:
-                result = await fn(*args, **kwargs)
-                lease._check_for_write()
-                await session.commit()
-            except BaseException:
-                await session.rollback()
-                raise
-            return result
-
-        if not cancel_on_lost:
-            return await unit_of_work()
-        return await _cancelled_on_loss(lease, unit_of_work())
-    finally:
-        state.lease = previous
-        _frames.reset(reset)
-
-
-async def _nested_async(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    held: _Frame,
-    how: str,
-    source: Any,
-    cancel_on_lost: bool,
-) -> Any:
-    """The async twin of :func:`_nested`."""
-    held.lease._check_for_write()
-    session = _open(how, source, is_async=True)
-    try:
-        frame = _Frame(held.fencer, held.name, held.lease, session)
-        if how != _FACTORY and _session_state(session).lease is held.lease:
-            reset = _frames.set((*_frames.get(), frame))
-            try:
-                return await fn(*args, **kwargs)
-            finally:
-                _frames.reset(reset)
-        return await _run_fenced_async(fn, args, kwargs, frame, cancel_on_lost)
-    finally:
-        if how == _FACTORY:
-            await session.close()
-
-
-async def _cancelled_on_loss(lease: AsyncLease, work: Any) -> Any:
-    """Run ``work`` in a child task that the lease's loss cancels (LeaseLostError then).
-
-    A child task, so that the loss cancels the body only: the caller's task
-    is never cancelled by us, and a cancellation of the caller still reaches
-    the body (awaiting a task forwards the cancellation to it) and is
-    re-raised as such.  The child runs in a copy of this context, so
-    ``current_lease()`` works in the body.
-    """
-    child = asyncio.ensure_future(work)
-
-    def on_loss() -> None:
-        if not child.done():
-            child.cancel(f"sa-fence: lease {lease.name!r} was lost")
-
-    lease._loss_hooks = (*lease._loss_hooks, on_loss)
-    try:
-        if lease._state.lost is not None:
-            on_loss()
-        return await child
-    except asyncio.CancelledError:
-        me = asyncio.current_task()
-        lost = lease._state.lost
-        if lost is not None and child.cancelled() and (me is None or me.cancelling() == 0):
-            raise LeaseLostError(f"{lost} The fenced call was cancelled.") from None
-        raise
-    finally:
-        lease._loss_hooks = tuple(h for h in lease._loss_hooks if h is not on_loss)
+    setattr(wrapper, _MARK, True)
+    setattr(wrapper, "__signature__", sig)  # noqa: B010  # getfullargspec reads it
+    return wrapper
 
 
 def fenced_methods(
@@ -889,20 +863,8 @@ def fenced_methods(
     calling another on the same name reuses the held lease (see
     :func:`fenced`, "Nested calls").
     """
+    options = _Options(**{k: v for k, v in locals().items() if k != "exclude"})
     excluded = {exclude} if isinstance(exclude, str) else set(exclude)
-    decorator = fenced(
-        name,
-        ttl=ttl,
-        on_busy=on_busy,
-        timeout=timeout,
-        renew=renew,
-        max_hold=max_hold,
-        on_lost=on_lost,
-        fail_fast=fail_fast,
-        fencer=fencer,
-        session=session,
-        cancel_on_lost=cancel_on_lost,
-    )
 
     def decorate(cls: C) -> C:
         if not isinstance(cls, type):
@@ -921,7 +883,7 @@ def fenced_methods(
         for attr, fn in methods.items():
             if attr in excluded or getattr(fn, _MARK, False):
                 continue
-            setattr(cls, attr, decorator(fn))
+            setattr(cls, attr, _decorate(options, fn))
         return cls
 
     return decorate

@@ -42,7 +42,9 @@ side effect is enqueued, and no state is kept outside the session.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -173,6 +175,7 @@ def _require_scope(conn: Connection, lease: Lease) -> None:
 
 
 def _next_key(session: Session, lease: Lease, xid: str) -> str:
+    """The next effect's key in ``session``'s transaction, whose id is ``xid``."""
     transaction = session.get_transaction()
     seq = session.info.get(_INFO_KEY)
     if not isinstance(seq, _Sequence) or seq.transaction is not transaction or seq.xid != xid:
@@ -182,33 +185,38 @@ def _next_key(session: Session, lease: Lease, xid: str) -> str:
 
 
 def _known_xid(session: Session) -> str | None:
+    """The id of ``session``'s transaction, if an effect has asked for it already."""
     seq = session.info.get(_INFO_KEY)
     if isinstance(seq, _Sequence) and seq.transaction is session.get_transaction():
         return seq.xid
     return None
 
 
-def _missing_queue(exc: BaseException) -> FencingConfigError | None:
-    """The clear error for procrastinate's tables or functions not being in this database."""
-    import psycopg.errors
+@contextlib.contextmanager
+def _explaining_a_missing_queue() -> Iterator[None]:
+    """Turn procrastinate's tables or functions not being in this database into a clear error."""
+    try:
+        yield
+    except Exception as exc:
+        import psycopg.errors
 
-    missing = (
-        psycopg.errors.UndefinedTable,
-        psycopg.errors.UndefinedFunction,
-        psycopg.errors.UndefinedObject,  # its types
-    )
-    cause: BaseException | None = exc
-    while cause is not None:
-        if isinstance(cause, missing) and "procrastinate" in str(cause):
-            return FencingConfigError(
-                "procrastinate's queue tables are not in this session's database "
-                f"({str(cause).strip()}). Create them where the fenced rows and the lease "
-                "register are: `procrastinate --app=<your app> schema --apply`, or the "
-                "Alembic revision in the side-effects docs. Roll the session back: "
-                "nothing of this transaction can commit."
-            )
-        cause = cause.__cause__ or cause.__context__
-    return None
+        missing = (
+            psycopg.errors.UndefinedTable,
+            psycopg.errors.UndefinedFunction,
+            psycopg.errors.UndefinedObject,  # its types
+        )
+        cause: BaseException | None = exc
+        while cause is not None:
+            if isinstance(cause, missing) and "procrastinate" in str(cause):
+                raise FencingConfigError(
+                    "procrastinate's queue tables are not in this session's database "
+                    f"({str(cause).strip()}). Create them where the fenced rows and the lease "
+                    "register are: `procrastinate --app=<your app> schema --apply`, or the "
+                    "Alembic revision in the side-effects docs. Roll the session back: "
+                    "nothing of this transaction can commit."
+                ) from exc
+            cause = cause.__cause__ or cause.__context__
+        raise
 
 
 def side_effect(
@@ -247,16 +255,10 @@ def side_effect(
     xid = _known_xid(sync)
     if xid is None:
         with driver.cursor() as cursor:
-            cursor.execute(_XID_SQL)
-            xid = str(cursor.fetchone()[0])
+            xid = str(cursor.execute(_XID_SQL).fetchone()[0])
     key = _next_key(sync, lease, xid)
-    try:
+    with _explaining_a_missing_queue():
         job_id = task.configure(connection=driver).defer(**task_kwargs, **{KEY_ARGUMENT: key})
-    except Exception as exc:
-        missing = _missing_queue(exc)
-        if missing is not None:
-            raise missing from exc
-        raise
     return SideEffect(job_id=job_id, idempotency_key=key)
 
 
@@ -290,13 +292,8 @@ async def side_effect_async(
             await cursor.execute(_XID_SQL)
             xid = str((await cursor.fetchone())[0])
     key = _next_key(sync, lease, xid)
-    try:
+    with _explaining_a_missing_queue():
         job_id = await task.configure(connection=driver).defer_async(
             **task_kwargs, **{KEY_ARGUMENT: key}
         )
-    except Exception as exc:
-        missing = _missing_queue(exc)
-        if missing is not None:
-            raise missing from exc
-        raise
     return SideEffect(job_id=job_id, idempotency_key=key)

@@ -20,21 +20,16 @@ it in ``env.py``)::
         op.drop_fence_sequence()                # resets tokens: never in production
 
 Every operation has a ``reverse()``, so autogenerate writes both directions.
-``alembic revision --autogenerate`` notices fenced models
-(``sa_fence.Fenced`` or ``sa_fence.fence_column()``) whose table lacks the
-fence column or the guard, or has a guard this sa-fence would not create
-(``replace_fence_guard``, whose downgrade puts the old guard back), a
-missing token sequence or one with ``CACHE > 1`` / ``CYCLE``, and a missing
-lease register or commit check function; it does so for a metadata that
-declares the register (``sa_fence.fence_sequence(metadata)``) even without
-fenced models. The register's ``create_table`` / ``drop_table`` that Alembic
-itself would write are replaced by ``create_fence_register`` (which also
-creates the check function) and never dropped by autogenerate. The
-sequence's name is ``sa_fence_token_seq`` unless ``env.py`` passes
-``sa_fence_sequence="name"`` (or ``"schema.name"``) to
-``context.configure()``; the register lives in the sequence's schema, and
-new guards are created for that sequence. The comparator honours
-``include_name`` and ``include_object``.
+``alembic revision --autogenerate`` adds what fenced models
+(``sa_fence.Fenced``, ``sa_fence.fence_column()``) and a declared register
+(``sa_fence.fence_sequence(metadata)``) lack: the fence column, the guard
+(``replace_fence_guard`` for one this sa-fence would not create), a sequence
+fit for tokens (none, or ``CACHE > 1`` / ``CYCLE``), the lease register and
+its commit check.  Alembic's own ``create_table`` / ``drop_table`` of the
+register give way to ``create_fence_register``; autogenerate never drops it.
+``context.configure(sa_fence_sequence="schema.name")`` names another
+sequence (the register lives in its schema); ``include_name`` and
+``include_object`` are honoured.  docs/migrations.md has the details.
 
 Only Alembic's plugin points are used: ``Operations.register_operation``,
 ``Operations.implementation_for``, ``alembic.autogenerate.renderers`` and
@@ -44,8 +39,8 @@ Only Alembic's plugin points are used: ``Operations.register_operation``,
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import sqlalchemy as sa
 from alembic.autogenerate import comparators, renderers
@@ -91,6 +86,7 @@ __all__ = [
     "DropFenceGuardOp",
     "DropFenceRegisterOp",
     "DropFenceSequenceOp",
+    "ReplaceFenceGuardOp",
 ]
 
 IMPORT_LINE = "import sa_fence.alembic  # noqa: F401"
@@ -100,37 +96,71 @@ def _qualified(name: str, schema: str | None) -> str:
     return f"{schema}.{name}" if schema else name
 
 
+def _args(*positional: Any, **keywords: Any) -> str:
+    return ", ".join([*map(repr, positional), *(f"{k}={v!r}" for k, v in keywords.items())])
+
+
+class _FenceOp(MigrateOperation):
+    """What every sa-fence op has: a name, the SQL it runs, and its arguments as source.
+
+    Ops of one kind share one entry point (``op.<op_name>``, registered with
+    ``sourcename``); its help is the op class's docstring (set after the guard ops).
+    """
+
+    op_name: ClassVar[str] = ""
+
+    def _statements(self, operations: Operations) -> Iterable[Any]:
+        """What to execute, after any online check (nothing is sent when one fails)."""
+        raise NotImplementedError
+
+    def _render_args(self) -> str:
+        """The op's arguments as autogenerate writes them into a revision."""
+        raise NotImplementedError
+
+
 # ================================================================ the sequence
 
 
-@Operations.register_operation("create_fence_sequence")
-class CreateFenceSequenceOp(MigrateOperation):
+class _SequenceOp(_FenceOp):
+    def __init__(self, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None) -> None:
+        self.name = check_name("sequence name", name)
+        self.schema = schema
+
+    @classmethod
+    def _sequence_op(
+        cls, operations: Operations, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None
+    ) -> None:
+        operations.invoke(cls(name, schema=schema))
+
+    def to_diff_tuple(self) -> tuple[Any, ...]:
+        return (self.op_name, self.schema, self.name)
+
+    def _render_args(self, **extra: Any) -> str:
+        positional = [] if self.name == DEFAULT_SEQUENCE else [self.name]
+        return _args(
+            *positional, **extra, **({} if self.schema is None else {"schema": self.schema})
+        )
+
+
+@Operations.register_operation("create_fence_sequence", "_sequence_op")
+class CreateFenceSequenceOp(_SequenceOp):
     """``op.create_fence_sequence(name="sa_fence_token_seq", *, schema=None)``.
 
     Creates the token sequence: ``AS bigint INCREMENT BY 1 START WITH 1
     CACHE 1 NO CYCLE``.  The reverse drops it, which resets the tokens.
     """
 
-    def __init__(self, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None) -> None:
-        self.name = check_name("sequence name", name)
-        self.schema = schema
-
-    @classmethod
-    def create_fence_sequence(
-        cls, operations: Operations, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None
-    ) -> None:
-        """Create the token sequence (bigint, CACHE 1, NO CYCLE)."""
-        operations.invoke(cls(name, schema=schema))
+    op_name = "create_fence_sequence"
 
     def reverse(self) -> DropFenceSequenceOp:
         return DropFenceSequenceOp(self.name, schema=self.schema)
 
-    def to_diff_tuple(self) -> tuple[Any, ...]:
-        return ("create_fence_sequence", self.schema, self.name)
+    def _statements(self, operations: Operations) -> Iterable[Any]:
+        return [CreateSequence(fence_sequence(None, self.name, schema=self.schema))]
 
 
-@Operations.register_operation("drop_fence_sequence")
-class DropFenceSequenceOp(MigrateOperation):
+@Operations.register_operation("drop_fence_sequence", "_sequence_op")
+class DropFenceSequenceOp(_SequenceOp):
     """``op.drop_fence_sequence(name="sa_fence_token_seq", *, schema=None)``.
 
     Never run this on a live database: the next sequence starts at 1 again,
@@ -140,31 +170,44 @@ class DropFenceSequenceOp(MigrateOperation):
     before sending anything.
     """
 
-    def __init__(self, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None) -> None:
-        self.name = check_name("sequence name", name)
-        self.schema = schema
-
-    @classmethod
-    def drop_fence_sequence(
-        cls, operations: Operations, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None
-    ) -> None:
-        """Drop the token sequence (this resets the tokens)."""
-        operations.invoke(cls(name, schema=schema))
+    op_name = "drop_fence_sequence"
 
     def reverse(self) -> CreateFenceSequenceOp:
         return CreateFenceSequenceOp(self.name, schema=self.schema)
 
-    def to_diff_tuple(self) -> tuple[Any, ...]:
-        return ("drop_fence_sequence", self.schema, self.name)
+    def _statements(self, operations: Operations) -> Iterable[Any]:
+        if not operations.get_context().as_sql:
+            self._check_unused(operations.get_bind())
+        return [DropSequence(fence_sequence(None, self.name, schema=self.schema))]
+
+    def _check_unused(self, conn: sa.Connection) -> None:
+        target = qualified(self.name, self.schema)
+        params = {"sequence": target, "register": REGISTER_TABLE}
+        users = conn.execute(_SEQUENCE_USERS_SQL, params).all()
+        if not users:
+            return
+        shown = _qualified(self.name, self.schema)
+        first = (
+            f"drop the lease register first: op.drop_fence_register({register_op_args(shown)})"
+            if any(u.is_register for u in users)
+            else "drop those defaults (or their tables) first"
+        )
+        raise ValueError(
+            f"drop_fence_sequence: sequence {shown!r} is still the default of "
+            + ", ".join(f"{u.table_name}.{u.column_name}" for u in users)
+            + f"; {first}"
+        )
 
 
 @Operations.register_operation("alter_fence_sequence")
-class AlterFenceSequenceOp(MigrateOperation):
+class AlterFenceSequenceOp(_SequenceOp):
     """``op.alter_fence_sequence(name, *, existing_cache=1, existing_cycle=False, schema=None)``.
 
     Makes an existing sequence fit for tokens: ``AS bigint CACHE 1 NO
     CYCLE``.  ``existing_*`` record what it was, for the reverse.
     """
+
+    op_name = "alter_fence_sequence"
 
     def __init__(
         self,
@@ -176,15 +219,12 @@ class AlterFenceSequenceOp(MigrateOperation):
         existing_cycle: bool = False,
         schema: str | None = None,
     ) -> None:
-        self.name = check_name("sequence name", name)
+        super().__init__(name, schema=schema)
         for what, value in (("cache", cache), ("existing_cache", existing_cache)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{what} must be a positive int, got {value!r}")
-        self.cache = cache
-        self.cycle = bool(cycle)
-        self.existing_cache = existing_cache
-        self.existing_cycle = bool(existing_cycle)
-        self.schema = schema
+        self.cache, self.cycle = cache, bool(cycle)
+        self.existing_cache, self.existing_cycle = existing_cache, bool(existing_cycle)
 
     @classmethod
     def alter_fence_sequence(
@@ -202,7 +242,7 @@ class AlterFenceSequenceOp(MigrateOperation):
         )
 
     def to_diff_tuple(self) -> tuple[Any, ...]:
-        return ("alter_fence_sequence", self.schema, self.name, self.existing_cache, self.cache)
+        return (*super().to_diff_tuple(), self.existing_cache, self.cache)
 
     def reverse(self) -> AlterFenceSequenceOp:
         return AlterFenceSequenceOp(
@@ -214,11 +254,14 @@ class AlterFenceSequenceOp(MigrateOperation):
             schema=self.schema,
         )
 
+    def _statements(self, operations: Operations) -> Iterable[Any]:
+        cycle = "CYCLE" if self.cycle else "NO CYCLE"
+        target = qualified(self.name, self.schema)
+        return [f"ALTER SEQUENCE {target} AS bigint CACHE {self.cache} {cycle}"]
 
-@Operations.implementation_for(CreateFenceSequenceOp)
-def _create_fence_sequence(operations: Operations, operation: CreateFenceSequenceOp) -> None:
-    sequence = fence_sequence(None, operation.name, schema=operation.schema)
-    operations.execute(CreateSequence(sequence))
+    def _render_args(self, **extra: Any) -> str:
+        existing = {"existing_cache": self.existing_cache, "existing_cycle": self.existing_cycle}
+        return super()._render_args(**existing, **extra)
 
 
 #: Column defaults that draw from a sequence (``nextval``), e.g. the register's token.
@@ -238,64 +281,29 @@ _SEQUENCE_USERS_SQL = sa.text(
 )
 
 
-@Operations.implementation_for(DropFenceSequenceOp)
-def _drop_fence_sequence(operations: Operations, operation: DropFenceSequenceOp) -> None:
-    sequence = fence_sequence(None, operation.name, schema=operation.schema)
-    if not operations.get_context().as_sql:
-        users = (
-            operations.get_bind()
-            .execute(
-                _SEQUENCE_USERS_SQL,
-                {
-                    "sequence": qualified(operation.name, operation.schema),
-                    "register": REGISTER_TABLE,
-                },
-            )
-            .all()
-        )
-        if users:
-            shown = _qualified(operation.name, operation.schema)
-            register = [u for u in users if u.is_register]
-            first = (
-                f"drop the lease register first: op.drop_fence_register({register_op_args(shown)})"
-                if register
-                else "drop those defaults (or their tables) first"
-            )
-            raise ValueError(
-                f"drop_fence_sequence: sequence {shown!r} is still the default of "
-                + ", ".join(f"{u.table_name}.{u.column_name}" for u in users)
-                + f"; {first}"
-            )
-    operations.execute(DropSequence(sequence))
-
-
-@Operations.implementation_for(AlterFenceSequenceOp)
-def _alter_fence_sequence(operations: Operations, operation: AlterFenceSequenceOp) -> None:
-    cycle = "CYCLE" if operation.cycle else "NO CYCLE"
-    operations.execute(
-        f"ALTER SEQUENCE {qualified(operation.name, operation.schema)} AS bigint "
-        f"CACHE {operation.cache} {cycle}"
-    )
-
-
 # ================================================================ the register
 
 
-class _RegisterOp(MigrateOperation):
-    op_name = ""
-
+class _RegisterOp(_FenceOp):
     def __init__(self, sequence: str = DEFAULT_SEQUENCE, *, function_only: bool = False) -> None:
         self.sequence = check_name("sequence", sequence)
         # Set by autogenerate when only the check function was missing: the
         # reverse then drops the function alone, never the register's rows.
         self.function_only = bool(function_only)
 
+    @classmethod
+    def _register_op(cls, operations: Operations, sequence: str = DEFAULT_SEQUENCE) -> None:
+        operations.invoke(cls(sequence))
+
     def to_diff_tuple(self) -> tuple[Any, ...]:
         tail = ("check function only",) if self.function_only else ()
         return (self.op_name, self.sequence, *tail)
 
+    def _render_args(self) -> str:
+        return register_op_args(self.sequence)
 
-@Operations.register_operation("create_fence_register")
+
+@Operations.register_operation("create_fence_register", "_register_op")
 class CreateFenceRegisterOp(_RegisterOp):
     """``op.create_fence_register(sequence="sa_fence_token_seq")``.
 
@@ -307,18 +315,14 @@ class CreateFenceRegisterOp(_RegisterOp):
 
     op_name = "create_fence_register"
 
-    @classmethod
-    def create_fence_register(
-        cls, operations: Operations, sequence: str = DEFAULT_SEQUENCE
-    ) -> None:
-        """Create the lease register and its commit check function for ``sequence``."""
-        operations.invoke(cls(sequence))
-
     def reverse(self) -> DropFenceRegisterOp:
         return DropFenceRegisterOp(self.sequence, function_only=self.function_only)
 
+    def _statements(self, operations: Operations) -> Iterable[Any]:
+        return create_register_sql(self.sequence)
 
-@Operations.register_operation("drop_fence_register")
+
+@Operations.register_operation("drop_fence_register", "_register_op")
 class DropFenceRegisterOp(_RegisterOp):
     """``op.drop_fence_register(sequence="sa_fence_token_seq")``.
 
@@ -330,51 +334,51 @@ class DropFenceRegisterOp(_RegisterOp):
 
     op_name = "drop_fence_register"
 
-    @classmethod
-    def drop_fence_register(cls, operations: Operations, sequence: str = DEFAULT_SEQUENCE) -> None:
-        """Drop the lease register and its commit check function."""
-        operations.invoke(cls(sequence))
-
     def reverse(self) -> CreateFenceRegisterOp:
         return CreateFenceRegisterOp(self.sequence, function_only=self.function_only)
 
+    def _function_sql(self) -> str:
+        return f"DROP FUNCTION IF EXISTS {Register(self.sequence).function_sql}(text, bigint)"
 
-@Operations.implementation_for(CreateFenceRegisterOp)
-def _create_fence_register(operations: Operations, operation: CreateFenceRegisterOp) -> None:
-    for statement in create_register_sql(operation.sequence):
-        operations.execute(statement)
-
-
-@Operations.implementation_for(DropFenceRegisterOp)
-def _drop_fence_register(operations: Operations, operation: DropFenceRegisterOp) -> None:
-    statements = drop_register_sql(operation.sequence)
-    if operation.function_only:
-        statements = [_drop_check_function_sql(operation.sequence)]
-    for statement in statements:
-        operations.execute(statement)
-
-
-def _drop_check_function_sql(sequence: str) -> str:
-    return f"DROP FUNCTION IF EXISTS {Register(sequence).function_sql}(text, bigint)"
+    def _statements(self, operations: Operations) -> Iterable[Any]:
+        if self.function_only:
+            return [self._function_sql()]
+        return drop_register_sql(self.sequence)
 
 
 # ================================================================== the column
 
 
-class _TableOp(MigrateOperation):
-    op_name = ""
-
+class _TableOp(_FenceOp):
     def __init__(self, table_name: str, column: str = "fence", *, schema: str | None = None):
         self.table_name = check_name("table", table_name)
         self.column = check_name("column", column)
         self.schema = schema
 
+    @classmethod
+    def _column_op(
+        cls,
+        operations: Operations,
+        table_name: str,
+        column: str = "fence",
+        *,
+        schema: str | None = None,
+    ) -> None:
+        operations.invoke(cls(table_name, column, schema=schema))
+
     def to_diff_tuple(self) -> tuple[Any, ...]:
         """What ``alembic check`` reports."""
         return (self.op_name, self.schema, self.table_name, self.column)
 
+    def _keywords(self) -> dict[str, Any]:
+        return {} if self.schema is None else {"schema": self.schema}
 
-@Operations.register_operation("add_fence_column")
+    def _render_args(self) -> str:
+        positional = [self.table_name] + ([] if self.column == "fence" else [self.column])
+        return _args(*positional, **self._keywords())
+
+
+@Operations.register_operation("add_fence_column", "_column_op")
 class AddFenceColumnOp(_TableOp):
     """``op.add_fence_column(table, column="fence", *, schema=None)``.
 
@@ -386,39 +390,18 @@ class AddFenceColumnOp(_TableOp):
 
     op_name = "add_fence_column"
 
-    @classmethod
-    def add_fence_column(
-        cls,
-        operations: Operations,
-        table_name: str,
-        column: str = "fence",
-        *,
-        schema: str | None = None,
-    ) -> None:
-        """Add the fence column (BIGINT NOT NULL DEFAULT 0) to ``table_name``."""
-        operations.invoke(cls(table_name, column, schema=schema))
-
     def reverse(self) -> DropFenceColumnOp:
         return DropFenceColumnOp(self.table_name, self.column, schema=self.schema)
 
 
-@Operations.register_operation("drop_fence_column")
+@Operations.register_operation("drop_fence_column", "_column_op")
 class DropFenceColumnOp(_TableOp):
-    """``op.drop_fence_column(table, column="fence", *, schema=None)``."""
+    """``op.drop_fence_column(table, column="fence", *, schema=None)``.
+
+    Drops the fence column from ``table``.
+    """
 
     op_name = "drop_fence_column"
-
-    @classmethod
-    def drop_fence_column(
-        cls,
-        operations: Operations,
-        table_name: str,
-        column: str = "fence",
-        *,
-        schema: str | None = None,
-    ) -> None:
-        """Drop the fence column from ``table_name``."""
-        operations.invoke(cls(table_name, column, schema=schema))
 
     def reverse(self) -> AddFenceColumnOp:
         return AddFenceColumnOp(self.table_name, self.column, schema=self.schema)
@@ -458,19 +441,67 @@ class _GuardOp(_TableOp):
         self.on_missing_token = check_policy(on_missing_token)
         self.sequence = check_name("sequence", sequence)
 
+    @classmethod
+    def _guard_op(
+        cls,
+        operations: Operations,
+        table_name: str,
+        column: str = "fence",
+        *,
+        schema: str | None = None,
+        on_missing_token: str = "reject",
+        sequence: str = DEFAULT_SEQUENCE,
+    ) -> None:
+        policy = {"on_missing_token": on_missing_token, "sequence": sequence}
+        operations.invoke(cls(table_name, column, schema=schema, **policy))
+
     def same_guard(self, cls: type[_G], **extra: Any) -> _G:
         """An op of ``cls`` on the same guard: table, column, schema, policy, sequence."""
-        return cls(
+        policy = {"on_missing_token": self.on_missing_token, "sequence": self.sequence}
+        return cls(self.table_name, self.column, schema=self.schema, **policy, **extra)
+
+    def _keywords(self) -> dict[str, Any]:
+        # on_missing_token always written out: which writers the guard refuses
+        # is a decision for whoever reads the revision, not a default to overlook
+        kw = {**super()._keywords(), "on_missing_token": self.on_missing_token}
+        return kw if self.sequence == DEFAULT_SEQUENCE else {**kw, "sequence": self.sequence}
+
+    def _check_column(self, operations: Operations) -> None:
+        """Online: refuse a guard on a missing table or column before writing anything.
+
+        (PL/pgSQL would accept the function and fail at the first write.)
+        """
+        if operations.get_context().as_sql:
+            return
+        params = {"table": qualified(self.table_name, self.schema), "column": self.column}
+        found = operations.get_bind().execute(COLUMN_SQL, params).one()
+        shown = _qualified(self.table_name, self.schema)
+        if not found.present:
+            raise ValueError(
+                f"create_fence_guard: table {shown!r} does not exist; create it first "
+                "(the guard goes after op.create_table in the same revision)"
+            )
+        if found.data_type != "bigint":
+            what = "has no column" if found.data_type is None else f"has a {found.data_type} column"
+            raise ValueError(
+                f"create_fence_guard: table {shown!r} {what} {self.column!r}; the guard "
+                f"needs the bigint fence column: op.add_fence_column({self.table_name!r}"
+                + ("" if self.column == "fence" else f", {self.column!r}")
+                + ") first"
+            )
+
+    def _create_statements(self, operations: Operations) -> Iterable[Any]:
+        self._check_column(operations)
+        return create_guard_sql(
             self.table_name,
             self.column,
             schema=self.schema,
             on_missing_token=self.on_missing_token,
             sequence=self.sequence,
-            **extra,
         )
 
 
-@Operations.register_operation("create_fence_guard")
+@Operations.register_operation("create_fence_guard", "_guard_op")
 class CreateFenceGuardOp(_GuardOp):
     """``op.create_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
     sequence="sa_fence_token_seq")``.
@@ -486,33 +517,14 @@ class CreateFenceGuardOp(_GuardOp):
 
     op_name = "create_fence_guard"
 
-    @classmethod
-    def create_fence_guard(
-        cls,
-        operations: Operations,
-        table_name: str,
-        column: str = "fence",
-        *,
-        schema: str | None = None,
-        on_missing_token: str = "reject",
-        sequence: str = DEFAULT_SEQUENCE,
-    ) -> None:
-        """Create the guard trigger on ``table_name``."""
-        operations.invoke(
-            cls(
-                table_name,
-                column,
-                schema=schema,
-                on_missing_token=on_missing_token,
-                sequence=sequence,
-            )
-        )
-
     def reverse(self) -> DropFenceGuardOp:
         return self.same_guard(DropFenceGuardOp)
 
+    def _statements(self, operations: Operations) -> Iterable[Any]:
+        return self._create_statements(operations)
 
-@Operations.register_operation("drop_fence_guard")
+
+@Operations.register_operation("drop_fence_guard", "_guard_op")
 class DropFenceGuardOp(_GuardOp):
     """``op.drop_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
     sequence="sa_fence_token_seq")``.
@@ -523,30 +535,11 @@ class DropFenceGuardOp(_GuardOp):
 
     op_name = "drop_fence_guard"
 
-    @classmethod
-    def drop_fence_guard(
-        cls,
-        operations: Operations,
-        table_name: str,
-        column: str = "fence",
-        *,
-        schema: str | None = None,
-        on_missing_token: str = "reject",
-        sequence: str = DEFAULT_SEQUENCE,
-    ) -> None:
-        """Drop the guard trigger and function of ``table_name``."""
-        operations.invoke(
-            cls(
-                table_name,
-                column,
-                schema=schema,
-                on_missing_token=on_missing_token,
-                sequence=sequence,
-            )
-        )
-
     def reverse(self) -> CreateFenceGuardOp:
         return self.same_guard(CreateFenceGuardOp)
+
+    def _statements(self, operations: Operations) -> Iterable[Any]:
+        return drop_guard_sql(self.table_name, schema=self.schema)
 
 
 @Operations.register_operation("replace_fence_guard")
@@ -578,9 +571,8 @@ class ReplaceFenceGuardOp(_GuardOp):
         replaced: Sequence[str] | None = None,
         reasons: Sequence[str] = (),
     ) -> None:
-        super().__init__(
-            table_name, column, schema=schema, on_missing_token=on_missing_token, sequence=sequence
-        )
+        policy = {"on_missing_token": on_missing_token, "sequence": sequence}
+        super().__init__(table_name, column, schema=schema, **policy)
         if previous is not None and (
             isinstance(previous, str)
             or not previous
@@ -610,16 +602,8 @@ class ReplaceFenceGuardOp(_GuardOp):
         previous: Sequence[str] | None = None,
     ) -> None:
         """Remake the guard of ``table_name`` (or put ``previous`` back)."""
-        operations.invoke(
-            cls(
-                table_name,
-                column,
-                schema=schema,
-                on_missing_token=on_missing_token,
-                sequence=sequence,
-                previous=previous,
-            )
-        )
+        policy = {"on_missing_token": on_missing_token, "sequence": sequence}
+        operations.invoke(cls(table_name, column, schema=schema, previous=previous, **policy))
 
     def reverse(self) -> ReplaceFenceGuardOp:
         if self.previous is None and self.replaced is None:
@@ -635,111 +619,54 @@ class ReplaceFenceGuardOp(_GuardOp):
             reasons=self.reasons,
         )
 
-
-def _check_guarded_column(operations: Operations, operation: _GuardOp) -> None:
-    """Online: refuse a guard on a missing table or column before writing anything.
-
-    (PL/pgSQL would accept the function and fail at the first write.)
-    """
-    if operations.get_context().as_sql:
-        return
-    table = qualified(operation.table_name, operation.schema)
-    found = (
-        operations.get_bind()
-        .execute(COLUMN_SQL, {"table": table, "column": operation.column})
-        .one()
-    )
-    shown = _qualified(operation.table_name, operation.schema)
-    if not found.present:
-        raise ValueError(
-            f"create_fence_guard: table {shown!r} does not exist; create it first "
-            "(the guard goes after op.create_table in the same revision)"
-        )
-    if found.data_type != "bigint":
-        what = "has no column" if found.data_type is None else f"has a {found.data_type} column"
-        raise ValueError(
-            f"create_fence_guard: table {shown!r} {what} {operation.column!r}; the guard "
-            f"needs the bigint fence column: op.add_fence_column({operation.table_name!r}"
-            + ("" if operation.column == "fence" else f", {operation.column!r}")
-            + ") first"
-        )
+    def _statements(self, operations: Operations) -> Iterable[Any]:
+        if self.previous is None:
+            return self._create_statements(operations)
+        target = qualified(self.table_name, self.schema)
+        return [f"DROP TRIGGER IF EXISTS {TRIGGER_NAME} ON {target}", *self.previous]
 
 
-@Operations.implementation_for(CreateFenceGuardOp)
-def _create_fence_guard(operations: Operations, operation: _GuardOp) -> None:
-    _check_guarded_column(operations, operation)
-    for statement in create_guard_sql(
-        operation.table_name,
-        operation.column,
-        schema=operation.schema,
-        on_missing_token=operation.on_missing_token,
-        sequence=operation.sequence,
-    ):
+def _execute(operations: Operations, operation: _FenceOp) -> None:
+    for statement in operation._statements(operations):
         operations.execute(statement)
 
 
-@Operations.implementation_for(ReplaceFenceGuardOp)
-def _replace_fence_guard(operations: Operations, operation: ReplaceFenceGuardOp) -> None:
-    if operation.previous is None:
-        _create_fence_guard(operations, operation)
-        return
-    target = qualified(operation.table_name, operation.schema)
-    operations.execute(f"DROP TRIGGER IF EXISTS {TRIGGER_NAME} ON {target}")
-    for statement in operation.previous:
-        operations.execute(statement)
-
-
-@Operations.implementation_for(DropFenceGuardOp)
-def _drop_fence_guard(operations: Operations, operation: DropFenceGuardOp) -> None:
-    for statement in drop_guard_sql(operation.table_name, schema=operation.schema):
-        operations.execute(statement)
+_EXECUTED: tuple[type[_FenceOp], ...] = (
+    CreateFenceSequenceOp,
+    DropFenceSequenceOp,
+    AlterFenceSequenceOp,
+    CreateFenceRegisterOp,
+    DropFenceRegisterOp,
+    CreateFenceGuardOp,
+    DropFenceGuardOp,
+    ReplaceFenceGuardOp,
+)
+_op_class: type[_FenceOp]
+for _op_class in _EXECUTED:
+    Operations.implementation_for(_op_class)(_execute)
+# help(op.create_fence_guard) & co.: ops of a kind share one entry point, so it
+# gets the op class's docstring, which spells out the call.
+for _op_class in (*_EXECUTED, AddFenceColumnOp, DropFenceColumnOp):
+    getattr(Operations, _op_class.op_name).__doc__ = _op_class.__doc__
 
 
 # ================================================================== renderers
 
 
-def _args(*positional: Any, **keywords: Any) -> str:
-    parts = [repr(p) for p in positional]
-    parts += [f"{k}={v!r}" for k, v in keywords.items()]
-    return ", ".join(parts)
-
-
-def _render(autogen_context: AutogenContext, call: str) -> str:
+def _call(autogen_context: AutogenContext, op: _FenceOp, args: str | None = None) -> str:
+    """``op.<name>(<args>)`` for a revision, which then imports sa_fence.alembic."""
     autogen_context.imports.add(IMPORT_LINE)
-    return call
+    return f"op.{op.op_name}({op._render_args() if args is None else args})"
 
 
-def _table_keywords(op: _TableOp) -> dict[str, Any]:
-    kw: dict[str, Any] = {}
-    if op.schema is not None:
-        kw["schema"] = op.schema
-    if isinstance(op, _GuardOp):
-        # always written out: which writers the guard refuses is a decision
-        # for whoever reads the revision, not a default to overlook
-        kw["on_missing_token"] = op.on_missing_token
-    if isinstance(op, _GuardOp) and op.sequence != DEFAULT_SEQUENCE:
-        kw["sequence"] = op.sequence
-    return kw
-
-
-def _table_args(op: _TableOp) -> str:
-    positional: list[str] = [op.table_name]
-    if op.column != "fence":
-        positional.append(op.column)
-    return _args(*positional, **_table_keywords(op))
-
-
-def _sequence_args(name: str, schema: str | None, **extra: Any) -> str:
-    positional = [] if name == DEFAULT_SEQUENCE else [name]
-    keywords = {**extra, **({"schema": schema} if schema is not None else {})}
-    return _args(*positional, **keywords)
-
-
-@renderers.dispatch_for(CreateFenceSequenceOp)
-def _render_create_sequence(autogen_context: AutogenContext, op: CreateFenceSequenceOp) -> str:
-    return _render(
-        autogen_context, f"op.create_fence_sequence({_sequence_args(op.name, op.schema)})"
-    )
+for _op_class in (
+    CreateFenceSequenceOp,
+    CreateFenceRegisterOp,
+    AddFenceColumnOp,
+    DropFenceColumnOp,
+    DropFenceGuardOp,
+):
+    renderers.dispatch_for(_op_class)(_call)
 
 
 #: Above a rendered drop_fence_sequence() (it appears in downgrade()).
@@ -769,8 +696,7 @@ GUARD_POLICY_NOTES = {
 
 @renderers.dispatch_for(DropFenceSequenceOp)
 def _render_drop_sequence(autogen_context: AutogenContext, op: DropFenceSequenceOp) -> list[str]:
-    call = _render(autogen_context, f"op.drop_fence_sequence({_sequence_args(op.name, op.schema)})")
-    return [*DROP_SEQUENCE_WARNING, call]
+    return [*DROP_SEQUENCE_WARNING, _call(autogen_context, op)]
 
 
 @renderers.dispatch_for(AlterFenceSequenceOp)
@@ -781,39 +707,20 @@ def _render_alter_sequence(autogen_context: AutogenContext, op: AlterFenceSequen
             "CYCLE" if op.cycle else "NO CYCLE"
         )
         return f"op.execute({sql!r})"
-    args = _sequence_args(
-        op.name, op.schema, existing_cache=op.existing_cache, existing_cycle=op.existing_cycle
-    )
-    return _render(autogen_context, f"op.alter_fence_sequence({args})")
-
-
-@renderers.dispatch_for(CreateFenceRegisterOp)
-def _render_create_register(autogen_context: AutogenContext, op: CreateFenceRegisterOp) -> str:
-    return _render(autogen_context, f"op.create_fence_register({register_op_args(op.sequence)})")
+    return _call(autogen_context, op)
 
 
 @renderers.dispatch_for(DropFenceRegisterOp)
 def _render_drop_register(autogen_context: AutogenContext, op: DropFenceRegisterOp) -> str:
     if op.function_only:
         # the reverse of a repair: the register stays, only the function goes
-        return f"op.execute({_drop_check_function_sql(op.sequence)!r})"
-    return _render(autogen_context, f"op.drop_fence_register({register_op_args(op.sequence)})")
-
-
-@renderers.dispatch_for(AddFenceColumnOp)
-def _render_add_column(autogen_context: AutogenContext, op: AddFenceColumnOp) -> str:
-    return _render(autogen_context, f"op.add_fence_column({_table_args(op)})")
-
-
-@renderers.dispatch_for(DropFenceColumnOp)
-def _render_drop_column(autogen_context: AutogenContext, op: DropFenceColumnOp) -> str:
-    return _render(autogen_context, f"op.drop_fence_column({_table_args(op)})")
+        return f"op.execute({op._function_sql()!r})"
+    return _call(autogen_context, op)
 
 
 @renderers.dispatch_for(CreateFenceGuardOp)
 def _render_create_guard(autogen_context: AutogenContext, op: CreateFenceGuardOp) -> list[str]:
-    call = _render(autogen_context, f"op.create_fence_guard({_table_args(op)})")
-    return [*GUARD_POLICY_NOTES[op.on_missing_token], call]
+    return [*GUARD_POLICY_NOTES[op.on_missing_token], _call(autogen_context, op)]
 
 
 def _render_statements(statements: Sequence[str]) -> str:
@@ -828,12 +735,11 @@ def _render_statements(statements: Sequence[str]) -> str:
 
 @renderers.dispatch_for(ReplaceFenceGuardOp)
 def _render_replace_guard(autogen_context: AutogenContext, op: ReplaceFenceGuardOp) -> list[str]:
-    args = _table_args(op)
     if op.previous is not None:
-        call = f"op.replace_fence_guard({args}, previous={_render_statements(op.previous)})"
+        args = f"{op._render_args()}, previous={_render_statements(op.previous)}"
         return [
             f"# sa-fence: puts back the guard of {op.table_name!r} as it was before the upgrade",
-            _render(autogen_context, call),
+            _call(autogen_context, op, args),
         ]
     why = [
         line
@@ -845,13 +751,8 @@ def _render_replace_guard(autogen_context: AutogenContext, op: ReplaceFenceGuard
         *why,
         "# remade as it was made (same on_missing_token and sequence); the downgrade puts the",
         "# old one back.",
-        _render(autogen_context, f"op.replace_fence_guard({args})"),
+        _call(autogen_context, op),
     ]
-
-
-@renderers.dispatch_for(DropFenceGuardOp)
-def _render_drop_guard(autogen_context: AutogenContext, op: DropFenceGuardOp) -> str:
-    return _render(autogen_context, f"op.drop_fence_guard({_table_args(op)})")
 
 
 # ================================================================= comparator
@@ -898,24 +799,25 @@ def _metadatas(autogen_context: AutogenContext) -> list[sa.MetaData]:
     return list(metadata)
 
 
+def _included(autogen_context: AutogenContext, table: sa.Table) -> bool:
+    """Do ``include_name`` and ``include_object`` leave ``table`` in scope?"""
+    return autogen_context.run_name_filters(
+        table.name, "table", {"schema_name": table.schema}
+    ) and autogen_context.run_object_filters(table, table.name, "table", False, None)
+
+
 def _fenced_tables(
     autogen_context: AutogenContext, schemas: Iterable[str | None]
 ) -> list[tuple[sa.Table, str]]:
     wanted = set(schemas)
-    found: list[tuple[sa.Table, str]] = []
-    for metadata in _metadatas(autogen_context):
-        for table in metadata.tables.values():
-            fence = fence_column_of(table)
-            if fence is None or table.schema not in wanted:
-                continue
-            if not autogen_context.run_name_filters(
-                table.name, "table", {"schema_name": table.schema}
-            ):
-                continue
-            if not autogen_context.run_object_filters(table, table.name, "table", False, None):
-                continue
-            found.append((table, fence.name))
-    return found
+    return [
+        (table, fence.name)
+        for metadata in _metadatas(autogen_context)
+        for table in metadata.tables.values()
+        if (fence := fence_column_of(table)) is not None
+        and table.schema in wanted
+        and _included(autogen_context, table)
+    ]
 
 
 def _take_builtin_add_column(
@@ -969,19 +871,76 @@ def _register_scope(autogen_context: AutogenContext, register: Register) -> tupl
     (``fence_sequence(metadata)``), and do ``include_name`` / ``include_object``
     leave it in scope?"""
     key = f"{register.schema}.{REGISTER_TABLE}" if register.schema else REGISTER_TABLE
-    included = autogen_context.run_name_filters(
-        REGISTER_TABLE, "table", {"schema_name": register.schema}
-    )
     for metadata in _metadatas(autogen_context):
         table = metadata.tables.get(key)
         if table is not None:
-            return True, included and autogen_context.run_object_filters(
-                table, table.name, "table", False, None
-            )
-    return False, included
+            return True, _included(autogen_context, table)
+    return False, autogen_context.run_name_filters(
+        REGISTER_TABLE, "table", {"schema_name": register.schema}
+    )
 
 
 _REGISTER_EXISTS_SQL = sa.text("SELECT to_regclass(:register) IS NOT NULL")
+
+
+def _table_ops(
+    autogen_context: AutogenContext,
+    upgrade_ops: alembic_ops.UpgradeOps,
+    tables: list[tuple[sa.Table, str]],
+    sequence: str,
+) -> Iterator[MigrateOperation]:
+    """The column, guard and guard-replacing ops the fenced tables need."""
+    conn, inspector = autogen_context.connection, autogen_context.inspector
+    assert conn is not None
+    for table, column in tables:
+        # A table that already exists may have writers that know nothing of
+        # sa-fence: its guard starts lenient ("unchanged"), as the migrations
+        # guide advises; a table created by this revision has none yet.
+        policy = "reject"
+        if inspector.has_table(table.name, schema=table.schema):
+            policy = "unchanged"
+            columns = {c["name"] for c in inspector.get_columns(table.name, schema=table.schema)}
+            if column not in columns:
+                _take_builtin_add_column(upgrade_ops, table, column)
+                yield AddFenceColumnOp(table.name, column, schema=table.schema)
+            else:
+                guard = conn.execute(
+                    _GUARD_STATE_SQL, {"table": qualified(table.name, table.schema)}
+                ).one_or_none()
+                if guard is not None:
+                    replace = _replace_if_outdated(conn, table, column, guard, sequence)
+                    if replace is not None:
+                        yield replace
+                    continue
+        yield CreateFenceGuardOp(
+            table.name, column, schema=table.schema, on_missing_token=policy, sequence=sequence
+        )
+
+
+def _head_ops(
+    conn: sa.Connection, register: Register, included: bool
+) -> Iterator[MigrateOperation]:
+    """The sequence's op, then the register's: what goes first in the upgrade."""
+    seq_schema, _, seq_name = register.sequence.rpartition(".")
+    schema = seq_schema or None
+    row = conn.execute(SEQUENCE_SQL, {"name": qualified(seq_name, schema)}).one_or_none()
+    if row is None:
+        yield CreateFenceSequenceOp(seq_name, schema=schema)
+    elif not (row.is_cache_1 and row.is_no_cycle):  # the rules AlterFenceSequenceOp fixes
+        yield AlterFenceSequenceOp(
+            seq_name,
+            existing_cache=int(row.seqcache),
+            existing_cycle=bool(row.seqcycle),
+            schema=schema,
+        )
+    if not included:
+        return
+    if not conn.execute(_REGISTER_EXISTS_SQL, {"register": register.table_sql}).scalar_one():
+        yield CreateFenceRegisterOp(register.sequence)
+    elif not conn.execute(
+        CHECK_FUNCTION_SQL, {"function": register.function_sql}
+    ).scalar_one() or scope_trigger_problem(conn, register):
+        yield CreateFenceRegisterOp(register.sequence, function_only=True)
 
 
 # LAST: Alembic's own table comparators (MEDIUM) have run by then, so their
@@ -1005,62 +964,9 @@ def _compare_fencing(
     declared, included = _register_scope(autogen_context, register)
     if not tables and not (declared and included):
         return PriorityDispatchResult.CONTINUE
-    inspector = autogen_context.inspector
-    new_ops: list[MigrateOperation] = []
-    for table, column in tables:
-        # A table that already exists may have writers that know nothing of
-        # sa-fence: its guard starts lenient ("unchanged"), as the migrations
-        # guide advises; a table created by this revision has none yet.
-        policy = "reject"
-        if inspector.has_table(table.name, schema=table.schema):
-            policy = "unchanged"
-            columns = {c["name"] for c in inspector.get_columns(table.name, schema=table.schema)}
-            if column not in columns:
-                _take_builtin_add_column(upgrade_ops, table, column)
-                new_ops.append(AddFenceColumnOp(table.name, column, schema=table.schema))
-            else:
-                guard = conn.execute(
-                    _GUARD_STATE_SQL, {"table": qualified(table.name, table.schema)}
-                ).one_or_none()
-                if guard is not None:
-                    replace = _replace_if_outdated(conn, table, column, guard, sequence)
-                    if replace is not None:
-                        new_ops.append(replace)
-                    continue
-        new_ops.append(
-            CreateFenceGuardOp(
-                table.name,
-                column,
-                schema=table.schema,
-                on_missing_token=policy,
-                sequence=sequence,
-            )
-        )
-    seq_schema, _, seq_name = sequence.rpartition(".")
-    head: list[MigrateOperation] = []
-    row = conn.execute(
-        SEQUENCE_SQL, {"name": qualified(seq_name, seq_schema or None)}
-    ).one_or_none()
-    if row is None:
-        head.append(CreateFenceSequenceOp(seq_name, schema=seq_schema or None))
-    elif not (row.is_cache_1 and row.is_no_cycle):  # the rules AlterFenceSequenceOp fixes
-        head.append(
-            AlterFenceSequenceOp(
-                seq_name,
-                existing_cache=int(row.seqcache),
-                existing_cycle=bool(row.seqcycle),
-                schema=seq_schema or None,
-            )
-        )
-    if included:
-        if not conn.execute(_REGISTER_EXISTS_SQL, {"register": register.table_sql}).scalar_one():
-            head.append(CreateFenceRegisterOp(sequence))
-        elif not conn.execute(
-            CHECK_FUNCTION_SQL, {"function": register.function_sql}
-        ).scalar_one() or scope_trigger_problem(conn, register):
-            head.append(CreateFenceRegisterOp(sequence, function_only=True))
+    new_ops = list(_table_ops(autogen_context, upgrade_ops, tables, sequence))
     # The sequence first, then the register whose default draws from it (so
     # the downgrade drops the register before the sequence), then the rest.
-    upgrade_ops.ops[0:0] = head
+    upgrade_ops.ops[0:0] = _head_ops(conn, register, included)
     upgrade_ops.ops.extend(new_ops)
     return PriorityDispatchResult.CONTINUE
