@@ -301,7 +301,10 @@ def psycopg_conninfo(url: sa.URL) -> str:
 
 
 def grant_params(
-    sequence: str, name: str, lock_timeout_ms: int = DEFAULT_GRANT_LOCK_TIMEOUT_MS
+    sequence: str,
+    name: str,
+    lock_timeout_ms: int = DEFAULT_GRANT_LOCK_TIMEOUT_MS,
+    skip_flush: bool = True,
 ) -> dict[str, Any]:
     """The grant statement's parameters, as ``TokenSource.params(name)`` builds them
     (pass the compared Fencer's lock wait bound: ``fencer._tokens.lock_timeout_ms``)."""
@@ -311,6 +314,7 @@ def grant_params(
         "sequence": register.sequence_sql,
         "register": register.table_sql,
         "lock_timeout": f"{lock_timeout_ms}ms",
+        "skip_flush": skip_flush,
     }
 
 
