@@ -324,8 +324,8 @@ class HandWritten:
     ``SET NX PX`` with a random owner; the token drawn and the lease register
     advanced by the one statement sa-fence sends
     (``Register(sequence).grant_sql()``, same parameters), on an autocommit
-    psycopg connection, so the grant is durably committed (its row write
-    makes the commit flush the WAL); an owner-checked CONFIRM that records
+    psycopg connection, committed (its commit waits for the WAL flush unless
+    the token's WAL record is already flushed); an owner-checked CONFIRM that records
     the token; an owner-checked RELEASE.  No retries, no withdrawal, no
     validation beyond the statement's own, no objects.
     """

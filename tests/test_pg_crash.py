@@ -318,7 +318,7 @@ def lost_grant(pg: PgCluster, fencer: sa_fence.Fencer, engine: sa.Engine) -> Any
     return a, b, frozen
 
 
-def test_a_crash_that_loses_an_unflushed_grant_lets_the_old_holder_commit_only_until_the_new_one_commits(
+def test_a_crash_that_loses_a_grant_lets_the_old_holder_commit_until_the_new_one_commits(
     pg: PgCluster, fencer: sa_fence.Fencer, app_engine: sa.Engine
 ) -> None:
     a, b, frozen = lost_grant(pg, fencer, app_engine)
