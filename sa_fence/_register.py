@@ -20,9 +20,14 @@ sequence is refused (two sequences on one set of rows would let a stale
 holder's token overtake a newer one).
 
 **Grant** (:meth:`Register.grant_sql`): one autocommit statement draws the token and
-advances the register.  The upsert writes a row, so the transaction has an
-xid and its commit flushes the WAL (with ``synchronous_commit`` on): a crash
-cannot hand the token out again.  The same statement checks the sequence's
+advances the register.  The token is durable once the WAL record of its
+``nextval`` is (nextval logs 32 values ahead): the statement reads whether that
+record is already flushed, and if so commits without waiting for a flush
+(``synchronous_commit`` off for its transaction alone); otherwise its commit
+flushes the WAL as any commit does.  Either way a crash cannot hand the token
+out again; an unflushed register advance is flushed by the holder's first
+commit, and until then a crash can only lose the grant (docs/guarantees.md,
+"A PostgreSQL crash").  The same statement checks the sequence's
 fitness (``CACHE 1``, ``NO CYCLE``, increment > 0, ``bigint``) and that it is
 the register's own; an unfit sequence draws nothing and the statement
 returns no row.  ``lock_timeout`` bounds the wait for a committing holder's
@@ -163,6 +168,7 @@ class Register:
             .replace("%(sequence)s", ":sequence")
             .replace("%(register)s", ":register")
             .replace("%(lock_timeout)s", ":lock_timeout")
+            .replace("%(skip_flush)s", ":skip_flush")
         )
 
     def withdraw_sql(self) -> Any:
@@ -222,29 +228,59 @@ def pinned_register(conn: Any, sequence: str) -> Register:
 # restore, a promoted replica) updates
 # nothing, and the row comes back with `token` NULL beside the drawn token and
 # the register's, for the refusal.  `previous` keeps the replaced token for a
-# withdrawal.  synchronous_commit is read to refuse 'off' (docs/reliability.md).  The register
+# withdrawal.  synchronous_commit is read (before `commit_mode` may change it
+# for this transaction) to refuse 'off' (docs/reliability.md).  The register
 # and sequence arrive schema-qualified (Register.pinned): nothing on the
 # search_path (a temporary table, another schema) can stand in for them.
+#
+# `commit_mode`: the grant's commit skips the WAL flush (synchronous_commit
+# off for this transaction alone) only when the WAL record that makes the
+# drawn token durable is already flushed (docs/guarantees.md, "A PostgreSQL
+# crash").  nextval logs 32 values ahead; the record covering this token was
+# written by this nextval or an earlier one, in either case before this
+# nextval read the sequence page (the writer holds the page's lock while it
+# inserts the record), so it ends at or before the WAL insert position read
+# after the draw.  `commit_mode` reads from `drawn` (so after the nextval) and
+# the upsert reads from `commit_mode` (so before the upsert's own WAL): when
+# the flush position has reached that insert position, the covering record is
+# on disk and a crash cannot set the sequence back below the token; only the
+# register advance can be lost, and the holder's first commit flushes it.
+# Otherwise (the draw logged, or the record written by another transaction
+# is not flushed yet: aborted, or still committing) the commit flushes as
+# usual.  With synchronous standbys (synchronous_standby_names set) the grant
+# always waits for them: a standby's copy of the record is not known here.
 _GRANT_SQL = """\
 WITH drawn AS (
-    SELECT pg_catalog.nextval(s.seqrelid) AS token
+    SELECT pg_catalog.nextval(s.seqrelid) AS token,
+           pg_catalog.current_setting('synchronous_commit') AS synchronous_commit
       FROM pg_catalog.pg_sequence s
      WHERE s.seqrelid = CAST(%(sequence)s AS pg_catalog.regclass)
        AND {sequence_fit}
        AND s.seqrelid IN {token_sequences}
        AND pg_catalog.set_config('lock_timeout', %(lock_timeout)s, true) IS NOT NULL
+), commit_mode AS (
+    SELECT drawn.token,
+           CASE WHEN CAST(%(skip_flush)s AS boolean)
+                 AND drawn.synchronous_commit <> 'off'
+                 AND pg_catalog.current_setting('synchronous_standby_names') = ''
+                 AND pg_catalog.pg_current_wal_flush_lsn()
+                     >= pg_catalog.pg_current_wal_insert_lsn()
+                THEN pg_catalog.set_config('synchronous_commit', 'off', true) IS NULL
+                ELSE true END AS flushed
+      FROM drawn
 ), granted AS (
     INSERT INTO {register} AS r (name, token, granted_at)
-    SELECT %(name)s, drawn.token, pg_catalog.clock_timestamp() FROM drawn
+    SELECT %(name)s, m.token, pg_catalog.clock_timestamp() FROM commit_mode m
     ON CONFLICT (name) DO UPDATE
        SET token = EXCLUDED.token, granted_at = EXCLUDED.granted_at, previous = r.token
      WHERE r.token < EXCLUDED.token
     RETURNING r.token
 )
 SELECT (SELECT g.token FROM granted g) AS token,
-       pg_catalog.current_setting('synchronous_commit') AS synchronous_commit,
+       drawn.synchronous_commit,
        drawn.token AS drawn,
-       (SELECT o.token FROM {register} o WHERE o.name = %(name)s) AS held
+       (SELECT o.token FROM {register} o WHERE o.name = %(name)s) AS held,
+       (SELECT m.flushed FROM commit_mode m) AS flushed
   FROM drawn"""
 
 

@@ -241,7 +241,11 @@ class TokenSource:
 
     One statement per grant (:mod:`sa_fence._register`): the token comes from
     the register's own sequence, checked fit in that same statement, and the
-    register row of the lease name is advanced to it, durably committed.
+    register row of the lease name is advanced to it and committed.  The
+    token is durable when the grant returns; the register advance is too,
+    unless the statement found the token's WAL record already flushed and
+    committed without waiting for the flush (:attr:`skip_flush`): then it is
+    durable at the next WAL flush, at the latest the holder's first commit.
     """
 
     engine: Engine
@@ -249,6 +253,11 @@ class TokenSource:
     #: Bound (ms) on a grant's wait for a committing holder's share lock on
     #: the register row; the wait ends in LeaseBackendError naming it.
     lock_timeout_ms: int = DEFAULT_GRANT_LOCK_TIMEOUT_MS
+    #: Let a grant commit without waiting for the WAL flush when the WAL record
+    #: that makes its token durable is already flushed (the grant statement
+    #: decides; docs/guarantees.md, "A PostgreSQL crash").  False: every grant's
+    #: commit waits for the flush, as before.
+    skip_flush: bool = True
     _checked: bool = False
     # The connection tokens are drawn on when no other thread is drawing one
     # (see _next_token_psycopg); None until first used.
@@ -259,6 +268,9 @@ class TokenSource:
 
     #: Sends of one grant's statement when its connection is lost (DRAW_ATTEMPTS).
     draw_attempts: int = field(default=DRAW_ATTEMPTS, init=False, repr=False)
+
+    #: Whether the latest grant's commit waited for the WAL flush (None: no grant yet).
+    last_flushed: bool | None = field(default=None, init=False, repr=False)
 
     #: (system identifier, database name) of the register's database, once checked
     database_id: tuple[Any, ...] | None = field(default=None, init=False, repr=False)
@@ -299,6 +311,7 @@ class TokenSource:
             "sequence": register.sequence_sql,
             "register": register.table_sql,
             "lock_timeout": f"{self.lock_timeout_ms}ms",
+            "skip_flush": self.skip_flush,
         }
 
     def next_token(self, name: str) -> int:
@@ -367,7 +380,9 @@ class TokenSource:
                 f"lease {name!r} was not granted: "
                 + (problem or f"the token sequence {self.sequence!r} cannot issue tokens")
             )
-        token, sync, drawn, held = row
+        token, sync, drawn, held, flushed = row
+        #: whether the latest grant's commit waited for the WAL flush (for tests)
+        self.last_flushed = bool(flushed)
         if sync == "off":
             raise _sync_commit_error(sync)
         if token is None:

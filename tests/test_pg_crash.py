@@ -18,6 +18,15 @@ restarts through crash recovery.  Points chosen:
 * mid-acquire (the token connection's server process frozen while the grant
   statement is in flight): the acquire fails with LeaseBackendError and
   leaves nothing in Redis;
+* right after a grant that committed without waiting for the WAL flush
+  (the statement found its token's WAL record already flushed), with every
+  server process that could flush the WAL on its own frozen: the crash
+  loses the grant, never the token; the name's previous holder may commit
+  until the new holder commits anything, never after; the pair forces the
+  grant to skip the flush although the record covering its token is not
+  flushed (another transaction wrote it and aborted), and sees the token
+  handed out again and the old holder's commit accepted after the new
+  holder's;
 * with the application's pool full of connections from before the crash
   (no ``pool_pre_ping``): the first acquire after the restart succeeds, on
   the held token connection path, the pooled path and the asyncio path; the
@@ -43,8 +52,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import sessionmaker
 
 import sa_fence
+from sa_fence import _register
 from sa_fence._tokens import TokenSource
+from sa_fence.testing import expire
 from tests._pg_cluster import PgCluster, private_cluster, wait_for_signal
+from tests._tools import wait_for
 from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE, Audit, Base, Job
 
@@ -59,7 +71,9 @@ MAX_BROKEN_ROUNDS = 10
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[PgCluster]:
-    with private_cluster("crash") as pg:
+    # no timed checkpoint or autovacuum commit between a test's steps: each
+    # would flush WAL the test means to leave unflushed
+    with private_cluster("crash", checkpoint_timeout="1d", autovacuum=False) as pg:
         pg.create_database(DB)
         engine = sa.create_engine(pg.url(DB), poolclass=sa.pool.NullPool)
         Base.metadata.create_all(engine)
@@ -204,6 +218,206 @@ def test_the_crash_rounds_see_tokens_handed_out_again_with_synchronous_commit_of
         fencer.close()
         engine.dispose()
     assert reissued, "asynchronous commits survived every crash"
+
+
+# ------------------------------------- grants that skip the WAL flush, crashed
+
+#: The server processes that write or flush WAL on their own (a dirty buffer
+#: written out first flushes the WAL up to its page).  Frozen, they leave every
+#: WAL record a test makes in shared memory until a commit flushes it.  (The
+#: cluster runs no autovacuum, whose commits would flush it too.)
+FLUSHERS = ("walwriter", "background writer", "checkpointer")
+
+#: The grant statement's test of "the token's WAL record is flushed" (its guard).
+FLUSHED_GUARD = (
+    "                 AND pg_catalog.pg_current_wal_flush_lsn()\n"
+    "                     >= pg_catalog.pg_current_wal_insert_lsn()\n"
+)
+
+
+def freeze_flushers(pg: PgCluster) -> list[int]:
+    """SIGSTOP every background process that could flush WAL; their pids."""
+    names = ", ".join(f"'{name}'" for name in FLUSHERS)
+    rows = pg.sql(
+        "SELECT pid, backend_type FROM pg_stat_activity "
+        f"WHERE backend_type IN ({names}) OR backend_type LIKE 'autovacuum%'"
+    )
+    assert sorted(kind for _, kind in rows) == sorted(FLUSHERS), rows
+    pids = [int(pid) for pid, _ in rows]
+    for pid in pids:
+        _freeze(pid)
+    for pid in pids:
+        wait_for(lambda pid=pid: _stopped(pid), 10, f"server process {pid} stopped")
+    return pids
+
+
+def crash_frozen(pg: PgCluster, frozen: list[int], engine: sa.Engine) -> None:
+    """Crash the cluster (each frozen process dies on SIGCONT, SIGQUIT pending)
+    and restart it; ``engine``'s pool of dead connections is emptied."""
+    postmaster = pg.begin_crash()
+    for pid in frozen:
+        wait_for_signal(pid, signal.SIGQUIT)
+        os.kill(pid, signal.SIGCONT)
+    pg.wait_gone(postmaster)
+    pg.start()
+    engine.dispose()
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def commit_under(engine: sa.Engine, lease: sa_fence.Lease, message: str) -> bool:
+    """One unit of work in lease scope; True if committed, False if refused as stale."""
+    make_session = sa_fence.install(sessionmaker(engine))
+    with make_session() as session:
+        lease.bind(session)
+        session.add(Audit(message=message))
+        try:
+            session.commit()
+        except sa_fence.StaleTokenError:
+            return False
+    return True
+
+
+def messages(pg: PgCluster) -> list[str]:
+    return [message for (message,) in pg.sql("SELECT message FROM audit ORDER BY id", DB)]
+
+
+def test_a_grant_skips_the_wal_flush_when_its_token_is_already_durable(
+    pg: PgCluster, fencer: sa_fence.Fencer, app_engine: sa.Engine
+) -> None:
+    first = fencer.acquire("job:1", 30)
+    while values_before_wal(pg) < 2:  # the next draw must not write WAL
+        fencer.acquire("filler", 30).release()
+    assert commit_under(app_engine, first, "flushes the WAL")
+    second = fencer.acquire("job:2", 30)
+    assert fencer._tokens.last_flushed is False
+    fencer._tokens.skip_flush = False
+    third = fencer.acquire("job:3", 30)
+    assert fencer._tokens.last_flushed is True
+    assert first.token < second.token < third.token
+    pg.sql("CHECKPOINT", DB)  # the next draw writes WAL: its commit waits for the flush
+    fencer._tokens.skip_flush = True
+    fencer.acquire("job:4", 30)
+    assert fencer._tokens.last_flushed is True
+
+
+def lost_grant(pg: PgCluster, fencer: sa_fence.Fencer, engine: sa.Engine) -> Any:
+    """Holder A committed; A's lease ends; B is granted without a WAL flush;
+    everything that could flush the WAL on its own is frozen.  (A, B, frozen)."""
+    a = fencer.acquire("job:1", 30)
+    while values_before_wal(pg) < 2:
+        fencer.acquire("filler", 30).release()
+    assert commit_under(engine, a, "A before the grant")  # flushes everything before it
+    frozen = freeze_flushers(pg)
+    assert expire(a)  # A pauses past its TTL (its Lease object still holds the token)
+    b = fencer.acquire("job:1", 30)
+    assert fencer._tokens.last_flushed is False, "the grant waited for the flush"
+    return a, b, frozen
+
+
+def test_a_crash_that_loses_a_grant_lets_the_old_holder_commit_until_the_new_one_commits(
+    pg: PgCluster, fencer: sa_fence.Fencer, app_engine: sa.Engine
+) -> None:
+    a, b, frozen = lost_grant(pg, fencer, app_engine)
+    crash_frozen(pg, frozen, app_engine)
+
+    # the grant is lost, its token is not: the register holds A's token again
+    assert register(pg)["job:1"] == a.token
+    assert next_token_after_restart(pg) > b.token
+    # B's commits are refused; A commits, as if just before B's grant
+    assert not commit_under(app_engine, b, "B after the crash")
+    assert commit_under(app_engine, a, "A after the crash")
+    # the name granted again: a new token, and from its first commit on A is refused
+    assert expire(b)
+    c = fencer.acquire("job:1", 30)
+    assert c.token > b.token
+    assert commit_under(app_engine, c, "C")
+    assert not commit_under(app_engine, a, "A after C")
+    assert not commit_under(app_engine, b, "B after C")
+    assert messages(pg) == ["A before the grant", "A after the crash", "C"]
+
+
+def test_once_the_new_holder_commits_a_crash_keeps_its_grant_and_the_old_holder_is_refused(
+    pg: PgCluster, fencer: sa_fence.Fencer, app_engine: sa.Engine
+) -> None:
+    a, b, frozen = lost_grant(pg, fencer, app_engine)
+    assert commit_under(app_engine, b, "B")  # its commit flushes the WAL up to the grant
+    crash_frozen(pg, frozen, app_engine)
+
+    assert register(pg)["job:1"] == b.token
+    assert not commit_under(app_engine, a, "A after the crash")
+    assert commit_under(app_engine, b, "B after the crash")
+    assert fencer.acquire("job:2", 30).token > b.token
+    assert messages(pg) == ["A before the grant", "B", "B after the crash"]
+
+
+def grant_over_an_unflushed_record(pg: PgCluster, fencer: sa_fence.Fencer) -> Any:
+    """B granted while the WAL record covering its token is not flushed: another
+    transaction's nextval wrote it (32 values ahead) and that transaction
+    aborted, which flushes nothing.  Background flushers frozen.  (B, frozen)."""
+    fencer.acquire("warm", 30).release()  # set-up check and token connection done
+    pg.sql("CHECKPOINT", DB)  # the next nextval writes WAL (its page predates the redo point)
+    frozen = freeze_flushers(pg)
+    with psycopg.connect(pg.dsn(DB), autocommit=False) as other:
+        other.execute(f"SELECT nextval('{SEQUENCE}')")
+        assert values_before_wal(pg) == 32  # it wrote the record covering the next 32
+        other.rollback()
+    b = fencer.acquire("job:1", 30)
+    assert values_before_wal(pg) == 31  # B's own draw wrote no WAL
+    return b, frozen
+
+
+def test_a_grant_whose_token_is_covered_by_an_unflushed_record_waits_for_the_flush(
+    pg: PgCluster, fencer: sa_fence.Fencer, app_engine: sa.Engine
+) -> None:
+    b, frozen = grant_over_an_unflushed_record(pg, fencer)
+    flushed = fencer._tokens.last_flushed
+    crash_frozen(pg, frozen, app_engine)
+
+    assert next_token_after_restart(pg) > b.token  # the token is never handed out again
+    assert register(pg)["job:1"] == b.token  # the grant survived: it waited for the flush
+    assert flushed is True
+    assert expire(b)
+    c = fencer.acquire("job:1", 30)
+    assert c.token > b.token
+    assert commit_under(app_engine, c, "C")
+    assert not commit_under(app_engine, b, "B after C")
+    assert messages(pg) == ["C"]
+
+
+def test_the_pair_forced_to_skip_the_flush_hands_the_token_out_again_and_accepts_the_old_holder(
+    pg: PgCluster,
+    redis_client: redis.Redis,
+    app_engine: sa.Engine,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pair of the test above, with the guard taken out of the grant statement:
+    the grant skips the flush whenever ``skip_flush`` is on, as a rule "skip it
+    when this nextval wrote no WAL" would (B's draw wrote none)."""
+    assert FLUSHED_GUARD in _register._GRANT_SQL, "the guard is no longer in the grant statement"
+    monkeypatch.setattr(_register, "_GRANT_SQL", _register._GRANT_SQL.replace(FLUSHED_GUARD, ""))
+    fencer = make_fencer(redis_client, app_engine, key_prefix)
+    try:
+        b, frozen = grant_over_an_unflushed_record(pg, fencer)
+        assert fencer._tokens.last_flushed is False
+        crash_frozen(pg, frozen, app_engine)
+
+        assert "job:1" not in register(pg)  # the grant is lost
+        assert next_token_after_restart(pg) <= b.token  # ... and so is its token
+        while next_token_after_restart(pg) < b.token:
+            fencer.acquire("filler", 30).release()
+        assert expire(b)
+        c = fencer.acquire("job:1", 30)
+        assert c.token == b.token  # two holders of job:1 with one token
+        assert commit_under(app_engine, c, "C")
+        assert commit_under(app_engine, b, "B after C")  # the stale holder is accepted
+        assert messages(pg) == ["C", "B after C"]
+    finally:
+        fencer.close()
 
 
 # ----------------------------------------------------- crashes mid-operation

@@ -301,7 +301,10 @@ def psycopg_conninfo(url: sa.URL) -> str:
 
 
 def grant_params(
-    sequence: str, name: str, lock_timeout_ms: int = DEFAULT_GRANT_LOCK_TIMEOUT_MS
+    sequence: str,
+    name: str,
+    lock_timeout_ms: int = DEFAULT_GRANT_LOCK_TIMEOUT_MS,
+    skip_flush: bool = True,
 ) -> dict[str, Any]:
     """The grant statement's parameters, as ``TokenSource.params(name)`` builds them
     (pass the compared Fencer's lock wait bound: ``fencer._tokens.lock_timeout_ms``)."""
@@ -311,6 +314,7 @@ def grant_params(
         "sequence": register.sequence_sql,
         "register": register.table_sql,
         "lock_timeout": f"{lock_timeout_ms}ms",
+        "skip_flush": skip_flush,
     }
 
 
@@ -320,8 +324,8 @@ class HandWritten:
     ``SET NX PX`` with a random owner; the token drawn and the lease register
     advanced by the one statement sa-fence sends
     (``Register(sequence).grant_sql()``, same parameters), on an autocommit
-    psycopg connection, so the grant is durably committed (its row write
-    makes the commit flush the WAL); an owner-checked CONFIRM that records
+    psycopg connection, committed (its commit waits for the WAL flush unless
+    the token's WAL record is already flushed); an owner-checked CONFIRM that records
     the token; an owner-checked RELEASE.  No retries, no withdrawal, no
     validation beyond the statement's own, no objects.
     """
