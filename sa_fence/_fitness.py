@@ -78,13 +78,21 @@ SEQUENCE_RULES: tuple[SequenceRule, ...] = (
         "increment > 0",
         "it has INCREMENT {seqincrement} (need a positive increment)",
     ),
+    SequenceRule(
+        "is_logged",
+        "s.seqrelid IN (SELECT c.oid FROM pg_catalog.pg_class c WHERE c.relpersistence = 'p')",
+        "",  # not a clause of CREATE/ALTER SEQUENCE's option list: the problem says the fix
+        "logged",
+        "it is UNLOGGED or temporary (need a logged sequence: a crash resets an UNLOGGED "
+        "sequence, which would hand out tokens again; ALTER SEQUENCE ... SET LOGGED)",
+    ),
 )
 
 #: Every sequence rule at once (the grant's condition on ``pg_sequence s``).
 SEQUENCE_FIT_SQL = " AND ".join(rule.sql for rule in SEQUENCE_RULES)
 #: The clauses that make a sequence fit: ``AS bigint CACHE 1 NO CYCLE INCREMENT BY 1``.
-SEQUENCE_CLAUSES = " ".join(rule.clause for rule in SEQUENCE_RULES)
-#: What a fit sequence is: ``bigint, CACHE 1, NO CYCLE, increment > 0``.
+SEQUENCE_CLAUSES = " ".join(rule.clause for rule in SEQUENCE_RULES if rule.clause)
+#: What a fit sequence is: ``bigint, CACHE 1, NO CYCLE, increment > 0, logged``.
 SEQUENCE_SHOWN = ", ".join(rule.shown for rule in SEQUENCE_RULES)
 
 #: The sequence's settings and, per rule, whether it holds (``:name``: the sequence).

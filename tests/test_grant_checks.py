@@ -216,6 +216,12 @@ FITNESS = [
         id="negative-increment",
     ),
     pytest.param(
+        [f"ALTER SEQUENCE {SEQUENCE} SET UNLOGGED"],
+        "is_logged",
+        "it is UNLOGGED or temporary (need a logged sequence: a crash resets",
+        id="unlogged",
+    ),
+    pytest.param(
         [
             "CREATE SEQUENCE other_seq AS bigint CACHE 1 NO CYCLE START 1000",
             "ALTER TABLE sa_fence_leases ALTER COLUMN token SET DEFAULT nextval('other_seq')",
