@@ -30,7 +30,7 @@ from ._register import (
     scope_trigger_problem,
     split_name,
 )
-from .errors import FencingConfigError, LeaseBackendError
+from .errors import FencingConfigError, LeaseBackendError, LeaseLostError
 
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
@@ -386,6 +386,13 @@ class TokenSource:
         if sync == "off":
             raise _sync_commit_error(sync)
         if token is None:
+            # ``held`` is of the statement's snapshot, taken before its draw.  At
+            # least the drawn token there: the sequence is behind the register.
+            # Less (or no row): the row the upsert met was committed after the
+            # snapshot, with a token drawn after ours, by a newer grant of the
+            # name, so this acquire's Redis lease had expired in between.
+            if held is None or held < drawn:
+                raise LeaseLostError(proto.overtaken_grant_message(name, int(drawn)))
             raise not_forward_error(name, self.sequence, int(drawn), held)
         return int(token)
 

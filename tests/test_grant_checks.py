@@ -19,6 +19,7 @@ tests change the sequence, so each runs in a database of its own.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,7 @@ from sa_fence import _fitness, _register, _tokens
 from sa_fence.testing import expire
 from sa_fence.tools import cli
 from tests._fresh_db import fresh_database, url_of
+from tests._tools import wait_for
 from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE, Base, Job
 
@@ -192,6 +194,62 @@ def test_check_reads_a_sequence_set_back_with_is_called_false_exactly(
     cli.main(["check", "--url", url_of(db)])
     out = " ".join(capsys.readouterr().out.split())
     assert f"is behind the rows: its last value is {token}" in out
+
+
+def test_a_grant_overtaken_by_a_newer_grant_of_its_name_is_a_lost_lease_not_a_set_back_sequence(
+    make_fencer: Any, db: sa.Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A grant that drew its token, then waited on the register row while a newer
+    grant of the name (drawn later, so larger) committed: its Redis lease had
+    expired.  LeaseLostError, not the "sequence is behind" advice to stop the
+    workers and repair the sequence (the pair: without the distinction the
+    refusal is that FencingConfigError)."""
+    fencer = make_fencer()
+    fencer.acquire("job:1", 5).release()
+    outcome: list[BaseException | sa_fence.Lease] = []
+    with db.connect() as blocker:
+        blocker.execute(
+            sa.text("SELECT token FROM sa_fence_leases WHERE name = 'job:1' FOR UPDATE")
+        )
+        thread = threading.Thread(target=lambda: outcome.append(_acquire(fencer, "job:1")))
+        thread.start()
+        wait_for(lambda: _waiting_grants(db) > 0, 10, "the grant waiting on the register row")
+        blocker.execute(
+            sa.text(
+                f"UPDATE sa_fence_leases SET previous = token, token = nextval('{SEQUENCE}') "
+                "WHERE name = 'job:1'"
+            )
+        )
+        blocker.commit()
+        thread.join(10)
+    (error,) = outcome
+    assert isinstance(error, sa_fence.LeaseLostError), error
+    drawn = register_row(db, "job:1").token - 1  # the blocker drew right after it
+    assert (
+        f"a newer grant of that name committed while this one (token {drawn}) was in flight"
+        in str(error)
+    )
+    assert "repair-sequence" not in str(error)
+    assert keys(redis_client, key_prefix) == []
+
+
+def _acquire(fencer: sa_fence.Fencer, name: str) -> BaseException | sa_fence.Lease:
+    try:
+        return fencer.acquire(name, 30)
+    except BaseException as exc:  # handed to the test thread
+        return exc
+
+
+def _waiting_grants(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND query LIKE 'WITH drawn AS%'"
+                )
+            ).scalar_one()
+        )
 
 
 # --------------------------------------------------------- fitness at each grant
