@@ -86,7 +86,11 @@ LIMITS = {
     "metrics": (("off", 1.05),),
     "sdk": (("off", 1.05), ("hand", 1.02)),
 }
-TRACED_LIMITS = {"sdk": (("hand", 1.02),)}
+#: Inside a trace: the lease cycle with an SDK (its one span recorded) within
+#: 5% of the same cycle without one (issue 21); both ops within 2% of the
+#: same signals by hand.
+TRACED_LIMITS = {"sdk": (("off", 1.05), ("hand", 1.02))}
+TRACED_FLUSH_LIMITS = {"sdk": (("hand", 1.02),)}
 
 
 class _Dropping(SpanExporter):
@@ -421,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report(
                 "fenced update + commit, 1 row, traced",
                 measure(traced_flushes, rounds, per_round, caller, {"sdk": settle["sdk"]}),
-                TRACED_LIMITS,
+                TRACED_FLUSH_LIMITS,
                 misses,
             )
             for lease in leases:
