@@ -156,7 +156,8 @@ def test_a_granted_lease_is_counted_timed_and_one_span_from_acquire_to_release(
     assert span.attributes[OUTCOME] == "granted"
     assert span.attributes["sa_fence.release"] == "released"
     assert 0 < span.attributes["sa_fence.acquire.duration"] <= (granted - started) / 1e9
-    assert span.start_time is not None and span.end_time is not None
+    assert span.start_time is not None
+    assert span.end_time is not None
     assert started <= span.start_time <= granted
     assert span.end_time >= released
     assert span.status.is_unset
@@ -236,7 +237,8 @@ def test_background_renewals_are_counted_ok_and_are_events_of_the_lease_span(
     events = [e for e in span.events if e.name == "sa_fence.renew"]
     assert len(events) == renewals
     assert all(e.attributes is not None and e.attributes[OUTCOME] == "ok" for e in events)
-    assert span.start_time is not None and span.end_time is not None
+    assert span.start_time is not None
+    assert span.end_time is not None
     assert all(span.start_time <= e.timestamp <= span.end_time for e in events)
     assert [s.name for s in otel.spans.get_finished_spans()] == ["sa_fence.lease", "caller"]
 
@@ -264,7 +266,8 @@ def test_a_renewal_that_finds_the_lease_gone_counts_failed_and_lost(
     names = [e.name for e in span.events]
     assert names[-2:] == ["sa_fence.renew", "sa_fence.lost"]
     assert span.events[-2].attributes == {OUTCOME: "failed"}
-    assert span.attributes is not None and span.attributes["sa_fence.release"] == "expired"
+    assert span.attributes is not None
+    assert span.attributes["sa_fence.release"] == "expired"
 
 
 def test_release_records_the_hold_time_as_released_or_expired(
