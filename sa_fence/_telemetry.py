@@ -87,27 +87,8 @@ GUARD = "guard"  # the database-side guard trigger
 
 #: Histogram buckets in seconds: from half a millisecond (a commit check) to
 #: ten minutes (a long hold).  The SDK's default buckets are for milliseconds.
-BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
-)
+_SUB_SECOND = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
+BUCKETS = (*_SUB_SECOND, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 DEFAULT_MAX_PATTERNS = 100
 OTHER = "other"
@@ -201,16 +182,11 @@ if hasattr(os, "register_at_fork"):
 
 
 class _Tally:
-    """A counter kept in the process and reported when a metric reader collects.
+    """A counter kept in the process, reported by an ``ObservableCounter`` callback.
 
-    Why not the API's synchronous ``Counter``: with an SDK installed, each
-    ``Counter.add`` costs 5 to 15 us of CPU (a measurement object, attribute
-    hashing, an aggregation lock, an exemplar check), paid inside every lease
-    cycle.  An ``ObservableCounter`` whose callback reports these cumulative
-    totals is the same metric to every reader and exporter (a monotonic sum per
-    attribute set, cumulative or delta as the reader asks), and counting costs a
-    dict update here.  What is lost: exemplars on counters (the histograms keep
-    theirs inside a sampled trace, see :class:`_Pending`).
+    Why not the API's ``Counter``: with an SDK each ``add`` costs 5 to 15 us of
+    CPU inside the lease cycle; a dict update here is the same metric to every
+    reader (a monotonic sum per attribute set), without exemplars.
     """
 
     __slots__ = ("counts",)
@@ -251,18 +227,13 @@ _RECORD_TAKES_CONTEXT = otel_metrics is not None and _record_takes_context()
 class _Pending:
     """Histogram measurements of one meter provider, recorded when a reader collects.
 
-    Why: ``Histogram.record`` with an SDK installed costs 12 to 15 us of CPU
-    between two network calls, and a lease cycle records two: 4 to 8% of a
-    loopback lease cycle, on the worker's path.  Appending the value here
-    costs well under 1 us; the callback of sa-fence's first observable
-    counter on the provider (which every collection calls before it reads
-    the aggregations) records them all into the same ``Histogram``, so every
-    reader sees the same buckets, sums and counts.  Each measurement keeps
-    the context it was made in and is recorded with it, so one made inside
-    a sampled span still carries that trace's exemplar (API 1.26 and later).
-    What differs: the measurement's (and exemplar's) timestamp is the
-    collection's.  Bounded: past ``PENDING_LIMIT`` measurements the thread
-    that adds one records them all; a forked child drops its parent's.
+    Why: with an SDK ``Histogram.record`` costs 12 to 15 us of CPU between a
+    lease cycle's network calls, twice per cycle; an append here costs under
+    1 us.  The first sa-fence counter's callback (run by every collection
+    before it reads) records them, each with the context it was made in, so
+    exemplars still link to their trace (API 1.26+); only the timestamps are
+    the collection's.  Bounded by ``PENDING_LIMIT``; a forked child drops its
+    parent's.  docs/observability.md, "Metrics", says what readers see.
     """
 
     __slots__ = ("items",)
