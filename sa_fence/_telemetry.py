@@ -855,6 +855,9 @@ def flush_ended(span: Any, *, failed: bool = False) -> None:
     span.end()
 
 
+# A general helper, not telemetry (cli and _prune import it from here): left in
+# place in issue 21 to keep that change off the front ends; its home would be a
+# module of shared helpers.
 def redact_url(url: object) -> str:
     """``url`` (a Redis or database URL, or a SQLAlchemy ``URL``) with its password
     shown as ``***``: every URL sa-fence prints or logs goes through this."""
