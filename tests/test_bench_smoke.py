@@ -54,6 +54,8 @@ def test_every_benchmark_section_runs_and_prints_its_table(tmp_path: Path) -> No
         "insert 20 rows",
         "contention:",
         "stale writes accepted",
+        "where the workers' time goes",
+        "contention jobs/s, sa-fence below redis-py",
         "memory: RSS",
         "Python function calls per op (cProfile",
         "where the calls go: fenced vs plain, update 1 row",

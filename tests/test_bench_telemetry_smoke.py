@@ -41,6 +41,8 @@ LIMITED = (
     "import sys; from tests.benchmarks import telemetry as t; limit = float(sys.argv[1]); "
     "t.LIMITS = {k: tuple((f, limit) for f, _ in v) for k, v in t.LIMITS.items()}; "
     "t.TRACED_LIMITS = {k: tuple((f, limit) for f, _ in v) for k, v in t.TRACED_LIMITS.items()}; "
+    "t.TRACED_FLUSH_LIMITS = {k: tuple((f, limit) for f, _ in v) "
+    "for k, v in t.TRACED_FLUSH_LIMITS.items()}; "
     "sys.exit(t.main(sys.argv[2:]))"
 )
 

@@ -133,20 +133,46 @@ def _job(make_session: sessionmaker[Session], lease: sa_fence.Lease, job_id: int
 # ------------------------------------------------------------------ acquire
 
 
-def test_a_granted_acquire_is_counted_timed_and_traced_under_the_callers_span(
+def test_a_granted_lease_is_counted_timed_and_one_span_from_acquire_to_release(
     otel: Otel, tfencer: sa_fence.Fencer
 ) -> None:
     with otel.tracer.start_as_current_span("caller") as caller:
+        started = time.time_ns()
         lease = tfencer.acquire("job:17", ttl=5)
-    lease.release()
+        granted = time.time_ns()
+        assert otel.finished("sa_fence.lease") == []  # open while the lease is held
+        time.sleep(0.05)
+        released = time.time_ns()
+        lease.release()
     assert otel.count("sa_fence.lease.acquires", pattern="job:{n}", outcome="granted") == 1
     assert otel.count("sa_fence.lease.acquire.duration", outcome="granted") == 1
-    (span,) = otel.finished("sa_fence.acquire")
+    (span,) = otel.spans.get_finished_spans()[:-1]  # the last one is the caller's
+    assert span.name == "sa_fence.lease"
     assert span.parent is not None
     assert span.parent.span_id == caller.get_span_context().span_id
     assert span.attributes is not None
     assert span.attributes[PATTERN] == "job:{n}"
     assert span.attributes["sa_fence.token"] == lease.token
+    assert span.attributes[OUTCOME] == "granted"
+    assert span.attributes["sa_fence.release"] == "released"
+    assert 0 < span.attributes["sa_fence.acquire.duration"] <= (granted - started) / 1e9
+    assert span.start_time is not None
+    assert span.end_time is not None
+    assert started <= span.start_time <= granted
+    assert span.end_time >= released
+    assert span.status.is_unset
+
+
+def test_a_second_release_ends_nothing_more(
+    otel: Otel, tfencer: sa_fence.Fencer, caplog: pytest.LogCaptureFixture
+) -> None:
+    with otel.tracer.start_as_current_span("caller"):
+        lease = tfencer.acquire("job:1", ttl=5)
+        assert lease.release()
+        with caplog.at_level(logging.WARNING, logger="opentelemetry"):
+            assert not lease.release()
+    assert len(otel.finished("sa_fence.lease")) == 1
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]
 
 
 def test_a_busy_lease_counts_as_busy_and_its_span_is_not_an_error(
@@ -159,7 +185,7 @@ def test_a_busy_lease_counts_as_busy_and_its_span_is_not_an_error(
     ):
         tfencer.acquire("job:1", ttl=5)
     assert otel.count("sa_fence.lease.acquires", outcome="busy") == 1
-    busy = [s for s in otel.finished("sa_fence.acquire") if s.attributes[OUTCOME] == "busy"]
+    busy = [s for s in otel.finished("sa_fence.lease") if s.attributes[OUTCOME] == "busy"]
     assert len(busy) == 1
     assert busy[0].status.is_ok
 
@@ -172,7 +198,7 @@ def test_redis_down_counts_as_backend_error(otel: Otel, engine: sa.Engine, key_p
     with otel.tracer.start_as_current_span("caller"), pytest.raises(sa_fence.LeaseBackendError):
         fencer.acquire("job:1", ttl=5)
     assert otel.count("sa_fence.lease.acquires", outcome="backend_error") == 1
-    (span,) = otel.finished("sa_fence.acquire")
+    (span,) = otel.finished("sa_fence.lease")
     assert not span.status.is_ok
 
 
@@ -200,18 +226,21 @@ def test_a_bad_argument_is_not_counted_as_an_acquire(otel: Otel, tfencer: sa_fen
 # ------------------------------------------------- renewal, loss, release
 
 
-def test_background_renewals_are_counted_ok_with_root_spans_linked_to_the_acquire(
+def test_background_renewals_are_counted_ok_and_are_events_of_the_lease_span(
     otel: Otel, tfencer: sa_fence.Fencer
 ) -> None:
     with otel.tracer.start_as_current_span("caller"), tfencer.lease("job:1", ttl=0.3, renew=True):
         wait_for(lambda: otel.count("sa_fence.lease.renewals", outcome="ok"), 5, "a renewal")
-    assert otel.count("sa_fence.lease.renewals", outcome="ok") >= 1
-    (acquire,) = otel.finished("sa_fence.acquire")
-    spans = otel.finished("sa_fence.renew")
-    assert spans
-    assert all(s.parent is None for s in spans)
-    assert all(s.start_time is not None and s.end_time >= s.start_time for s in spans)  # type: ignore[operator]
-    assert all([link.context for link in s.links] == [acquire.context] for s in spans)
+    renewals = otel.count("sa_fence.lease.renewals", outcome="ok")
+    assert renewals >= 1
+    (span,) = otel.finished("sa_fence.lease")
+    events = [e for e in span.events if e.name == "sa_fence.renew"]
+    assert len(events) == renewals
+    assert all(e.attributes is not None and e.attributes[OUTCOME] == "ok" for e in events)
+    assert span.start_time is not None
+    assert span.end_time is not None
+    assert all(span.start_time <= e.timestamp <= span.end_time for e in events)
+    assert [s.name for s in otel.spans.get_finished_spans()] == ["sa_fence.lease", "caller"]
 
 
 def test_renewals_of_a_lease_acquired_outside_any_trace_are_counted_not_traced(
@@ -220,21 +249,25 @@ def test_renewals_of_a_lease_acquired_outside_any_trace_are_counted_not_traced(
     with tfencer.lease("job:1", ttl=0.3, renew=True):
         wait_for(lambda: otel.count("sa_fence.lease.renewals", outcome="ok"), 5, "a renewal")
     assert otel.count("sa_fence.lease.renewals", outcome="ok") >= 1
-    assert otel.finished("sa_fence.renew") == []
+    assert otel.spans.get_finished_spans() == ()
 
 
 def test_a_renewal_that_finds_the_lease_gone_counts_failed_and_lost(
     otel: Otel, tfencer: sa_fence.Fencer
 ) -> None:
-    lease = tfencer.acquire("job:1", ttl=0.3, renew=True)
+    with otel.tracer.start_as_current_span("caller"):
+        lease = tfencer.acquire("job:1", ttl=0.3, renew=True)
     expire(lease)
-    deadline = time.monotonic() + 2
-    while not lease.lost and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert lease.lost
+    wait_for(lambda: lease.lost, 5, "the renewal to find the lease gone")
     lease.release()
     assert otel.count("sa_fence.lease.renewals", outcome="failed") == 1
     assert otel.count("sa_fence.lease.lost", pattern="job:{n}") == 1
+    (span,) = otel.finished("sa_fence.lease")
+    names = [e.name for e in span.events]
+    assert names[-2:] == ["sa_fence.renew", "sa_fence.lost"]
+    assert span.events[-2].attributes == {OUTCOME: "failed"}
+    assert span.attributes is not None
+    assert span.attributes["sa_fence.release"] == "expired"
 
 
 def test_release_records_the_hold_time_as_released_or_expired(
@@ -254,7 +287,8 @@ def test_release_records_the_hold_time_as_released_or_expired(
     assert released.count == 1
     assert released.sum >= 0.05
     assert otel.count("sa_fence.lease.hold.duration", outcome="expired") == 1
-    assert len(otel.finished("sa_fence.release")) == 2
+    spans = otel.finished("sa_fence.lease")
+    assert [s.attributes["sa_fence.release"] for s in spans] == ["released", "expired"]  # type: ignore[index]
 
 
 # ------------------------------------------------------------ writes
@@ -372,12 +406,7 @@ def test_root_spans_trace_each_operation_outside_any_trace(
     with fencer.lease("job:1", ttl=5) as lease:
         _job(make_session, lease, 1)
     names = sorted(s.name for s in otel.spans.get_finished_spans())
-    assert names == [
-        "sa_fence.acquire",
-        "sa_fence.commit_check",
-        "sa_fence.flush",
-        "sa_fence.release",
-    ]
+    assert names == ["sa_fence.commit_check", "sa_fence.flush", "sa_fence.lease"]
     assert all(s.parent is None for s in otel.spans.get_finished_spans())
 
 
@@ -458,15 +487,23 @@ def test_histograms_outside_a_trace_reach_the_next_collection_with_their_values(
     assert _histogram(otel, "sa_fence.lease.hold.duration").count == 2  # cumulative
 
 
-def test_inside_a_sampled_span_a_histogram_is_recorded_at_once_with_its_exemplar(
+def test_inside_a_sampled_span_a_histogram_keeps_its_exemplar(
     otel: Otel, tfencer: sa_fence.Fencer
 ) -> None:
-    """Recorded at once inside the caller's sampled span, so the SDK's default
-    (trace-based) exemplar filter links the sample to that trace."""
+    """Recorded at collection with the context it was made in, so the SDK's
+    default (trace-based) exemplar filter links the sample to that trace; one
+    made outside any trace has none."""
     with otel.tracer.start_as_current_span("caller") as caller:
         tfencer.acquire("job:1", ttl=5).release()
+    pending = _telemetry._providers[otel.meters].pending
+    assert len(pending.items) == 2  # acquire and hold duration: not recorded yet
     point = _histogram(otel, "sa_fence.lease.acquire.duration")
     assert [e.trace_id for e in point.exemplars] == [caller.get_span_context().trace_id]
+    assert [e.value for e in point.exemplars] == [point.sum]
+    tfencer.acquire("job:2", ttl=5).release()
+    point = _histogram(otel, "sa_fence.lease.acquire.duration")
+    assert point.count == 2
+    assert list(point.exemplars) == []  # this collection's one sample was made in no trace
 
 
 def test_histograms_report_per_interval_to_a_delta_reader(reading: MakeFencer) -> None:
@@ -621,7 +658,12 @@ async def test_async_acquire_and_release_report_as_the_sync_ones_do(
     assert otel.count("sa_fence.lease.acquires", pattern="job:{n}", outcome="granted") == 1
     assert otel.count("sa_fence.lease.acquires", outcome="busy") == 1
     assert otel.count("sa_fence.lease.hold.duration", outcome="released") == 1
-    assert len(otel.finished("sa_fence.release")) == 1
+    leases = otel.finished("sa_fence.lease")
+    assert sorted(s.attributes[OUTCOME] for s in leases) == ["busy", "granted"]  # type: ignore[index]
+    assert sorted(str(s.attributes.get("sa_fence.release")) for s in leases) == [  # type: ignore[union-attr]
+        "None",  # the busy acquire's: it held nothing
+        "released",
+    ]
 
 
 # ------------------------------------------------------------ logging
@@ -762,4 +804,4 @@ print(sorted(s.name for s in exporter.get_finished_spans()))
         "sa_fence.lease.hold.duration",
     ):
         assert repr(name) in metric_names
-    assert span_names == "['request', 'sa_fence.acquire', 'sa_fence.release']"
+    assert span_names == "['request', 'sa_fence.lease']"

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                     targets += guard.report(guard.run(url, config, progress))
                 if "contention" in args.sections:
                     results = contention.run(engine, client, fencer, config, progress)
-                    contention.report(results, config)
+                    targets += contention.report(results, config)
                     targets += [
                         Target(
                             "stale writes accepted, sa-fence",

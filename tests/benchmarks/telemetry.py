@@ -86,7 +86,11 @@ LIMITS = {
     "metrics": (("off", 1.05),),
     "sdk": (("off", 1.05), ("hand", 1.02)),
 }
-TRACED_LIMITS = {"sdk": (("hand", 1.02),)}
+#: Inside a trace: the lease cycle with an SDK (its one span recorded) within
+#: 5% of the same cycle without one (issue 21); both ops within 2% of the
+#: same signals by hand.
+TRACED_LIMITS = {"sdk": (("off", 1.05), ("hand", 1.02))}
+TRACED_FLUSH_LIMITS = {"sdk": (("hand", 1.02),)}
 
 
 class _Dropping(SpanExporter):
@@ -233,6 +237,20 @@ def report(
             if verdict == "MISS":
                 misses.append(f"{title}, {n}: {ratio:.3f}x '{floor}'")
         print(line)
+
+
+def one_span_cpu(tracer: Any, caller: Any, n: int) -> float:
+    """CPU seconds the SDK spends on one lease span as sa-fence records it, in a tight loop."""
+    attrs = {_telemetry.PATTERN: "cycle:{n}"}
+    done = {_telemetry.OUTCOME: "granted", _telemetry.TOKEN: 1, _telemetry.ACQUIRE_SECONDS: 0.001}
+    with caller.start_as_current_span("caller"):
+        started = time.thread_time()
+        for _ in range(n):
+            span = tracer.start_span("sa_fence.lease", attributes=attrs)
+            span.set_attributes(done)
+            span.set_attribute(_telemetry.RELEASE, "released")
+            span.end()
+        return (time.thread_time() - started) / n
 
 
 class Hand:
@@ -412,16 +430,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "\ninside the caller's sampled span (every op of every variant wrapped in "
                 "one; sa-fence's spans and the hand-made ones are its children)"
             )
-            report(
-                "lease cycle, traced",
-                measure(traced_cycles, rounds, per_round, caller, {"sdk": settle["sdk"]}),
-                TRACED_LIMITS,
-                misses,
+            traced = measure(traced_cycles, rounds, per_round, caller, {"sdk": settle["sdk"]})
+            report("lease cycle, traced", traced, TRACED_LIMITS, misses)
+            span_cpu = one_span_cpu(sdk.tracer, caller, 200 if args.quick else 5000)
+            added = statistics.median(traced["sdk"].cpu) - statistics.median(traced["off"].cpu)
+            print(
+                f"  account: the SDK's own price of the lease's one span (start with the pattern, "
+                f"set token and outcome, set the release, end), alone in a loop: "
+                f"{span_cpu * 1e6:.1f} us CPU, of the {added * 1e6:+.1f} us measured per cycle "
+                "(the rest: the span's work between network calls, in cold caches, and "
+                "sa-fence's counters and pending histograms; no server work is added)"
             )
             report(
                 "fenced update + commit, 1 row, traced",
                 measure(traced_flushes, rounds, per_round, caller, {"sdk": settle["sdk"]}),
-                TRACED_LIMITS,
+                TRACED_FLUSH_LIMITS,
                 misses,
             )
             for lease in leases:
