@@ -18,7 +18,7 @@ from redis.retry import Retry
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _lease
+from sa_fence import _lease, _lifecycle
 from sa_fence import _protocol as proto
 from tests._redis_server import free_port
 from tests._tcp_proxy import TcpProxy
@@ -39,7 +39,8 @@ def job_row(engine: sa.Engine, job_id: int) -> tuple[Any, ...] | None:
 
 
 class FakeClock:
-    """Stands in for the ``time`` module of sa_fence._lease: sleeping advances it."""
+    """Stands in for the ``time`` module of sa_fence._lease and _lifecycle: sleeping
+    advances it."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -58,6 +59,7 @@ class FakeClock:
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
     monkeypatch.setattr(_lease, "time", fake)
+    monkeypatch.setattr(_lifecycle, "time", fake)
     return fake
 
 
