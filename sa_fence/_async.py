@@ -43,7 +43,7 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from types import TracebackType
@@ -52,20 +52,20 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import redis.asyncio as aioredis
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
-from sqlalchemy.util import greenlet_spawn
+from sqlalchemy.util import await_only, greenlet_spawn
 
 from . import _lifecycle as steps
 from . import _prune, _telemetry
 from ._dialect import check_dialect
 from ._lease import BaseLease
 from ._lifecycle import FencerCore, probe_speaks
-from ._tokens import TokenSource
 from .errors import FencingConfigError, LeaseBackendError
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from ._prune import PruneResult
+    from ._tokens import TokenSource
 
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
@@ -142,8 +142,8 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         removes what it may have set in Redis before ``CancelledError``
         propagates, and starts no renewal.
         """
-        lease: AsyncLease = await steps.arun(
-            steps.acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
+        lease: AsyncLease = await greenlet_spawn(
+            steps.acquire, self, name, ttl, blocking, timeout, renew, on_lost, fail_fast
         )
         return lease
 
@@ -228,17 +228,30 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
     def _release_quietly(self, key: str, values: list[str]) -> Coroutine[Any, Any, None]:
         """The clean-up after a failed or cancelled acquire, shielded: it ends even
         if the caller is cancelled again."""
-        return self._shielded(steps.arun(steps.release_quietly(self, key, values)))
-
-    _db = staticmethod(greenlet_spawn)
+        return self._shielded(greenlet_spawn(steps.release_quietly, self, key, values))
 
     @staticmethod
-    def _sleep(seconds: float) -> Coroutine[Any, Any, None]:
-        return asyncio.sleep(seconds)
+    def _io(awaitable: Awaitable[T]) -> T:
+        """Await ``awaitable`` from the lifecycle's greenlet.  A cancellation of the
+        task that the await swallowed is raised all the same: redis-py sends each
+        command through ``asyncio.wait_for``, which before Python 3.12 returns the
+        result when the cancellation lands just as the call completes (CPython
+        gh-86296), and a blocking acquire would then wait on, or take the lease,
+        for a caller that has gone."""
+        task = asyncio.current_task()
+        cancels = 0 if task is None else task.cancelling()
+        result = await_only(awaitable)
+        if task is not None and task.cancelling() > cancels:
+            raise asyncio.CancelledError
+        return result
 
     @staticmethod
-    def _probe(host: str, port: int, timeout: float) -> Coroutine[Any, Any, str | None]:
-        return asyncio.to_thread(probe_speaks, host, port, timeout)
+    def _sleep(seconds: float) -> None:
+        await_only(asyncio.sleep(seconds))
+
+    @staticmethod
+    def _probe(host: str, port: int, timeout: float) -> str | None:
+        return await_only(asyncio.to_thread(probe_speaks, host, port, timeout))
 
 
 def _draw(tokens: TokenSource, name: str) -> int:
@@ -267,7 +280,7 @@ async def _renew(ref: weakref.ref[AsyncLease], at: float) -> None:
         if lease is None:
             return
         try:
-            next_at = await steps.arun(steps.renew(lease))
+            next_at = await greenlet_spawn(steps.renew, lease)
         except Exception as exc:  # never stop silently
             lease._renewal_crashed(exc)
             return
@@ -299,7 +312,7 @@ class AsyncLease(BaseLease["AsyncFencer"]):
         stays held with its old validity (Redis may have extended it; never
         the other way round).
         """
-        await steps.arun(steps.extend(self, ttl))
+        await greenlet_spawn(steps.extend, self, ttl)
 
     @_telemetry.traced_release_async
     async def release(self) -> bool:
@@ -354,7 +367,7 @@ class AsyncLease(BaseLease["AsyncFencer"]):
         if renewal is not None and renewal is not asyncio.current_task():
             await asyncio.wait([renewal])  # cancelled by release(): let it end first
         self._renewal = None
-        return await steps.arun(steps.release(self))
+        return await greenlet_spawn(steps.release, self)
 
     async def _release_on_exit(self) -> None:
         try:

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
+T = TypeVar("T")
 S = TypeVar("S", bound="Session | scoped_session[Any]")
 #: ``on_lost(lease)``: runs once, on the thread that first sees the loss.
 OnLost = Callable[["Lease"], object]
@@ -177,9 +178,7 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         sequence or register is missing or unfit, a login or ACL right is
         refused, TLS is on one side only (checked before anything is written).
         """
-        lease: Lease = steps.run(
-            steps.acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
-        )
+        lease: Lease = steps.acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
         return lease
 
     @contextmanager
@@ -222,11 +221,11 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         return self._tokens.next_token(name)
 
     def _release_quietly(self, key: str, values: list[str]) -> None:
-        steps.run(steps.release_quietly(self, key, values))
+        steps.release_quietly(self, key, values)
 
     @staticmethod
-    def _db(fn: Callable[..., Any], *args: Any) -> Any:
-        return fn(*args)
+    def _io(result: T) -> T:
+        return result  # the call was made already
 
     @staticmethod
     def _sleep(seconds: float) -> None:
@@ -306,7 +305,7 @@ class _Renewer:
     def _run(self) -> None:
         while (lease := self._next_due()) is not None:
             try:
-                at = steps.run(steps.renew(lease))
+                at = steps.renew(lease)
             except Exception as exc:  # never stop silently, never stop the others
                 lease._renewal_crashed(exc)
                 at = None
@@ -557,7 +556,7 @@ class Lease(BaseLease["Fencer"]):
         and :class:`~sa_fence.FencingConfigError` when it refused the set-up
         (e.g. the ACL lacks ``PEXPIRE``).
         """
-        steps.run(steps.extend(self, ttl))
+        steps.extend(self, ttl)
 
     @_telemetry.traced_release
     def release(self) -> bool:
@@ -577,9 +576,10 @@ class Lease(BaseLease["Fencer"]):
             if self._state.released:
                 return False
             self._state.released = True
-            self._state.renewing = False
-        self.fencer._renewer.cancel(self)
-        return steps.run(steps.release(self))
+            renewing, self._state.renewing = self._state.renewing, False
+        if renewing:  # (a lost lease's renewal was stopped when it was lost)
+            self.fencer._renewer.cancel(self)
+        return steps.release(self)
 
     def bind(self, session: S) -> S:
         """Fence ``session``'s flushes with this lease's token from now on.

@@ -1,35 +1,35 @@
 """The lease lifecycle, written once for both front ends.
 
 Acquire (with its confirm and withdrawal), extend, renew and release are
-generators that *yield* each I/O call and get its result back, the sans-I/O
-style of h11 and of httpcore's core::
+plain functions that make every I/O call through the fencer, the way
+SQLAlchemy's asyncio layer runs its sync core::
 
-    reply = yield fencer._acquire(keys=[key], args=[owner, ttl_ms])
+    reply = fencer._io(fencer._acquire(keys=[key], args=[owner, ttl_ms]))
 
-A sync fencer's ``_acquire`` makes the call at once, so what is yielded is
-already the reply and :func:`run` sends it straight back; a failure raises
-inside the generator, where the call stands.  An asyncio fencer's returns
-an awaitable: :func:`arun` awaits it and sends back the result, or throws
-the exception (``CancelledError`` included) in at the same ``yield``, so one
+A sync :class:`~sa_fence.Fencer` makes the call there and then, and its
+``_io`` hands the reply back.  An :class:`~sa_fence.AsyncFencer` runs each
+operation in a greenlet (``greenlet_spawn``): its scripts return
+awaitables, and its ``_io`` awaits them with ``await_only``, which suspends
+the greenlet, lets the event loop await, and resumes it with the result or
+the exception (``CancelledError`` included) at the same place, so one
 ``try``/``except`` serves both.  Each front end supplies the I/O under the
 same names (``check``, ``_acquire``, ``_next_token``, ``_confirm``,
-``_extend``, ``_release``, ``_release_quietly``, ``_db``, ``_sleep``,
-``_probe``) and what only it can do: the renewer (one thread per fencer, or
-one task per lease) and asyncio's shielding of clean-ups and releases.  The
-decisions (resend or give up, how long to wait, validity, loss) are the
-pure functions of :mod:`sa_fence._protocol`.  Why generators rather than
-greenlet or generated code: docs/architecture.md.
+``_extend``, ``_release``, ``_release_quietly``, ``_sleep``, ``_probe``
+``_io``) and what only it can do: the renewer (one thread per
+fencer, or one task per lease) and asyncio's shielding of clean-ups and
+releases.  The decisions (resend or give up, how long to wait, validity,
+loss) are the pure functions of :mod:`sa_fence._protocol`.  Why greenlet
+rather than generators or generated code: docs/architecture.md.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import random
 import socket
 import time
-from collections.abc import Awaitable, Generator
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import redis as redis_lib
@@ -60,57 +60,9 @@ REDIS_ERRORS = (redis_lib.exceptions.RedisError, redis_lib.exceptions.RedisClust
 T = TypeVar("T")
 R = TypeVar("R")
 E = TypeVar("E")
-#: A lifecycle step: yields I/O calls (sync: their results; asyncio: awaitables), returns T.
-Steps = Generator[Any, Any, T]
 
 #: Marks "this client's socket_timeout could not be read" (e.g. a custom client class).
 _UNKNOWN_TIMEOUT = object()
-
-
-# ------------------------------------------------------------------ drivers
-
-
-def run(steps: Steps[T]) -> T:
-    """Run ``steps`` on sync I/O: every value yielded is already the call's result."""
-    result: Any = None
-    try:
-        while True:
-            result = steps.send(result)
-    except StopIteration as done:
-        value: T = done.value
-        return value
-
-
-async def arun(steps: Steps[T]) -> T:
-    """Run ``steps`` on asyncio: await each value yielded, send back its result or
-    throw its exception in.
-
-    An await that returns although the task was cancelled meanwhile throws
-    ``CancelledError`` in all the same: redis-py sends each command through
-    ``asyncio.wait_for``, which before Python 3.12 returns the result instead
-    when the cancellation lands just as the call completes (CPython gh-86296),
-    and a blocking acquire would then wait on, or take the lease, for a
-    caller that has gone.
-    """
-    task = asyncio.current_task()
-    cancels = 0 if task is None else task.cancelling()
-    try:
-        step = steps.send(None)
-        while True:
-            try:
-                result = await step
-            except BaseException as exc:
-                cancels = 0 if task is None else task.cancelling()
-                step = steps.throw(exc)
-                continue
-            if task is not None and task.cancelling() > cancels:
-                cancels = task.cancelling()
-                step = steps.throw(asyncio.CancelledError())
-                continue
-            step = steps.send(result)
-    except StopIteration as done:
-        value: T = done.value
-        return value
 
 
 # ---------------------------------------------------------------- the steps
@@ -125,21 +77,21 @@ def acquire(
     renew: bool,
     on_lost: Any,
     fail_fast: bool | None,
-) -> Steps[Any]:
+) -> Any:
     """Validate, grant, draw the token, confirm it (withdraw it if the lease was
     lost meanwhile) and return the front end's lease.
 
     On any failure or cancellation after the grant, whatever this owner may
     have set in Redis is removed (owner-checked) before the error propagates.
     """
-    key = f.key(name)
+    key = f.key_prefix + proto.check_name(name)  # f.key(name), one call fewer
     ttl_ms = proto.ttl_to_ms(ttl)
     max_wait = proto.check_timeout(blocking, timeout, float(ttl))
     proto.check_lease_options(renew, on_lost, fail_fast)
     tokens = f._tokens
     if not tokens.checked:
         try:
-            yield f.check()
+            f._io(f.check())
         except SQLAlchemyError as exc:
             # the chain adds nothing to the error's own cause (its .cause)
             raise token_error(
@@ -151,26 +103,28 @@ def acquire(
     token: int | None = None
     granted = False
     try:
-        started = yield from _grant(f, name, key, owner, ttl_ms, max_wait)
+        started = _grant(f, name, key, owner, ttl_ms, max_wait)
         granted = True
         try:
-            token = yield f._next_token(name)
+            token = f._io(f._next_token(name))
         except SQLAlchemyError as exc:
             raise token_error(name, exc, tokens.lock_timeout_ms, sequence=f.sequence) from None
         value = proto.confirmed_value(owner, token)
-        remaining, _ = yield from call(f, name, "confirm", f._confirm, key, owner, value)
+        remaining, _ = call(f, name, "confirm", f._confirm, key, owner, value)
     except BaseException as exc:
         if not granted and isinstance(exc, FenceError):
             raise  # contention (nothing of ours set), or _grant already cleaned up
         # Failed, or cancelled at an await: whatever we may have set goes.
-        yield f._release_quietly(
-            key, [owner] if token is None else [proto.confirmed_value(owner, token), owner]
+        f._io(
+            f._release_quietly(
+                key, [owner] if token is None else [proto.confirmed_value(owner, token), owner]
+            )
         )
         raise
     if int(remaining) < 0:
         # Lost before the token was confirmed: the token was never used, so
         # the register goes back to the live holder's (if it still holds ours).
-        yield f._db(tokens.withdraw, name, token)
+        tokens.withdraw(name, token)  # sync code, in the async front end's greenlet
         raise LeaseLostError(proto.confirm_lost_message(name, token))
     lease = f._lease_type(
         f,
@@ -192,7 +146,7 @@ def acquire(
 
 def _grant(
     f: FencerCore[Any, Any], name: str, key: str, owner: str, ttl_ms: int, max_wait: float
-) -> Steps[float]:
+) -> float:
     """Run ACQUIRE until granted; return the monotonic time validity counts from."""
     waited_from = time.monotonic()
     attempts = proto.AcquireAttempts(
@@ -201,7 +155,7 @@ def _grant(
     while True:
         sent_at = time.monotonic()
         try:
-            reply = yield f._acquire(keys=[key], args=[owner, ttl_ms])
+            reply = f._io(f._acquire(keys=[key], args=[owner, ttl_ms]))
         except REDIS_ERRORS as exc:
             wait = attempts.on_failure(
                 proto.classify_redis(exc),
@@ -217,9 +171,9 @@ def _grant(
                 if attempts.unknown_since is not None and attempts.failed.fits_another(
                     time.monotonic()
                 ):
-                    yield f._release_quietly(key, [owner])
-                raise (yield from _error(f, name, "acquire", exc, attempts.failed)) from None
-            yield f._sleep(wait)
+                    f._io(f._release_quietly(key, [owner]))
+                raise _error(f, name, "acquire", exc, attempts.failed) from None
+            f._sleep(wait)
             continue
         outcome, holder_token = proto.parse_acquire_reply(reply)
         if outcome != proto.HELD:
@@ -228,31 +182,30 @@ def _grant(
         if wait is None:
             waited = time.monotonic() - waited_from if max_wait > 0 else None
             raise LeaseNotAcquiredError(name, holder_token, waited=waited)
-        yield f._sleep(wait)
+        f._sleep(wait)
 
 
 def call(
     f: FencerCore[Any, Any], name: str, operation: str, script: Any, key: str, *args: object
-) -> Steps[tuple[Any, int]]:
+) -> tuple[Any, int]:
     """Send an idempotent script call, resending it within the failure budget while
     it fails in a way a resend may fix; (its reply, how many sends failed before),
     or raise the error for the failure."""
-    budget = proto.FailureBudget(f.timeout)
     keys, argv = [key], list(args)
+    budget = None  # made at the first failure: most calls never need one
     while True:
         sent_at = time.monotonic()
         try:
-            return (yield script(keys=keys, args=argv)), budget.failures
+            return f._io(script(keys=keys, args=argv)), 0 if budget is None else budget.failures
         except REDIS_ERRORS as exc:
-            wait = budget.on_failure(
-                proto.classify_redis(exc),
-                sent_at=sent_at,
-                now=time.monotonic(),
-                rand=random.random(),
-            )
+            failure = proto.classify_redis(exc)
+            now = time.monotonic()
+            if budget is None:
+                budget = proto.FailureBudget(f.timeout)
+            wait = budget.on_failure(failure, sent_at=sent_at, now=now, rand=random.random())
             if wait is None:
-                raise (yield from _error(f, name, operation, exc, budget)) from None
-            yield f._sleep(wait)
+                raise _error(f, name, operation, exc, budget) from None
+            f._sleep(wait)
 
 
 def _error(
@@ -261,7 +214,7 @@ def _error(
     operation: str,
     exc: BaseException,
     budget: proto.FailureBudget,
-) -> Steps[FenceError]:
+) -> FenceError:
     """The error for a Redis call that failed for good; probes the server first
     (within what is left of the budget) when the connection failed before
     anything was sent: TLS on one side only looks like an outage."""
@@ -269,11 +222,11 @@ def _error(
     speaks = None
     if target is not None and proto.wants_probe(proto.classify_redis(exc)):
         wait = proto.probe_timeout(budget.remaining(time.monotonic()))
-        speaks = yield f._probe(target[0], target[1], wait)
+        speaks = f._probe(target[0], target[1], wait)
     return redis_error(name, operation, exc, budget.failures, target=target, speaks=speaks)
 
 
-def release_quietly(f: FencerCore[Any, Any], key: str, values: list[str]) -> Steps[None]:
+def release_quietly(f: FencerCore[Any, Any], key: str, values: list[str]) -> None:
     """Owner-checked clean-up after a failed or cancelled acquire: one attempt per value.
 
     The original error matters more and the lease's TTL ends the lease
@@ -282,7 +235,7 @@ def release_quietly(f: FencerCore[Any, Any], key: str, values: list[str]) -> Ste
     """
     for value in values:
         try:
-            yield f._release(keys=[key], args=[value])
+            f._io(f._release(keys=[key], args=[value]))
         except REDIS_ERRORS as exc:
             f._log.debug(
                 "could not remove lease %s after a failed acquire (%s); its TTL ends it",
@@ -292,7 +245,7 @@ def release_quietly(f: FencerCore[Any, Any], key: str, values: list[str]) -> Ste
             return
 
 
-def extend(lease: BaseLease[Any], ttl: float | None) -> Steps[None]:
+def extend(lease: BaseLease[Any], ttl: float | None) -> None:
     """Owner-checked EXTEND; a lease found not ours is lost (LeaseLostError)."""
     ttl_ms = proto.ttl_to_ms(lease.ttl if ttl is None else ttl)
     state = lease._state
@@ -300,9 +253,7 @@ def extend(lease: BaseLease[Any], ttl: float | None) -> Steps[None]:
         raise LeaseLostError(state.problem(time.monotonic(), for_write=True) or "")
     sent_at = time.monotonic()
     f = lease.fencer
-    extended, _ = yield from call(
-        f, lease.name, "extend", f._extend, lease.key, lease._value, ttl_ms
-    )
+    extended, _ = call(f, lease.name, "extend", f._extend, lease.key, lease._value, ttl_ms)
     if not int(extended):
         message = proto.not_ours_message(lease.name, lease.token)
         lease._lose(message)
@@ -311,25 +262,25 @@ def extend(lease: BaseLease[Any], ttl: float | None) -> Steps[None]:
         state.on_extended(sent_at, ttl_ms)
 
 
-def release(lease: BaseLease[Any]) -> Steps[bool]:
+def release(lease: BaseLease[Any]) -> bool:
     """Owner-checked RELEASE (the front end stopped renewal first); True when this
     deleted our live lease.  The lease counts as released once Redis answered."""
     f = lease.fencer
     first_sent = time.monotonic()
-    reply, failures = yield from call(f, lease.name, "release", f._release, lease.key, lease._value)
+    reply, failures = call(f, lease.name, "release", f._release, lease.key, lease._value)
     with lease._lock:
         lease._state.released = True
     return lease._release_outcome(bool(int(reply)), failures > 0, first_sent)
 
 
-def renew(lease: BaseLease[Any]) -> Steps[float | None]:
+def renew(lease: BaseLease[Any]) -> float | None:
     """One renewal EXTEND: the next due time, or None to stop (lost or released)."""
     if not lease._state.renewing:
         return None
     f = lease.fencer
     sent_at = time.monotonic()
     try:
-        reply = yield f._extend(keys=[lease.key], args=[lease._value, lease._ttl_ms])
+        reply = f._io(f._extend(keys=[lease.key], args=[lease._value, lease._ttl_ms]))
         outcome = "extended" if int(reply) else "not-ours"
     except REDIS_ERRORS as exc:  # timeouts, a read-only replica, a failover...
         outcome = lease._renewal_unanswered(exc)
@@ -388,8 +339,8 @@ class FencerCore(Generic[R, E]):
     def _release_quietly(self, key: str, values: list[str]) -> object:
         raise NotImplementedError
 
-    def _db(self, fn: Any, *args: Any) -> Any:
-        """Run ``fn(*args)`` on the token source's (sync) Engine."""
+    def _io(self, result: Any) -> Any:
+        """The result of an I/O call (sync: the result itself; asyncio: awaited)."""
         raise NotImplementedError
 
     def _next_token(self, name: str) -> Any:
