@@ -49,8 +49,6 @@ from .errors import (
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from ._lease import BaseLease
-
 DEFAULT_KEY_PREFIX = "sa_fence:"
 
 #: Everything a Redis client raises for a failed call (cluster routing errors
@@ -245,7 +243,10 @@ def release_quietly(f: FencerCore[Any, Any], key: str, values: list[str]) -> Non
             return
 
 
-def extend(lease: BaseLease[Any], ttl: float | None) -> None:
+# ``lease`` below is a sa_fence._lease.BaseLease (typed Any: that module imports this one).
+
+
+def extend(lease: Any, ttl: float | None) -> None:
     """Owner-checked EXTEND; a lease found not ours is lost (LeaseLostError)."""
     ttl_ms = proto.ttl_to_ms(lease.ttl if ttl is None else ttl)
     state = lease._state
@@ -262,7 +263,7 @@ def extend(lease: BaseLease[Any], ttl: float | None) -> None:
         state.on_extended(sent_at, ttl_ms)
 
 
-def release(lease: BaseLease[Any]) -> bool:
+def release(lease: Any) -> bool:
     """Owner-checked RELEASE (the front end stopped renewal first); True when this
     deleted our live lease.  The lease counts as released once Redis answered."""
     f = lease.fencer
@@ -270,10 +271,11 @@ def release(lease: BaseLease[Any]) -> bool:
     reply, failures = call(f, lease.name, "release", f._release, lease.key, lease._value)
     with lease._lock:
         lease._state.released = True
-    return lease._release_outcome(bool(int(reply)), failures > 0, first_sent)
+    deleted: bool = lease._release_outcome(bool(int(reply)), failures > 0, first_sent)
+    return deleted
 
 
-def renew(lease: BaseLease[Any]) -> float | None:
+def renew(lease: Any) -> float | None:
     """One renewal EXTEND: the next due time, or None to stop (lost or released)."""
     if not lease._state.renewing:
         return None
@@ -284,7 +286,8 @@ def renew(lease: BaseLease[Any]) -> float | None:
         outcome = "extended" if int(reply) else "not-ours"
     except REDIS_ERRORS as exc:  # timeouts, a read-only replica, a failover...
         outcome = lease._renewal_unanswered(exc)
-    return lease._renewal_step(outcome, sent_at, f.renew_fraction)
+    at: float | None = lease._renewal_step(outcome, sent_at, f.renew_fraction)
+    return at
 
 
 # ------------------------------------------------------------ the fencers
