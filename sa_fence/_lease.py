@@ -213,8 +213,6 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         finally:
             lease._release_on_exit()
 
-    # ------------------------------------------------------------------ I/O
-
     # ------------------------------------------------------ I/O (see _lifecycle)
 
     def _next_token(self, name: str) -> int:
