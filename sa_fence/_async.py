@@ -16,14 +16,11 @@
         await session.commit()        # StaleTokenError if a newer holder wrote
 
 Same API as :class:`sa_fence.Fencer` / :class:`sa_fence.Lease` (a test
-compares the signatures), and the same behaviour from one source: every
-validation, retry decision, validity computation, state transition and error
-text comes from :mod:`sa_fence._protocol` and the shared
-:class:`sa_fence._lease.BaseLease`; this module only sends, awaits and
-sleeps.  The sequence check is the very same
-:class:`~sa_fence._tokens.TokenSource` code, run inside SQLAlchemy's greenlet
-bridge; tokens are drawn with its statement and ``synchronous_commit`` check
-on an ``AsyncConnection``.  The flush hook is the sync session's own (``AsyncSession`` runs it).
+compares the signatures), and the same behaviour from one source: the
+lifecycle in :mod:`sa_fence._lifecycle`, driven here by awaiting each call it
+yields.  Token draws and the sequence check run the sync
+:class:`~sa_fence._tokens.TokenSource` inside SQLAlchemy's greenlet bridge;
+the flush hook is the sync session's own (``AsyncSession`` runs it).
 
 What differs, because asyncio can cancel at any ``await``:
 
@@ -44,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -55,37 +51,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis.asyncio as aioredis
 from sqlalchemy import Engine
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
-from sqlalchemy.util import greenlet_spawn
+from sqlalchemy.util import await_only, greenlet_spawn
 
-from . import _protocol as proto
+from . import _lifecycle as steps
 from . import _prune, _telemetry
 from ._dialect import check_dialect
-from ._lease import (
-    DEFAULT_KEY_PREFIX,
-    REDIS_ERRORS,
-    BaseLease,
-    check_budget,
-    client_socket_timeout,
-    lock_timeout_ms,
-    probe_speaks,
-    probe_target,
-    redis_error,
-)
-from ._tokens import DEFAULT_SEQUENCE, TokenSource, token_error
-from .errors import (
-    FenceError,
-    FencingConfigError,
-    LeaseBackendError,
-    LeaseLostError,
-    LeaseNotAcquiredError,
-)
+from ._lease import BaseLease
+from ._lifecycle import FencerCore, probe_speaks
+from .errors import FencingConfigError, LeaseBackendError
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from ._prune import PruneResult
+    from ._tokens import TokenSource
 
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
@@ -108,34 +88,12 @@ def check_async_engine(engine: object) -> AsyncEngine:
     return engine
 
 
-def _cancels() -> int:
-    """How many cancellations of the current task are pending (see below)."""
-    task = asyncio.current_task()
-    return 0 if task is None else task.cancelling()
-
-
-def _raise_if_cancel_swallowed(cancels: int) -> None:
-    """Raise ``CancelledError`` if the current task was cancelled since it had
-    ``cancels`` pending, yet the call that was awaited returned normally.
-
-    redis-py sends each command through ``asyncio.wait_for(..., socket_timeout)``,
-    and before Python 3.12 ``wait_for`` returns the inner result instead of
-    raising when the cancellation arrives just as the send completes (CPython
-    gh-86296).  A blocking acquire would then keep waiting for the lease up to
-    its timeout (and might even take it) for a caller that has gone: on a busy
-    machine, often enough to fail a test now and then.
-    """
-    task = asyncio.current_task()
-    if task is not None and task.cancelling() > cancels:
-        raise asyncio.CancelledError
-
-
 def _keep_quiet(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved: a shielded task whose caller left is not "never retrieved"
 
 
-class AsyncFencer:
+class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngine]):
     """Grants leases (Redis) that carry fencing tokens (PostgreSQL sequence), for asyncio.
 
     ``redis`` is a ``redis.asyncio.Redis`` (or ``RedisCluster``) client;
@@ -146,57 +104,21 @@ class AsyncFencer:
     renewed leases are extended by one asyncio task per lease.
     """
 
-    def __init__(
-        self,
-        redis: aioredis.Redis | aioredis.RedisCluster,
-        engine: AsyncEngine,
-        *,
-        sequence: str = DEFAULT_SEQUENCE,
-        key_prefix: str = DEFAULT_KEY_PREFIX,
-        renew_fraction: float = proto.DEFAULT_RENEW_FRACTION,
-        timeout: float | None = None,
-        telemetry: _telemetry.Telemetry | None = None,
-    ) -> None:
+    _log = log
+    _kind = "AsyncFencer"
+    _renewer_word = "renewal task"
+
+    def _start(self, redis: object, engine: AsyncEngine) -> Engine:
         if not isinstance(redis, aioredis.Redis | aioredis.RedisCluster):
             raise TypeError(
                 "redis must be a redis.asyncio.Redis or redis.asyncio.RedisCluster client, "
                 f"got {type(redis).__module__}.{type(redis).__name__} (for a sync client "
                 "use sa_fence.Fencer)"
             )
-        if not isinstance(sequence, str) or not sequence:
-            raise ValueError("sequence must be the (optionally schema-qualified) sequence name")
-        self.redis = redis
         self.engine = check_async_engine(engine)
-        self.key_prefix = proto.check_prefix(key_prefix)
-        self.renew_fraction = proto.check_renew_fraction(renew_fraction)
-        #: the failure budget, in seconds (see sa_fence.Fencer)
-        self.timeout = check_budget(redis, timeout, "AsyncFencer")
-        self._tokens = TokenSource(
-            engine.sync_engine, sequence, lock_timeout_ms=lock_timeout_ms(self.timeout)
-        )
-        self._acquire = redis.register_script(proto.ACQUIRE_SCRIPT)
-        self._confirm = redis.register_script(proto.CONFIRM_SCRIPT)
-        self._extend = redis.register_script(proto.EXTEND_SCRIPT)
-        self._release = redis.register_script(proto.RELEASE_SCRIPT)
         #: Shielded clean-ups and releases still running (strong refs until done).
         self._background: set[asyncio.Task[Any]] = set()
-        self._warned_no_timeout = False
-        #: where metrics and spans go (None: the global providers; docs/observability.md)
-        self._telemetry = telemetry
-
-    @property
-    def sequence(self) -> str:
-        return self._tokens.sequence
-
-    # Package-internal (no docstring, so not on the API page): the flush hook
-    # reads the register and the database's identity of this fencer's tokens.
-    @property
-    def token_source(self) -> TokenSource:
-        return self._tokens
-
-    def key(self, name: str) -> str:
-        """The Redis key that holds lease ``name``."""
-        return self.key_prefix + proto.check_name(name)
+        return self.engine.sync_engine
 
     async def check(self) -> None:
         """Check the token sequence and ``synchronous_commit`` now (see ``Fencer.check``)."""
@@ -220,71 +142,9 @@ class AsyncFencer:
         removes what it may have set in Redis before ``CancelledError``
         propagates, and starts no renewal.
         """
-        key = self.key(name)
-        ttl_ms = proto.ttl_to_ms(ttl)
-        max_wait = proto.check_timeout(blocking, timeout, float(ttl))
-        proto.check_lease_options(renew, on_lost, fail_fast)
-        if not self._tokens.checked:
-            try:
-                await self.check()
-            except SQLAlchemyError as exc:
-                # the chain adds nothing to the error's own cause (its .cause)
-                raise token_error(
-                    name,
-                    exc,
-                    self._tokens.lock_timeout_ms,
-                    operation="check",
-                    sequence=self.sequence,
-                ) from None
-        if renew:
-            self._warn_if_unbounded()
-        owner = proto.new_owner()
-        token: int | None = None
-        granted = False
-        try:
-            started = await self._grant(name, key, owner, ttl_ms, max_wait)
-            granted = True
-            try:
-                token = await self._next_token(name)
-            except SQLAlchemyError as exc:
-                raise token_error(
-                    name, exc, self._tokens.lock_timeout_ms, sequence=self.sequence
-                ) from None
-            value = proto.confirmed_value(owner, token)
-            remaining = int(
-                await self._call(
-                    name, "confirm", lambda: self._confirm(keys=[key], args=[owner, value])
-                )
-            )
-        except BaseException as exc:
-            if not granted and isinstance(exc, FenceError):
-                # contention (nothing of ours was set), or the grant failed and
-                # _grant already removed what its lost attempts may have set
-                raise
-            # Failed, or cancelled at an await: whatever we may have set goes
-            # (owner-checked), shielded so that it finishes even if cancelled again.
-            values = [owner] if token is None else [proto.confirmed_value(owner, token), owner]
-            await self._shielded(self._release_quietly(key, values))
-            raise
-        if remaining < 0:
-            # Lost before the token was confirmed: withdraw it (see Fencer.acquire).
-            await greenlet_spawn(self._tokens.withdraw, name, token)
-            raise LeaseLostError(proto.confirm_lost_message(name, token))
-        lease = AsyncLease(
-            self,
-            name,
-            key,
-            owner,
-            token,
-            ttl,
-            value,
-            started,
-            ttl_ms=ttl_ms,
-            fail_fast=renew if fail_fast is None else fail_fast,
-            on_lost=on_lost,
+        lease: AsyncLease = await greenlet_spawn(
+            steps.acquire, self, name, ttl, blocking, timeout, renew, on_lost, fail_fast
         )
-        if renew:
-            lease._start_renewal(started + self.renew_fraction * ttl_ms / 1000)
         return lease
 
     @asynccontextmanager
@@ -317,115 +177,6 @@ class AsyncFencer:
             yield lease
         finally:
             await lease._release_on_exit()
-
-    # ------------------------------------------------------------------ I/O
-
-    async def _next_token(self, name: str) -> int:
-        """Draw and register the token in its own committed transaction (the
-        statement and checks of :class:`~sa_fence._tokens.TokenSource`)."""
-        tokens = self._tokens
-        attempt = 1
-        while True:
-            try:
-                async with self.engine.connect() as conn:
-                    conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                    result = await conn.execute(tokens.register.grant_text(), tokens.params(name))
-                    row = result.one_or_none()
-                break
-            except DBAPIError as exc:  # lost (a pooled connection from before a restart)?
-                if not tokens.should_redraw(exc, attempt, name):
-                    raise
-                attempt += 1
-        if row is None:
-            return await greenlet_spawn(tokens.granted, None, name)
-        return tokens.granted(row, name)
-
-    async def _grant(self, name: str, key: str, owner: str, ttl_ms: int, max_wait: float) -> float:
-        """Run ACQUIRE until granted; return the monotonic time validity counts from."""
-        attempts = proto.AcquireAttempts(
-            deadline=time.monotonic() + max_wait, failed=proto.FailureBudget(self.timeout)
-        )
-        waited_from = time.monotonic()
-        cancels = _cancels()
-        while True:
-            sent_at = time.monotonic()
-            try:
-                reply = await self._acquire(keys=[key], args=[owner, ttl_ms])
-            except REDIS_ERRORS as exc:
-                failure = proto.classify_redis(exc)
-                wait = attempts.on_failure(
-                    failure, sent_at=sent_at, now=time.monotonic(), rand=random.random()
-                )
-                if wait is None:
-                    # Unknown: remove what a lost ACQUIRE may have set (a failure
-                    # that proves nothing was set needs no clean-up).
-                    if attempts.unknown_since is not None and attempts.failed.fits_another(
-                        time.monotonic()
-                    ):
-                        await self._shielded(self._release_quietly(key, [owner]))
-                    raise await self._error(name, "acquire", exc, attempts.failed) from None
-                await asyncio.sleep(wait)
-                continue
-            _raise_if_cancel_swallowed(cancels)
-            outcome, holder_token = proto.parse_acquire_reply(reply)
-            if outcome != proto.HELD:
-                return attempts.sent(sent_at)
-            wait = attempts.on_held(time.monotonic(), random.random())
-            if wait is None:
-                waited = time.monotonic() - waited_from if max_wait > 0 else None
-                raise LeaseNotAcquiredError(name, holder_token, waited=waited)
-            await asyncio.sleep(wait)
-
-    async def _call(self, name: str, operation: str, do: Callable[[], Awaitable[T]]) -> T:
-        """Send an idempotent script call; resend it within the failure budget while
-        it fails in a way a resend may fix; then raise the error for the failure."""
-        reply, _ = await self._call_counting(name, operation, do)
-        return reply
-
-    async def _call_counting(
-        self, name: str, operation: str, do: Callable[[], Awaitable[T]]
-    ) -> tuple[T, int]:
-        """As :meth:`_call`; also how many sends failed before the one that answered."""
-        budget = proto.FailureBudget(self.timeout)
-        while True:
-            sent_at = time.monotonic()
-            try:
-                return await do(), budget.failures
-            except REDIS_ERRORS as exc:
-                wait = budget.on_failure(
-                    proto.classify_redis(exc),
-                    sent_at=sent_at,
-                    now=time.monotonic(),
-                    rand=random.random(),
-                )
-                if wait is None:
-                    raise await self._error(name, operation, exc, budget) from None
-                await asyncio.sleep(wait)
-
-    async def _error(
-        self, name: str, operation: str, exc: BaseException, budget: proto.FailureBudget
-    ) -> FenceError:
-        """As :meth:`sa_fence.Fencer._error` (the probe runs in a thread)."""
-        target = probe_target(self.redis)
-        speaks = None
-        if target is not None and proto.wants_probe(proto.classify_redis(exc)):
-            wait = proto.probe_timeout(budget.remaining(time.monotonic()))
-            speaks = await asyncio.to_thread(probe_speaks, target[0], target[1], wait)
-        return redis_error(name, operation, exc, budget.failures, target=target, speaks=speaks)
-
-    async def _release_quietly(self, key: str, values: list[str]) -> None:
-        """Owner-checked clean-up after a failed or cancelled acquire (see
-        ``Fencer._release_quietly``): one attempt per value, failures at debug level."""
-        for value in values:
-            try:
-                await self._release(keys=[key], args=[value])
-            except REDIS_ERRORS as exc:
-                log.debug(
-                    "could not remove lease %s after a failed acquire (%s); its TTL ends it",
-                    key,
-                    proto.cause_text(exc),
-                )
-                return
 
     async def prune(
         self,
@@ -469,17 +220,44 @@ class AsyncFencer:
         """Run ``coro`` to its end even if the caller is cancelled meanwhile."""
         return await asyncio.shield(self._spawn(coro))
 
-    def _warn_if_unbounded(self) -> None:
-        if self._warned_no_timeout:
-            return
-        if client_socket_timeout(self.redis) is None:
-            self._warned_no_timeout = True
-            log.warning(
-                "renewed leases on a Redis client without socket_timeout: a Redis that "
-                "stops answering blocks the renewal task until the OS gives up, so on_lost "
-                "runs late (lease.lost and the flush check still use the local clock). "
-                "Create the client with socket_timeout=<seconds well below the TTL>."
-            )
+    # ------------------------------------------------------ I/O (see _lifecycle)
+
+    def _next_token(self, name: str) -> Coroutine[Any, Any, int]:
+        return greenlet_spawn(_draw, self._tokens, name)
+
+    def _release_quietly(self, key: str, values: list[str]) -> Coroutine[Any, Any, None]:
+        """The clean-up after a failed or cancelled acquire, shielded: it ends even
+        if the caller is cancelled again."""
+        return self._shielded(greenlet_spawn(steps.release_quietly, self, key, values))
+
+    @staticmethod
+    def _io(awaitable: Awaitable[T]) -> T:
+        """Await ``awaitable`` from the lifecycle's greenlet.  A cancellation of the
+        task that the await swallowed is raised all the same: redis-py sends each
+        command through ``asyncio.wait_for``, which before Python 3.12 returns the
+        result when the cancellation lands just as the call completes (CPython
+        gh-86296), and a blocking acquire would then wait on, or take the lease,
+        for a caller that has gone."""
+        task = asyncio.current_task()
+        cancels = 0 if task is None else task.cancelling()
+        result = await_only(awaitable)
+        if task is not None and task.cancelling() > cancels:
+            raise asyncio.CancelledError
+        return result
+
+    @staticmethod
+    def _sleep(seconds: float) -> None:
+        await_only(asyncio.sleep(seconds))
+
+    @staticmethod
+    def _probe(host: str, port: int, timeout: float) -> str | None:
+        return await_only(asyncio.to_thread(probe_speaks, host, port, timeout))
+
+
+def _draw(tokens: TokenSource, name: str) -> int:
+    """The token source's draw through a pooled ``Connection`` (its psycopg fast
+    path holds a sync DBAPI connection, which an AsyncEngine does not have)."""
+    return tokens.granted(tokens._next_token_sqlalchemy(tokens.params(name)), name)
 
 
 def _cancel_quietly(task: asyncio.Task[Any]) -> None:
@@ -499,24 +277,12 @@ async def _renew(ref: weakref.ref[AsyncLease], at: float) -> None:
         if delay > 0:
             await asyncio.sleep(delay)
         lease = ref()
-        if lease is None or not lease._state.renewing:
+        if lease is None:
             return
-        sent_at = time.monotonic()
         try:
-            try:
-                reply = int(
-                    await lease.fencer._extend(keys=[lease.key], args=[lease._value, lease._ttl_ms])
-                )
-                outcome = "extended" if reply else "not-ours"
-            except REDIS_ERRORS as exc:  # timeouts, a read-only replica, a failover...
-                outcome = lease._renewal_unanswered(exc)
-            next_at = lease._renewal_step(outcome, sent_at, lease.fencer.renew_fraction)
+            next_at = await greenlet_spawn(steps.renew, lease)
         except Exception as exc:  # never stop silently
-            log.exception("renewal of lease %r failed unexpectedly", lease.name)
-            lease._lose(
-                f"lease {lease.name!r} (token {lease.token}) could not be renewed: "
-                f"{type(exc).__name__}: {exc}. Stop the work; nothing was sent."
-            )
+            lease._renewal_crashed(exc)
             return
         if next_at is None:
             return
@@ -532,6 +298,7 @@ class AsyncLease(BaseLease["AsyncFencer"]):
     ``AsyncSession`` (or a sync ``Session``).
     """
 
+    _log = log
     _renewal: asyncio.Task[None] | None = None
     _releasing: asyncio.Task[bool] | None = None
     #: Run after on_lost: the decorator's "cancel the body" hooks.  A tuple,
@@ -545,17 +312,7 @@ class AsyncLease(BaseLease["AsyncFencer"]):
         stays held with its old validity (Redis may have extended it; never
         the other way round).
         """
-        ttl_ms = self._extend_ttl_ms(ttl)
-        sent_at = time.monotonic()
-        fencer = self.fencer
-        extended = int(
-            await fencer._call(
-                self.name,
-                "extend",
-                lambda: fencer._extend(keys=[self.key], args=[self._value, ttl_ms]),
-            )
-        )
-        self._on_extend_reply(extended, sent_at, ttl_ms)
+        await greenlet_spawn(steps.extend, self, ttl)
 
     @_telemetry.traced_release_async
     async def release(self) -> bool:
@@ -610,26 +367,13 @@ class AsyncLease(BaseLease["AsyncFencer"]):
         if renewal is not None and renewal is not asyncio.current_task():
             await asyncio.wait([renewal])  # cancelled by release(): let it end first
         self._renewal = None
-        first_sent = time.monotonic()
-        fencer = self.fencer
-        reply, failures = await fencer._call_counting(
-            self.name, "release", lambda: fencer._release(keys=[self.key], args=[self._value])
-        )
-        with self._lock:
-            self._state.released = True  # only now: Redis said the lease is not ours any more
-        return self._release_outcome(bool(int(reply)), failures > 0, first_sent)
+        return await greenlet_spawn(steps.release, self)
 
     async def _release_on_exit(self) -> None:
         try:
             await self.release()
         except (LeaseBackendError, FencingConfigError) as exc:
-            log.warning(
-                "could not release lease %r (token %d): %s; its TTL will end it",
-                self.name,
-                self.token,
-                proto.cause_text(exc.cause) if exc.cause is not None else exc,
-                extra=_telemetry.log_extra(self, "release_failed"),
-            )
+            self._release_failed(exc)
 
     def _start_renewal(self, at: float) -> None:
         with self._lock:
@@ -650,3 +394,6 @@ class AsyncLease(BaseLease["AsyncFencer"]):
                 hook()
             except Exception:
                 log.exception("loss hook of lease %r raised", self.name)
+
+
+AsyncFencer._lease_type = AsyncLease

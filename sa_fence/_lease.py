@@ -1,9 +1,9 @@
 """Leases in Redis with tokens from PostgreSQL: :class:`Fencer` and :class:`Lease`.
 
-This is the thin sync driver of :mod:`sa_fence._protocol`: it sends the
-scripts, reads the clock, sleeps and runs the renewer thread; the decisions
-(retry or give up, how long to wait, is the lease still valid, is it lost)
-are pure functions there, so an asyncio front end can share them.  ``time``
+The sync driver of the lease lifecycle in :mod:`sa_fence._lifecycle`: it
+makes each call when the lifecycle asks for it, sleeps with ``time.sleep``
+and renews leases on one thread per fencer.  :class:`BaseLease`, what a
+holder knows about its lease without I/O, serves both front ends.  ``time``
 and ``random`` are imported as modules so tests can swap the clock.
 """
 
@@ -12,9 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import math
 import random
-import socket
 import threading
 import time
 import weakref
@@ -25,21 +23,24 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import redis as redis_lib
-from sqlalchemy.exc import SQLAlchemyError
 
+from . import _lifecycle as steps
 from . import _protocol as proto
 from . import _prune, _telemetry
 from ._dialect import check_engine
 from ._flush import bind_lease
 from ._lease_view import FencerView
-from ._tokens import DEFAULT_SEQUENCE, TokenSource, token_error
-from .errors import (
-    FenceError,
-    FencingConfigError,
-    LeaseBackendError,
-    LeaseLostError,
-    LeaseNotAcquiredError,
+from ._lifecycle import (  # re-exported: imported from here elsewhere
+    DEFAULT_KEY_PREFIX as DEFAULT_KEY_PREFIX,
 )
+from ._lifecycle import (
+    REDIS_ERRORS as REDIS_ERRORS,
+)
+from ._lifecycle import (
+    FencerCore,
+    probe_speaks,
+)
+from .errors import FencingConfigError, LeaseBackendError, LeaseLostError
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -49,163 +50,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
-DEFAULT_KEY_PREFIX = "sa_fence:"
-
-#: Everything a Redis client raises for a failed call (cluster routing errors
-#: such as SlotNotCoveredError are not RedisErrors).
-REDIS_ERRORS = (redis_lib.exceptions.RedisError, redis_lib.exceptions.RedisClusterException)
-
 T = TypeVar("T")
 S = TypeVar("S", bound="Session | scoped_session[Any]")
 #: ``on_lost(lease)``: runs once, on the thread that first sees the loss.
 OnLost = Callable[["Lease"], object]
 
-#: Marks "this client's socket_timeout could not be read" (e.g. a custom client class).
-_UNKNOWN_TIMEOUT = object()
 
-
-def client_socket_timeout(client: object) -> object:
-    """The ``socket_timeout`` a (sync or asyncio) Redis or RedisCluster client's
-    connections use: a number, None (no bound), or ``_UNKNOWN_TIMEOUT``."""
-    for holder in (
-        getattr(getattr(client, "connection_pool", None), "connection_kwargs", None),
-        getattr(getattr(client, "nodes_manager", None), "connection_kwargs", None),
-        getattr(client, "connection_kwargs", None),
-    ):
-        if isinstance(holder, dict):
-            return holder.get("socket_timeout")
-    return _UNKNOWN_TIMEOUT
-
-
-def client_call_bound(client: object) -> tuple[float | None, str] | None:
-    """The longest one call of a plain or Sentinel client can last, and how that
-    comes about; None when it cannot be read (a cluster client, a custom class).
-
-    redis-py connects with up to ``retries`` retries of its own (each up to
-    ``socket_connect_timeout``, with waits of up to its backoff's cap), then
-    sends and waits up to ``socket_timeout`` for the reply, and on a failure
-    does it all again up to ``retries`` times.  With ``retry=Retry(NoBackoff(),
-    0)`` one call is one connect and one wait.  The bound is None (unbounded)
-    without a socket timeout or with endless retries.
-    """
-    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
-    if not isinstance(kwargs, dict):
-        return None
-    read = kwargs.get("socket_timeout")
-    connect = kwargs.get("socket_connect_timeout") or read
-    retry = kwargs.get("retry")
-    retries = retry.get_retries() if retry is not None else 0
-    backoff = getattr(retry, "_backoff", None)
-    cap = 0.0 if backoff is None else getattr(backoff, "_cap", getattr(backoff, "_backoff", None))
-    how = (
-        f"socket_timeout={read}, socket_connect_timeout={connect}, {retries} retries of "
-        f"its own with waits of up to {cap} s"
-    )
-    if read is None or connect is None or retries < 0:
-        return None, how
-    if not isinstance(cap, int | float):
-        return None
-    connecting = (retries + 1) * float(connect) + retries * float(cap)
-    return connecting + float(read) + retries * (connecting + float(read) + float(cap)), how
-
-
-def check_budget(client: object, timeout: float | None, owner: str) -> float:
-    """The failure budget for ``owner`` (a Fencer): ``timeout`` or the default.
-
-    An explicit budget that one call of the client could outlast (no socket
-    timeout, or redis-py's own retries and backoff adding up to more) is
-    refused: sa-fence cannot interrupt a call in progress, so it asks for a
-    client that keeps the budget.  The default budget is not checked this
-    way: it bounds sa-fence's own resends (see the Fencer's docstring).
-    """
-    if timeout is None:
-        return proto.DEFAULT_BACKEND_TIMEOUT
-    budget = proto.check_backend_timeout(timeout)
-    found = client_call_bound(client)
-    unbounded = client_socket_timeout(client) is None
-    if unbounded or (found is not None and (found[0] is None or found[0] > budget)):
-        longest = (
-            "unbounded"
-            if unbounded or found is None or found[0] is None
-            else (f"up to {found[0]:.3g} s")
-        )
-        how = f" ({found[1]})" if found is not None else ""
-        third = budget / 3
-        raise FencingConfigError(
-            f"{owner}(timeout={timeout!r}) cannot keep its budget: one call of this Redis "
-            f"client can last {longest}{how}, and a call in progress cannot be cut short. "
-            "Create the client with socket timeouts well below the budget and few retries "
-            "of its own (sa-fence resends what is safe to resend, within the budget), e.g. "
-            f"redis.Redis(..., socket_timeout={third:.3g}, socket_connect_timeout="
-            f"{third:.3g}, retry=Retry(NoBackoff(), 0)); see {proto.TIMEOUTS_DOC}."
-        )
-    return budget
-
-
-def lock_timeout_ms(budget: float) -> int:
-    """The register's lock wait bound for a failure budget (the same seconds)."""
-    return max(1, math.ceil(budget * 1000))
-
-
-def probe_target(client: object) -> tuple[str, int, bool] | None:
-    """(host, port, tls) of a plain (non-Sentinel, non-Cluster) client, else None."""
-    pool = getattr(client, "connection_pool", None)
-    kwargs = getattr(pool, "connection_kwargs", None)
-    if not isinstance(kwargs, dict) or "Sentinel" in type(pool).__name__:
-        return None
-    host, port = kwargs.get("host"), kwargs.get("port", 6379)
-    if not isinstance(host, str) or not isinstance(port, int):
-        return None  # a Unix socket: no TLS to disagree about
-    tls = "SSL" in getattr(getattr(pool, "connection_class", None), "__name__", "")
-    return host, port, tls
-
-
-def probe_speaks(host: str, port: int, timeout: float = 0.5) -> str | None:
-    """What the server on ``host:port`` speaks: "plain" (RESP), "tls", or None
-    (no answer).  Used only after a connection failed, to tell a TLS mismatch
-    (a set-up mistake) from an outage: a plain Redis answers ``PING`` in RESP,
-    a TLS port closes the connection or answers with a TLS alert."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
-            sock.sendall(b"PING\r\n")
-            data = sock.recv(16)
-    except ConnectionResetError:
-        return "tls"
-    except OSError:
-        return None
-    if not data or data[:1] in (b"\x15", b"\x16"):
-        return "tls"
-    if data[:1] in (b"+", b"-"):
-        return "plain"
-    return None
-
-
-def redis_error(
-    name: str,
-    operation: str,
-    exc: BaseException,
-    attempts: int,
-    *,
-    target: tuple[str, int, bool] | None = None,
-    speaks: str | None = None,
-) -> FenceError:
-    """The error to raise for a Redis call that failed for good (shared by both front ends)."""
-    failure = proto.classify_redis(exc, speaks=speaks, tls=bool(target and target[2]))
-    if failure.kind == proto.SETUP:
-        where = f" at {target[0]}:{target[1]}" if target else ""
-        return FencingConfigError(
-            f"{operation} of lease {name!r} failed{where}: {failure.text}", cause=exc
-        )
-    return LeaseBackendError(
-        backend="redis",
-        operation=operation,
-        name=name,
-        cause=exc,
-        detail=proto.outage_detail("Redis", failure, attempts),
-    )
-
-
-class Fencer:
+class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
     """Grants leases (Redis) that carry fencing tokens (PostgreSQL sequence).
 
     ``redis`` is a ``redis.Redis`` client; ``engine`` is the SQLAlchemy engine
@@ -232,54 +83,20 @@ class Fencer:
     OpenTelemetry providers (no-ops without an SDK).  See docs/observability.md.
     """
 
-    def __init__(
-        self,
-        redis: redis_lib.Redis | redis_lib.RedisCluster,
-        engine: Engine,
-        *,
-        sequence: str = DEFAULT_SEQUENCE,
-        key_prefix: str = DEFAULT_KEY_PREFIX,
-        renew_fraction: float = proto.DEFAULT_RENEW_FRACTION,
-        timeout: float | None = None,
-        telemetry: _telemetry.Telemetry | None = None,
-    ) -> None:
+    _log = log
+    _kind = "Fencer"
+    _renewer_word = "renewer"
+
+    def _start(self, redis: object, engine: Engine) -> Engine:
         if not isinstance(redis, redis_lib.Redis | redis_lib.RedisCluster):
             raise TypeError(
                 "redis must be a sync redis.Redis or redis.RedisCluster client, got "
                 f"{type(redis).__module__}.{type(redis).__name__}"
             )
-        if not isinstance(sequence, str) or not sequence:
-            raise ValueError("sequence must be the (optionally schema-qualified) sequence name")
-        self.redis = redis
         self.engine = check_engine(engine)
-        self.key_prefix = proto.check_prefix(key_prefix)
-        self.renew_fraction = proto.check_renew_fraction(renew_fraction)
-        #: the failure budget, in seconds (see the class docstring)
-        self.timeout = check_budget(redis, timeout, "Fencer")
-        self._tokens = TokenSource(engine, sequence, lock_timeout_ms=lock_timeout_ms(self.timeout))
         self._check_lock = threading.Lock()
-        self._acquire = redis.register_script(proto.ACQUIRE_SCRIPT)
-        self._confirm = redis.register_script(proto.CONFIRM_SCRIPT)
-        self._extend = redis.register_script(proto.EXTEND_SCRIPT)
-        self._release = redis.register_script(proto.RELEASE_SCRIPT)
         self._renewer = _Renewer()
-        self._warned_no_timeout = False
-        #: where metrics and spans go (None: the global providers; docs/observability.md)
-        self._telemetry = telemetry
-
-    @property
-    def sequence(self) -> str:
-        return self._tokens.sequence
-
-    # Package-internal (no docstring, so not on the API page): the flush hook
-    # reads the register and the database's identity of this fencer's tokens.
-    @property
-    def token_source(self) -> TokenSource:
-        return self._tokens
-
-    def key(self, name: str) -> str:
-        """The Redis key that holds lease ``name``."""
-        return self.key_prefix + proto.check_name(name)
+        return self.engine
 
     def check(self) -> None:
         """Check the token sequence and ``synchronous_commit`` now.
@@ -361,65 +178,7 @@ class Fencer:
         sequence or register is missing or unfit, a login or ACL right is
         refused, TLS is on one side only (checked before anything is written).
         """
-        key = self.key(name)
-        ttl_ms = proto.ttl_to_ms(ttl)
-        max_wait = proto.check_timeout(blocking, timeout, float(ttl))
-        proto.check_lease_options(renew, on_lost, fail_fast)
-        if not self._tokens.checked:
-            try:
-                self.check()
-            except SQLAlchemyError as exc:
-                # the chain adds nothing to the error's own cause (its .cause)
-                raise token_error(
-                    name,
-                    exc,
-                    self._tokens.lock_timeout_ms,
-                    operation="check",
-                    sequence=self.sequence,
-                ) from None
-        if renew:
-            self._warn_if_unbounded()
-        owner = proto.new_owner()
-        started = self._grant(name, key, owner, ttl_ms, max_wait)
-        try:
-            token = self._tokens.next_token(name)
-        except SQLAlchemyError as exc:
-            self._release_quietly(key, owner)
-            raise token_error(
-                name, exc, self._tokens.lock_timeout_ms, sequence=self.sequence
-            ) from None
-        except BaseException:
-            self._release_quietly(key, owner)
-            raise
-        value = proto.confirmed_value(owner, token)
-        try:
-            remaining = int(
-                self._call(name, "confirm", lambda: self._confirm(keys=[key], args=[owner, value]))
-            )
-        except FenceError:
-            self._release_quietly(key, value, owner)
-            raise
-        if remaining < 0:
-            # Lost before the token was confirmed: the token was never used, so
-            # the register goes back to the live holder's (if it still holds ours).
-            self._tokens.withdraw(name, token)
-            raise LeaseLostError(proto.confirm_lost_message(name, token))
-        lease = Lease(
-            self,
-            name,
-            key,
-            owner,
-            token,
-            ttl,
-            value,
-            started,
-            ttl_ms=ttl_ms,
-            fail_fast=renew if fail_fast is None else fail_fast,
-            on_lost=on_lost,
-        )
-        if renew:
-            lease._state.renewing = True
-            self._renewer.schedule(lease, started + self.renew_fraction * ttl_ms / 1000)
+        lease: Lease = steps.acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
         return lease
 
     @contextmanager
@@ -454,109 +213,23 @@ class Fencer:
         finally:
             lease._release_on_exit()
 
-    # ------------------------------------------------------------------ I/O
+    # ------------------------------------------------------ I/O (see _lifecycle)
 
-    def _grant(self, name: str, key: str, owner: str, ttl_ms: int, max_wait: float) -> float:
-        """Run ACQUIRE until granted; return the monotonic time validity counts from."""
-        attempts = proto.AcquireAttempts(
-            deadline=time.monotonic() + max_wait, failed=proto.FailureBudget(self.timeout)
-        )
-        waited_from = time.monotonic()
-        while True:
-            sent_at = time.monotonic()
-            try:
-                reply = self._acquire(keys=[key], args=[owner, ttl_ms])
-            except REDIS_ERRORS as exc:
-                failure = proto.classify_redis(exc)
-                wait = attempts.on_failure(
-                    failure, sent_at=sent_at, now=time.monotonic(), rand=random.random()
-                )
-                if wait is None:
-                    # Not "acquired", not "not acquired".  Remove what a lost
-                    # ACQUIRE may have set (the TTL ends it otherwise): not after
-                    # a failure that proves nothing was set, nor when the call
-                    # would not end within the budget (a Redis that stopped).
-                    if attempts.unknown_since is not None and attempts.failed.fits_another(
-                        time.monotonic()
-                    ):
-                        self._release_quietly(key, owner)
-                    raise self._error(name, "acquire", exc, attempts.failed) from None
-                time.sleep(wait)
-                continue
-            outcome, holder_token = proto.parse_acquire_reply(reply)
-            if outcome != proto.HELD:
-                return attempts.sent(sent_at)
-            wait = attempts.on_held(time.monotonic(), random.random())
-            if wait is None:
-                waited = time.monotonic() - waited_from if max_wait > 0 else None
-                raise LeaseNotAcquiredError(name, holder_token, waited=waited)
-            time.sleep(wait)
+    def _next_token(self, name: str) -> int:
+        return self._tokens.next_token(name)
 
-    def _call(self, name: str, operation: str, do: Callable[[], T]) -> T:
-        """Send an idempotent script call; resend it within the failure budget while
-        it fails in a way a resend may fix; then raise the error for the failure."""
-        return self._call_counting(name, operation, do)[0]
+    def _release_quietly(self, key: str, values: list[str]) -> None:
+        steps.release_quietly(self, key, values)
 
-    def _call_counting(self, name: str, operation: str, do: Callable[[], T]) -> tuple[T, int]:
-        """As :meth:`_call`; also how many sends failed before the one that answered."""
-        budget = proto.FailureBudget(self.timeout)
-        while True:
-            sent_at = time.monotonic()
-            try:
-                return do(), budget.failures
-            except REDIS_ERRORS as exc:
-                wait = budget.on_failure(
-                    proto.classify_redis(exc),
-                    sent_at=sent_at,
-                    now=time.monotonic(),
-                    rand=random.random(),
-                )
-                if wait is None:
-                    raise self._error(name, operation, exc, budget) from None
-                time.sleep(wait)
+    @staticmethod
+    def _io(result: T) -> T:
+        return result  # the call was made already
 
-    def _error(
-        self, name: str, operation: str, exc: BaseException, budget: proto.FailureBudget
-    ) -> FenceError:
-        """The error for a Redis call that failed for good; probes the server first
-        (within what is left of the budget) when the connection failed before
-        anything was sent: TLS on one side only looks like an outage."""
-        target = probe_target(self.redis)
-        speaks = None
-        if target is not None and proto.wants_probe(proto.classify_redis(exc)):
-            wait = proto.probe_timeout(budget.remaining(time.monotonic()))
-            speaks = probe_speaks(target[0], target[1], wait)
-        return redis_error(name, operation, exc, budget.failures, target=target, speaks=speaks)
+    @staticmethod
+    def _sleep(seconds: float) -> None:
+        time.sleep(seconds)
 
-    def _release_quietly(self, key: str, *values: str) -> None:
-        """Owner-checked clean-up after a failed acquire: one attempt per value.
-
-        The original error matters more and the lease's TTL ends the lease
-        anyway, so a clean-up that fails too (Redis is down) is logged at
-        debug level only.
-        """
-        for value in values:
-            try:
-                self._release(keys=[key], args=[value])
-            except REDIS_ERRORS as exc:
-                log.debug(
-                    "could not remove lease %s after a failed acquire (%s); its TTL ends it",
-                    key,
-                    proto.cause_text(exc),
-                )
-                return
-
-    def _warn_if_unbounded(self) -> None:
-        if self._warned_no_timeout:
-            return
-        if client_socket_timeout(self.redis) is None:
-            self._warned_no_timeout = True
-            log.warning(
-                "renewed leases on a Redis client without socket_timeout: a Redis that "
-                "stops answering blocks the renewer until the OS gives up, so on_lost "
-                "runs late (lease.lost and the flush check still use the local clock). "
-                "Create the client with socket_timeout=<seconds well below the TTL>."
-            )
+    _probe = staticmethod(probe_speaks)
 
 
 class _Renewer:
@@ -630,13 +303,9 @@ class _Renewer:
     def _run(self) -> None:
         while (lease := self._next_due()) is not None:
             try:
-                at = lease._renew_once()
+                at = steps.renew(lease)
             except Exception as exc:  # never stop silently, never stop the others
-                log.exception("renewal of lease %r failed unexpectedly", lease.name)
-                lease._lose(
-                    f"lease {lease.name!r} (token {lease.token}) could not be renewed: "
-                    f"{type(exc).__name__}: {exc}. Stop the work; nothing was sent."
-                )
+                lease._renewal_crashed(exc)
                 at = None
             if at is not None:
                 self.schedule(lease, at)
@@ -683,6 +352,8 @@ class BaseLease(Generic[FencerT]):
 
     #: Set once the lease is bound to a session or connection (see _warn_never_bound).
     _bound: bool = False
+    #: The front end's logger (for what only one front end logs).
+    _log = log
     #: What the lease reports its metrics under (set at acquire; see _telemetry).
     _tel: _telemetry.LeaseTelemetry | None = None
 
@@ -784,24 +455,7 @@ class BaseLease(Generic[FencerT]):
     def _stop_renewal(self) -> None:
         """Stop renewing this lease (the front end's renewer)."""
 
-    # The decisions around each Redis call, shared by both front ends: they
-    # differ only in how they send the call and wait.
-
-    def _extend_ttl_ms(self, ttl: float | None) -> int:
-        """Validate an extend before sending it: the TTL in ms, or LeaseLostError."""
-        ttl_ms = proto.ttl_to_ms(self.ttl if ttl is None else ttl)
-        problem = self._state.problem(time.monotonic(), for_write=True)
-        if problem is not None and (self.released or self._state.lost is not None):
-            raise LeaseLostError(problem)
-        return ttl_ms
-
-    def _on_extend_reply(self, extended: int, sent_at: float, ttl_ms: int) -> None:
-        if not extended:
-            message = proto.not_ours_message(self.name, self.token)
-            self._lose(message)
-            raise LeaseLostError(message)
-        with self._lock:
-            self._state.on_extended(sent_at, ttl_ms)
+    # What follows each Redis call of the lifecycle (sa_fence._lifecycle).
 
     def _release_outcome(self, deleted: bool, resent: bool, first_sent: float) -> bool:
         if not self._bound:
@@ -852,6 +506,24 @@ class BaseLease(Generic[FencerT]):
             return None
         return step.at
 
+    def _renewal_crashed(self, exc: Exception) -> None:
+        """A renewal failed in an unexpected way: never stop silently."""
+        self._log.exception("renewal of lease %r failed unexpectedly", self.name)
+        self._lose(
+            f"lease {self.name!r} (token {self.token}) could not be renewed: "
+            f"{type(exc).__name__}: {exc}. Stop the work; nothing was sent."
+        )
+
+    def _release_failed(self, exc: LeaseBackendError | FencingConfigError) -> None:
+        """The release on leaving a ``with`` block failed: log it, the TTL ends the lease."""
+        self._log.warning(
+            "could not release lease %r (token %d): %s; its TTL will end it",
+            self.name,
+            self.token,
+            proto.cause_text(exc.cause) if exc.cause is not None else exc,
+            extra=_telemetry.log_extra(self, "release_failed"),
+        )
+
     def _after_lost(self) -> None:
         """Run after ``on_lost`` (the asyncio front end cancels fenced bodies here)."""
 
@@ -882,16 +554,7 @@ class Lease(BaseLease["Fencer"]):
         and :class:`~sa_fence.FencingConfigError` when it refused the set-up
         (e.g. the ACL lacks ``PEXPIRE``).
         """
-        ttl_ms = self._extend_ttl_ms(ttl)
-        sent_at = time.monotonic()
-        extended = int(
-            self.fencer._call(
-                self.name,
-                "extend",
-                lambda: self.fencer._extend(keys=[self.key], args=[self._value, ttl_ms]),
-            )
-        )
-        self._on_extend_reply(extended, sent_at, ttl_ms)
+        steps.extend(self, ttl)
 
     @_telemetry.traced_release
     def release(self) -> bool:
@@ -911,14 +574,10 @@ class Lease(BaseLease["Fencer"]):
             if self._state.released:
                 return False
             self._state.released = True
-            self._state.renewing = False
-        self.fencer._renewer.cancel(self)
-        fencer = self.fencer
-        first_sent = time.monotonic()
-        reply, failures = fencer._call_counting(
-            self.name, "release", lambda: fencer._release(keys=[self.key], args=[self._value])
-        )
-        return self._release_outcome(bool(int(reply)), failures > 0, first_sent)
+            renewing, self._state.renewing = self._state.renewing, False
+        if renewing:  # (a lost lease's renewal was stopped when it was lost)
+            self.fencer._renewer.cancel(self)
+        return steps.release(self)
 
     def bind(self, session: S) -> S:
         """Fence ``session``'s flushes with this lease's token from now on.
@@ -947,26 +606,14 @@ class Lease(BaseLease["Fencer"]):
         try:
             self.release()
         except (LeaseBackendError, FencingConfigError) as exc:
-            log.warning(
-                "could not release lease %r (token %d): %s; its TTL will end it",
-                self.name,
-                self.token,
-                proto.cause_text(exc.cause) if exc.cause is not None else exc,
-                extra=_telemetry.log_extra(self, "release_failed"),
-            )
+            self._release_failed(exc)
+
+    def _start_renewal(self, at: float) -> None:
+        self._state.renewing = True
+        self.fencer._renewer.schedule(self, at)
 
     def _stop_renewal(self) -> None:
         self.fencer._renewer.cancel(self)
 
-    def _renew_once(self) -> float | None:
-        """One renewal (on the renewer thread); the next due time, or None to stop."""
-        with self._lock:
-            if not self._state.renewing:
-                return None
-        sent_at = time.monotonic()
-        try:
-            reply = int(self.fencer._extend(keys=[self.key], args=[self._value, self._ttl_ms]))
-            outcome = "extended" if reply else "not-ours"
-        except REDIS_ERRORS as exc:  # timeouts, a read-only replica, a failover...
-            outcome = self._renewal_unanswered(exc)
-        return self._renewal_step(outcome, sent_at, self.fencer.renew_fraction)
+
+Fencer._lease_type = Lease

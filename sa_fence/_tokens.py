@@ -337,7 +337,8 @@ class TokenSource:
         attempt = 1
         while True:
             try:
-                with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                with self.engine.connect() as conn:  # closed even if setting autocommit fails
+                    conn.execution_options(isolation_level="AUTOCOMMIT")
                     return conn.execute(self.register.grant_text(), params).one_or_none()
             except DBAPIError as exc:
                 if not self.should_redraw(exc, attempt, params["name"]):

@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import (
 
 import sa_fence
 from sa_fence import _flush
-from tests._async_fixtures import expire, keys, no_renewal_tasks_left, renewal_tasks, row
+from tests._async_fixtures import expire, keys, no_renewal_tasks_left, row
 from tests.models import Job
 
 TTL = 0.5
@@ -255,26 +255,7 @@ async def test_a_single_async_session_installed_alone_is_fenced(
 # ------------------------------------------------------- renewal and loss
 
 
-async def test_a_renewed_async_lease_outlives_its_ttl_and_stops_on_release(
-    afencer: sa_fence.AsyncFencer, redis_client: redis.Redis
-) -> None:
-    lease = await afencer.acquire("job:6", TTL, renew=True)
-    assert len(renewal_tasks()) == 1
-    await asyncio.sleep(4 * TTL)
-    assert redis_client.get(lease.key) == f"{lease.owner}:{lease.token}".encode()
-    lease.check()
-    assert await lease.release() is True
-    assert await no_renewal_tasks_left() == []
-
-
-async def test_without_renewal_the_async_lease_expires(
-    afencer: sa_fence.AsyncFencer, redis_client: redis.Redis
-) -> None:
-    """The pair of the test above."""
-    lease = await afencer.acquire("job:7", TTL)
-    await asyncio.sleep(4 * TTL)
-    assert redis_client.get(lease.key) is None
-    assert await lease.release() is False
+# (A renewed lease outliving its TTL, and its pair: tests/test_renew.py, both front ends.)
 
 
 async def test_a_lost_renewed_lease_tells_once_and_its_session_refuses_to_flush(

@@ -24,9 +24,10 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
+from tests._fronts import front, io
 from tests.models import Job
 
-FRONT_ENDS = ["sync", "async"]
+__all__ = ["front"]  # the fixture, imported for the tests below
 
 
 def register_token(engine: sa.Engine, name: str) -> int | None:
@@ -85,19 +86,6 @@ class LostBeforeConfirm:
                 self.b = self.other.acquire(name, 5)
 
 
-async def acquire(front: Any, name: str, ttl: float) -> Any:
-    if isinstance(front, sa_fence.AsyncFencer):
-        return await front.acquire(name, ttl)
-    return front.acquire(name, ttl)
-
-
-@pytest.fixture(params=FRONT_ENDS)
-def front(request: pytest.FixtureRequest) -> Any:
-    """The front end under test: the sync Fencer or the AsyncFencer (same Redis
-    prefix, same database)."""
-    return request.getfixturevalue("fencer" if request.param == "sync" else "afencer")
-
-
 @pytest.fixture
 def other(
     redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
@@ -117,7 +105,7 @@ async def test_a_lease_taken_over_before_its_confirm_is_lost_and_its_token_withd
 ) -> None:
     seam = LostBeforeConfirm(front, other(), redis_client, taken_over=True, monkeypatch=monkeypatch)
     with pytest.raises(sa_fence.LeaseLostError, match="thrown away"):
-        await acquire(front, "job:1", 5)
+        await io(front.acquire("job:1", 5))
     b = seam.b
     assert b is not None
     assert redis_client.get(b.key) == f"{b.owner}:{b.token}".encode()  # B's, untouched
@@ -135,7 +123,7 @@ async def test_a_lease_gone_before_its_confirm_is_lost_and_leaves_nothing_in_red
 ) -> None:
     LostBeforeConfirm(front, other(), redis_client, taken_over=False, monkeypatch=monkeypatch)
     with pytest.raises(sa_fence.LeaseLostError, match="thrown away"):
-        await acquire(front, "job:1", 5)
+        await io(front.acquire("job:1", 5))
     assert list(redis_client.scan_iter(match=key_prefix + "*")) == []
 
 
@@ -151,7 +139,7 @@ async def test_without_the_withdrawal_the_live_holder_is_fenced_out_by_the_lost_
     seam = LostBeforeConfirm(front, other(), redis_client, taken_over=True, monkeypatch=monkeypatch)
     monkeypatch.setattr(front._tokens, "withdraw", lambda name, token: None)
     with pytest.raises(sa_fence.LeaseLostError, match="thrown away"):
-        await acquire(front, "job:1", 5)
+        await io(front.acquire("job:1", 5))
     b = seam.b
     assert b is not None
     assert register_token(engine, "job:1") != b.token
@@ -177,7 +165,7 @@ async def test_without_the_confirm_the_lost_holder_gets_a_larger_token_than_the_
 
     is_async = isinstance(front, sa_fence.AsyncFencer)
     monkeypatch.setattr(front, "_confirm", held_async if is_async else held)
-    a = await acquire(front, "job:1", 5)
+    a = await io(front.acquire("job:1", 5))
     b = seam.b
     assert b is not None
     assert a.token > b.token  # A would now fence out the real holder B

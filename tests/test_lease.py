@@ -12,104 +12,122 @@ import sqlalchemy as sa
 
 import sa_fence
 from sa_fence import _protocol
+from tests._fronts import entered, front, io
 from tests.models import Job
+
+__all__ = ["front"]  # the fixture, imported for the tests below
 
 
 def keys(client: redis.Redis, prefix: str) -> list[bytes]:
     return list(client.scan_iter(match=prefix + "*"))
 
 
-def test_a_second_owner_gets_lease_not_acquired_naming_the_holders_token(
-    fencer: sa_fence.Fencer,
+async def warm_up(front: Any) -> None:
+    """One grant first: the front end's first draws connect (and, on an AsyncEngine,
+    initialise the dialect), which a very short lease should not have to wait for."""
+    await io((await io(front.acquire("warm-up", 5))).release())
+
+
+# Lifecycle tests run against both front ends (tests/_fronts.py).
+
+
+async def test_a_second_owner_gets_lease_not_acquired_naming_the_holders_token(
+    front: Any,
 ) -> None:
-    with fencer.lease("job:1", 5) as held:
+    async with entered(front.lease("job:1", 5)) as held:
         with pytest.raises(sa_fence.LeaseNotAcquiredError) as contention:
-            fencer.acquire("job:1", 5)
+            await io(front.acquire("job:1", 5))
         assert contention.value.name == "job:1"
         assert contention.value.holder_token == held.token
     assert held.released
-    fencer.acquire("job:1", 5).release()  # free again
+    await io((await io(front.acquire("job:1", 5))).release())  # free again
 
 
-def test_the_lease_stores_a_secret_owner_and_its_token_in_one_key(
-    fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
+async def test_the_lease_stores_a_secret_owner_and_its_token_in_one_key(
+    front: Any, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    a = fencer.acquire("job:1", 5)
-    b = fencer.acquire("job:2", 5)
+    a = await io(front.acquire("job:1", 5))
+    b = await io(front.acquire("job:2", 5))
     assert len(a.owner) == 32
     assert int(a.owner, 16) >= 0
     assert a.owner != b.owner
     assert redis_client.get(key_prefix + "job:1") == f"{a.owner}:{a.token}".encode()
     assert 4000 < redis_client.pttl(key_prefix + "job:1") <= 5000
-    a.release()
-    b.release()
+    await io(a.release())
+    await io(b.release())
 
 
-def test_tokens_of_successive_grants_strictly_increase(fencer: sa_fence.Fencer) -> None:
+async def test_tokens_of_successive_grants_strictly_increase(front: Any) -> None:
     tokens = []
     for _ in range(5):
-        with fencer.lease("job:1", 5) as lease:
+        async with entered(front.lease("job:1", 5)) as lease:
             tokens.append(lease.token)
     assert tokens == sorted(tokens)
     assert len(set(tokens)) == 5
 
 
-def test_release_after_expiry_leaves_the_new_owners_lease_alone(
-    fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
+async def test_release_after_expiry_leaves_the_new_owners_lease_alone(
+    front: Any, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    a = fencer.acquire("job:1", 0.2)
-    time.sleep(0.5)
-    b = fencer.acquire("job:1", 5)
-    assert a.release() is False
+    await warm_up(front)  # so that the 0.2 s lease is not spent connecting
+    a = await io(front.acquire("job:1", 0.2))
+    time.sleep(0.5)  # A's TTL runs out
+    b = await io(front.acquire("job:1", 5))
+    assert await io(a.release()) is False
     assert redis_client.get(key_prefix + "job:1") == f"{b.owner}:{b.token}".encode()
-    assert b.release() is True
+    assert await io(b.release()) is True
     assert redis_client.get(key_prefix + "job:1") is None
 
 
-def test_release_is_idempotent(fencer: sa_fence.Fencer) -> None:
-    lease = fencer.acquire("job:1", 5)
-    assert lease.release() is True
-    assert lease.release() is False
+async def test_release_is_idempotent(front: Any) -> None:
+    lease = await io(front.acquire("job:1", 5))
+    assert await io(lease.release()) is True
+    assert await io(lease.release()) is False
     assert lease.released
 
 
-def test_extend_sets_a_new_ttl_rather_than_adding(
-    fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
+async def test_extend_sets_a_new_ttl_rather_than_adding(
+    front: Any, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    with fencer.lease("job:1", 5) as lease:
-        lease.extend(30)
+    async with entered(front.lease("job:1", 5)) as lease:
+        await io(lease.extend(30))
         assert 29000 < redis_client.pttl(key_prefix + "job:1") <= 30000
-        lease.extend(2)
+        await io(lease.extend(2))
         assert redis_client.pttl(key_prefix + "job:1") <= 2000
-        lease.extend()  # back to the lease's own ttl
+        await io(lease.extend())  # back to the lease's own ttl
         assert 4000 < redis_client.pttl(key_prefix + "job:1") <= 5000
 
 
-def test_extend_after_the_lease_was_lost_raises_and_touches_nothing(
-    fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
+async def test_extend_after_the_lease_was_lost_raises_and_touches_nothing(
+    front: Any, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    a = fencer.acquire("job:1", 0.2)
-    time.sleep(0.5)
+    await warm_up(front)  # so that the 0.2 s lease is not spent connecting
+    a = await io(front.acquire("job:1", 0.2))
+    time.sleep(0.5)  # A's TTL runs out
     with pytest.raises(sa_fence.LeaseLostError, match="no longer ours"):
-        a.extend(10)
+        await io(a.extend(10))
+    assert a.lost
     assert redis_client.get(key_prefix + "job:1") is None  # not resurrected
-    b = fencer.acquire("job:1", 5)
+    b = await io(front.acquire("job:1", 5))
     with pytest.raises(sa_fence.LeaseLostError):
-        a.extend(10)
+        await io(a.extend(10))
     assert 4000 < redis_client.pttl(key_prefix + "job:1") <= 5000  # B's ttl untouched
-    b.release()
+    await io(b.release())
     with pytest.raises(sa_fence.LeaseLostError, match="released"):
-        b.extend()
+        await io(b.extend())
 
 
-def test_the_context_manager_releases_when_the_body_raises(
-    fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
+async def test_the_context_manager_releases_when_the_body_raises(
+    front: Any, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    with pytest.raises(RuntimeError), fencer.lease("job:1", 5):
-        raise RuntimeError("work failed")
+    with pytest.raises(RuntimeError):
+        async with entered(front.lease("job:1", 5)):
+            raise RuntimeError("work failed")
     assert keys(redis_client, key_prefix) == []
-    with pytest.raises(RuntimeError), fencer.acquire("job:2", 5):
-        raise RuntimeError("work failed")
+    lease = await io(front.acquire("job:2", 5))
+    with pytest.raises(RuntimeError):
+        async with entered(lease):
+            raise RuntimeError("work failed")
     assert keys(redis_client, key_prefix) == []
 
 

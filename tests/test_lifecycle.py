@@ -8,22 +8,30 @@ import math
 import random
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+import pytest_asyncio
 import redis
+import redis.asyncio as aioredis
 import sqlalchemy as sa
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _lease
+from sa_fence import _lease, _lifecycle
 from sa_fence import _protocol as proto
+from tests._fronts import front, io, is_async
 from tests._redis_server import free_port
 from tests._tcp_proxy import TcpProxy
 from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE, Job
+
+__all__ = ["front"]  # the fixture, imported for the tests below
 
 
 def keys(client: redis.Redis, prefix: str) -> list[bytes]:
@@ -39,7 +47,8 @@ def job_row(engine: sa.Engine, job_id: int) -> tuple[Any, ...] | None:
 
 
 class FakeClock:
-    """Stands in for the ``time`` module of sa_fence._lease: sleeping advances it."""
+    """Stands in for the ``time`` module of sa_fence._lease and _lifecycle: sleeping
+    advances it."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -58,7 +67,48 @@ class FakeClock:
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
     monkeypatch.setattr(_lease, "time", fake)
+    monkeypatch.setattr(_lifecycle, "time", fake)
     return fake
+
+
+@pytest.fixture
+def front_clock(front: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """``clock`` for both front ends: the async one sleeps through it as well (the
+    sync one's ``time.sleep`` is the clock's already)."""
+    if is_async(front):
+        monkeypatch.setattr(front, "_sleep", clock.sleep)
+    return clock
+
+
+@pytest_asyncio.fixture
+async def kin(front: Any) -> AsyncIterator[Callable[..., Any]]:
+    """Make a fencer of ``front``'s kind (same prefix and engine unless given) whose
+    Redis client connects to ``port`` with no retries of its own."""
+    made: list[Any] = []
+    db = int(redis.connection.parse_url(REDIS_URL).get("db", 0))
+
+    def make(port: int, engine: Any = None, **client: Any) -> Any:
+        engine = front.engine if engine is None else engine
+        if is_async(front):
+            r: Any = aioredis.Redis(port=port, db=db, retry=AsyncRetry(NoBackoff(), 0), **client)
+            made.append(r)
+            return sa_fence.AsyncFencer(r, engine, sequence=SEQUENCE, key_prefix=front.key_prefix)
+        r = redis.Redis(port=port, db=db, retry=Retry(NoBackoff(), 0), **client)
+        return sa_fence.Fencer(r, engine, sequence=SEQUENCE, key_prefix=front.key_prefix)
+
+    yield make
+    for r in made:
+        await r.aclose()
+
+
+def down_engine(front: Any, engine: sa.Engine) -> Any:
+    """An engine of ``front``'s kind whose PostgreSQL does not answer."""
+    url = engine.url.set(port=free_port())
+    if is_async(front):
+        return create_async_engine(
+            url.set(drivername="postgresql+psycopg_async"), poolclass=sa.pool.NullPool
+        )
+    return sa.create_engine(url, poolclass=sa.pool.NullPool)
 
 
 # ------------------------------------------------------------ the pure policy
@@ -145,13 +195,14 @@ def test_a_released_lease_is_never_marked_lost() -> None:
 # -------------------------------------------------------- blocking acquire
 
 
-def test_a_blocking_acquire_waits_with_bounded_jittered_backoff_and_gives_up_at_its_timeout(
-    fencer: sa_fence.Fencer, clock: FakeClock
+async def test_a_blocking_acquire_waits_with_bounded_jittered_backoff_and_gives_up_at_its_timeout(
+    front: Any, front_clock: FakeClock
 ) -> None:
-    holder = fencer.acquire("job:1", 30)
+    clock = front_clock
+    holder = await io(front.acquire("job:1", 30))
     started = clock.now
     with pytest.raises(sa_fence.LeaseNotAcquiredError) as busy:
-        fencer.acquire("job:1", 30, blocking=True, timeout=5)
+        await io(front.acquire("job:1", 30, blocking=True, timeout=5))
     assert busy.value.holder_token == holder.token
     assert busy.value.waited == pytest.approx(5.0)
     assert "after waiting 5 s" in str(busy.value)
@@ -159,29 +210,30 @@ def test_a_blocking_acquire_waits_with_bounded_jittered_backoff_and_gives_up_at_
     assert len(clock.sleeps) > 5  # it retried, rather than sleeping once
     for attempt, slept in enumerate(clock.sleeps):
         assert slept <= proto.CONTENTION_BACKOFF.ceiling(attempt) + 1e-9
-    holder.release()
+    await io(holder.release())
 
 
-def test_a_blocking_acquire_without_timeout_waits_at_most_one_ttl(
-    fencer: sa_fence.Fencer, clock: FakeClock
+async def test_a_blocking_acquire_without_timeout_waits_at_most_one_ttl(
+    front: Any, front_clock: FakeClock
 ) -> None:
-    holder = fencer.acquire("job:1", 30)
+    clock = front_clock
+    holder = await io(front.acquire("job:1", 30))
     started = clock.now
     with pytest.raises(sa_fence.LeaseNotAcquiredError):
-        fencer.acquire("job:1", 3, blocking=True)
+        await io(front.acquire("job:1", 3, blocking=True))
     assert clock.now - started == pytest.approx(3.0)
-    holder.release()
+    await io(holder.release())
 
 
-def test_a_non_blocking_acquire_of_a_held_lease_does_not_wait(
-    fencer: sa_fence.Fencer, clock: FakeClock
+async def test_a_non_blocking_acquire_of_a_held_lease_does_not_wait(
+    front: Any, front_clock: FakeClock
 ) -> None:
-    holder = fencer.acquire("job:1", 30)
+    holder = await io(front.acquire("job:1", 30))
     with pytest.raises(sa_fence.LeaseNotAcquiredError) as busy:
-        fencer.acquire("job:1", 30)
-    assert clock.sleeps == []
+        await io(front.acquire("job:1", 30))
+    assert front_clock.sleeps == []
     assert busy.value.waited is None
-    holder.release()
+    await io(holder.release())
 
 
 def test_a_blocking_acquire_gets_the_lease_once_the_holder_lets_go(
@@ -233,14 +285,13 @@ def test_a_renew_fraction_out_of_range_is_refused_saying_what_it_means(
 # ------------------------------------------------------ contention vs failure
 
 
-def test_redis_unreachable_is_a_backend_error_not_contention(
-    engine: sa.Engine, key_prefix: str
+async def test_redis_unreachable_is_a_backend_error_not_contention(
+    front: Any, kin: Callable[..., Any]
 ) -> None:
-    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
-    fencer = sa_fence.Fencer(dead, engine, sequence=SEQUENCE, key_prefix=key_prefix)
+    fencer = kin(free_port(), socket_connect_timeout=0.2)
     started = time.monotonic()
     with pytest.raises(sa_fence.LeaseBackendError) as failed:
-        fencer.acquire("job:1", 5, blocking=True, timeout=1)
+        await io(fencer.acquire("job:1", 5, blocking=True, timeout=1))
     assert time.monotonic() - started < 5  # bounded
     assert not isinstance(failed.value, sa_fence.LeaseNotAcquiredError)
     assert isinstance(failed.value, sa_fence.FenceError)
@@ -251,32 +302,41 @@ def test_redis_unreachable_is_a_backend_error_not_contention(
     # printed after it (issue 10: one refused connection printed 127-159 lines)
     assert failed.value.__cause__ is None
     assert failed.value.__suppress_context__
-    assert "Connection refused" in str(failed.value)
+    # redis-py's own words for ECONNREFUSED differ between its sync and asyncio clients
+    refused = "Error 111 connecting" if is_async(front) else "Connection refused"
+    assert refused in str(failed.value)
 
 
-def test_postgresql_failing_at_token_time_is_a_backend_error_and_the_lease_is_released(
-    redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
+async def test_postgresql_failing_at_token_time_is_a_backend_error_and_the_lease_is_released(
+    front: Any, kin: Callable[..., Any], redis_client: redis.Redis, engine: sa.Engine
 ) -> None:
-    down = sa.create_engine(engine.url.set(port=free_port()), poolclass=sa.pool.NullPool)
-    fencer = sa_fence.Fencer(redis_client, down, sequence=SEQUENCE, key_prefix=key_prefix)
+    down = down_engine(front, engine)
+    fencer = kin(front_port(), down, socket_timeout=5)
     fencer._tokens._checked = True  # the sequence was fine at start-up; then PG went away
     with pytest.raises(sa_fence.LeaseBackendError) as failed:
-        fencer.acquire("job:1", 30)
+        await io(fencer.acquire("job:1", 30))
     assert failed.value.backend == "postgresql"
     assert failed.value.operation == "token"
     assert isinstance(failed.value.cause, sa.exc.OperationalError)
-    assert keys(redis_client, key_prefix) == []  # the granted lease was given back
+    await io(fencer.close())
+    assert keys(redis_client, front.key_prefix) == []  # the granted lease was given back
+    await io(down.dispose())
 
 
-def test_postgresql_unreachable_at_the_first_acquire_is_a_backend_error_and_nothing_is_set(
-    redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
+async def test_postgresql_unreachable_at_the_first_acquire_is_a_backend_error_and_nothing_is_set(
+    front: Any, kin: Callable[..., Any], redis_client: redis.Redis, engine: sa.Engine
 ) -> None:
-    down = sa.create_engine(engine.url.set(port=free_port()), poolclass=sa.pool.NullPool)
-    fencer = sa_fence.Fencer(redis_client, down, sequence=SEQUENCE, key_prefix=key_prefix)
+    down = down_engine(front, engine)
+    fencer = kin(front_port(), down, socket_timeout=5)
     with pytest.raises(sa_fence.LeaseBackendError) as failed:
-        fencer.acquire("job:1", 30)
+        await io(fencer.acquire("job:1", 30))
     assert (failed.value.backend, failed.value.operation) == ("postgresql", "check")
-    assert keys(redis_client, key_prefix) == []
+    assert keys(redis_client, front.key_prefix) == []
+    await io(down.dispose())
+
+
+def front_port() -> int:
+    return int(redis.connection.parse_url(REDIS_URL).get("port", 6379))
 
 
 # ---------------------------------------------------- a reply lost on the wire
@@ -289,106 +349,136 @@ def proxy() -> Any:
         yield p
 
 
-def proxied_fencer(proxy: TcpProxy, engine: sa.Engine, key_prefix: str) -> sa_fence.Fencer:
-    db = int(redis.connection.parse_url(REDIS_URL).get("db", 0))
-    client = redis.Redis(port=proxy.port, db=db, socket_timeout=2, retry=Retry(NoBackoff(), 0))
-    fencer = sa_fence.Fencer(client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
-    load_scripts(fencer)
-    return fencer
-
-
-def load_scripts(fencer: sa_fence.Fencer) -> None:
+def load_scripts(fencer: Any, client: redis.Redis) -> None:
     """Load the scripts first, so the armed request is the EVALSHA that runs
     (not one answered NOSCRIPT and resent by redis-py)."""
     for script in (fencer._acquire, fencer._confirm, fencer._extend, fencer._release):
-        fencer.redis.script_load(script.script)
+        client.script_load(script.script)
 
 
-def test_an_acquire_whose_reply_was_lost_is_retried_and_recognised_as_ours(
-    proxy: TcpProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+@pytest.fixture
+def proxied(
+    proxy: TcpProxy, kin: Callable[..., Any], redis_client: redis.Redis
+) -> Callable[[], Any]:
+    """Make a fencer of the front end's kind that talks to Redis through ``proxy``."""
+
+    def make() -> Any:
+        fencer = kin(proxy.port, socket_timeout=2)
+        load_scripts(fencer, redis_client)
+        return fencer
+
+    return make
+
+
+async def test_an_acquire_whose_reply_was_lost_is_retried_and_recognised_as_ours(
+    front: Any,
+    proxied: Callable[[], Any],
+    proxy: TcpProxy,
+    redis_client: redis.Redis,
+    key_prefix: str,
 ) -> None:
-    fencer = proxied_fencer(proxy, engine, key_prefix)
+    fencer = proxied()
     proxy.drop_reply_to(key_prefix.encode() + b"job:1")
-    lease = fencer.acquire("job:1", 30)
+    lease = await io(fencer.acquire("job:1", 30))
     assert proxy.dropped == 1  # Redis executed the first attempt; its reply was lost
     # exactly one owner: this lease, with its token recorded
     assert redis_client.get(key_prefix + "job:1") == f"{lease.owner}:{lease.token}".encode()
     with pytest.raises(sa_fence.LeaseNotAcquiredError):
-        sa_fence.Fencer(redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix).acquire(
-            "job:1", 30
-        )
-    assert lease.release() is True
+        await io(front.acquire("job:1", 30))
+    assert await io(lease.release()) is True
 
 
-def test_without_the_owner_check_a_lost_acquire_reply_turns_into_false_contention(
-    proxy: TcpProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+async def test_without_the_owner_check_a_lost_acquire_reply_turns_into_false_contention(
+    front: Any,
+    proxied: Callable[[], Any],
+    proxy: TcpProxy,
+    redis_client: redis.Redis,
+    key_prefix: str,
 ) -> None:
     """The pair of the test above: a plain SET NX, resent, finds its own lease
     and reports contention; the lease it holds is never used nor released."""
-    fencer = proxied_fencer(proxy, engine, key_prefix)
+    fencer = proxied()
     fencer._acquire = fencer.redis.register_script(
         "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end "
         "return redis.call('GET', KEYS[1])"
     )
-    load_scripts(fencer)
+    load_scripts(fencer, redis_client)
     proxy.drop_reply_to(key_prefix.encode() + b"job:1")
     with pytest.raises(sa_fence.LeaseNotAcquiredError):
-        fencer.acquire("job:1", 30)
+        await io(fencer.acquire("job:1", 30))
     stranded = redis_client.get(key_prefix + "job:1")
     assert stranded is not None  # our own lease blocks everyone until it expires
     redis_client.delete(key_prefix + "job:1")
 
 
-def test_a_confirm_whose_reply_was_lost_is_retried_and_still_succeeds(
-    proxy: TcpProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+async def test_a_confirm_whose_reply_was_lost_is_retried_and_still_succeeds(
+    front: Any,
+    proxied: Callable[[], Any],
+    proxy: TcpProxy,
+    redis_client: redis.Redis,
+    key_prefix: str,
 ) -> None:
-    fencer = proxied_fencer(proxy, engine, key_prefix)
-    original = fencer._tokens.next_token
+    fencer = proxied()
+    original = fencer._next_token
 
-    def token_then_arm(name: str) -> int:
-        token = original(name)
+    def arm(token: int) -> int:
         proxy.drop_reply_to(f":{token}".encode())  # only CONFIRM carries "<owner>:<token>"
         return token
 
-    fencer._tokens.next_token = token_then_arm  # type: ignore[method-assign]
-    lease = fencer.acquire("job:1", 30)
+    async def token_then_arm_async(name: str) -> int:
+        return arm(await original(name))
+
+    def token_then_arm(name: str) -> int:
+        return arm(original(name))
+
+    fencer._next_token = token_then_arm_async if is_async(front) else token_then_arm
+    lease = await io(fencer.acquire("job:1", 30))
     assert proxy.dropped == 1
     assert redis_client.get(key_prefix + "job:1") == f"{lease.owner}:{lease.token}".encode()
-    assert lease.release() is True
+    assert await io(lease.release()) is True
 
 
-def test_a_release_whose_reply_was_lost_still_reports_that_it_released(
-    proxy: TcpProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+async def test_a_release_whose_reply_was_lost_still_reports_that_it_released(
+    front: Any,
+    proxied: Callable[[], Any],
+    proxy: TcpProxy,
+    redis_client: redis.Redis,
+    key_prefix: str,
 ) -> None:
-    fencer = proxied_fencer(proxy, engine, key_prefix)
-    lease = fencer.acquire("job:1", 30)
+    fencer = proxied()
+    lease = await io(fencer.acquire("job:1", 30))
     proxy.drop_reply_to(f"{lease.owner}:{lease.token}".encode())
-    assert lease.release() is True
+    assert await io(lease.release()) is True
     assert proxy.dropped == 1
     assert redis_client.get(key_prefix + "job:1") is None
 
 
-def test_an_extend_whose_reply_was_lost_is_retried_and_extends(
-    proxy: TcpProxy, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
+async def test_an_extend_whose_reply_was_lost_is_retried_and_extends(
+    front: Any,
+    proxied: Callable[[], Any],
+    proxy: TcpProxy,
+    redis_client: redis.Redis,
+    key_prefix: str,
 ) -> None:
-    fencer = proxied_fencer(proxy, engine, key_prefix)
-    lease = fencer.acquire("job:1", 5)
+    fencer = proxied()
+    lease = await io(fencer.acquire("job:1", 5))
     proxy.drop_reply_to(f"{lease.owner}:{lease.token}".encode())
-    lease.extend(60)
+    await io(lease.extend(60))
     assert proxy.dropped == 1
     assert not lease.lost
     assert redis_client.pttl(key_prefix + "job:1") > 50_000
     assert lease.remaining() > 50
-    lease.release()
+    await io(lease.release())
 
 
 # ------------------------------------------------------------- local validity
 
 
-def test_check_and_remaining_follow_the_local_validity_on_the_monotonic_clock(
-    fencer: sa_fence.Fencer, clock: FakeClock
+async def test_check_and_remaining_follow_the_local_validity_on_the_monotonic_clock(
+    front: Any, front_clock: FakeClock
 ) -> None:
-    lease = fencer.acquire("job:1", 10)
+    clock = front_clock
+    lease = await io(front.acquire("job:1", 10))
     assert lease.remaining() == pytest.approx(10 - proto.drift(10_000))
     lease.check()
     clock.now += 10
@@ -396,7 +486,7 @@ def test_check_and_remaining_follow_the_local_validity_on_the_monotonic_clock(
     with pytest.raises(sa_fence.LeaseLostError, match="outlived its local validity"):
         lease.check()
     assert not lease.lost  # not renewed: nobody has seen it gone
-    lease.release()
+    await io(lease.release())
 
 
 def _write_after_validity(

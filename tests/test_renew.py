@@ -7,9 +7,12 @@ racing a sleep against the renewer.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -18,7 +21,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
 from sa_fence.testing import expire
+from tests._async_fixtures import expire as end
+from tests._async_fixtures import no_renewal_tasks_left, renewal_tasks
+from tests._fronts import entered, front, io, is_async
 from tests.models import SEQUENCE, Job
+
+__all__ = ["front"]  # the fixture, imported for the tests below
 
 TTL = 0.5
 
@@ -34,49 +42,67 @@ def wait_for_no_renewer(timeout: float = 5.0) -> list[threading.Thread]:
     return renewer_threads()
 
 
-def test_a_renewed_lease_outlives_its_ttl_and_is_still_ours(
-    fencer: sa_fence.Fencer, redis_client: redis.Redis
+async def until(condition: Callable[[], object], timeout: float, what: str) -> None:
+    """Wait (on the event loop, so that an async renewer runs) until ``condition()``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def gone(front: Any, client: redis.Redis, lease: Any) -> None:
+    """End the lease in Redis now (owner-checked); its holder still believes it holds it."""
+    if is_async(front):
+        end(client, lease)
+    else:
+        expire(lease)  # sa_fence.testing's seam
+
+
+async def renewers_left(front: Any) -> list[Any]:
+    """The front end's renewers still running: the thread, or the lease's tasks."""
+    if is_async(front):
+        return await no_renewal_tasks_left()
+    return wait_for_no_renewer()
+
+
+async def test_a_renewed_lease_outlives_its_ttl_and_is_still_ours(
+    front: Any, redis_client: redis.Redis
 ) -> None:
-    with fencer.lease("job:1", TTL, renew=True) as lease:
-        time.sleep(4 * TTL)
+    async with entered(front.lease("job:1", TTL, renew=True)) as lease:
+        assert len(renewal_tasks() if is_async(front) else renewer_threads()) == 1
+        await asyncio.sleep(4 * TTL)
         assert redis_client.get(lease.key) == f"{lease.owner}:{lease.token}".encode()
         assert not lease.lost
         lease.check()
         assert lease.remaining() > 0
-    assert wait_for_no_renewer() == []
+    assert await renewers_left(front) == []
 
 
-def test_without_renewal_the_same_lease_has_expired_and_another_owner_can_take_it(
-    fencer: sa_fence.Fencer, redis_client: redis.Redis
+async def test_without_renewal_the_same_lease_has_expired_and_another_owner_can_take_it(
+    front: Any, redis_client: redis.Redis
 ) -> None:
     """The pair of the test above."""
-    lease = fencer.acquire("job:1", TTL)
-    time.sleep(4 * TTL)
+    lease = await io(front.acquire("job:1", TTL))
+    await asyncio.sleep(4 * TTL)
     assert redis_client.get(lease.key) is None
-    with fencer.lease("job:1", 5) as other:
+    async with entered(front.lease("job:1", 5)) as other:
         assert other.token > lease.token
-    assert lease.release() is False
+    assert await io(lease.release()) is False
 
 
-def test_renewal_that_finds_another_owner_marks_the_lease_lost_and_tells_once(
-    fencer: sa_fence.Fencer,
+async def test_renewal_that_finds_another_owner_marks_the_lease_lost_and_tells_once(
+    front: Any,
     make_session: sessionmaker[Session],
     engine: sa.Engine,
     redis_client: redis.Redis,
 ) -> None:
-    told: list[sa_fence.Lease] = []
-    lost = threading.Event()
-
-    def on_lost(lease: sa_fence.Lease) -> None:
-        told.append(lease)
-        lost.set()
-
-    lease = fencer.acquire("job:1", TTL, renew=True, on_lost=on_lost)
+    told: list[Any] = []
+    lease = await io(front.acquire("job:1", TTL, renew=True, on_lost=told.append))
     session = lease.bind(make_session())
     session.add(Job(id=1, result="A"))
-    expire(lease)  # the key is gone (e.g. Redis failed over) and B takes the name
-    other = fencer.acquire("job:1", 30)
-    assert lost.wait(4 * TTL)
+    gone(front, redis_client, lease)  # the key is gone (e.g. Redis failed over)
+    other = await io(front.acquire("job:1", 30))
+    await until(lambda: told, 4 * TTL, "on_lost")
     assert told == [lease]
     assert lease.lost
     with pytest.raises(sa_fence.LeaseLostError, match="no longer ours"):
@@ -85,46 +111,48 @@ def test_renewal_that_finds_another_owner_marks_the_lease_lost_and_tells_once(
         session.commit()  # refused before any SQL: A's INSERT would have succeeded
     session.rollback()
     session.close()
-    time.sleep(2 * TTL)
+    await asyncio.sleep(2 * TTL)
     assert told == [lease]  # once
     assert redis_client.get(other.key) == f"{other.owner}:{other.token}".encode()  # B untouched
-    assert wait_for_no_renewer() == []  # the renewer stopped with its only lease
-    assert lease.release() is False
-    other.release()
+    assert await renewers_left(front) == []  # the renewer stopped with its only lease
+    assert await io(lease.release()) is False
+    await io(other.release())
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM jobs")).scalar_one() == 0
 
 
-def test_without_the_lost_check_the_flush_of_a_lost_lease_writes(
-    fencer: sa_fence.Fencer,
+async def test_without_the_lost_check_the_flush_of_a_lost_lease_writes(
+    front: Any,
     make_session: sessionmaker[Session],
     engine: sa.Engine,
+    redis_client: redis.Redis,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The pair of the test above: the fence alone cannot stop this INSERT (no
     newer holder wrote the row), so only the lost check keeps it out."""
-    monkeypatch.setattr(sa_fence.Lease, "_check_for_write", lambda self: None)
-    lost = threading.Event()
-    lease = fencer.acquire("job:1", TTL, renew=True, on_lost=lambda _: lost.set())
+    lease_type = sa_fence.AsyncLease if is_async(front) else sa_fence.Lease
+    monkeypatch.setattr(lease_type, "_check_for_write", lambda self: None)
+    told: list[Any] = []
+    lease = await io(front.acquire("job:1", TTL, renew=True, on_lost=told.append))
     session = lease.bind(make_session())
     session.add(Job(id=1, result="A"))
-    expire(lease)
-    assert lost.wait(4 * TTL)
+    gone(front, redis_client, lease)
+    await until(lambda: told, 4 * TTL, "on_lost")
     session.commit()
     session.close()
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM jobs")).scalar_one() == 1
 
 
-def test_renewal_stops_on_release_and_never_touches_the_next_owner(
-    fencer: sa_fence.Fencer, redis_client: redis.Redis
+async def test_renewal_stops_on_release_and_never_touches_the_next_owner(
+    front: Any, redis_client: redis.Redis
 ) -> None:
-    told: list[sa_fence.Lease] = []
-    lease = fencer.acquire("job:1", TTL, renew=True, on_lost=told.append)
-    assert lease.release() is True
-    assert wait_for_no_renewer() == []
-    other = fencer.acquire("job:1", TTL)  # not renewed: it must expire on its own
-    time.sleep(3 * TTL)
+    told: list[Any] = []
+    lease = await io(front.acquire("job:1", TTL, renew=True, on_lost=told.append))
+    assert await io(lease.release()) is True
+    assert await renewers_left(front) == []
+    other = await io(front.acquire("job:1", TTL))  # not renewed: it must expire on its own
+    await asyncio.sleep(3 * TTL)
     assert redis_client.get(other.key) is None
     assert told == []  # a released lease is not "lost"
     assert not lease.lost

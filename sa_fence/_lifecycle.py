@@ -1,0 +1,530 @@
+"""The lease lifecycle, written once for both front ends.
+
+Acquire (with its confirm and withdrawal), extend, renew and release are
+plain functions that make every I/O call through the fencer, the way
+SQLAlchemy's asyncio layer runs its sync core::
+
+    reply = fencer._io(fencer._acquire(keys=[key], args=[owner, ttl_ms]))
+
+A sync :class:`~sa_fence.Fencer` makes the call there and then, and its
+``_io`` hands the reply back.  An :class:`~sa_fence.AsyncFencer` runs each
+operation in a greenlet (``greenlet_spawn``): its scripts return
+awaitables, and its ``_io`` awaits them with ``await_only``, which suspends
+the greenlet, lets the event loop await, and resumes it with the result or
+the exception (``CancelledError`` included) at the same place, so one
+``try``/``except`` serves both.  Each front end supplies the I/O under the
+same names (``check``, ``_acquire``, ``_next_token``, ``_confirm``,
+``_extend``, ``_release``, ``_release_quietly``, ``_sleep``, ``_probe``
+``_io``) and what only it can do: the renewer (one thread per
+fencer, or one task per lease) and asyncio's shielding of clean-ups and
+releases.  The decisions (resend or give up, how long to wait, validity,
+loss) are the pure functions of :mod:`sa_fence._protocol`.  Why greenlet
+rather than generators or generated code: docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import socket
+import time
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+import redis as redis_lib
+from sqlalchemy.exc import SQLAlchemyError
+
+from . import _protocol as proto
+from . import _telemetry
+from ._tokens import DEFAULT_SEQUENCE, TokenSource, token_error
+from .errors import (
+    FenceError,
+    FencingConfigError,
+    LeaseBackendError,
+    LeaseLostError,
+    LeaseNotAcquiredError,
+)
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+DEFAULT_KEY_PREFIX = "sa_fence:"
+
+#: Everything a Redis client raises for a failed call (cluster routing errors
+#: such as SlotNotCoveredError are not RedisErrors).
+REDIS_ERRORS = (redis_lib.exceptions.RedisError, redis_lib.exceptions.RedisClusterException)
+
+T = TypeVar("T")
+R = TypeVar("R")
+E = TypeVar("E")
+
+#: Marks "this client's socket_timeout could not be read" (e.g. a custom client class).
+_UNKNOWN_TIMEOUT = object()
+
+
+# ---------------------------------------------------------------- the steps
+
+
+def acquire(
+    f: FencerCore[Any, Any],
+    name: str,
+    ttl: float,
+    blocking: bool,
+    timeout: float | None,
+    renew: bool,
+    on_lost: Any,
+    fail_fast: bool | None,
+) -> Any:
+    """Validate, grant, draw the token, confirm it (withdraw it if the lease was
+    lost meanwhile) and return the front end's lease.
+
+    On any failure or cancellation after the grant, whatever this owner may
+    have set in Redis is removed (owner-checked) before the error propagates.
+    """
+    key = f.key_prefix + proto.check_name(name)  # f.key(name), one call fewer
+    ttl_ms = proto.ttl_to_ms(ttl)
+    max_wait = proto.check_timeout(blocking, timeout, float(ttl))
+    proto.check_lease_options(renew, on_lost, fail_fast)
+    tokens = f._tokens
+    if not tokens.checked:
+        try:
+            f._io(f.check())
+        except SQLAlchemyError as exc:
+            # the chain adds nothing to the error's own cause (its .cause)
+            raise token_error(
+                name, exc, tokens.lock_timeout_ms, operation="check", sequence=f.sequence
+            ) from None
+    if renew:
+        f._warn_if_unbounded()
+    owner = proto.new_owner()
+    token: int | None = None
+    granted = False
+    try:
+        started = _grant(f, name, key, owner, ttl_ms, max_wait)
+        granted = True
+        try:
+            token = f._io(f._next_token(name))
+        except SQLAlchemyError as exc:
+            raise token_error(name, exc, tokens.lock_timeout_ms, sequence=f.sequence) from None
+        value = proto.confirmed_value(owner, token)
+        remaining, _ = call(f, name, "confirm", f._confirm, key, owner, value)
+    except BaseException as exc:
+        if not granted and isinstance(exc, FenceError):
+            raise  # contention (nothing of ours set), or _grant already cleaned up
+        # Failed, or cancelled at an await: whatever we may have set goes.
+        f._io(
+            f._release_quietly(
+                key, [owner] if token is None else [proto.confirmed_value(owner, token), owner]
+            )
+        )
+        raise
+    if int(remaining) < 0:
+        # Lost before the token was confirmed: the token was never used, so
+        # the register goes back to the live holder's (if it still holds ours).
+        tokens.withdraw(name, token)  # sync code, in the async front end's greenlet
+        raise LeaseLostError(proto.confirm_lost_message(name, token))
+    lease = f._lease_type(
+        f,
+        name,
+        key,
+        owner,
+        token,
+        ttl,
+        value,
+        started,
+        ttl_ms=ttl_ms,
+        fail_fast=renew if fail_fast is None else fail_fast,
+        on_lost=on_lost,
+    )
+    if renew:
+        lease._start_renewal(started + f.renew_fraction * ttl_ms / 1000)
+    return lease
+
+
+def _grant(
+    f: FencerCore[Any, Any], name: str, key: str, owner: str, ttl_ms: int, max_wait: float
+) -> float:
+    """Run ACQUIRE until granted; return the monotonic time validity counts from."""
+    waited_from = time.monotonic()
+    attempts = proto.AcquireAttempts(
+        deadline=waited_from + max_wait, failed=proto.FailureBudget(f.timeout)
+    )
+    while True:
+        sent_at = time.monotonic()
+        try:
+            reply = f._io(f._acquire(keys=[key], args=[owner, ttl_ms]))
+        except REDIS_ERRORS as exc:
+            wait = attempts.on_failure(
+                proto.classify_redis(exc),
+                sent_at=sent_at,
+                now=time.monotonic(),
+                rand=random.random(),
+            )
+            if wait is None:
+                # Not "acquired", not "not acquired".  Remove what a lost ACQUIRE
+                # may have set (the TTL ends it otherwise): not after a failure
+                # that proves nothing was set, nor when the call would not end
+                # within the budget (a Redis that stopped answering).
+                if attempts.unknown_since is not None and attempts.failed.fits_another(
+                    time.monotonic()
+                ):
+                    f._io(f._release_quietly(key, [owner]))
+                raise _error(f, name, "acquire", exc, attempts.failed) from None
+            f._sleep(wait)
+            continue
+        outcome, holder_token = proto.parse_acquire_reply(reply)
+        if outcome != proto.HELD:
+            return attempts.sent(sent_at)
+        wait = attempts.on_held(time.monotonic(), random.random())
+        if wait is None:
+            waited = time.monotonic() - waited_from if max_wait > 0 else None
+            raise LeaseNotAcquiredError(name, holder_token, waited=waited)
+        f._sleep(wait)
+
+
+def call(
+    f: FencerCore[Any, Any], name: str, operation: str, script: Any, key: str, *args: object
+) -> tuple[Any, int]:
+    """Send an idempotent script call, resending it within the failure budget while
+    it fails in a way a resend may fix; (its reply, how many sends failed before),
+    or raise the error for the failure."""
+    keys, argv = [key], list(args)
+    budget = None  # made at the first failure: most calls never need one
+    while True:
+        sent_at = time.monotonic()
+        try:
+            return f._io(script(keys=keys, args=argv)), 0 if budget is None else budget.failures
+        except REDIS_ERRORS as exc:
+            failure = proto.classify_redis(exc)
+            now = time.monotonic()
+            if budget is None:
+                budget = proto.FailureBudget(f.timeout)
+            wait = budget.on_failure(failure, sent_at=sent_at, now=now, rand=random.random())
+            if wait is None:
+                raise _error(f, name, operation, exc, budget) from None
+            f._sleep(wait)
+
+
+def _error(
+    f: FencerCore[Any, Any],
+    name: str,
+    operation: str,
+    exc: BaseException,
+    budget: proto.FailureBudget,
+) -> FenceError:
+    """The error for a Redis call that failed for good; probes the server first
+    (within what is left of the budget) when the connection failed before
+    anything was sent: TLS on one side only looks like an outage."""
+    target = probe_target(f.redis)
+    speaks = None
+    if target is not None and proto.wants_probe(proto.classify_redis(exc)):
+        wait = proto.probe_timeout(budget.remaining(time.monotonic()))
+        speaks = f._probe(target[0], target[1], wait)
+    return redis_error(name, operation, exc, budget.failures, target=target, speaks=speaks)
+
+
+def release_quietly(f: FencerCore[Any, Any], key: str, values: list[str]) -> None:
+    """Owner-checked clean-up after a failed or cancelled acquire: one attempt per value.
+
+    The original error matters more and the lease's TTL ends the lease
+    anyway, so a clean-up that fails too (Redis is down) is logged at debug
+    level only.
+    """
+    for value in values:
+        try:
+            f._io(f._release(keys=[key], args=[value]))
+        except REDIS_ERRORS as exc:
+            f._log.debug(
+                "could not remove lease %s after a failed acquire (%s); its TTL ends it",
+                key,
+                proto.cause_text(exc),
+            )
+            return
+
+
+# ``lease`` below is a sa_fence._lease.BaseLease (typed Any: that module imports this one).
+
+
+def extend(lease: Any, ttl: float | None) -> None:
+    """Owner-checked EXTEND; a lease found not ours is lost (LeaseLostError)."""
+    ttl_ms = proto.ttl_to_ms(lease.ttl if ttl is None else ttl)
+    state = lease._state
+    if state.released or state.lost is not None:
+        raise LeaseLostError(state.problem(time.monotonic(), for_write=True) or "")
+    sent_at = time.monotonic()
+    f = lease.fencer
+    extended, _ = call(f, lease.name, "extend", f._extend, lease.key, lease._value, ttl_ms)
+    if not int(extended):
+        message = proto.not_ours_message(lease.name, lease.token)
+        lease._lose(message)
+        raise LeaseLostError(message)
+    with lease._lock:
+        state.on_extended(sent_at, ttl_ms)
+
+
+def release(lease: Any) -> bool:
+    """Owner-checked RELEASE (the front end stopped renewal first); True when this
+    deleted our live lease.  The lease counts as released once Redis answered."""
+    f = lease.fencer
+    first_sent = time.monotonic()
+    reply, failures = call(f, lease.name, "release", f._release, lease.key, lease._value)
+    with lease._lock:
+        lease._state.released = True
+    deleted: bool = lease._release_outcome(bool(int(reply)), failures > 0, first_sent)
+    return deleted
+
+
+def renew(lease: Any) -> float | None:
+    """One renewal EXTEND: the next due time, or None to stop (lost or released)."""
+    if not lease._state.renewing:
+        return None
+    f = lease.fencer
+    sent_at = time.monotonic()
+    try:
+        reply = f._io(f._extend(keys=[lease.key], args=[lease._value, lease._ttl_ms]))
+        outcome = "extended" if int(reply) else "not-ours"
+    except REDIS_ERRORS as exc:  # timeouts, a read-only replica, a failover...
+        outcome = lease._renewal_unanswered(exc)
+    at: float | None = lease._renewal_step(outcome, sent_at, f.renew_fraction)
+    return at
+
+
+# ------------------------------------------------------------ the fencers
+
+
+class FencerCore(Generic[R, E]):
+    """What both fencers hold and do without I/O: the checked settings, the
+    scripts, the token source.  ``R`` is the Redis client type, ``E`` the engine's."""
+
+    #: The front end's logger, class name in errors, and word for its renewer.
+    _log: ClassVar[logging.Logger]
+    _kind: ClassVar[str]
+    _renewer_word: ClassVar[str]
+    _lease_type: ClassVar[type[Any]]
+
+    def __init__(
+        self,
+        redis: R,
+        engine: E,
+        *,
+        sequence: str = DEFAULT_SEQUENCE,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        renew_fraction: float = proto.DEFAULT_RENEW_FRACTION,
+        timeout: float | None = None,
+        telemetry: _telemetry.Telemetry | None = None,
+    ) -> None:
+        sync_engine = self._start(redis, engine)
+        if not isinstance(sequence, str) or not sequence:
+            raise ValueError("sequence must be the (optionally schema-qualified) sequence name")
+        self.redis = redis
+        self.key_prefix = proto.check_prefix(key_prefix)
+        self.renew_fraction = proto.check_renew_fraction(renew_fraction)
+        #: the failure budget, in seconds (see the class docstring)
+        self.timeout = check_budget(redis, timeout, self._kind)
+        self._tokens = TokenSource(
+            sync_engine, sequence, lock_timeout_ms=lock_timeout_ms(self.timeout)
+        )
+        client: Any = redis
+        self._acquire = client.register_script(proto.ACQUIRE_SCRIPT)
+        self._confirm = client.register_script(proto.CONFIRM_SCRIPT)
+        self._extend = client.register_script(proto.EXTEND_SCRIPT)
+        self._release = client.register_script(proto.RELEASE_SCRIPT)
+        self._warned_no_timeout = False
+        #: where metrics and spans go (None: the global providers; docs/observability.md)
+        self._telemetry = telemetry
+
+    def _start(self, redis: object, engine: E) -> Engine:
+        """Check the client and engine, set ``engine`` and the front end's own
+        state; return the Engine that draws tokens."""
+        raise NotImplementedError
+
+    def _release_quietly(self, key: str, values: list[str]) -> object:
+        raise NotImplementedError
+
+    def _io(self, result: Any) -> Any:
+        """The result of an I/O call (sync: the result itself; asyncio: awaited)."""
+        raise NotImplementedError
+
+    def _next_token(self, name: str) -> Any:
+        raise NotImplementedError
+
+    def _sleep(self, seconds: float) -> Any:
+        raise NotImplementedError
+
+    def _probe(self, host: str, port: int, timeout: float) -> Any:
+        raise NotImplementedError
+
+    def check(self) -> Awaitable[None] | None:
+        raise NotImplementedError
+
+    @property
+    def sequence(self) -> str:
+        return self._tokens.sequence
+
+    # Package-internal (no docstring, so not on the API page): the flush hook
+    # reads the register and the database's identity of this fencer's tokens.
+    @property
+    def token_source(self) -> TokenSource:
+        return self._tokens
+
+    def key(self, name: str) -> str:
+        """The Redis key that holds lease ``name``."""
+        return self.key_prefix + proto.check_name(name)
+
+    def _warn_if_unbounded(self) -> None:
+        if self._warned_no_timeout:
+            return
+        if client_socket_timeout(self.redis) is None:
+            self._warned_no_timeout = True
+            self._log.warning(
+                "renewed leases on a Redis client without socket_timeout: a Redis that "
+                "stops answering blocks the %s until the OS gives up, so on_lost "
+                "runs late (lease.lost and the flush check still use the local clock). "
+                "Create the client with socket_timeout=<seconds well below the TTL>.",
+                self._renewer_word,
+            )
+
+
+# ------------------------------------------------- client checks and errors
+
+
+def client_socket_timeout(client: object) -> object:
+    """The ``socket_timeout`` a (sync or asyncio) Redis or RedisCluster client's
+    connections use: a number, None (no bound), or ``_UNKNOWN_TIMEOUT``."""
+    for holder in (
+        getattr(getattr(client, "connection_pool", None), "connection_kwargs", None),
+        getattr(getattr(client, "nodes_manager", None), "connection_kwargs", None),
+        getattr(client, "connection_kwargs", None),
+    ):
+        if isinstance(holder, dict):
+            return holder.get("socket_timeout")
+    return _UNKNOWN_TIMEOUT
+
+
+def client_call_bound(client: object) -> tuple[float | None, str] | None:
+    """The longest one call of a plain or Sentinel client can last, and how that
+    comes about; None when it cannot be read (a cluster client, a custom class).
+
+    redis-py connects with up to ``retries`` retries of its own (each up to
+    ``socket_connect_timeout``, with waits of up to its backoff's cap), then
+    sends and waits up to ``socket_timeout`` for the reply, and on a failure
+    does it all again up to ``retries`` times.  With ``retry=Retry(NoBackoff(),
+    0)`` one call is one connect and one wait.  The bound is None (unbounded)
+    without a socket timeout or with endless retries.
+    """
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    if not isinstance(kwargs, dict):
+        return None
+    read = kwargs.get("socket_timeout")
+    connect = kwargs.get("socket_connect_timeout") or read
+    retry = kwargs.get("retry")
+    retries = retry.get_retries() if retry is not None else 0
+    backoff = getattr(retry, "_backoff", None)
+    cap = 0.0 if backoff is None else getattr(backoff, "_cap", getattr(backoff, "_backoff", None))
+    how = (
+        f"socket_timeout={read}, socket_connect_timeout={connect}, {retries} retries of "
+        f"its own with waits of up to {cap} s"
+    )
+    if read is None or connect is None or retries < 0:
+        return None, how
+    if not isinstance(cap, int | float):
+        return None
+    connecting = (retries + 1) * float(connect) + retries * float(cap)
+    return connecting + float(read) + retries * (connecting + float(read) + float(cap)), how
+
+
+def check_budget(client: object, timeout: float | None, owner: str) -> float:
+    """The failure budget for ``owner`` (a Fencer): ``timeout`` or the default.
+
+    An explicit budget that one call of the client could outlast (no socket
+    timeout, or redis-py's own retries and backoff adding up to more) is
+    refused: sa-fence cannot interrupt a call in progress, so it asks for a
+    client that keeps the budget.  The default budget is not checked this
+    way: it bounds sa-fence's own resends (see the Fencer's docstring).
+    """
+    if timeout is None:
+        return proto.DEFAULT_BACKEND_TIMEOUT
+    budget = proto.check_backend_timeout(timeout)
+    found = client_call_bound(client)
+    unbounded = client_socket_timeout(client) is None
+    if unbounded or (found is not None and (found[0] is None or found[0] > budget)):
+        longest = (
+            "unbounded"
+            if unbounded or found is None or found[0] is None
+            else (f"up to {found[0]:.3g} s")
+        )
+        how = f" ({found[1]})" if found is not None else ""
+        third = budget / 3
+        raise FencingConfigError(
+            f"{owner}(timeout={timeout!r}) cannot keep its budget: one call of this Redis "
+            f"client can last {longest}{how}, and a call in progress cannot be cut short. "
+            "Create the client with socket timeouts well below the budget and few retries "
+            "of its own (sa-fence resends what is safe to resend, within the budget), e.g. "
+            f"redis.Redis(..., socket_timeout={third:.3g}, socket_connect_timeout="
+            f"{third:.3g}, retry=Retry(NoBackoff(), 0)); see {proto.TIMEOUTS_DOC}."
+        )
+    return budget
+
+
+def lock_timeout_ms(budget: float) -> int:
+    """The register's lock wait bound for a failure budget (the same seconds)."""
+    return max(1, math.ceil(budget * 1000))
+
+
+def probe_target(client: object) -> tuple[str, int, bool] | None:
+    """(host, port, tls) of a plain (non-Sentinel, non-Cluster) client, else None."""
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if not isinstance(kwargs, dict) or "Sentinel" in type(pool).__name__:
+        return None
+    host, port = kwargs.get("host"), kwargs.get("port", 6379)
+    if not isinstance(host, str) or not isinstance(port, int):
+        return None  # a Unix socket: no TLS to disagree about
+    tls = "SSL" in getattr(getattr(pool, "connection_class", None), "__name__", "")
+    return host, port, tls
+
+
+def probe_speaks(host: str, port: int, timeout: float = 0.5) -> str | None:
+    """What the server on ``host:port`` speaks: "plain" (RESP), "tls", or None
+    (no answer).  Used only after a connection failed, to tell a TLS mismatch
+    (a set-up mistake) from an outage: a plain Redis answers ``PING`` in RESP,
+    a TLS port closes the connection or answers with a TLS alert."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(b"PING\r\n")
+            data = sock.recv(16)
+    except ConnectionResetError:
+        return "tls"
+    except OSError:
+        return None
+    if not data or data[:1] in (b"\x15", b"\x16"):
+        return "tls"
+    if data[:1] in (b"+", b"-"):
+        return "plain"
+    return None
+
+
+def redis_error(
+    name: str,
+    operation: str,
+    exc: BaseException,
+    attempts: int,
+    *,
+    target: tuple[str, int, bool] | None = None,
+    speaks: str | None = None,
+) -> FenceError:
+    """The error to raise for a Redis call that failed for good."""
+    failure = proto.classify_redis(exc, speaks=speaks, tls=bool(target and target[2]))
+    if failure.kind == proto.SETUP:
+        where = f" at {target[0]}:{target[1]}" if target else ""
+        return FencingConfigError(
+            f"{operation} of lease {name!r} failed{where}: {failure.text}", cause=exc
+        )
+    return LeaseBackendError(
+        backend="redis",
+        operation=operation,
+        name=name,
+        cause=exc,
+        detail=proto.outage_detail("Redis", failure, attempts),
+    )
