@@ -104,6 +104,13 @@ class StaleTokenError(FenceError, StaleDataError):
         "token", "table", "statement", "primary_keys", "current_fences", "lease_name",
         "newest_token",
     )  # fmt: skip
+    token: int
+    table: str | None
+    statement: str
+    primary_keys: tuple[tuple[Any, ...], ...]
+    current_fences: tuple[int | None, ...]
+    lease_name: str | None
+    newest_token: int | None
 
     @overload
     def __init__(
@@ -191,6 +198,9 @@ class LeaseNotAcquiredError(FenceError):
     """
 
     _fields = ("name", "holder_token", "waited")
+    name: str
+    holder_token: int | None
+    waited: float | None
 
     @overload
     def __init__(
@@ -240,6 +250,11 @@ class LeaseBackendError(FenceError):
     """
 
     _fields = ("backend", "operation", "name", "cause", "detail")
+    backend: str
+    operation: str
+    name: str
+    cause: BaseException
+    detail: str | None
 
     @overload
     def __init__(
