@@ -57,7 +57,7 @@ import re
 import types
 import typing
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
@@ -86,7 +86,6 @@ from sqlalchemy import (
     tuple_,
 )
 from sqlalchemy.dialects.postgresql.dml import OnConflictDoUpdate
-from sqlalchemy.event.attr import _JoinedListener
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import (
     NO_VALUE,
@@ -156,7 +155,7 @@ class _Pending:
     token: int
     pk_cols: list[Column[Any]]
     pk_names: list[str]
-    param_sets: Sequence[dict[str, Any]]
+    param_sets: Sequence[Mapping[str, Any]]
     lease_name: str
     #: the row count the statement must report; None: one row per parameter set
     expected: int | None = None
@@ -257,16 +256,26 @@ def state_for(session: Session) -> SessionState:
 
 
 # ----------------------------------------------------------- statement hook
+#
+# What sa-fence keeps per Connection lives on the Connection itself, as the
+# attributes below: it dies with the connection and is found without a weak
+# dictionary lookup (a Connection has a __dict__; nothing of SQLAlchemy's
+# uses these names).
 
-#: Connection -> the fenced session whose transaction runs on it.
-_active: weakref.WeakKeyDictionary[Connection, SessionState] = weakref.WeakKeyDictionary()
-#: Connections routed through the hook (see _route_through_view).
-_hooked: weakref.WeakSet[Connection] = weakref.WeakSet()
-#: User engine -> the events of its private fenced view (see _view_events).  The
-#: dispatcher holds no reference to either engine, so an engine made per
-#: request (``engine.execution_options(...)``) is collected with its entry.
-_views: weakref.WeakKeyDictionary[Engine, Any] = weakref.WeakKeyDictionary()
-#: Original DML statement -> {sets the fence itself?: fenced statement}.
+#: Connection attribute: the fenced session (or fence_connection() block)
+#: whose transaction runs on it.
+_ACTIVE = "_sa_fence_active"
+#: Connection attribute: the installed sessions whose transactions run on it,
+#: in the order they began (``Session(bind=other.connection())`` puts two on
+#: one).  The newest is the active one; when it ends, the one before takes over.
+_SHARING = "_sa_fence_sharing"
+#: Connection attribute: the leases whose register rows its transaction's
+#: COMMIT must find unchanged, keyed by (name, token).  Set while a bound
+#: session or a fenced connection uses it; dropped when its transaction
+#: commits or rolls back (so it outlives a session joined to an outer
+#: transaction).
+_SCOPE = "_sa_fence_scope"
+#: Original DML statement -> the statement as sa-fence sends it.
 _rewritten: weakref.WeakKeyDictionary[Any, _Fenced] = weakref.WeakKeyDictionary()
 
 _TOKEN = bindparam(TOKEN_BIND, type_=BigInteger)
@@ -304,14 +313,83 @@ def present_token(conn: Connection, token: int) -> None:
     conn.execute(select(func.set_config(literal(TOKEN_SETTING), literal(str(token)), true())))
 
 
-def _listen(target: Engine | Connection) -> None:
-    event.listen(target, "before_execute", _before_execute, retval=True)
-    event.listen(target, "after_execute", _after_execute)
-    event.listen(target, "after_cursor_execute", _count_upserted_rows)
-    event.listen(target, "begin", _scope_on_begin)
-    event.listen(target, "commit", _check_scope_and_commit)
-    event.listen(target, "rollback", _drop_scope)
-    _listen_for_guard_errors(target)
+class _FencedConnection(Connection):
+    """A Connection whose statements, BEGIN, COMMIT and ROLLBACK pass sa-fence first.
+
+    Not made by anyone: the class of each Connection an installed session
+    begins a transaction on is swapped for it (:func:`_hook_connection`), so
+    the connection keeps its engine, its listeners and its identity, and only
+    its own statements pass the hook.  Each step here calls the module's
+    function by name (tests replace them) and then SQLAlchemy's own.  No
+    event listener is involved: SQLAlchemy's event dispatch on every
+    statement and transaction of a connection with listeners was most of
+    what the hook cost (docs/benchmarks.md).  The private methods overridden
+    are the ones SQLAlchemy 2.0 and 2.1 fire the matching Connection events
+    from.
+    """
+
+    __slots__ = ()
+
+    def _execute_clauseelement(
+        self, elem: Any, distilled_parameters: Any, execution_options: Any
+    ) -> Any:
+        state: SessionState | None = getattr(self, _ACTIVE, None)
+        if state is None:
+            return super()._execute_clauseelement(elem, distilled_parameters, execution_options)
+        elem, distilled_parameters, pending = _before_execute(
+            self, state, elem, distilled_parameters
+        )
+        result = super()._execute_clauseelement(elem, distilled_parameters, execution_options)
+        if pending is not None:
+            _after_execute(self, state, pending, result)
+        return result
+
+    def _execute_default(self, *args: Any, **kwargs: Any) -> Any:
+        _touch_scope(self)
+        return super()._execute_default(*args, **kwargs)
+
+    def _execute_ddl(self, *args: Any, **kwargs: Any) -> Any:
+        _touch_scope(self)
+        return super()._execute_ddl(*args, **kwargs)
+
+    def _begin_impl(self, transaction: Any) -> None:
+        _scope_on_begin(self)
+        super()._begin_impl(transaction)
+
+    def _commit_impl(self) -> None:
+        _check_scope_and_commit(self)
+        super()._commit_impl()
+
+    def _rollback_impl(self) -> None:
+        _drop_scope(self)
+        super()._rollback_impl()
+
+
+#: Connection class -> its fenced subclass (``_FencedConnection`` for Connection).
+_hooked_classes: dict[type, type] = {Connection: _FencedConnection}
+
+
+def _hook_connection(connection: Connection) -> None:
+    """Route ``connection``'s statements and transaction ends through sa-fence.
+
+    Its class becomes a subclass adding sa-fence's steps (``__slots__ = ()``:
+    the same layout, so the swap is allowed); a subclass of Connection of the
+    user's gets a fenced subclass of its own.  The dialect's error hook is
+    attached once per dialect.
+    """
+    cls = type(connection)
+    hooked = _hooked_classes.get(cls)
+    if hooked is None:
+        hooked = _hooked_classes[cls] = type(
+            f"Fenced{cls.__name__}", (_FencedConnection, cls), {"__slots__": ()}
+        )
+    connection.__class__ = hooked
+    _listen_for_guard_errors(connection.dialect)
+
+
+def is_hooked(connection: object) -> bool:
+    """Whether ``connection``'s statements pass sa-fence's hook."""
+    return isinstance(connection, _FencedConnection)
 
 
 def _attach(connection: Connection, state: SessionState) -> None:
@@ -322,73 +400,33 @@ def _attach(connection: Connection, state: SessionState) -> None:
     installed session works on any connection as without sa-fence.  Something
     that only stands in for a Connection (a test's mock) is not routed.
     """
-    _active[connection] = state
-    if connection not in _hooked:
-        if isinstance(connection, Connection):
-            _route_through_view(connection)
-        _hooked.add(connection)
+    setattr(connection, _ACTIVE, state)
+    if not isinstance(connection, _FencedConnection) and isinstance(connection, Connection):
+        _hook_connection(connection)
 
 
-def _route_through_view(connection: Connection) -> None:
-    """Give ``connection`` the events of its engine's private view, keeping its engine.
-
-    SQLAlchemy joins each Connection's own listeners to its engine's
-    (``Connection.__init__``: ``self.dispatch = self.dispatch._join(
-    engine.dispatch)``).  Re-joining them to the view of that engine
-    (:func:`_view_events`: sa-fence's listeners, then the engine's) routes this
-    connection alone through the hook: its ``engine`` stays the user's, the
-    listeners the user put on the engine or on this connection keep firing
-    (a connection keeps the listeners added to it in its joined dispatcher's
-    per-event entries, which are carried over), and nothing is registered
-    per transaction (re-joining takes 1 to 2 us; ``event.listen`` of the six
-    listeners on each connection took 70 to 110 us).  Where a connection's
-    events are not joined that way (one made with ``_has_events=False``, or a
-    SQLAlchemy that changed it), it gets listeners of its own instead.
-    """
-    engine = connection.engine
-    dispatch: Any = connection.dispatch
-    local = getattr(dispatch, "local", None)
-    if local is None or getattr(dispatch, "parent", None) is not engine.dispatch:
-        _listen(connection)
-        return
-    view_events = _view_events(engine)
-    routed: Any = local._join(view_events)
-    if "_has_events" in vars(connection):  # event.listen(connection, ...) sets it: carry over
-        _carry_over(dispatch, routed, view_events)
-    connection.dispatch = routed
-    connection._has_events = True  # the user's engine may have no listeners of its own
+#: Dialect attribute: sa-fence's handle_error listener is attached.
+_GUARD_ERRORS = "_sa_fence_maps_guard_errors"
 
 
-def _carry_over(dispatch: Any, routed: Any, view_events: Any) -> None:
-    """Copy the listener collections added on one connection into its routed dispatcher."""
-    slots = type(dispatch).__dict__
-    for name in getattr(type(dispatch), "__slots__", ()):
-        try:  # the slot as set (reading the attribute would create it)
-            joined = slots[name].__get__(dispatch)
-        except AttributeError:
-            continue
-        if isinstance(joined, _JoinedListener):  # it holds listeners added on this connection
-            own: Any = joined.local  # SQLAlchemy annotates the argument narrower than it stores
-            setattr(routed, name, _JoinedListener(view_events, name, own))
-
-
-def _listen_for_guard_errors(target: Engine | Connection) -> None:
+def _listen_for_guard_errors(dialect: Any) -> None:
     """Map the guard's SQLSTATEs to sa-fence errors on connections sa-fence fences.
 
     Since SQLAlchemy 2.0 ``handle_error`` is a Dialect event: it cannot be
-    attached to one Connection or to an engine view alone.  So it is attached,
-    once and lazily, to the dialect, and acts only on connections a fenced
-    session or :func:`fence_connection` is using; every other connection's
-    errors pass through untouched.
+    attached to one Connection.  So it is attached, once and lazily, to the
+    dialect, and acts only on connections a fenced session or
+    :func:`fence_connection` is using; every other connection's errors pass
+    through untouched.
     """
-    dialect = target.dialect
-    if not event.contains(dialect, "handle_error", _map_guard_error):
-        event.listen(dialect, "handle_error", _map_guard_error)
+    if not getattr(dialect, _GUARD_ERRORS, False):
+        if not event.contains(dialect, "handle_error", _map_guard_error):
+            event.listen(dialect, "handle_error", _map_guard_error)
+        setattr(dialect, _GUARD_ERRORS, True)
 
 
 def _map_guard_error(context: Any) -> None:
     conn = context.connection
-    state = _active.get(conn) if conn is not None else None
+    state: SessionState | None = getattr(conn, _ACTIVE, None)
     if state is None:
         return
     _refuse_missing_fence_column(context)
@@ -453,19 +491,17 @@ def _scope_rights_error(orig: BaseException) -> FencingConfigError | None:
 
 # ------------------------------------------------- lease scope (at COMMIT)
 
-#: Connection -> the leases whose register rows its transaction's COMMIT must
-#: find unchanged, keyed by (name, token).  Filled while a bound session or a
-#: fenced connection uses it; emptied when its transaction commits or rolls
-#: back (so it outlives a session joined to an outer transaction).
-_scopes: weakref.WeakKeyDictionary[Connection, dict[tuple[str, int], Lease]] = (
-    weakref.WeakKeyDictionary()
-)
-
 
 def in_scope(conn: Connection, lease: Lease) -> bool:
     """Whether ``conn``'s transaction checks ``lease`` at COMMIT (is lease-scoped for it)."""
-    scope = _scopes.get(conn)
+    scope = getattr(conn, _SCOPE, None)
     return scope is not None and (lease.name, lease.token) in scope
+
+
+def _pop_scope(conn: Connection) -> dict[tuple[str, int], Lease] | None:
+    """End ``conn``'s lease scope: the leases it held, or None."""
+    scope: dict[tuple[str, int], Lease] | None = vars(conn).pop(_SCOPE, None)
+    return scope
 
 
 #: Engine -> the (system identifier, database name) its connections reach.
@@ -512,7 +548,7 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
     The transaction is *armed* (:func:`_arm`): PostgreSQL itself then checks
     the register at COMMIT and PREPARE TRANSACTION, whatever sends them.
     """
-    scope = _scopes.get(conn)
+    scope = getattr(conn, _SCOPE, None)
     if scope is not None and (lease.name, lease.token) in scope:
         if not _PSYCOPG_BEGIN_HOOK:
             _rearm_if_ended(conn, scope)
@@ -520,7 +556,8 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
     if not _same_database(conn, lease):
         return  # another database: outside lease scope (documented)
     if scope is None:
-        scope = _scopes[conn] = {}
+        scope = {}
+        setattr(conn, _SCOPE, scope)
     scope[(lease.name, lease.token)] = lease
     _arm(conn, lease)
 
@@ -713,17 +750,17 @@ def _start_query_armed(self: Any) -> Any:
     if arms:
         owner = self.__dict__.get(_ARMS_OWNER)
         conn = owner() if owner is not None else None
-        if conn is None or conn not in _scopes:  # its lease scope has ended
+        if conn is None or getattr(conn, _SCOPE, None) is None:  # its lease scope has ended
             self.__dict__.pop(_ARMS, None)
             arms = None
     if not arms or self._autocommit:
         return (yield from type(self)._start_query(self))
+    if self.pgconn.transaction_status != TransactionStatus.IDLE:
+        return None  # in a transaction: armed when it began (or explicitly)
     inserts = [
         f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}".encode()
         for table, rows in arms.items()
     ]
-    if self.pgconn.transaction_status != TransactionStatus.IDLE:
-        return None  # in a transaction: armed when it began (or explicitly)
     if self.read_only:
         raise _read_only_error()
     begin = self._get_tx_start_command()
@@ -761,20 +798,23 @@ def _refuse_chain(sql: str) -> None:
 
 
 def _scope_on_begin(conn: Connection) -> None:
-    """A transaction begins on a connection fenced for a lease: scope it now.
+    """A transaction begins (or driver SQL, a DDL or a default runs) on a connection
+    fenced for a lease: scope it now.
 
-    Statements enter the scope too, but ``exec_driver_sql`` passes no statement
-    hook: without this, a transaction begun inside ``fence_connection()`` after
-    a commit, writing only driver SQL, would commit unchecked.
+    Without this, a transaction begun inside ``fence_connection()`` after a
+    commit, writing only driver SQL, would commit unchecked.
     """
-    state = _active.get(conn)
+    state: SessionState | None = getattr(conn, _ACTIVE, None)
     if state is not None and state.lease is not None:
         _enter_scope(conn, state.lease)
 
 
+_touch_scope = _scope_on_begin
+
+
 def _drop_scope(conn: Connection) -> None:
-    _scopes.pop(conn, None)
-    _disarm(conn)
+    if _pop_scope(conn) is not None:
+        _disarm(conn)  # (arms are only ever set in scope)
 
 
 def _check_scope_and_commit(conn: Connection) -> None:
@@ -789,7 +829,9 @@ def _check_scope_and_commit(conn: Connection) -> None:
     exception) invalidates the connection before SQLAlchemy can return it to
     its pool (docs/guarantees.md, "An interrupted commit never reaches the pool broken").
     """
-    scope = _scopes.pop(conn, None)
+    scope = _pop_scope(conn)
+    if scope is None:
+        return
     _disarm(conn)
     if not scope:
         return
@@ -828,23 +870,6 @@ def _check_scope_and_commit(conn: Connection) -> None:
 #: What _check_scope_and_commit sends (a test seam: the interruption tests
 #: make it wait in the server).
 COMMIT_SQL = "COMMIT"
-
-
-def _view_events(engine: Engine) -> Any:
-    """The events of the private fenced view of ``engine`` (made once per engine).
-
-    The view is ``engine.execution_options()``: an engine whose listeners are
-    joined to ``engine``'s, with sa-fence's statement and commit listeners
-    added.  No session is bound to it and no connection is made from it:
-    fenced connections of ``engine`` take its events (its dispatcher), which
-    are all that is kept (:func:`_route_through_view`).
-    """
-    events = _views.get(engine)
-    if events is None:
-        view = engine.execution_options()
-        _listen(view)
-        events = _views[engine] = view.dispatch
-    return events
 
 
 @dataclass(slots=True)
@@ -1015,15 +1040,13 @@ def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
 
 
 def _before_execute(
-    conn: Connection,
-    elem: Any,
-    multiparams: Sequence[dict[str, Any]],
-    params: dict[str, Any],
-    execution_options: Any,
-) -> tuple[Any, Sequence[dict[str, Any]], dict[str, Any]]:
-    state = _active.get(conn)
-    if state is None:
-        return elem, multiparams, params
+    conn: Connection, state: SessionState, elem: Any, params: Sequence[Mapping[str, Any]]
+) -> tuple[Any, Sequence[Mapping[str, Any]], _Pending | None]:
+    """A statement on a fenced connection, before it is sent: what to send instead.
+
+    Returns the statement, its parameter sets and, for a statement whose row
+    count tells a stale write apart, what :func:`_after_execute` checks.
+    """
     lease = state.lease
     if lease is not None:
         _enter_scope(conn, lease)
@@ -1032,7 +1055,7 @@ def _before_execute(
             if lease is not None:
                 _refuse_chain(elem.text)
             state.present_for_raw_sql(conn)
-        return elem, multiparams, params
+        return elem, params, None
     if lease is not None:
         _telemetry.wrote(lease)  # the first write under the lease is timed
     fence_col = fence_column_of(elem.table)
@@ -1042,7 +1065,7 @@ def _before_execute(
                 state.require_lease()  # an association row of a fenced entity
             except FenceError as exc:
                 raise state.fail(exc) from None
-        return elem, multiparams, params
+        return elem, params, None
     try:
         lease = state.require_lease()
         fenced = _rewrite(elem, fence_col)
@@ -1050,44 +1073,45 @@ def _before_execute(
         raise state.fail(exc) from None
     key = fence_col.key
     if lease is None:  # sa_fence.unfenced(): no comparison, and no caller's fence either
-        if multiparams and key in multiparams[0]:
-            multiparams = [_without(p, key) for p in multiparams]
-        elif params and key in params:
-            params = _without(params, key)
-        return elem, multiparams, params
+        if params and key in params[0]:
+            params = [_without(p, key) for p in params]
+        return elem, params, None
     token = lease.token
     # A fence in the parameters (bulk mappings, copied row dicts, the joined-
     # inheritance bump) is never taken: the statement sets fence = :token.
-    if multiparams:
-        multiparams = [{**_without(p, key), TOKEN_BIND: token} for p in multiparams]
-    else:
-        params = {**_without(params, key), TOKEN_BIND: token}
+    params = [{**(_without(p, key) if key in p else p), TOKEN_BIND: token} for p in params] or [
+        {TOKEN_BIND: token}
+    ]
+    pending = None
     if fenced.pk_names is not None and fenced.pk_cols is not None:
-        param_sets: Sequence[dict[str, Any]] = multiparams or ([params] if params else [])
-        if param_sets and all(n in param_sets[0] for n in fenced.pk_names):
-            state.pending = _Pending(
-                statement=fenced.statement,
-                table=fence_col.table,
-                token=token,
-                pk_cols=fenced.pk_cols,
-                pk_names=fenced.pk_names,
-                param_sets=param_sets,
-                lease_name=lease.name,
+        first = params[0]
+        for name in fenced.pk_names:
+            if name not in first:
+                break
+        else:
+            pending = _Pending(
+                fenced.statement,
+                fence_col.table,
+                token,
+                fenced.pk_cols,
+                fenced.pk_names,
+                params,
+                lease.name,
             )
     elif fenced.upsert_rows is not None:
         # each proposed row inserts or updates: fewer than proposed were skipped as stale
-        sets = max(len(multiparams), 1)
-        state.pending = _Pending(
-            statement=fenced.statement,
-            table=fence_col.table,
-            token=token,
-            pk_cols=list(fence_col.table.primary_key.columns),
-            pk_names=[],
-            param_sets=multiparams or [params],
-            lease_name=lease.name,
-            expected=fenced.upsert_rows * sets,
+        pending = state.pending = _Pending(
+            fenced.statement,
+            fence_col.table,
+            token,
+            list(fence_col.table.primary_key.columns),
+            [],
+            params,
+            lease.name,
+            expected=fenced.upsert_rows * len(params),
         )
-    elif len(multiparams) > 1 and not isinstance(elem, Insert):
+        _count_upserts_on(conn)
+    elif len(params) > 1 and not isinstance(elem, Insert):
         raise state.fail(
             FencingConfigError(
                 f"an executemany {'UPDATE' if isinstance(elem, Update) else 'DELETE'} of fenced "
@@ -1097,10 +1121,10 @@ def _before_execute(
                 "per parameter set. Nothing was sent."
             )
         )
-    return fenced.statement, multiparams, params
+    return fenced.statement, params, pending
 
 
-def _without(params: dict[str, Any], key: str) -> dict[str, Any]:
+def _without(params: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     if key not in params:
         return params
     return {k: v for k, v in params.items() if k != key}
@@ -1150,31 +1174,35 @@ def _column_eq_bind(clause: Any, table: Any) -> tuple[Any, str] | None:
     return None
 
 
-def _after_execute(
-    conn: Connection,
-    elem: Any,
-    multiparams: Any,
-    params: Any,
-    execution_options: Any,
-    result: Any,
-) -> None:
-    state = _active.get(conn)
-    if state is None:
-        return
-    pending = state.pending
-    if pending is None or pending.statement is not elem:
-        return
-    state.pending = None
+def _after_execute(conn: Connection, state: SessionState, pending: _Pending, result: Any) -> None:
+    """A fenced statement targeted by primary key (or an upsert) ran: were rows skipped?"""
     if pending.expected is None:
         if result.rowcount == len(pending.param_sets):
             return
-        error = _stale_error(conn, pending, elem)
+        error = _stale_error(conn, pending, pending.statement)
     else:
+        state.pending = None
         if pending.counted == pending.expected:
             return
         error = _stale_upsert_error(conn, pending)
     _telemetry.stale_refused(state.lease, _telemetry.ROW_FENCE, error)
     raise state.fail(error)
+
+
+#: Connection attribute: its ``after_cursor_execute`` listener counts upserted rows.
+_COUNTS_UPSERTS = "_sa_fence_counts_upserts"
+
+
+def _count_upserts_on(conn: Connection) -> None:
+    """Listen for ``conn``'s cursor executions, from its first fenced upsert on.
+
+    Only an upsert's row count needs the cursor's own (see
+    :func:`_count_upserted_rows`), so only a connection that sends one pays
+    for SQLAlchemy's event dispatch.
+    """
+    if not getattr(conn, _COUNTS_UPSERTS, False):
+        event.listen(conn, "after_cursor_execute", _count_upserted_rows)
+        setattr(conn, _COUNTS_UPSERTS, True)
 
 
 def _count_upserted_rows(
@@ -1187,12 +1215,13 @@ def _count_upserted_rows(
 ) -> None:
     """Add up the rows a fenced upsert's cursor executions report.
 
-    SQLAlchemy closes an INSERT's cursor before ``after_execute`` runs, so
+    SQLAlchemy closes an INSERT's cursor before its result is returned, so
     ``result.rowcount`` is -1 there unless the caller asked for
-    ``preserve_rowcount``; the cursor's own count is read here instead, once
-    per execution (an "insertmanyvalues" executemany runs several).
+    ``preserve_rowcount`` (which, for an "insertmanyvalues" executemany,
+    counts the rows sent, not those written); the cursor's own count is read
+    here instead, once per execution (such an executemany runs several).
     """
-    state = _active.get(conn)
+    state: SessionState | None = getattr(conn, _ACTIVE, None)
     if state is None:
         return
     pending = state.pending
@@ -1467,8 +1496,10 @@ def _refuse_from_statement(table: Any) -> None:
 def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
     state = state_for(session)
     _refuse_confusable(connection, state, state.lease)
-    sharing = _sharing.setdefault(connection, [])
-    if state not in sharing:
+    sharing: list[SessionState] | None = getattr(connection, _SHARING, None)
+    if sharing is None:
+        setattr(connection, _SHARING, [state])
+    elif state not in sharing:
         sharing.append(state)
     _attach(connection, state)
     state.connections.append(connection)
@@ -1476,12 +1507,6 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
         check_dialect(connection.dialect)
         _refuse_unscoped(session, connection)
         _enter_scope(connection, state.lease)
-
-
-#: Connection -> the installed sessions whose transactions run on it, in the
-#: order they began (``Session(bind=other.connection())`` puts two on one).
-#: The newest is the one in ``_active``; when it ends, the one before takes over.
-_sharing: weakref.WeakKeyDictionary[Connection, list[SessionState]] = weakref.WeakKeyDictionary()
 
 
 def _lease_id(lease: Lease | None) -> tuple[str, int] | None:
@@ -1498,8 +1523,12 @@ def _refuse_confusable(connection: Connection, state: SessionState, lease: Lease
     unbound one's statements carry the other's token, or refuse the bound
     one's as unfenced.
     """
-    others = [s for s in _sharing.get(connection, ()) if s is not state]
-    active = _active.get(connection)  # a fence_connection() block is not in _sharing
+    sharing: list[SessionState] | None = getattr(connection, _SHARING, None)
+    active: SessionState | None = getattr(connection, _ACTIVE, None)
+    if not sharing and (active is None or active is state):
+        return  # the hot path: a connection of this session's alone
+    others = [s for s in sharing or () if s is not state]
+    # a fence_connection() block is active without being among the sharing sessions
     if active is not None and active is not state and active not in others:
         others.append(active)
     mine = _lease_id(lease)
@@ -1542,16 +1571,14 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
             state.presented_in = None
             state.bumped.clear()
             for conn in state.connections:
-                sharing = _sharing.get(conn, [])
+                sharing = getattr(conn, _SHARING, None) or []
                 if state in sharing:
                     sharing.remove(state)
                 if not sharing:
-                    _sharing.pop(conn, None)
-                if _active.get(conn) is state:
-                    if sharing:  # another session's transaction still runs on it
-                        _active[conn] = sharing[-1]
-                    else:
-                        del _active[conn]
+                    vars(conn).pop(_SHARING, None)
+                if getattr(conn, _ACTIVE, None) is state:
+                    # another session's transaction may still run on it
+                    setattr(conn, _ACTIVE, sharing[-1] if sharing else None)
             state.connections.clear()
 
 
@@ -1860,7 +1887,7 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
         )
     check_dialect(conn.dialect)
     _refuse_autocommit(conn)
-    previous = _active.get(conn)
+    previous: SessionState | None = getattr(conn, _ACTIVE, None)
     state = SessionState()
     _refuse_confusable(conn, state, lease)  # a session on it with another lease, or none
     state.lease = lease
@@ -1871,10 +1898,7 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
         state.present_for_raw_sql(conn)
         yield conn
     finally:
-        if previous is None:
-            _active.pop(conn, None)
-        else:
-            _active[conn] = previous
+        setattr(conn, _ACTIVE, previous)
 
 
 @contextmanager

@@ -185,7 +185,7 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
 
     def skip(session: Session) -> None:
         session.flush()
-        if _flush._scopes.pop(session.connection(), None) is None:
+        if _flush._pop_scope(session.connection()) is None:
             raise RuntimeError("no lease scope to skip: the breakdown would measure nothing")
 
     def unarmed() -> None:
