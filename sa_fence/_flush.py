@@ -384,7 +384,8 @@ def _hook_connection(connection: Connection) -> None:
             f"Fenced{cls.__name__}", (_FencedConnection, cls), {"__slots__": ()}
         )
     connection.__class__ = hooked
-    _listen_for_guard_errors(connection.dialect)
+    if not getattr(connection.dialect, _GUARD_ERRORS, False):
+        _listen_for_guard_errors(connection.dialect)
 
 
 def is_hooked(connection: object) -> bool:
@@ -418,10 +419,9 @@ def _listen_for_guard_errors(dialect: Any) -> None:
     :func:`fence_connection` is using; every other connection's errors pass
     through untouched.
     """
-    if not getattr(dialect, _GUARD_ERRORS, False):
-        if not event.contains(dialect, "handle_error", _map_guard_error):
-            event.listen(dialect, "handle_error", _map_guard_error)
-        setattr(dialect, _GUARD_ERRORS, True)
+    if not event.contains(dialect, "handle_error", _map_guard_error):
+        event.listen(dialect, "handle_error", _map_guard_error)
+    setattr(dialect, _GUARD_ERRORS, True)
 
 
 def _map_guard_error(context: Any) -> None:
@@ -658,7 +658,7 @@ def _arm(conn: Connection, lease: Lease) -> None:
         raise _read_only_error()
     table = _scope_table(conn, lease)
     row = f"({quote_literal(lease.name)}, {int(lease.token)})"
-    if _is_psycopg(driver):
+    if _PSYCOPG_BEGIN_HOOK and hasattr(driver, "_get_tx_start_command"):  # psycopg 3
         # every later BEGIN on this connection carries it, while in scope
         owner = driver.__dict__.get(_ARMS_OWNER)
         if owner is None or owner() is not conn:
@@ -668,8 +668,8 @@ def _arm(conn: Connection, lease: Lease) -> None:
         arms.setdefault(table, []).append(row)
         if _ARMED_START not in driver.__dict__:
             driver._start_query = types.MethodType(_start_query_armed, driver)
-        if _not_begun(driver):
-            return  # it travels in this transaction's BEGIN
+        if driver.info.transaction_status == TransactionStatus.IDLE:
+            return  # not begun: it travels in this transaction's BEGIN
     _run(conn, f"INSERT INTO {table} (name, token) VALUES {row}")
 
 
@@ -699,15 +699,6 @@ def _read_only_error() -> FencingConfigError:
         "read-write, or do read-only work in a session with no lease bound. Nothing "
         "was sent."
     )
-
-
-def _is_psycopg(driver: Any) -> bool:
-    return _PSYCOPG_BEGIN_HOOK and hasattr(driver, "_get_tx_start_command")
-
-
-def _not_begun(driver: Any) -> bool:
-    """Whether psycopg has not sent this transaction's BEGIN yet."""
-    return bool(driver.info.transaction_status == TransactionStatus.IDLE)
 
 
 def _disarm(conn: Connection) -> None:
@@ -829,19 +820,22 @@ def _check_scope_and_commit(conn: Connection) -> None:
     exception) invalidates the connection before SQLAlchemy can return it to
     its pool (docs/guarantees.md, "An interrupted commit never reaches the pool broken").
     """
-    scope = _pop_scope(conn)
+    scope: dict[tuple[str, int], Lease] | None = vars(conn).pop(_SCOPE, None)
     if scope is None:
         return
-    _disarm(conn)
     if not scope:
+        _disarm(conn)
         return
-    dbapi_conn = conn.connection.dbapi_connection
+    fairy = conn.connection
+    driver: Any = fairy.driver_connection
+    if driver is not None:
+        driver.__dict__.pop(_ARMS, None)  # later BEGINs carry no arm
+    dbapi_conn = fairy.dbapi_connection
     assert dbapi_conn is not None
     dialect = conn.dialect
     with _telemetry.CommitCheck(scope):  # latency, span; a stale refusal is counted
-        cursor = dbapi_conn.cursor()
         try:
-            cursor.execute(COMMIT_SQL)
+            _send_commit(dbapi_conn)
         except dialect.loaded_dbapi.Error as exc:
             # End the transaction as a failed COMMIT would have; SQLAlchemy
             # will not roll back a transaction whose commit failed before
@@ -857,19 +851,19 @@ def _check_scope_and_commit(conn: Connection) -> None:
             if stale is not None:
                 raise stale from None
             raise DBAPIError.instance(
-                COMMIT_SQL, None, exc, dialect.loaded_dbapi.Error, dialect=dialect
+                "COMMIT", None, exc, dialect.loaded_dbapi.Error, dialect=dialect
             ) from exc
         except BaseException:
             _invalidate(conn)
             raise
-        finally:
-            with contextlib.suppress(Exception):
-                cursor.close()
 
 
-#: What _check_scope_and_commit sends (a test seam: the interruption tests
-#: make it wait in the server).
-COMMIT_SQL = "COMMIT"
+def _send_commit(dbapi_conn: Any) -> None:
+    """Send the COMMIT (a test seam: the interruption tests make it wait in the server).
+
+    The driver's own ``commit()``: through a cursor it took 30 Python calls more.
+    """
+    dbapi_conn.commit()
 
 
 @dataclass(slots=True)
@@ -1049,7 +1043,9 @@ def _before_execute(
     """
     lease = state.lease
     if lease is not None:
-        _enter_scope(conn, lease)
+        scope = getattr(conn, _SCOPE, None)
+        if scope is None or (lease.name, lease.token) not in scope or not _PSYCOPG_BEGIN_HOOK:
+            _enter_scope(conn, lease)
     if not isinstance(elem, Update | Delete | Insert):
         if isinstance(elem, TextClause):
             if lease is not None:
@@ -1385,8 +1381,9 @@ def _refuse_assigned_fences(session: Session) -> None:
 
 
 def _before_flush(session: Session, flush_context: UOWTransaction, instances: Any) -> None:
-    state = state_for(session)
-    state.check_not_poisoned("flush")
+    state = session.info.get(_STATE_KEY) or state_for(session)
+    if state.poisoned is not None:
+        state.check_not_poisoned("flush")
     if state.lease is not None:
         # The hot path: the statement hook fences.  Refuse a fence assigned by
         # hand, and ask the lease whether it may still write (released, lost,
@@ -1436,7 +1433,7 @@ def _bump_base_fences(session: Session, state: SessionState, bump_keys: dict[typ
 
 
 def _after_flush_postexec(session: Session, flush_context: UOWTransaction) -> None:
-    state = _state(session)
+    state: SessionState | None = session.info.get(_STATE_KEY)
     if state is not None and state.flush_span is not None:
         span, state.flush_span = state.flush_span, None
         _telemetry.flush_ended(span)
@@ -1494,7 +1491,7 @@ def _refuse_from_statement(table: Any) -> None:
 
 
 def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
-    state = state_for(session)
+    state = session.info.get(_STATE_KEY) or state_for(session)
     _refuse_confusable(connection, state, state.lease)
     sharing: list[SessionState] | None = getattr(connection, _SHARING, None)
     if sharing is None:
@@ -1557,14 +1554,14 @@ def _after_soft_rollback(session: Session, previous_transaction: SessionTransact
 
 
 def _before_commit(session: Session) -> None:
-    state = _state(session)
-    if state is not None:
+    state: SessionState | None = session.info.get(_STATE_KEY)
+    if state is not None and state.poisoned is not None:
         state.check_not_poisoned("commit")
 
 
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
     if transaction.parent is None:
-        state = _state(session)
+        state: SessionState | None = session.info.get(_STATE_KEY)
         if state is not None:
             state.poisoned = None
             state.pending = None
@@ -1794,16 +1791,23 @@ def is_installed(session: Session) -> bool:
     return bool(vars(session).get(_INSTALLED) or getattr(type(session), _INSTALLED, False))
 
 
-def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
-    if _scoped_factory(session) is not None:  # a scoped_session: its current session
-        session = session()  # type: ignore[operator]
-    sync_session = _async_target(session)
+def _session_of(target: Any) -> Session:
+    """The Session that ``bind()`` fences for a scoped session or an AsyncSession."""
+    if _scoped_factory(target) is not None:  # a scoped_session: its current session
+        target = target()
+    sync_session = _async_target(target)
     if isinstance(sync_session, Session):  # an AsyncSession: fenced through its sync session
-        session = sync_session
-    if not isinstance(session, Session):
+        target = sync_session
+    if not isinstance(target, Session):
         raise TypeError(
-            f"bind() takes a sqlalchemy Session or AsyncSession, got {type(session).__name__}"
+            f"bind() takes a sqlalchemy Session or AsyncSession, got {type(target).__name__}"
         )
+    return target
+
+
+def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
+    if not isinstance(session, Session):
+        session = _session_of(session)
     if not is_installed(session):
         raise FencingConfigError(
             "this session does not have the sa-fence flush hook, so binding a lease would "
