@@ -123,6 +123,36 @@ def test_binds_maps_to_the_users_engine_work_and_are_fenced(
     assert row(engine, 1) == ("newer", newer.token)
 
 
+class AuditedConnection(sa.Connection):
+    """A Connection subclass of the user's (``Engine._connection_cls``)."""
+
+    def audited(self) -> str:
+        return "audited"
+
+
+def test_a_connection_subclass_of_the_users_is_fenced_and_keeps_its_class(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    own = sa.create_engine(engine.url, poolclass=sa.pool.NullPool)
+    own._connection_cls = AuditedConnection  # type: ignore[misc]
+    try:
+        maker = sa_fence.install(sessionmaker(own))
+        newer, session = stale_write(fencer, maker, own)
+        conn = session.connection()
+        assert _flush.is_hooked(conn)
+        assert isinstance(conn, AuditedConnection)
+        assert conn.audited() == "audited"
+        with pytest.raises(sa_fence.StaleTokenError):
+            session.commit()
+        session.close()
+        assert row(engine, 1) == ("newer", newer.token)
+        with own.connect() as plain:  # its class itself is left alone
+            assert type(plain) is AuditedConnection
+    finally:
+        own.dispose()
+
+
 def test_the_user_engines_connections_of_other_sessions_are_not_routed(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
