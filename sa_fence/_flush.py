@@ -239,7 +239,8 @@ def state_for(session: Session) -> SessionState:
 # What sa-fence keeps per Connection lives on the Connection itself, as the
 # attributes below: it dies with the connection and is found without a weak
 # dictionary lookup (a Connection has a __dict__; nothing of SQLAlchemy's
-# uses these names).
+# uses these names).  Read through vars() where the object may only stand in
+# for a Connection: a Mock makes up any attribute asked for.
 
 #: Connection attribute: the fenced session (or fence_connection() block)
 #: whose transaction runs on it.
@@ -349,8 +350,9 @@ def _attach(connection: Connection, state: SessionState) -> None:
     installed session works on any connection as without sa-fence.  Something
     that only stands in for a Connection (a test's mock) is not routed.
     """
-    setattr(connection, _ACTIVE, state)
-    if not isinstance(connection, _FencedConnection) and isinstance(connection, Connection):
+    vars(connection)[_ACTIVE] = state
+    cls = type(connection)  # (a Mock(spec=Connection) only claims to be a Connection)
+    if not issubclass(cls, _FencedConnection) and issubclass(cls, Connection):
         _hook_connection(connection)
 
 
@@ -442,7 +444,7 @@ def _scope_rights_error(orig: BaseException) -> FencingConfigError | None:
 
 def in_scope(conn: Connection, lease: Lease) -> bool:
     """Whether ``conn``'s transaction checks ``lease`` at COMMIT (is lease-scoped for it)."""
-    scope = getattr(conn, _SCOPE, None)
+    scope = vars(conn).get(_SCOPE)
     return scope is not None and (lease.name, lease.token) in scope
 
 
@@ -496,7 +498,7 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
     The transaction is *armed* (:func:`_arm`): PostgreSQL itself then checks
     the register at COMMIT and PREPARE TRANSACTION, whatever sends them.
     """
-    scope = getattr(conn, _SCOPE, None)
+    scope = vars(conn).get(_SCOPE)
     if scope is not None and (lease.name, lease.token) in scope:
         if not _PSYCOPG_BEGIN_HOOK:
             _rearm_if_ended(conn, scope)
@@ -505,7 +507,7 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
         return  # another database: outside lease scope (documented)
     if scope is None:
         scope = {}
-        setattr(conn, _SCOPE, scope)
+        vars(conn)[_SCOPE] = scope
     scope[(lease.name, lease.token)] = lease
     _arm(conn, lease)
 
@@ -689,7 +691,7 @@ def _start_query_armed(self: Any) -> Any:
     if arms:
         owner = self.__dict__.get(_ARMS_OWNER)
         conn = owner() if owner is not None else None
-        if conn is None or getattr(conn, _SCOPE, None) is None:  # its lease scope has ended
+        if conn is None or vars(conn).get(_SCOPE) is None:  # its lease scope has ended
             self.__dict__.pop(_ARMS, None)
             arms = None
     if not arms or self._autocommit:
@@ -1230,9 +1232,9 @@ def _refuse_from_statement(table: Any) -> None:
 def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
     state = session.info.get(_STATE_KEY) or state_for(session)
     _refuse_confusable(connection, state, state.lease)
-    sharing: list[SessionState] | None = getattr(connection, _SHARING, None)
+    sharing: list[SessionState] | None = vars(connection).get(_SHARING)
     if sharing is None:
-        setattr(connection, _SHARING, [state])
+        vars(connection)[_SHARING] = [state]
     elif state not in sharing:
         sharing.append(state)
     _attach(connection, state)
@@ -1257,8 +1259,8 @@ def _refuse_confusable(connection: Connection, state: SessionState, lease: Lease
     unbound one's statements carry the other's token, or refuse the bound
     one's as unfenced.
     """
-    sharing: list[SessionState] | None = getattr(connection, _SHARING, None)
-    active: SessionState | None = getattr(connection, _ACTIVE, None)
+    sharing: list[SessionState] | None = vars(connection).get(_SHARING)
+    active: SessionState | None = vars(connection).get(_ACTIVE)
     if not sharing and (active is None or active is state):
         return  # the hot path: a connection of this session's alone
     others = [s for s in sharing or () if s is not state]
@@ -1305,14 +1307,14 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
             state.presented_in = None
             state.bumped.clear()
             for conn in state.connections:
-                sharing = getattr(conn, _SHARING, None) or []
+                sharing = vars(conn).get(_SHARING) or []
                 if state in sharing:
                     sharing.remove(state)
                 if not sharing:
                     vars(conn).pop(_SHARING, None)
-                if getattr(conn, _ACTIVE, None) is state:
+                if vars(conn).get(_ACTIVE) is state:
                     # another session's transaction may still run on it
-                    setattr(conn, _ACTIVE, sharing[-1] if sharing else None)
+                    vars(conn)[_ACTIVE] = sharing[-1] if sharing else None
             state.connections.clear()
 
 
@@ -1628,7 +1630,7 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
         )
     check_dialect(conn.dialect)
     _refuse_autocommit(conn)
-    previous: SessionState | None = getattr(conn, _ACTIVE, None)
+    previous: SessionState | None = vars(conn).get(_ACTIVE)
     state = SessionState()
     _refuse_confusable(conn, state, lease)  # a session on it with another lease, or none
     state.lease = lease
@@ -1639,7 +1641,7 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
         state.present_for_raw_sql(conn)
         yield conn
     finally:
-        setattr(conn, _ACTIVE, previous)
+        vars(conn)[_ACTIVE] = previous
 
 
 @contextmanager
