@@ -1,48 +1,35 @@
-"""The fenced flush: session events plus a statement hook on each fenced connection.
+"""The fenced flush: session events plus a hook on each fenced connection.
 
-Two lines of defence, neither costing an extra round trip:
+How a bound session's transaction is fenced, step by step:
 
-**Lease scope (at COMMIT, in PostgreSQL).**  Every transaction of a bound
-session (or of a connection inside :func:`fence_connection`) commits only
-while the lease register still holds its lease's token
-(:mod:`sa_fence._register`): the transaction is armed by its BEGIN message
-(one row in ``sa_fence_scope``, see :func:`_arm`), and a deferred constraint
-trigger checks the register at COMMIT and PREPARE TRANSACTION, whatever
-sends them, so a stale holder's transaction commits nothing, whatever tables
-and statements it wrote.  The ``commit`` connection event sends the COMMIT
-itself only to turn a refusal into :class:`StaleTokenError`.  Writes to
-another database are outside it, and so is a session with no lease bound.
-
-**The row fence (at the flush).**
-
-* ``before_flush`` (session event) refuses the flush when fenced entities
-  would be written without a lease (:class:`UnfencedWriteError`, before any
-  SQL), with a released lease (:class:`LeaseLostError`) or with a fence
-  assigned by hand (:class:`FencingConfigError`), and makes a change to a
-  joined-inheritance subclass table also write the base table.
-* ``before_execute`` adds ``AND coalesce(fence, 0) <= :token`` to every
-  UPDATE and DELETE of a fenced table, and ``fence = :token`` to every UPDATE
-  and INSERT: the ORM's own batched executemany UPDATE, ORM-enabled
-  ``update()``/``delete()``, and Core DML sent through the session.  An
-  ``INSERT ... ON CONFLICT DO UPDATE`` also compares and writes in its DO
-  UPDATE.  A fence the caller put in the parameters is dropped; a statement
-  that sets it itself is refused.  The rewritten statement is built once per
-  original statement and cached; the token travels as a bound parameter.
-* ``after_execute`` compares the row count of primary-key targeted statements
-  (the flush, ORM bulk by primary key, Core executemany by primary key with
-  any bind names) and of upserts with the number of rows they targeted or
-  proposed, and raises :class:`StaleTokenError` naming table, key and token.
-* The fence column is declared ``server_onupdate=FetchedValue()``, so the ORM
-  expires ``obj.fence`` after each UPDATE and reloads the new value on access.
-
-Where the statement hook lives: never on the user's Engine, and no bind is
-swapped (``session.bind``, ``get_bind()``, ``binds=`` and the asyncio
-session keep naming the user's engine).  Each Connection an installed
-session begins a transaction on has its events re-joined to a private view
-of its engine (``engine.execution_options()``, made once per engine, with
-sa-fence's listeners joined to the engine's; :func:`_route_through_view`),
-so only those connections' statements pass the hook and no listener is
-registered per transaction.
+1. ``install(maker)`` adds session listeners (``_EVENTS``).  Nothing is
+   added to the Engine, and the session's bind stays the user's.
+2. When the session begins a transaction on a Connection (``after_begin``),
+   that Connection's class is swapped for a subclass,
+   :class:`_FencedConnection` (:func:`_hook_connection`), whose private
+   execute/begin/commit/rollback steps run sa-fence's code first.  Only
+   that connection's statements pass the hook, and no event listener is
+   dispatched per statement.
+3. **Lease scope (at COMMIT, in PostgreSQL).**  The transaction is *armed*
+   by its BEGIN message (one row in ``sa_fence_scope``, :func:`_arm`); a
+   deferred constraint trigger checks the lease register at COMMIT and
+   PREPARE TRANSACTION, whatever sends them, so a stale holder's
+   transaction commits nothing.  sa-fence sends the COMMIT itself
+   (:func:`_check_scope_and_commit`) only to turn a refusal into
+   :class:`StaleTokenError`.  Writes to another database are outside it,
+   and so is a session with no lease bound.
+4. **The row fence (at the flush).**  ``before_flush`` refuses, before any
+   SQL, fenced writes without a lease (:class:`UnfencedWriteError`), with a
+   released lease (:class:`LeaseLostError`) or with a fence assigned by hand
+   (:class:`FencingConfigError`), and makes a change to a joined-inheritance
+   subclass table also write the base table.  Every UPDATE, DELETE and
+   INSERT of a fenced table on the connection is rewritten
+   (:mod:`sa_fence._rewrite`) to compare ``fence <= :token`` and to write
+   ``fence = :token``; the ORM's batched executemany UPDATE stays one
+   statement.  A statement targeted by primary key (or an upsert) then has
+   its row count compared with the rows it targeted
+   (:func:`_after_execute`): fewer means a newer holder wrote one, and
+   :class:`StaleTokenError` names table, key and token.
 
 ``<=`` (not ``<``) lets the same holder write one row many times.
 SQLAlchemy's ``version_id_col`` cannot be used: it compares for equality
@@ -57,7 +44,7 @@ import re
 import types
 import typing
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
@@ -66,27 +53,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from psycopg import errors, generators
 from psycopg.pq import ExecStatus, TransactionStatus
 from sqlalchemy import (
-    BigInteger,
     Column,
     ColumnElement,
     Connection,
     Engine,
     Table,
-    Text,
     TextClause,
-    and_,
-    bindparam,
-    cast,
     event,
     func,
     literal,
-    literal_column,
     select,
     true,
     tuple_,
 )
-from sqlalchemy.dialects.postgresql.dml import OnConflictDoUpdate
-from sqlalchemy.event.attr import _JoinedListener
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import (
     NO_VALUE,
@@ -98,9 +77,8 @@ from sqlalchemy.orm import (
     sessionmaker,
 )
 from sqlalchemy.orm.attributes import flag_modified, set_committed_value
-from sqlalchemy.sql import operators
 from sqlalchemy.sql.dml import Delete, Insert, Update
-from sqlalchemy.sql.elements import BinaryExpression, BindParameter, BooleanClauseList
+from sqlalchemy.sql.elements import BindParameter
 
 from . import _telemetry
 from ._dialect import check_dialect
@@ -120,6 +98,7 @@ from ._model import (
     orm_index,
 )
 from ._register import DATABASE_ID_SQL, SCOPE_SCHEMA_SQL, SCOPE_TABLE
+from ._rewrite import TOKEN_BIND, rewrite
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -138,7 +117,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
 _STATE_KEY = "sa_fence.state"
-TOKEN_BIND = "sa_fence_token"
 
 Target = type[Session] | sessionmaker[Any] | Session
 T = TypeVar("T", bound=Target | scoped_session[Any])
@@ -156,7 +134,7 @@ class _Pending:
     token: int
     pk_cols: list[Column[Any]]
     pk_names: list[str]
-    param_sets: Sequence[dict[str, Any]]
+    param_sets: Sequence[Mapping[str, Any]]
     lease_name: str
     #: the row count the statement must report; None: one row per parameter set
     expected: int | None = None
@@ -257,46 +235,26 @@ def state_for(session: Session) -> SessionState:
 
 
 # ----------------------------------------------------------- statement hook
+#
+# What sa-fence keeps per Connection lives on the Connection itself, as the
+# attributes below: it dies with the connection and is found without a weak
+# dictionary lookup (a Connection has a __dict__; nothing of SQLAlchemy's
+# uses these names).  Read through vars() where the object may only stand in
+# for a Connection: a Mock makes up any attribute asked for.
 
-#: Connection -> the fenced session whose transaction runs on it.
-_active: weakref.WeakKeyDictionary[Connection, SessionState] = weakref.WeakKeyDictionary()
-#: Connections routed through the hook (see _route_through_view).
-_hooked: weakref.WeakSet[Connection] = weakref.WeakSet()
-#: User engine -> the events of its private fenced view (see _view_events).  The
-#: dispatcher holds no reference to either engine, so an engine made per
-#: request (``engine.execution_options(...)``) is collected with its entry.
-_views: weakref.WeakKeyDictionary[Engine, Any] = weakref.WeakKeyDictionary()
-#: Original DML statement -> {sets the fence itself?: fenced statement}.
-_rewritten: weakref.WeakKeyDictionary[Any, _Fenced] = weakref.WeakKeyDictionary()
-
-_TOKEN = bindparam(TOKEN_BIND, type_=BigInteger)
-#: The value written to the fence: an expression, not a bare bind, so that the
-#: ORM counts the column as set by the server and expires ``obj.fence`` after
-#: the INSERT or UPDATE (read next, it loads the token the row now carries).
-#: A bare bind would leave the object showing the value it had before, e.g. 0
-#: or None with ``expire_on_commit=False`` (SQLModel, FastAPI, asyncio).
-_TOKEN_WRITTEN = cast(_TOKEN, BigInteger)
-
-
-def fence_predicate(fence_col: Column[Any], token: Any) -> ColumnElement[bool]:
-    """The comparison every fenced UPDATE/DELETE carries: ``fence <= :token``.
-
-    The token is compared through ``set_config('sa_fence.token', :token, true)``,
-    which returns it and also presents it to a database-side guard
-    (:mod:`sa_fence._guard`) for the rest of the transaction: the same
-    statement, no extra round trip, whether or not the table has a guard.  The
-    comparison cannot be true without the token having been presented, so
-    the guard sees it for every row the statement writes (the ORM's DELETE
-    needs this: a BEFORE DELETE trigger has no NEW row to read the token
-    from).  On a table without a guard it costs one function call per row
-    the statement examines, computed in the server.
-    """
-    setting: ColumnElement[str] = literal_column(f"'{TOKEN_SETTING}'")  # rendered inline
-    presented = func.set_config(setting, cast(token, Text), true())
-    # coalesce: a NULL fence (a legacy row never written under a lease) is
-    # writable, and the token is still presented for every row examined.
-    comparison: ColumnElement[bool] = func.coalesce(fence_col, 0) <= cast(presented, BigInteger)
-    return comparison
+#: Connection attribute: the fenced session (or fence_connection() block)
+#: whose transaction runs on it.
+_ACTIVE = "_sa_fence_active"
+#: Connection attribute: the installed sessions whose transactions run on it,
+#: in the order they began (``Session(bind=other.connection())`` puts two on
+#: one).  The newest is the active one; when it ends, the one before takes over.
+_SHARING = "_sa_fence_sharing"
+#: Connection attribute: the leases whose register rows its transaction's
+#: COMMIT must find unchanged, keyed by (name, token).  Set while a bound
+#: session or a fenced connection uses it; dropped when its transaction
+#: commits or rolls back (so it outlives a session joined to an outer
+#: transaction).
+_SCOPE = "_sa_fence_scope"
 
 
 def present_token(conn: Connection, token: int) -> None:
@@ -304,14 +262,84 @@ def present_token(conn: Connection, token: int) -> None:
     conn.execute(select(func.set_config(literal(TOKEN_SETTING), literal(str(token)), true())))
 
 
-def _listen(target: Engine | Connection) -> None:
-    event.listen(target, "before_execute", _before_execute, retval=True)
-    event.listen(target, "after_execute", _after_execute)
-    event.listen(target, "after_cursor_execute", _count_upserted_rows)
-    event.listen(target, "begin", _scope_on_begin)
-    event.listen(target, "commit", _check_scope_and_commit)
-    event.listen(target, "rollback", _drop_scope)
-    _listen_for_guard_errors(target)
+class _FencedConnection(Connection):
+    """A Connection whose statements, BEGIN, COMMIT and ROLLBACK pass sa-fence first.
+
+    Not made by anyone: the class of each Connection an installed session
+    begins a transaction on is swapped for it (:func:`_hook_connection`), so
+    the connection keeps its engine, its listeners and its identity, and only
+    its own statements pass the hook.  Each step here calls the module's
+    function by name (tests replace them) and then SQLAlchemy's own.  No
+    event listener is involved: SQLAlchemy's event dispatch on every
+    statement and transaction of a connection with listeners was most of
+    what the hook cost (docs/benchmarks.md).  The private methods overridden
+    are the ones SQLAlchemy 2.0 and 2.1 fire the matching Connection events
+    from.
+    """
+
+    __slots__ = ()
+
+    def _execute_clauseelement(
+        self, elem: Any, distilled_parameters: Any, execution_options: Any
+    ) -> Any:
+        state: SessionState | None = getattr(self, _ACTIVE, None)
+        if state is None:
+            return super()._execute_clauseelement(elem, distilled_parameters, execution_options)
+        elem, distilled_parameters, pending = _before_execute(
+            self, state, elem, distilled_parameters
+        )
+        result = super()._execute_clauseelement(elem, distilled_parameters, execution_options)
+        if pending is not None:
+            _after_execute(self, state, pending, result)
+        return result
+
+    def _execute_default(self, *args: Any, **kwargs: Any) -> Any:
+        _touch_scope(self)
+        return super()._execute_default(*args, **kwargs)
+
+    def _execute_ddl(self, *args: Any, **kwargs: Any) -> Any:
+        _touch_scope(self)
+        return super()._execute_ddl(*args, **kwargs)
+
+    def _begin_impl(self, transaction: Any) -> None:
+        _scope_on_begin(self)
+        super()._begin_impl(transaction)
+
+    def _commit_impl(self) -> None:
+        _check_scope_and_commit(self)
+        super()._commit_impl()
+
+    def _rollback_impl(self) -> None:
+        _drop_scope(self)
+        super()._rollback_impl()
+
+
+#: Connection class -> its fenced subclass (``_FencedConnection`` for Connection).
+_hooked_classes: dict[type, type] = {Connection: _FencedConnection}
+
+
+def _hook_connection(connection: Connection) -> None:
+    """Route ``connection``'s statements and transaction ends through sa-fence.
+
+    Its class becomes a subclass adding sa-fence's steps (``__slots__ = ()``:
+    the same layout, so the swap is allowed); a subclass of Connection of the
+    user's gets a fenced subclass of its own.  The dialect's error hook is
+    attached once per dialect.
+    """
+    cls = type(connection)
+    hooked = _hooked_classes.get(cls)
+    if hooked is None:
+        hooked = _hooked_classes[cls] = type(
+            f"Fenced{cls.__name__}", (_FencedConnection, cls), {"__slots__": ()}
+        )
+    connection.__class__ = hooked
+    if not getattr(connection.dialect, _GUARD_ERRORS, False):
+        _listen_for_guard_errors(connection.dialect)
+
+
+def is_hooked(connection: object) -> bool:
+    """Whether ``connection``'s statements pass sa-fence's hook."""
+    return isinstance(connection, _FencedConnection)
 
 
 def _attach(connection: Connection, state: SessionState) -> None:
@@ -322,73 +350,33 @@ def _attach(connection: Connection, state: SessionState) -> None:
     installed session works on any connection as without sa-fence.  Something
     that only stands in for a Connection (a test's mock) is not routed.
     """
-    _active[connection] = state
-    if connection not in _hooked:
-        if isinstance(connection, Connection):
-            _route_through_view(connection)
-        _hooked.add(connection)
+    vars(connection)[_ACTIVE] = state
+    cls = type(connection)  # (a Mock(spec=Connection) only claims to be a Connection)
+    if not issubclass(cls, _FencedConnection) and issubclass(cls, Connection):
+        _hook_connection(connection)
 
 
-def _route_through_view(connection: Connection) -> None:
-    """Give ``connection`` the events of its engine's private view, keeping its engine.
-
-    SQLAlchemy joins each Connection's own listeners to its engine's
-    (``Connection.__init__``: ``self.dispatch = self.dispatch._join(
-    engine.dispatch)``).  Re-joining them to the view of that engine
-    (:func:`_view_events`: sa-fence's listeners, then the engine's) routes this
-    connection alone through the hook: its ``engine`` stays the user's, the
-    listeners the user put on the engine or on this connection keep firing
-    (a connection keeps the listeners added to it in its joined dispatcher's
-    per-event entries, which are carried over), and nothing is registered
-    per transaction (re-joining takes 1 to 2 us; ``event.listen`` of the six
-    listeners on each connection took 70 to 110 us).  Where a connection's
-    events are not joined that way (one made with ``_has_events=False``, or a
-    SQLAlchemy that changed it), it gets listeners of its own instead.
-    """
-    engine = connection.engine
-    dispatch: Any = connection.dispatch
-    local = getattr(dispatch, "local", None)
-    if local is None or getattr(dispatch, "parent", None) is not engine.dispatch:
-        _listen(connection)
-        return
-    view_events = _view_events(engine)
-    routed: Any = local._join(view_events)
-    if "_has_events" in vars(connection):  # event.listen(connection, ...) sets it: carry over
-        _carry_over(dispatch, routed, view_events)
-    connection.dispatch = routed
-    connection._has_events = True  # the user's engine may have no listeners of its own
+#: Dialect attribute: sa-fence's handle_error listener is attached.
+_GUARD_ERRORS = "_sa_fence_maps_guard_errors"
 
 
-def _carry_over(dispatch: Any, routed: Any, view_events: Any) -> None:
-    """Copy the listener collections added on one connection into its routed dispatcher."""
-    slots = type(dispatch).__dict__
-    for name in getattr(type(dispatch), "__slots__", ()):
-        try:  # the slot as set (reading the attribute would create it)
-            joined = slots[name].__get__(dispatch)
-        except AttributeError:
-            continue
-        if isinstance(joined, _JoinedListener):  # it holds listeners added on this connection
-            own: Any = joined.local  # SQLAlchemy annotates the argument narrower than it stores
-            setattr(routed, name, _JoinedListener(view_events, name, own))
-
-
-def _listen_for_guard_errors(target: Engine | Connection) -> None:
+def _listen_for_guard_errors(dialect: Any) -> None:
     """Map the guard's SQLSTATEs to sa-fence errors on connections sa-fence fences.
 
     Since SQLAlchemy 2.0 ``handle_error`` is a Dialect event: it cannot be
-    attached to one Connection or to an engine view alone.  So it is attached,
-    once and lazily, to the dialect, and acts only on connections a fenced
-    session or :func:`fence_connection` is using; every other connection's
-    errors pass through untouched.
+    attached to one Connection.  So it is attached, once and lazily, to the
+    dialect, and acts only on connections a fenced session or
+    :func:`fence_connection` is using; every other connection's errors pass
+    through untouched.
     """
-    dialect = target.dialect
     if not event.contains(dialect, "handle_error", _map_guard_error):
         event.listen(dialect, "handle_error", _map_guard_error)
+    setattr(dialect, _GUARD_ERRORS, True)
 
 
 def _map_guard_error(context: Any) -> None:
     conn = context.connection
-    state = _active.get(conn) if conn is not None else None
+    state: SessionState | None = getattr(conn, _ACTIVE, None)
     if state is None:
         return
     _refuse_missing_fence_column(context)
@@ -453,19 +441,17 @@ def _scope_rights_error(orig: BaseException) -> FencingConfigError | None:
 
 # ------------------------------------------------- lease scope (at COMMIT)
 
-#: Connection -> the leases whose register rows its transaction's COMMIT must
-#: find unchanged, keyed by (name, token).  Filled while a bound session or a
-#: fenced connection uses it; emptied when its transaction commits or rolls
-#: back (so it outlives a session joined to an outer transaction).
-_scopes: weakref.WeakKeyDictionary[Connection, dict[tuple[str, int], Lease]] = (
-    weakref.WeakKeyDictionary()
-)
-
 
 def in_scope(conn: Connection, lease: Lease) -> bool:
     """Whether ``conn``'s transaction checks ``lease`` at COMMIT (is lease-scoped for it)."""
-    scope = _scopes.get(conn)
+    scope = vars(conn).get(_SCOPE)
     return scope is not None and (lease.name, lease.token) in scope
+
+
+def _pop_scope(conn: Connection) -> dict[tuple[str, int], Lease] | None:
+    """End ``conn``'s lease scope: the leases it held, or None."""
+    scope: dict[tuple[str, int], Lease] | None = vars(conn).pop(_SCOPE, None)
+    return scope
 
 
 #: Engine -> the (system identifier, database name) its connections reach.
@@ -512,7 +498,7 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
     The transaction is *armed* (:func:`_arm`): PostgreSQL itself then checks
     the register at COMMIT and PREPARE TRANSACTION, whatever sends them.
     """
-    scope = _scopes.get(conn)
+    scope = vars(conn).get(_SCOPE)
     if scope is not None and (lease.name, lease.token) in scope:
         if not _PSYCOPG_BEGIN_HOOK:
             _rearm_if_ended(conn, scope)
@@ -520,7 +506,8 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
     if not _same_database(conn, lease):
         return  # another database: outside lease scope (documented)
     if scope is None:
-        scope = _scopes[conn] = {}
+        scope = {}
+        vars(conn)[_SCOPE] = scope
     scope[(lease.name, lease.token)] = lease
     _arm(conn, lease)
 
@@ -621,7 +608,7 @@ def _arm(conn: Connection, lease: Lease) -> None:
         raise _read_only_error()
     table = _scope_table(conn, lease)
     row = f"({quote_literal(lease.name)}, {int(lease.token)})"
-    if _is_psycopg(driver):
+    if _PSYCOPG_BEGIN_HOOK and hasattr(driver, "_get_tx_start_command"):  # psycopg 3
         # every later BEGIN on this connection carries it, while in scope
         owner = driver.__dict__.get(_ARMS_OWNER)
         if owner is None or owner() is not conn:
@@ -631,8 +618,8 @@ def _arm(conn: Connection, lease: Lease) -> None:
         arms.setdefault(table, []).append(row)
         if _ARMED_START not in driver.__dict__:
             driver._start_query = types.MethodType(_start_query_armed, driver)
-        if _not_begun(driver):
-            return  # it travels in this transaction's BEGIN
+        if driver.info.transaction_status == TransactionStatus.IDLE:
+            return  # not begun: it travels in this transaction's BEGIN
     _run(conn, f"INSERT INTO {table} (name, token) VALUES {row}")
 
 
@@ -662,15 +649,6 @@ def _read_only_error() -> FencingConfigError:
         "read-write, or do read-only work in a session with no lease bound. Nothing "
         "was sent."
     )
-
-
-def _is_psycopg(driver: Any) -> bool:
-    return _PSYCOPG_BEGIN_HOOK and hasattr(driver, "_get_tx_start_command")
-
-
-def _not_begun(driver: Any) -> bool:
-    """Whether psycopg has not sent this transaction's BEGIN yet."""
-    return bool(driver.info.transaction_status == TransactionStatus.IDLE)
 
 
 def _disarm(conn: Connection) -> None:
@@ -713,17 +691,17 @@ def _start_query_armed(self: Any) -> Any:
     if arms:
         owner = self.__dict__.get(_ARMS_OWNER)
         conn = owner() if owner is not None else None
-        if conn is None or conn not in _scopes:  # its lease scope has ended
+        if conn is None or vars(conn).get(_SCOPE) is None:  # its lease scope has ended
             self.__dict__.pop(_ARMS, None)
             arms = None
     if not arms or self._autocommit:
         return (yield from type(self)._start_query(self))
+    if self.pgconn.transaction_status != TransactionStatus.IDLE:
+        return None  # in a transaction: armed when it began (or explicitly)
     inserts = [
         f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}".encode()
         for table, rows in arms.items()
     ]
-    if self.pgconn.transaction_status != TransactionStatus.IDLE:
-        return None  # in a transaction: armed when it began (or explicitly)
     if self.read_only:
         raise _read_only_error()
     begin = self._get_tx_start_command()
@@ -761,20 +739,23 @@ def _refuse_chain(sql: str) -> None:
 
 
 def _scope_on_begin(conn: Connection) -> None:
-    """A transaction begins on a connection fenced for a lease: scope it now.
+    """A transaction begins (or driver SQL, a DDL or a default runs) on a connection
+    fenced for a lease: scope it now.
 
-    Statements enter the scope too, but ``exec_driver_sql`` passes no statement
-    hook: without this, a transaction begun inside ``fence_connection()`` after
-    a commit, writing only driver SQL, would commit unchecked.
+    Without this, a transaction begun inside ``fence_connection()`` after a
+    commit, writing only driver SQL, would commit unchecked.
     """
-    state = _active.get(conn)
+    state: SessionState | None = getattr(conn, _ACTIVE, None)
     if state is not None and state.lease is not None:
         _enter_scope(conn, state.lease)
 
 
+_touch_scope = _scope_on_begin
+
+
 def _drop_scope(conn: Connection) -> None:
-    _scopes.pop(conn, None)
-    _disarm(conn)
+    if _pop_scope(conn) is not None:
+        _disarm(conn)  # (arms are only ever set in scope)
 
 
 def _check_scope_and_commit(conn: Connection) -> None:
@@ -789,17 +770,22 @@ def _check_scope_and_commit(conn: Connection) -> None:
     exception) invalidates the connection before SQLAlchemy can return it to
     its pool (docs/guarantees.md, "An interrupted commit never reaches the pool broken").
     """
-    scope = _scopes.pop(conn, None)
-    _disarm(conn)
-    if not scope:
+    scope: dict[tuple[str, int], Lease] | None = vars(conn).pop(_SCOPE, None)
+    if scope is None:
         return
-    dbapi_conn = conn.connection.dbapi_connection
+    if not scope:
+        _disarm(conn)
+        return
+    fairy = conn.connection
+    driver: Any = fairy.driver_connection
+    if driver is not None:
+        driver.__dict__.pop(_ARMS, None)  # later BEGINs carry no arm
+    dbapi_conn = fairy.dbapi_connection
     assert dbapi_conn is not None
     dialect = conn.dialect
     with _telemetry.CommitCheck(scope):  # latency, span; a stale refusal is counted
-        cursor = dbapi_conn.cursor()
         try:
-            cursor.execute(COMMIT_SQL)
+            _send_commit(dbapi_conn)
         except dialect.loaded_dbapi.Error as exc:
             # End the transaction as a failed COMMIT would have; SQLAlchemy
             # will not roll back a transaction whose commit failed before
@@ -815,224 +801,40 @@ def _check_scope_and_commit(conn: Connection) -> None:
             if stale is not None:
                 raise stale from None
             raise DBAPIError.instance(
-                COMMIT_SQL, None, exc, dialect.loaded_dbapi.Error, dialect=dialect
+                "COMMIT", None, exc, dialect.loaded_dbapi.Error, dialect=dialect
             ) from exc
         except BaseException:
             _invalidate(conn)
             raise
-        finally:
-            with contextlib.suppress(Exception):
-                cursor.close()
 
 
-#: What _check_scope_and_commit sends (a test seam: the interruption tests
-#: make it wait in the server).
-COMMIT_SQL = "COMMIT"
+def _send_commit(dbapi_conn: Any) -> None:
+    """Send the COMMIT (a test seam: the interruption tests make it wait in the server).
 
-
-def _view_events(engine: Engine) -> Any:
-    """The events of the private fenced view of ``engine`` (made once per engine).
-
-    The view is ``engine.execution_options()``: an engine whose listeners are
-    joined to ``engine``'s, with sa-fence's statement and commit listeners
-    added.  No session is bound to it and no connection is made from it:
-    fenced connections of ``engine`` take its events (its dispatcher), which
-    are all that is kept (:func:`_route_through_view`).
+    The driver's own ``commit()``: through a cursor it took 30 Python calls more.
     """
-    events = _views.get(engine)
-    if events is None:
-        view = engine.execution_options()
-        _listen(view)
-        events = _views[engine] = view.dispatch
-    return events
-
-
-@dataclass(slots=True)
-class _Fenced:
-    """A fenced table's DML statement as sa-fence sends it (built once, cached)."""
-
-    statement: Any
-    #: primary key columns and the bind names that target them (None: not by key)
-    pk_cols: list[Column[Any]] | None
-    pk_names: list[str] | None
-    #: an upsert whose row count is checked: the rows one execution proposes
-    #: (VALUES rows); None: not such an upsert (see :func:`_fence_upsert`)
-    upsert_rows: int | None = None
-
-
-def _rewrite(elem: Any, fence_col: Column[Any]) -> _Fenced:
-    fenced = _rewritten.get(elem)
-    if fenced is not None:
-        return fenced
-    _refuse_caller_fence(elem, fence_col)
-    stmt = elem
-    if not isinstance(elem, Insert):
-        stmt = stmt.where(fence_predicate(fence_col, _TOKEN))
-    if not isinstance(elem, Delete):
-        stmt = _with_value(stmt, fence_col, _TOKEN_WRITTEN)
-    upsert_rows = None
-    if isinstance(elem, Insert):
-        stmt, upsert_rows = _fence_upsert(stmt, fence_col)
-    pk_cols, pk_names = (None, None) if isinstance(elem, Insert) else _key_binds(elem)
-    fenced = _Fenced(stmt, pk_cols, pk_names, upsert_rows)
-    with contextlib.suppress(TypeError):  # not weak-referenceable: not cached
-        _rewritten[elem] = fenced
-    return fenced
-
-
-def _with_value(stmt: Any, column: Column[Any], value: Any) -> Any:
-    """``stmt`` also setting ``column = value``: ``ordered_values()``, multi-row VALUES and
-    ``INSERT ... SELECT`` included.
-
-    ``values()`` refuses a statement with ordered values, so such a statement
-    is cloned and the pair appended (SQLAlchemy's own attribute: 2.1 keeps the
-    order flag beside ``_values``, 2.0 keeps ``_ordered_values``).
-    """
-    if getattr(stmt, "_ordered_values", None):  # SQLAlchemy 2.0
-        clone = stmt._generate()
-        clone._ordered_values = [*stmt._ordered_values, (column, value)]
-        return clone
-    if getattr(stmt, "_maintain_values_ordering", False):  # SQLAlchemy 2.1
-        clone = stmt._generate()
-        clone._values = stmt._values.union({column: value})
-        return clone
-    if isinstance(stmt, Insert) and stmt.select is not None:
-        # INSERT ... SELECT: values() is refused; the SELECT gets the column instead
-        # (wrapped, so a UNION or a DISTINCT works as written)
-        clone = stmt._generate()
-        source = stmt.select.subquery()
-        clone._select_names = [*(stmt._select_names or ()), column.key]
-        clone.select = select(*source.c, value)
-        return clone
-    multi = getattr(stmt, "_multi_values", ())
-    if multi:  # INSERT ... VALUES (...), (...): values() would refuse to mix the forms
-        clone = stmt._generate()
-        clone._multi_values = tuple(
-            [_row_with(row, stmt.table, column, value) for row in rows] for rows in multi
-        )
-        return clone
-    return stmt.values({column: value})
-
-
-def _row_with(row: Any, table: Any, column: Column[Any], value: Any) -> dict[Any, Any]:
-    """One row of a multi-row VALUES (a mapping, or a tuple in column order) plus ``column``."""
-    if isinstance(row, dict):
-        return {**row, column.key: value}
-    return {**dict(zip(table.columns, row, strict=False)), column: value}
-
-
-def _upsert_clause(elem: Any) -> OnConflictDoUpdate | None:
-    """The ``ON CONFLICT ... DO UPDATE`` clause of a PostgreSQL INSERT, else None."""
-    clause = getattr(elem, "_post_values_clause", None)
-    return clause if isinstance(clause, OnConflictDoUpdate) else None
-
-
-def _fence_upsert(stmt: Any, fence_col: Column[Any]) -> tuple[Any, int | None]:
-    """Fence an ``INSERT ... ON CONFLICT DO UPDATE``: the DO UPDATE compares and writes.
-
-    The INSERT part already writes ``fence = :token`` (the caller did that);
-    here the DO UPDATE's SET gets ``fence = :token`` too and its WHERE
-    ``coalesce(fence, 0) <= :token`` (ANDed with the caller's own ``where=``),
-    so a proposed row that conflicts with a row a newer holder wrote updates
-    nothing.  The comparison presents the token to a guard trigger as the
-    flush's does, before the trigger runs on the UPDATE.
-
-    Returns the statement and the number of rows one execution proposes
-    when its row count tells a stale upsert apart: every proposed row either
-    inserts or updates, so fewer rows than proposed means the fence skipped
-    some.  None (no count check) for ``INSERT ... SELECT`` (the number of
-    rows is unknown) and for a DO UPDATE with a ``where=`` of its own, which
-    may skip rows on purpose: such an upsert skips rows with a newer fence
-    silently, as a criteria-based UPDATE does (docs/statements.md).
-
-    No public API edits an existing statement's ON CONFLICT clause, so the
-    clause is cloned and its two attributes replaced (SQLAlchemy's
-    PostgreSQL ``Insert`` internals, the same in 2.0 and 2.1).
-    """
-    clause = _upsert_clause(stmt)
-    if clause is None:
-        return stmt, None
-    fenced: Any = clause._clone()
-    values: Any = clause.update_values_to_set
-    if isinstance(values, dict):  # SQLAlchemy 2.1
-        fenced.update_values_to_set = {**values, fence_col.key: _TOKEN_WRITTEN}
-    else:  # SQLAlchemy 2.0: a list of pairs
-        fenced.update_values_to_set = [*values, (fence_col.key, _TOKEN_WRITTEN)]
-    own_where = clause.update_whereclause
-    predicate = fence_predicate(fence_col, _TOKEN)
-    fenced.update_whereclause = predicate if own_where is None else and_(own_where, predicate)
-    out = stmt._generate()
-    out._post_values_clause = fenced
-    rows: int | None
-    if own_where is not None or getattr(stmt, "select", None) is not None:
-        rows = None
-    else:
-        multi = getattr(stmt, "_multi_values", ()) or ()
-        rows = len(multi[0]) if multi else 1
-    return out, rows
-
-
-def _keys(mapping_keys: Any) -> set[str]:
-    return {k if isinstance(k, str) else str(getattr(k, "key", "")) for k in mapping_keys}
-
-
-def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
-    """A statement that writes the fence column itself is refused before it is sent.
-
-    Values in *parameters* are dropped instead (see _before_execute): ORM
-    bulk mappings and copied row dicts carry the fence as data.
-    """
-    names = {fence_col.key, fence_col.name}
-    given: set[str] = set()
-    if getattr(elem, "_values", None):
-        given |= _keys(elem._values)
-    if getattr(elem, "_ordered_values", None):
-        given |= _keys(k for k, _ in elem._ordered_values)
-    if isinstance(elem, Insert) and elem.select is not None:
-        given |= _keys(elem._select_names)
-    for rows in getattr(elem, "_multi_values", ()) or ():
-        for row in rows:
-            if isinstance(row, dict):
-                given |= _keys(row)
-    upsert = _upsert_clause(elem)
-    if upsert is not None and _keys(dict(upsert.update_values_to_set)) & names:
-        raise FencingConfigError(
-            f"this upsert's on_conflict_do_update(set_=...) sets "
-            f"{fence_col.table.name}.{fence_col.name} itself; the fence is written by sa-fence "
-            "from the bound lease's token (on the INSERT and in the DO UPDATE) and no value a "
-            "caller gives is taken (a low one would re-open the row to stale holders, a high "
-            f"one would lock every later holder out). Drop {fence_col.name!r} from set_. "
-            "Nothing was sent."
-        )
-    if given & names:
-        raise FencingConfigError(
-            f"this statement sets {fence_col.table.name}.{fence_col.name} itself; the fence is "
-            "written by sa-fence from the bound lease's token and no value a caller gives is "
-            f"taken (a low one would re-open the row to stale holders, a high one would lock "
-            f"every later holder out). Drop {fence_col.name!r} from values() (or from_select() "
-            "names). Nothing was sent."
-        )
+    dbapi_conn.commit()
 
 
 def _before_execute(
-    conn: Connection,
-    elem: Any,
-    multiparams: Sequence[dict[str, Any]],
-    params: dict[str, Any],
-    execution_options: Any,
-) -> tuple[Any, Sequence[dict[str, Any]], dict[str, Any]]:
-    state = _active.get(conn)
-    if state is None:
-        return elem, multiparams, params
+    conn: Connection, state: SessionState, elem: Any, params: Sequence[Mapping[str, Any]]
+) -> tuple[Any, Sequence[Mapping[str, Any]], _Pending | None]:
+    """A statement on a fenced connection, before it is sent: what to send instead.
+
+    Returns the statement, its parameter sets and, for a statement whose row
+    count tells a stale write apart, what :func:`_after_execute` checks.
+    """
     lease = state.lease
     if lease is not None:
-        _enter_scope(conn, lease)
+        scope = getattr(conn, _SCOPE, None)
+        if scope is None or (lease.name, lease.token) not in scope or not _PSYCOPG_BEGIN_HOOK:
+            _enter_scope(conn, lease)
     if not isinstance(elem, Update | Delete | Insert):
         if isinstance(elem, TextClause):
             if lease is not None:
                 _refuse_chain(elem.text)
             state.present_for_raw_sql(conn)
-        return elem, multiparams, params
+        return elem, params, None
     if lease is not None:
         _telemetry.wrote(lease)  # the first write under the lease is timed
     fence_col = fence_column_of(elem.table)
@@ -1042,52 +844,53 @@ def _before_execute(
                 state.require_lease()  # an association row of a fenced entity
             except FenceError as exc:
                 raise state.fail(exc) from None
-        return elem, multiparams, params
+        return elem, params, None
     try:
         lease = state.require_lease()
-        fenced = _rewrite(elem, fence_col)
+        fenced = rewrite(elem, fence_col)
     except FenceError as exc:
         raise state.fail(exc) from None
     key = fence_col.key
     if lease is None:  # sa_fence.unfenced(): no comparison, and no caller's fence either
-        if multiparams and key in multiparams[0]:
-            multiparams = [_without(p, key) for p in multiparams]
-        elif params and key in params:
-            params = _without(params, key)
-        return elem, multiparams, params
+        if params and key in params[0]:
+            params = [_without(p, key) for p in params]
+        return elem, params, None
     token = lease.token
     # A fence in the parameters (bulk mappings, copied row dicts, the joined-
     # inheritance bump) is never taken: the statement sets fence = :token.
-    if multiparams:
-        multiparams = [{**_without(p, key), TOKEN_BIND: token} for p in multiparams]
-    else:
-        params = {**_without(params, key), TOKEN_BIND: token}
+    params = [{**(_without(p, key) if key in p else p), TOKEN_BIND: token} for p in params] or [
+        {TOKEN_BIND: token}
+    ]
+    pending = None
     if fenced.pk_names is not None and fenced.pk_cols is not None:
-        param_sets: Sequence[dict[str, Any]] = multiparams or ([params] if params else [])
-        if param_sets and all(n in param_sets[0] for n in fenced.pk_names):
-            state.pending = _Pending(
-                statement=fenced.statement,
-                table=fence_col.table,
-                token=token,
-                pk_cols=fenced.pk_cols,
-                pk_names=fenced.pk_names,
-                param_sets=param_sets,
-                lease_name=lease.name,
+        first = params[0]
+        for name in fenced.pk_names:
+            if name not in first:
+                break
+        else:
+            pending = _Pending(
+                fenced.statement,
+                fence_col.table,
+                token,
+                fenced.pk_cols,
+                fenced.pk_names,
+                params,
+                lease.name,
             )
     elif fenced.upsert_rows is not None:
         # each proposed row inserts or updates: fewer than proposed were skipped as stale
-        sets = max(len(multiparams), 1)
-        state.pending = _Pending(
-            statement=fenced.statement,
-            table=fence_col.table,
-            token=token,
-            pk_cols=list(fence_col.table.primary_key.columns),
-            pk_names=[],
-            param_sets=multiparams or [params],
-            lease_name=lease.name,
-            expected=fenced.upsert_rows * sets,
+        pending = state.pending = _Pending(
+            fenced.statement,
+            fence_col.table,
+            token,
+            list(fence_col.table.primary_key.columns),
+            [],
+            params,
+            lease.name,
+            expected=fenced.upsert_rows * len(params),
         )
-    elif len(multiparams) > 1 and not isinstance(elem, Insert):
+        _count_upserts_on(conn)
+    elif len(params) > 1 and not isinstance(elem, Insert):
         raise state.fail(
             FencingConfigError(
                 f"an executemany {'UPDATE' if isinstance(elem, Update) else 'DELETE'} of fenced "
@@ -1097,84 +900,44 @@ def _before_execute(
                 "per parameter set. Nothing was sent."
             )
         )
-    return fenced.statement, multiparams, params
+    return fenced.statement, params, pending
 
 
-def _without(params: dict[str, Any], key: str) -> dict[str, Any]:
+def _without(params: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     if key not in params:
         return params
     return {k: v for k, v in params.items() if k != key}
 
 
-def _key_binds(elem: Update | Delete) -> tuple[list[Column[Any]] | None, list[str] | None]:
-    """The primary key columns and the names of the binds the WHERE clause targets them by.
-
-    Found in the statement itself, so the ORM flush (``jobs.id = :jobs_id``),
-    ORM bulk by primary key and Core statements with any bind names all get
-    their row counts checked.  ``(None, None)`` when the WHERE clause does not
-    pin every primary key column to a bind parameter with ``=``.
-    """
-    table: Any = elem.table._deannotate()  # the ORM's statements carry an AnnotatedTable
-    pk_cols: list[Column[Any]] = list(table.primary_key.columns)
-    by_column: dict[Any, str] = {}
-    for criterion in getattr(elem, "_where_criteria", ()):
-        for clause in _conjuncts(criterion):
-            pair = _column_eq_bind(clause, table)
-            if pair is not None:
-                by_column.setdefault(pair[0], pair[1])
-    if not pk_cols or any(c not in by_column for c in pk_cols):
-        return None, None
-    return pk_cols, [by_column[c] for c in pk_cols]
-
-
-def _conjuncts(clause: Any) -> Iterator[Any]:
-    if isinstance(clause, BooleanClauseList) and clause.operator is operators.and_:
-        for sub in clause.clauses:
-            yield from _conjuncts(sub)
-    else:
-        yield clause
-
-
-def _column_eq_bind(clause: Any, table: Any) -> tuple[Any, str] | None:
-    if not isinstance(clause, BinaryExpression) or clause.operator is not operators.eq:
-        return None
-    for col, other in ((clause.left, clause.right), (clause.right, clause.left)):
-        if (
-            isinstance(col, Column)
-            and col.table is table
-            and isinstance(other, BindParameter)
-            and other.callable is None
-            and other.value is None
-        ):
-            return col, str(other.key)
-    return None
-
-
-def _after_execute(
-    conn: Connection,
-    elem: Any,
-    multiparams: Any,
-    params: Any,
-    execution_options: Any,
-    result: Any,
-) -> None:
-    state = _active.get(conn)
-    if state is None:
-        return
-    pending = state.pending
-    if pending is None or pending.statement is not elem:
-        return
-    state.pending = None
+def _after_execute(conn: Connection, state: SessionState, pending: _Pending, result: Any) -> None:
+    """A fenced statement targeted by primary key (or an upsert) ran: were rows skipped?"""
     if pending.expected is None:
         if result.rowcount == len(pending.param_sets):
             return
-        error = _stale_error(conn, pending, elem)
+        error = _stale_error(conn, pending, pending.statement)
     else:
+        state.pending = None
         if pending.counted == pending.expected:
             return
         error = _stale_upsert_error(conn, pending)
     _telemetry.stale_refused(state.lease, _telemetry.ROW_FENCE, error)
     raise state.fail(error)
+
+
+#: Connection attribute: its ``after_cursor_execute`` listener counts upserted rows.
+_COUNTS_UPSERTS = "_sa_fence_counts_upserts"
+
+
+def _count_upserts_on(conn: Connection) -> None:
+    """Listen for ``conn``'s cursor executions, from its first fenced upsert on.
+
+    Only an upsert's row count needs the cursor's own (see
+    :func:`_count_upserted_rows`), so only a connection that sends one pays
+    for SQLAlchemy's event dispatch.
+    """
+    if not getattr(conn, _COUNTS_UPSERTS, False):
+        event.listen(conn, "after_cursor_execute", _count_upserted_rows)
+        setattr(conn, _COUNTS_UPSERTS, True)
 
 
 def _count_upserted_rows(
@@ -1187,12 +950,13 @@ def _count_upserted_rows(
 ) -> None:
     """Add up the rows a fenced upsert's cursor executions report.
 
-    SQLAlchemy closes an INSERT's cursor before ``after_execute`` runs, so
+    SQLAlchemy closes an INSERT's cursor before its result is returned, so
     ``result.rowcount`` is -1 there unless the caller asked for
-    ``preserve_rowcount``; the cursor's own count is read here instead, once
-    per execution (an "insertmanyvalues" executemany runs several).
+    ``preserve_rowcount`` (which, for an "insertmanyvalues" executemany,
+    counts the rows sent, not those written); the cursor's own count is read
+    here instead, once per execution (such an executemany runs several).
     """
-    state = _active.get(conn)
+    state: SessionState | None = getattr(conn, _ACTIVE, None)
     if state is None:
         return
     pending = state.pending
@@ -1356,8 +1120,9 @@ def _refuse_assigned_fences(session: Session) -> None:
 
 
 def _before_flush(session: Session, flush_context: UOWTransaction, instances: Any) -> None:
-    state = state_for(session)
-    state.check_not_poisoned("flush")
+    state = session.info.get(_STATE_KEY) or state_for(session)
+    if state.poisoned is not None:
+        state.check_not_poisoned("flush")
     if state.lease is not None:
         # The hot path: the statement hook fences.  Refuse a fence assigned by
         # hand, and ask the lease whether it may still write (released, lost,
@@ -1407,7 +1172,7 @@ def _bump_base_fences(session: Session, state: SessionState, bump_keys: dict[typ
 
 
 def _after_flush_postexec(session: Session, flush_context: UOWTransaction) -> None:
-    state = _state(session)
+    state: SessionState | None = session.info.get(_STATE_KEY)
     if state is not None and state.flush_span is not None:
         span, state.flush_span = state.flush_span, None
         _telemetry.flush_ended(span)
@@ -1465,10 +1230,12 @@ def _refuse_from_statement(table: Any) -> None:
 
 
 def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
-    state = state_for(session)
+    state = session.info.get(_STATE_KEY) or state_for(session)
     _refuse_confusable(connection, state, state.lease)
-    sharing = _sharing.setdefault(connection, [])
-    if state not in sharing:
+    sharing: list[SessionState] | None = vars(connection).get(_SHARING)
+    if sharing is None:
+        vars(connection)[_SHARING] = [state]
+    elif state not in sharing:
         sharing.append(state)
     _attach(connection, state)
     state.connections.append(connection)
@@ -1476,12 +1243,6 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
         check_dialect(connection.dialect)
         _refuse_unscoped(session, connection)
         _enter_scope(connection, state.lease)
-
-
-#: Connection -> the installed sessions whose transactions run on it, in the
-#: order they began (``Session(bind=other.connection())`` puts two on one).
-#: The newest is the one in ``_active``; when it ends, the one before takes over.
-_sharing: weakref.WeakKeyDictionary[Connection, list[SessionState]] = weakref.WeakKeyDictionary()
 
 
 def _lease_id(lease: Lease | None) -> tuple[str, int] | None:
@@ -1498,8 +1259,12 @@ def _refuse_confusable(connection: Connection, state: SessionState, lease: Lease
     unbound one's statements carry the other's token, or refuse the bound
     one's as unfenced.
     """
-    others = [s for s in _sharing.get(connection, ()) if s is not state]
-    active = _active.get(connection)  # a fence_connection() block is not in _sharing
+    sharing: list[SessionState] | None = vars(connection).get(_SHARING)
+    active: SessionState | None = vars(connection).get(_ACTIVE)
+    if not sharing and (active is None or active is state):
+        return  # the hot path: a connection of this session's alone
+    others = [s for s in sharing or () if s is not state]
+    # a fence_connection() block is active without being among the sharing sessions
     if active is not None and active is not state and active not in others:
         others.append(active)
     mine = _lease_id(lease)
@@ -1528,30 +1293,28 @@ def _after_soft_rollback(session: Session, previous_transaction: SessionTransact
 
 
 def _before_commit(session: Session) -> None:
-    state = _state(session)
-    if state is not None:
+    state: SessionState | None = session.info.get(_STATE_KEY)
+    if state is not None and state.poisoned is not None:
         state.check_not_poisoned("commit")
 
 
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
     if transaction.parent is None:
-        state = _state(session)
+        state: SessionState | None = session.info.get(_STATE_KEY)
         if state is not None:
             state.poisoned = None
             state.pending = None
             state.presented_in = None
             state.bumped.clear()
             for conn in state.connections:
-                sharing = _sharing.get(conn, [])
+                sharing = vars(conn).get(_SHARING) or []
                 if state in sharing:
                     sharing.remove(state)
                 if not sharing:
-                    _sharing.pop(conn, None)
-                if _active.get(conn) is state:
-                    if sharing:  # another session's transaction still runs on it
-                        _active[conn] = sharing[-1]
-                    else:
-                        del _active[conn]
+                    vars(conn).pop(_SHARING, None)
+                if vars(conn).get(_ACTIVE) is state:
+                    # another session's transaction may still run on it
+                    vars(conn)[_ACTIVE] = sharing[-1] if sharing else None
             state.connections.clear()
 
 
@@ -1748,7 +1511,7 @@ def _check_bind(bind: object) -> None:
     """Refuse, at install time, an Engine or AsyncEngine bind sa-fence cannot fence through.
 
     The bind itself is left as it is: the session's engine stays the user's
-    (the hook is routed per connection, see :func:`_route_through_view`).
+    (the hook is routed per connection, see :func:`_hook_connection`).
     Other binds (none, a Connection, ``binds=`` maps) are checked per
     connection once a lease fences it.
     """
@@ -1767,16 +1530,23 @@ def is_installed(session: Session) -> bool:
     return bool(vars(session).get(_INSTALLED) or getattr(type(session), _INSTALLED, False))
 
 
-def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
-    if _scoped_factory(session) is not None:  # a scoped_session: its current session
-        session = session()  # type: ignore[operator]
-    sync_session = _async_target(session)
+def _session_of(target: Any) -> Session:
+    """The Session that ``bind()`` fences for a scoped session or an AsyncSession."""
+    if _scoped_factory(target) is not None:  # a scoped_session: its current session
+        target = target()
+    sync_session = _async_target(target)
     if isinstance(sync_session, Session):  # an AsyncSession: fenced through its sync session
-        session = sync_session
-    if not isinstance(session, Session):
+        target = sync_session
+    if not isinstance(target, Session):
         raise TypeError(
-            f"bind() takes a sqlalchemy Session or AsyncSession, got {type(session).__name__}"
+            f"bind() takes a sqlalchemy Session or AsyncSession, got {type(target).__name__}"
         )
+    return target
+
+
+def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
+    if not isinstance(session, Session):
+        session = _session_of(session)
     if not is_installed(session):
         raise FencingConfigError(
             "this session does not have the sa-fence flush hook, so binding a lease would "
@@ -1860,7 +1630,7 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
         )
     check_dialect(conn.dialect)
     _refuse_autocommit(conn)
-    previous = _active.get(conn)
+    previous: SessionState | None = vars(conn).get(_ACTIVE)
     state = SessionState()
     _refuse_confusable(conn, state, lease)  # a session on it with another lease, or none
     state.lease = lease
@@ -1871,10 +1641,7 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
         state.present_for_raw_sql(conn)
         yield conn
     finally:
-        if previous is None:
-            _active.pop(conn, None)
-        else:
-            _active[conn] = previous
+        vars(conn)[_ACTIVE] = previous
 
 
 @contextmanager

@@ -30,6 +30,15 @@ class SoftTimeLimit(Exception):
     """What Celery's soft time limit raises from its signal handler."""
 
 
+def slow_commit(dbapi_conn: Any) -> None:
+    """A COMMIT that waits in the server first."""
+    cursor = dbapi_conn.cursor()
+    try:
+        cursor.execute("SELECT pg_sleep(3); COMMIT")
+    finally:
+        cursor.close()
+
+
 def main(url: str, prefix: str, kind: str, invalidate: bool) -> None:
     raise_: type[BaseException] = (
         KeyboardInterrupt if kind == "KeyboardInterrupt" else SoftTimeLimit
@@ -38,7 +47,8 @@ def main(url: str, prefix: str, kind: str, invalidate: bool) -> None:
     fencer = sa_fence.Fencer(redis.Redis.from_url(REDIS_URL), engine, key_prefix=prefix)
     if not invalidate:
         _flush._invalidate = lambda conn: None  # type: ignore[assignment]
-    _flush.COMMIT_SQL = "SELECT pg_sleep(3); COMMIT"  # the test seam: a slow COMMIT
+    send_commit = _flush._send_commit
+    _flush._send_commit = slow_commit  # type: ignore[assignment]  # the test seam
 
     def handler(signum: int, frame: Any) -> None:
         raise raise_("interrupted")
@@ -57,7 +67,7 @@ def main(url: str, prefix: str, kind: str, invalidate: bool) -> None:
         pass
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-    _flush.COMMIT_SQL = "COMMIT"
+    _flush._send_commit = send_commit  # type: ignore[assignment]
     with contextlib.suppress(Exception):
         session.close()
     lease.release()

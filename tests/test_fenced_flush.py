@@ -14,7 +14,7 @@ from sqlalchemy import delete, update
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _flush
+from sa_fence import _flush, _rewrite
 from tests._sql import recorded_statements, seed
 from tests.models import Audit, Cell, Job
 
@@ -74,8 +74,8 @@ def test_without_the_token_comparison_the_stale_write_overwrites_b(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The pair of the test above: remove the guard and the lost-lease double write comes back."""
-    monkeypatch.setattr(_flush, "fence_predicate", lambda col, token: sa.true())
-    monkeypatch.setattr(_flush, "_rewritten", weakref.WeakKeyDictionary())  # built anew
+    monkeypatch.setattr(_rewrite, "fence_predicate", lambda col, token: sa.true())
+    monkeypatch.setattr(_rewrite, "_rewritten", weakref.WeakKeyDictionary())  # built anew
     monkeypatch.setattr(_flush, "_enter_scope", lambda conn, lease: None)  # no lease scope
     a, _b, session_a = run_seed_scenario(fencer, make_session)
     session_a.commit()  # goes through: this is the bug sa-fence exists to stop
@@ -578,3 +578,36 @@ def test_core_dml_on_a_sessions_connection_without_a_lease_is_refused_before_it_
         session.rollback()
     assert not [s for s in statements if s.startswith("UPDATE")]
     assert row(engine, 1)[0] == "initial"  # type: ignore[index]
+
+
+def test_a_class_mapped_after_the_orm_index_was_built_is_in_it() -> None:
+    """The index is rebuilt after a class is mapped, not looked over on every flush."""
+    from sqlalchemy.orm import DeclarativeBase, relationship
+
+    from sa_fence import _model
+
+    _model.orm_index()  # built before the classes below exist
+
+    class LateBase(DeclarativeBase):
+        pass
+
+    links = sa.Table(
+        "late_links",
+        LateBase.metadata,
+        sa.Column("owner_id", sa.ForeignKey("late_owners.id"), primary_key=True),
+        sa.Column("tag_id", sa.ForeignKey("late_tags.id"), primary_key=True),
+    )
+
+    class LateTag(LateBase):
+        __tablename__ = "late_tags"
+        id = sa.Column(sa.Integer, primary_key=True)
+
+    class LateOwner(sa_fence.Fenced, LateBase):
+        __tablename__ = "late_owners"
+        id = sa.Column(sa.Integer, primary_key=True)
+        tags = relationship(LateTag, secondary=links)
+
+    try:
+        assert links in _model.orm_index().association_tables
+    finally:
+        LateBase.registry.dispose()

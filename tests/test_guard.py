@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _flush, _guard, _tokens
+from sa_fence import _guard, _rewrite, _tokens
 from sa_fence.tools.demo_models import DemoJob, DemoStep
 from sa_fence.tools.schema import upgrade_demo_schema
 from tests._fresh_db import fresh_database
@@ -466,8 +466,8 @@ def test_without_the_token_in_the_statement_the_guard_refuses_the_orm_delete(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The pair of the test above: a bare ``fence <= :token`` presents nothing to the guard."""
-    monkeypatch.setattr(_flush, "fence_predicate", lambda col, token: col <= token)
-    monkeypatch.setattr(_flush, "_rewritten", weakref.WeakKeyDictionary())  # built anew
+    monkeypatch.setattr(_rewrite, "fence_predicate", lambda col, token: col <= token)
+    monkeypatch.setattr(_rewrite, "_rewritten", weakref.WeakKeyDictionary())  # built anew
     with fencer.lease("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         session.add(DemoStep(job_id=1, step=0, output="new"))

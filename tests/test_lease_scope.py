@@ -44,7 +44,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.exc import ObjectDeletedError
 
 import sa_fence
-from sa_fence import _flush
+from sa_fence import _flush, _rewrite
 from sa_fence.testing import expire
 from tests import _scope_fixtures
 from tests._fresh_db import fresh_database
@@ -1172,8 +1172,8 @@ def test_without_lease_scope_and_the_row_fence_the_state_machine_finds_a_stale_c
 ) -> None:
     """The pair of the test above: remove both guards and the violation is found."""
     monkeypatch.setattr(_flush, "_enter_scope", lambda conn, lease: None)
-    monkeypatch.setattr(_flush, "fence_predicate", lambda col, token: sa.true())
-    monkeypatch.setattr(_flush, "_rewritten", weakref.WeakKeyDictionary())  # built anew
+    monkeypatch.setattr(_rewrite, "fence_predicate", lambda col, token: sa.true())
+    monkeypatch.setattr(_rewrite, "_rewritten", weakref.WeakKeyDictionary())  # built anew
     with pytest.raises(AssertionError, match="a stale holder's transaction committed"):
         run_state_machine_as_test(machine, settings=BROKEN_MACHINE_SETTINGS)
 

@@ -35,6 +35,7 @@ import sa_fence
 from sa_fence import _flush, _register
 from sa_fence.testing import expire
 from tests import _scope_fixtures
+from tests._interrupt_commit import slow_commit
 from tests._pg_cluster import private_cluster
 from tests.models_scope import Outbox, create_scope_schema
 
@@ -589,7 +590,8 @@ async def test_async_a_cancelled_commit_never_hands_the_pool_a_broken_connection
     make = sa_fence.install(async_sessionmaker(aengine, expire_on_commit=False))
     try:
         a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 30)
-        monkeypatch.setattr(_flush, "COMMIT_SQL", "SELECT pg_sleep(3); COMMIT")
+        send_commit = _flush._send_commit
+        monkeypatch.setattr(_flush, "_send_commit", slow_commit)
         session = make()
         a.bind(session)
         session.add(Outbox(id=1, message="cancelled"))
@@ -599,7 +601,7 @@ async def test_async_a_cancelled_commit_never_hands_the_pool_a_broken_connection
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        monkeypatch.setattr(_flush, "COMMIT_SQL", "COMMIT")
+        monkeypatch.setattr(_flush, "_send_commit", send_commit)
         with contextlib.suppress(Exception):
             await session.close()
         async with AsyncSession(aengine) as other:

@@ -98,7 +98,7 @@ def test_without_routing_the_connection_through_the_hook_the_stale_write_commits
     off too: what is left is what the routing alone prevents.
     """
     seed(fencer, make_session, Job(id=1, result="initial"))
-    monkeypatch.setattr(_flush, "_route_through_view", lambda connection: None)
+    monkeypatch.setattr(_flush, "_hook_connection", lambda connection: None)
     monkeypatch.setattr(_flush, "_arm", lambda conn, lease: None)
     _newer, session = stale_write(fencer, make_session, engine)
     session.commit()  # nothing compared the token, nothing checked the register
@@ -123,13 +123,43 @@ def test_binds_maps_to_the_users_engine_work_and_are_fenced(
     assert row(engine, 1) == ("newer", newer.token)
 
 
+class AuditedConnection(sa.Connection):
+    """A Connection subclass of the user's (``Engine._connection_cls``)."""
+
+    def audited(self) -> str:
+        return "audited"
+
+
+def test_a_connection_subclass_of_the_users_is_fenced_and_keeps_its_class(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    own = sa.create_engine(engine.url, poolclass=sa.pool.NullPool)
+    own._connection_cls = AuditedConnection  # type: ignore[misc]
+    try:
+        maker = sa_fence.install(sessionmaker(own))
+        newer, session = stale_write(fencer, maker, own)
+        conn = session.connection()
+        assert _flush.is_hooked(conn)
+        assert isinstance(conn, AuditedConnection)
+        assert conn.audited() == "audited"
+        with pytest.raises(sa_fence.StaleTokenError):
+            session.commit()
+        session.close()
+        assert row(engine, 1) == ("newer", newer.token)
+        with own.connect() as plain:  # its class itself is left alone
+            assert type(plain) is AuditedConnection
+    finally:
+        own.dispose()
+
+
 def test_the_user_engines_connections_of_other_sessions_are_not_routed(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
     with make_session() as fenced, Session(engine) as plain:
         fenced_conn, plain_conn = fenced.connection(), plain.connection()
-        assert fenced_conn in _flush._hooked
-        assert plain_conn not in _flush._hooked
+        assert _flush.is_hooked(fenced_conn)
+        assert not _flush.is_hooked(plain_conn)
         assert not sa.event.contains(engine, "commit", _flush._check_scope_and_commit)
         plain.add(Job(id=5, result="a plain session is not fenced"))
         plain.commit()  # the documented limit: no hook, written as is
@@ -159,7 +189,7 @@ def test_a_listener_added_to_the_engine_after_the_session_began_fires_too(
         seen.append(type(clauseelement).__name__)
 
     with fencer.lease("job:6", 5) as lease, lease.bind(make_session()) as session:
-        assert session.connection() in _flush._hooked
+        assert _flush.is_hooked(session.connection())
         sa.event.listen(engine, "before_execute", before_execute)
         try:
             session.add(Job(id=6, result="seen"))
@@ -408,7 +438,7 @@ def test_an_engine_made_per_request_is_collected_after_its_fenced_sessions(
     for _ in range(3):
         per_request = engine.execution_options(isolation_level="REPEATABLE READ")
         with sa_fence.install(Session(bind=per_request)) as session:
-            assert session.connection() in _flush._hooked
+            assert _flush.is_hooked(session.connection())
             assert session.get_bind() is per_request
         made.append(weakref.ref(per_request))
         del per_request, session

@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _flush
+from sa_fence import _rewrite
 from sa_fence.tools.demo_models import DemoStep
 from sa_fence.tools.schema import upgrade_demo_schema
 from tests._fresh_db import fresh_database
@@ -279,7 +279,7 @@ async def test_an_async_sessions_upsert_is_fenced(
 
 
 def without_the_fence_predicate(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_flush, "fence_predicate", lambda col, token: sa.true())
+    monkeypatch.setattr(_rewrite, "fence_predicate", lambda col, token: sa.true())
 
 
 def test_without_the_fence_predicate_the_stale_upsert_lands(
@@ -344,7 +344,7 @@ def test_without_the_upsert_rewrite_the_stale_upsert_lands_and_keeps_the_newer_f
 ) -> None:
     """Pair: with the DO UPDATE left as the caller wrote it (what refusing upserts
     guarded against, before they were fenced), a stale holder overwrites the row."""
-    monkeypatch.setattr(_flush, "_fence_upsert", lambda stmt, fence_col: (stmt, None))
+    monkeypatch.setattr(_rewrite, "_fence_upsert", lambda stmt, fence_col: (stmt, None))
     stale = fencer.acquire("job:1", 5)
     newer = write_newer(fencer, make_session, 1)
     _session_sender(make_session)(stale, upsert(jobs, "stale"), None)
@@ -359,8 +359,8 @@ def test_without_the_row_count_check_the_stale_upsert_passes_silently(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Pair: the predicate alone skips the row; the row count check is what raises."""
-    original = _flush._fence_upsert
-    monkeypatch.setattr(_flush, "_fence_upsert", lambda s, c: (original(s, c)[0], None))
+    original = _rewrite._fence_upsert
+    monkeypatch.setattr(_rewrite, "_fence_upsert", lambda s, c: (original(s, c)[0], None))
     stale = fencer.acquire("job:1", 5)
     newer = write_newer(fencer, make_session, 1)
     assert _session_sender(make_session)(stale, upsert(jobs, "stale"), None) == 0
@@ -543,7 +543,7 @@ def test_without_the_token_presented_in_the_comparison_the_guard_refuses_a_repea
     (set_config) before the trigger runs; compared bare, the holder's second upsert
     of its own row (the fence unchanged, so no token in it) is refused by the guard."""
     monkeypatch.setattr(
-        _flush, "fence_predicate", lambda col, token: sa.func.coalesce(col, 0) <= token
+        _rewrite, "fence_predicate", lambda col, token: sa.func.coalesce(col, 0) <= token
     )
     fencer = sa_fence.Fencer(redis_client, guarded, key_prefix=key_prefix)
     make = sa_fence.install(sessionmaker(guarded))

@@ -294,10 +294,11 @@ def report(result: CallsResult) -> list[Target]:
 
 
 WHY_TRANSACTION = (
-    "profiled (cProfile, callers): SQLAlchemy's event dispatch of the session, connection "
-    "and execute events sa-fence listens to (listener collections iterated per event); "
-    "sa-fence's own hooks, with ~16 WeakKeyDictionary lookups per transaction (weakref.py); "
-    "its flush span (opentelemetry); see 'where the calls go' above and docs/benchmarks.md"
+    "profiled (cProfile, callers): sa-fence's own code (session listeners, the connection "
+    "steps: statement rewrite, row count check, arm, COMMIT; the lease's validity checks), "
+    "its flush and commit spans (sa_fence._telemetry and opentelemetry's API) and the ORM's "
+    "expiry of obj.fence after the UPDATE; see 'where the calls go' above and "
+    "docs/benchmarks.md"
 )
 WHY_CYCLE = (
     "profiled: redis-py's client path for the three scripts (its connection pool, command "

@@ -110,7 +110,7 @@ class Worker:
             from sa_fence import _flush
 
             def commit_unchecked(conn: Any) -> None:
-                _flush._scopes.pop(conn, None)
+                _flush._pop_scope(conn)
 
             _flush._check_scope_and_commit = commit_unchecked
         maker = sessionmaker(self.engine)

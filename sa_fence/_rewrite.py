@@ -1,0 +1,301 @@
+"""Statement rewriting: how a fenced table's DML carries the token.
+
+Given an UPDATE, DELETE or INSERT of a table with a fence column,
+:func:`rewrite` returns the statement sa-fence sends instead (built once
+per original statement and cached; the token travels as the bound
+parameter ``sa_fence_token``):
+
+* UPDATE and DELETE get ``AND coalesce(fence, 0) <= :token`` (the
+  comparison also presents the token to a database-side guard, see
+  :func:`fence_predicate`);
+* UPDATE and INSERT set ``fence = CAST(:token AS BIGINT)`` (an expression,
+  so the ORM expires ``obj.fence`` and reloads the row's token);
+* ``INSERT ... ON CONFLICT DO UPDATE`` compares and writes in its DO UPDATE
+  too (:func:`_fence_upsert`);
+* a statement that sets the fence itself is refused
+  (:func:`_refuse_caller_fence`).
+
+It also finds the primary key binds of the WHERE clause
+(:func:`_key_binds`), so that the statement hook can compare the row count
+with the number of rows targeted.  Nothing here touches a connection.
+
+For example ``rewrite(update(jobs).where(jobs.c.id == bindparam("id")),
+jobs.c.fence)`` gives ``UPDATE jobs SET ..., fence=CAST(:sa_fence_token AS
+BIGINT) WHERE jobs.id = :id AND coalesce(jobs.fence, 0) <=
+CAST(set_config('sa_fence.token', ...) AS BIGINT)`` with ``pk_names ==
+["id"]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    ColumnElement,
+    Text,
+    and_,
+    bindparam,
+    cast,
+    func,
+    literal_column,
+    select,
+    true,
+)
+from sqlalchemy.dialects.postgresql.dml import OnConflictDoUpdate
+from sqlalchemy.sql import operators
+from sqlalchemy.sql.dml import Delete, Insert, Update
+from sqlalchemy.sql.elements import BinaryExpression, BindParameter, BooleanClauseList
+
+from ._guard import TOKEN_SETTING
+from .errors import FencingConfigError
+
+TOKEN_BIND = "sa_fence_token"
+
+#: Original DML statement -> the statement as sa-fence sends it.
+_rewritten: weakref.WeakKeyDictionary[Any, FencedStatement] = weakref.WeakKeyDictionary()
+
+_TOKEN = bindparam(TOKEN_BIND, type_=BigInteger)
+#: The value written to the fence: an expression, not a bare bind, so that the
+#: ORM counts the column as set by the server and expires ``obj.fence`` after
+#: the INSERT or UPDATE (read next, it loads the token the row now carries).
+#: A bare bind would leave the object showing the value it had before, e.g. 0
+#: or None with ``expire_on_commit=False`` (SQLModel, FastAPI, asyncio).
+_TOKEN_WRITTEN = cast(_TOKEN, BigInteger)
+
+
+def fence_predicate(fence_col: Column[Any], token: Any) -> ColumnElement[bool]:
+    """The comparison every fenced UPDATE/DELETE carries: ``fence <= :token``.
+
+    The token is compared through ``set_config('sa_fence.token', :token, true)``,
+    which returns it and also presents it to a database-side guard
+    (:mod:`sa_fence._guard`) for the rest of the transaction: the same
+    statement, no extra round trip, whether or not the table has a guard.  The
+    comparison cannot be true without the token having been presented, so
+    the guard sees it for every row the statement writes (the ORM's DELETE
+    needs this: a BEFORE DELETE trigger has no NEW row to read the token
+    from).  On a table without a guard it costs one function call per row
+    the statement examines, computed in the server.
+    """
+    setting: ColumnElement[str] = literal_column(f"'{TOKEN_SETTING}'")  # rendered inline
+    presented = func.set_config(setting, cast(token, Text), true())
+    # coalesce: a NULL fence (a legacy row never written under a lease) is
+    # writable, and the token is still presented for every row examined.
+    comparison: ColumnElement[bool] = func.coalesce(fence_col, 0) <= cast(presented, BigInteger)
+    return comparison
+
+
+@dataclass(slots=True)
+class FencedStatement:
+    """A fenced table's DML statement as sa-fence sends it (built once, cached)."""
+
+    statement: Any
+    #: primary key columns and the bind names that target them (None: not by key)
+    pk_cols: list[Column[Any]] | None
+    pk_names: list[str] | None
+    #: an upsert whose row count is checked: the rows one execution proposes
+    #: (VALUES rows); None: not such an upsert (see :func:`_fence_upsert`)
+    upsert_rows: int | None = None
+
+
+def rewrite(elem: Any, fence_col: Column[Any]) -> FencedStatement:
+    fenced = _rewritten.get(elem)
+    if fenced is not None:
+        return fenced
+    _refuse_caller_fence(elem, fence_col)
+    stmt = elem
+    if not isinstance(elem, Insert):
+        stmt = stmt.where(fence_predicate(fence_col, _TOKEN))
+    if not isinstance(elem, Delete):
+        stmt = _with_value(stmt, fence_col, _TOKEN_WRITTEN)
+    upsert_rows = None
+    if isinstance(elem, Insert):
+        stmt, upsert_rows = _fence_upsert(stmt, fence_col)
+    pk_cols, pk_names = (None, None) if isinstance(elem, Insert) else _key_binds(elem)
+    fenced = FencedStatement(stmt, pk_cols, pk_names, upsert_rows)
+    with contextlib.suppress(TypeError):  # not weak-referenceable: not cached
+        _rewritten[elem] = fenced
+    return fenced
+
+
+def _with_value(stmt: Any, column: Column[Any], value: Any) -> Any:
+    """``stmt`` also setting ``column = value``: ``ordered_values()``, multi-row VALUES and
+    ``INSERT ... SELECT`` included.
+
+    ``values()`` refuses a statement with ordered values, so such a statement
+    is cloned and the pair appended (SQLAlchemy's own attribute: 2.1 keeps the
+    order flag beside ``_values``, 2.0 keeps ``_ordered_values``).
+    """
+    if getattr(stmt, "_ordered_values", None):  # SQLAlchemy 2.0
+        clone = stmt._generate()
+        clone._ordered_values = [*stmt._ordered_values, (column, value)]
+        return clone
+    if getattr(stmt, "_maintain_values_ordering", False):  # SQLAlchemy 2.1
+        clone = stmt._generate()
+        clone._values = stmt._values.union({column: value})
+        return clone
+    if isinstance(stmt, Insert) and stmt.select is not None:
+        # INSERT ... SELECT: values() is refused; the SELECT gets the column instead
+        # (wrapped, so a UNION or a DISTINCT works as written)
+        clone = stmt._generate()
+        source = stmt.select.subquery()
+        clone._select_names = [*(stmt._select_names or ()), column.key]
+        clone.select = select(*source.c, value)
+        return clone
+    multi = getattr(stmt, "_multi_values", ())
+    if multi:  # INSERT ... VALUES (...), (...): values() would refuse to mix the forms
+        clone = stmt._generate()
+        clone._multi_values = tuple(
+            [_row_with(row, stmt.table, column, value) for row in rows] for rows in multi
+        )
+        return clone
+    return stmt.values({column: value})
+
+
+def _row_with(row: Any, table: Any, column: Column[Any], value: Any) -> dict[Any, Any]:
+    """One row of a multi-row VALUES (a mapping, or a tuple in column order) plus ``column``."""
+    if isinstance(row, dict):
+        return {**row, column.key: value}
+    return {**dict(zip(table.columns, row, strict=False)), column: value}
+
+
+def _upsert_clause(elem: Any) -> OnConflictDoUpdate | None:
+    """The ``ON CONFLICT ... DO UPDATE`` clause of a PostgreSQL INSERT, else None."""
+    clause = getattr(elem, "_post_values_clause", None)
+    return clause if isinstance(clause, OnConflictDoUpdate) else None
+
+
+def _fence_upsert(stmt: Any, fence_col: Column[Any]) -> tuple[Any, int | None]:
+    """Fence an ``INSERT ... ON CONFLICT DO UPDATE``: the DO UPDATE compares and writes.
+
+    The INSERT part already writes ``fence = :token`` (the caller did that);
+    here the DO UPDATE's SET gets ``fence = :token`` too and its WHERE
+    ``coalesce(fence, 0) <= :token`` (ANDed with the caller's own ``where=``),
+    so a proposed row that conflicts with a row a newer holder wrote updates
+    nothing.  The comparison presents the token to a guard trigger as the
+    flush's does, before the trigger runs on the UPDATE.
+
+    Returns the statement and the number of rows one execution proposes
+    when its row count tells a stale upsert apart: every proposed row either
+    inserts or updates, so fewer rows than proposed means the fence skipped
+    some.  None (no count check) for ``INSERT ... SELECT`` (the number of
+    rows is unknown) and for a DO UPDATE with a ``where=`` of its own, which
+    may skip rows on purpose: such an upsert skips rows with a newer fence
+    silently, as a criteria-based UPDATE does (docs/statements.md).
+
+    No public API edits an existing statement's ON CONFLICT clause, so the
+    clause is cloned and its two attributes replaced (SQLAlchemy's
+    PostgreSQL ``Insert`` internals, the same in 2.0 and 2.1).
+    """
+    clause = _upsert_clause(stmt)
+    if clause is None:
+        return stmt, None
+    fenced: Any = clause._clone()
+    values: Any = clause.update_values_to_set
+    if isinstance(values, dict):  # SQLAlchemy 2.1
+        fenced.update_values_to_set = {**values, fence_col.key: _TOKEN_WRITTEN}
+    else:  # SQLAlchemy 2.0: a list of pairs
+        fenced.update_values_to_set = [*values, (fence_col.key, _TOKEN_WRITTEN)]
+    own_where = clause.update_whereclause
+    predicate = fence_predicate(fence_col, _TOKEN)
+    fenced.update_whereclause = predicate if own_where is None else and_(own_where, predicate)
+    out = stmt._generate()
+    out._post_values_clause = fenced
+    rows: int | None
+    if own_where is not None or getattr(stmt, "select", None) is not None:
+        rows = None
+    else:
+        multi = getattr(stmt, "_multi_values", ()) or ()
+        rows = len(multi[0]) if multi else 1
+    return out, rows
+
+
+def _keys(mapping_keys: Any) -> set[str]:
+    return {k if isinstance(k, str) else str(getattr(k, "key", "")) for k in mapping_keys}
+
+
+def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
+    """A statement that writes the fence column itself is refused before it is sent.
+
+    Values in *parameters* are dropped instead (see _before_execute): ORM
+    bulk mappings and copied row dicts carry the fence as data.
+    """
+    names = {fence_col.key, fence_col.name}
+    given: set[str] = set()
+    if getattr(elem, "_values", None):
+        given |= _keys(elem._values)
+    if getattr(elem, "_ordered_values", None):
+        given |= _keys(k for k, _ in elem._ordered_values)
+    if isinstance(elem, Insert) and elem.select is not None:
+        given |= _keys(elem._select_names)
+    for rows in getattr(elem, "_multi_values", ()) or ():
+        for row in rows:
+            if isinstance(row, dict):
+                given |= _keys(row)
+    upsert = _upsert_clause(elem)
+    if upsert is not None and _keys(dict(upsert.update_values_to_set)) & names:
+        raise FencingConfigError(
+            f"this upsert's on_conflict_do_update(set_=...) sets "
+            f"{fence_col.table.name}.{fence_col.name} itself; the fence is written by sa-fence "
+            "from the bound lease's token (on the INSERT and in the DO UPDATE) and no value a "
+            "caller gives is taken (a low one would re-open the row to stale holders, a high "
+            f"one would lock every later holder out). Drop {fence_col.name!r} from set_. "
+            "Nothing was sent."
+        )
+    if given & names:
+        raise FencingConfigError(
+            f"this statement sets {fence_col.table.name}.{fence_col.name} itself; the fence is "
+            "written by sa-fence from the bound lease's token and no value a caller gives is "
+            f"taken (a low one would re-open the row to stale holders, a high one would lock "
+            f"every later holder out). Drop {fence_col.name!r} from values() (or from_select() "
+            "names). Nothing was sent."
+        )
+
+
+def _key_binds(elem: Update | Delete) -> tuple[list[Column[Any]] | None, list[str] | None]:
+    """The primary key columns and the names of the binds the WHERE clause targets them by.
+
+    Found in the statement itself, so the ORM flush (``jobs.id = :jobs_id``),
+    ORM bulk by primary key and Core statements with any bind names all get
+    their row counts checked.  ``(None, None)`` when the WHERE clause does not
+    pin every primary key column to a bind parameter with ``=``.
+    """
+    table: Any = elem.table._deannotate()  # the ORM's statements carry an AnnotatedTable
+    pk_cols: list[Column[Any]] = list(table.primary_key.columns)
+    by_column: dict[Any, str] = {}
+    for criterion in getattr(elem, "_where_criteria", ()):
+        for clause in _conjuncts(criterion):
+            pair = _column_eq_bind(clause, table)
+            if pair is not None:
+                by_column.setdefault(pair[0], pair[1])
+    if not pk_cols or any(c not in by_column for c in pk_cols):
+        return None, None
+    return pk_cols, [by_column[c] for c in pk_cols]
+
+
+def _conjuncts(clause: Any) -> Iterator[Any]:
+    if isinstance(clause, BooleanClauseList) and clause.operator is operators.and_:
+        for sub in clause.clauses:
+            yield from _conjuncts(sub)
+    else:
+        yield clause
+
+
+def _column_eq_bind(clause: Any, table: Any) -> tuple[Any, str] | None:
+    if not isinstance(clause, BinaryExpression) or clause.operator is not operators.eq:
+        return None
+    for col, other in ((clause.left, clause.right), (clause.right, clause.left)):
+        if (
+            isinstance(col, Column)
+            and col.table is table
+            and isinstance(other, BindParameter)
+            and other.callable is None
+            and other.value is None
+        ):
+            return col, str(other.key)
+    return None
