@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 #: into the package metadata, and ``sa-fence --version`` prints it.
 __version__ = "0.1.0.dev0"
 
+from . import telemetry as telemetry  # sa_fence.telemetry.Telemetry after `import sa_fence`
 from ._create_guard import create_fence_guard, drop_fence_guard
 from ._decorators import SKIPPED, Skipped, current_lease, current_session, fenced, fenced_methods
 from ._flush import fence_connection, install, unbind, unfenced, uninstall
@@ -39,7 +40,6 @@ from ._lease import Fencer, Lease
 from ._model import Fenced, fence_column
 from ._prune import PruneResult
 from ._side_effects import SideEffect, side_effect, side_effect_async
-from ._telemetry import Telemetry, default_name_pattern
 from ._tokens import fence_sequence
 from .errors import (
     FenceError,
@@ -54,6 +54,8 @@ from .errors import (
 if TYPE_CHECKING:  # the "as" form re-exports them to type checkers (see _LAZY)
     from ._async import AsyncFencer as AsyncFencer
     from ._async import AsyncLease as AsyncLease
+    from .telemetry import Telemetry as Telemetry  # deprecated here (see _MOVED)
+    from .telemetry import default_name_pattern as default_name_pattern
 
 #: Public names imported on first use: the asyncio front end loads
 #: SQLAlchemy's asyncio extension (greenlet at run time), which sync users
@@ -76,12 +78,10 @@ __all__ = [
     "SideEffect",
     "Skipped",
     "StaleTokenError",
-    "Telemetry",
     "UnfencedWriteError",
     "create_fence_guard",
     "current_lease",
     "current_session",
-    "default_name_pattern",
     "drop_fence_guard",
     "fence_column",
     "fence_connection",
@@ -97,11 +97,27 @@ __all__ = [
 ]
 
 
+#: Names that moved, kept here for one release with a DeprecationWarning
+#: (CHANGELOG): old name -> the module that has it now.
+_MOVED = {"Telemetry": "sa_fence.telemetry", "default_name_pattern": "sa_fence.telemetry"}
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         from . import _async
 
         return getattr(_async, name)
+    if name in _MOVED:
+        import importlib
+        import warnings
+
+        warnings.warn(
+            f"sa_fence.{name} moved to {_MOVED[name]}.{name}; the old name goes in 0.2 "
+            f"(from {_MOVED[name]} import {name})",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(_MOVED[name]), name)
     raise AttributeError(f"module 'sa_fence' has no attribute {name!r}")
 
 

@@ -79,7 +79,7 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
     :class:`~sa_fence.FencingConfigError` at once, with the fix.
 
     ``telemetry``: where metrics and spans go, and how lease names are
-    shortened for them (:class:`~sa_fence.Telemetry`); default: the global
+    shortened for them (:class:`~sa_fence.telemetry.Telemetry`); default: the global
     OpenTelemetry providers (no-ops without an SDK).  See docs/observability.md.
     """
 

@@ -4,7 +4,7 @@ Set up an SDK as usual; fencers report to its global providers, or to the
 ones a :class:`Telemetry` names::
 
     fencer = sa_fence.Fencer(redis_client, engine)          # global providers
-    telemetry = sa_fence.Telemetry(
+    telemetry = sa_fence.telemetry.Telemetry(
         meter_provider=meters, tracer_provider=tracers,
         name_pattern=lambda name: name.split(":", 1)[0],    # "tenant:17:job:4" -> "tenant"
     )

@@ -111,6 +111,9 @@ def test_the_api_reference_generates_an_entry_for_every_public_name() -> None:
     public = {*sa_fence.__all__, *sa_fence._LAZY}  # _LAZY: public, loaded on first use
     assert sorted(public - set(directives)) == []
     assert [d for d in directives if d not in public] == ["testing"]
+    # the public module's names, under their module (sa_fence.telemetry)
+    for name in sa_fence.telemetry.__all__:
+        assert f"\n::: sa_fence.telemetry.{name}\n" in api, name
     # no hand-written signature to drift: a heading names, the directive signs
     assert not re.search(r"^#+ .*\w\(.*\)", api, flags=re.MULTILINE)
 

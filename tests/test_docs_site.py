@@ -49,6 +49,16 @@ def test_the_docs_site_builds_strict(tmp_path: Path) -> None:
     # an entry generated for every public name, and the signatures from the code
     public = [*sa_fence.__all__, *sa_fence._LAZY]  # _LAZY: public, loaded on first use
     assert [n for n in public if f'id="sa_fence.{n}"' not in api] == []
+    moved = [f"telemetry.{n}" for n in sa_fence.telemetry.__all__]
+    # methods the front ends inherit from the shared lifecycle are documented on them
+    for cls, methods in (
+        ("Fencer", ("acquire", "lease", "check", "prune", "close", "key")),
+        ("Lease", ("extend", "release", "check", "remaining", "bind")),
+    ):
+        for front in (cls, "Async" + cls):
+            missing = [m for m in methods if f'id="sa_fence.{front}.{m}"' not in api]
+            assert missing == [], front
+    assert [n for n in moved if f'id="sa_fence.{n}"' not in api] == []
     fencer = api[api.index('id="sa_fence.Fencer"') :]
     fencer = re.sub(r"<[^>]+>", "", fencer[: fencer.index('id="sa_fence.Fencer.key"')])
     for parameter in ("sequence", "key_prefix", "renew_fraction", "timeout", "telemetry"):

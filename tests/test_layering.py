@@ -278,3 +278,25 @@ def test_a_private_name_taken_is_found(tmp_path: Path) -> None:
         "pkg.b -> pkg.a: _x",
         "pkg.c -> pkg.a: _x",
     ]
+
+
+def test_a_moved_name_still_works_for_one_release_with_a_deprecation_warning() -> None:
+    """``sa_fence.Telemetry`` moved to ``sa_fence.telemetry`` (CHANGELOG): the old
+    name gives the same object and says where it went; a star import has neither."""
+    import warnings
+
+    import sa_fence
+    from sa_fence import telemetry
+
+    for name in sa_fence._MOVED:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert getattr(sa_fence, name) is getattr(telemetry, name)
+        (warning,) = caught
+        assert warning.category is DeprecationWarning
+        assert f"sa_fence.{name} moved to sa_fence.telemetry.{name}" in str(warning.message)
+        assert warning.filename == __file__  # points at the caller's line
+        assert name not in sa_fence.__all__
+    star: dict[str, object] = {}
+    exec("from sa_fence import *", star)
+    assert not set(sa_fence._MOVED) & set(star)

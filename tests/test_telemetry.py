@@ -42,7 +42,7 @@ OUTCOME = "sa_fence.outcome"
 class Otel:
     reader: InMemoryMetricReader
     spans: InMemorySpanExporter
-    telemetry: sa_fence.Telemetry
+    telemetry: sa_fence.telemetry.Telemetry
     tracer: Any
     provider: Any = None
     meters: Any = None
@@ -81,7 +81,7 @@ def otel(monkeypatch: pytest.MonkeyPatch) -> Iterator[Otel]:
     exporter = InMemorySpanExporter()
     tracers = TracerProvider()
     tracers.add_span_processor(SimpleSpanProcessor(exporter))
-    telemetry = sa_fence.Telemetry(meter_provider=meters, tracer_provider=tracers)
+    telemetry = sa_fence.telemetry.Telemetry(meter_provider=meters, tracer_provider=tracers)
     monkeypatch.setattr(_telemetry, "_default", telemetry)  # restored after the test
     yield Otel(reader, exporter, telemetry, tracers.get_tracer("test"), tracers, meters)
     meters.shutdown()
@@ -110,7 +110,7 @@ def reading(redis_client: redis.Redis, engine: sa.Engine, key_prefix: str) -> It
     def make(*readers: InMemoryMetricReader) -> tuple[sa_fence.Fencer, list[Otel]]:
         meters = MeterProvider(metric_readers=list(readers))
         providers.append(meters)
-        telemetry = sa_fence.Telemetry(meter_provider=meters)
+        telemetry = sa_fence.telemetry.Telemetry(meter_provider=meters)
         fencer = sa_fence.Fencer(
             redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=telemetry
         )
@@ -399,7 +399,7 @@ def test_root_spans_trace_each_operation_outside_any_trace(
     key_prefix: str,
     make_session: sessionmaker[Session],
 ) -> None:
-    telemetry = sa_fence.Telemetry(tracer_provider=otel.provider, root_spans=True)
+    telemetry = sa_fence.telemetry.Telemetry(tracer_provider=otel.provider, root_spans=True)
     fencer = sa_fence.Fencer(
         redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=telemetry
     )
@@ -412,7 +412,7 @@ def test_root_spans_trace_each_operation_outside_any_trace(
 
 def test_root_spans_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="root_spans must be True or False"):
-        sa_fence.Telemetry(root_spans="yes")  # type: ignore[arg-type]
+        sa_fence.telemetry.Telemetry(root_spans="yes")  # type: ignore[arg-type]
 
 
 def test_counters_report_per_interval_to_a_delta_reader(reading: MakeFencer) -> None:
@@ -448,7 +448,7 @@ def test_two_telemetries_on_one_meter_provider_both_count(
                 engine,
                 sequence=SEQUENCE,
                 key_prefix=key_prefix,
-                telemetry=sa_fence.Telemetry(meter_provider=meters, name_pattern=pattern),
+                telemetry=sa_fence.telemetry.Telemetry(meter_provider=meters, name_pattern=pattern),
             )
             for pattern in (lambda name: "first", lambda name: "second")
         ]
@@ -560,7 +560,7 @@ def test_pending_measurements_do_not_keep_a_dropped_provider_alive() -> None:
 
     def dropped() -> weakref.ref[MeterProvider]:
         meters = MeterProvider(metric_readers=[InMemoryMetricReader()], shutdown_on_exit=False)
-        telemetry = sa_fence.Telemetry(meter_provider=meters)
+        telemetry = sa_fence.telemetry.Telemetry(meter_provider=meters)
         for _ in range(3):
             telemetry.hold_duration.record(0.1, {PATTERN: "job:{n}"})
         assert len(_telemetry._providers[meters].pending.items) == 3
@@ -605,20 +605,20 @@ def test_the_decorators_template_is_the_pattern(
 
 
 def test_default_pattern_replaces_numbers_uuids_and_long_hex() -> None:
-    assert sa_fence.default_name_pattern("job:42") == "job:{n}"
+    assert sa_fence.telemetry.default_name_pattern("job:42") == "job:{n}"
     assert (
-        sa_fence.default_name_pattern("run:1b4e28ba-2fa1-11d2-883f-0016d3cca427:step:3")
+        sa_fence.telemetry.default_name_pattern("run:1b4e28ba-2fa1-11d2-883f-0016d3cca427:step:3")
         == "run:{id}:step:{n}"
     )
-    assert sa_fence.default_name_pattern("blob:deadbeefcafe0123456789") == "blob:{id}"
-    assert sa_fence.default_name_pattern("nightly-report") == "nightly-report"
+    assert sa_fence.telemetry.default_name_pattern("blob:deadbeefcafe0123456789") == "blob:{id}"
+    assert sa_fence.telemetry.default_name_pattern("nightly-report") == "nightly-report"
 
 
 def test_a_custom_normaliser_is_used_and_patterns_are_capped(
     redis_client: redis.Redis, engine: sa.Engine, key_prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     reader = InMemoryMetricReader()
-    telemetry = sa_fence.Telemetry(
+    telemetry = sa_fence.telemetry.Telemetry(
         meter_provider=MeterProvider(metric_readers=[reader]),
         name_pattern=lambda name: name.split(":", 1)[0],
         max_patterns=2,
@@ -779,7 +779,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-{_fencer_code(engine, key_prefix, "sa_fence.Telemetry()")}  # the API's proxies
+{_fencer_code(engine, key_prefix, "sa_fence.telemetry.Telemetry()")}  # the API's proxies
 reader = InMemoryMetricReader()
 metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
 exporter = InMemorySpanExporter()

@@ -87,7 +87,7 @@ def run(pg: str, redis_url: str, seconds: int, out: Path) -> None:
 
     logging.getLogger("sa_fence").setLevel(logging.ERROR)
     reader = InMemoryMetricReader()
-    telemetry = sa_fence.Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    telemetry = sa_fence.telemetry.Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
     client = redis.Redis.from_url(redis_url)
     prefix = f"sa_fence_dashboard:{uuid.uuid4().hex[:8]}:"
     with temporary_database(sa.make_url(pg)) as url:

@@ -5,7 +5,7 @@
 sections; ``--strict``: exit 1 when a ratio is above its limit).
 
 Fencers on the same servers, differing only in their
-:class:`sa_fence.Telemetry`:
+:class:`sa_fence.telemetry.Telemetry`:
 
 * ``off``: every instrument and the tracer replaced by sa-fence's own no-op
   (what a process without the OpenTelemetry API runs): the floor;
@@ -101,9 +101,9 @@ class _Dropping(SpanExporter):
         pass
 
 
-def off() -> sa_fence.Telemetry:
+def off() -> sa_fence.telemetry.Telemetry:
     """A Telemetry whose every instrument is sa-fence's own no-op."""
-    t = sa_fence.Telemetry()
+    t = sa_fence.telemetry.Telemetry()
     noop = _telemetry._NOOP
     t.enabled = False
     t.tracer = noop
@@ -124,7 +124,7 @@ def off() -> sa_fence.Telemetry:
 
 def with_sdk(
     traces: bool = True,
-) -> tuple[sa_fence.Telemetry, MeterProvider, Callable[[], None]]:
+) -> tuple[sa_fence.telemetry.Telemetry, MeterProvider, Callable[[], None]]:
     reader = InMemoryMetricReader()
     meters = MeterProvider(metric_readers=[reader])
     tracers = TracerProvider()
@@ -136,7 +136,7 @@ def with_sdk(
         meters.shutdown()
         tracers.shutdown()
 
-    telemetry = sa_fence.Telemetry(
+    telemetry = sa_fence.telemetry.Telemetry(
         meter_provider=meters, tracer_provider=tracers if traces else None
     )
     return telemetry, meters, shutdown
@@ -347,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             hand = Hand(hand_meters, caller)
             telemetries = {
                 "off": off(),
-                "api": sa_fence.Telemetry(),
+                "api": sa_fence.telemetry.Telemetry(),
                 "metrics": metrics,
                 "sdk": sdk,
                 "hand": off(),
