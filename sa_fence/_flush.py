@@ -314,6 +314,37 @@ class _FencedConnection(Connection):
         super()._rollback_impl()
 
 
+def check_connection_api(cls: type) -> None:
+    """Refuse a SQLAlchemy whose Connection lacks a private method
+    :class:`_FencedConnection` overrides (or takes other arguments): an
+    override that is never called would leave writes unfenced without a word."""
+    import inspect
+
+    wanted = {
+        "_execute_clauseelement": ["self", "elem", "distilled_parameters", "execution_options"],
+        "_execute_default": None,
+        "_execute_ddl": None,
+        "_begin_impl": ["self", "transaction"],
+        "_commit_impl": ["self"],
+        "_rollback_impl": ["self"],
+    }
+    for name, parameters in wanted.items():
+        method = getattr(cls, name, None)
+        if not callable(method) or (
+            parameters is not None and list(inspect.signature(method).parameters) != parameters
+        ):
+            import sqlalchemy
+
+            raise ImportError(
+                f"sa-fence cannot fence connections of SQLAlchemy {sqlalchemy.__version__}: "
+                f"Connection.{name} is missing or takes other arguments than the "
+                "SQLAlchemy 2.0/2.1 sa-fence was built for. Install a SQLAlchemy 2.0 or 2.1 "
+                "release, or an sa-fence release that supports this one."
+            )
+
+
+check_connection_api(Connection)
+
 #: Connection class -> its fenced subclass (``_FencedConnection`` for Connection).
 _hooked_classes: dict[type, type] = {Connection: _FencedConnection}
 

@@ -300,3 +300,27 @@ def test_a_moved_name_still_works_for_one_release_with_a_deprecation_warning() -
     star: dict[str, object] = {}
     exec("from sa_fence import *", star)
     assert not set(sa_fence._MOVED) & set(star)
+
+
+def test_a_sqlalchemy_without_the_connection_methods_sa_fence_overrides_is_refused() -> None:
+    """sa-fence fences a connection by overriding private Connection methods
+    (sa_fence._flush._FencedConnection); one renamed in a SQLAlchemy release
+    would never be called, so the import refuses instead of leaving writes open."""
+    import pytest
+    from sqlalchemy import Connection
+
+    from sa_fence import _flush
+
+    _flush.check_connection_api(Connection)  # this SQLAlchemy: accepted
+
+    class Renamed(Connection):
+        _commit_impl = None  # type: ignore[assignment]
+
+    with pytest.raises(ImportError, match=r"Connection\._commit_impl is missing"):
+        _flush.check_connection_api(Renamed)
+
+    class OtherArguments(Connection):
+        def _begin_impl(self, transaction: object, extra: object = None) -> None: ...
+
+    with pytest.raises(ImportError, match="takes other arguments"):
+        _flush.check_connection_api(OtherArguments)
