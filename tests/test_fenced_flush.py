@@ -217,7 +217,9 @@ def test_a_session_at_a_dead_sessionmakers_address_installs_and_uninstalls(
     dead = sa_fence.install(sessionmaker(engine))
     session = Session(engine)
     staged = []
-    for (target_id, name, fn_id), collections in list(registry._key_to_collection.items()):
+    # a copy in one C call: a collected listener's weakref callback may change the
+    # registry while a Python-level iteration runs
+    for (target_id, name, fn_id), collections in registry._key_to_collection.copy().items():
         if target_id == id(dead):  # what a session at that address would meet
             key = (id(session), name, fn_id)
             registry._key_to_collection[key] = dict(collections)

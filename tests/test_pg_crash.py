@@ -191,6 +191,9 @@ def test_the_crash_rounds_see_tokens_handed_out_again_when_the_draw_is_never_com
         if not open_transaction or open_transaction[0].broken or open_transaction[0].closed:
             open_transaction[:] = [psycopg.connect(pg.dsn(DB), autocommit=False)]
         with open_transaction[0].cursor() as cursor:
+            # an earlier grant in this open transaction may have set
+            # synchronous_commit off for it (its flush skipped): not the server's
+            cursor.execute("SELECT set_config('synchronous_commit', 'on', true)")
             cursor.execute(self.register.grant_sql(), params)
             return cursor.fetchone()
 
