@@ -58,7 +58,8 @@ from . import _lifecycle as steps
 from . import _prune, _telemetry
 from ._dialect import check_dialect
 from ._lease import BaseLease
-from ._lifecycle import FencerCore, probe_speaks
+from ._lifecycle import FencerCore
+from ._redis_client import probe_speaks
 from .errors import FencingConfigError, LeaseBackendError
 
 if TYPE_CHECKING:

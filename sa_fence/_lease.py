@@ -28,18 +28,14 @@ from . import _lifecycle as steps
 from . import _protocol as proto
 from . import _prune, _telemetry
 from ._dialect import check_engine
+from ._failures import FAILOVER, cause_text, classify_redis
 from ._flush import bind_lease
 from ._lease_view import FencerView
 from ._lifecycle import (  # re-exported: imported from here elsewhere
     DEFAULT_KEY_PREFIX as DEFAULT_KEY_PREFIX,
 )
-from ._lifecycle import (
-    REDIS_ERRORS as REDIS_ERRORS,
-)
-from ._lifecycle import (
-    FencerCore,
-    probe_speaks,
-)
+from ._lifecycle import FencerCore
+from ._redis_client import probe_speaks
 from .errors import FencingConfigError, LeaseBackendError, LeaseLostError
 
 if TYPE_CHECKING:
@@ -474,12 +470,12 @@ class BaseLease(Generic[FencerT]):
         return deleted
 
     def _renewal_unanswered(self, exc: Exception) -> str:
-        failure = proto.classify_redis(exc)
+        failure = classify_redis(exc)
         log.warning(
             "renewal of lease %r failed (%s)%s; retrying until its local validity runs out",
             self.name,
             failure.text,
-            "; a failover may be under way" if failure.kind == proto.FAILOVER else "",
+            "; a failover may be under way" if failure.kind == FAILOVER else "",
             extra=_telemetry.log_extra(self, "renewal_failed"),
         )
         return "unknown"
@@ -520,7 +516,7 @@ class BaseLease(Generic[FencerT]):
             "could not release lease %r (token %d): %s; its TTL will end it",
             self.name,
             self.token,
-            proto.cause_text(exc.cause) if exc.cause is not None else exc,
+            cause_text(exc.cause) if exc.cause is not None else exc,
             extra=_telemetry.log_extra(self, "release_failed"),
         )
 

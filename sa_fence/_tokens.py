@@ -18,6 +18,7 @@ from typing import Any, cast
 from sqlalchemy import BigInteger, Connection, Engine, MetaData, Sequence, text
 from sqlalchemy.exc import DBAPIError
 
+from . import _failures
 from . import _protocol as proto
 from ._fitness import register_problems, sequence_problem
 from ._guard import DEFAULT_SEQUENCE as DEFAULT_SEQUENCE  # re-exported: the package's one default
@@ -145,7 +146,7 @@ def pooler_problem(conn: Connection) -> str | None:
         "transaction before 1.21, or with max_prepared_statements = 0) mixes them up "
         "between clients ('prepared statement \"_pg3_0\" already exists'). Create the "
         "engine with connect_args={'prepare_threshold': None} (see "
-        f"{proto.POOLER_DOC})."
+        f"{_failures.POOLER_DOC})."
     )
 
 
@@ -158,7 +159,7 @@ def token_error(
     sequence: str = DEFAULT_SEQUENCE,
 ) -> LeaseBackendError | FencingConfigError:
     """The error for a failed token draw (``operation="token"``) or set-up check
-    (``"check"``), told apart by :func:`sa_fence._protocol.classify_postgres`:
+    (``"check"``), told apart by :func:`sa_fence._failures.classify_postgres`:
     a set-up mistake (login refused, no such database, no register or check
     function, no rights, a transaction pooler mixing prepared statements) is a
     FencingConfigError with the fix; an outage, a standby (failover) or a
@@ -179,11 +180,11 @@ def token_error(
                 "If this repeats, a holder's connection is stuck mid-commit."
             ),
         )
-    kind, problem = proto.classify_postgres(sqlstate, str(orig if orig is not None else exc))
-    cause = proto.cause_text(exc)
-    if kind == proto.SETUP and problem is not None:
+    kind, problem = _failures.classify_postgres(sqlstate, str(orig if orig is not None else exc))
+    cause = _failures.cause_text(exc)
+    if kind == _failures.SETUP and problem is not None:
         register = Register(sequence)
-        fix = proto.postgres_setup_fix(
+        fix = _failures.postgres_setup_fix(
             problem,
             sequence=register.sequence_sql,
             register=register.table_sql,
@@ -201,14 +202,14 @@ def token_error(
     maybe_ran = getattr(exc, "sa_fence_maybe_ran", None)
     if maybe_ran is None:
         maybe_ran = sqlstate is None and "connection failed" not in cause.lower()
-    unknown = operation == "token" and kind == proto.OUTAGE and maybe_ran
-    failure = proto.Failure(kind, unknown, cause)
+    unknown = operation == "token" and kind == _failures.OUTAGE and maybe_ran
+    failure = _failures.Failure(kind, unknown, cause)
     return LeaseBackendError(
         backend="postgresql",
         operation=operation,
         name=name,
         cause=exc,
-        detail=proto.outage_detail("PostgreSQL", failure, max(1, sends)),
+        detail=_failures.outage_detail("PostgreSQL", failure, max(1, sends)),
     )
 
 

@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import sa_fence
 from sa_fence import _lease, _lifecycle
 from sa_fence import _protocol as proto
+from sa_fence._failures import Backoff
 from tests._fronts import front, io, is_async
 from tests._redis_server import free_port
 from tests._tcp_proxy import TcpProxy
@@ -115,7 +116,7 @@ def down_engine(front: Any, engine: sa.Engine) -> Any:
 
 
 def test_every_backoff_wait_lies_between_zero_and_its_exponential_ceiling() -> None:
-    backoff = proto.Backoff(base=0.02, cap=1.0)
+    backoff = Backoff(base=0.02, cap=1.0)
     rng = random.Random(7)
     for attempt in range(40):
         ceiling = backoff.ceiling(attempt)

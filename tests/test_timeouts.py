@@ -26,7 +26,16 @@ from redis.sentinel import Sentinel
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import sa_fence
-from sa_fence import _protocol as proto
+from sa_fence._failures import (
+    BACKEND_BACKOFF,
+    OUTAGE,
+    REFUSED,
+    SETUP,
+    Failure,
+    FailureBudget,
+    classify_postgres,
+    classify_redis,
+)
 from tests._fresh_db import fresh_database
 from tests._redis_server import RedisServer, free_port, private_redis
 from tests.models import SEQUENCE
@@ -72,22 +81,22 @@ RECOMMENDED: dict[str, Any] = {
 
 
 def test_a_failure_is_resent_only_while_the_next_attempt_ends_within_the_budget() -> None:
-    outage = proto.Failure(proto.OUTAGE, True, "TimeoutError")
-    budget = proto.FailureBudget(1.5)
+    outage = Failure(OUTAGE, True, "TimeoutError")
+    budget = FailureBudget(1.5)
     # an attempt sent at 0 that failed at 1.0: the next would end near 2.0
     assert budget.on_failure(outage, sent_at=0.0, now=1.0, rand=0.5) is None
-    quick = proto.FailureBudget(1.5)
+    quick = FailureBudget(1.5)
     wait = quick.on_failure(outage, sent_at=0.0, now=0.01, rand=0.5)
     assert wait is not None
-    assert wait <= proto.BACKEND_BACKOFF.ceiling(0)
+    assert wait <= BACKEND_BACKOFF.ceiling(0)
     assert quick.on_failure(outage, sent_at=0.1, now=0.11, rand=0.5) is not None
     assert quick.on_failure(outage, sent_at=0.2, now=0.21, rand=0.5) is None  # 3 sends at most
 
 
 def test_set_up_mistakes_and_refusals_are_never_resent() -> None:
-    for kind in (proto.SETUP, proto.REFUSED):
-        budget = proto.FailureBudget(60)
-        assert budget.on_failure(proto.Failure(kind, False, "x"), sent_at=0, now=0, rand=0) is None
+    for kind in (SETUP, REFUSED):
+        budget = FailureBudget(60)
+        assert budget.on_failure(Failure(kind, False, "x"), sent_at=0, now=0, rand=0) is None
 
 
 @pytest.mark.parametrize(
@@ -115,7 +124,7 @@ def test_set_up_mistakes_and_refusals_are_never_resent() -> None:
     ],
 )
 def test_each_redis_failure_is_told_apart(error: Exception, kind: str, may_have_set: bool) -> None:
-    failure = proto.classify_redis(error)
+    failure = classify_redis(error)
     assert (failure.kind, failure.may_have_set) == (kind, may_have_set)
 
 
@@ -142,7 +151,7 @@ def test_each_redis_failure_is_told_apart(error: Exception, kind: str, may_have_
 def test_each_postgresql_failure_is_told_apart(
     sqlstate: str | None, message: str, expected: tuple[str, str | None]
 ) -> None:
-    assert proto.classify_postgres(sqlstate, message) == expected
+    assert classify_postgres(sqlstate, message) == expected
 
 
 # ---------------------------------------------------------------- outages

@@ -58,6 +58,7 @@ from typing import Any, TextIO
 
 import sqlalchemy as sa
 
+from .._failures import POOLER_DOC
 from .._fitness import (
     REGISTER_COLUMNS_SQL,
     SEQUENCE_SHOWN,
@@ -73,7 +74,6 @@ from .._guard import (
     qualified,
 )
 from .._model import fence_column_of
-from .._protocol import POOLER_DOC
 from .._register import (
     REGISTER_RIGHTS_SQL,
     REGISTER_TABLE,

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import redis as redis_lib
 
-from .._protocol import cause_text
+from .._failures import cause_text
 from .._prune import PruneResult, check_ages, format_duration, parse_duration, prune_on, redis_held
 from .._telemetry import redact_url
 from .check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, with_connection

@@ -30,6 +30,7 @@ import redis as redis_lib
 import sqlalchemy as sa
 
 from .. import _protocol as proto
+from .._failures import cause_text
 from .._fitness import register_problems
 from .._register import Register, pinned_register
 from .._telemetry import redact_url
@@ -281,8 +282,7 @@ def run(
             )
         except redis_lib.RedisError as exc:
             print(
-                f"sa-fence status: cannot read Redis at {redact_url(redis_url)}: "
-                f"{proto.cause_text(exc)}",
+                f"sa-fence status: cannot read Redis at {redact_url(redis_url)}: {cause_text(exc)}",
                 file=err,
             )
             return EXIT_UNREACHABLE

@@ -1,0 +1,158 @@
+"""What a Redis client will do, read from its settings, and what its failures mean.
+
+How long one call of a (sync or asyncio) redis-py client can last, the failure
+budget a Fencer may promise with it, where a plain client connects and what the
+server there speaks (the TLS probe), and the error a failed call becomes.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import redis as redis_lib
+
+from . import _failures
+from .errors import FenceError, FencingConfigError, LeaseBackendError
+
+#: Everything a Redis client raises for a failed call (cluster routing errors
+#: such as SlotNotCoveredError are not RedisErrors).
+REDIS_ERRORS = (redis_lib.exceptions.RedisError, redis_lib.exceptions.RedisClusterException)
+
+#: Marks "this client's socket_timeout could not be read" (e.g. a custom client class).
+_UNKNOWN_TIMEOUT = object()
+
+
+def client_socket_timeout(client: object) -> object:
+    """The ``socket_timeout`` a (sync or asyncio) Redis or RedisCluster client's
+    connections use: a number, None (no bound), or ``_UNKNOWN_TIMEOUT``."""
+    for holder in (
+        getattr(getattr(client, "connection_pool", None), "connection_kwargs", None),
+        getattr(getattr(client, "nodes_manager", None), "connection_kwargs", None),
+        getattr(client, "connection_kwargs", None),
+    ):
+        if isinstance(holder, dict):
+            return holder.get("socket_timeout")
+    return _UNKNOWN_TIMEOUT
+
+
+def client_call_bound(client: object) -> tuple[float | None, str] | None:
+    """The longest one call of a plain or Sentinel client can last, and how that
+    comes about; None when it cannot be read (a cluster client, a custom class).
+
+    redis-py connects with up to ``retries`` retries of its own (each up to
+    ``socket_connect_timeout``, with waits of up to its backoff's cap), then
+    sends and waits up to ``socket_timeout`` for the reply, and on a failure
+    does it all again up to ``retries`` times.  With ``retry=Retry(NoBackoff(),
+    0)`` one call is one connect and one wait.  The bound is None (unbounded)
+    without a socket timeout or with endless retries.
+    """
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    if not isinstance(kwargs, dict):
+        return None
+    read = kwargs.get("socket_timeout")
+    connect = kwargs.get("socket_connect_timeout") or read
+    retry = kwargs.get("retry")
+    retries = retry.get_retries() if retry is not None else 0
+    backoff = getattr(retry, "_backoff", None)
+    cap = 0.0 if backoff is None else getattr(backoff, "_cap", getattr(backoff, "_backoff", None))
+    how = (
+        f"socket_timeout={read}, socket_connect_timeout={connect}, {retries} retries of "
+        f"its own with waits of up to {cap} s"
+    )
+    if read is None or connect is None or retries < 0:
+        return None, how
+    if not isinstance(cap, int | float):
+        return None
+    connecting = (retries + 1) * float(connect) + retries * float(cap)
+    return connecting + float(read) + retries * (connecting + float(read) + float(cap)), how
+
+
+def check_budget(client: object, timeout: float | None, owner: str) -> float:
+    """The failure budget for ``owner`` (a Fencer): ``timeout`` or the default.
+
+    An explicit budget that one call of the client could outlast (no socket
+    timeout, or redis-py's own retries and backoff adding up to more) is
+    refused: sa-fence cannot interrupt a call in progress, so it asks for a
+    client that keeps the budget.  The default budget is not checked this
+    way: it bounds sa-fence's own resends (see the Fencer's docstring).
+    """
+    if timeout is None:
+        return _failures.DEFAULT_BACKEND_TIMEOUT
+    budget = _failures.check_backend_timeout(timeout)
+    found = client_call_bound(client)
+    unbounded = client_socket_timeout(client) is None
+    if unbounded or (found is not None and (found[0] is None or found[0] > budget)):
+        longest = (
+            "unbounded"
+            if unbounded or found is None or found[0] is None
+            else (f"up to {found[0]:.3g} s")
+        )
+        how = f" ({found[1]})" if found is not None else ""
+        third = budget / 3
+        raise FencingConfigError(
+            f"{owner}(timeout={timeout!r}) cannot keep its budget: one call of this Redis "
+            f"client can last {longest}{how}, and a call in progress cannot be cut short. "
+            "Create the client with socket timeouts well below the budget and few retries "
+            "of its own (sa-fence resends what is safe to resend, within the budget), e.g. "
+            f"redis.Redis(..., socket_timeout={third:.3g}, socket_connect_timeout="
+            f"{third:.3g}, retry=Retry(NoBackoff(), 0)); see {_failures.TIMEOUTS_DOC}."
+        )
+    return budget
+
+
+def probe_target(client: object) -> tuple[str, int, bool] | None:
+    """(host, port, tls) of a plain (non-Sentinel, non-Cluster) client, else None."""
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if not isinstance(kwargs, dict) or "Sentinel" in type(pool).__name__:
+        return None
+    host, port = kwargs.get("host"), kwargs.get("port", 6379)
+    if not isinstance(host, str) or not isinstance(port, int):
+        return None  # a Unix socket: no TLS to disagree about
+    tls = "SSL" in getattr(getattr(pool, "connection_class", None), "__name__", "")
+    return host, port, tls
+
+
+def probe_speaks(host: str, port: int, timeout: float = 0.5) -> str | None:
+    """What the server on ``host:port`` speaks: "plain" (RESP), "tls", or None
+    (no answer).  Used only after a connection failed, to tell a TLS mismatch
+    (a set-up mistake) from an outage: a plain Redis answers ``PING`` in RESP,
+    a TLS port closes the connection or answers with a TLS alert."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(b"PING\r\n")
+            data = sock.recv(16)
+    except ConnectionResetError:
+        return "tls"
+    except OSError:
+        return None
+    if not data or data[:1] in (b"\x15", b"\x16"):
+        return "tls"
+    if data[:1] in (b"+", b"-"):
+        return "plain"
+    return None
+
+
+def redis_error(
+    name: str,
+    operation: str,
+    exc: BaseException,
+    attempts: int,
+    *,
+    target: tuple[str, int, bool] | None = None,
+    speaks: str | None = None,
+) -> FenceError:
+    """The error to raise for a Redis call that failed for good."""
+    failure = _failures.classify_redis(exc, speaks=speaks, tls=bool(target and target[2]))
+    if failure.kind == _failures.SETUP:
+        where = f" at {target[0]}:{target[1]}" if target else ""
+        return FencingConfigError(
+            f"{operation} of lease {name!r} failed{where}: {failure.text}", cause=exc
+        )
+    return LeaseBackendError(
+        backend="redis",
+        operation=operation,
+        name=name,
+        cause=exc,
+        detail=_failures.outage_detail("Redis", failure, attempts),
+    )
