@@ -45,11 +45,7 @@ from ._redis_client import (
     redis_error,
 )
 from ._tokens import DEFAULT_SEQUENCE, TokenSource, token_error
-from .errors import (
-    FenceError,
-    LeaseLostError,
-    LeaseNotAcquiredError,
-)
+from .errors import FenceError, LeaseLostError, LeaseNotAcquiredError
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
