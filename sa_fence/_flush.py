@@ -618,7 +618,7 @@ def _arm(conn: Connection, lease: Lease) -> None:
         arms.setdefault(table, []).append(row)
         if _ARMED_START not in driver.__dict__:
             driver._start_query = types.MethodType(_start_query_armed, driver)
-        if driver.info.transaction_status == TransactionStatus.IDLE:
+        if driver.pgconn.transaction_status == _IDLE:
             return  # not begun: it travels in this transaction's BEGIN
     _run(conn, f"INSERT INTO {table} (name, token) VALUES {row}")
 
@@ -679,6 +679,8 @@ def _psycopg_begin_hook() -> bool:
 
 
 _PSYCOPG_BEGIN_HOOK = _psycopg_begin_hook()
+#: (read once: the hook compares with it before every statement)
+_IDLE = TransactionStatus.IDLE
 
 
 def _start_query_armed(self: Any) -> Any:
@@ -687,6 +689,11 @@ def _start_query_armed(self: Any) -> Any:
     Installed on one psycopg connection; psycopg runs it before every
     statement and it sends something only when psycopg would send BEGIN.
     """
+    if self._autocommit or self.pgconn.transaction_status != _IDLE:
+        # psycopg's own step would send nothing either; in a transaction, it
+        # was armed when it began (or explicitly).  First: this runs before
+        # every statement.
+        return None
     arms = self.__dict__.get(_ARMS)
     if arms:
         owner = self.__dict__.get(_ARMS_OWNER)
@@ -694,10 +701,8 @@ def _start_query_armed(self: Any) -> Any:
         if conn is None or vars(conn).get(_SCOPE) is None:  # its lease scope has ended
             self.__dict__.pop(_ARMS, None)
             arms = None
-    if not arms or self._autocommit:
+    if not arms:
         return (yield from type(self)._start_query(self))
-    if self.pgconn.transaction_status != TransactionStatus.IDLE:
-        return None  # in a transaction: armed when it began (or explicitly)
     inserts = [
         f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}".encode()
         for table, rows in arms.items()
@@ -782,30 +787,46 @@ def _check_scope_and_commit(conn: Connection) -> None:
         driver.__dict__.pop(_ARMS, None)  # later BEGINs carry no arm
     dbapi_conn = fairy.dbapi_connection
     assert dbapi_conn is not None
-    dialect = conn.dialect
-    with _telemetry.CommitCheck(scope):  # latency, span; a stale refusal is counted
+    check = _telemetry.commit_check(scope)  # None: no span or latency to record
+    if check is None:
         try:
-            _send_commit(dbapi_conn)
-        except dialect.loaded_dbapi.Error as exc:
-            # End the transaction as a failed COMMIT would have; SQLAlchemy
-            # will not roll back a transaction whose commit failed before
-            # handing the connection back to its pool.
-            try:
-                dbapi_conn.rollback()
-            except Exception:  # a lost connection: SQLAlchemy sees the
-                pass  # disconnect in the error raised below and invalidates it
-            except BaseException:  # interrupted while rolling back
-                _invalidate(conn)
-                raise
-            stale = lease_error_from_check(exc, scope)
-            if stale is not None:
-                raise stale from None
-            raise DBAPIError.instance(
-                "COMMIT", None, exc, dialect.loaded_dbapi.Error, dialect=dialect
-            ) from exc
-        except BaseException:
+            _commit_in_scope(conn, dbapi_conn, scope)
+        except StaleTokenError as exc:
+            _telemetry.commit_refused(scope, exc)  # counted all the same
+            raise
+        return
+    with check:  # latency, span; a stale refusal is counted
+        _commit_in_scope(conn, dbapi_conn, scope)
+
+
+def _commit_in_scope(
+    conn: Connection, dbapi_conn: Any, scope: dict[tuple[str, int], Lease]
+) -> None:
+    """Send the COMMIT of :func:`_check_scope_and_commit`, raising StaleTokenError on a
+    refusal of lease scope."""
+    dialect = conn.dialect
+    try:
+        _send_commit(dbapi_conn)
+    except dialect.loaded_dbapi.Error as exc:
+        # End the transaction as a failed COMMIT would have; SQLAlchemy
+        # will not roll back a transaction whose commit failed before
+        # handing the connection back to its pool.
+        try:
+            dbapi_conn.rollback()
+        except Exception:  # a lost connection: SQLAlchemy sees the
+            pass  # disconnect in the error raised below and invalidates it
+        except BaseException:  # interrupted while rolling back
             _invalidate(conn)
             raise
+        stale = lease_error_from_check(exc, scope)
+        if stale is not None:
+            raise stale from None
+        raise DBAPIError.instance(
+            "COMMIT", None, exc, dialect.loaded_dbapi.Error, dialect=dialect
+        ) from exc
+    except BaseException:
+        _invalidate(conn)
+        raise
 
 
 def _send_commit(dbapi_conn: Any) -> None:
@@ -836,7 +857,9 @@ def _before_execute(
             state.present_for_raw_sql(conn)
         return elem, params, None
     if lease is not None:
-        _telemetry.wrote(lease)  # the first write under the lease is timed
+        tel = lease._tel
+        if tel is None or not tel.wrote:
+            _telemetry.wrote(lease)  # the first write under the lease is timed
     fence_col = fence_column_of(elem.table)
     if fence_col is None:
         if lease is None and elem.table in orm_index().association_tables:
@@ -1231,10 +1254,13 @@ def _refuse_from_statement(table: Any) -> None:
 
 def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
     state = session.info.get(_STATE_KEY) or state_for(session)
-    _refuse_confusable(connection, state, state.lease)
-    sharing: list[SessionState] | None = vars(connection).get(_SHARING)
+    attrs = vars(connection)
+    sharing: list[SessionState] | None = attrs.get(_SHARING)
+    active = attrs.get(_ACTIVE)
+    if sharing or (active is not None and active is not state):  # (else: its alone)
+        _refuse_confusable(connection, state, state.lease)
     if sharing is None:
-        vars(connection)[_SHARING] = [state]
+        attrs[_SHARING] = [state]
     elif state not in sharing:
         sharing.append(state)
     _attach(connection, state)
@@ -1299,22 +1325,26 @@ def _before_commit(session: Session) -> None:
 
 
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
-    if transaction.parent is None:
+    # (the attribute behind SessionTransaction.parent: this runs for the flush's
+    # subtransaction too, and the property is a call)
+    if transaction._parent is None:
         state: SessionState | None = session.info.get(_STATE_KEY)
         if state is not None:
             state.poisoned = None
             state.pending = None
             state.presented_in = None
-            state.bumped.clear()
+            if state.bumped:
+                state.bumped.clear()
             for conn in state.connections:
-                sharing = vars(conn).get(_SHARING) or []
+                attrs = vars(conn)
+                sharing = attrs.get(_SHARING) or []
                 if state in sharing:
                     sharing.remove(state)
                 if not sharing:
-                    vars(conn).pop(_SHARING, None)
-                if vars(conn).get(_ACTIVE) is state:
+                    attrs.pop(_SHARING, None)
+                if attrs.get(_ACTIVE) is state:
                     # another session's transaction may still run on it
-                    vars(conn)[_ACTIVE] = sharing[-1] if sharing else None
+                    attrs[_ACTIVE] = sharing[-1] if sharing else None
             state.connections.clear()
 
 
