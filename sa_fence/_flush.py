@@ -850,7 +850,7 @@ def _before_execute(
         scope = getattr(conn, _SCOPE, None)
         if scope is None or (lease.name, lease.token) not in scope or not _PSYCOPG_BEGIN_HOOK:
             _enter_scope(conn, lease)
-    if not isinstance(elem, Update | Delete | Insert):
+    if not (elem.is_dml and isinstance(elem, Update | Delete | Insert)):  # (a SELECT: no call)
         if isinstance(elem, TextClause):
             if lease is not None:
                 _refuse_chain(elem.text)
@@ -1212,9 +1212,11 @@ def _after_flush_postexec(session: Session, flush_context: UOWTransaction) -> No
 
 
 def _do_orm_execute(orm_state: ORMExecuteState) -> None:
-    if not (orm_state.is_update or orm_state.is_delete or orm_state.is_insert):
-        return
     stmt: Any = orm_state.statement
+    # ORMExecuteState.is_update etc., read off the statement (each property is a
+    # call, and every SELECT of a fenced session passes here)
+    if not (stmt.is_dml and (stmt.is_update or stmt.is_delete or stmt.is_insert)):
+        return
     dml = stmt if hasattr(stmt, "table") else getattr(stmt, "element", None)
     table = getattr(dml, "table", None)  # None: not a table's DML after all
     if table is None or fence_column_of(table) is None:
@@ -1234,7 +1236,7 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
     # were skipped as newer; 'fetch' (RETURNING) reports the rows the fenced
     # statement really changed.
     if (
-        (orm_state.is_update or orm_state.is_delete)
+        (stmt.is_update or stmt.is_delete)
         and not by_primary_key
         and orm_state.execution_options.get("synchronize_session", "auto") is not False
     ):
