@@ -763,6 +763,24 @@ with fencer.lease("job:1", ttl=5) as lease:
     assert done.stdout.startswith("token ")
 
 
+#: Subprocess source: the SDK pieces, and global providers reporting to
+#: ``reader`` and ``exporter`` (for the tests of providers set late).
+_SDK_IMPORTS = """from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+"""
+_SET_GLOBAL_PROVIDERS = """reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+exporter = InMemorySpanExporter()
+tracers = TracerProvider()
+tracers.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(tracers)
+"""
+
+
 def test_global_providers_set_after_the_fencer_was_made_receive_its_signals(
     engine: sa.Engine, key_prefix: str
 ) -> None:
@@ -772,21 +790,9 @@ def test_global_providers_set_after_the_fencer_was_made_receive_its_signals(
     the globals are set once."""
     code = f"""
 import redis, sqlalchemy as sa, sa_fence
-from opentelemetry import metrics, trace
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
+{_SDK_IMPORTS}
 {_fencer_code(engine, key_prefix, "sa_fence.telemetry.Telemetry()")}  # the API's proxies
-reader = InMemoryMetricReader()
-metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
-exporter = InMemorySpanExporter()
-tracers = TracerProvider()
-tracers.add_span_processor(SimpleSpanProcessor(exporter))
-trace.set_tracer_provider(tracers)
-with trace.get_tracer("app").start_as_current_span("request"):
+{_SET_GLOBAL_PROVIDERS}with trace.get_tracer("app").start_as_current_span("request"):
     fencer.acquire("job:1", ttl=5).release()
 fencer.acquire("job:2", ttl=5).release()  # outside a trace: recorded at collection
 metrics_ = {{m.name: m for rm in reader.get_metrics_data().resource_metrics
@@ -817,13 +823,7 @@ def test_with_the_apis_proxies_and_no_provider_nothing_is_made_and_refusals_stil
     the globals are set once."""
     code = f"""
 import redis, sqlalchemy as sa, sa_fence
-from opentelemetry import metrics, trace
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from sqlalchemy.orm import sessionmaker
+{_SDK_IMPORTS}from sqlalchemy.orm import sessionmaker
 from sa_fence import _telemetry
 from sa_fence.testing import expire
 from tests.models import Audit
@@ -853,13 +853,7 @@ with trace.use_span(parent):
         session.commit()
 print("pending", len(pending))
 
-reader = InMemoryMetricReader()
-metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
-exporter = InMemorySpanExporter()
-tracers = TracerProvider()
-tracers.add_span_processor(SimpleSpanProcessor(exporter))
-trace.set_tracer_provider(tracers)
-with trace.get_tracer("app").start_as_current_span("request"):
+{_SET_GLOBAL_PROVIDERS}with trace.get_tracer("app").start_as_current_span("request"):
     with fencer.lease("job:3", ttl=5) as lease, make_session() as session:
         lease.bind(session)
         session.add(Audit(message="traced"))
