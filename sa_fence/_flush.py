@@ -39,6 +39,7 @@ with the loaded version and forces one UPDATE per row.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import types
@@ -601,13 +602,20 @@ def _invalidate(conn: Connection) -> None:
         conn.invalidate()
 
 
+@functools.lru_cache(maxsize=256)
+def _arm_row(name: str, token: int) -> str:
+    """The scope table's VALUES row for a lease (cached: every fenced transaction
+    of a lease sends the same one, and quoting it took three calls)."""
+    return f"({quote_literal(name)}, {int(token)})"
+
+
 def _arm(conn: Connection, lease: Lease) -> None:
     """Arm ``conn``'s transaction (now or in its BEGIN) for ``lease``."""
     driver: Any = conn.connection.driver_connection
     if getattr(driver, "read_only", None):
         raise _read_only_error()
     table = _scope_table(conn, lease)
-    row = f"({quote_literal(lease.name)}, {int(lease.token)})"
+    row = _arm_row(lease.name, lease.token)
     if _PSYCOPG_BEGIN_HOOK and hasattr(driver, "_get_tx_start_command"):  # psycopg 3
         # every later BEGIN on this connection carries it, while in scope
         owner = driver.__dict__.get(_ARMS_OWNER)
@@ -637,7 +645,7 @@ def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> No
         return
     if info.transaction_status == TransactionStatus.IDLE:
         for lease in scope.values():
-            row = f"({quote_literal(lease.name)}, {int(lease.token)})"
+            row = _arm_row(lease.name, lease.token)
             _run(conn, f"INSERT INTO {_scope_table(conn, lease)} (name, token) VALUES {row}")
 
 
