@@ -602,10 +602,8 @@ def _invalidate(conn: Connection) -> None:
         conn.invalidate()
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256)  # every transaction of a lease sends the same row
 def _arm_row(name: str, token: int) -> str:
-    """The scope table's VALUES row for a lease (cached: every fenced transaction
-    of a lease sends the same one, and quoting it took three calls)."""
     return f"({quote_literal(name)}, {int(token)})"
 
 
@@ -687,7 +685,6 @@ def _psycopg_begin_hook() -> bool:
 
 
 _PSYCOPG_BEGIN_HOOK = _psycopg_begin_hook()
-#: (read once: the hook compares with it before every statement)
 _IDLE = TransactionStatus.IDLE
 
 
@@ -698,10 +695,7 @@ def _start_query_armed(self: Any) -> Any:
     statement and it sends something only when psycopg would send BEGIN.
     """
     if self._autocommit or self.pgconn.transaction_status != _IDLE:
-        # psycopg's own step would send nothing either; in a transaction, it
-        # was armed when it began (or explicitly).  First: this runs before
-        # every statement.
-        return None
+        return None  # as psycopg's step; in a transaction: armed when it began
     arms = self.__dict__.get(_ARMS)
     if arms:
         owner = self.__dict__.get(_ARMS_OWNER)
@@ -807,11 +801,7 @@ def _check_scope_and_commit(conn: Connection) -> None:
         _commit_in_scope(conn, dbapi_conn, scope)
 
 
-def _commit_in_scope(
-    conn: Connection, dbapi_conn: Any, scope: dict[tuple[str, int], Lease]
-) -> None:
-    """Send the COMMIT of :func:`_check_scope_and_commit`, raising StaleTokenError on a
-    refusal of lease scope."""
+def _commit_in_scope(conn: Connection, dbapi_conn: Any, scope: dict[Any, Lease]) -> None:
     dialect = conn.dialect
     try:
         _send_commit(dbapi_conn)
@@ -1221,8 +1211,7 @@ def _after_flush_postexec(session: Session, flush_context: UOWTransaction) -> No
 
 def _do_orm_execute(orm_state: ORMExecuteState) -> None:
     stmt: Any = orm_state.statement
-    # ORMExecuteState.is_update etc., read off the statement (each property is a
-    # call, and every SELECT of a fenced session passes here)
+    # (ORMExecuteState.is_update etc. without their calls: every SELECT passes here)
     if not (stmt.is_dml and (stmt.is_update or stmt.is_delete or stmt.is_insert)):
         return
     dml = stmt if hasattr(stmt, "table") else getattr(stmt, "element", None)
@@ -1335,8 +1324,7 @@ def _before_commit(session: Session) -> None:
 
 
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
-    # (the attribute behind SessionTransaction.parent: this runs for the flush's
-    # subtransaction too, and the property is a call)
+    # (.parent without its call: this runs for the flush's subtransaction too)
     if transaction._parent is None:
         state: SessionState | None = session.info.get(_STATE_KEY)
         if state is not None:

@@ -432,10 +432,7 @@ class BaseLease(Generic[FencerT]):
 
     def _check_for_write(self) -> None:
         """The flush's check: like :meth:`check`, validity only with ``fail_fast``."""
-        state = self._state
-        # The hot path, run for every fenced flush and statement: a lease neither
-        # released nor lost, whose clock matters only when renewed (overdue) or
-        # with fail_fast, and has not run out, passes without the calls below.
+        state = self._state  # the hot path (every fenced flush and statement): no calls
         if not (state.released or state.lost is not None) and (
             not (state.renewing or state.fail_fast) or time.monotonic() < state.valid_until
         ):

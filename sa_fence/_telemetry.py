@@ -227,23 +227,6 @@ def _record_takes_context() -> bool:
 _RECORD_TAKES_CONTEXT = otel_metrics is not None and _record_takes_context()
 
 
-def _is_proxy(tracer: Any) -> bool:
-    """Whether ``tracer`` is the API's proxy of the global provider, read the way
-    :meth:`Telemetry.start_span` reads it: its ``_tracer`` property is what the
-    proxy itself delegates to (the global provider's tracer, or a no-op one).
-    An API without that property is treated as a tracer like any other."""
-    return type(tracer) is otel_trace.ProxyTracer and isinstance(
-        getattr(otel_trace.ProxyTracer, "_tracer", None), property
-    )
-
-
-def _idle_instrument(histogram: Any) -> bool:
-    """Whether ``histogram`` records nothing now, and only because no meter
-    provider is set yet: the API's proxy instrument before it has a real one
-    (it drops what it is given until then).  Any other instrument is live."""
-    return type(histogram).__name__ == "_ProxyHistogram" and hasattr(histogram, "_real_instrument")
-
-
 class _Pending:
     """Histogram measurements of one meter provider, recorded when a reader collects.
 
@@ -294,19 +277,16 @@ class _Histogram:
     def __init__(self, histogram: Any, pending: _Pending) -> None:
         self.histogram = histogram
         self.pending = pending
-        # the API's proxy (no meter provider set when it was made): see idle()
-        self.proxy = _idle_instrument(histogram)
+        # The API's proxy (_ProxyHistogram: no meter provider set yet)? It drops
+        # measurements until one is set: sa-fence then takes none (nor their context).
+        self.proxy = hasattr(histogram, "_real_instrument")
 
     def idle(self) -> bool:
-        """Whether a measurement would be dropped: the global meter provider is
-        not set (yet).  The API's proxy drops measurements until it is, so
-        sa-fence does not even take them (nor their context)."""
         return self.proxy and self.histogram._real_instrument is None
 
     def record(self, amount: float, attributes: Mapping[str, str]) -> None:
-        if self.proxy and self.histogram._real_instrument is None:
-            return  # see idle()
-        self.pending.put(self.histogram, amount, attributes)
+        if not (self.proxy and self.histogram._real_instrument is None):  # (idle(), inlined)
+            self.pending.put(self.histogram, amount, attributes)
 
 
 class _Provider:
@@ -462,8 +442,7 @@ class Telemetry:
         self._warned_other = False
         self._pattern_of = functools.lru_cache(maxsize=1024)(self._compute_pattern)
         self.enabled = otel_metrics is not None and otel_trace is not None
-        self._untraced = True  # no span is ever started (see start_span)
-        self._proxy: Any = None  # the API's proxy tracer, while it may get a provider
+        self._untraced, self._proxy = True, None  # see start_span
         if not self.enabled:
             self.tracer = _NOOP
             for name in _INSTRUMENTS:
@@ -473,7 +452,10 @@ class Telemetry:
 
         self.tracer = tracer = otel_trace.get_tracer(SCOPE, version, tracer_provider)
         self._untraced = isinstance(tracer, otel_trace.NoOpTracer)
-        self._proxy = tracer if _is_proxy(tracer) else None
+        # The API's proxy of the global provider: its _tracer property is what it
+        # delegates to (an API without it is treated as any other tracer).
+        proxied = isinstance(getattr(otel_trace.ProxyTracer, "_tracer", None), property)
+        self._proxy = tracer if proxied and type(tracer) is otel_trace.ProxyTracer else None
         self._create_instruments(
             otel_metrics.get_meter(SCOPE, version, meter_provider), _provider_state(meter_provider)
         )
@@ -515,19 +497,16 @@ class Telemetry:
         each recorded span, and one-span traces of every lease cycle, not part
         of any request or task, are what a sampler would be asked to drop.
         """
-        proxy = self._proxy
-        if proxy is not None:
-            # The global tracer provider's tracer, or the API's no-op one while
-            # none is set: then no span, and not even the current one is looked
-            # up (docs/benchmarks.md, "Python function calls").  Asked at every
-            # span, so a provider set later takes effect at once.
-            tracer = proxy._tracer
+        tracer = self.tracer
+        if self._proxy is not None:
+            # The global provider's tracer, or the API's no-op one while none is
+            # set: then no span, and no lookup of the current one (about 8 calls).
+            # Asked at every span, so a provider set later takes effect at once.
+            tracer = self._proxy._tracer
             if type(tracer) is otel_trace.NoOpTracer:
                 return _NOOP
         elif self._untraced:
             return _NOOP
-        else:
-            tracer = self.tracer
         if not (self.root_spans or otel_trace.get_current_span().get_span_context().is_valid):
             return _NOOP
         return tracer.start_span(name, attributes=attributes)
@@ -816,9 +795,7 @@ def lost(lease: LeaseView) -> None:
 
 def wrote(lease: LeaseView) -> None:
     """A write statement is about to run under ``lease``: the first one is timed."""
-    tel = lease._tel
-    if tel is None:
-        tel = _lease_tel(lease)
+    tel = lease._tel or _lease_tel(lease)  # (a LeaseTelemetry is never false)
     if tel.wrote:
         return
     tel.wrote = True
@@ -848,27 +825,13 @@ def unfenced_refused(check: str = "flush") -> None:
 
 
 class CommitCheck:
-    """The commit check of one transaction (``with CommitCheck(scope):``): span and latency.
-
-    Made by :func:`commit_check` only when something would be recorded; a
-    stale refusal is counted either way (:func:`commit_refused`).
-    """
+    """The commit check of one transaction (``with commit_check(scope):``): span and latency."""
 
     __slots__ = ("attrs", "scope", "span", "started", "telemetry")
 
-    def __init__(
-        self,
-        scope: Mapping[tuple[str, int], LeaseView],
-        tel: LeaseTelemetry | None = None,
-        span: Any = None,
-    ) -> None:
-        self.scope = scope
-        if tel is None:
-            tel = _lease_tel(next(iter(scope.values())))
+    def __init__(self, scope: Mapping[tuple[str, int], LeaseView], tel: Any, span: Any) -> None:
+        self.scope, self.span = scope, span
         self.telemetry, self.attrs = tel.telemetry, tel.attrs
-        if span is None:
-            span = tel.telemetry.start_span("sa_fence.commit_check", tel.attrs)
-        self.span = span
         self.started = time.perf_counter()
 
     def __enter__(self) -> CommitCheck:
@@ -893,17 +856,11 @@ class CommitCheck:
 
 def commit_check(scope: Mapping[tuple[str, int], LeaseView]) -> CommitCheck | None:
     """The commit check's span and latency, or None when neither would be recorded
-    (no tracer and no meter provider set: the API's proxies, or no API at all).
-
-    Why None rather than a check of no-ops: on every fenced COMMIT, the no-op
-    check cost about 15 Python calls (docs/benchmarks.md).  The caller then
-    reports a stale refusal with :func:`commit_refused` itself.
-    """
+    (no provider set, or no API): a check of no-ops cost about 15 calls per
+    COMMIT.  The caller then counts a stale refusal with :func:`commit_refused`."""
     for lease in scope.values():  # noqa: B007 (the first one: no next(iter()) calls)
         break
-    tel = lease._tel
-    if tel is None:
-        tel = _lease_tel(lease)
+    tel = lease._tel or _lease_tel(lease)  # (a LeaseTelemetry is never false)
     telemetry = tel.telemetry
     span = telemetry.start_span("sa_fence.commit_check", tel.attrs)
     if span is _NOOP and telemetry.commit_check_duration.idle():
@@ -913,19 +870,13 @@ def commit_check(scope: Mapping[tuple[str, int], LeaseView]) -> CommitCheck | No
 
 def commit_refused(scope: Mapping[tuple[str, int], LeaseView], exc: StaleTokenError) -> None:
     """Lease scope refused a COMMIT: count it under the lease found stale."""
-    stale = next(
-        (lease for (name, _), lease in scope.items() if name == exc.lease_name),
-        next(iter(scope.values())),
-    )
-    stale_refused(stale, LEASE_SCOPE, exc)
+    named = [lease for (name, _), lease in scope.items() if name == exc.lease_name]
+    stale_refused(named[0] if named else next(iter(scope.values())), LEASE_SCOPE, exc)
 
 
 def flush_started(lease: LeaseView) -> Any:
-    """A fenced flush begins: its span (ended by :func:`flush_ended`), or None when
-    none is recorded."""
-    tel = lease._tel
-    if tel is None:
-        tel = _lease_tel(lease)
+    """A fenced flush begins: its span (ended by :func:`flush_ended`), or None."""
+    tel = lease._tel or _lease_tel(lease)  # (a LeaseTelemetry is never false)
     span = tel.telemetry.start_span("sa_fence.flush", tel.attrs)
     return None if span is _NOOP else span
 
