@@ -39,6 +39,7 @@ with the loaded version and forces one UPDATE per row.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import types
@@ -632,13 +633,18 @@ def _invalidate(conn: Connection) -> None:
         conn.invalidate()
 
 
+@functools.lru_cache(maxsize=256)  # every transaction of a lease sends the same row
+def _arm_row(name: str, token: int) -> str:
+    return f"({quote_literal(name)}, {int(token)})"
+
+
 def _arm(conn: Connection, lease: Lease) -> None:
     """Arm ``conn``'s transaction (now or in its BEGIN) for ``lease``."""
     driver: Any = conn.connection.driver_connection
     if getattr(driver, "read_only", None):
         raise _read_only_error()
     table = _scope_table(conn, lease)
-    row = f"({quote_literal(lease.name)}, {int(lease.token)})"
+    row = _arm_row(lease.name, lease.token)
     if _PSYCOPG_BEGIN_HOOK and hasattr(driver, "_get_tx_start_command"):  # psycopg 3
         # every later BEGIN on this connection carries it, while in scope
         owner = driver.__dict__.get(_ARMS_OWNER)
@@ -649,7 +655,7 @@ def _arm(conn: Connection, lease: Lease) -> None:
         arms.setdefault(table, []).append(row)
         if _ARMED_START not in driver.__dict__:
             driver._start_query = types.MethodType(_start_query_armed, driver)
-        if driver.info.transaction_status == TransactionStatus.IDLE:
+        if driver.pgconn.transaction_status == _IDLE:
             return  # not begun: it travels in this transaction's BEGIN
     _run(conn, f"INSERT INTO {table} (name, token) VALUES {row}")
 
@@ -668,7 +674,7 @@ def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> No
         return
     if info.transaction_status == TransactionStatus.IDLE:
         for lease in scope.values():
-            row = f"({quote_literal(lease.name)}, {int(lease.token)})"
+            row = _arm_row(lease.name, lease.token)
             _run(conn, f"INSERT INTO {_scope_table(conn, lease)} (name, token) VALUES {row}")
 
 
@@ -710,6 +716,7 @@ def _psycopg_begin_hook() -> bool:
 
 
 _PSYCOPG_BEGIN_HOOK = _psycopg_begin_hook()
+_IDLE = TransactionStatus.IDLE
 
 
 def _start_query_armed(self: Any) -> Any:
@@ -718,6 +725,8 @@ def _start_query_armed(self: Any) -> Any:
     Installed on one psycopg connection; psycopg runs it before every
     statement and it sends something only when psycopg would send BEGIN.
     """
+    if self._autocommit or self.pgconn.transaction_status != _IDLE:
+        return None  # as psycopg's step; in a transaction: armed when it began
     arms = self.__dict__.get(_ARMS)
     if arms:
         owner = self.__dict__.get(_ARMS_OWNER)
@@ -725,10 +734,8 @@ def _start_query_armed(self: Any) -> Any:
         if conn is None or vars(conn).get(_SCOPE) is None:  # its lease scope has ended
             self.__dict__.pop(_ARMS, None)
             arms = None
-    if not arms or self._autocommit:
+    if not arms:
         return (yield from type(self)._start_query(self))
-    if self.pgconn.transaction_status != TransactionStatus.IDLE:
-        return None  # in a transaction: armed when it began (or explicitly)
     inserts = [
         f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}".encode()
         for table, rows in arms.items()
@@ -813,30 +820,42 @@ def _check_scope_and_commit(conn: Connection) -> None:
         driver.__dict__.pop(_ARMS, None)  # later BEGINs carry no arm
     dbapi_conn = fairy.dbapi_connection
     assert dbapi_conn is not None
-    dialect = conn.dialect
-    with _telemetry.CommitCheck(scope):  # latency, span; a stale refusal is counted
+    check = _telemetry.commit_check(scope)  # None: no span or latency to record
+    if check is None:
         try:
-            _send_commit(dbapi_conn)
-        except dialect.loaded_dbapi.Error as exc:
-            # End the transaction as a failed COMMIT would have; SQLAlchemy
-            # will not roll back a transaction whose commit failed before
-            # handing the connection back to its pool.
-            try:
-                dbapi_conn.rollback()
-            except Exception:  # a lost connection: SQLAlchemy sees the
-                pass  # disconnect in the error raised below and invalidates it
-            except BaseException:  # interrupted while rolling back
-                _invalidate(conn)
-                raise
-            stale = lease_error_from_check(exc, scope)
-            if stale is not None:
-                raise stale from None
-            raise DBAPIError.instance(
-                "COMMIT", None, exc, dialect.loaded_dbapi.Error, dialect=dialect
-            ) from exc
-        except BaseException:
+            _commit_in_scope(conn, dbapi_conn, scope)
+        except StaleTokenError as exc:
+            _telemetry.commit_refused(scope, exc)  # counted all the same
+            raise
+        return
+    with check:  # latency, span; a stale refusal is counted
+        _commit_in_scope(conn, dbapi_conn, scope)
+
+
+def _commit_in_scope(conn: Connection, dbapi_conn: Any, scope: dict[Any, Lease]) -> None:
+    dialect = conn.dialect
+    try:
+        _send_commit(dbapi_conn)
+    except dialect.loaded_dbapi.Error as exc:
+        # End the transaction as a failed COMMIT would have; SQLAlchemy
+        # will not roll back a transaction whose commit failed before
+        # handing the connection back to its pool.
+        try:
+            dbapi_conn.rollback()
+        except Exception:  # a lost connection: SQLAlchemy sees the
+            pass  # disconnect in the error raised below and invalidates it
+        except BaseException:  # interrupted while rolling back
             _invalidate(conn)
             raise
+        stale = lease_error_from_check(exc, scope)
+        if stale is not None:
+            raise stale from None
+        raise DBAPIError.instance(
+            "COMMIT", None, exc, dialect.loaded_dbapi.Error, dialect=dialect
+        ) from exc
+    except BaseException:
+        _invalidate(conn)
+        raise
 
 
 def _send_commit(dbapi_conn: Any) -> None:
@@ -860,14 +879,16 @@ def _before_execute(
         scope = getattr(conn, _SCOPE, None)
         if scope is None or (lease.name, lease.token) not in scope or not _PSYCOPG_BEGIN_HOOK:
             _enter_scope(conn, lease)
-    if not isinstance(elem, Update | Delete | Insert):
+    if not (elem.is_dml and isinstance(elem, Update | Delete | Insert)):  # (a SELECT: no call)
         if isinstance(elem, TextClause):
             if lease is not None:
                 _refuse_chain(elem.text)
             state.present_for_raw_sql(conn)
         return elem, params, None
     if lease is not None:
-        _telemetry.wrote(lease)  # the first write under the lease is timed
+        tel = lease._tel
+        if tel is None or not tel.wrote:
+            _telemetry.wrote(lease)  # the first write under the lease is timed
     fence_col = fence_column_of(elem.table)
     if fence_col is None:
         if lease is None and elem.table in orm_index().association_tables:
@@ -1220,9 +1241,10 @@ def _after_flush_postexec(session: Session, flush_context: UOWTransaction) -> No
 
 
 def _do_orm_execute(orm_state: ORMExecuteState) -> None:
-    if not (orm_state.is_update or orm_state.is_delete or orm_state.is_insert):
-        return
     stmt: Any = orm_state.statement
+    # (ORMExecuteState.is_update etc. without their calls: every SELECT passes here)
+    if not (stmt.is_dml and (stmt.is_update or stmt.is_delete or stmt.is_insert)):
+        return
     dml = stmt if hasattr(stmt, "table") else getattr(stmt, "element", None)
     table = getattr(dml, "table", None)  # None: not a table's DML after all
     if table is None or fence_column_of(table) is None:
@@ -1242,7 +1264,7 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
     # were skipped as newer; 'fetch' (RETURNING) reports the rows the fenced
     # statement really changed.
     if (
-        (orm_state.is_update or orm_state.is_delete)
+        (stmt.is_update or stmt.is_delete)
         and not by_primary_key
         and orm_state.execution_options.get("synchronize_session", "auto") is not False
     ):
@@ -1262,10 +1284,13 @@ def _refuse_from_statement(table: Any) -> None:
 
 def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
     state = session.info.get(_STATE_KEY) or state_for(session)
-    _refuse_confusable(connection, state, state.lease)
-    sharing: list[SessionState] | None = vars(connection).get(_SHARING)
+    attrs = vars(connection)
+    sharing: list[SessionState] | None = attrs.get(_SHARING)
+    active = attrs.get(_ACTIVE)
+    if sharing or (active is not None and active is not state):  # (else: its alone)
+        _refuse_confusable(connection, state, state.lease)
     if sharing is None:
-        vars(connection)[_SHARING] = [state]
+        attrs[_SHARING] = [state]
     elif state not in sharing:
         sharing.append(state)
     _attach(connection, state)
@@ -1330,22 +1355,25 @@ def _before_commit(session: Session) -> None:
 
 
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
-    if transaction.parent is None:
+    # (.parent without its call: this runs for the flush's subtransaction too)
+    if transaction._parent is None:
         state: SessionState | None = session.info.get(_STATE_KEY)
         if state is not None:
             state.poisoned = None
             state.pending = None
             state.presented_in = None
-            state.bumped.clear()
+            if state.bumped:
+                state.bumped.clear()
             for conn in state.connections:
-                sharing = vars(conn).get(_SHARING) or []
+                attrs = vars(conn)
+                sharing = attrs.get(_SHARING) or []
                 if state in sharing:
                     sharing.remove(state)
                 if not sharing:
-                    vars(conn).pop(_SHARING, None)
-                if vars(conn).get(_ACTIVE) is state:
+                    attrs.pop(_SHARING, None)
+                if attrs.get(_ACTIVE) is state:
                     # another session's transaction may still run on it
-                    vars(conn)[_ACTIVE] = sharing[-1] if sharing else None
+                    attrs[_ACTIVE] = sharing[-1] if sharing else None
             state.connections.clear()
 
 

@@ -428,6 +428,11 @@ class BaseLease(Generic[FencerT]):
 
     def _check_for_write(self) -> None:
         """The flush's check: like :meth:`check`, validity only with ``fail_fast``."""
+        state = self._state  # the hot path (every fenced flush and statement): no calls
+        if not (state.released or state.lost is not None) and (
+            not (state.renewing or state.fail_fast) or time.monotonic() < state.valid_until
+        ):
+            return
         self._notice_overdue()
         problem = self._state.problem(time.monotonic(), for_write=True)
         if problem is not None:

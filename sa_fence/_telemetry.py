@@ -137,6 +137,9 @@ class _NoOp:
     def record(self, amount: float, attributes: Any = None) -> None:
         pass
 
+    def idle(self) -> bool:
+        return True
+
     def start_span(self, name: str, *args: Any, **kwargs: Any) -> _NoOp:
         return self
 
@@ -269,14 +272,21 @@ class _Pending:
 class _Histogram:
     """A histogram whose measurements wait in ``pending`` until a reader collects."""
 
-    __slots__ = ("histogram", "pending")
+    __slots__ = ("histogram", "pending", "proxy")
 
     def __init__(self, histogram: Any, pending: _Pending) -> None:
         self.histogram = histogram
         self.pending = pending
+        # The API's proxy (_ProxyHistogram: no meter provider set yet)? It drops
+        # measurements until one is set: sa-fence then takes none (nor their context).
+        self.proxy = hasattr(histogram, "_real_instrument")
+
+    def idle(self) -> bool:
+        return self.proxy and self.histogram._real_instrument is None
 
     def record(self, amount: float, attributes: Mapping[str, str]) -> None:
-        self.pending.put(self.histogram, amount, attributes)
+        if not (self.proxy and self.histogram._real_instrument is None):  # (idle(), inlined)
+            self.pending.put(self.histogram, amount, attributes)
 
 
 class _Provider:
@@ -432,6 +442,7 @@ class Telemetry:
         self._warned_other = False
         self._pattern_of = functools.lru_cache(maxsize=1024)(self._compute_pattern)
         self.enabled = otel_metrics is not None and otel_trace is not None
+        self._untraced, self._proxy = True, None  # see start_span
         if not self.enabled:
             self.tracer = _NOOP
             for name in _INSTRUMENTS:
@@ -439,7 +450,12 @@ class Telemetry:
             return
         from . import __version__ as version
 
-        self.tracer = otel_trace.get_tracer(SCOPE, version, tracer_provider)
+        self.tracer = tracer = otel_trace.get_tracer(SCOPE, version, tracer_provider)
+        self._untraced = isinstance(tracer, otel_trace.NoOpTracer)
+        # The API's proxy of the global provider: its _tracer property is what it
+        # delegates to (an API without it is treated as any other tracer).
+        proxied = isinstance(getattr(otel_trace.ProxyTracer, "_tracer", None), property)
+        self._proxy = tracer if proxied and type(tracer) is otel_trace.ProxyTracer else None
         self._create_instruments(
             otel_metrics.get_meter(SCOPE, version, meter_provider), _provider_state(meter_provider)
         )
@@ -482,9 +498,16 @@ class Telemetry:
         of any request or task, are what a sampler would be asked to drop.
         """
         tracer = self.tracer
-        if tracer is _NOOP or not (
-            self.root_spans or otel_trace.get_current_span().get_span_context().is_valid
-        ):
+        if self._proxy is not None:
+            # The global provider's tracer, or the API's no-op one while none is
+            # set: then no span, and no lookup of the current one (about 8 calls).
+            # Asked at every span, so a provider set later takes effect at once.
+            tracer = self._proxy._tracer
+            if type(tracer) is otel_trace.NoOpTracer:
+                return _NOOP
+        elif self._untraced:
+            return _NOOP
+        if not (self.root_spans or otel_trace.get_current_span().get_span_context().is_valid):
             return _NOOP
         return tracer.start_span(name, attributes=attributes)
 
@@ -772,9 +795,7 @@ def lost(lease: LeaseView) -> None:
 
 def wrote(lease: LeaseView) -> None:
     """A write statement is about to run under ``lease``: the first one is timed."""
-    tel = lease._tel
-    if tel is None:
-        tel = _lease_tel(lease)
+    tel = lease._tel or _lease_tel(lease)  # (a LeaseTelemetry is never false)
     if tel.wrote:
         return
     tel.wrote = True
@@ -804,16 +825,13 @@ def unfenced_refused(check: str = "flush") -> None:
 
 
 class CommitCheck:
-    """The commit check of one transaction (``with CommitCheck(scope):``): span and latency."""
+    """The commit check of one transaction (``with commit_check(scope):``): span and latency."""
 
     __slots__ = ("attrs", "scope", "span", "started", "telemetry")
 
-    def __init__(self, scope: Mapping[tuple[str, int], LeaseView]) -> None:
-        self.scope = scope
-        lease = next(iter(scope.values()))
-        tel = _lease_tel(lease)
+    def __init__(self, scope: Mapping[tuple[str, int], LeaseView], tel: Any, span: Any) -> None:
+        self.scope, self.span = scope, span
         self.telemetry, self.attrs = tel.telemetry, tel.attrs
-        self.span = tel.telemetry.start_span("sa_fence.commit_check", tel.attrs)
         self.started = time.perf_counter()
 
     def __enter__(self) -> CommitCheck:
@@ -825,11 +843,7 @@ class CommitCheck:
             outcome = "ok"
         elif isinstance(exc, StaleTokenError):
             outcome = "stale"
-            stale = next(
-                (lease for (name, _), lease in self.scope.items() if name == exc.lease_name),
-                next(iter(self.scope.values())),
-            )
-            stale_refused(stale, LEASE_SCOPE, exc)
+            commit_refused(self.scope, exc)
         else:
             outcome = "error"
         self.telemetry.commit_check_duration.record(took, {**self.attrs, OUTCOME: outcome})
@@ -840,12 +854,31 @@ class CommitCheck:
         span.end()
 
 
+def commit_check(scope: Mapping[tuple[str, int], LeaseView]) -> CommitCheck | None:
+    """The commit check's span and latency, or None when neither would be recorded
+    (no provider set, or no API): a check of no-ops cost about 15 calls per
+    COMMIT.  The caller then counts a stale refusal with :func:`commit_refused`."""
+    for lease in scope.values():  # noqa: B007 (the first one: no next(iter()) calls)
+        break
+    tel = lease._tel or _lease_tel(lease)  # (a LeaseTelemetry is never false)
+    telemetry = tel.telemetry
+    span = telemetry.start_span("sa_fence.commit_check", tel.attrs)
+    if span is _NOOP and telemetry.commit_check_duration.idle():
+        return None
+    return CommitCheck(scope, tel, span)
+
+
+def commit_refused(scope: Mapping[tuple[str, int], LeaseView], exc: StaleTokenError) -> None:
+    """Lease scope refused a COMMIT: count it under the lease found stale."""
+    named = [lease for (name, _), lease in scope.items() if name == exc.lease_name]
+    stale_refused(named[0] if named else next(iter(scope.values())), LEASE_SCOPE, exc)
+
+
 def flush_started(lease: LeaseView) -> Any:
-    """A fenced flush begins: its span (ended by :func:`flush_ended`)."""
-    tel = lease._tel
-    if tel is None:
-        tel = _lease_tel(lease)
-    return tel.telemetry.start_span("sa_fence.flush", tel.attrs)
+    """A fenced flush begins: its span (ended by :func:`flush_ended`), or None."""
+    tel = lease._tel or _lease_tel(lease)  # (a LeaseTelemetry is never false)
+    span = tel.telemetry.start_span("sa_fence.flush", tel.attrs)
+    return None if span is _NOOP else span
 
 
 def flush_ended(span: Any, *, failed: bool = False) -> None:

@@ -520,6 +520,34 @@ def test_a_fail_fast_lease_refuses_to_flush_once_its_local_validity_has_passed(
     assert job_row(engine, 1)[0] == "initial"  # type: ignore[index]
 
 
+def test_a_renewed_lease_past_its_validity_is_refused_at_the_flush_unasked(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    clock: FakeClock,
+) -> None:
+    """A renewed lease whose renewal never came (its renewer stuck: here, none runs)
+    is lost once its local validity passes, noticed by the flush's own check even
+    when nobody asked ``lease.lost`` first, and without ``fail_fast``."""
+    with fencer.lease("seed", 30) as seed, make_session() as session:
+        seed.bind(session)
+        session.add(Job(id=1, result="initial"))
+        session.commit()
+    lease = fencer.acquire("job:1", 30)
+    lease._state.renewing = True  # as renew=True sets it, with no renewer thread to race
+    with make_session() as session:
+        lease.bind(session)
+        session.get(Job, 1).result = "late"
+        clock.now += 31  # past the local validity, no renewal answered
+        try:
+            with pytest.raises(sa_fence.LeaseLostError):
+                session.commit()
+        finally:
+            session.rollback()
+            lease.release()
+    assert job_row(engine, 1)[0] == "initial"  # type: ignore[index]
+
+
 def test_without_fail_fast_the_same_late_write_goes_through_as_the_fence_allows_it(
     fencer: sa_fence.Fencer,
     make_session: sessionmaker[Session],

@@ -763,6 +763,24 @@ with fencer.lease("job:1", ttl=5) as lease:
     assert done.stdout.startswith("token ")
 
 
+#: Subprocess source: the SDK pieces, and global providers reporting to
+#: ``reader`` and ``exporter`` (for the tests of providers set late).
+_SDK_IMPORTS = """from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+"""
+_SET_GLOBAL_PROVIDERS = """reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+exporter = InMemorySpanExporter()
+tracers = TracerProvider()
+tracers.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(tracers)
+"""
+
+
 def test_global_providers_set_after_the_fencer_was_made_receive_its_signals(
     engine: sa.Engine, key_prefix: str
 ) -> None:
@@ -772,21 +790,9 @@ def test_global_providers_set_after_the_fencer_was_made_receive_its_signals(
     the globals are set once."""
     code = f"""
 import redis, sqlalchemy as sa, sa_fence
-from opentelemetry import metrics, trace
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
+{_SDK_IMPORTS}
 {_fencer_code(engine, key_prefix, "sa_fence.telemetry.Telemetry()")}  # the API's proxies
-reader = InMemoryMetricReader()
-metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
-exporter = InMemorySpanExporter()
-tracers = TracerProvider()
-tracers.add_span_processor(SimpleSpanProcessor(exporter))
-trace.set_tracer_provider(tracers)
-with trace.get_tracer("app").start_as_current_span("request"):
+{_SET_GLOBAL_PROVIDERS}with trace.get_tracer("app").start_as_current_span("request"):
     fencer.acquire("job:1", ttl=5).release()
 fencer.acquire("job:2", ttl=5).release()  # outside a trace: recorded at collection
 metrics_ = {{m.name: m for rm in reader.get_metrics_data().resource_metrics
@@ -805,3 +811,65 @@ print(sorted(s.name for s in exporter.get_finished_spans()))
     ):
         assert repr(name) in metric_names
     assert span_names == "['request', 'sa_fence.lease']"
+
+
+def test_with_the_apis_proxies_and_no_provider_nothing_is_made_and_refusals_still_count(
+    engine: sa.Engine, key_prefix: str
+) -> None:
+    """No provider set (the API installed, no SDK configured): no span is started, not
+    even inside a caller's trace, and no histogram measurement is taken or kept (the
+    proxies would drop them); a stale COMMIT refused then is still counted, and the
+    providers set afterwards get every signal of the next transaction.  A subprocess:
+    the globals are set once."""
+    code = f"""
+import redis, sqlalchemy as sa, sa_fence
+{_SDK_IMPORTS}from sqlalchemy.orm import sessionmaker
+from sa_fence import _telemetry
+from sa_fence.testing import expire
+from tests.models import Audit
+
+{_fencer_code(engine, key_prefix, "sa_fence.telemetry.Telemetry()")}  # the API's proxies
+telemetry = fencer._telemetry
+make_session = sa_fence.install(sessionmaker(fencer.engine))
+# a caller's trace from elsewhere (a propagated parent): a valid span context
+parent = trace.NonRecordingSpan(trace.SpanContext(1, 2, is_remote=True))
+pending = _telemetry._providers[_telemetry._GLOBAL].pending.items
+with trace.use_span(parent):
+    assert telemetry.start_span("x", {{}}) is _telemetry._NOOP
+    old = fencer.acquire("job:1", ttl=5)
+    with make_session() as session:
+        old.bind(session)
+        session.add(Audit(message="late"))
+        session.flush()
+        expire(old)
+        with fencer.lease("job:1", ttl=5):
+            try:
+                session.commit()
+            except sa_fence.StaleTokenError:
+                print("refused")
+    with fencer.lease("job:2", ttl=5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add(Audit(message="on time"))
+        session.commit()
+print("pending", len(pending))
+
+{_SET_GLOBAL_PROVIDERS}with trace.get_tracer("app").start_as_current_span("request"):
+    with fencer.lease("job:3", ttl=5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add(Audit(message="traced"))
+        session.commit()
+found = {{m.name: m for rm in reader.get_metrics_data().resource_metrics
+         for sm in rm.scope_metrics for m in sm.metrics}}
+print(sum(p.value for p in found["sa_fence.write.stale_refused"].data.data_points))
+print(sum(p.count for p in found["sa_fence.commit_check.duration"].data.data_points))
+print(sorted(s.name for s in exporter.get_finished_spans()))
+"""
+    done = _run_python(code)
+    lines = done.stdout.splitlines()[-5:]
+    assert lines[:2] == ["refused", "pending 0"]
+    refused, checks, span_names = lines[2:]
+    assert refused == "1"  # counted before any provider was set
+    assert checks == "1"  # the one after: none was kept from before
+    assert span_names == (
+        "['request', 'sa_fence.commit_check', 'sa_fence.flush', 'sa_fence.lease']"
+    )

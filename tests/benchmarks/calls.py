@@ -294,11 +294,11 @@ def report(result: CallsResult) -> list[Target]:
 
 
 WHY_TRANSACTION = (
-    "profiled (cProfile, callers): sa-fence's own code (session listeners, the connection "
-    "steps: statement rewrite, row count check, arm, COMMIT; the lease's validity checks), "
-    "its flush and commit spans (sa_fence._telemetry and opentelemetry's API) and the ORM's "
-    "expiry of obj.fence after the UPDATE; see 'where the calls go' above and "
-    "docs/benchmarks.md"
+    "profiled (cProfile, callers): sa-fence's own code (session listeners, bind(), the "
+    "connection steps: statement rewrite, row count check, arm, COMMIT), a few calls of its "
+    "telemetry (no SDK set up: no span is made) and of the lease's validity checks, and "
+    "SQLAlchemy's (the ORM's expiry of obj.fence after the UPDATE, the session events' "
+    "dispatch, binding the token); see 'where the calls go' above and docs/benchmarks.md"
 )
 WHY_CYCLE = (
     "profiled: redis-py's client path for the three scripts (its connection pool, command "
