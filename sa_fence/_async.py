@@ -16,24 +16,13 @@
         await session.commit()        # StaleTokenError if a newer holder wrote
 
 Same API as :class:`sa_fence.Fencer` / :class:`sa_fence.Lease` (a test
-compares the signatures), and the same behaviour from one source: the
-lifecycle in :mod:`sa_fence._lifecycle`, driven here by awaiting each call it
-yields.  Token draws and the sequence check run the sync
-:class:`~sa_fence._tokens.TokenSource` inside SQLAlchemy's greenlet bridge;
-the flush hook is the sync session's own (``AsyncSession`` runs it).
-
-What differs, because asyncio can cancel at any ``await``:
-
-* A cancelled :meth:`AsyncFencer.acquire` removes whatever it may have set in
-  Redis (owner-checked, in a shielded task that a second cancellation cannot
-  interrupt) before the ``CancelledError`` propagates: no lease is left that
-  we own but believe we do not.
-* :meth:`AsyncLease.release` stops renewal first and marks the lease released
-  only once Redis has answered; the delete runs shielded, so cancelling the
-  caller does not cancel it.
-* Renewal is one asyncio task per renewed lease, holding the lease weakly.
-  Lease state lives on the lease object (and the decorator's contextvar),
-  never in ``threading.local``.
+compares the signatures) and the same lifecycle (:mod:`sa_fence._lifecycle`),
+run inside SQLAlchemy's greenlet bridge, so each Redis and PostgreSQL call is
+awaited where the sync front end makes it.  What differs, because asyncio can
+cancel at any ``await``: a cancelled acquire removes what it may have set in
+Redis (owner-checked, shielded) before ``CancelledError`` propagates; a
+release runs its delete shielded and marks the lease released only once Redis
+answered; renewal is one task per renewed lease, holding it weakly.
 """
 
 from __future__ import annotations

@@ -1,66 +1,31 @@
 """The lease register: the database's memory of the newest token per lease name.
 
-The row fence refuses a stale write only to a row a newer holder has
-already written.  The register closes the rest (INSERTs, association and
-subclass tables, the database's own cascades, rows the newer holder has not
-reached yet): a transaction of a session bound to a lease commits only
-while the register still holds that lease's token (docs/guarantees.md, "A
-stale holder commits nothing"; docs/lease-scope.md)::
+The row fence refuses a stale write only to a row a newer holder has already
+written; the register closes the rest (INSERTs, association and subclass
+tables, the database's own cascades): a transaction of a session bound to a
+lease commits only while the register still holds that lease's token.  The
+tables' columns and triggers are drawn in docs/architecture.md ("The
+tables"); the guarantees in docs/guarantees.md and docs/lease-scope.md.
 
-    sa_fence_leases
-      name        text PRIMARY KEY   the lease name
-      token       bigint NOT NULL    the newest token granted for it
-                  DEFAULT nextval('<the token sequence>')
-      granted_at  timestamptz NOT NULL
-      previous    bigint             the token before it (for a withdrawn grant)
-
-The token column's default names the register's one sequence: every grant
-draws from the sequence the default depends on, and a Fencer naming another
-sequence is refused (two sequences on one set of rows would let a stale
-holder's token overtake a newer one).
-
-**Grant** (:meth:`Register.grant_sql`): one autocommit statement draws the token and
-advances the register.  The token is durable once the WAL record of its
-``nextval`` is (nextval logs 32 values ahead): the statement reads whether that
-record is already flushed, and if so commits without waiting for a flush
-(``synchronous_commit`` off for its transaction alone); otherwise its commit
-flushes the WAL as any commit does.  Either way a crash cannot hand the token
-out again; an unflushed register advance is flushed by the holder's first
-commit, and until then a crash can only lose the grant (docs/guarantees.md,
-"A PostgreSQL crash").  The same statement checks the sequence's
-fitness (``CACHE 1``, ``NO CYCLE``, increment > 0, ``bigint``) and that it is
-the register's own; an unfit sequence draws nothing and the statement
-returns no row.  ``lock_timeout`` bounds the wait for a committing holder's
-share lock on the register row.
-
-**Withdraw** (:meth:`Register.withdraw_sql`): when the lease turned out lost before
-its token could be confirmed in Redis, the token was never used; the register
-goes back to the token before it (compare-and-set on our token), so a live
-holder granted in between is not fenced out.
-
-**Lease scope, held by PostgreSQL** (:func:`check_function_sql`)::
-
-    sa_fence_scope (UNLOGGED)
-      xact   bigint NOT NULL   the writing transaction's 64-bit id (indexed)
-      name   text NOT NULL     the lease name
-      token  bigint NOT NULL   the lease's token
-    CONSTRAINT TRIGGER sa_fence_scope_check AFTER INSERT
-      DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
-
-A transaction in lease scope inserts one row (the *arm*, sent by sa-fence in
-the transaction's BEGIN message).  At COMMIT or PREPARE TRANSACTION,
-whoever sends it, the trigger takes a share lock on the register row of the
-name, raises SQLSTATE :data:`LEASE_STALE_SQLSTATE` unless the row still holds
-the token, and deletes the transaction's scope rows.  The lock is held until
-the transaction ends, so a newer grant happens either before the check
-(refused) or after the commit.  UNLOGGED: no WAL for the arm, and a table
-that a crash empties loses only rows of transactions that died with it; a
-permanent table needs no per-connection set-up, so it works behind a
-transaction pooler.  ``<schema>.sa_fence_check_lease(name, token)`` runs the
-same check for raw writers that send it with their COMMIT.  Both functions
-name everything schema-qualified and pin ``search_path = pg_catalog,
-pg_temp``, so nothing on a caller's search path (a ``TEMP TABLE
-sa_fence_leases``) can stand in for the register.
+* **Grant** (:meth:`Register.grant_sql`): one autocommit statement draws the
+  token from the sequence the register's ``token`` default names (checked
+  fit, :mod:`sa_fence._fitness`), moves the register forward only, and
+  commits without waiting for a WAL flush when the WAL record that makes the
+  token durable is already flushed (docs/guarantees.md, "A PostgreSQL
+  crash").  ``lock_timeout`` bounds the wait for a committing holder's share
+  lock on the register row.
+* **Withdraw** (:meth:`Register.withdraw_sql`): a grant whose lease was lost
+  before its token was confirmed in Redis puts the register back to the token
+  before it (compare-and-set on ours), so a holder granted in between is not
+  fenced out.
+* **Lease scope** (:func:`check_function_sql`): a transaction in scope writes
+  one row to the UNLOGGED ``sa_fence_scope`` in its BEGIN message (the arm);
+  a deferred constraint trigger checks, at COMMIT or PREPARE TRANSACTION
+  whoever sends it, that the register still holds the token (else SQLSTATE
+  :data:`LEASE_STALE_SQLSTATE`), under a share lock held to the end, so a
+  newer grant comes either before the check or after the commit.  Everything
+  is schema-qualified with a pinned ``search_path``: nothing on a caller's
+  search path can stand in for the register.
 """
 
 from __future__ import annotations

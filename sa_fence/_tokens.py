@@ -418,21 +418,13 @@ class TokenSource:
             )
 
     def _next_token_psycopg(self, params: dict[str, Any]) -> Any:
-        """The same statement on a psycopg connection of the engine's, driven directly.
+        """The same statement on one psycopg connection the pool made and let go.
 
-        Performance fix (docs/benchmarks.md): through a pooled SQLAlchemy
-        ``Connection`` with ``isolation_level="AUTOCOMMIT"`` a token cost
-        ~225 us of Python (execution options, isolation level set and reset,
-        result wrapping, checkout and reset-on-return) around a ~80 us round
-        trip.  Now one connection, made by the engine's pool (so its connect
-        events and arguments apply) and then detached from it, stays in
-        autocommit for the token statement alone; the pool keeps its full
-        size.  A thread that finds it busy, and a call after it failed, uses
-        a pooled connection the same way instead, retried once on a fresh one
-        when that connection was lost too (:data:`DRAW_ATTEMPTS`).  Only for
-        engines without connection event listeners (see next_token).  Errors
-        are raised as SQLAlchemy's ``DBAPIError``, as before; a connection
-        that failed is never used again.
+        It stays in autocommit for the grant alone, sparing SQLAlchemy's
+        per-checkout work (about 3x the round trip, docs/benchmarks.md).  A
+        thread that finds it busy, or a call after it failed, uses a pooled
+        connection instead (:data:`DRAW_ATTEMPTS`).  Errors are SQLAlchemy's
+        ``DBAPIError``; a connection that failed is never used again.
         """
         held_sent = 0
         if self._held_lock.acquire(blocking=False):
