@@ -857,19 +857,7 @@ def run_repair(
             print(f"sa-fence repair-sequence: {exc}", file=err)
             return EXIT_FINDINGS
         conn.rollback()
-        print(
-            f"sequence {sequence}: last value {plan.last_value}; largest fence "
-            f"{plan.max_fence}; largest registered token {plan.max_register_token} "
-            f"({Register(sequence).table_display}); margin {margin}",
-            file=out,
-        )
-        if plan.after_failover:
-            print(
-                f"after a failover: past the last value too (tokens the lost primary handed "
-                f"out are on no surviving row); {plan.register_names} lease name(s) in the "
-                "register to fence out",
-                file=out,
-            )
+        _print_plan(plan, margin, out)
         if not plan.needed:
             print(
                 f"Nothing to do: the sequence is already at or past {plan.target} "
@@ -877,15 +865,16 @@ def run_repair(
                 file=out,
             )
             return EXIT_OK
-        fence_out = (
-            f" and fence out the {plan.register_names} lease name(s) of the register"
-            if plan.after_failover and plan.register_names
-            else ""
-        )
+        fence_out = plan.after_failover and plan.register_names > 0
         if not yes:
             answer = confirm(
-                f"Move {sequence} from {plan.last_value} to {plan.target}{fence_out}? Stop "
-                "the workers first. [y/N] "
+                f"Move {sequence} from {plan.last_value} to {plan.target}"
+                + (
+                    f" and fence out the {plan.register_names} lease name(s) of the register"
+                    if fence_out
+                    else ""
+                )
+                + "? Stop the workers first. [y/N] "
             )
             if answer.strip().lower() not in ("y", "yes"):
                 print("Aborted: nothing changed.", file=out)
@@ -893,18 +882,40 @@ def run_repair(
         with conn.begin():
             value = apply_repair(conn, plan)
             now = _last_value_now(conn, sequence)
-        if fence_out:
-            print(
-                f"Moved {sequence} to {value}; every lease name of the register now holds a "
-                f"new token ({value + 1} to {now}), so no lease granted before can commit; "
-                f"the next token is {now + 1}.",
-                file=out,
-            )
-        else:
-            print(f"Moved {sequence} to {value}; the next token is {value + 1}.", file=out)
+        _print_moved(sequence, value, now if fence_out else None, out)
         return EXIT_OK
 
     return with_connection(url, metadata_spec, err, go, app_dir=app_dir)
+
+
+def _print_plan(plan: RepairPlan, margin: int, out: TextIO) -> None:
+    """What repair-sequence read, before it asks."""
+    print(
+        f"sequence {plan.sequence}: last value {plan.last_value}; largest fence "
+        f"{plan.max_fence}; largest registered token {plan.max_register_token} "
+        f"({Register(plan.sequence).table_display}); margin {margin}",
+        file=out,
+    )
+    if plan.after_failover:
+        print(
+            f"after a failover: past the last value too (tokens the lost primary handed "
+            f"out are on no surviving row); {plan.register_names} lease name(s) in the "
+            "register to fence out",
+            file=out,
+        )
+
+
+def _print_moved(sequence: str, value: int, fenced_out_to: int | None, out: TextIO) -> None:
+    """What repair-sequence did; ``fenced_out_to``: the last token given to a register name."""
+    if fenced_out_to is not None:
+        print(
+            f"Moved {sequence} to {value}; every lease name of the register now holds a "
+            f"new token ({value + 1} to {fenced_out_to}), so no lease granted before can "
+            f"commit; the next token is {fenced_out_to + 1}.",
+            file=out,
+        )
+    else:
+        print(f"Moved {sequence} to {value}; the next token is {value + 1}.", file=out)
 
 
 def _last_value_now(conn: sa.Connection, sequence: str) -> int:
