@@ -446,7 +446,8 @@ def check(
 ) -> Report:
     """Inspect the database behind ``conn`` (read-only); return what is wrong.
 
-    One ``_check_*`` per part, in the order the report lists them.
+    One ``_check_*`` per part; each adds its lines to the report in this order,
+    which is the order the printed report keeps within each kind of line.
     """
     report = Report(sequence)
     _check_pooler(conn, report)
