@@ -309,7 +309,40 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
         },
     ).one()
     role = conn.execute(sa.text("SELECT current_user")).scalar_one()
-    lacking: list[tuple[str, str, str]] = []  # (right, consequence, GRANT)
+    lacking = _lacking_rights(rights, shown, role)
+    if lacking:
+        fails = sorted({consequence for _, consequence, _ in lacking})
+        report.findings.append(
+            Finding(
+                f"role {role}",
+                "(the role this check connected as: run it as your workers' role) lacks "
+                + ", ".join(right for right, _, _ in lacking)
+                + ": "
+                + " and ".join(fails)
+                + " fails with permission denied",
+                " ".join(grant for _, _, grant in lacking),
+            )
+        )
+    if "token" in columns and rights.can_select:
+        max_token = conn.execute(sa.text(f"SELECT max(token) FROM {register.table_sql}")).scalar()
+        report.max_register_token = None if max_token is None else int(max_token)
+    if len(report.findings) == before and sequence_ok:
+        # Anything else a Fencer would refuse (one source of truth: setup_problem).
+        problem = setup_problem(conn, sequence)
+        if problem is not None:
+            report.findings.append(
+                Finding(subject, f"a Fencer would refuse it: {problem}", "as the problem says")
+            )
+            return
+    if len(report.findings) == before:
+        report.ok.append(
+            f"{subject}: tokens from {sequence}, commit check function, rights of role {role}"
+        )
+
+
+def _lacking_rights(rights: Any, shown: Register, role: str) -> list[tuple[str, str, str]]:
+    """The rights (a row of ``REGISTER_RIGHTS_SQL``) ``role`` lacks: (right, what fails, GRANT)."""
+    lacking: list[tuple[str, str, str]] = []
     for allowed, right in (
         (rights.can_select, "SELECT"),
         (rights.can_insert, "INSERT"),
@@ -339,7 +372,7 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
     if rights.can_draw is False:
         lacking.append(
             (
-                f"USAGE on sequence {sequence}",
+                f"USAGE on sequence {shown.sequence}",
                 "every grant",
                 f"GRANT USAGE ON SEQUENCE {shown.sequence_sql} TO {_ident(role)};",
             )
@@ -352,34 +385,7 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
                 f"GRANT EXECUTE ON FUNCTION {shown.function_sql}(text, bigint) TO {_ident(role)};",
             )
         )
-    if lacking:
-        fails = sorted({consequence for _, consequence, _ in lacking})
-        report.findings.append(
-            Finding(
-                f"role {role}",
-                "(the role this check connected as: run it as your workers' role) lacks "
-                + ", ".join(right for right, _, _ in lacking)
-                + ": "
-                + " and ".join(fails)
-                + " fails with permission denied",
-                " ".join(grant for _, _, grant in lacking),
-            )
-        )
-    if "token" in columns and rights.can_select:
-        max_token = conn.execute(sa.text(f"SELECT max(token) FROM {register.table_sql}")).scalar()
-        report.max_register_token = None if max_token is None else int(max_token)
-    if len(report.findings) == before and sequence_ok:
-        # Anything else a Fencer would refuse (one source of truth: setup_problem).
-        problem = setup_problem(conn, sequence)
-        if problem is not None:
-            report.findings.append(
-                Finding(subject, f"a Fencer would refuse it: {problem}", "as the problem says")
-            )
-            return
-    if len(report.findings) == before:
-        report.ok.append(
-            f"{subject}: tokens from {sequence}, commit check function, rights of role {role}"
-        )
+    return lacking
 
 
 def _check_registers(conn: sa.Connection, report: Report) -> None:
@@ -438,8 +444,23 @@ def check(
     metadata: sa.MetaData | None = None,
     column: str = "fence",
 ) -> Report:
-    """Inspect the database behind ``conn`` (read-only); return what is wrong."""
+    """Inspect the database behind ``conn`` (read-only); return what is wrong.
+
+    One ``_check_*`` per part; each adds its lines to the report in this order,
+    which is the order the printed report keeps within each kind of line.
+    """
     report = Report(sequence)
+    _check_pooler(conn, report)
+    sequence_ok = _check_sequence(conn, report)
+    _check_register(conn, report, sequence_ok=sequence_ok)
+    _check_registers(conn, report)
+    _check_tables(conn, report, metadata, column)
+    _check_sequence_position(report)
+    return report
+
+
+def _check_pooler(conn: sa.Connection, report: Report) -> None:
+    """A note when ``conn`` reaches PostgreSQL through a connection pooler."""
     if behind_pooler(conn):
         report.notes.append(
             "this URL reaches PostgreSQL through a connection pooler (PgBouncer?). If it "
@@ -447,10 +468,16 @@ def check(
             "connect_args={'prepare_threshold': None} (psycopg): a Fencer refuses to "
             f"start without it (see {POOLER_DOC})"
         )
-    shown = Register(sequence)
+
+
+def _check_sequence(conn: sa.Connection, report: Report) -> bool:
+    """The token sequence's presence and shape; records its last value.
+
+    Returns whether it exists and is fit."""
+    sequence = report.sequence
     pinned = pinned_register(conn, sequence)
     # read by its schema-qualified name: nothing on the search_path stands in
-    row, problem = sequence_problem(conn, shown, pinned)
+    row, problem = sequence_problem(conn, Register(sequence), pinned)
     if problem is not None:
         report.findings.append(Finding(problem.subject, problem.problem, problem.fix))
     if row is not None:
@@ -458,9 +485,13 @@ def check(
             report.ok.append(f"sequence {sequence}: {SEQUENCE_SHOWN}")
         report.sequence_found = True
         report.last_value = _last_value(conn, pinned.sequence_sql, row)
-    _check_register(conn, report, sequence_ok=row is not None and problem is None)
-    _check_registers(conn, report)
+    return row is not None and problem is None
 
+
+def _check_tables(
+    conn: sa.Connection, report: Report, metadata: sa.MetaData | None, column: str
+) -> None:
+    """Every fenced table (from ``metadata``, else found by ``column`` or guard)."""
     tables = fenced_tables(conn, metadata, column)
     if not tables:
         report.findings.append(
@@ -477,140 +508,161 @@ def check(
             )
         )
     for table in tables:
-        state = conn.execute(
-            _TABLE_SQL,
-            {"table": table.quoted, "column": table.column},
-        ).one()
-        if not state.present:
-            report.findings.append(
-                Finding(
-                    f"table {table.display}",
-                    "is fenced in the models but does not exist in the database",
-                    "run your migrations (alembic upgrade head)",
-                )
-            )
-            continue
-        missing = []
-        if not state.has_column:
-            missing.append(f"has no {table.column!r} column")
-            report.findings.append(
-                Finding(
-                    f"table {table.display}",
-                    f"has no fence column {table.column!r}",
-                    f"op.add_fence_column({table.name!r}"
-                    + ("" if table.column == "fence" else f", {table.column!r}")
-                    + ")",
-                )
-            )
-        guard = conn.execute(_GUARD_STATE_SQL, {"table": table.quoted}).one_or_none()
-        absent = guard is None
-        if guard is not None and not guard.enabled:
-            guard = None  # a disabled guard refuses nothing
-        guard_args = (
-            repr(table.name)
-            + ("" if table.column == "fence" else f", {table.column!r}")
-            + ("" if table.schema is None else f", schema={table.schema!r}")
-            + ("" if guard is None else _guard_args(guard_made_with(guard.source)))
-        )
-        guard_fix = f"op.create_fence_guard({guard_args})"
-        if guard is None:
-            missing.append("has no guard")
-            # never made (a create_all database): advice, unless --strict; a guard
-            # someone disabled is a problem
-            (report.advice if absent else report.findings).append(
-                Finding(
-                    f"table {table.display}",
-                    f"has no enabled guard trigger {TRIGGER_NAME}: writers outside fenced "
-                    "sessions (raw SQL, psql, other services) are not fenced",
-                    _guard_fixes(table, guard_args, guard_fix),
-                )
-            )
-        else:
-            why = outdated(
-                guard.source,
-                guard.complete,
-                table.name,
-                table.column,
-                schema=table.schema,
-                default_schema=conn.dialect.default_schema_name,
-                sequence=report.sequence,
-            )
-            if why:
-                missing.append("has an outdated guard")
-                report.findings.append(
-                    Finding(
-                        f"table {table.display}",
-                        f"has a guard trigger {TRIGGER_NAME} that is not the one this "
-                        f"sa-fence creates: {'; '.join(why)}",
-                        guard_fix + " (recreates it)",
-                    )
-                )
-        if state.has_column:
-            fence = qualified(table.column, None)
-            nulls = "0" if state.not_null else f"count(*) FILTER (WHERE {fence} IS NULL)"
-            max_fence, null_count = conn.execute(
-                sa.text(f"SELECT max({fence}), {nulls} FROM {table.quoted}")
-            ).one()
-            report.max_fences[table.display] = None if max_fence is None else int(max_fence)
-            if null_count:
-                report.null_fences[table.display] = int(null_count)
-                report.notes.append(
-                    f"table {table.display}: {null_count} row(s) with a NULL {table.column} "
-                    "(never fenced: any lease may write them, and the first fenced write sets "
-                    "the fence). To make the column NOT NULL: UPDATE "
-                    f"{table.quoted} SET {fence} = 0 WHERE {fence} IS NULL; ALTER TABLE "
-                    f"{table.quoted} ALTER COLUMN {fence} SET NOT NULL;"
-                )
-        if not missing:
-            report.ok.append(f"table {table.display}: column {table.column}, guard {TRIGGER_NAME}")
+        _check_table(conn, report, table)
 
-    if report.last_value is not None:
-        last = report.last_value
-        behind = [
-            f"max(fence) of {n} is {m}"
-            for n, m in sorted(report.max_fences.items())
-            if m is not None and m > last
-        ]
-        consequences = []
-        if behind:
-            consequences.append(
-                "New tokens would be refused on those rows (or equal a token already written)"
+
+def _check_table(conn: sa.Connection, report: Report, table: FencedTable) -> None:
+    """One fenced table: present, its fence column, its guard, its fences."""
+    state = conn.execute(
+        _TABLE_SQL,
+        {"table": table.quoted, "column": table.column},
+    ).one()
+    if not state.present:
+        report.findings.append(
+            Finding(
+                f"table {table.display}",
+                "is fenced in the models but does not exist in the database",
+                "run your migrations (alembic upgrade head)",
             )
-        if report.max_register_token is not None and report.max_register_token > last:
-            behind.append(
-                f"max(token) of the lease register {report.register} is {report.max_register_token}"
+        )
+        return
+    missing = []
+    if not state.has_column:
+        missing.append(f"has no {table.column!r} column")
+        report.findings.append(
+            Finding(
+                f"table {table.display}",
+                f"has no fence column {table.column!r}",
+                f"op.add_fence_column({table.name!r}"
+                + ("" if table.column == "fence" else f", {table.column!r}")
+                + ")",
             )
-            consequences.append(
-                ("and a" if consequences else "A")
-                + " new grant would draw a token at or below one already granted: such a "
-                "grant is refused (the register only moves forward)"
+        )
+    missing.extend(_check_guard(conn, report, table))
+    if state.has_column:
+        _read_fences(conn, report, table, not_null=state.not_null)
+    if not missing:
+        report.ok.append(f"table {table.display}: column {table.column}, guard {TRIGGER_NAME}")
+
+
+def _check_guard(conn: sa.Connection, report: Report, table: FencedTable) -> list[str]:
+    """``table``'s guard trigger: absent, disabled or outdated; returns what is missing."""
+    guard = conn.execute(_GUARD_STATE_SQL, {"table": table.quoted}).one_or_none()
+    absent = guard is None
+    if guard is not None and not guard.enabled:
+        guard = None  # a disabled guard refuses nothing
+    guard_args = (
+        repr(table.name)
+        + ("" if table.column == "fence" else f", {table.column!r}")
+        + ("" if table.schema is None else f", schema={table.schema!r}")
+        + ("" if guard is None else _guard_args(guard_made_with(guard.source)))
+    )
+    guard_fix = f"op.create_fence_guard({guard_args})"
+    if guard is None:
+        # never made (a create_all database): advice, unless --strict; a guard
+        # someone disabled is a problem
+        (report.advice if absent else report.findings).append(
+            Finding(
+                f"table {table.display}",
+                f"has no enabled guard trigger {TRIGGER_NAME}: writers outside fenced "
+                "sessions (raw SQL, psql, other services) are not fenced",
+                _guard_fixes(table, guard_args, guard_fix),
             )
-        if behind:
-            target = max(report.max_fence, report.max_register_token or 0)
-            report.findings.append(
-                Finding(
-                    f"sequence {sequence}",
-                    f"is behind the rows: its last value is {last} but "
-                    + ", ".join(behind)
-                    + ". "
-                    + ", ".join(consequences)
-                    + ". This happens after a restore from backup or a promoted logical "
-                    "replica.",
-                    f"stop the workers, then: sa-fence repair-sequence --url ... (moves it to "
-                    f"{target} + margin)",
-                )
+        )
+        return ["has no guard"]
+    why = outdated(
+        guard.source,
+        guard.complete,
+        table.name,
+        table.column,
+        schema=table.schema,
+        default_schema=conn.dialect.default_schema_name,
+        sequence=report.sequence,
+    )
+    if not why:
+        return []
+    report.findings.append(
+        Finding(
+            f"table {table.display}",
+            f"has a guard trigger {TRIGGER_NAME} that is not the one this "
+            f"sa-fence creates: {'; '.join(why)}",
+            guard_fix + " (recreates it)",
+        )
+    )
+    return ["has an outdated guard"]
+
+
+def _read_fences(
+    conn: sa.Connection, report: Report, table: FencedTable, *, not_null: bool
+) -> None:
+    """``table``'s largest fence, and a note on its rows with a NULL fence."""
+    fence = qualified(table.column, None)
+    nulls = "0" if not_null else f"count(*) FILTER (WHERE {fence} IS NULL)"
+    max_fence, null_count = conn.execute(
+        sa.text(f"SELECT max({fence}), {nulls} FROM {table.quoted}")
+    ).one()
+    report.max_fences[table.display] = None if max_fence is None else int(max_fence)
+    if null_count:
+        report.null_fences[table.display] = int(null_count)
+        report.notes.append(
+            f"table {table.display}: {null_count} row(s) with a NULL {table.column} "
+            "(never fenced: any lease may write them, and the first fenced write sets "
+            "the fence). To make the column NOT NULL: UPDATE "
+            f"{table.quoted} SET {fence} = 0 WHERE {fence} IS NULL; ALTER TABLE "
+            f"{table.quoted} ALTER COLUMN {fence} SET NOT NULL;"
+        )
+
+
+def _check_sequence_position(report: Report) -> None:
+    """The sequence's last value against the fences and register tokens read before."""
+    if report.last_value is None:
+        return
+    sequence = report.sequence
+    last = report.last_value
+    behind = [
+        f"max(fence) of {n} is {m}"
+        for n, m in sorted(report.max_fences.items())
+        if m is not None and m > last
+    ]
+    consequences = []
+    if behind:
+        consequences.append(
+            "New tokens would be refused on those rows (or equal a token already written)"
+        )
+    if report.max_register_token is not None and report.max_register_token > last:
+        behind.append(
+            f"max(token) of the lease register {report.register} is {report.max_register_token}"
+        )
+        consequences.append(
+            ("and a" if consequences else "A")
+            + " new grant would draw a token at or below one already granted: such a "
+            "grant is refused (the register only moves forward)"
+        )
+    if behind:
+        target = max(report.max_fence, report.max_register_token or 0)
+        report.findings.append(
+            Finding(
+                f"sequence {sequence}",
+                f"is behind the rows: its last value is {last} but "
+                + ", ".join(behind)
+                + ". "
+                + ", ".join(consequences)
+                + ". This happens after a restore from backup or a promoted logical "
+                "replica.",
+                f"stop the workers, then: sa-fence repair-sequence --url ... (moves it to "
+                f"{target} + margin)",
             )
-        else:
-            report.ok.append(
-                f"sequence {sequence}: last value {last} is at or past "
-                f"max(fence) {report.max_fence} of every fenced table"
-                + (
-                    f" and max(token) {report.max_register_token} of the lease register"
-                    if report.max_register_token is not None
-                    else ""
-                )
+        )
+    else:
+        report.ok.append(
+            f"sequence {sequence}: last value {last} is at or past "
+            f"max(fence) {report.max_fence} of every fenced table"
+            + (
+                f" and max(token) {report.max_register_token} of the lease register"
+                if report.max_register_token is not None
+                else ""
             )
-    return report
+        )
 
 
 def print_report(report: Report, shown_url: str, out: TextIO, *, strict: bool = False) -> int:
@@ -806,19 +858,7 @@ def run_repair(
             print(f"sa-fence repair-sequence: {exc}", file=err)
             return EXIT_FINDINGS
         conn.rollback()
-        print(
-            f"sequence {sequence}: last value {plan.last_value}; largest fence "
-            f"{plan.max_fence}; largest registered token {plan.max_register_token} "
-            f"({Register(sequence).table_display}); margin {margin}",
-            file=out,
-        )
-        if plan.after_failover:
-            print(
-                f"after a failover: past the last value too (tokens the lost primary handed "
-                f"out are on no surviving row); {plan.register_names} lease name(s) in the "
-                "register to fence out",
-                file=out,
-            )
+        _print_plan(plan, margin, out)
         if not plan.needed:
             print(
                 f"Nothing to do: the sequence is already at or past {plan.target} "
@@ -826,15 +866,16 @@ def run_repair(
                 file=out,
             )
             return EXIT_OK
-        fence_out = (
-            f" and fence out the {plan.register_names} lease name(s) of the register"
-            if plan.after_failover and plan.register_names
-            else ""
-        )
+        fence_out = plan.after_failover and plan.register_names > 0
         if not yes:
             answer = confirm(
-                f"Move {sequence} from {plan.last_value} to {plan.target}{fence_out}? Stop "
-                "the workers first. [y/N] "
+                f"Move {sequence} from {plan.last_value} to {plan.target}"
+                + (
+                    f" and fence out the {plan.register_names} lease name(s) of the register"
+                    if fence_out
+                    else ""
+                )
+                + "? Stop the workers first. [y/N] "
             )
             if answer.strip().lower() not in ("y", "yes"):
                 print("Aborted: nothing changed.", file=out)
@@ -842,18 +883,40 @@ def run_repair(
         with conn.begin():
             value = apply_repair(conn, plan)
             now = _last_value_now(conn, sequence)
-        if fence_out:
-            print(
-                f"Moved {sequence} to {value}; every lease name of the register now holds a "
-                f"new token ({value + 1} to {now}), so no lease granted before can commit; "
-                f"the next token is {now + 1}.",
-                file=out,
-            )
-        else:
-            print(f"Moved {sequence} to {value}; the next token is {value + 1}.", file=out)
+        _print_moved(sequence, value, now if fence_out else None, out)
         return EXIT_OK
 
     return with_connection(url, metadata_spec, err, go, app_dir=app_dir)
+
+
+def _print_plan(plan: RepairPlan, margin: int, out: TextIO) -> None:
+    """What repair-sequence read, before it asks."""
+    print(
+        f"sequence {plan.sequence}: last value {plan.last_value}; largest fence "
+        f"{plan.max_fence}; largest registered token {plan.max_register_token} "
+        f"({Register(plan.sequence).table_display}); margin {margin}",
+        file=out,
+    )
+    if plan.after_failover:
+        print(
+            f"after a failover: past the last value too (tokens the lost primary handed "
+            f"out are on no surviving row); {plan.register_names} lease name(s) in the "
+            "register to fence out",
+            file=out,
+        )
+
+
+def _print_moved(sequence: str, value: int, fenced_out_to: int | None, out: TextIO) -> None:
+    """What repair-sequence did; ``fenced_out_to``: the last token given to a register name."""
+    if fenced_out_to is not None:
+        print(
+            f"Moved {sequence} to {value}; every lease name of the register now holds a "
+            f"new token ({value + 1} to {fenced_out_to}), so no lease granted before can "
+            f"commit; the next token is {fenced_out_to + 1}.",
+            file=out,
+        )
+    else:
+        print(f"Moved {sequence} to {value}; the next token is {value + 1}.", file=out)
 
 
 def _last_value_now(conn: sa.Connection, sequence: str) -> int:

@@ -263,6 +263,7 @@ def _url_argument(
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``sa-fence`` parser: one ``_<command>_parser`` per subcommand, in --help's order."""
     parser = argparse.ArgumentParser(
         prog="sa-fence",
         description="Fencing tokens for SQLAlchemy: a worker whose Redis lease expired "
@@ -270,7 +271,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _demo_parser(commands)
+    _check_parser(commands)
+    _repair_parser(commands)
+    _bench_parser(commands)
+    _status_parser(commands)
+    _create_guard_parser(commands)
+    _prune_parser(commands)
+    return parser
 
+
+def _demo_parser(commands: Any) -> None:
     demo = commands.add_parser(
         "demo",
         help="show a paused worker's late write refused (or, --unfenced, overwriting)",
@@ -315,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(handler=_demo)
 
+
+def _check_parser(commands: Any) -> None:
     check = commands.add_parser(
         "check",
         help="check a live database: token sequence, fenced tables' columns and guards",
@@ -333,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.set_defaults(handler=_check)
 
+
+def _repair_parser(commands: Any) -> None:
     repair = commands.add_parser(
         "repair-sequence",
         help="move the token sequence past max(fence) plus a margin (after a restore)",
@@ -362,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     repair.set_defaults(handler=_repair_sequence)
 
+
+def _bench_parser(commands: Any) -> None:
     bench = commands.add_parser(
         "bench",
         help="measure a lease cycle and the fenced-flush overhead on your servers",
@@ -403,10 +420,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--quiet", action="store_true", help="no progress on stderr")
     bench.set_defaults(handler=_bench)
-    _status_parser(commands)
-    _create_guard_parser(commands)
-    _prune_parser(commands)
-    return parser
 
 
 def _create_guard(args: argparse.Namespace) -> int:

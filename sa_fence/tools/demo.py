@@ -653,9 +653,22 @@ class _Demo:
         return f"job {JOB_ID}: result={result!r}, fence={fence}"
 
     def story(self, engine: sa.Engine) -> int:
+        """The demo's acts in order; the verdict's exit status."""
         t = _Timeline(self.out, self.client, self.prefix + LEASE_NAME)
-        ttl = self.ttl
         t.header()
+        self.create_tables(engine, t)
+        self.insert_job(engine, t)
+        a, b = self.start_workers(t)
+        token_a = self.a_takes_the_lease(a, t)
+        stopped_at = self.a_freezes_past_its_ttl(a, t)
+        token_b = self.b_takes_over(b, engine, t)
+        written = self.a_wakes_and_writes(a, engine, t, token_a, stopped_at)
+        a.finish()
+        b.finish()
+        return self.verdict(engine, written, token_a, token_b)
+
+    def create_tables(self, engine: sa.Engine, t: _Timeline) -> None:
+        """The migrations; --unfenced drops the guard triggers again."""
         from .schema import upgrade_demo_schema
 
         upgrade_demo_schema(engine)
@@ -668,20 +681,23 @@ class _Demo:
                 "setup",
                 f"created the fenced tables jobs and job_steps, their guard triggers, {created}",
             )
-        else:
-            # The lease alone, as most code does: nothing in the database checks
-            # the writers, so the tables keep their fence column but lose their
-            # guard triggers (whose "unchanged" policy would let these plain
-            # UPDATEs through anyway, and would only blur the story).
-            with engine.begin() as conn:
-                for table in ("jobs", "job_steps"):
-                    for statement in drop_guard_sql(table):
-                        conn.execute(sa.text(statement))
-            t.say(
-                "setup",
-                f"created the tables jobs and job_steps, {created}; no guard triggers "
-                "(--unfenced: nothing in the database checks the writers)",
-            )
+            return
+        # The lease alone, as most code does: nothing in the database checks
+        # the writers, so the tables keep their fence column but lose their
+        # guard triggers (whose "unchanged" policy would let these plain
+        # UPDATEs through anyway, and would only blur the story).
+        with engine.begin() as conn:
+            for table in ("jobs", "job_steps"):
+                for statement in drop_guard_sql(table):
+                    conn.execute(sa.text(statement))
+        t.say(
+            "setup",
+            f"created the tables jobs and job_steps, {created}; no guard triggers "
+            "(--unfenced: nothing in the database checks the writers)",
+        )
+
+    def insert_job(self, engine: sa.Engine, t: _Timeline) -> None:
+        """An admin inserts the job with no lease, inside ``unfenced()``."""
         # The admin's insert logs sa-fence's warning for writes without a lease
         # (the opt-out is meant to be visible); here it is expected, so it is
         # kept off the timeline and said in words instead.
@@ -704,11 +720,13 @@ class _Demo:
             f"expected here): {self.row_text(engine)}",
         )
 
+    def start_workers(self, t: _Timeline) -> tuple[_Worker, _Worker]:
+        """Workers A and B, started and waiting for the demo's go."""
         config = {
             "pg": self.server.set(database=self.database).render_as_string(hide_password=False),
             "redis": self.redis_url,
             "prefix": self.prefix,
-            "ttl": ttl,
+            "ttl": self.ttl,
             "fenced": self.fenced,
         }
         a = _Worker("A", {**config, "result": "A"}, t)
@@ -718,21 +736,32 @@ class _Demo:
         for w in (a, b):
             w.expect("ready", timeout=STARTUP_TIMEOUT)
             t.say(w.name, f"worker process started (pid {w.pid}); waiting for the demo's go")
+        return a, b
 
-        # -- A takes the lease and starts working
+    def _unused(self) -> str:
+        return "" if self.fenced else " (its session is not fenced: the token goes unused)"
+
+    def a_takes_the_lease(self, a: _Worker, t: _Timeline) -> int:
+        """A takes the lease and starts working; returns A's token."""
         a.send("acquire")
         token_a = int(a.expect("acquired")["token"])
         t.holders[token_a] = "A"
-        unused = "" if self.fenced else " (its session is not fenced: the token goes unused)"
-        t.say("A", f"acquired lease {LEASE_NAME!r} with token {token_a}, TTL {ttl:g} s{unused}")
+        t.say(
+            "A",
+            f"acquired lease {LEASE_NAME!r} with token {token_a}, TTL {self.ttl:g} s"
+            + self._unused(),
+        )
         loaded = a.expect("loaded")
         t.say(
             "A",
             f"loaded job {JOB_ID} (result={loaded['result']!r}, fence={loaded['fence']}) "
             "and is working on it",
         )
+        return token_a
 
-        # -- A freezes past its TTL
+    def a_freezes_past_its_ttl(self, a: _Worker, t: _Timeline) -> float:
+        """SIGSTOP A for twice its TTL; returns when A was stopped (monotonic)."""
+        ttl = self.ttl
         a.stop()
         stopped_at = time.monotonic()
         t.say(
@@ -744,12 +773,14 @@ class _Demo:
         if self.client.exists(self.prefix + LEASE_NAME):
             raise StoryError(f"A's lease still exists in Redis after {2 * ttl:g} s (TTL {ttl:g})")
         t.say("redis", f"A's lease has expired (TTL {ttl:g} s); A is stopped and cannot notice")
+        return stopped_at
 
-        # -- B takes over and finishes the job
+    def b_takes_over(self, b: _Worker, engine: sa.Engine, t: _Timeline) -> int:
+        """B takes the lease over, writes, commits and releases; returns B's token."""
         b.send("acquire")
         token_b = int(b.expect("acquired")["token"])
         t.holders[token_b] = "B"
-        t.say("B", f"acquired lease {LEASE_NAME!r} with token {token_b}{unused}")
+        t.say("B", f"acquired lease {LEASE_NAME!r} with token {token_b}{self._unused()}")
         loaded = b.expect("loaded")
         t.say("B", f"loaded job {JOB_ID} (result={loaded['result']!r}, fence={loaded['fence']})")
         b.send("write")
@@ -760,13 +791,19 @@ class _Demo:
         b.send("release")
         released = b.expect("released")
         t.say("B", "released the lease" if released["deleted"] else "found its lease gone")
+        return token_b
 
-        # -- A wakes up, still believing it holds the lease
+    def a_wakes_and_writes(
+        self, a: _Worker, engine: sa.Engine, t: _Timeline, token_a: int, stopped_at: float
+    ) -> dict[str, Any]:
+        """SIGCONT A, which still believes it holds the lease: its write and release.
+
+        Returns A's write event (committed or refused)."""
         a.resume()
         paused = time.monotonic() - stopped_at
         t.say(
             "demo",
-            f"SIGCONT A after {paused:.2f} s stopped (TTL {ttl:g} s); A carries on as if "
+            f"SIGCONT A after {paused:.2f} s stopped (TTL {self.ttl:g} s); A carries on as if "
             f"it still held the lease with token {token_a}",
         )
         a.send("write")
@@ -789,9 +826,7 @@ class _Demo:
             if released["deleted"]
             else "release found the lease no longer A's: nothing deleted",
         )
-        a.finish()
-        b.finish()
-        return self.verdict(engine, written, token_a, token_b)
+        return written
 
     def verdict(
         self, engine: sa.Engine, a_written: dict[str, Any], token_a: int, token_b: int

@@ -346,23 +346,38 @@ class _SideEffectsDemo(_Demo):
             api.close()
 
     def _play(self, engine: sa.Engine, conninfo: str, api: MailApi, t: _Timeline) -> int:
-        ttl = self.ttl
+        """The acts after the setup; the verdict's exit status."""
+        t.say("setup", f"job {JOB_ID} inserted; a mail API listens on {api.url}")
+        a, b = self._start_workers(conninfo, api, t)
+        enq_a = self._a_enqueues_and_freezes(a, t)
+        enq_b = self._b_takes_over(b, t)
+        written = self._a_wakes_and_commits(a, t)
+        a.finish()
+        b.finish()
+        t.say("queue", f"jobs committed for the workers: {_jobs_text(self.jobs(engine))}")
+        self._deliver(engine, conninfo, api, t)
+        return self.verdict_mail(engine, written, enq_a, enq_b, api)
+
+    def _start_workers(self, conninfo: str, api: MailApi, t: _Timeline) -> tuple[_Worker, _Worker]:
         config = {
             "pg": self.server.set(database=self.database).render_as_string(hide_password=False),
             "conninfo": conninfo,
             "redis": self.redis_url,
             "prefix": self.prefix,
-            "ttl": ttl,
+            "ttl": self.ttl,
             "fenced": self.fenced,
             "api": api.url,
         }
-        t.say("setup", f"job {JOB_ID} inserted; a mail API listens on {api.url}")
         a = self.worker("A", {**config, "result": "A"}, t, "worker")
         b = self.worker("B", {**config, "result": "B"}, t, "worker")
         for w in (a, b):
             w.expect("ready", timeout=STARTUP_TIMEOUT)
             t.say(w.name, f"worker process started (pid {w.pid})")
+        return a, b
 
+    def _a_enqueues_and_freezes(self, a: _Worker, t: _Timeline) -> dict[str, Any]:
+        """A takes the lease, enqueues its e-mail uncommitted, and is stopped past its TTL."""
+        ttl = self.ttl
         a.send("acquire")
         token_a = int(a.expect("acquired")["token"])
         t.holders[token_a] = "A"
@@ -379,7 +394,10 @@ class _SideEffectsDemo(_Demo):
         if self.client.exists(self.prefix + LEASE_NAME):
             raise StoryError(f"A's lease still exists in Redis after {2 * ttl:g} s")
         t.say("redis", "A's lease has expired; A is stopped and cannot notice")
+        return enq_a
 
+    def _b_takes_over(self, b: _Worker, t: _Timeline) -> dict[str, Any]:
+        """B takes the lease, enqueues its e-mail, commits and releases."""
         b.send("acquire")
         token_b = int(b.expect("acquired")["token"])
         t.holders[token_b] = "B"
@@ -392,7 +410,10 @@ class _SideEffectsDemo(_Demo):
         t.say("B", "committed: its row and its e-mail job, together")
         b.send("release")
         b.expect("released")
+        return enq_b
 
+    def _a_wakes_and_commits(self, a: _Worker, t: _Timeline) -> dict[str, Any]:
+        """SIGCONT A; returns its commit's event (committed or refused)."""
         a.resume()
         t.say("demo", "SIGCONT A: it carries on as if it still held the lease")
         a.send("write")
@@ -403,11 +424,10 @@ class _SideEffectsDemo(_Demo):
             t.say("A", "committed: its row and its e-mail job (nothing checked the lease)")
         a.send("release")
         a.expect("released")
-        a.finish()
-        b.finish()
-        queued = self.jobs(engine)
-        t.say("queue", f"jobs committed for the workers: {_jobs_text(queued)}")
+        return written
 
+    def _deliver(self, engine: sa.Engine, conninfo: str, api: MailApi, t: _Timeline) -> None:
+        """W1 is killed mid-delivery; W2 retries its stalled job and drains the queue."""
         first = self.worker("W1", {"conninfo": conninfo, "recover": False}, t, "deliverer")
         first.expect("ready", timeout=STARTUP_TIMEOUT)
         first.send("deliver")
@@ -428,7 +448,6 @@ class _SideEffectsDemo(_Demo):
         second.expect("drained", timeout=STEP_TIMEOUT * 2)
         second.finish()
         t.say("W2", f"queue drained: {_jobs_text(self.jobs(engine))}")
-        return self.verdict_mail(engine, written, enq_a, enq_b, api)
 
     def jobs(self, engine: sa.Engine) -> list[tuple[int, str]]:
         with engine.connect() as conn:

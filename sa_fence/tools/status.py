@@ -263,51 +263,86 @@ def run(
         print(f"sa-fence status: --redis {redact_url(redis_url)}: {exc}", file=err)
         return 2
     result: dict[str, Any] = {}
-
-    def body(conn: sa.Connection, _: Any) -> int:
-        # the register's rules, as Fencer.check() and sa-fence check read them
-        problems = register_problems(conn, Register(sequence), pinned_register(conn, sequence))
-        for problem in problems:
-            print(f"sa-fence status: {problem.sentence()}", file=err)
-        if any(p.rule in UNREADABLE for p in problems):
-            print(
-                "sa-fence status: no lease register to read; run `sa-fence check` to see "
-                "the set-up, or pass --sequence",
-                file=err,
-            )
-            return EXIT_FINDINGS
-        try:
-            found = statuses(
-                conn, client, names=names, sequence=sequence, key_prefix=key_prefix, limit=limit
-            )
-        except redis_lib.RedisError as exc:
-            print(
-                f"sa-fence status: cannot read Redis at {redact_url(redis_url)}: {cause_text(exc)}",
-                file=err,
-            )
-            return EXIT_UNREACHABLE
-        if found is None:
-            register = Register(sequence)
-            print(
-                f"sa-fence status: there is no lease register {register.table_display} for "
-                f"sequence {sequence!r} in this database; run `sa-fence check` to see the "
-                "set-up, or pass --sequence",
-                file=err,
-            )
-            return EXIT_FINDINGS
-        result["found"] = found
-        registered = [s for s in found if s.token is not None]
-        if registered and all(s.state == FREE for s in registered):
-            result["hint"] = no_keys_hint(client, key_prefix, registered)
-        return EXIT_OK
-
     try:
-        status = with_connection(url, None, err, body)
+        status = with_connection(
+            url,
+            None,
+            err,
+            lambda conn, _: _read(
+                conn,
+                client,
+                names,
+                result,
+                sequence=sequence,
+                key_prefix=key_prefix,
+                limit=limit,
+                redis_url=redis_url,
+                err=err,
+            ),
+        )
     finally:
         client.close()
     if status != EXIT_OK:
         return status
-    found: list[LeaseStatus] = result["found"]
+    return _show(result["found"], result.get("hint"), as_json=as_json, out=out, err=err)
+
+
+def _read(
+    conn: sa.Connection,
+    client: redis_lib.Redis,
+    names: Sequence[str],
+    result: dict[str, Any],
+    *,
+    sequence: str,
+    key_prefix: str,
+    limit: int,
+    redis_url: str,
+    err: TextIO,
+) -> int:
+    """Read the statuses into ``result`` (``found``, and ``hint`` when all look free).
+
+    Returns the exit status; problems go to ``err``."""
+    # the register's rules, as Fencer.check() and sa-fence check read them
+    problems = register_problems(conn, Register(sequence), pinned_register(conn, sequence))
+    for problem in problems:
+        print(f"sa-fence status: {problem.sentence()}", file=err)
+    if any(p.rule in UNREADABLE for p in problems):
+        print(
+            "sa-fence status: no lease register to read; run `sa-fence check` to see "
+            "the set-up, or pass --sequence",
+            file=err,
+        )
+        return EXIT_FINDINGS
+    try:
+        found = statuses(
+            conn, client, names=names, sequence=sequence, key_prefix=key_prefix, limit=limit
+        )
+    except redis_lib.RedisError as exc:
+        print(
+            f"sa-fence status: cannot read Redis at {redact_url(redis_url)}: {cause_text(exc)}",
+            file=err,
+        )
+        return EXIT_UNREACHABLE
+    if found is None:
+        register = Register(sequence)
+        print(
+            f"sa-fence status: there is no lease register {register.table_display} for "
+            f"sequence {sequence!r} in this database; run `sa-fence check` to see the "
+            "set-up, or pass --sequence",
+            file=err,
+        )
+        return EXIT_FINDINGS
+    result["found"] = found
+    registered = [s for s in found if s.token is not None]
+    if registered and all(s.state == FREE for s in registered):
+        result["hint"] = no_keys_hint(client, key_prefix, registered)
+    return EXIT_OK
+
+
+def _show(
+    found: list[LeaseStatus], hint: str | None, *, as_json: bool, out: TextIO, err: TextIO
+) -> int:
+    """Print ``found`` (a table or JSON) and ``hint``; exit 1 for names never granted."""
     if as_json:
         json.dump([asdict(s) for s in found], out, indent=2)
         print(file=out)
@@ -315,8 +350,8 @@ def run(
         render(found, out)
     else:
         print("no lease has been granted yet", file=out)
-    if result.get("hint"):
-        print(result["hint"], file=err)
+    if hint:
+        print(hint, file=err)
     unknown = [s.name for s in found if s.state == UNKNOWN]
     if unknown:
         print(
