@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextvars
 import functools
+import inspect
 import logging
 import os
 import re
@@ -186,17 +187,10 @@ class _Tally:
 PENDING_LIMIT = 512
 
 
-def _record_takes_context() -> bool:
-    """Whether ``Histogram.record`` accepts ``context=`` (OpenTelemetry API 1.26+)."""
-    import inspect
-
-    try:
-        return "context" in inspect.signature(otel_metrics.Histogram.record).parameters
-    except (AttributeError, TypeError, ValueError):  # no API, or no signature to read
-        return False
-
-
-_RECORD_TAKES_CONTEXT = otel_metrics is not None and _record_takes_context()
+try:  # does Histogram.record accept context= (OpenTelemetry API 1.26+)?
+    _RECORD_TAKES_CONTEXT = "context" in inspect.signature(otel_metrics.Histogram.record).parameters
+except (AttributeError, TypeError, ValueError):  # no API, or no signature to read
+    _RECORD_TAKES_CONTEXT = False
 
 
 class _Pending:
@@ -263,6 +257,27 @@ class _Provider:
     def __init__(self) -> None:
         self.tallies: dict[str, _Tally] = {}
         self.pending = _Pending()
+
+    def counter(self, meter: Any, name: str, unit: str, description: str) -> _Tally:
+        """The tally of counter ``name``: made, and its callback registered, once."""
+        with _tally_lock:
+            tally = self.tallies.get(name)
+            if tally is not None:
+                return tally
+            first = not self.tallies
+            tally = self.tallies[name] = _Tally()
+        # the first counter's callback also records the pending histograms
+        callbacks = [self.pending.drain, tally.observe] if first else [tally.observe]
+        meter.create_observable_counter(
+            name, callbacks=callbacks, unit=unit, description=description
+        )
+        return tally
+
+    def histogram(self, meter: Any, name: str, description: str) -> _Histogram:
+        made = meter.create_histogram(
+            name, unit="s", description=description, explicit_bucket_boundaries_advisory=BUCKETS
+        )
+        return _Histogram(made, self.pending)
 
 
 #: Per meter provider (``_GLOBAL``: the global one).
@@ -421,32 +436,10 @@ class Telemetry:
 
     def _create_instruments(self, meter: Any, state: _Provider) -> None:
         """The counters (tallies shared per provider) and histograms (pending per provider)."""
-        tallies, pending = state.tallies, state.pending
-
-        def counter(name: str, unit: str, description: str) -> _Tally:
-            with _tally_lock:
-                tally = tallies.get(name)
-                if tally is not None:
-                    return tally
-                first = not tallies
-                tally = tallies[name] = _Tally()
-            # the first counter's callback also records the pending histograms
-            callbacks = [pending.drain, tally.observe] if first else [tally.observe]
-            meter.create_observable_counter(
-                name, callbacks=callbacks, unit=unit, description=description
-            )
-            return tally
-
-        def histogram(name: str, description: str) -> _Histogram:
-            made = meter.create_histogram(
-                name, unit="s", description=description, explicit_bucket_boundaries_advisory=BUCKETS
-            )
-            return _Histogram(made, pending)
-
         for attr, (name, unit, description) in _COUNTERS.items():
-            setattr(self, attr, counter(name, unit, description))
+            setattr(self, attr, state.counter(meter, name, unit, description))
         for attr, (name, description) in _HISTOGRAMS.items():
-            setattr(self, attr, histogram(name, description))
+            setattr(self, attr, state.histogram(meter, name, description))
 
     def start_span(self, name: str, attributes: Mapping[str, Any]) -> Any:
         """A span named ``name``, child of the caller's; the no-op span outside a
@@ -842,9 +835,7 @@ def flush_ended(span: Any, *, failed: bool = False) -> None:
     span.end()
 
 
-# A general helper, not telemetry (cli and _prune import it from here): left in
-# place in issue 21 to keep that change off the front ends; its home would be a
-# module of shared helpers.
+# A general helper, not telemetry: the tools import it from here.
 def redact_url(url: object) -> str:
     """``url`` (a Redis or database URL, or a SQLAlchemy ``URL``) with its password
     shown as ``***``: every URL sa-fence prints or logs goes through this."""
