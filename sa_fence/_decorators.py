@@ -54,9 +54,7 @@ C = TypeVar("C", bound=type)
 #: What the algorithm's generators are: they yield values or awaitables, get results back.
 _Steps: TypeAlias = Generator[Any, Any, R]
 
-#: What ``session=`` takes: a session, a scoped session (its current session
-#: is used), a factory (a session is opened and closed per call), or the name
-#: of a parameter / attribute of the first argument holding one of these.
+#: What ``session=`` takes: a session, a scoped session, a factory, or the name of one.
 SessionSource: TypeAlias = (
     "Session | AsyncSession | scoped_session[Any] | async_scoped_session[Any] "
     "| sessionmaker[Any] | async_sessionmaker[Any] | Callable[[], Session | AsyncSession] | str"
@@ -105,8 +103,7 @@ class _Frame:
     session: Any  # the Session or AsyncSession the call runs on
 
 
-#: The fenced calls running in this context, outermost first (a contextvar:
-#: each thread and each asyncio task sees its own call stack).
+#: The fenced calls running in this thread or asyncio task, outermost first.
 _frames: contextvars.ContextVar[tuple[_Frame, ...]] = contextvars.ContextVar(
     "sa_fence_fenced_calls", default=()
 )
@@ -146,9 +143,6 @@ def _held(fencer: object, name: str) -> _Frame | None:
         if frame.fencer is fencer and frame.name == name and not frame.lease.released:
             return frame
     return None
-
-
-# ------------------------------------------------------- checking the arguments
 
 
 def _template_fields(template: object) -> list[str]:
@@ -326,9 +320,6 @@ class _Options:
         )
 
 
-# ---------------------------------------------------------- finding, at a call
-
-
 def _first_or_parameter(what: str, locator: str, bound: inspect.BoundArguments) -> Any:
     if locator in bound.arguments:
         return bound.arguments[locator]
@@ -399,9 +390,6 @@ def _session_state(session: Any) -> SessionState:
     return state_for(getattr(session, "sync_session", session))  # an AsyncSession's own
 
 
-# ------------------------------------------------------------------- max_hold
-
-
 def _lose_at_max_hold(lease: BaseLease[Any], message: str) -> None:
     try:
         lease._lose(message)
@@ -454,9 +442,6 @@ class _HoldLimits:
 _hold_limits = _HoldLimits()
 # A forked child (Celery's prefork pool) starts with no thread and no entries.
 os.register_at_fork(after_in_child=_hold_limits._reset)
-
-
-# ---------------------------------------------------- one call, sync or async
 
 
 @dataclass(frozen=True, slots=True)
@@ -635,9 +620,6 @@ async def _cancelled_on_loss(lease: AsyncLease, work: Any) -> Any:
         raise
     finally:
         lease._loss_hooks = tuple(h for h in lease._loss_hooks if h is not on_loss)
-
-
-# ----------------------------------------------------------------- decorator
 
 
 @overload

@@ -182,8 +182,7 @@ class _Tally:
         return [otel_metrics.Observation(total, dict(key)) for key, total in items]
 
 
-#: Measurements a thread may leave pending before it records them all itself
-#: (when no metric reader collects often enough, or none is attached).
+#: Pending measurements past which the thread adding one records them all itself.
 PENDING_LIMIT = 512
 
 
@@ -378,10 +377,8 @@ class Telemetry:
     ``max_patterns`` distinct patterns are reported; the rest count as ``"other"``.
     ``root_spans``: False (the default) starts spans only inside a trace the
     caller started; True makes an acquire, release or commit outside any trace
-    a trace of its own (metrics are recorded either way).
-
-    Pass it to :class:`sa_fence.Fencer` / :class:`sa_fence.AsyncFencer`
-    (``telemetry=``); fencers without one share a default on the global providers.
+    a trace of its own (metrics are recorded either way).  Pass it to
+    :class:`sa_fence.Fencer` / :class:`sa_fence.AsyncFencer` (``telemetry=``).
     """
 
     #: False when the OpenTelemetry API is not installed (everything is a no-op then)
@@ -697,9 +694,6 @@ def traced_release_async(fn: Callable[..., Awaitable[Any]]) -> Any:
             _lease_span(self).end()
 
     return release
-
-
-# ------------------------------------------------- hooks the front ends call
 
 
 def released(lease: LeaseView, deleted: bool) -> None:
