@@ -1,36 +1,17 @@
-"""Repository-layer decorators: run a method under a fenced lease.
+"""Repository-layer decorators: run a function or method under a fenced lease.
 
 ::
 
-    class JobRepository:
-        def __init__(self, session: Session, fencer: sa_fence.Fencer) -> None:
-            self.session = session          # found by attribute name "session"
-            self.fencer = fencer            # found by attribute name "fencer"
-
-        @sa_fence.fenced("job:{job_id}", ttl=30, renew=True)
-        def finish(self, job_id: int, result: str) -> None:
-            self.session.get(Job, job_id).result = result   # committed on return
-
-    # A task or a script with no session of its own: give the factory.
-    @sa_fence.fenced("job:{job_id}", ttl=30, fencer=fencer, session=Session)
+    @sa_fence.fenced("job:{job_id}", ttl=30, renew=True, fencer=fencer, session=Session)
     def finish_job(job_id: int, result: str) -> None:
-        sa_fence.current_session().get(Job, job_id).result = result
+        sa_fence.current_session().get(Job, job_id).result = result   # committed on return
 
-Each call formats the lease name from the call's arguments, acquires the
-lease (contention: raise, skip or wait), opens a session if it was given a
-factory, binds the lease to the session, runs the body, commits (or rolls
-back if the body raised or the lease was lost), restores the session's
-previous binding, closes the session it opened and releases the lease.  A
-fenced call nested inside another on the same name and Fencer, in the same
-call stack (thread or asyncio task), reuses the held lease instead of
-waiting for itself.  :func:`fenced_methods` does the same for every public
-method of a class.
-
-That algorithm is written once, as generators (:func:`_fenced_call`) that
-``yield`` every value a coroutine function would ``await``: the body's result,
-acquire, commit, rollback, close, release.  For a plain def they are plain
-values and :func:`_run_sync` sends them straight back; for an ``async def``
-they are awaitables and :func:`_run_async` awaits each one first.
+Each call fills the lease name from its arguments, acquires the lease, binds
+it to the session, runs the body, commits or rolls back, and releases the
+lease; docs/decorators.md tells the whole story.  The algorithm is written
+once, as generators (:func:`_fenced_call`) that ``yield`` every value an
+``async def`` would ``await``: :func:`_run_sync` sends plain values straight
+back, :func:`_run_async` awaits each one first.
 """
 
 from __future__ import annotations
@@ -73,9 +54,7 @@ C = TypeVar("C", bound=type)
 #: What the algorithm's generators are: they yield values or awaitables, get results back.
 _Steps: TypeAlias = Generator[Any, Any, R]
 
-#: What ``session=`` takes: a session, a scoped session (its current session
-#: is used), a factory (a session is opened and closed per call), or the name
-#: of a parameter / attribute of the first argument holding one of these.
+#: What ``session=`` takes: a session, a scoped session, a factory, or the name of one.
 SessionSource: TypeAlias = (
     "Session | AsyncSession | scoped_session[Any] | async_scoped_session[Any] "
     "| sessionmaker[Any] | async_sessionmaker[Any] | Callable[[], Session | AsyncSession] | str"
@@ -83,10 +62,7 @@ SessionSource: TypeAlias = (
 
 
 class _SkippingDecorator(Protocol):
-    """What ``fenced(..., on_busy="skip")`` returns: ``SKIPPED`` joins the result type.
-
-    For a coroutine function the *awaited* result may be ``SKIPPED``.
-    """
+    """What ``fenced(..., on_busy="skip")`` returns: ``SKIPPED`` joins the (awaited) result."""
 
     @overload
     def __call__(
@@ -102,14 +78,9 @@ _MARK = "__sa_fence_fenced__"
 
 
 class Skipped(enum.StrEnum):
-    """The type of :data:`SKIPPED`.
-
-    A ``str`` enum, so that a skipped call's result serializes as it is: JSON
-    (Celery's default result serializer, a web framework's response) carries
-    it as the string ``"sa_fence.SKIPPED"``, and pickle as the enum member.
-    After a JSON round trip the value is that plain string, which still
-    compares equal: test it with ``result == sa_fence.SKIPPED`` (``is`` holds
-    only in the process that returned it).
+    """The type of :data:`SKIPPED`: a ``str`` enum, so a skipped call's result
+    serializes as it is (JSON: the string ``"sa_fence.SKIPPED"``).  Test it with
+    ``result == sa_fence.SKIPPED``: after a JSON round trip ``is`` no longer holds.
     """
 
     SKIPPED = "sa_fence.SKIPPED"
@@ -132,8 +103,7 @@ class _Frame:
     session: Any  # the Session or AsyncSession the call runs on
 
 
-#: The fenced calls running in this context, outermost first (a contextvar:
-#: each thread and each asyncio task sees its own call stack).
+#: The fenced calls running in this thread or asyncio task, outermost first.
 _frames: contextvars.ContextVar[tuple[_Frame, ...]] = contextvars.ContextVar(
     "sa_fence_fenced_calls", default=()
 )
@@ -149,12 +119,10 @@ def _innermost(function: str) -> _Frame:
 def current_lease() -> Any:
     """The lease of the innermost :func:`fenced` call running in this context.
 
-    A :class:`~sa_fence.Lease`, or an :class:`~sa_fence.AsyncLease` inside an
-    ``async def`` fenced call (a contextvar: each asyncio task sees its own).
-
-    For the body's own use: ``current_lease().token`` as part of an
-    idempotency key for external side effects, or ``current_lease().check()``
-    between steps of long work.  Raises ``LookupError`` outside a fenced call.
+    A :class:`~sa_fence.Lease` (an :class:`~sa_fence.AsyncLease` in an ``async
+    def``): ``current_lease().token`` for an idempotency key, or
+    ``current_lease().check()`` between steps of long work.  Raises
+    ``LookupError`` outside a fenced call.
     """
     return _innermost("current_lease").lease
 
@@ -162,10 +130,9 @@ def current_lease() -> Any:
 def current_session() -> Any:
     """The session of the innermost :func:`fenced` call running in this context.
 
-    The ``Session`` (or ``AsyncSession``) the call opened from the factory it
-    was given (``session=Session``), or the one it found: bound to the call's
-    lease and committed when the call returns.  Raises ``LookupError``
-    outside a fenced call.
+    The ``Session`` (or ``AsyncSession``) the call opened or found, bound to
+    its lease and committed when it returns.  Raises ``LookupError`` outside a
+    fenced call.
     """
     return _innermost("current_session").session
 
@@ -176,9 +143,6 @@ def _held(fencer: object, name: str) -> _Frame | None:
         if frame.fencer is fencer and frame.name == name and not frame.lease.released:
             return frame
     return None
-
-
-# ------------------------------------------------------- checking the arguments
 
 
 def _template_fields(template: object) -> list[str]:
@@ -221,12 +185,8 @@ def _check_fields(template: str, fields: list[str], fn: Callable[..., Any]) -> i
 
 
 def _async_kinds() -> tuple[type, type, type, type] | None:
-    """(AsyncFencer, AsyncSession, async_sessionmaker, async_scoped_session) if the
-    asyncio front end is loaded, else None.
-
-    Not imported here: an AsyncFencer or AsyncSession can only exist once its
-    module is loaded, and sync users need not load SQLAlchemy's asyncio.
-    """
+    """(AsyncFencer, AsyncSession, async_sessionmaker, async_scoped_session), or None
+    while sa_fence._async is not loaded (then none of them can exist yet)."""
     if "sa_fence._async" not in sys.modules:
         return None
     from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
@@ -261,10 +221,7 @@ def _session_kind(value: object, *, any_callable: bool) -> tuple[str, bool | Non
 
 
 def _sides(fencer: object, session: object) -> tuple[bool | None, bool | None]:
-    """Are the fencer and the session given asyncio's (None: a name, or any callable)?
-
-    ``TypeError`` for what :func:`fenced` cannot use.
-    """
+    """Are the fencer and the session asyncio's (None: a name, or any callable)?"""
     kinds = _async_kinds()
     if isinstance(fencer, str) and fencer.isidentifier():
         fencer_side = None
@@ -363,14 +320,10 @@ class _Options:
         )
 
 
-# ---------------------------------------------------------- finding, at a call
-
-
 def _first_or_parameter(what: str, locator: str, bound: inspect.BoundArguments) -> Any:
     if locator in bound.arguments:
         return bound.arguments[locator]
-    args = list(bound.arguments.values())
-    first = args[0] if args else None
+    first = next(iter(bound.arguments.values()), None)
     if first is None or not hasattr(first, locator):
         raise TypeError(
             f"@fenced could not find the {what}: the call has no parameter "
@@ -434,11 +387,7 @@ def _open(how: str, source: Any, is_async: bool) -> Any:
 def _session_state(session: Any) -> SessionState:
     from ._flush import state_for
 
-    sync_session = getattr(session, "sync_session", session)  # an AsyncSession's own
-    return state_for(sync_session)
-
-
-# ------------------------------------------------------------------- max_hold
+    return state_for(getattr(session, "sync_session", session))  # an AsyncSession's own
 
 
 def _lose_at_max_hold(lease: BaseLease[Any], message: str) -> None:
@@ -449,12 +398,8 @@ def _lose_at_max_hold(lease: BaseLease[Any], message: str) -> None:
 
 
 class _HoldLimits:
-    """Marks leases lost when they reach their ``max_hold``: one daemon thread.
-
-    A :class:`sched.scheduler` of deadlines: any number of capped leases cost
-    one thread, which starts with the first and exits as soon as none is
-    pending.  Each fenced call cancels its entry when it ends.
-    """
+    """Marks leases lost at their ``max_hold``: a scheduler of deadlines on one daemon
+    thread, started by the first entry and gone once none is pending."""
 
     def __init__(self) -> None:
         self._reset()
@@ -499,9 +444,6 @@ _hold_limits = _HoldLimits()
 os.register_at_fork(after_in_child=_hold_limits._reset)
 
 
-# ---------------------------------------------------- one call, sync or async
-
-
 @dataclass(frozen=True, slots=True)
 class _Kind:
     """What differs between a fenced def and a fenced async def."""
@@ -524,8 +466,8 @@ class _Kind:
         return functools.partial(_hold_limits.cancel, _hold_limits.add(at, lease, message))
 
     def unit_of_work(self, lease: Any, steps: _Steps[Any]) -> Any:
-        """Run ``steps`` now (a def), or an awaitable running them (an async def),
-        in a child task that the lease's loss cancels with ``cancel_on_lost``."""
+        """Run ``steps`` now (a def), or return an awaitable running them (an async
+        def), which the lease's loss cancels with ``cancel_on_lost``."""
         if not self.is_async:
             return _run_sync(steps)
         work = _run_async(steps)
@@ -543,8 +485,8 @@ def _run_sync(steps: _Steps[R]) -> R:
 
 
 async def _run_async(steps: _Steps[Any]) -> Any:
-    """Drive ``steps`` in an async def: await each awaitable it yields, then send
-    back its result (or throw in its exception, for the generator to handle)."""
+    """Drive ``steps`` in an async def: await each awaitable it yields, then send back
+    its result or throw in its exception."""
     value: Any = None
     error: BaseException | None = None
     while True:
@@ -655,11 +597,9 @@ def _nested(
 async def _cancelled_on_loss(lease: AsyncLease, work: Any) -> Any:
     """Run ``work`` in a child task that the lease's loss cancels (LeaseLostError then).
 
-    A child task, so that the loss cancels the body only: the caller's task
-    is never cancelled by us, and a cancellation of the caller still reaches
-    the body (awaiting a task forwards the cancellation to it) and is
-    re-raised as such.  The child runs in a copy of this context, so
-    ``current_lease()`` works in the body.
+    A child task, so the loss cancels the body only, while a cancellation of the
+    caller still reaches the body and is re-raised as such; it runs in a copy of
+    this context, so ``current_lease()`` works in the body.
     """
     child = asyncio.ensure_future(work)
 
@@ -680,9 +620,6 @@ async def _cancelled_on_loss(lease: AsyncLease, work: Any) -> Any:
         raise
     finally:
         lease._loss_hooks = tuple(h for h in lease._loss_hooks if h is not on_loss)
-
-
-# ----------------------------------------------------------------- decorator
 
 
 @overload
@@ -732,62 +669,28 @@ def fenced(
     """Run the decorated function under lease ``name`` with its session fenced.
 
     ``name`` is a ``str.format`` template filled from the call's arguments by
-    parameter name (``"job:{job_id}"``, ``"sheet:{sheet.id}"``).
-
-    ``fencer``: a :class:`~sa_fence.Fencer`, or (the default) a name looked up
-    first among the call's parameters, then as an attribute of the first
-    argument (``self.fencer`` for a repository method).
-
-    ``session``: where the unit of work runs.  A ``Session`` (used as it is);
-    a ``scoped_session`` (its current session); a **session factory** (a
-    ``sessionmaker`` or any callable returning a ``Session``: a session is
-    opened for each call and closed after it, which suits Celery tasks and
-    scripts, whose arguments cannot carry a session); or (the default) a
-    name looked up like ``fencer``, whose value may be any of these.  Inside
-    the body, :func:`current_session` returns the session.
+    parameter name (``"job:{job_id}"``, ``"sheet:{sheet.id}"``).  ``fencer``: a
+    :class:`~sa_fence.Fencer`, or (the default) a name looked up among the
+    call's parameters, then on its first argument (``self.fencer``).
+    ``session``: a ``Session``, a ``scoped_session`` (its current session), a
+    session factory (a session is opened and closed per call), or a name
+    looked up like ``fencer``; :func:`current_session` returns it in the body.
 
     ``on_busy`` when another owner holds the lease: ``"raise"``
-    :class:`~sa_fence.LeaseNotAcquiredError`; ``"skip"`` the body and return
-    :data:`~sa_fence.SKIPPED`; ``"wait"`` up to ``timeout`` seconds (default:
-    ``ttl``), then raise.  ``ttl``, ``renew``, ``on_lost`` and ``fail_fast``
-    are passed to :meth:`Fencer.acquire`.
+    :class:`~sa_fence.LeaseNotAcquiredError`, ``"skip"`` the body and return
+    :data:`~sa_fence.SKIPPED`, or ``"wait"`` up to ``timeout`` seconds (default
+    ``ttl``).  ``ttl``, ``renew``, ``on_lost`` and ``fail_fast`` go to
+    :meth:`Fencer.acquire`; ``max_hold`` (with ``renew=True``) caps renewal, after
+    which the lease counts as lost.
 
-    ``max_hold`` (with ``renew=True``): the longest time, in seconds from
-    the grant, that the lease is renewed.  When it is reached, renewal stops
-    and the lease counts as lost: ``on_lost`` runs, bound sessions refuse to
-    flush (:class:`~sa_fence.LeaseLostError`), an ``async def`` body is
-    cancelled (``cancel_on_lost``), and the call rolls back and raises
-    ``LeaseLostError`` instead of committing.  A hung worker thus gives the
-    name back after ``max_hold`` instead of renewing it forever.
-
-    On return the session is committed, unless the lease was lost (or
-    released) meanwhile: then it is rolled back and ``LeaseLostError``
-    raised.  If the body raises, the session is rolled back.  Either way the
-    session's previous binding is restored, a session the call opened is
-    closed, and the lease released.  Bad arguments raise
-    ``TypeError``/``ValueError`` here, at decoration time.
-
-    **Nested calls.**  A fenced call made while a fenced call on the same
-    lease name and Fencer is running in the same thread or asyncio task
-    (a repository method calling another) reuses that call's lease instead
-    of acquiring it again (which would wait for itself).  On the same
-    session it joins the outer call's unit of work: it neither commits nor
-    rolls back, and the outer call does.  On another session it commits or
-    rolls back that session as usual.  Only the outermost call releases the
-    lease; the nested call's own ``ttl``, ``renew`` and ``on_busy`` do not
-    apply.  If the held lease was lost, the nested call raises
-    :class:`~sa_fence.LeaseLostError` before its body runs.
-
-    On an ``async def`` the same options apply, with an
-    :class:`~sa_fence.AsyncFencer` and an ``AsyncSession`` (or
-    ``async_sessionmaker``, ``async_scoped_session``); the call is awaited,
-    commits with ``await session.commit()``, and, with ``cancel_on_lost``
-    (default True; async only), a lease found lost while the body runs
-    cancels the body, rolls back and raises :class:`~sa_fence.LeaseLostError`.
-
-    The wrapper keeps the function's signature (``__signature__``, also seen
-    by ``inspect.getfullargspec``), so frameworks that check arguments before
-    calling (Celery's ``apply_async``, FastAPI) see the real parameters.
+    On return the session is committed, or rolled back with
+    :class:`~sa_fence.LeaseLostError` if the lease was lost meanwhile; if the
+    body raises, it is rolled back.  A nested call on the same name and Fencer
+    reuses the held lease.  On an ``async def``: an
+    :class:`~sa_fence.AsyncFencer` and the asyncio sessions, and
+    ``cancel_on_lost`` (default True) cancels the body when the lease is lost.
+    Bad arguments raise ``TypeError``/``ValueError`` at decoration time.  The
+    wrapper keeps the function's signature.  docs/decorators.md has the details.
     """
     options = _Options(**locals())  # every parameter of fenced(), by name
 
@@ -855,13 +758,10 @@ def fenced_methods(
 ) -> Callable[[C], C]:
     """Class decorator: apply :func:`fenced` with these arguments to every public method.
 
-    Public methods are the plain functions defined in the class body whose
-    name does not start with ``_``; ``exclude`` names methods to leave alone,
-    and a method already decorated with :func:`fenced` keeps its own
-    settings.  Every other method must have the parameters the template
-    names, or the class is refused at definition time.  One public method
-    calling another on the same name reuses the held lease (see
-    :func:`fenced`, "Nested calls").
+    Public methods are the functions defined in the class body whose name does not
+    start with ``_``; ``exclude`` names methods to leave alone, and a method with
+    its own :func:`fenced` keeps it.  Every other method must have the parameters
+    the template names, or the class is refused at definition time.
     """
     options = _Options(**{k: v for k, v in locals().items() if k != "exclude"})
     excluded = {exclude} if isinstance(exclude, str) else set(exclude)

@@ -1,24 +1,18 @@
 """Metrics, spans and log fields: what sa-fence tells an OpenTelemetry SDK.
 
-Set up an SDK as usual; fencers report to its global providers, or to the
-ones a :class:`Telemetry` names::
+Fencers report to the global providers, or to the ones a :class:`Telemetry` names::
 
-    fencer = sa_fence.Fencer(redis_client, engine)          # global providers
     telemetry = sa_fence.telemetry.Telemetry(
         meter_provider=meters, tracer_provider=tracers,
         name_pattern=lambda name: name.split(":", 1)[0],    # "tenant:17:job:4" -> "tenant"
     )
     fencer = sa_fence.Fencer(redis_client, engine, telemetry=telemetry)
 
-Inside the caller's trace a lease is one span, ``sa_fence.lease``, from the
-acquire to the release (renewals are its events); a fenced flush and its
-commit check are a span each.  Metric attributes are bounded: a lease's
-*pattern* (the ``@fenced`` template, else ``name_pattern(name)``, capped at
-``max_patterns``), never its name or owner.  Only the OpenTelemetry API is
-used (``pip install 'sa-fence[otel]'``); without it everything is a no-op.
-docs/observability.md lists the signals; ``make bench`` measures their cost.
-
-The front ends call the hooks at the bottom of this module, one line each.
+A lease is one span, ``sa_fence.lease``, from acquire to release; a fenced
+flush and its commit check are a span each.  Metric attributes are bounded:
+a lease's *pattern*, never its name or owner.  Only the OpenTelemetry API is
+used; without it everything is a no-op.  docs/observability.md lists the
+signals; the front ends call the hooks at the bottom of this module.
 """
 
 from __future__ import annotations
@@ -26,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextvars
 import functools
+import inspect
 import logging
 import os
 import re
@@ -131,45 +126,27 @@ def naming(template: str) -> Iterator[None]:
 class _NoOp:
     """Instruments, tracer and span when the OpenTelemetry API is not installed."""
 
-    def add(self, amount: float, attributes: Any = None) -> None:
+    def _nothing(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def record(self, amount: float, attributes: Any = None) -> None:
-        pass
+    add = record = set_attribute = set_attributes = add_event = _nothing
+    set_status = record_exception = end = _nothing
 
     def idle(self) -> bool:
         return True
 
-    def start_span(self, name: str, *args: Any, **kwargs: Any) -> _NoOp:
-        return self
-
-    def set_attribute(self, key: str, value: Any) -> None:
-        pass
-
-    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
-        pass
-
-    def add_event(self, name: str, *args: Any, **kwargs: Any) -> None:
-        pass
-
     def is_recording(self) -> bool:
         return False
 
-    def set_status(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record_exception(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def end(self, end_time: int | None = None) -> None:
-        pass
+    def start_span(self, name: str, *args: Any, **kwargs: Any) -> _NoOp:
+        return self
 
 
 _NOOP = _NoOp()
 
-# One lock for every tally: held for a dict update only.  A child process
-# forked while another thread held it gets a fresh one (and drops the parent's
-# pending histogram measurements: the parent reports them).
+# One lock for every tally, held for a dict update only.  A forked child gets a
+# fresh one (another thread may have held it) and drops its parent's pending
+# histogram measurements (the parent reports them).
 _tally_lock = threading.Lock()
 
 
@@ -185,12 +162,8 @@ if hasattr(os, "register_at_fork"):
 
 
 class _Tally:
-    """A counter kept in the process, reported by an ``ObservableCounter`` callback.
-
-    Why not the API's ``Counter``: with an SDK each ``add`` costs 5 to 15 us of
-    CPU inside the lease cycle; a dict update here is the same metric to every
-    reader (a monotonic sum per attribute set), without exemplars.
-    """
+    """A counter kept in the process, reported by an ``ObservableCounter`` callback
+    (cheaper than the API's ``Counter``: docs/observability.md, "Metrics")."""
 
     __slots__ = ("counts",)
 
@@ -209,35 +182,20 @@ class _Tally:
         return [otel_metrics.Observation(total, dict(key)) for key, total in items]
 
 
-#: Measurements a thread may leave pending before it records them all itself
-#: (when no metric reader collects often enough, or none is attached).
+#: Pending measurements past which the thread adding one records them all itself.
 PENDING_LIMIT = 512
 
 
-def _record_takes_context() -> bool:
-    """Whether ``Histogram.record`` accepts ``context=`` (OpenTelemetry API 1.26+)."""
-    import inspect
-
-    try:
-        return "context" in inspect.signature(otel_metrics.Histogram.record).parameters
-    except (AttributeError, TypeError, ValueError):  # no API, or no signature to read
-        return False
-
-
-_RECORD_TAKES_CONTEXT = otel_metrics is not None and _record_takes_context()
+try:  # does Histogram.record accept context= (OpenTelemetry API 1.26+)?
+    _RECORD_TAKES_CONTEXT = "context" in inspect.signature(otel_metrics.Histogram.record).parameters
+except (AttributeError, TypeError, ValueError):  # no API, or no signature to read
+    _RECORD_TAKES_CONTEXT = False
 
 
 class _Pending:
-    """Histogram measurements of one meter provider, recorded when a reader collects.
-
-    Why: with an SDK ``Histogram.record`` costs 12 to 15 us of CPU between a
-    lease cycle's network calls, twice per cycle; an append here costs under
-    1 us.  The first sa-fence counter's callback (run by every collection
-    before it reads) records them, each with the context it was made in, so
-    exemplars still link to their trace (API 1.26+); only the timestamps are
-    the collection's.  Bounded by ``PENDING_LIMIT``; a forked child drops its
-    parent's.  docs/observability.md, "Metrics", says what readers see.
-    """
+    """Histogram measurements of one meter provider, recorded (with the context each
+    was made in) by the first counter's callback when a reader collects; bounded by
+    ``PENDING_LIMIT``.  Why and what readers see: docs/observability.md, "Metrics"."""
 
     __slots__ = ("items",)
 
@@ -298,6 +256,27 @@ class _Provider:
     def __init__(self) -> None:
         self.tallies: dict[str, _Tally] = {}
         self.pending = _Pending()
+
+    def counter(self, meter: Any, name: str, unit: str, description: str) -> _Tally:
+        """The tally of counter ``name``: made, and its callback registered, once."""
+        with _tally_lock:
+            tally = self.tallies.get(name)
+            if tally is not None:
+                return tally
+            first = not self.tallies
+            tally = self.tallies[name] = _Tally()
+        # the first counter's callback also records the pending histograms
+        callbacks = [self.pending.drain, tally.observe] if first else [tally.observe]
+        meter.create_observable_counter(
+            name, callbacks=callbacks, unit=unit, description=description
+        )
+        return tally
+
+    def histogram(self, meter: Any, name: str, description: str) -> _Histogram:
+        made = meter.create_histogram(
+            name, unit="s", description=description, explicit_bucket_boundaries_advisory=BUCKETS
+        )
+        return _Histogram(made, self.pending)
 
 
 #: Per meter provider (``_GLOBAL``: the global one).
@@ -361,7 +340,6 @@ _HISTOGRAMS = {
         "Time of the lease register check and COMMIT (one round trip), by outcome.",
     ),
 }
-_INSTRUMENTS = (*_COUNTERS, *_HISTOGRAMS)
 
 
 def _check_arguments(name_pattern: object, max_patterns: object, root_spans: object) -> None:
@@ -391,39 +369,33 @@ def _provider_state(meter_provider: Any) -> _Provider:
 class Telemetry:
     """Where sa-fence reports: a meter and a tracer, and how lease names are shortened.
 
-    ``meter_provider`` / ``tracer_provider``: an OpenTelemetry SDK's
-    providers; None (the default) uses the global ones (``set_meter_provider``,
-    ``set_tracer_provider``), also when they are set after this object was
-    made.  ``name_pattern(name) -> str`` turns a lease name into the value of
-    the ``sa_fence.lease.pattern`` attribute for leases not taken by
-    ``@fenced`` (whose template is used): it must map the names to few
-    values.  At most ``max_patterns`` distinct patterns are reported; the
-    rest count as ``"other"``.
-
-    ``root_spans``: False (the default) starts sa-fence's spans only inside a
-    trace the caller started (a request's, a task's, a span of your own):
-    they are its children, and an acquire, release or commit outside any
-    trace records no span (its metrics are recorded all the same).  True
-    makes each of those a trace of its own.
-
-    Pass it to :class:`sa_fence.Fencer` / :class:`sa_fence.AsyncFencer`
-    (``telemetry=``); fencers without one share a default that uses the
-    global providers.
+    ``meter_provider`` / ``tracer_provider``: an OpenTelemetry SDK's providers;
+    None (the default) uses the global ones, also when they are set after this
+    object was made.  ``name_pattern(name) -> str`` turns a lease name into the
+    ``sa_fence.lease.pattern`` attribute for leases not taken by ``@fenced``
+    (whose template is used): it must map the names to few values.  At most
+    ``max_patterns`` distinct patterns are reported; the rest count as ``"other"``.
+    ``root_spans``: False (the default) starts spans only inside a trace the
+    caller started; True makes an acquire, release or commit outside any trace
+    a trace of its own (metrics are recorded either way).  Pass it to
+    :class:`sa_fence.Fencer` / :class:`sa_fence.AsyncFencer` (``telemetry=``).
     """
 
     #: False when the OpenTelemetry API is not installed (everything is a no-op then)
     enabled: bool
-    # The instruments (OpenTelemetry API objects, or no-ops without the API).
-    tracer: Any
-    acquires: Any
-    renewals: Any
-    lost: Any
-    stale_refused: Any
-    unfenced_refused: Any
-    acquire_duration: Any
-    hold_duration: Any
-    first_write_delay: Any
-    commit_check_duration: Any
+    # The instruments: OpenTelemetry API objects, or these no-ops without the API.
+    tracer: Any = _NOOP
+    acquires: Any = _NOOP
+    renewals: Any = _NOOP
+    lost: Any = _NOOP
+    stale_refused: Any = _NOOP
+    unfenced_refused: Any = _NOOP
+    acquire_duration: Any = _NOOP
+    hold_duration: Any = _NOOP
+    first_write_delay: Any = _NOOP
+    commit_check_duration: Any = _NOOP
+    _untraced = True  # see start_span
+    _proxy: Any = None
 
     def __init__(
         self,
@@ -442,61 +414,33 @@ class Telemetry:
         self._warned_other = False
         self._pattern_of = functools.lru_cache(maxsize=1024)(self._compute_pattern)
         self.enabled = otel_metrics is not None and otel_trace is not None
-        self._untraced, self._proxy = True, None  # see start_span
-        if not self.enabled:
-            self.tracer = _NOOP
-            for name in _INSTRUMENTS:
-                setattr(self, name, _NOOP)
-            return
-        from . import __version__ as version
+        if self.enabled:
+            from . import __version__ as version
 
-        self.tracer = tracer = otel_trace.get_tracer(SCOPE, version, tracer_provider)
+            self._use_tracer(otel_trace.get_tracer(SCOPE, version, tracer_provider))
+            self._create_instruments(
+                otel_metrics.get_meter(SCOPE, version, meter_provider),
+                _provider_state(meter_provider),
+            )
+
+    def _use_tracer(self, tracer: Any) -> None:
+        self.tracer = tracer
         self._untraced = isinstance(tracer, otel_trace.NoOpTracer)
         # The API's proxy of the global provider: its _tracer property is what it
         # delegates to (an API without it is treated as any other tracer).
         proxied = isinstance(getattr(otel_trace.ProxyTracer, "_tracer", None), property)
         self._proxy = tracer if proxied and type(tracer) is otel_trace.ProxyTracer else None
-        self._create_instruments(
-            otel_metrics.get_meter(SCOPE, version, meter_provider), _provider_state(meter_provider)
-        )
 
     def _create_instruments(self, meter: Any, state: _Provider) -> None:
         """The counters (tallies shared per provider) and histograms (pending per provider)."""
-        tallies, pending = state.tallies, state.pending
-
-        def counter(name: str, unit: str, description: str) -> _Tally:
-            with _tally_lock:
-                tally = tallies.get(name)
-                if tally is not None:
-                    return tally
-                first = not tallies
-                tally = tallies[name] = _Tally()
-            # the first counter's callback also records the pending histograms
-            callbacks = [pending.drain, tally.observe] if first else [tally.observe]
-            meter.create_observable_counter(
-                name, callbacks=callbacks, unit=unit, description=description
-            )
-            return tally
-
-        def histogram(name: str, description: str) -> _Histogram:
-            made = meter.create_histogram(
-                name, unit="s", description=description, explicit_bucket_boundaries_advisory=BUCKETS
-            )
-            return _Histogram(made, pending)
-
         for attr, (name, unit, description) in _COUNTERS.items():
-            setattr(self, attr, counter(name, unit, description))
+            setattr(self, attr, state.counter(meter, name, unit, description))
         for attr, (name, description) in _HISTOGRAMS.items():
-            setattr(self, attr, histogram(name, description))
+            setattr(self, attr, state.histogram(meter, name, description))
 
     def start_span(self, name: str, attributes: Mapping[str, Any]) -> Any:
         """A span named ``name``, child of the caller's; the no-op span outside a
-        trace (unless ``root_spans``).
-
-        Why outside a trace there is none: an SDK spends 10 to 30 us of CPU on
-        each recorded span, and one-span traces of every lease cycle, not part
-        of any request or task, are what a sampler would be asked to drop.
-        """
+        trace unless ``root_spans`` (why: docs/observability.md, "Spans")."""
         tracer = self.tracer
         if self._proxy is not None:
             # The global provider's tracer, or the API's no-op one while none is
@@ -752,9 +696,6 @@ def traced_release_async(fn: Callable[..., Awaitable[Any]]) -> Any:
     return release
 
 
-# ------------------------------------------------- hooks the front ends call
-
-
 def released(lease: LeaseView, deleted: bool) -> None:
     """A release answered: record how long the lease was held."""
     tel = _lease_tel(lease)
@@ -888,9 +829,7 @@ def flush_ended(span: Any, *, failed: bool = False) -> None:
     span.end()
 
 
-# A general helper, not telemetry (cli and _prune import it from here): left in
-# place in issue 21 to keep that change off the front ends; its home would be a
-# module of shared helpers.
+# A general helper, not telemetry: the tools import it from here.
 def redact_url(url: object) -> str:
     """``url`` (a Redis or database URL, or a SQLAlchemy ``URL``) with its password
     shown as ``***``: every URL sa-fence prints or logs goes through this."""
