@@ -1,19 +1,10 @@
 """Sans-I/O part of the lease protocol: scripts, argument checks, value formats.
 
 Pure (no Redis, no PostgreSQL): both front ends drive the same functions and
-scripts.  The protocol (docs/how-it-works.md, "The protocol")::
-
-    1. ACQUIRE: if the key is free,           Redis: grant the lease (a resend
-       SET <key> <owner> PX <ttl>              after a lost reply finds <owner>
-                                               and answers "already ours")
-    2. nextval(<sequence>) in its own         PostgreSQL: take the token
-       committed transaction
-    3. CONFIRM: if GET <key> == <owner>       Redis: record the token in the
-       then SET <key> <owner>:<token> KEEPTTL  lease and prove it is still ours
-       else fail and throw the token away
-
-A token is only handed to a holder whose lease was still live *after* it was
-drawn, so token order follows grant order.  Every script is idempotent for one
+scripts.  ACQUIRE sets the lease if the key is free, PostgreSQL draws the
+token, and CONFIRM records it in the lease only while the lease is still ours
+(else the token is thrown away), so token order follows grant order (the
+whole protocol: docs/how-it-works.md).  Every script is idempotent for one
 owner value: a call whose reply was lost can be resent and answers the same.
 """
 

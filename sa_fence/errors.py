@@ -253,31 +253,26 @@ class LeaseBackendError(FenceError):
         cause: BaseException | None = None,
         detail: str | None = None,
     ) -> None:
-        message: str | None = None
         if rebuild:
             attributes = _from_args(type(self), rebuild)
-            message = rebuild[0]
-            backend, operation, name, detail = (
-                attributes[f] for f in ("backend", "operation", "name", "detail")
-            )
+            backend, operation, name, detail = (attributes[f] for f in self._fields if f != "cause")
             # Only its text travels in args; pickle keeps the exception (__reduce__).
             cause = Exception(attributes["cause"])
         if cause is None:
             raise TypeError("LeaseBackendError() needs cause=<the client's exception>")
-        if message is None:
+        shown = str(cause) if rebuild else f"{type(cause).__name__}: {cause}"
+        if rebuild:
+            message = rebuild[0]
+        else:
             message = f"{operation} of lease {name!r} failed: " + (
                 detail
-                or f"{backend} did not answer or failed ({type(cause).__name__}: {cause}); "
-                f"the outcome is unknown. Check that {backend} is reachable; the lease's TTL "
-                "ends anything left behind."
+                or f"{backend} did not answer or failed ({shown}); the outcome is unknown. "
+                f"Check that {backend} is reachable; the lease's TTL ends anything left behind."
             )
-            cause_text = f"{type(cause).__name__}: {cause}"
-        else:
-            cause_text = str(cause)
         self._init(
             message,
             {"backend": backend, "operation": operation, "name": name, "detail": detail},
-            cause=cause_text,
+            cause=shown,
         )
         self.cause = cause
 
