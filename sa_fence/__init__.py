@@ -3,20 +3,9 @@ expired mid-work cannot overwrite the result of the worker that took over.
 
 Quick tour (the full, tested quickstart is in ``docs/quickstart.md``)::
 
-    import redis, sqlalchemy as sa
-    from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
-    import sa_fence
-
-    class Base(DeclarativeBase): ...
-    class Job(sa_fence.Fenced, Base):          # adds the ``fence`` column
-        __tablename__ = "jobs"
-        id: Mapped[int] = mapped_column(primary_key=True)
-        result: Mapped[str | None]
-
-    engine = sa.create_engine("postgresql+psycopg://...")
-    sa_fence.fence_sequence(Base.metadata)     # the token sequence, CACHE 1
+    class Job(sa_fence.Fenced, Base): ...              # adds the ``fence`` column
+    sa_fence.fence_sequence(Base.metadata)             # the token sequence and register
     Base.metadata.create_all(engine)
-
     Session = sa_fence.install(sessionmaker(engine))   # the flush hook
     fencer = sa_fence.Fencer(redis.Redis(), engine)
 
@@ -28,8 +17,7 @@ Quick tour (the full, tested quickstart is in ``docs/quickstart.md``)::
 
 from typing import TYPE_CHECKING, Any
 
-#: The one place the version is written: the build (hatch) reads it from here
-#: into the package metadata, and ``sa-fence --version`` prints it.
+#: The one place the version is written (the build and ``sa-fence --version`` read it).
 __version__ = "0.1.0.dev0"
 
 from . import telemetry as telemetry  # sa_fence.telemetry.Telemetry after `import sa_fence`
@@ -57,11 +45,8 @@ if TYPE_CHECKING:  # the "as" form re-exports them to type checkers (see _LAZY)
     from .telemetry import Telemetry as Telemetry  # deprecated here (see _MOVED)
     from .telemetry import default_name_pattern as default_name_pattern
 
-#: Public names imported on first use: the asyncio front end loads
-#: SQLAlchemy's asyncio extension (greenlet at run time), which sync users
-#: never need.  ``sa_fence.AsyncFencer`` and ``from sa_fence import
-#: AsyncFencer`` load it; they are kept out of ``__all__`` so that ``from
-#: sa_fence import *`` does not.
+#: Public names imported on first use (the asyncio front end needs greenlet),
+#: and kept out of ``__all__`` so that ``from sa_fence import *`` does not load it.
 _LAZY = ("AsyncFencer", "AsyncLease")
 
 __all__ = [
@@ -97,8 +82,7 @@ __all__ = [
 ]
 
 
-#: Names that moved, kept here for one release with a DeprecationWarning
-#: (CHANGELOG): old name -> the module that has it now.
+#: Names that moved, kept for one release with a DeprecationWarning: -> their module.
 _MOVED = {"Telemetry": "sa_fence.telemetry", "default_name_pattern": "sa_fence.telemetry"}
 
 

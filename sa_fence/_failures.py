@@ -1,30 +1,26 @@
 """What a failed Redis or PostgreSQL call means, and whether to resend it.
 
 Pure, like :mod:`sa_fence._protocol`, which drives it: the kinds of failure,
-the cause and fix each error names, and the resend policy (backoff, failure
-budget) shared by both front ends and both backends.
+the cause and fix each error names, and the resend policy (backoff, budget).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
-#: How many times one Redis call is sent at most when it failed in a way a
-#: resend may fix (an outage or failover), within the failure budget
-#: (:class:`FailureBudget`), before the front end gives up with
-#: LeaseBackendError.  Every script is idempotent for one owner, so resending
-#: is safe.  (redis-py may also retry inside each call: see its ``retry``.)
+from redis import exceptions as rx
+
+#: How many times one call is sent at most when a resend may fix its failure
+#: (an outage or failover), within the failure budget; every script is
+#: idempotent for one owner.  (redis-py may also retry inside each call.)
 BACKEND_ATTEMPTS = 3
 
 
 @dataclass(frozen=True, slots=True)
 class Backoff:
-    """Exponential backoff with full jitter: wait ``uniform(0, min(cap, base * 2**n))``.
-
-    Full jitter spreads competing waiters out (no synchronised retry waves),
-    and the cap bounds every single wait.
-    """
+    """Exponential backoff with full jitter: wait ``uniform(0, min(cap, base * 2**n))``."""
 
     base: float = 0.02
     cap: float = 0.5
@@ -42,26 +38,16 @@ class Backoff:
 BACKEND_BACKOFF = Backoff(base=0.02, cap=0.5)
 
 
-# ---------------------------------------------------------------- failures
-#
-# What a failed call means, decided here for both front ends and both
-# backends, so that every error names its cause and its fix the same way:
-#
-# * SETUP: a set-up mistake (wrong password, no such database index, TLS on
-#   one side only, a missing ACL command, no register, no rights).  Resending
-#   cannot help: FencingConfigError at once, with the fix.
-# * OUTAGE: the server did not answer or refused the connection.  Resent
-#   within the failure budget, then LeaseBackendError.
-# * FAILOVER: an outage that a failover explains (no master known to the
-#   Sentinels, a read-only replica, a cluster slot without a master): as
-#   OUTAGE, and the error says a failover may be under way.
-# * REFUSED: the server answered the call with an error no resend changes
-#   (out of memory, a busy script): LeaseBackendError at once.
-#
-# ``may_have_set`` says whether the call may have reached the server and
-# changed something: an error reply, a refused connection or a failed login
-# prove that nothing was set, so acquire skips its clean-up then (the
-# clean-up would only fail the same way and log noise).
+# The kinds of failure (for both front ends and backends):
+# * SETUP: a set-up mistake (a wrong password or database index, TLS on one
+#   side only, a missing ACL command, register or right): FencingConfigError
+#   at once, with the fix.
+# * OUTAGE: no answer or a refused connection: resent within the budget.
+# * FAILOVER: an outage a failover explains (no master known to the Sentinels,
+#   a read-only replica, a cluster slot without a master): as OUTAGE.
+# * REFUSED: an error reply no resend changes (out of memory, a busy script).
+# ``may_have_set``: whether the call may have changed something; when it
+# cannot have, acquire skips its clean-up (which would only fail the same way).
 
 SETUP = "setup"
 OUTAGE = "outage"
@@ -81,8 +67,7 @@ TIMEOUTS_DOC = "docs/topologies.md#timeouts"
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """What one failed call means: its kind, whether it may have set anything, and the
-    text for the error (the cause, and for SETUP the fix)."""
+    """A failed call's kind, whether it may have set anything, and the error's text."""
 
     kind: str
     may_have_set: bool
@@ -90,8 +75,8 @@ class Failure:
 
 
 def cause_text(exc: BaseException) -> str:
-    """``Type: message`` of a client's exception, on one line, without SQLAlchemy's
-    statement and background link (the driver's own exception when it wraps one)."""
+    """``Type: message`` of a client's exception on one line (the driver's own, when
+    SQLAlchemy wraps one: without its statement and background link)."""
     orig = getattr(exc, "orig", None)
     if isinstance(orig, BaseException):
         exc = orig
@@ -116,14 +101,10 @@ def check_backend_timeout(timeout: object) -> float:
 class FailureBudget:
     """The resend policy of one operation's calls, bounded by a budget in seconds.
 
-    The budget counts from the send time of the first failed attempt (so the
-    wait for a busy lease and the calls that succeeded before are not part of
-    it).  A failure is resent only when it is resendable, fewer than
-    :data:`BACKEND_ATTEMPTS` sends were made, and the next attempt, judged by
-    how long the last one took, ends within the budget: the operation gives up
-    within the budget, or within one call of the client when a single call
-    (its ``socket_timeout`` times its own retries) takes longer than that.
-    sa-fence never multiplies the client's own retries beyond that.
+    The budget counts from the send of the first failed attempt.  A failure
+    is resent only when it is resendable, fewer than :data:`BACKEND_ATTEMPTS`
+    sends were made, and the next attempt, as long as the last, ends within
+    the budget (or within one call of the client, when one call is longer).
     """
 
     budget: float
@@ -142,14 +123,10 @@ class FailureBudget:
             return None
         wait = BACKEND_BACKOFF.delay(self.failures - 1, rand)
         took = self.last_took = max(0.0, now - sent_at)
-        if now + wait + took > self.first_sent + self.budget:
-            return None
-        return wait
+        return None if now + wait + took > self.first_sent + self.budget else wait
 
     def fits_another(self, now: float) -> bool:
-        """Whether one more call, as long as the last failed one, ends within the
-        budget (the clean-up after a failed acquire is sent only then: against a
-        Redis that stopped answering it would only wait again)."""
+        """Whether one more call, as long as the last failed one, ends within the budget."""
         return now + self.last_took <= self.budget + (
             now if self.first_sent is None else self.first_sent
         )
@@ -165,8 +142,67 @@ class FailureBudget:
         self.first_sent = None
 
 
-def _redis_setup(cause: str, fix: str) -> Failure:
-    return Failure(SETUP, False, f"the Redis connection is set up wrongly ({cause}). {fix}")
+#: The fix of each set-up mistake a failed Redis call shows.
+_REDIS_FIXES = {
+    "auth": "Check the user name and password the client connects with (redis://user:"
+    "password@host/..., or username=/password=) against the server's ACL or requirepass.",
+    "db": "The database index in the URL (redis://host:port/<index>) or db= is higher "
+    "than the server's 'databases' setting (16 by default); use an index below it.",
+    "acl": "The Redis user lacks a command or key sa-fence needs. Give it the minimal "
+    "ACL: -@all +evalsha +script|load +get +set +pexpire +pttl +del "
+    f"~<key_prefix>* (see {ACL_DOC}).",
+    "certificate": "The server's TLS certificate was not accepted: give the client the CA "
+    "that signed it (ssl_ca_certs=..., or ?ssl_ca_certs= in the rediss:// URL) and "
+    "connect by a name or address the certificate lists.",
+    "plain": "The client uses TLS (rediss://, ssl=True) but the server answers in "
+    "plain Redis on that port: use redis://, or connect to the server's tls-port.",
+    "tls": "The server expects TLS on that port but the client speaks plain "
+    "Redis: use rediss:// (ssl=True) with ssl_ca_certs=<the CA file>.",
+    "command": "The server does not run Lua scripts under their usual names (EVALSHA, "
+    "SCRIPT LOAD renamed or disabled); sa-fence needs them.",
+}
+#: Set-up mistakes by exception type or text, first match first: (types, text
+#: pattern, problem).  Then TLS on one side only, then a renamed command.
+_REDIS_SETUP: tuple[tuple[tuple[type[BaseException], ...], str, str], ...] = (
+    ((rx.AuthenticationError, rx.AuthorizationError), "wrongpass|noauth", "auth"),
+    ((), "db index is out of range|invalid db index", "db"),
+    ((rx.NoPermissionError,), "noperm|user executing the script", "acl"),
+    ((), "certificate|ssl.*verify|verify.*ssl", "certificate"),
+)
+
+#: Any other failure, by type, first match first: (types, kind, may have set).
+#: No master to send to (a cluster reply refused it) sets nothing; a lost
+#: connection or a timeout may have, unless it came while connecting.
+_REDIS_KINDS: tuple[tuple[tuple[type[BaseException], ...], str, bool], ...] = (
+    (
+        (rx.ClusterError, rx.TryAgainError, rx.RedisClusterException, rx.ReadOnlyError),
+        FAILOVER,
+        False,
+    ),
+    ((rx.BusyLoadingError,), OUTAGE, False),
+    ((rx.ConnectionError, rx.TimeoutError), OUTAGE, True),
+    ((rx.ResponseError,), REFUSED, False),
+)
+_FAILOVER_TEXTS = ("previous master is now a slave", "readonly")
+
+
+def _redis_setup_fix(exc: BaseException, lowered: str, speaks: str | None, tls: bool) -> str | None:
+    for types, pattern, problem in _REDIS_SETUP:
+        if isinstance(exc, types) or re.search(pattern, lowered, re.DOTALL):
+            return _REDIS_FIXES[problem]
+    if speaks is not None and speaks == ("plain" if tls else "tls"):
+        return _REDIS_FIXES[speaks]  # what the probe found the server speaks
+    return _REDIS_FIXES["command"] if "unknown command" in lowered else None
+
+
+def _redis_kind(exc: BaseException, lowered: str) -> tuple[str, bool]:
+    if type(exc).__name__ == "MasterNotFoundError" or any(t in lowered for t in _FAILOVER_TEXTS):
+        return FAILOVER, False
+    for types, kind, may_have_set in _REDIS_KINDS:
+        if isinstance(exc, types):
+            connecting = "connecting to" in lowered or "error connecting" in lowered
+            return kind, may_have_set and not connecting
+    return REFUSED, True
 
 
 def classify_redis(exc: BaseException, *, speaks: str | None = None, tls: bool = False) -> Failure:
@@ -178,87 +214,16 @@ def classify_redis(exc: BaseException, *, speaks: str | None = None, tls: bool =
     TLS fail as timeouts or closed connections, so only the probe tells that
     set-up mistake from an outage.
     """
-    import redis.exceptions as rx
-
     cause = cause_text(exc)
-    message = str(exc)
-    lowered = message.lower()
-    if isinstance(exc, rx.AuthenticationError | rx.AuthorizationError) or (
-        "wrongpass" in lowered or "noauth" in lowered
-    ):
-        return _redis_setup(
-            cause,
-            "Check the user name and password the client connects with (redis://user:"
-            "password@host/..., or username=/password=) against the server's ACL or "
-            "requirepass.",
-        )
-    if "db index is out of range" in lowered or "invalid db index" in lowered:
-        return _redis_setup(
-            cause,
-            "The database index in the URL (redis://host:port/<index>) or db= is higher "
-            "than the server's 'databases' setting (16 by default); use an index below it.",
-        )
-    if (
-        isinstance(exc, rx.NoPermissionError)
-        or "noperm" in lowered
-        or ("user executing the script" in lowered)
-    ):
-        return _redis_setup(
-            cause,
-            "The Redis user lacks a command or key sa-fence needs. Give it the minimal "
-            "ACL: -@all +evalsha +script|load +get +set +pexpire +pttl +del "
-            f"~<key_prefix>* (see {ACL_DOC}).",
-        )
-    if "certificate" in lowered or ("ssl" in lowered and "verify" in lowered):
-        return _redis_setup(
-            cause,
-            "The server's TLS certificate was not accepted: give the client the CA that "
-            "signed it (ssl_ca_certs=..., or ?ssl_ca_certs= in the rediss:// URL) and "
-            "connect by a name or address the certificate lists.",
-        )
-    if speaks == "plain" and tls:
-        return _redis_setup(
-            cause,
-            "The client uses TLS (rediss://, ssl=True) but the server answers in plain "
-            "Redis on that port: use redis://, or connect to the server's tls-port.",
-        )
-    if speaks == "tls" and not tls:
-        return _redis_setup(
-            cause,
-            "The server expects TLS on that port but the client speaks plain Redis: use "
-            "rediss:// (ssl=True) with ssl_ca_certs=<the CA file>.",
-        )
-    if "unknown command" in lowered:
-        return _redis_setup(
-            cause,
-            "The server does not run Lua scripts under their usual names (EVALSHA, "
-            "SCRIPT LOAD renamed or disabled); sa-fence needs them.",
-        )
-    connect_phase = "connecting to" in lowered or "error connecting" in lowered
-    if type(exc).__name__ == "MasterNotFoundError" or (
-        isinstance(exc, rx.ClusterError | rx.TryAgainError | rx.RedisClusterException)
-    ):
-        # Nothing was sent: no master to send it to (a cluster reply refused it).
-        return Failure(FAILOVER, False, cause)
-    if (
-        isinstance(exc, rx.ReadOnlyError)
-        or "previous master is now a slave" in lowered
-        or ("readonly" in lowered)
-    ):
-        return Failure(FAILOVER, False, cause)
-    if isinstance(exc, rx.BusyLoadingError):
-        return Failure(OUTAGE, False, cause)
-    if isinstance(exc, rx.ConnectionError | rx.TimeoutError):
-        return Failure(OUTAGE, not connect_phase, cause)
-    if isinstance(exc, rx.ResponseError):
-        return Failure(REFUSED, False, cause)
-    return Failure(REFUSED, True, cause)
+    lowered = str(exc).lower()
+    fix = _redis_setup_fix(exc, lowered, speaks, tls)
+    if fix is not None:
+        return Failure(SETUP, False, f"the Redis connection is set up wrongly ({cause}). {fix}")
+    return Failure(*_redis_kind(exc, lowered), cause)
 
 
 def wants_probe(failure: Failure) -> bool:
-    """Whether to probe the server before reporting ``failure`` as an outage: TLS
-    on one side only looks like one (a handshake that times out, a connection
-    reset while reading the reply), and only a probe tells them apart."""
+    """Whether to probe the server first: TLS on one side only looks like an outage."""
     return failure.kind == OUTAGE
 
 
@@ -338,34 +303,27 @@ def classify_postgres(sqlstate: str | None, message: str) -> tuple[str, str | No
     return REFUSED, None
 
 
+_PG_FIXES = {
+    "auth": "PostgreSQL refused the login: check the user and password in the engine's "
+    "URL, and that pg_hba.conf (or PgBouncer's auth_file) admits them.",
+    "database": "The database named in the engine's URL does not exist: check its name.",
+    "schema": "The token sequence {sequence}, the lease register {register} or its commit "
+    "check {function} is missing: run `sa-fence check --url ...` to see which, and "
+    "create them with sa_fence.fence_sequence(metadata) and metadata.create_all(), "
+    "or in a migration with op.create_fence_register().",
+    "rights": "The database role lacks a right sa-fence needs: GRANT USAGE, SELECT ON "
+    "SEQUENCE {sequence}; GRANT SELECT, INSERT, UPDATE ON {register}; GRANT "
+    "EXECUTE ON FUNCTION {function}(text, bigint); and SELECT, INSERT, UPDATE, "
+    f"DELETE on the fenced tables (see {ROLE_DOC}).",
+    "prepared": "The connection goes through a pooler that pools by transaction (PgBouncer "
+    "pool_mode = transaction, before 1.21 or with max_prepared_statements = 0), "
+    "which mixes up psycopg's prepared statements between clients. Create the "
+    f"engine with connect_args={{{{'prepare_threshold': None}}}} (see {POOLER_DOC}).",
+}
+
+
 def postgres_setup_fix(problem: str, *, sequence: str, register: str, function: str) -> str:
     """The fix for a PostgreSQL set-up problem found by :func:`classify_postgres`."""
-    if problem == "auth":
-        return (
-            "PostgreSQL refused the login: check the user and password in the engine's "
-            "URL, and that pg_hba.conf (or PgBouncer's auth_file) admits them."
-        )
-    if problem == "database":
-        return "The database named in the engine's URL does not exist: check its name."
-    if problem == "schema":
-        return (
-            f"The token sequence {sequence}, the lease register {register} or its commit "
-            f"check {function} is missing: run `sa-fence check --url ...` to see which, and "
-            "create them with sa_fence.fence_sequence(metadata) and metadata.create_all(), "
-            "or in a migration with op.create_fence_register()."
-        )
-    if problem == "rights":
-        return (
-            "The database role lacks a right sa-fence needs: GRANT USAGE, SELECT ON "
-            f"SEQUENCE {sequence}; GRANT SELECT, INSERT, UPDATE ON {register}; GRANT "
-            f"EXECUTE ON FUNCTION {function}(text, bigint); and SELECT, INSERT, UPDATE, "
-            f"DELETE on the fenced tables (see {ROLE_DOC})."
-        )
-    if problem == "prepared":
-        return (
-            "The connection goes through a pooler that pools by transaction (PgBouncer "
-            "pool_mode = transaction, before 1.21 or with max_prepared_statements = 0), "
-            "which mixes up psycopg's prepared statements between clients. Create the "
-            f"engine with connect_args={{'prepare_threshold': None}} (see {POOLER_DOC})."
-        )
-    return ""
+    return _PG_FIXES.get(problem, "").format(
+        sequence=sequence, register=register, function=function
+    )

@@ -1,4 +1,9 @@
-"""The :class:`Fenced` mixin and the fence column marker."""
+"""The :class:`Fenced` mixin and the fence column marker.
+
+How sa-fence finds a mapped class's or a table's fence column (cached per
+table, mapper and class), the ORM index the flush hook reads, and the
+PostgreSQL error of a fence column the models declare but the table lacks.
+"""
 
 from __future__ import annotations
 
@@ -27,55 +32,44 @@ if TYPE_CHECKING:
 FENCE_INFO_KEY = "sa_fence.fence"
 
 
+def _fence_options() -> dict[str, Any]:
+    # sa-fence sets the fence in the UPDATE statement itself, so the ORM must
+    # expire and reload it after an UPDATE rather than keep the old value.
+    return {
+        "nullable": False,
+        "server_default": text("0"),
+        "server_onupdate": FetchedValue(),
+        "info": {FENCE_INFO_KEY: True},
+    }
+
+
 def fence_column(name: str = "fence") -> Column[int]:
     """A ``BIGINT NOT NULL DEFAULT 0`` column marked as the table's fence.
 
     For Core ``Table`` definitions and imperative mappings; declarative
     classes use the :class:`Fenced` mixin instead.
     """
-    return Column(
-        name,
-        BigInteger,
-        nullable=False,
-        server_default=text("0"),
-        server_onupdate=FetchedValue(),
-        info={FENCE_INFO_KEY: True},
-    )
+    return Column(name, BigInteger, **_fence_options())
 
 
 class Fenced:
     """Declarative mixin: adds the ``fence`` column and marks the class fenced.
 
     ``fence`` holds the token of the last lease holder that wrote the row.
-    sa-fence writes it at flush time from the bound lease's token, and no
-    value a caller gives is ever written: assigning ``obj.fence`` (on a
-    loaded object or a new one) makes the next flush raise
+    sa-fence writes it at flush time from the bound lease's token; assigning
+    ``obj.fence`` makes the next flush raise
     :class:`~sa_fence.FencingConfigError` before any SQL is sent.
-    ``Session.merge`` does not copy a detached object's fence, which is
-    loaded state, not a value to write: the merged object keeps the fence
-    its row has (a fence *assigned* on the detached object is copied, and
-    refused at flush like any assignment).  Rows inserted without a lease
-    (admin scripts using :func:`sa_fence.unfenced`) get ``fence = 0``.
+    ``Session.merge`` does not copy a detached object's loaded fence.  Rows
+    inserted without a lease (:func:`sa_fence.unfenced`) get ``fence = 0``.
 
     Works with SQLModel too (``class Job(sa_fence.Fenced, SQLModel,
-    table=True)``): the column is declared with ``declared_attr``, which
-    SQLAlchemy maps on every subclass and pydantic does not take for a model
-    field, so ``fence`` is not a constructor argument nor part of
-    ``model_dump()``; the row's token is read as ``job.fence``.
+    table=True)``): ``fence`` is a mapped column, not a pydantic field, so it
+    is neither a constructor argument nor part of ``model_dump()``.
     """
 
     @declared_attr
     def fence(cls) -> Mapped[int]:
-        return mapped_column(
-            BigInteger,
-            nullable=False,
-            server_default=text("0"),
-            # sa-fence sets it in the UPDATE statement itself, so the ORM must
-            # expire and reload it after an UPDATE rather than keep the old value.
-            server_onupdate=FetchedValue(),
-            info={FENCE_INFO_KEY: True},
-            sort_order=1000,
-        )
+        return mapped_column(BigInteger, sort_order=1000, **_fence_options())
 
 
 _table_fences: weakref.WeakKeyDictionary[Any, Column[Any] | None] = weakref.WeakKeyDictionary()
@@ -98,12 +92,9 @@ def fence_column_of(table: FromClause) -> Column[Any] | None:
 def carries_fence(col: object) -> bool:
     """Whether ``col`` is a real table ``Column`` marked as its table's fence.
 
-    Only a ``Column`` can be a fence.  A mapper's ``columns`` also hold the
-    SQL expressions of expression properties (``column_property(a + b)`` is
-    a ``Label``, ``query_expression()`` another expression) and a mapping
-    against a subquery holds its derived columns; those have no ``info`` of
-    their own (asking a ``Label`` for it raises ``AttributeError``), and no
-    table to fence.
+    A mapper's ``columns`` also hold expression properties' SQL expressions
+    and a subquery's derived columns: no table to fence, and no ``info`` (a
+    ``Label`` raises ``AttributeError`` for it).
     """
     return isinstance(col, Column) and bool(col.info.get(FENCE_INFO_KEY))
 
@@ -118,14 +109,10 @@ def _scan(table: FromClause) -> Column[Any] | None:
 class _FenceProperty(ColumnProperty[int]):
     """The fence attribute's property: ``Session.merge`` leaves a loaded fence behind.
 
-    ``merge()`` copies every loaded attribute of a detached object onto the
-    session's object, as if assigned.  A detached object's fence is what its
-    row carried when it was loaded, usually older than the row's fence now,
-    and copying it would read as an assignment (refused at flush).  So a
-    fence the detached object only *loaded* is not copied (the merged object
-    keeps its row's fence); one *assigned* on it is copied as usual, and the
-    flush refuses it.  sa-fence switches the fence's ``ColumnProperty`` to
-    this class (same slots, one method more) when it first meets the mapper.
+    ``merge()`` copies a detached object's loaded attributes as if assigned,
+    and a loaded fence, usually older than its row's now, would be refused at
+    flush; an *assigned* one is copied (and refused).  sa-fence switches the
+    fence's ``ColumnProperty`` to this class when it first meets the mapper.
     """
 
     __slots__ = ()
@@ -175,12 +162,8 @@ def fence_key_of(mapper: Mapper[Any]) -> str | None:
 
 @event.listens_for(Fenced, "mapper_configured", propagate=True)
 def _fenced_mapper_configured(mapper: Mapper[Any], cls: type) -> None:
-    """A class using the :class:`Fenced` mixin gets its fence property before any merge.
-
-    Scoped to subclasses of the mixin (never every Mapper).  Classes mapped
-    to a table built with :func:`fence_column` get it when sa-fence first
-    meets their mapper (a lease bound to a session, a flush, a statement).
-    """
+    """A :class:`Fenced` class gets its fence property before any merge (one built
+    with :func:`fence_column` when sa-fence first meets its mapper)."""
     fence_key_of(mapper)
 
 
@@ -206,16 +189,12 @@ class OrmIndex:
 
     * ``association_tables``: ``secondary`` tables of relationships with a
       fenced class on either side: writing their rows needs a bound lease.
-    * ``bump_keys``: joined-inheritance subclasses of a fenced class whose
-      own table has no fence column, with the fence attribute's key: a
-      change to the subclass table alone still compares and bumps the base
-      table's fence.
+    * ``bump_keys``: joined-inheritance subclasses of a fenced class whose own
+      table has no fence column, with the fence key: a change to the subclass
+      table alone still compares and bumps the base table's fence.
 
-    Recomputed after a class is mapped (the ``instrument_class`` event
-    counts them in ``_generation``): looking the registries over on every
-    flush and bind cost about 20 function calls each.  A registry disposed
-    of without a new class mapped after it leaves its classes in the index
-    until then (they only add tables and classes no flush writes).
+    Recomputed after a class is mapped (``_generation``), not per flush (about
+    20 calls each); a disposed registry's classes stay until then, harmlessly.
     """
 
     __slots__ = ("association_tables", "bump_keys", "generation")
@@ -279,26 +258,13 @@ def _unquoted(name: str | None) -> str | None:
     return name
 
 
-def _mapped_fenced_tables() -> list[Any]:
-    found: list[Any] = []
-    for registry in list(mapperlib._mapper_registries):
-        for mapper in registry.mappers:
-            for table in mapper.tables:
-                if fence_column_of(table) is not None:
-                    found.append(table)
-    return found
-
-
 def missing_fence_column(
     orig: BaseException, statement: Any = None
 ) -> tuple[str | None, str, str] | None:
     """(schema, table, fence column) when ``orig`` is PostgreSQL saying a fenced
-    table's fence column does not exist; else None.
-
-    The tables considered are the fenced ones ``statement`` names and every
-    mapped fenced table, so a fence column the models declare but the
-    database lacks (a table made before the model was fenced: ``create_all``
-    does not add columns) is told apart from any other missing column.
+    table's fence column does not exist (a table made before its model was
+    fenced: ``create_all`` adds no columns); else None.  The tables considered
+    are the fenced ones ``statement`` names and every mapped fenced table.
     """
     if getattr(orig, "sqlstate", None) != UNDEFINED_COLUMN_SQLSTATE:
         return None
@@ -320,7 +286,13 @@ def missing_fence_column(
         return getattr(fence_column_of(table), "name", None) == column
 
     in_statement = [t for t in tables if fenced_by(t)]
-    mapped = [t for t in _mapped_fenced_tables() if fenced_by(t)]
+    mapped = [
+        t
+        for registry in list(mapperlib._mapper_registries)
+        for mapper in registry.mappers
+        for t in mapper.tables
+        if fenced_by(t)
+    ]
     # the relation PostgreSQL names; else (an alias such as jobs_1) the statement's own
     named = [
         t
@@ -328,7 +300,5 @@ def missing_fence_column(
         if relation is None or relation == getattr(t, "name", None)
     ]
     for table in named or in_statement:
-        name = getattr(table, "name", None)
-        schema = getattr(table, "schema", None)
-        return schema, str(name), column
+        return getattr(table, "schema", None), str(getattr(table, "name", None)), column
     return None

@@ -1,27 +1,11 @@
 """Sans-I/O part of the lease protocol: scripts, argument checks, value formats.
 
-Everything here is pure: no Redis, no PostgreSQL.  The sync front end
-(:mod:`sa_fence._lease`) drives it today; an asyncio front end can drive the
-same functions and scripts without copying them.
-
-The protocol (docs/how-it-works.md, "The protocol")::
-
-    1. ACQUIRE: if the key is free,           Redis: grant the lease (a resend
-       SET <key> <owner> PX <ttl>              after a lost reply finds <owner>
-                                               and answers "already ours")
-    2. nextval(<sequence>) in its own         PostgreSQL: take the token
-       committed transaction
-    3. CONFIRM: if GET <key> == <owner>       Redis: record the token in the
-       then SET <key> <owner>:<token> KEEPTTL  lease and prove it is still ours
-       else fail and throw the token away
-
-A token is therefore only ever handed to a holder whose lease was still live
-*after* the token was drawn, so token order follows grant order.
-
-Every script is idempotent for one owner value, so a call whose reply was
-lost on the wire can be resent and answers as the first one would have:
-the holder never reports "acquired" or "not acquired" when the answer is
-unknown.
+Pure (no Redis, no PostgreSQL): both front ends drive the same functions and
+scripts.  ACQUIRE sets the lease if the key is free, PostgreSQL draws the
+token, and CONFIRM records it in the lease only while the lease is still ours
+(else the token is thrown away), so token order follows grant order (the
+whole protocol: docs/how-it-works.md).  Every script is idempotent for one
+owner value: a call whose reply was lost can be resent and answers the same.
 """
 
 from __future__ import annotations
@@ -32,15 +16,11 @@ from dataclasses import dataclass, field
 
 from ._failures import BACKEND_BACKOFF, DEFAULT_BACKEND_TIMEOUT, Backoff, Failure, FailureBudget
 
-# Every script touches exactly one key (KEYS[1]) so it runs unchanged on
-# Redis Cluster.  Each compares the stored value with the exact value this
-# lease wrote, so it never acts on another owner's lease.
+# Every script touches one key (KEYS[1]), so it runs on Redis Cluster, and
+# compares the stored value with this lease's own, never acting on another's.
 
-# CONFIRM: record the token in the lease and confirm the lease is still ours.
-# KEYS[1] lease key; ARGV[1] the value ACQUIRE stored (the owner);
-# ARGV[2] the new value ("<owner>:<token>").
-# Returns the lease's remaining PTTL in ms (>= 0), or -1 if it is not ours.
-# Idempotent: a resend after a lost reply finds ARGV[2] and answers the same.
+# CONFIRM: ARGV[1] the owner, ARGV[2] "<owner>:<token>".  Returns the PTTL in
+# ms, or -1 if the lease is not ours; a resend finds ARGV[2] and answers the same.
 CONFIRM_SCRIPT = """
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
@@ -53,8 +33,7 @@ end
 return -1
 """
 
-# EXTEND: set a new TTL on our lease (a new TTL, not an increment).
-# KEYS[1] lease key; ARGV[1] our value; ARGV[2] new TTL in ms.
+# EXTEND: ARGV[1] our value, ARGV[2] the new TTL in ms (not an increment).
 # Returns 1 when extended, 0 when the lease is not ours (expired or taken).
 EXTEND_SCRIPT = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -63,9 +42,7 @@ end
 return 0
 """
 
-# RELEASE: delete our lease, never another owner's.
-# KEYS[1] lease key; ARGV[1] our value.
-# Returns 1 when deleted, 0 when the lease was already gone or not ours.
+# RELEASE: ARGV[1] our value.  Returns 1 when deleted, 0 when gone or not ours.
 RELEASE_SCRIPT = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
@@ -73,22 +50,19 @@ end
 return 0
 """
 
-#: Longest TTL accepted (Redis PX takes a signed 64-bit value; a lease this
-#: long is a bug, so the bound is a sanity check, not a Redis limit).
+#: Longest TTL accepted: a sanity check (a lease this long is a bug), not a Redis limit.
 MAX_TTL_SECONDS = 7 * 24 * 3600.0
 MAX_NAME_LENGTH = 1024
-#: Longest lease name in UTF-8 bytes.  The name is the lease register's primary
-#: key, and a btree index entry must fit in a third of a page: on PostgreSQL's
-#: default 8 kB pages an incompressible name of more than 2,692 bytes is refused
-#: ("index row size exceeds btree version 4 maximum", measured on PostgreSQL 15
-#: with random ASCII; a repetitive name compresses and may pass).  2,048 bytes
-#: leaves room below that for any content; with MAX_NAME_LENGTH it allows 1,024
-#: characters of ASCII or of two-byte scripts (Cyrillic, Greek), 682 CJK ones.
+#: Longest lease name in UTF-8 bytes.  The name is the register's primary key, and
+#: a btree entry must fit in a third of a page: on 8 kB pages PostgreSQL 15 refuses
+#: an incompressible name over 2,692 bytes ("index row size exceeds btree version 4
+#: maximum").  2,048 leaves room for any content: 1,024 ASCII, Cyrillic or Greek
+#: characters, 682 CJK ones.
 MAX_NAME_BYTES = 2048
 
 
 def new_owner() -> str:
-    """A fresh owner value: 128 random bits from :mod:`secrets`, hex-encoded."""
+    """128 random bits, hex-encoded."""
     return secrets.token_hex(16)
 
 
@@ -155,30 +129,18 @@ def ttl_to_ms(ttl: object, what: str = "ttl") -> int:
         raise ValueError(
             f"{what} must be a finite number of seconds in (0, {MAX_TTL_SECONDS:g}], got {ttl!r}"
         )
-    ms = math.ceil(ttl * 1000)
-    return max(ms, 1)
+    return max(math.ceil(ttl * 1000), 1)
 
 
 # ------------------------------------------------------------ lease lifecycle
 #
-# Everything below is pure as well: the front end passes in the clock reading
-# (``now``, monotonic seconds) and a uniform random number, and gets back a
-# decision.  Retries are hand-rolled rather than delegated to tenacity: the
-# decisions here are not "retry on exception" but a small state machine over
-# three kinds of answer (granted / held by another owner / unknown because the
-# reply was lost), where the wait must also stop at the caller's deadline and
-# at the lease's local validity, and where an unknown answer must never be
-# reported as "acquired" or "not acquired".  Keeping it as plain functions of
-# (now, random) lets the sync and asyncio front ends share it and lets tests
-# drive it without sleeping; tenacity's Retrying/AsyncRetrying read the clock
-# and sleep themselves, so the policy would be split between its objects and
-# this state machine.
+# Pure as well: the front end passes in the clock (monotonic ``now``) and a
+# uniform random number.  Not tenacity, which reads the clock and sleeps itself:
+# a state machine over granted / held / unknown (never reported as either).
 
-# ACQUIRE: grant the lease, idempotently for one owner value.
-# KEYS[1] lease key; ARGV[1] owner; ARGV[2] TTL in ms.
-# Returns 1 when it set the lease now, 2 when the lease already holds this
-# owner (a retry after a reply lost on the wire), else the stored value of the
-# other owner (a string).  Equivalent to SET NX PX for a first attempt.
+# ACQUIRE (SET NX PX, idempotent for one owner): ARGV[1] owner, ARGV[2] TTL in
+# ms.  Returns 1 when it set the lease, 2 when it already holds this owner (a
+# resend after a lost reply), else the other owner's stored value.
 ACQUIRE_SCRIPT = """
 local v = redis.call('GET', KEYS[1])
 if not v then
@@ -197,12 +159,9 @@ HELD = "held"
 
 
 def parse_acquire_reply(reply: object) -> tuple[str, int | None]:
-    """(GRANTED | ALREADY_OURS | HELD, holder's token when HELD and recorded)."""
-    if isinstance(reply, int) and not isinstance(reply, bool):
-        if reply == 1:
-            return GRANTED, None
-        if reply == 2:
-            return ALREADY_OURS, None
+    """(GRANTED | ALREADY_OURS | HELD, the holder's token when HELD and recorded)."""
+    if isinstance(reply, int) and not isinstance(reply, bool) and reply in (1, 2):
+        return GRANTED if reply == 1 else ALREADY_OURS, None
     if isinstance(reply, bytes | str):
         return HELD, token_from_value(reply)
     raise ValueError(f"unexpected reply from the acquire script: {reply!r}")
@@ -226,8 +185,7 @@ def check_timeout(blocking: object, timeout: object, ttl: float) -> float:
     if not isinstance(blocking, bool):
         raise TypeError(f"blocking must be True or False, got {blocking!r}")
     if timeout is None:
-        # Never wait forever: one lease lifetime is long enough for a crashed
-        # holder's lease (of the same TTL) to run out.
+        # Never wait forever: one TTL lets a crashed holder's lease run out.
         return ttl if blocking else 0.0
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         raise TypeError(
@@ -266,8 +224,8 @@ def drift(ttl_ms: int) -> float:
 def valid_until(sent_at: float, ttl_ms: int) -> float:
     """Monotonic deadline of a lease set (or extended) by a call sent at ``sent_at``.
 
-    Redis counts the TTL from when it executes the call, which is after it was
-    sent; the drift allowance covers a Redis clock running somewhat fast.
+    Redis counts the TTL from when it runs the call, after it was sent; the
+    drift allowance covers a Redis clock running somewhat fast.
     """
     return sent_at + ttl_ms / 1000 - drift(ttl_ms)
 
@@ -278,19 +236,12 @@ class AcquireAttempts:
 
     deadline: float  # give up waiting for contention at this monotonic time
     attempt: int = 0  # contention retries so far
-    #: resends of failed attempts, within the failure budget
     failed: FailureBudget = field(default_factory=lambda: FailureBudget(DEFAULT_BACKEND_TIMEOUT))
     unknown_since: float | None = None  # send time of the first attempt that may have set it
 
     def sent(self, now: float) -> float:
-        """Record an attempt sent at ``now``; return the time validity counts from.
-
-        After lost answers, the lease may have been set by the *first* of them,
-        so validity counts from that one.
-        """
-        if self.unknown_since is None:
-            return now
-        return self.unknown_since
+        """The time validity counts from: after lost answers, the first of them."""
+        return now if self.unknown_since is None else self.unknown_since
 
     def on_failure(
         self, failure: Failure, *, sent_at: float, now: float, rand: float
@@ -313,13 +264,6 @@ class AcquireAttempts:
 
 
 # Why a lease is no longer usable (LeaseLostError messages).
-def released_message(name: str, token: int) -> str:
-    return (
-        f"the lease {name!r} (token {token}) bound to this session was released; "
-        "acquire a new lease and bind it before writing"
-    )
-
-
 def not_ours_message(name: str, token: int) -> str:
     return (
         f"lease {name!r} (token {token}) is no longer ours: it expired or another owner "
@@ -327,18 +271,8 @@ def not_ours_message(name: str, token: int) -> str:
     )
 
 
-def expired_locally_message(name: str, token: int) -> str:
-    return (
-        f"lease {name!r} (token {token}) has outlived its local validity (its TTL minus "
-        "a drift allowance, on this process's monotonic clock), so it may already be "
-        "another owner's. Stop the work; nothing was sent."
-    )
-
-
 def renewal_timed_out_message(name: str, token: int) -> str:
-    # Worded by what is known: no renewal succeeded within the validity.  Why
-    # is not known here: this process may have been paused (GC, swap, SIGSTOP),
-    # so that its renewer never ran, or Redis may not have answered.
+    # Worded by what is known: why no renewal succeeded (a pause, Redis) is not.
     return (
         f"lease {name!r} (token {token}) could not be renewed in time: its local "
         "validity ran out before a renewal succeeded (this process may have been "
@@ -350,10 +284,8 @@ def renewal_timed_out_message(name: str, token: int) -> str:
 class LeaseState:
     """What a holder knows about its lease, and the transitions between states.
 
-    ``valid_until`` is the monotonic time after which the lease may already
-    have expired in Redis.  ``lost`` is set once the holder *knows* the lease
-    is gone (an owner-checked script found another value, or renewal could not
-    reach Redis within the validity); it never goes back.
+    ``valid_until``: the monotonic time after which it may have expired in
+    Redis.  ``lost``: set, for good, once the holder *knows* it is gone.
     """
 
     name: str
@@ -366,7 +298,7 @@ class LeaseState:
     extended_from: float = -math.inf  # send time of the call that set valid_until
 
     def mark_lost(self, message: str) -> bool:
-        """Record the loss; True only the first time (so ``on_lost`` runs once)."""
+        """Record the loss; True only the first time (``on_lost`` runs once)."""
         if self.lost is not None or self.released:
             return False
         self.lost = message
@@ -385,16 +317,22 @@ class LeaseState:
     def problem(self, now: float, *, for_write: bool) -> str | None:
         """Why the lease may not be used now, or None.
 
-        For a write, local validity counts only when ``fail_fast`` is on:
-        without it the fence alone decides (a late write is refused only if a
-        newer token has written the row).
+        For a write, local validity counts only with ``fail_fast``: without it
+        the fence alone decides.
         """
         if self.released:
-            return released_message(self.name, self.token)
+            return (
+                f"the lease {self.name!r} (token {self.token}) bound to this session was "
+                "released; acquire a new lease and bind it before writing"
+            )
         if self.lost is not None:
             return self.lost
         if (self.fail_fast or not for_write) and now >= self.valid_until:
-            return expired_locally_message(self.name, self.token)
+            return (
+                f"lease {self.name!r} (token {self.token}) has outlived its local validity "
+                "(its TTL minus a drift allowance, on this process's monotonic clock), so it "
+                "may already be another owner's. Stop the work; nothing was sent."
+            )
         return None
 
 
@@ -417,12 +355,8 @@ def after_renewal(
     failures: int,
     rand: float,
 ) -> RenewStep:
-    """The renewer's next step after one EXTEND of a renewed lease.
-
-    ``outcome``: "extended", "not-ours" (the script found another owner or no
-    key: the lease is lost at once), or "unknown" (timeout, connection lost:
-    try again with backoff until the local validity runs out, then lost).
-    """
+    """The renewer's next step after one EXTEND: ``outcome`` is "extended",
+    "not-ours" (lost at once) or "unknown" (retry until the validity runs out)."""
     if outcome == "extended":
         state.on_extended(sent_at, ttl_ms)
         return RenewStep(at=sent_at + fraction * ttl_ms / 1000)
@@ -431,13 +365,6 @@ def after_renewal(
     if now >= state.valid_until:
         return RenewStep(at=now, lost=renewal_timed_out_message(state.name, state.token))
     return RenewStep(at=now + wait_until(state.valid_until, now, BACKEND_BACKOFF, failures, rand))
-
-
-# ------------------------------------------------- shared by both front ends
-#
-# The sync (:mod:`sa_fence._lease`) and asyncio (:mod:`sa_fence._async`)
-# front ends validate, decide and word their errors through these, so the
-# two cannot drift apart; they differ only in how they wait and send.
 
 
 def check_lease_options(renew: object, on_lost: object, fail_fast: object) -> None:
@@ -469,12 +396,10 @@ def confirm_lost_message(name: str, token: int) -> str:
 def release_deleted(
     state: LeaseState, *, deleted: bool, resent: bool, first_sent: float, now: float
 ) -> bool:
-    """Whether a release deleted our live lease.
+    """Whether a release deleted our live lease (``deleted``: the last reply).
 
-    ``deleted`` is the last RELEASE reply.  When an earlier attempt's reply
-    was lost (``resent``) and the key is gone now, while the lease was still
-    within its validity both when the first attempt was sent and now, only
-    that earlier attempt can have deleted it.
+    After a lost reply (``resent``), a key gone while the lease was valid both
+    when the first attempt was sent and now can only be that attempt's doing.
     """
     if deleted or not resent or state.lost is not None:
         return deleted

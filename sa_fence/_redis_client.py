@@ -36,15 +36,13 @@ def client_socket_timeout(client: object) -> object:
 
 
 def client_call_bound(client: object) -> tuple[float | None, str] | None:
-    """The longest one call of a plain or Sentinel client can last, and how that
-    comes about; None when it cannot be read (a cluster client, a custom class).
+    """The longest one call of a plain or Sentinel client can last (None: unbounded),
+    and how; None when it cannot be read (a cluster client, a custom class).
 
-    redis-py connects with up to ``retries`` retries of its own (each up to
-    ``socket_connect_timeout``, with waits of up to its backoff's cap), then
-    sends and waits up to ``socket_timeout`` for the reply, and on a failure
-    does it all again up to ``retries`` times.  With ``retry=Retry(NoBackoff(),
-    0)`` one call is one connect and one wait.  The bound is None (unbounded)
-    without a socket timeout or with endless retries.
+    redis-py connects with up to ``retries`` retries (each up to
+    ``socket_connect_timeout``, with waits up to its backoff's cap), waits up
+    to ``socket_timeout`` for the reply, and on a failure does it all again up
+    to ``retries`` times.
     """
     kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
     if not isinstance(kwargs, dict):
@@ -70,24 +68,18 @@ def client_call_bound(client: object) -> tuple[float | None, str] | None:
 def check_budget(client: object, timeout: float | None, owner: str) -> float:
     """The failure budget for ``owner`` (a Fencer): ``timeout`` or the default.
 
-    An explicit budget that one call of the client could outlast (no socket
-    timeout, or redis-py's own retries and backoff adding up to more) is
-    refused: sa-fence cannot interrupt a call in progress, so it asks for a
-    client that keeps the budget.  The default budget is not checked this
-    way: it bounds sa-fence's own resends (see the Fencer's docstring).
+    An explicit budget that one call of the client could outlast is refused:
+    a call in progress cannot be interrupted.  The default is not checked: it
+    bounds sa-fence's own resends (see the Fencer's docstring).
     """
     if timeout is None:
         return _failures.DEFAULT_BACKEND_TIMEOUT
     budget = _failures.check_backend_timeout(timeout)
     found = client_call_bound(client)
-    unbounded = client_socket_timeout(client) is None
-    if unbounded or (found is not None and (found[0] is None or found[0] > budget)):
-        longest = (
-            "unbounded"
-            if unbounded or found is None or found[0] is None
-            else (f"up to {found[0]:.3g} s")
-        )
-        how = f" ({found[1]})" if found is not None else ""
+    bound = found[0] if found else None  # None too without a socket timeout
+    if client_socket_timeout(client) is None or (found and (bound is None or bound > budget)):
+        longest = "unbounded" if bound is None else f"up to {bound:.3g} s"
+        how = f" ({found[1]})" if found else ""
         third = budget / 3
         raise FencingConfigError(
             f"{owner}(timeout={timeout!r}) cannot keep its budget: one call of this Redis "
@@ -114,10 +106,9 @@ def probe_target(client: object) -> tuple[str, int, bool] | None:
 
 
 def probe_speaks(host: str, port: int, timeout: float = 0.5) -> str | None:
-    """What the server on ``host:port`` speaks: "plain" (RESP), "tls", or None
-    (no answer).  Used only after a connection failed, to tell a TLS mismatch
-    (a set-up mistake) from an outage: a plain Redis answers ``PING`` in RESP,
-    a TLS port closes the connection or answers with a TLS alert."""
+    """What the server on ``host:port`` speaks: "plain" (RESP), "tls", or None (no
+    answer): a plain Redis answers ``PING`` in RESP, a TLS port closes the
+    connection or answers with a TLS alert."""
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
             sock.sendall(b"PING\r\n")

@@ -10,14 +10,10 @@ Every error the library raises on purpose derives from :class:`FenceError`::
     ├── UnfencedWriteError       a fenced entity was written without a lease
     └── FencingConfigError       the database, sequence or session is set up wrongly
 
-Bad arguments (a negative TTL, an empty lease name) raise the built-in
-``ValueError`` / ``TypeError`` before anything is written anywhere.
-
-Every error crosses process boundaries intact: ``pickle`` rebuilds the same
-class with the same attributes, and so do result backends that keep only
-``args`` and rebuild with ``cls(*args)`` (Celery's JSON serializer): an error
-with attributes keeps them in ``args`` as ``(message, {attributes})``, and
-its constructor accepts that form.  ``str(error)`` is the message.
+Bad arguments (a negative TTL, an empty lease name) raise ``ValueError`` /
+``TypeError`` before anything is written.  Every error survives ``pickle`` and
+``cls(*args)`` (Celery's JSON results): ``args`` is ``(message, {attributes})``,
+which the constructor accepts.  ``str(error)`` is the message.
 """
 
 from __future__ import annotations
@@ -41,18 +37,15 @@ __all__ = [
 class FenceError(Exception):
     """Base class of every error sa-fence raises on purpose."""
 
-    #: The attributes an error carries, kept in ``args[1]`` and given back to
-    #: its keyword constructor by pickle; empty for message-only errors.
+    #: The attributes kept in ``args[1]``, given back to the constructor by pickle.
     _fields: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        # ``args`` is ``(message,)`` or ``(message, {attributes})``: the message.
         return str(self.args[0]) if self.args else ""
 
     def __reduce__(self) -> str | tuple[Any, ...]:
         if not self._fields:
             return super().__reduce__()
-        # keyword constructors: rebuild from the attributes (pickle, Celery)
         return (_rebuild, (type(self), {f: getattr(self, f) for f in self._fields}))
 
     def _init(self, message: str, attributes: dict[str, Any], **shown: Any) -> None:
@@ -63,12 +56,11 @@ class FenceError(Exception):
 
 
 def _rebuild(cls: type[Exception], kwargs: dict[str, Any]) -> Exception:
-    """Unpickle an error whose constructor takes keywords (pickle passes only args)."""
     return cls(**kwargs)
 
 
 def _from_args(cls: type[Exception], args: tuple[Any, ...]) -> dict[str, Any]:
-    """The attributes of the ``cls(message, {attributes})`` form (a result backend's rebuild)."""
+    """The attributes of the ``cls(message, {attributes})`` form."""
     if len(args) != 2 or not isinstance(args[0], str) or not isinstance(args[1], dict):
         raise TypeError(
             f"{cls.__name__}() takes keyword arguments (or its own args, "
@@ -89,12 +81,11 @@ class StaleTokenError(FenceError, StaleDataError):
       ``None``.  ``newest_token`` is ``None`` when the register has no row for
       the name (pruned, see ``Fencer.prune``, or never granted there): the
       commit is refused all the same.
-    * **At the flush** (the row fence, ``statement`` ``"UPDATE"``,
-      ``"DELETE"`` or ``"UPSERT"``): the token-compared statement matched
-      fewer rows than it targeted (an upsert: than it proposed), or a guard
-      trigger refused a row.  ``table``,
-      ``primary_keys`` (each a tuple) and ``current_fences`` (the fence found
-      on each refused row, ``None`` when the row is gone) are set.
+    * **At the flush** (the row fence, ``statement`` ``"UPDATE"``, ``"DELETE"``
+      or ``"UPSERT"``): the token-compared statement matched fewer rows than
+      it targeted (an upsert: than it proposed), or a guard trigger refused a
+      row.  ``table``, ``primary_keys`` (each a tuple) and ``current_fences``
+      (the fence found on each refused row, ``None`` when it is gone) are set.
 
     Because it is also a :class:`sqlalchemy.orm.exc.StaleDataError`, handlers
     written for ``version_id_col`` conflicts catch it too.
@@ -139,10 +130,8 @@ class StaleTokenError(FenceError, StaleDataError):
     ) -> None:
         if rebuild:
             attributes = _from_args(type(self), rebuild)
-            token, table, statement, lease_name, newest_token = (
-                attributes[f] for f in ("token", "table", "statement", "lease_name", "newest_token")
-            )
-            primary_keys, current_fences = attributes["primary_keys"], attributes["current_fences"]
+            StaleTokenError.__init__(self, **{f: attributes[f] for f in self._fields})
+            return
         pks = tuple(tuple(pk) for pk in primary_keys)
         fences = tuple(current_fences)
         if table is None and newest_token is None:
@@ -172,18 +161,8 @@ class StaleTokenError(FenceError, StaleDataError):
                 "these rows since this lease was granted; nothing of this flush was "
                 "written. Roll back and re-read the rows."
             )
-        self._init(
-            message,
-            {
-                "token": token,
-                "table": table,
-                "statement": statement,
-                "primary_keys": pks,
-                "current_fences": fences,
-                "lease_name": lease_name,
-                "newest_token": newest_token,
-            },
-        )
+        values = (token, table, statement, pks, fences, lease_name, newest_token)
+        self._init(message, dict(zip(self._fields, values, strict=True)))
 
 
 def _fmt_pk(pk: tuple[Any, ...]) -> str:
@@ -240,13 +219,10 @@ class LeaseBackendError(FenceError):
 
     Attributes: ``backend`` (``"redis"`` or ``"postgresql"``), ``operation``
     (``"check"``, ``"acquire"``, ``"token"``, ``"confirm"``, ``"extend"`` or
-    ``"release"``),
-    ``name`` (the lease name), ``cause`` (the client's exception; not chained
-    as ``__cause__``: the message names it, and a client's chain of
-    connection errors adds nothing) and ``detail`` (what is known: "nothing
-    was changed", or "the outcome is unknown"; "a failover may be under way"
-    when the Sentinels know no master, the node is a read-only replica or a
-    cluster slot has no master).
+    ``"release"``), ``name`` (the lease name), ``cause`` (the client's
+    exception; not chained as ``__cause__``: the message names it) and
+    ``detail`` (what is known: "nothing was changed", "the outcome is
+    unknown", or "a failover may be under way").
     """
 
     _fields = ("backend", "operation", "name", "cause", "detail")
@@ -277,32 +253,26 @@ class LeaseBackendError(FenceError):
         cause: BaseException | None = None,
         detail: str | None = None,
     ) -> None:
-        message: str | None = None
         if rebuild:
             attributes = _from_args(type(self), rebuild)
-            message = rebuild[0]
-            backend, operation, name, detail = (
-                attributes[f] for f in ("backend", "operation", "name", "detail")
-            )
-            # Only its text travels in args (the client's exception may not
-            # serialize); pickle keeps the exception itself (__reduce__).
+            backend, operation, name, detail = (attributes[f] for f in self._fields if f != "cause")
+            # Only its text travels in args; pickle keeps the exception (__reduce__).
             cause = Exception(attributes["cause"])
         if cause is None:
             raise TypeError("LeaseBackendError() needs cause=<the client's exception>")
-        if message is None:
+        shown = str(cause) if rebuild else f"{type(cause).__name__}: {cause}"
+        if rebuild:
+            message = rebuild[0]
+        else:
             message = f"{operation} of lease {name!r} failed: " + (
                 detail
-                or f"{backend} did not answer or failed ({type(cause).__name__}: {cause}); "
-                f"the outcome is unknown. Check that {backend} is reachable; the lease's TTL "
-                "ends anything left behind."
+                or f"{backend} did not answer or failed ({shown}); the outcome is unknown. "
+                f"Check that {backend} is reachable; the lease's TTL ends anything left behind."
             )
-            cause_text = f"{type(cause).__name__}: {cause}"
-        else:
-            cause_text = str(cause)
         self._init(
             message,
             {"backend": backend, "operation": operation, "name": name, "detail": detail},
-            cause=cause_text,
+            cause=shown,
         )
         self.cause = cause
 
@@ -327,8 +297,7 @@ class FencingConfigError(FenceError):
     message names the cause and the fix.
 
     ``cause`` is the client's exception when a server refused (else
-    ``None``); it is not chained as ``__cause__``, since the message already
-    says what it says.
+    ``None``); not chained as ``__cause__``: the message says what it says.
     """
 
     def __init__(self, *args: Any, cause: BaseException | None = None) -> None:
