@@ -1,24 +1,13 @@
 """The fitness rules of the token sequence and the lease register, stated once.
 
-A sequence issues fencing tokens only when every rule of
-:data:`SEQUENCE_RULES` holds; a register serves a sequence only when no rule
-of :data:`REGISTER_RULES` is broken.  Every path that enforces or reports
-them reads them from here:
-
-* the grant statement (:mod:`sa_fence._register`) draws a token only where
-  :data:`SEQUENCE_FIT_SQL` holds and the sequence is one
-  :func:`token_sequences_sql` finds behind the register's token default;
-* ``Fencer.check()`` (:func:`sa_fence._tokens.setup_problem`) raises the
-  first :class:`Problem` found, as one sentence;
-* ``sa-fence check`` reports every :class:`Problem` found, subject, problem
-  and fix apart; ``sa-fence status`` says the register's problem when it
-  cannot read the register.
-
-A rule's SQL is evaluated by PostgreSQL in every path (the grant's ``WHERE``
-and the columns of :data:`SEQUENCE_SQL` are the same predicates), so what
-the grant refuses is what the checks report.  Everything names
-``pg_catalog`` objects qualified: a grant runs on the application's
-search_path.
+A sequence issues fencing tokens only when every rule of :data:`SEQUENCE_RULES`
+holds; a register serves a sequence only when no rule of :data:`REGISTER_RULES`
+is broken.  The grant statement (:mod:`sa_fence._register`: :data:`SEQUENCE_FIT_SQL`
+and :func:`token_sequences_sql`), ``Fencer.check()`` (the first :class:`Problem`
+as one sentence), ``sa-fence check`` (every :class:`Problem`) and ``sa-fence
+status`` all read them, and PostgreSQL evaluates the same predicates in each, so
+what the grant refuses is what the checks report.  Everything names
+``pg_catalog`` objects qualified: a grant runs on the application's search_path.
 """
 
 from __future__ import annotations
@@ -104,13 +93,6 @@ SEQUENCE_SQL = text(
 )
 
 
-def sequence_problems(row: Any) -> list[str]:
-    """Why a sequence (a row of :data:`SEQUENCE_SQL`) cannot issue fencing tokens;
-    empty when it can."""
-    values = dict(row._mapping)
-    return [rule.problem.format(**values) for rule in SEQUENCE_RULES if not values[rule.key]]
-
-
 def token_sequences_sql(register: str) -> str:
     """A subquery: the OIDs of the relations the token default of ``register``
     (an SQL expression of type regclass) depends on; the sequences among them
@@ -162,11 +144,10 @@ def shape_problems(columns: Iterable[Any]) -> list[str]:
     found = {row.name: (row.data_type, bool(row.not_null)) for row in columns}
     problems = []
     for column, (data_type, not_null) in REGISTER_SHAPE.items():
-        if column not in found:
+        has_type, has_not_null = found.get(column, (None, True))
+        if has_type is None:
             problems.append(f"has no column {column!r} ({data_type})")
-            continue
-        has_type, has_not_null = found[column]
-        if has_type != data_type:
+        elif has_type != data_type:
             problems.append(f"column {column!r} is {has_type} (need {data_type})")
         if not_null and not has_not_null:
             problems.append(f"column {column!r} allows NULL (need NOT NULL)")
@@ -190,8 +171,7 @@ class Problem:
 
 @dataclass(frozen=True)
 class Rule:
-    """One way the sequence or the register can be unfit: templates over
-    :func:`_names` (and the facts the rule's test found)."""
+    """One way the set-up can be unfit: templates over :func:`_names` and the facts found."""
 
     key: str
     subject: str
@@ -200,12 +180,10 @@ class Rule:
 
     def broken(self, names: dict[str, str], **facts: str) -> Problem:
         values = {**names, **facts}
-        return Problem(
-            self.subject.format(**values),
-            self.problem.format(**values),
-            self.fix.format(**values),
-            self.key,
+        subject, problem, fix = (
+            part.format(**values) for part in (self.subject, self.problem, self.fix)
         )
+        return Problem(subject, problem, fix, self.key)
 
 
 _SUBJECT = "lease register {register}"
@@ -274,8 +252,7 @@ _RULES = {rule.key: rule for rule in REGISTER_RULES}
 
 def register_op_args(sequence: str) -> str:
     """The arguments of ``op.create_fence_register(...)`` (and ``drop_...``) for
-    ``sequence``, as autogenerate and sa-fence's hints write them: none for the
-    default sequence."""
+    ``sequence``, as autogenerate and the hints write them: none for the default."""
     return "" if sequence == DEFAULT_SEQUENCE else f"sequence={sequence!r}"
 
 
@@ -296,16 +273,14 @@ def _names(shown: Any) -> dict[str, str]:
 
 
 def sequence_problem(conn: Any, shown: Any, pinned: Any) -> tuple[Any, Problem | None]:
-    """(the :data:`SEQUENCE_SQL` row or None, the sequence's problem or None).
-
-    ``shown``/``pinned``: the ``Register`` as named and schema-qualified
-    (:func:`sa_fence._register.pinned_register`).
-    """
+    """(the :data:`SEQUENCE_SQL` row or None, the sequence's problem or None); ``shown``,
+    ``pinned``: the ``Register`` as named and schema-qualified (``pinned_register``)."""
     row = conn.execute(SEQUENCE_SQL, {"name": pinned.sequence_sql}).one_or_none()
     names = _names(shown)
     if row is None:
         return None, _RULES["sequence missing"].broken(names)
-    problems = sequence_problems(row)
+    values = row._mapping
+    problems = [rule.problem.format(**values) for rule in SEQUENCE_RULES if not values[rule.key]]
     if problems:
         return row, _RULES["sequence unfit"].broken(names, problems="; ".join(problems))
     return row, None

@@ -1,38 +1,21 @@
-"""Retention of the lease register: ``Fencer.prune()``.
+"""Retention of the lease register: ``Fencer.prune()`` (its command: :mod:`sa_fence.tools.prune`).
 
-``sa-fence prune`` (:mod:`sa_fence.tools.prune`) is its command.
-
-The register keeps one row per lease name forever (measured: about 116
-bytes a row with its index, docs/operations.md).  Pruning deletes the rows of
-names that nobody holds and that were last granted long ago:
-
-1. **scan** (:func:`find_prunable`): register rows granted before ``now -
-   older_than``, in batches in name order;
-2. **ask Redis** which of those names are held now (one pipelined ``EXISTS``
-   per batch): a held name is kept whatever its age;
-3. **compare-and-delete** (:func:`delete_prunable`): each row is deleted only
-   if it still holds the token the scan read, so a grant made in between (a
-   new token) survives; a row locked at that moment (a grant writing it, a
-   commit checking against it) is skipped, never waited for.
-
-What it does to the guarantee: a pruned name has no register row, and the
-commit check refuses a transaction whose lease's token the register does not
-hold, so a stale holder of a pruned name is still refused at COMMIT (the
-error says the name has no register row).  A grant of a pruned name starts a
-new row with a token from the same sequence, larger than every token before.
-The one thing pruning changes: a holder whose lease expired in Redis without
-anyone being granted the name since, and that is still working, would have
-committed before pruning and is refused after.  ``longest_lease`` (the
-longest time from a grant to the last commit under it, a bound only the user
-knows) is therefore required, and an ``older_than`` shorter than it is
-refused.
+The register keeps one row per lease name forever.  Pruning deletes the rows
+of names nobody holds that were last granted long ago, in batches in name
+order: scan the rows granted before ``now - older_than``, ask Redis which of
+those names are held now (one pipelined ``EXISTS`` per batch; a held name is
+kept), then delete each row only while it still holds the token the scan read
+(a grant in between survives), skipping a row locked at that moment.  A stale
+holder of a pruned name is still refused at COMMIT; the one change is for a
+holder whose lease expired without a newer grant, hence the required
+``longest_lease``.  docs/operations.md ("Retention") tells it all.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -94,7 +77,7 @@ def check_ages(older_than: object, longest_lease: object) -> float:
     return age
 
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_UNITS = {"w": 604800, "d": 86400, "h": 3600, "m": 60, "s": 1}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 
 
@@ -111,8 +94,8 @@ def parse_duration(text: str) -> float:
 
 
 def format_duration(value: float) -> str:
-    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
-        if value >= size and value % size == 0:
+    for unit, size in _UNITS.items():
+        if size > 1 and value >= size and value % size == 0:
             return f"{int(value // size)}{unit}"
     return f"{value:g}s"
 
@@ -126,10 +109,7 @@ def _scan_sql(register: Register) -> Any:
 
 
 def _delete_sql(register: Register, *, dry_run: bool) -> Any:
-    # Compare-and-delete: a row goes only while it holds the token the scan
-    # read; a grant in between wrote a new token, and its row stays.  A row
-    # locked right now (a grant writing it, a commit checking against it) is
-    # in use: skipped, never waited for.
+    # Compare-and-delete; a row locked right now (a grant, a commit check) is skipped.
     rows = (
         f"FROM {register.table_sql} r, "
         "unnest(CAST(:names AS text[]), CAST(:tokens AS bigint[])) AS d(name, token) "
@@ -143,47 +123,6 @@ def _delete_sql(register: Register, *, dry_run: bool) -> Any:
         "RETURNING pg_column_size(r.*) AS size) "
         "SELECT count(*), coalesce(sum(size), 0) FROM gone"
     )
-
-
-def find_prunable(
-    conn: sa.Connection,
-    register: Register,
-    held: Callable[[Sequence[str]], Sequence[bool]],
-    age: float,
-    *,
-    batch: int = BATCH,
-) -> Iterator[tuple[list[tuple[str, int]], int]]:
-    """Batches of (name, token) old enough and not held, each with how many were held."""
-    after = ""
-    while True:
-        rows = conn.execute(_scan_sql(register), {"after": after, "age": age, "batch": batch}).all()
-        conn.rollback()  # no snapshot or lock held while Redis is asked
-        if not rows:
-            return
-        after = rows[-1].name
-        flags = held([row.name for row in rows])
-        prunable = [
-            (row.name, int(row.token))
-            for row, is_held in zip(rows, flags, strict=True)
-            if not is_held
-        ]
-        yield prunable, len(rows) - len(prunable)
-        if len(rows) < batch:
-            return
-
-
-def delete_prunable(
-    conn: sa.Connection, register: Register, rows: Sequence[tuple[str, int]], *, dry_run: bool
-) -> tuple[int, int]:
-    """Delete (or count) the rows that still hold their token; (rows, bytes)."""
-    if not rows:
-        return 0, 0
-    count, size = conn.execute(
-        _delete_sql(register, dry_run=dry_run),
-        {"names": [name for name, _ in rows], "tokens": [token for _, token in rows]},
-    ).one()
-    conn.commit()
-    return int(count), int(size)
 
 
 def prune(
@@ -227,13 +166,37 @@ def prune_on(
             f"there is no lease register {Register(sequence).table_display} for sequence "
             f"{sequence!r}: nothing to prune (run `sa-fence check`, or pass --sequence)"
         )
-    for rows, was_held in find_prunable(conn, register, held, age, batch=batch):
-        kept_held += was_held
-        count, bytes_ = delete_prunable(conn, register, rows, dry_run=dry_run)
-        removed += count
-        size += bytes_
-        regranted += len(rows) - count
+    after = ""
+    while True:
+        rows = conn.execute(_scan_sql(register), {"after": after, "age": age, "batch": batch}).all()
+        conn.rollback()  # no snapshot or lock held while Redis is asked
+        if not rows:
+            break
+        after = rows[-1].name
+        flags = held([row.name for row in rows])
+        prunable = [row for row, is_held in zip(rows, flags, strict=True) if not is_held]
+        kept_held += len(rows) - len(prunable)
+        if prunable:
+            count, bytes_ = conn.execute(
+                _delete_sql(register, dry_run=dry_run),
+                {
+                    "names": [row.name for row in prunable],
+                    "tokens": [int(row.token) for row in prunable],
+                },
+            ).one()
+            conn.commit()
+            removed += int(count)
+            size += int(bytes_)
+            regranted += len(prunable) - int(count)
+        if len(rows) < batch:
+            break
     return PruneResult(removed, size, kept_held, regranted, dry_run)
+
+
+def _exists(pipe: Any, key_prefix: str, names: Sequence[str]) -> Any:
+    for name in names:
+        pipe.exists(key_prefix + name)
+    return pipe.execute()
 
 
 def async_redis_held(client: Any, key_prefix: str) -> Callable[[Sequence[str]], Sequence[bool]]:
@@ -243,9 +206,7 @@ def async_redis_held(client: Any, key_prefix: str) -> Callable[[Sequence[str]], 
 
     async def ask(names: Sequence[str]) -> list[bool]:
         pipe = client.pipeline(transaction=False)
-        for name in names:
-            pipe.exists(key_prefix + name)
-        return [bool(reply) for reply in await pipe.execute()]
+        return [bool(reply) for reply in await _exists(pipe, key_prefix, names)]
 
     def held(names: Sequence[str]) -> list[bool]:
         return await_only(ask(names))
@@ -258,8 +219,6 @@ def redis_held(client: Any, key_prefix: str) -> Callable[[Sequence[str]], Sequen
 
     def held(names: Sequence[str]) -> list[bool]:
         pipe = client.pipeline(transaction=False)
-        for name in names:
-            pipe.exists(key_prefix + name)
-        return [bool(reply) for reply in pipe.execute()]
+        return [bool(reply) for reply in _exists(pipe, key_prefix, names)]
 
     return held

@@ -1,35 +1,19 @@
 """The lease register: the database's memory of the newest token per lease name.
 
 The row fence refuses a stale write only to a row a newer holder has already
-written; the register closes the rest (INSERTs, association and subclass
-tables, the database's own cascades): a transaction of a session bound to a
-lease commits only while the register still holds that lease's token.  The
-tables' columns and triggers are drawn in docs/architecture.md ("The
-tables"); the guarantees in docs/guarantees.md and docs/lease-scope.md.
-
-* **Grant** (:meth:`Register.grant_sql`): one autocommit statement draws the
-  token from the sequence the register's ``token`` default names (checked
-  fit, :mod:`sa_fence._fitness`), moves the register forward only, and
-  commits without waiting for a WAL flush when the WAL record that makes the
-  token durable is already flushed (docs/guarantees.md, "A PostgreSQL
-  crash").  ``lock_timeout`` bounds the wait for a committing holder's share
-  lock on the register row.
-* **Withdraw** (:meth:`Register.withdraw_sql`): a grant whose lease was lost
-  before its token was confirmed in Redis puts the register back to the token
-  before it (compare-and-set on ours), so a holder granted in between is not
-  fenced out.
-* **Lease scope** (:func:`check_function_sql`): a transaction in scope writes
-  one row to the UNLOGGED ``sa_fence_scope`` in its BEGIN message (the arm);
-  a deferred constraint trigger checks, at COMMIT or PREPARE TRANSACTION
-  whoever sends it, that the register still holds the token (else SQLSTATE
-  :data:`LEASE_STALE_SQLSTATE`), under a share lock held to the end, so a
-  newer grant comes either before the check or after the commit.  Everything
-  is schema-qualified with a pinned ``search_path``: nothing on a caller's
-  search path can stand in for the register.
+written; the register closes the rest (INSERTs, other tables, cascades): a
+transaction of a session bound to a lease commits only while the register
+still holds that lease's token (docs/architecture.md, "The tables";
+docs/guarantees.md; docs/lease-scope.md).  :meth:`Register.grant_sql` draws
+and registers a token in one statement, :meth:`Register.withdraw_sql` gives
+back a token lost before its confirm, and :func:`check_function_sql` makes the
+deferred trigger that refuses a stale COMMIT (:data:`LEASE_STALE_SQLSTATE`).
+Everything is schema-qualified with a pinned ``search_path``.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -80,8 +64,7 @@ class Register:
 
     @cached_property
     def sequence_sql(self) -> str:
-        schema, name = split_name(self.sequence)
-        return qualified(name, schema)
+        return qualified(split_name(self.sequence)[1], self.schema)
 
     @cached_property
     def table_sql(self) -> str:
@@ -117,8 +100,7 @@ class Register:
         """:meth:`grant_sql` as a SQLAlchemy ``text()`` (``:name`` binds)."""
         return self._grant_text
 
-    # Built once per register (a grant is on the lease cycle's hot path).
-    @cached_property
+    @cached_property  # built once per register: a grant is on the lease cycle's hot path
     def _grant_sql(self) -> str:
         return _GRANT_SQL.format(
             register=self.table_sql,
@@ -128,13 +110,7 @@ class Register:
 
     @cached_property
     def _grant_text(self) -> Any:
-        return text(
-            self._grant_sql.replace("%(name)s", ":name")
-            .replace("%(sequence)s", ":sequence")
-            .replace("%(register)s", ":register")
-            .replace("%(lock_timeout)s", ":lock_timeout")
-            .replace("%(skip_flush)s", ":skip_flush")
-        )
+        return text(re.sub(r"%\((\w+)\)s", r":\1", self._grant_sql))
 
     def withdraw_sql(self) -> Any:
         return text(
@@ -147,11 +123,10 @@ class Register:
         return f"SELECT {self.function_sql}({quote_literal(name)}, {int(token)})"
 
 
-#: The schema an unqualified sequence name stands for: the first schema of the
-#: search_path holding a sequence of that name, never the session's temporary
-#: schema (where any role can create a stand-in); when none holds one, the first
-#: non-temporary schema of the search_path (so that what is missing is reported
-#: missing, not found in pg_temp).  NULL: no schema at all.
+#: The schema an unqualified sequence name stands for: the first schema of the search_path
+#: holding a sequence of that name, never the session's temporary schema (where any role can
+#: create a stand-in); when none does, the first non-temporary schema of the search_path (so
+#: that what is missing is reported missing, not found in pg_temp).  NULL: no schema at all.
 SEQUENCE_SCHEMA_SQL = text(
     """
     SELECT coalesce(
@@ -171,12 +146,9 @@ SEQUENCE_SCHEMA_SQL = text(
 
 
 def pinned_register(conn: Any, sequence: str) -> Register:
-    """The register of ``sequence`` with every name schema-qualified
-    (docs/guarantees.md, "Nothing on the search path stands in for sa-fence's
-    objects"): an unqualified sequence name is resolved once, here, by
-    :data:`SEQUENCE_SCHEMA_SQL`; every statement after
-    names the sequence and the register by that schema.  ``conn``: a SQLAlchemy
-    ``Connection``."""
+    """The register of ``sequence`` with every name schema-qualified, an unqualified
+    name resolved once by :data:`SEQUENCE_SCHEMA_SQL` (docs/guarantees.md, "Nothing on
+    the search path stands in for sa-fence's objects")."""
     register = Register(sequence)
     if register.schema is not None:
         return register
@@ -184,36 +156,17 @@ def pinned_register(conn: Any, sequence: str) -> Register:
     return register.pinned(schema)
 
 
-# One statement, autocommit.  `drawn` has a row only when the sequence is fit
-# (the rules of sa_fence._fitness) and is the one the register's
-# token default draws from; it then draws the one token (a CTE with a volatile
-# function is evaluated once).  The upsert advances the register only forward
-# (docs/guarantees.md, "The register only moves forward"): a drawn token not
-# greater than the name's register token (the sequence was set back: setval, a
-# restore, a promoted replica) updates
-# nothing, and the row comes back with `token` NULL beside the drawn token and
-# the register's, for the refusal.  `previous` keeps the replaced token for a
-# withdrawal.  synchronous_commit is read (before `commit_mode` may change it
-# for this transaction) to refuse 'off' (docs/reliability.md).  The register
-# and sequence arrive schema-qualified (Register.pinned): nothing on the
-# search_path (a temporary table, another schema) can stand in for them.
-#
-# `commit_mode`: the grant's commit skips the WAL flush (synchronous_commit
-# off for this transaction alone) only when the WAL record that makes the
-# drawn token durable is already flushed (docs/guarantees.md, "A PostgreSQL
-# crash").  nextval logs 32 values ahead; the record covering this token was
-# written by this nextval or an earlier one, in either case before this
-# nextval read the sequence page (the writer holds the page's lock while it
-# inserts the record), so it ends at or before the WAL insert position read
-# after the draw.  `commit_mode` reads from `drawn` (so after the nextval) and
-# the upsert reads from `commit_mode` (so before the upsert's own WAL): when
-# the flush position has reached that insert position, the covering record is
-# on disk and a crash cannot set the sequence back below the token; only the
-# register advance can be lost, and the holder's first commit flushes it.
-# Otherwise (the draw logged, or the record written by another transaction
-# is not flushed yet: aborted, or still committing) the commit flushes as
-# usual.  With synchronous standbys (synchronous_standby_names set) the grant
-# always waits for them: a standby's copy of the record is not known here.
+# One statement, autocommit.  `drawn` has a row only when the sequence is fit (sa_fence._fitness)
+# and is the one the register's token default draws from; it draws the one token (a CTE with a
+# volatile function is evaluated once).  The upsert only advances the register (docs/guarantees.md,
+# "The register only moves forward"): a drawn token not above the name's (the sequence was set
+# back) updates nothing, and the row comes back with `token` NULL beside the drawn and the held
+# token, for the refusal.  `previous` keeps the replaced token for a withdrawal.
+# synchronous_commit is read before `commit_mode` may change it, to refuse 'off'
+# (docs/reliability.md).  `commit_mode` skips the commit's WAL flush only when the flush position
+# has reached the WAL insert position read after the draw, so the record that makes the token
+# durable is on disk, and never with synchronous standbys (docs/guarantees.md, "A PostgreSQL
+# crash", says why that is enough).
 _GRANT_SQL = """\
 WITH drawn AS (
     SELECT pg_catalog.nextval(s.seqrelid) AS token,
@@ -249,19 +202,17 @@ SELECT (SELECT g.token FROM granted g) AS token,
   FROM drawn"""
 
 
-#: The scope table's name (same schema): one row per lease a transaction
-#: entered scope for, written by the transaction's BEGIN message (the arm).
+#: The scope table's name (same schema): one row per lease a transaction entered scope for,
+#: written by the transaction's BEGIN message (the arm).
 SCOPE_TABLE = "sa_fence_scope"
 #: The deferred constraint trigger on it, and its function (same schema).
 SCOPE_TRIGGER = "sa_fence_scope_check"
 SCOPE_FUNCTION = "sa_fence_scope_check"
-#: Where the DDL below names sa-fence's schema; replaced inside PostgreSQL by
-#: the schema itself (quoted), so no name is ever found through search_path.
+#: Where the DDL below names sa-fence's schema; replaced inside PostgreSQL by the schema itself
+#: (quoted), so no name is ever found through search_path.
 _S = "@sa_fence_schema@"
 
-# The register check, shared by the commit check function and the scope
-# trigger.  `lease_name` / `lease_token` are the lease's; everything it
-# names is schema-qualified and the functions pin search_path.
+# The register check of the commit check function and the scope trigger.
 _CHECK_BODY = """\
     SELECT r.token, r.granted_at INTO newest, granted
       FROM @sa_fence_schema@.sa_fence_leases r WHERE r.name = lease_name FOR SHARE;
@@ -335,52 +286,39 @@ AFTER INSERT ON @sa_fence_schema@.sa_fence_scope
 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
 EXECUTE FUNCTION @sa_fence_schema@.sa_fence_scope_check()"""
 
+# The schema is the register's or (unqualified) current_schema(), resolved once
+# inside PostgreSQL and written quoted into every statement.  One plain
+# statement, so Alembic's offline (--sql) mode can emit it too.
+_DO_BLOCK = """\
+DO $sa_fence_do$
+DECLARE s text := coalesce({schema}, pg_catalog.current_schema());
+BEGIN
+{run}
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger
+                    WHERE tgrelid = pg_catalog.to_regclass(
+                          pg_catalog.quote_ident(s) || '.sa_fence_scope')
+                      AND tgname = 'sa_fence_scope_check') THEN
+        {trigger}
+    END IF;
+END
+$sa_fence_do$"""
 
-def _in_schema(register: Register, statements: list[str], *, trigger: str) -> str:
-    """One ``DO`` block running ``statements`` in the register's schema.
 
-    The schema is the register's, or (unqualified) the schema its table was
-    created in, ``current_schema()``, resolved once inside PostgreSQL and
-    written into every statement quoted: the functions it creates name
-    their objects schema-qualified (a ``TEMP TABLE sa_fence_leases`` or
-    another schema on the caller's search_path cannot stand in).  Works in
-    Alembic's offline (``--sql``) mode too: it is one plain statement.
-    """
-    schema = quote_literal(register.schema) if register.schema else "NULL"
-    run = "\n".join(
-        f"    EXECUTE pg_catalog.replace($sa_fence_ddl${sql}$sa_fence_ddl$, "
-        f"'{_S}', pg_catalog.quote_ident(s));"
-        for sql in statements
-    )
+def _execute(sql: str) -> str:
     return (
-        "DO $sa_fence_do$\n"
-        f"DECLARE s text := coalesce({schema}, pg_catalog.current_schema());\n"
-        "BEGIN\n"
-        f"{run}\n"
-        "    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger\n"
-        "                    WHERE tgrelid = pg_catalog.to_regclass(\n"
-        f"                          pg_catalog.quote_ident(s) || '.{SCOPE_TABLE}')\n"
-        f"                      AND tgname = '{SCOPE_TRIGGER}') THEN\n"
-        f"        EXECUTE pg_catalog.replace($sa_fence_ddl${trigger}$sa_fence_ddl$, "
-        f"'{_S}', pg_catalog.quote_ident(s));\n"
-        "    END IF;\n"
-        "END\n"
-        "$sa_fence_do$"
+        f"EXECUTE pg_catalog.replace($sa_fence_ddl${sql}$sa_fence_ddl$, "
+        f"'{_S}', pg_catalog.quote_ident(s));"
     )
 
 
 def check_function_sql(register: Register) -> str:
     """The commit check function, the scope table and its deferred trigger (idempotent)."""
     body = _CHECK_BODY.format(sqlstate=LEASE_STALE_SQLSTATE)
-    return _in_schema(
-        register,
-        [
-            _CHECK_FUNCTION.format(body=body),
-            _SCOPE_TABLE,
-            _SCOPE_INDEX,
-            _SCOPE_FUNCTION.format(body=body),
-        ],
-        trigger=_SCOPE_TRIGGER,
+    run = (_CHECK_FUNCTION.format(body=body), _SCOPE_TABLE, _SCOPE_INDEX)
+    return _DO_BLOCK.format(
+        schema=quote_literal(register.schema) if register.schema else "NULL",
+        run="\n".join(f"    {_execute(sql)}" for sql in (*run, _SCOPE_FUNCTION.format(body=body))),
+        trigger=_execute(_SCOPE_TRIGGER),
     )
 
 
@@ -399,18 +337,15 @@ def create_register_sql(sequence: str) -> list[str]:
     ]
 
 
-def drop_scope_sql(register: Register) -> list[str]:
-    """Drop the scope table (and its trigger), its function and the check function."""
+def drop_register_sql(sequence: str) -> list[str]:
+    """Drop the scope table (its trigger with it), both functions, then the register."""
+    register = Register(sequence)
     return [
         f"DROP TABLE IF EXISTS {register.scope_sql}",
         f"DROP FUNCTION IF EXISTS {qualified(SCOPE_FUNCTION, register.schema)}()",
         f"DROP FUNCTION IF EXISTS {register.function_sql}(text, bigint)",
+        f"DROP TABLE IF EXISTS {register.table_sql}",
     ]
-
-
-def drop_register_sql(sequence: str) -> list[str]:
-    register = Register(sequence)
-    return [*drop_scope_sql(register), f"DROP TABLE IF EXISTS {register.table_sql}"]
 
 
 def register_table(metadata: MetaData, sequence: Sequence) -> Table:
@@ -419,11 +354,9 @@ def register_table(metadata: MetaData, sequence: Sequence) -> Table:
     ``metadata.create_all()`` creates the sequence first, then this table
     and (after it) its commit check function.
     """
-    existing = metadata.tables.get(
-        f"{sequence.schema}.{REGISTER_TABLE}" if sequence.schema else REGISTER_TABLE
-    )
-    if existing is not None:
-        return existing
+    key = f"{sequence.schema}.{REGISTER_TABLE}" if sequence.schema else REGISTER_TABLE
+    if key in metadata.tables:
+        return metadata.tables[key]
     table = Table(
         REGISTER_TABLE,
         metadata,
@@ -440,12 +373,10 @@ def register_table(metadata: MetaData, sequence: Sequence) -> Table:
         info={"sa_fence.register": True},
     )
     register = Register(f"{sequence.schema}.{sequence.name}" if sequence.schema else sequence.name)
-    # The scope table is declared too, so that autogenerate finds in the metadata
-    # every table create_all() made (else each run logs "Detected removed table
-    # 'sa_fence_scope'").  It is created first; the register's DDL after it
-    # (CREATE ... IF NOT EXISTS) then adds the functions and the scope trigger.
-    # Dropped in the reverse order: the register (its check function), then the
-    # scope table (its trigger with it), then the scope function.
+    # The scope table is declared too, so that autogenerate finds every table
+    # create_all() made (else each run logs "Detected removed table 'sa_fence_scope'").
+    # Created first (the register's DDL then adds the functions and its trigger);
+    # dropped after the register, then the scope function.
     scope = Table(
         SCOPE_TABLE,
         metadata,
@@ -463,21 +394,19 @@ def register_table(metadata: MetaData, sequence: Sequence) -> Table:
         info={"sa_fence.scope": True},
     )
     table.add_is_dependent_on(scope)
-    function = check_function_sql(register).replace("%", "%%")  # DDL() formats with %
-    create = DDL(function)  # type: ignore[no-untyped-call]
-    event.listen(table, "after_create", create.execute_if(dialect="postgresql"))
-    drop_check = DDL(f"DROP FUNCTION IF EXISTS {register.function_sql}(text, bigint)")  # type: ignore[no-untyped-call]
-    event.listen(table, "before_drop", drop_check.execute_if(dialect="postgresql"))
-    drop_scope = DDL(  # type: ignore[no-untyped-call]
-        f"DROP FUNCTION IF EXISTS {qualified(SCOPE_FUNCTION, register.schema)}()"
-    )
-    event.listen(scope, "after_drop", drop_scope.execute_if(dialect="postgresql"))
+    drop_scope = f"DROP FUNCTION IF EXISTS {qualified(SCOPE_FUNCTION, register.schema)}()"
+    for target, when, sql in (
+        (table, "after_create", check_function_sql(register).replace("%", "%%")),  # DDL() formats
+        (table, "before_drop", f"DROP FUNCTION IF EXISTS {register.function_sql}(text, bigint)"),
+        (scope, "after_drop", drop_scope),
+    ):
+        ddl = DDL(sql)  # type: ignore[no-untyped-call]
+        event.listen(target, when, ddl.execute_if(dialect="postgresql"))
     return table
 
 
-#: The rights the current role needs on the register (SELECT, INSERT, UPDATE)
-#: and on the scope table (INSERT: the arm; SELECT, DELETE: the trigger's
-#: clean-up, which runs as the committing role).
+#: The rights the current role needs on the register (SELECT, INSERT, UPDATE) and on the scope
+#: table (INSERT: the arm; SELECT, DELETE: the trigger's clean-up, run as the committing role).
 REGISTER_RIGHTS_SQL = text(
     """
     SELECT has_table_privilege(to_regclass(:register), 'SELECT') AS can_select,
@@ -493,9 +422,8 @@ REGISTER_RIGHTS_SQL = text(
 )
 
 
-#: The schema-qualified, quoted schema of the scope table an unqualified
-#: register uses: the first schema on the search path holding one, never
-#: the session's temporary schema (so a TEMP TABLE cannot stand in).
+#: The quoted schema of the scope table an unqualified register uses: the first schema on the
+#: search path holding one, never the session's temporary schema (a TEMP TABLE cannot stand in).
 SCOPE_SCHEMA_SQL = f"""\
 SELECT pg_catalog.quote_ident(n.nspname)
   FROM pg_catalog.unnest(pg_catalog.current_schemas(false)) WITH ORDINALITY AS p(nsp, i)
@@ -526,9 +454,8 @@ _SCOPE_STATE_SQL = text(
 def scope_trigger_problem(conn: Any, register: Register) -> str | None:
     """Why PostgreSQL would not hold lease scope at COMMIT for ``register``, with the fix.
 
-    The scope table ``sa_fence_scope`` must sit beside the register with its
-    deferred constraint trigger, enabled.  None when all is well (or when the
-    register itself is missing: that is reported on its own).
+    The scope table must sit beside the register with its deferred constraint trigger,
+    enabled.  None when all is well, or when the register is missing (reported on its own).
     """
     row = conn.execute(_SCOPE_STATE_SQL, {"register": register.table_sql}).one_or_none()
     if row is None:
@@ -539,19 +466,19 @@ def scope_trigger_problem(conn: Any, register: Register) -> str | None:
         "metadata.create_all()."
     )
     why = "so a COMMIT the client sends itself would not be checked against the register"
+    trigger = f"the lease scope trigger {SCOPE_TRIGGER} on {row.scope}"
     if not row.has_table:
         return f"the lease scope table {row.scope} is missing, {why}. {fix}"
     if not row.has_trigger:
-        return f"the lease scope trigger {SCOPE_TRIGGER} on {row.scope} is missing, {why}. {fix}"
+        return f"{trigger} is missing, {why}. {fix}"
     if row.enabled == "D":
         return (
-            f"the lease scope trigger {SCOPE_TRIGGER} on {row.scope} is disabled, {why}. "
+            f"{trigger} is disabled, {why}. "
             f"Fix: ALTER TABLE {row.scope} ENABLE TRIGGER {SCOPE_TRIGGER};"
         )
     if not (row.deferrable and row.deferred):
         return (
-            f"the lease scope trigger {SCOPE_TRIGGER} on {row.scope} is not DEFERRABLE "
-            f"INITIALLY DEFERRED, so it would check at the first write, not at COMMIT. "
-            f"Fix: DROP TRIGGER {SCOPE_TRIGGER} ON {row.scope}; then {fix}"
+            f"{trigger} is not DEFERRABLE INITIALLY DEFERRED, so it would check at the first "
+            f"write, not at COMMIT. Fix: DROP TRIGGER {SCOPE_TRIGGER} ON {row.scope}; then {fix}"
         )
     return None
