@@ -172,7 +172,7 @@ class AsyncLease(BaseLease["AsyncFencer"]):
         if renewal is not None and renewal is not asyncio.current_task():
             await asyncio.wait([renewal])  # cancelled by release(): let it end first
         self._renewal = None
-        return await greenlet_spawn(steps.release, self)
+        return await greenlet_spawn(self._release_in_redis)
 
     def _start_renewal(self, at: float) -> None:
         with self._lock:
@@ -328,10 +328,6 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         task.add_done_callback(_keep_quiet)
         return task
 
-    async def _shielded(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` to its end even if the caller is cancelled meanwhile."""
-        return await asyncio.shield(self._spawn(coro))
-
     # ------------------------------------------------------ I/O (see _lifecycle)
 
     def _next_token(self, name: str) -> Coroutine[Any, Any, int]:
@@ -339,10 +335,10 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         # AsyncEngine does not have
         return greenlet_spawn(self._tokens.next_token, name, pooled=True)
 
-    def _release_quietly(self, key: str, values: list[str]) -> Coroutine[Any, Any, None]:
+    def _release_quietly(self, key: str, values: list[str]) -> Awaitable[None]:
         """The clean-up after a failed or cancelled acquire, shielded: it ends even
         if the caller is cancelled again."""
-        return self._shielded(greenlet_spawn(steps.release_quietly, self, key, values))
+        return asyncio.shield(self._spawn(greenlet_spawn(steps.release_quietly, self, key, values)))
 
     @staticmethod
     def _io(awaitable: Awaitable[T]) -> T:

@@ -91,7 +91,7 @@ class Lease(BaseLease["Fencer"]):
             renewing, self._state.renewing = self._state.renewing, False
         if renewing:  # (a lost lease's renewal was stopped when it was lost)
             self.fencer._renewer.cancel(self)
-        return steps.release(self)
+        return self._release_in_redis()
 
     def bind(self, session: S) -> S:
         """Fence ``session``'s flushes with this lease's token from now on.

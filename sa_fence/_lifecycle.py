@@ -3,7 +3,7 @@
 :class:`FencerCore` (settings, scripts, token source) and :class:`BaseLease`
 (a granted lease's state and checks) are what ``Fencer``/``AsyncFencer`` and
 ``Lease``/``AsyncLease`` share.  Acquire (with its confirm and withdrawal),
-extend, renew and release are plain functions that make every I/O call
+extend, renew and release (a ``BaseLease`` method) make every I/O call
 through the fencer, as SQLAlchemy's asyncio layer runs its sync core::
 
     reply = fencer._io(fencer._acquire(keys=[key], args=[owner, ttl_ms]))
@@ -266,34 +266,6 @@ def extend(lease: Any, ttl: float | None) -> None:
         state.on_extended(sent_at, ttl_ms)
 
 
-def release(lease: Any) -> bool:
-    """Owner-checked RELEASE (the front end stopped renewal first); True when this
-    deleted our live lease.  The lease counts as released once Redis answered."""
-    f = lease.fencer
-    first_sent = time.monotonic()
-    reply, failures = call(f, lease.name, "release", f._release, lease.key, lease._value)
-    with lease._lock:
-        lease._state.released = True
-    if not lease._bound:
-        _warn_never_bound(lease)
-    deleted = proto.release_deleted(
-        lease._state,
-        deleted=bool(int(reply)),
-        resent=failures > 0,
-        first_sent=first_sent,
-        now=time.monotonic(),
-    )
-    _telemetry.released(lease, deleted)
-    if not deleted:
-        log.warning(
-            "lease %r (token %d) had already expired or been taken over at release",
-            lease.name,
-            lease.token,
-            extra=_telemetry.log_extra(lease, "expired"),
-        )
-    return deleted
-
-
 def renew(lease: Any) -> float | None:
     """One renewal EXTEND: the next due time, or None to stop (lost or released)."""
     try:
@@ -414,24 +386,14 @@ class FencerCore(Generic[R, E]):
         state; return the Engine that draws tokens."""
         raise NotImplementedError
 
-    def _release_quietly(self, key: str, values: list[str]) -> object:
-        raise NotImplementedError
-
-    def _io(self, result: Any) -> Any:
-        """The result of an I/O call (sync: the result itself; asyncio: awaited)."""
-        raise NotImplementedError
-
-    def _next_token(self, name: str) -> Any:
-        raise NotImplementedError
-
-    def _sleep(self, seconds: float) -> Any:
-        raise NotImplementedError
-
-    def _probe(self, host: str, port: int, timeout: float) -> Any:
-        raise NotImplementedError
-
-    def check(self) -> Awaitable[None] | None:
-        raise NotImplementedError
+    # The front end's I/O: each returns the reply, or (asyncio) an awaitable of it,
+    # and _io turns that into the reply (sync: the reply itself; asyncio: awaited).
+    check: Callable[[], Awaitable[None] | None]
+    _io: Callable[[Any], Any]
+    _next_token: Callable[[str], Any]
+    _release_quietly: Callable[[str, list[str]], object]
+    _sleep: Callable[[float], Any]
+    _probe: Callable[[str, int, float], Any]
 
     @property
     def sequence(self) -> str:
@@ -595,9 +557,35 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
         if problem is not None:
             raise LeaseLostError(problem)
 
-    def _start_renewal(self, at: float) -> None:
-        """Renew this lease from ``at`` on (the front end's renewer)."""
-        raise NotImplementedError
+    def _release_in_redis(self) -> bool:
+        """Owner-checked RELEASE (the front end stopped renewal first); True when this
+        deleted our live lease.  The lease counts as released once Redis answered."""
+        f: Any = self.fencer
+        first_sent = time.monotonic()
+        reply, failures = call(f, self.name, "release", f._release, self.key, self._value)
+        with self._lock:
+            self._state.released = True
+        if not self._bound:
+            _warn_never_bound(self)
+        deleted = proto.release_deleted(
+            self._state,
+            deleted=bool(int(reply)),
+            resent=failures > 0,
+            first_sent=first_sent,
+            now=time.monotonic(),
+        )
+        _telemetry.released(self, deleted)
+        if not deleted:
+            log.warning(
+                "lease %r (token %d) had already expired or been taken over at release",
+                self.name,
+                self.token,
+                extra=_telemetry.log_extra(self, "expired"),
+            )
+        return deleted
+
+    #: Renew this lease from a monotonic time on (the front end's renewer).
+    _start_renewal: Callable[[float], None]
 
     def _stop_renewal(self) -> None:
         """Stop renewing this lease (the front end's renewer)."""
