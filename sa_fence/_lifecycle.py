@@ -82,12 +82,9 @@ def acquire(
     on_lost: Any,
     fail_fast: bool | None,
 ) -> Any:
-    """Validate, grant, draw the token, confirm it (withdraw it if the lease was
-    lost meanwhile) and return the front end's lease.
-
-    On any failure or cancellation after the grant, whatever this owner may
-    have set in Redis is removed (owner-checked) before the error propagates.
-    """
+    """Validate, grant, draw the token, confirm it (withdraw it if the lease was lost
+    meanwhile) and return the front end's lease; after a failure or cancellation,
+    what this owner may have set in Redis is removed (owner-checked) first."""
     key = f.key_prefix + proto.check_name(name)  # f.key(name), one call fewer
     ttl_ms = proto.ttl_to_ms(ttl)
     max_wait = proto.check_timeout(blocking, timeout, float(ttl))
@@ -231,12 +228,8 @@ def _error(
 
 
 def release_quietly(f: FencerCore[Any, Any], key: str, values: list[str]) -> None:
-    """Owner-checked clean-up after a failed or cancelled acquire: one attempt per value.
-
-    The original error matters more and the lease's TTL ends the lease
-    anyway, so a clean-up that fails too (Redis is down) is logged at debug
-    level only.
-    """
+    """Owner-checked clean-up after a failed or cancelled acquire, one attempt per
+    value; its failure is logged at debug level (the TTL ends the lease anyway)."""
     for value in values:
         try:
             f._io(f._release(keys=[key], args=[value]))
