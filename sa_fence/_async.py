@@ -1,28 +1,17 @@
-"""The asyncio front end: :class:`AsyncFencer` and :class:`AsyncLease`.
+"""The asyncio front end: :class:`AsyncFencer` and :class:`AsyncLease`::
 
-::
-
-    import redis.asyncio
-    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
-    import sa_fence
-
-    engine = create_async_engine("postgresql+psycopg_async://...")
-    Session = sa_fence.install(async_sessionmaker(engine))
-    fencer = sa_fence.AsyncFencer(redis.asyncio.Redis(socket_timeout=5), engine)
-
+    fencer = sa_fence.AsyncFencer(redis.asyncio.Redis(socket_timeout=5), async_engine)
     async with fencer.lease("job:1", ttl=30) as lease, Session() as session:
         lease.bind(session)
         (await session.get(Job, 1)).result = "done"
         await session.commit()        # StaleTokenError if a newer holder wrote
 
-Same API as :class:`sa_fence.Fencer` / :class:`sa_fence.Lease` (a test
-compares the signatures) and the same lifecycle (:mod:`sa_fence._lifecycle`),
-run inside SQLAlchemy's greenlet bridge, so each Redis and PostgreSQL call is
-awaited where the sync front end makes it.  What differs, because asyncio can
-cancel at any ``await``: a cancelled acquire removes what it may have set in
-Redis (owner-checked, shielded) before ``CancelledError`` propagates; a
-release runs its delete shielded and marks the lease released only once Redis
-answered; renewal is one task per renewed lease, holding it weakly.
+The API of ``Fencer``/``Lease`` (a test compares the signatures) and the same
+lifecycle, run in SQLAlchemy's greenlet bridge.  What differs, because asyncio
+can cancel at any ``await``: a cancelled acquire removes what it may have set
+in Redis (owner-checked, shielded) first; a release runs its delete shielded
+and marks the lease released only once Redis answered; renewal is one task
+per renewed lease, holding it weakly.
 """
 
 from __future__ import annotations
@@ -46,8 +35,7 @@ from sqlalchemy.util import await_only, greenlet_spawn
 from . import _lifecycle as steps
 from . import _prune, _telemetry
 from ._dialect import check_dialect
-from ._lease import BaseLease
-from ._lifecycle import FencerCore
+from ._lifecycle import BaseLease, FencerCore
 from ._redis_client import probe_speaks
 from .errors import FencingConfigError, LeaseBackendError
 
@@ -55,7 +43,6 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from ._prune import PruneResult
-    from ._tokens import TokenSource
 
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
@@ -83,6 +70,140 @@ def _keep_quiet(task: asyncio.Task[Any]) -> None:
         task.exception()  # retrieved: a shielded task whose caller left is not "never retrieved"
 
 
+def _cancel_quietly(task: asyncio.Task[Any]) -> None:
+    """Cancel a renewal task whose lease was dropped (a weakref finalizer)."""
+    with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs it any more
+        task.cancel()
+
+
+async def _renew(ref: weakref.ref[AsyncLease], at: float) -> None:
+    """One lease's renewal task, holding it weakly: a dropped lease expires in Redis."""
+    while True:
+        delay = at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        lease = ref()
+        if lease is None:
+            return
+        next_at = await greenlet_spawn(steps.renew, lease)  # (it never raises)
+        if next_at is None:
+            return
+        at = next_at
+        del lease
+
+
+class AsyncLease(BaseLease["AsyncFencer"]):
+    """A granted lease for asyncio: ``name``, ``owner``, ``token``, ``ttl``.
+
+    As :class:`sa_fence.Lease`, with ``await lease.extend()``,
+    ``await lease.release()`` and ``async with``.  :meth:`bind` takes an
+    ``AsyncSession`` (or a sync ``Session``).
+    """
+
+    _log = log
+    _renewal: asyncio.Task[None] | None = None
+    _releasing: asyncio.Task[bool] | None = None
+    #: Run after on_lost: the decorator's "cancel the body" hooks (add_loss_hook).
+    #: A tuple, replaced rather than mutated, so it needs no per-instance set-up.
+    _loss_hooks: tuple[Callable[[], object], ...] = ()
+
+    async def extend(self, ttl: float | None = None) -> None:
+        """As :meth:`sa_fence.Lease.extend`.
+
+        Cancelled before Redis answered, nothing changes locally: the lease
+        stays held with its old validity (Redis may have extended it; never
+        the other way round).
+        """
+        await greenlet_spawn(steps.extend, self, ttl)
+
+    @_telemetry.traced_release_async
+    async def release(self) -> bool:
+        """Give the lease back; never deletes another owner's lease.
+
+        As :meth:`sa_fence.Lease.release`, except that the lease is marked
+        released only once Redis has answered: renewal stops at once, the
+        owner-checked delete runs in a shielded task (cancelling the caller
+        does not cancel it), and if Redis does not answer
+        (:class:`~sa_fence.LeaseBackendError`) the lease stays unreleased so
+        that a later ``release()`` can try again.
+        """
+        if self._state.released:
+            return False
+        self._stop_renewal()  # before the delete: never extend after release
+        with self._lock:
+            self._state.renewing = False
+        releasing = self._releasing
+        if releasing is None or (
+            releasing.done() and (releasing.cancelled() or releasing.exception() is not None)
+        ):
+            releasing = self._releasing = self.fencer._spawn(self._delete())
+        return await asyncio.shield(releasing)
+
+    def bind(self, session: AsyncSession | Session) -> Any:
+        """Fence ``session``'s flushes with this lease's token from now on.
+
+        ``session`` is an ``AsyncSession`` (its sync session is bound) or a
+        ``Session``; it must have the flush hook (:func:`sa_fence.install`).
+        Returns the session.
+        """
+        from ._flush import bind_lease
+
+        bind_lease(session, self)  # type: ignore[arg-type]  # an AsyncSession is unwrapped
+        return session
+
+    async def __aenter__(self) -> AsyncLease:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self.release()
+        except (LeaseBackendError, FencingConfigError) as error:
+            self._release_failed(error)
+
+    # ------------------------------------------------------------ internals
+
+    async def _delete(self) -> bool:
+        renewal = self._renewal
+        if renewal is not None and renewal is not asyncio.current_task():
+            await asyncio.wait([renewal])  # cancelled by release(): let it end first
+        self._renewal = None
+        return await greenlet_spawn(self._release_in_redis)
+
+    def _start_renewal(self, at: float) -> None:
+        with self._lock:
+            self._state.renewing = True
+        task = asyncio.ensure_future(_renew(weakref.ref(self), at))
+        task.set_name(f"{RENEWAL_TASK_NAME}:{self.name}")
+        self._renewal = task
+        weakref.finalize(self, _cancel_quietly, task)
+
+    def _stop_renewal(self) -> None:
+        task = self._renewal
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    def _after_lost(self) -> None:
+        for hook in self._loss_hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("loss hook of lease %r raised", self.name)
+
+
+def add_loss_hook(lease: AsyncLease, hook: Callable[[], object]) -> None:
+    """Run ``hook()`` after ``on_lost`` if ``lease`` is lost (until removed)."""
+    lease._loss_hooks = (*lease._loss_hooks, hook)
+
+
+def remove_loss_hook(lease: AsyncLease, hook: Callable[[], object]) -> None:
+    lease._loss_hooks = tuple(h for h in lease._loss_hooks if h is not hook)
+
+
 class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngine]):
     """Grants leases (Redis) that carry fencing tokens (PostgreSQL sequence), for asyncio.
 
@@ -97,6 +218,7 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
     _log = log
     _kind = "AsyncFencer"
     _renewer_word = "renewal task"
+    _lease_type = AsyncLease
 
     def _start(self, redis: object, engine: AsyncEngine) -> Engine:
         if not isinstance(redis, aioredis.Redis | aioredis.RedisCluster):
@@ -166,7 +288,7 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         try:
             yield lease
         finally:
-            await lease._release_on_exit()
+            await lease.__aexit__(None, None, None)
 
     async def prune(
         self,
@@ -206,19 +328,17 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         task.add_done_callback(_keep_quiet)
         return task
 
-    async def _shielded(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` to its end even if the caller is cancelled meanwhile."""
-        return await asyncio.shield(self._spawn(coro))
-
     # ------------------------------------------------------ I/O (see _lifecycle)
 
     def _next_token(self, name: str) -> Coroutine[Any, Any, int]:
-        return greenlet_spawn(_draw, self._tokens, name)
+        # pooled: the psycopg fast path holds a sync DBAPI connection, which an
+        # AsyncEngine does not have
+        return greenlet_spawn(self._tokens.next_token, name, pooled=True)
 
-    def _release_quietly(self, key: str, values: list[str]) -> Coroutine[Any, Any, None]:
+    def _release_quietly(self, key: str, values: list[str]) -> Awaitable[None]:
         """The clean-up after a failed or cancelled acquire, shielded: it ends even
         if the caller is cancelled again."""
-        return self._shielded(greenlet_spawn(steps.release_quietly, self, key, values))
+        return asyncio.shield(self._spawn(greenlet_spawn(steps.release_quietly, self, key, values)))
 
     @staticmethod
     def _io(awaitable: Awaitable[T]) -> T:
@@ -242,148 +362,3 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
     @staticmethod
     def _probe(host: str, port: int, timeout: float) -> str | None:
         return await_only(asyncio.to_thread(probe_speaks, host, port, timeout))
-
-
-def _draw(tokens: TokenSource, name: str) -> int:
-    """The token source's draw through a pooled ``Connection`` (its psycopg fast
-    path holds a sync DBAPI connection, which an AsyncEngine does not have)."""
-    return tokens.granted(tokens._next_token_sqlalchemy(tokens.params(name)), name)
-
-
-def _cancel_quietly(task: asyncio.Task[Any]) -> None:
-    """Cancel a renewal task whose lease was dropped (a weakref finalizer)."""
-    with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs it any more
-        task.cancel()
-
-
-async def _renew(ref: weakref.ref[AsyncLease], at: float) -> None:
-    """The renewal task of one lease: extend it when due until released, lost or dropped.
-
-    Holds the lease only weakly between renewals, so a lease dropped without
-    release stops being renewed and expires in Redis.
-    """
-    while True:
-        delay = at - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        lease = ref()
-        if lease is None:
-            return
-        try:
-            next_at = await greenlet_spawn(steps.renew, lease)
-        except Exception as exc:  # never stop silently
-            lease._renewal_crashed(exc)
-            return
-        if next_at is None:
-            return
-        at = next_at
-        del lease
-
-
-class AsyncLease(BaseLease["AsyncFencer"]):
-    """A granted lease for asyncio: ``name``, ``owner``, ``token``, ``ttl``.
-
-    As :class:`sa_fence.Lease`, with ``await lease.extend()``,
-    ``await lease.release()`` and ``async with``.  :meth:`bind` takes an
-    ``AsyncSession`` (or a sync ``Session``).
-    """
-
-    _log = log
-    _renewal: asyncio.Task[None] | None = None
-    _releasing: asyncio.Task[bool] | None = None
-    #: Run after on_lost: the decorator's "cancel the body" hooks.  A tuple,
-    #: replaced rather than mutated, so it needs no per-instance set-up.
-    _loss_hooks: tuple[Callable[[], object], ...] = ()
-
-    async def extend(self, ttl: float | None = None) -> None:
-        """As :meth:`sa_fence.Lease.extend`.
-
-        Cancelled before Redis answered, nothing changes locally: the lease
-        stays held with its old validity (Redis may have extended it; never
-        the other way round).
-        """
-        await greenlet_spawn(steps.extend, self, ttl)
-
-    @_telemetry.traced_release_async
-    async def release(self) -> bool:
-        """Give the lease back; never deletes another owner's lease.
-
-        As :meth:`sa_fence.Lease.release`, except that the lease is marked
-        released only once Redis has answered: renewal stops at once, the
-        owner-checked delete runs in a shielded task (cancelling the caller
-        does not cancel it), and if Redis does not answer
-        (:class:`~sa_fence.LeaseBackendError`) the lease stays unreleased so
-        that a later ``release()`` can try again.
-        """
-        if self._state.released:
-            return False
-        self._stop_renewal()  # before the delete: never extend after release
-        with self._lock:
-            self._state.renewing = False
-        releasing = self._releasing
-        if releasing is None or (
-            releasing.done() and (releasing.cancelled() or releasing.exception() is not None)
-        ):
-            releasing = self._releasing = self.fencer._spawn(self._delete())
-        return await asyncio.shield(releasing)
-
-    def bind(self, session: AsyncSession | Session) -> Any:
-        """Fence ``session``'s flushes with this lease's token from now on.
-
-        ``session`` is an ``AsyncSession`` (its sync session is bound) or a
-        ``Session``; it must have the flush hook (:func:`sa_fence.install`).
-        Returns the session.
-        """
-        from ._flush import bind_lease
-
-        bind_lease(session, self)  # type: ignore[arg-type]  # an AsyncSession is unwrapped
-        return session
-
-    async def __aenter__(self) -> AsyncLease:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._release_on_exit()
-
-    # ------------------------------------------------------------ internals
-
-    async def _delete(self) -> bool:
-        renewal = self._renewal
-        if renewal is not None and renewal is not asyncio.current_task():
-            await asyncio.wait([renewal])  # cancelled by release(): let it end first
-        self._renewal = None
-        return await greenlet_spawn(steps.release, self)
-
-    async def _release_on_exit(self) -> None:
-        try:
-            await self.release()
-        except (LeaseBackendError, FencingConfigError) as exc:
-            self._release_failed(exc)
-
-    def _start_renewal(self, at: float) -> None:
-        with self._lock:
-            self._state.renewing = True
-        task = asyncio.ensure_future(_renew(weakref.ref(self), at))
-        task.set_name(f"{RENEWAL_TASK_NAME}:{self.name}")
-        self._renewal = task
-        weakref.finalize(self, _cancel_quietly, task)
-
-    def _stop_renewal(self) -> None:
-        task = self._renewal
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-
-    def _after_lost(self) -> None:
-        for hook in self._loss_hooks:
-            try:
-                hook()
-            except Exception:
-                log.exception("loss hook of lease %r raised", self.name)
-
-
-AsyncFencer._lease_type = AsyncLease

@@ -37,7 +37,8 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from . import _protocol as proto
 from . import _telemetry
-from ._lease import BaseLease, Fencer, OnLost
+from ._lease import Fencer, OnLost
+from ._lifecycle import BaseLease, lose
 from .errors import LeaseLostError, LeaseNotAcquiredError
 
 if TYPE_CHECKING:
@@ -392,7 +393,7 @@ def _session_state(session: Any) -> SessionState:
 
 def _lose_at_max_hold(lease: BaseLease[Any], message: str) -> None:
     try:
-        lease._lose(message)
+        lose(lease, message)
     except Exception:  # never stop the others
         log.exception("marking lease %r lost at its max_hold failed", lease.name)
 
@@ -462,7 +463,7 @@ class _Kind:
         )
         if self.is_async:  # the event loop's timer: no thread
             delay = max(0.0, at - time.monotonic())
-            return asyncio.get_running_loop().call_later(delay, lease._lose, message).cancel
+            return asyncio.get_running_loop().call_later(delay, lose, lease, message).cancel
         return functools.partial(_hold_limits.cancel, _hold_limits.add(at, lease, message))
 
     def unit_of_work(self, lease: Any, steps: _Steps[Any]) -> Any:
@@ -545,7 +546,9 @@ def _fenced_call(
     finally:
         if stop_limit is not None:
             stop_limit()
-        yield lease._release_on_exit()
+        yield (
+            lease.__aexit__(None, None, None) if kind.is_async else lease.__exit__(None, None, None)
+        )
 
 
 def _bound_call(body: Callable[[], Any], frame: _Frame, kind: _Kind) -> _Steps[Any]:
@@ -565,7 +568,7 @@ def _unit_of_work(body: Callable[[], Any], frame: _Frame) -> _Steps[Any]:
     """Run the body, commit (unless the lease was lost) or roll back."""
     try:
         result = yield body()
-        frame.lease._check_for_write()  # lost (renewal, max_hold) or released: commit nothing
+        frame.lease.check(for_write=True)  # lost (renewal, max_hold) or released: commit nothing
         yield frame.session.commit()
     except BaseException:
         yield frame.session.rollback()
@@ -577,7 +580,7 @@ def _nested(
     body: Callable[[], Any], held: _Frame, how: str, source: Any, kind: _Kind
 ) -> _Steps[Any]:
     """A call on a name this call stack already holds: reuse the lease, never wait for it."""
-    held.lease._check_for_write()  # lost: stop here
+    held.lease.check(for_write=True)  # lost: stop here
     session = _open(how, source, kind.is_async)
     try:
         frame = _Frame(held.fencer, held.name, held.lease, session)
@@ -601,25 +604,27 @@ async def _cancelled_on_loss(lease: AsyncLease, work: Any) -> Any:
     caller still reaches the body and is re-raised as such; it runs in a copy of
     this context, so ``current_lease()`` works in the body.
     """
+    from ._async import add_loss_hook, remove_loss_hook
+
     child = asyncio.ensure_future(work)
 
     def on_loss() -> None:
         if not child.done():
             child.cancel(f"sa-fence: lease {lease.name!r} was lost")
 
-    lease._loss_hooks = (*lease._loss_hooks, on_loss)
+    add_loss_hook(lease, on_loss)
     try:
-        if lease._state.lost is not None:
+        if lease.lost_reason is not None:
             on_loss()
         return await child
     except asyncio.CancelledError:
         me = asyncio.current_task()
-        lost = lease._state.lost
+        lost = lease.lost_reason
         if lost is not None and child.cancelled() and (me is None or me.cancelling() == 0):
             raise LeaseLostError(f"{lost} The fenced call was cancelled.") from None
         raise
     finally:
-        lease._loss_hooks = tuple(h for h in lease._loss_hooks if h is not on_loss)
+        remove_loss_hook(lease, on_loss)
 
 
 @overload

@@ -177,7 +177,7 @@ class SessionState:
         if lease is not None:
             # Released, lost (renewal or extend found it gone) or, with
             # fail_fast, past its local validity: LeaseLostError, no SQL sent.
-            lease._check_for_write()
+            lease.check(for_write=True)
             return lease
         if self.unfenced:
             return None
@@ -220,6 +220,15 @@ class SessionState:
 
 def _state(session: Session) -> SessionState | None:
     return session.info.get(_STATE_KEY)
+
+
+class Marks:
+    """The lease core inherits this: only the flush hook touches these."""
+
+    #: Set once the lease is bound to a session or connection.
+    _bound: bool = False
+    #: Set at the first write statement under the lease (its timing, _telemetry.wrote).
+    _wrote: bool = False
 
 
 def bound_lease(session: Session) -> Lease | None:
@@ -885,10 +894,9 @@ def _before_execute(
                 _refuse_chain(elem.text)
             state.present_for_raw_sql(conn)
         return elem, params, None
-    if lease is not None:
-        tel = lease._tel
-        if tel is None or not tel.wrote:
-            _telemetry.wrote(lease)  # the first write under the lease is timed
+    if lease is not None and not lease._wrote:
+        lease._wrote = True
+        _telemetry.wrote(lease)  # the first write under the lease is timed
     fence_col = fence_column_of(elem.table)
     if fence_col is None:
         if lease is None and elem.table in orm_index().association_tables:

@@ -1,10 +1,11 @@
 """What the flush hook and telemetry need of a lease, as typing Protocols.
 
-:class:`~sa_fence._lease.BaseLease` (and so ``Lease`` and ``AsyncLease``)
+:class:`~sa_fence._lifecycle.BaseLease` (and so ``Lease`` and ``AsyncLease``)
 satisfies :class:`LeaseView`; ``Fencer`` and ``AsyncFencer`` satisfy
 :class:`FencerView`.  ``_flush`` and ``_telemetry`` type their arguments with
-these instead of importing ``_lease``, which imports both of them: the
-dependency then runs one way, from the lease down to the hooks.
+these instead of importing the leases, which import both of them.  The
+interface is public members only, but for the marks each consumer owns
+(``_flush.Marks``, ``_telemetry.Reported``, which the lease core inherits).
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ class LeaseView(Protocol):
     @property
     def released(self) -> bool: ...
 
-    #: Set by the flush hook once the lease is bound to a session or connection.
-    _bound: bool
-    #: The lease's ``_telemetry.LeaseTelemetry`` (typed there, where it is set).
-    _tel: Any
+    # Declared here for typing; each is touched only by the module that owns it.
+    _bound: bool  # _flush.Marks
+    _wrote: bool  # _flush.Marks
+    _tel: Any  # _telemetry.Reported
 
-    def _check_for_write(self) -> None:
-        """Raise LeaseLostError unless a write may still use the lease."""
+    def check(self, *, for_write: bool = False) -> None:
+        """Raise LeaseLostError unless the lease is still usable (for a write)."""

@@ -1,26 +1,18 @@
-"""The lease lifecycle, written once for both front ends.
+"""The lease lifecycle, written once for both front ends, over its two base classes.
 
-Acquire (with its confirm and withdrawal), extend, renew and release are
-plain functions that make every I/O call through the fencer, the way
-SQLAlchemy's asyncio layer runs its sync core::
+:class:`FencerCore` (settings, scripts, token source) and :class:`BaseLease`
+(a granted lease's state and checks) are what ``Fencer``/``AsyncFencer`` and
+``Lease``/``AsyncLease`` share.  Acquire (with its confirm and withdrawal),
+extend, renew and release (a ``BaseLease`` method) make every I/O call
+through the fencer, as SQLAlchemy's asyncio layer runs its sync core::
 
     reply = fencer._io(fencer._acquire(keys=[key], args=[owner, ttl_ms]))
 
-A sync :class:`~sa_fence.Fencer` makes the call there and then, and its
-``_io`` hands the reply back.  An :class:`~sa_fence.AsyncFencer` runs each
-operation in a greenlet (``greenlet_spawn``): its scripts return
-awaitables, and its ``_io`` awaits them with ``await_only``, which suspends
-the greenlet, lets the event loop await, and resumes it with the result or
-the exception (``CancelledError`` included) at the same place, so one
-``try``/``except`` serves both.  Each front end supplies the I/O under the
-same names (``check``, ``_acquire``, ``_next_token``, ``_confirm``,
-``_extend``, ``_release``, ``_release_quietly``, ``_sleep``, ``_probe``
-``_io``) and what only it can do: the renewer (one thread per
-fencer, or one task per lease) and asyncio's shielding of clean-ups and
-releases.  The decisions (resend or give up, how long to wait, validity,
-loss) are the pure functions of :mod:`sa_fence._protocol` and
-:mod:`sa_fence._failures`.  Why greenlet rather than generators or generated
-code: docs/architecture.md.
+A sync fencer makes the call there and then and its ``_io`` hands the reply
+back; an async one runs each operation in a greenlet and its ``_io`` awaits
+with ``await_only``, so one ``try``/``except`` serves both.  The decisions are
+the pure functions of ``_protocol`` and ``_failures``; why greenlet, and the
+interface the integrations use: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -28,15 +20,26 @@ from __future__ import annotations
 import logging
 import math
 import random
+import threading
 import time
-from collections.abc import Awaitable
+import weakref
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import _protocol as proto
 from . import _telemetry
-from ._failures import FailureBudget, cause_text, classify_redis, probe_timeout, wants_probe
+from ._failures import (
+    FAILOVER,
+    FailureBudget,
+    cause_text,
+    classify_redis,
+    probe_timeout,
+    wants_probe,
+)
+from ._flush import Marks
+from ._lease_view import FencerView
 from ._redis_client import (
     REDIS_ERRORS,
     check_budget,
@@ -44,15 +47,24 @@ from ._redis_client import (
     probe_target,
     redis_error,
 )
+from ._telemetry import Reported
 from ._tokens import DEFAULT_SEQUENCE, TokenSource, token_error
-from .errors import FenceError, LeaseLostError, LeaseNotAcquiredError
+from .errors import (
+    FenceError,
+    FencingConfigError,
+    LeaseBackendError,
+    LeaseLostError,
+    LeaseNotAcquiredError,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
 DEFAULT_KEY_PREFIX = "sa_fence:"
 
-T = TypeVar("T")
+#: The lease core's records keep the logger they have always had.
+log = logging.getLogger("sa_fence._lease")
+
 R = TypeVar("R")
 E = TypeVar("E")
 
@@ -70,12 +82,9 @@ def acquire(
     on_lost: Any,
     fail_fast: bool | None,
 ) -> Any:
-    """Validate, grant, draw the token, confirm it (withdraw it if the lease was
-    lost meanwhile) and return the front end's lease.
-
-    On any failure or cancellation after the grant, whatever this owner may
-    have set in Redis is removed (owner-checked) before the error propagates.
-    """
+    """Validate, grant, draw the token, confirm it (withdraw it if the lease was lost
+    meanwhile) and return the front end's lease; after a failure or cancellation,
+    what this owner may have set in Redis is removed (owner-checked) first."""
     key = f.key_prefix + proto.check_name(name)  # f.key(name), one call fewer
     ttl_ms = proto.ttl_to_ms(ttl)
     max_wait = proto.check_timeout(blocking, timeout, float(ttl))
@@ -219,12 +228,8 @@ def _error(
 
 
 def release_quietly(f: FencerCore[Any, Any], key: str, values: list[str]) -> None:
-    """Owner-checked clean-up after a failed or cancelled acquire: one attempt per value.
-
-    The original error matters more and the lease's TTL ends the lease
-    anyway, so a clean-up that fails too (Redis is down) is logged at debug
-    level only.
-    """
+    """Owner-checked clean-up after a failed or cancelled acquire, one attempt per
+    value; its failure is logged at debug level (the TTL ends the lease anyway)."""
     for value in values:
         try:
             f._io(f._release(keys=[key], args=[value]))
@@ -235,9 +240,6 @@ def release_quietly(f: FencerCore[Any, Any], key: str, values: list[str]) -> Non
                 cause_text(exc),
             )
             return
-
-
-# ``lease`` below is a sa_fence._lease.BaseLease (typed Any: that module imports this one).
 
 
 def extend(lease: Any, ttl: float | None) -> None:
@@ -251,37 +253,81 @@ def extend(lease: Any, ttl: float | None) -> None:
     extended, _ = call(f, lease.name, "extend", f._extend, lease.key, lease._value, ttl_ms)
     if not int(extended):
         message = proto.not_ours_message(lease.name, lease.token)
-        lease._lose(message)
+        lose(lease, message)
         raise LeaseLostError(message)
     with lease._lock:
         state.on_extended(sent_at, ttl_ms)
 
 
-def release(lease: Any) -> bool:
-    """Owner-checked RELEASE (the front end stopped renewal first); True when this
-    deleted our live lease.  The lease counts as released once Redis answered."""
-    f = lease.fencer
-    first_sent = time.monotonic()
-    reply, failures = call(f, lease.name, "release", f._release, lease.key, lease._value)
-    with lease._lock:
-        lease._state.released = True
-    deleted: bool = lease._release_outcome(bool(int(reply)), failures > 0, first_sent)
-    return deleted
-
-
 def renew(lease: Any) -> float | None:
     """One renewal EXTEND: the next due time, or None to stop (lost or released)."""
-    if not lease._state.renewing:
-        return None
-    f = lease.fencer
-    sent_at = time.monotonic()
     try:
-        reply = f._io(f._extend(keys=[lease.key], args=[lease._value, lease._ttl_ms]))
-        outcome = "extended" if int(reply) else "not-ours"
-    except REDIS_ERRORS as exc:  # timeouts, a read-only replica, a failover...
-        outcome = lease._renewal_unanswered(exc)
-    at: float | None = lease._renewal_step(outcome, sent_at, f.renew_fraction)
-    return at
+        state = lease._state
+        if not state.renewing:
+            return None
+        f = lease.fencer
+        sent_at = time.monotonic()
+        try:
+            reply = f._io(f._extend(keys=[lease.key], args=[lease._value, lease._ttl_ms]))
+            outcome = "extended" if int(reply) else "not-ours"
+        except REDIS_ERRORS as exc:  # timeouts, a read-only replica, a failover...
+            failure = classify_redis(exc)
+            log.warning(
+                "renewal of lease %r failed (%s)%s; retrying until its local validity runs out",
+                lease.name,
+                failure.text,
+                "; a failover may be under way" if failure.kind == FAILOVER else "",
+                extra=_telemetry.log_extra(lease, "renewal_failed"),
+            )
+            outcome = "unknown"
+        _telemetry.renewal(lease, outcome, sent_at)
+        with lease._lock:
+            if not state.renewing:
+                return None  # released (or lost) meanwhile: ignore the answer
+            lease._renew_failures = 0 if outcome != "unknown" else lease._renew_failures + 1
+            step = proto.after_renewal(
+                state,
+                outcome=outcome,
+                now=time.monotonic(),
+                sent_at=sent_at,
+                ttl_ms=lease._ttl_ms,
+                fraction=f.renew_fraction,
+                failures=max(0, lease._renew_failures - 1),
+                rand=random.random(),
+            )
+        if step.lost is None:
+            return step.at
+        lose(lease, step.lost)
+    except Exception as exc:  # never stop silently, never stop the other leases
+        lease._log.exception("renewal of lease %r failed unexpectedly", lease.name)
+        lose(
+            lease,
+            f"lease {lease.name!r} (token {lease.token}) could not be renewed: "
+            f"{type(exc).__name__}: {exc}. Stop the work; nothing was sent.",
+        )
+    return None
+
+
+def expire(lease: Any) -> Any:
+    """The owner-checked RELEASE, sent once, the lease left unaware (``testing.expire``)."""
+    return lease.fencer._release(keys=[lease.key], args=[lease._value])
+
+
+def lose(lease: BaseLease[Any], message: str) -> None:
+    """Mark ``lease`` lost, once: stop its renewal, count and log it, run ``on_lost``."""
+    with lease._lock:
+        first = lease._state.mark_lost(message)
+    if not first:
+        return
+    lease._stop_renewal()
+    _telemetry.lost(lease)
+    log.warning("%s", message, extra=_telemetry.log_extra(lease, "lost"))
+    if lease._on_lost is not None:
+        try:
+            lease._on_lost(lease)
+        except Exception:
+            log.exception("on_lost callback of lease %r raised", lease.name)
+    lease._after_lost()
 
 
 # ------------------------------------------------------------ the fencers
@@ -333,24 +379,14 @@ class FencerCore(Generic[R, E]):
         state; return the Engine that draws tokens."""
         raise NotImplementedError
 
-    def _release_quietly(self, key: str, values: list[str]) -> object:
-        raise NotImplementedError
-
-    def _io(self, result: Any) -> Any:
-        """The result of an I/O call (sync: the result itself; asyncio: awaited)."""
-        raise NotImplementedError
-
-    def _next_token(self, name: str) -> Any:
-        raise NotImplementedError
-
-    def _sleep(self, seconds: float) -> Any:
-        raise NotImplementedError
-
-    def _probe(self, host: str, port: int, timeout: float) -> Any:
-        raise NotImplementedError
-
-    def check(self) -> Awaitable[None] | None:
-        raise NotImplementedError
+    # The front end's I/O: each returns the reply, or (asyncio) an awaitable of it,
+    # and _io turns that into the reply (sync: the reply itself; asyncio: awaited).
+    check: Callable[[], Awaitable[None] | None]
+    _io: Callable[[Any], Any]
+    _next_token: Callable[[str], Any]
+    _release_quietly: Callable[[str, list[str]], object]
+    _sleep: Callable[[float], Any]
+    _probe: Callable[[str, int, float], Any]
 
     @property
     def sequence(self) -> str:
@@ -383,3 +419,183 @@ class FencerCore(Generic[R, E]):
 def lock_timeout_ms(budget: float) -> int:
     """The register's lock wait bound for a failure budget (the same seconds)."""
     return max(1, math.ceil(budget * 1000))
+
+
+# ------------------------------------------------------------ the lease core
+
+FencerT = TypeVar("FencerT", bound=FencerView)
+
+#: Fencers that already logged "a lease was released without being bound".
+_warned_unbound: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _warn_never_bound(lease: BaseLease[Any]) -> None:
+    """Release is the one cheap place that sees a lease that fenced nothing: say so
+    once per Fencer (a session without the hook runs no sa-fence code at all)."""
+    if lease.fencer in _warned_unbound:
+        return
+    _warned_unbound.add(lease.fencer)
+    log.warning(
+        "lease %r (token %d) was released without having been bound to a session or "
+        "connection, so nothing written while it was held was fenced by it. Bind it to "
+        "each session that writes under it (lease.bind(session), on a session whose "
+        "sessionmaker has sa_fence.install()), or use @sa_fence.fenced, which binds for "
+        "you. If you only use the lease's token (an idempotency key), ignore this; it "
+        "is logged once per Fencer.",
+        lease.name,
+        lease.token,
+        extra=_telemetry.log_extra(lease, "never_bound"),
+    )
+
+
+class BaseLease(Marks, Reported, Generic[FencerT]):
+    """What a holder knows about a granted lease, without I/O.
+
+    Shared by :class:`Lease` and :class:`sa_fence.AsyncLease` (and read by the
+    flush hook): the state, the validity on this process's monotonic clock,
+    and the "is it still usable" checks.  The subclasses add the Redis calls.
+    """
+
+    #: The front end's logger (for what only one front end logs).
+    _log = log
+
+    def __init__(
+        self,
+        fencer: FencerT,
+        name: str,
+        key: str,
+        owner: str,
+        token: int,
+        ttl: float,
+        value: str,
+        acquired_at: float,
+        *,
+        ttl_ms: int | None = None,
+        fail_fast: bool = False,
+        on_lost: Callable[[Any], object] | None = None,
+    ) -> None:
+        self.fencer = fencer
+        self.name = name
+        self.key = key
+        self.owner = owner
+        self.token = token
+        self.ttl = ttl
+        self._value = value
+        self.acquired_at = acquired_at
+        self._ttl_ms = proto.ttl_to_ms(ttl) if ttl_ms is None else ttl_ms
+        self._lock = threading.Lock()
+        self._state = proto.LeaseState(
+            name=name,
+            token=token,
+            valid_until=proto.valid_until(acquired_at, self._ttl_ms),
+            fail_fast=fail_fast,
+        )
+        self._on_lost = on_lost
+        self._renew_failures = 0
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "lost" if self.lost else "held"
+        return f"<{type(self).__name__} {self.name!r} token={self.token} ttl={self.ttl} {state}>"
+
+    @property
+    def released(self) -> bool:
+        """True once :meth:`release` ran."""
+        return self._state.released
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is known to be gone.
+
+        Set when renewal or :meth:`extend` found another owner or no lease,
+        or when a renewed lease's local validity ran out without a successful
+        renewal.  Never goes back to False.
+        """
+        self._notice_overdue()
+        return self._state.lost is not None
+
+    def remaining(self) -> float:
+        """Seconds of local validity left (0.0 once passed), on the monotonic clock.
+
+        The lease is surely still ours in Redis before this runs out (unless
+        someone deleted the key); after it, it may be another owner's.
+        """
+        return max(0.0, self._state.valid_until - time.monotonic())
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the lease was lost (what :class:`~sa_fence.LeaseLostError` says), or None.
+
+        Set together with :attr:`lost` (and read without checking the clock).
+        """
+        return self._state.lost
+
+    def check(self, *, for_write: bool = False) -> None:
+        """Raise :class:`~sa_fence.LeaseLostError` unless the lease is still usable.
+
+        Usable: not released, not lost, and within its local validity.  No
+        round trip to Redis: call it between steps of long work.  With
+        ``for_write=True`` it is the check a bound session makes before each
+        fenced write: local validity then counts only with ``fail_fast``
+        (otherwise the fence decides), and a renewed lease whose renewal is
+        overdue counts as lost.
+        """
+        state = self._state  # the hot path (every fenced flush and statement): no calls
+        if not (state.released or state.lost is not None) and (
+            (for_write and not (state.renewing or state.fail_fast))
+            or time.monotonic() < state.valid_until
+        ):
+            return
+        self._notice_overdue()
+        problem = state.problem(time.monotonic(), for_write=for_write)
+        if problem is not None:
+            raise LeaseLostError(problem)
+
+    def _release_in_redis(self) -> bool:
+        """Owner-checked RELEASE (the front end stopped renewal first); True when this
+        deleted our live lease.  The lease counts as released once Redis answered."""
+        f: Any = self.fencer
+        first_sent = time.monotonic()
+        reply, failures = call(f, self.name, "release", f._release, self.key, self._value)
+        with self._lock:
+            self._state.released = True
+        if not self._bound:
+            _warn_never_bound(self)
+        deleted = proto.release_deleted(
+            self._state,
+            deleted=bool(int(reply)),
+            resent=failures > 0,
+            first_sent=first_sent,
+            now=time.monotonic(),
+        )
+        _telemetry.released(self, deleted)
+        if not deleted:
+            log.warning(
+                "lease %r (token %d) had already expired or been taken over at release",
+                self.name,
+                self.token,
+                extra=_telemetry.log_extra(self, "expired"),
+            )
+        return deleted
+
+    #: Renew this lease from a monotonic time on (the front end's renewer).
+    _start_renewal: Callable[[float], None]
+
+    def _stop_renewal(self) -> None:
+        """Stop renewing this lease (the front end's renewer)."""
+
+    def _release_failed(self, exc: LeaseBackendError | FencingConfigError) -> None:
+        """The release on leaving a ``with`` block failed: log it, the TTL ends the lease."""
+        self._log.warning(
+            "could not release lease %r (token %d): %s; its TTL will end it",
+            self.name,
+            self.token,
+            cause_text(exc.cause) if exc.cause is not None else exc,
+            extra=_telemetry.log_extra(self, "release_failed"),
+        )
+
+    def _after_lost(self) -> None:
+        """Run after ``on_lost`` (the asyncio front end cancels fenced bodies here)."""
+
+    def _notice_overdue(self) -> None:
+        if self._state.overdue(time.monotonic()):
+            lose(self, proto.renewal_timed_out_message(self.name, self.token))

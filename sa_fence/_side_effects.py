@@ -1,33 +1,12 @@
 """Side effects that leave only from current holders: fenced jobs on procrastinate.
 
-An e-mail, a webhook or a payment call cannot be taken back by the commit
-check.  So it is not sent from the fenced transaction at all: it is enqueued
-there, as a job of `procrastinate <https://procrastinate.readthedocs.io/>`_
-(a PostgreSQL job queue), on the bound session's own connection.  The job
-row is then part of the transaction that lease scope checks at ``COMMIT``:
-
-- a stale holder's transaction is refused, so its job never commits and no
-  worker ever sees it;
-- the current holder's job commits with its data, or not at all;
-- a job that committed while its holder was current is delivered, even if
-  the lease is superseded before a worker picks it up.
-
-A worker then delivers the job at least once (procrastinate retries failed
-jobs, and a stalled worker's jobs can be retried).  Every job carries an
-idempotency key, ``<lease name>:<token>:<transaction>:<n>`` (the lease, its
-token, PostgreSQL's id of the enqueueing transaction and the effect's number
-within it), the same on every attempt, so a receiver that deduplicates on it
-(an ``Idempotency-Key`` header, an e-mail ``Message-ID``) makes the effect
-happen once::
-
-    import procrastinate
-    import sa_fence
-
-    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=...))
-
-    @app.task(retry=procrastinate.RetryStrategy(max_attempts=10, exponential_wait=2))
-    def send_receipt(order_id: int, idempotency_key: str) -> None:
-        httpx.post(URL, json={"order": order_id}, headers={"Idempotency-Key": idempotency_key})
+An e-mail or a payment call cannot be taken back by the commit check, so it is
+not sent from the fenced transaction: it is enqueued there, as a
+`procrastinate <https://procrastinate.readthedocs.io/>`_ job, on the bound
+session's own connection.  The job row commits with the transaction that lease
+scope checks at ``COMMIT`` (a stale holder's never does), and each job carries
+an idempotency key, ``<lease name>:<token>:<transaction>:<n>``, the same on
+every delivery attempt, for the receiver to deduplicate on::
 
     with fencer.lease("order:7", ttl=30) as lease, Session() as session:
         lease.bind(session)
@@ -35,9 +14,8 @@ happen once::
         sa_fence.side_effect(session, send_receipt, order_id=7)
         session.commit()   # the order and its job commit together, or neither does
 
-``await sa_fence.side_effect_async(async_session, task, **kwargs)`` does the
-same for an ``AsyncSession``.  Nothing here imports procrastinate until a
-side effect is enqueued, and no state is kept outside the session.
+``side_effect_async`` does the same for an ``AsyncSession``; docs/side-effects.md
+has the whole guide.  procrastinate is imported only when an effect is enqueued.
 """
 
 from __future__ import annotations
@@ -67,10 +45,8 @@ __all__ = ["KEY_ARGUMENT", "SideEffect", "side_effect", "side_effect_async"]
 #: The task argument each job's idempotency key is passed in.
 KEY_ARGUMENT = "idempotency_key"
 
-#: PostgreSQL's id of the current transaction (assigns one if it has none yet):
-#: 64 bits with the epoch, so it never repeats in a database's life.
-#: ``txid_current()`` rather than 13's ``pg_current_xact_id()``: the same
-#: value, on every PostgreSQL sa-fence supports.
+#: The transaction's id (assigned if it has none yet): 64 bits with the epoch, never
+#: repeated in a database's life; 13's pg_current_xact_id() is the same value.
 _XID_SQL = "SELECT txid_current()::text"
 
 _INFO_KEY = "sa_fence.side_effects"
@@ -82,10 +58,7 @@ _SAFE = ":/@-_.~+=,;!*()[]{}"
 
 @dataclass(frozen=True, slots=True)
 class SideEffect:
-    """A side effect enqueued in the bound session's transaction.
-
-    It is delivered only if that transaction commits.
-    """
+    """A side effect enqueued in the bound session's transaction (delivered if it commits)."""
 
     #: procrastinate's job id (the row is visible to workers once the transaction commits).
     job_id: int
@@ -158,7 +131,7 @@ def _bound_lease(session: Session) -> Lease:
             "call lease.bind(session) first (sa_fence.unfenced() does not apply to side "
             "effects). Nothing was enqueued."
         )
-    lease._check_for_write()  # released, or known lost: LeaseLostError, nothing sent
+    lease.check(for_write=True)  # released, or known lost: LeaseLostError, nothing sent
     return lease
 
 

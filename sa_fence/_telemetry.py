@@ -521,6 +521,13 @@ class LeaseTelemetry:
         self.span: Any = _NOOP
 
 
+class Reported:
+    """The lease core inherits this: only this module touches ``_tel``."""
+
+    #: What the lease reports its metrics under (set at acquire).
+    _tel: LeaseTelemetry | None = None
+
+
 def _lease_tel(lease: LeaseView) -> LeaseTelemetry:
     tel: LeaseTelemetry | None = getattr(lease, "_tel", None)
     if tel is None:  # a lease made without acquire (tests' doubles)

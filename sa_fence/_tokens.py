@@ -277,13 +277,16 @@ class TokenSource:
             "skip_flush": self.skip_flush,
         }
 
-    def next_token(self, name: str) -> int:
-        """Draw a token for lease ``name`` and register it, in its own committed transaction."""
+    def next_token(self, name: str, *, pooled: bool = False) -> int:
+        """Draw a token for lease ``name`` and register it, in its own committed transaction
+        (``pooled``: always through a pooled ``Connection``, as for an AsyncEngine)."""
         params = self.params(name)
         # An engine with statement listeners (logging, tracing, tests) keeps the
         # SQLAlchemy path, so that they still see the grant statement.
-        if self.engine.dialect.driver == "psycopg" and not getattr(
-            self.engine, "_has_events", True
+        if (
+            not pooled
+            and self.engine.dialect.driver == "psycopg"
+            and not getattr(self.engine, "_has_events", True)
         ):
             row = self._next_token_psycopg(params)
         else:

@@ -28,6 +28,8 @@ import subprocess
 import time
 from typing import TYPE_CHECKING, Any
 
+from . import _lifecycle as steps
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -44,7 +46,7 @@ def expire(lease: Lease) -> bool:
     the lease, exactly like a paused worker.  Returns True when the key was
     removed, False when it had already expired or been taken over.
     """
-    return bool(int(lease.fencer._release(keys=[lease.key], args=[lease._value])))
+    return bool(int(steps.expire(lease)))
 
 
 def pause(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:

@@ -279,7 +279,7 @@ def test_a_nested_call_on_a_lost_lease_raises_before_its_body_runs(
     class Lossy(Jobs):
         @sa_fence.fenced("job:{job_id}", ttl=30)
         def finish(self, job_id: int, fail_after: bool = False) -> tuple[int, int]:
-            sa_fence.current_lease()._lose("lost for the test")
+            sa_fence._lifecycle.lose(sa_fence.current_lease(), "lost for the test")
             ran.append("outer")
             return 0, self.record(job_id, "must not run")
 

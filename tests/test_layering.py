@@ -215,9 +215,8 @@ def test_imports_in_one_direction_are_no_cycle(tmp_path: Path) -> None:
     assert find_cycle(import_graph(_write(tmp_path, files))) is None
 
 
-#: Private names one module still takes from another: the demo's two stories
-#: share the demo's process machinery (tools, outside the library's layers).
-PRIVATE_IMPORTS_ALLOWED = {("sa_fence.tools.demo_side_effects", "sa_fence.tools.demo")}
+#: Private names one module still takes from another (none: give them public names).
+PRIVATE_IMPORTS_ALLOWED: set[tuple[str, str]] = set()
 
 
 def private_names_taken(root: Path) -> list[str]:
@@ -324,3 +323,133 @@ def test_a_sqlalchemy_without_the_connection_methods_sa_fence_overrides_is_refus
 
     with pytest.raises(ImportError, match="takes other arguments"):
         _flush.check_connection_api(OtherArguments)
+
+
+#: Private members of other libraries that sa-fence reads, by (reading module,
+#: member): each with why there is no public equivalent, or none that costs nothing.
+THIRD_PARTY_PRIVATE_READS: dict[tuple[str, str], str] = {
+    ("sa_fence._fitness", "_mapping"): "SQLAlchemy Row._mapping is public API despite the _",
+    ("sa_fence._flush", "_new"): "Session._new: pending objects without copying Session.new",
+    ("sa_fence._flush", "_deleted"): "Session._deleted: deleted objects without a copy",
+    ("sa_fence._flush", "_modified"): "IdentityMap._modified: changed states, no public set",
+    ("sa_fence._flush", "_parent"): "SessionTransaction.parent is a property: a call per end",
+    ("sa_fence._flush", "_start_query"): "psycopg's BEGIN generator, wrapped to send the arm in it",
+    ("sa_fence._flush", "_sync_gen"): "psycopg's pipeline sync step, sent after the arm",
+    ("sa_fence._flush", "_encoding"): "psycopg PGconn's encoding, for error_from_result",
+    ("sa_fence._model", "_mapper_registries"): "SQLAlchemy's registries: every mapped class",
+    ("sa_fence._rewrite", "_generate"): "SQLAlchemy's statement copy, to add the fence clauses",
+    ("sa_fence._rewrite", "_clone"): "SQLAlchemy's clause copy (no public one)",
+    ("sa_fence._rewrite", "_values"): "an UPDATE's or INSERT's SET values (no public reader)",
+    ("sa_fence._rewrite", "_ordered_values"): "an ordered UPDATE's SET values",
+    ("sa_fence._rewrite", "_multi_values"): "a multi-row INSERT's values",
+    ("sa_fence._rewrite", "_select_names"): "an INSERT FROM SELECT's columns",
+    ("sa_fence._rewrite", "_post_values_clause"): "an upsert's ON CONFLICT clause",
+    ("sa_fence._rewrite", "_deannotate"): "the ORM's annotated table back to the plain Table",
+    ("sa_fence._telemetry", "_tracer"): "OpenTelemetry's proxy tracer: no span without a provider",
+    ("sa_fence._telemetry", "_real_instrument"): "OpenTelemetry's proxy histogram: idle?",
+    ("sa_fence._telemetry", "_replace"): "namedtuple._replace is public API despite the _",
+    ("sa_fence._tokens", "_invalidate"): "Pool._invalidate: recycle the pool as on a disconnect",
+    ("sa_fence.tools.demo", "_exit"): "os._exit is public API despite the _",
+    ("sa_fence.tools.demo", "_replace"): "namedtuple._replace is public API despite the _",
+}
+
+
+def _defined(tree: ast.AST) -> set[str]:
+    """The names a module defines: functions, classes, assigned names (class
+    attributes included) and ``self.``/``cls.`` attributes it sets."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
+            names.add(node.attr)
+    return names
+
+
+def _private_reads(root: Path) -> list[tuple[str, int, str, str, list[str]]]:
+    """(module, line, expression, member, the modules defining it) for each
+    ``X._name`` a module reads or sets (not on ``self``/``cls``, not a dunder)
+    whose ``_name`` it does not define itself."""
+    modules = {_module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+    trees = {
+        name: ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for name, path in modules.items()
+    }
+    defined = {name: _defined(tree) for name, tree in trees.items()}
+    return [
+        (
+            name,
+            node.lineno,
+            ast.unparse(node),
+            node.attr,
+            sorted(o for o, d in defined.items() if node.attr in d),
+        )
+        for name, tree in trees.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        and node.attr not in defined[name]
+    ]
+
+
+def private_members_read(
+    root: Path, allowed: dict[tuple[str, str], str] = THIRD_PARTY_PRIVATE_READS
+) -> list[str]:
+    """``module:line expression (why)`` for each private member a module takes
+    from another sa_fence module, or from another library unless ``allowed``."""
+    return sorted(
+        {
+            f"{module}:{line} {expression} ("
+            + (
+                f"{member} is defined by {', '.join(owners)}"
+                if owners
+                else "another library's private member, not in THIRD_PARTY_PRIVATE_READS"
+            )
+            + ")"
+            for module, line, expression, member, owners in _private_reads(root)
+            if (module, member) not in allowed
+        }
+    )
+
+
+def test_no_module_reads_another_modules_private_members() -> None:
+    found = private_members_read(PACKAGE)
+    assert found == [], (
+        "a module reaches into another's private members; use the owner's interface "
+        "(sa_fence._lease_view.LeaseView, docs/architecture.md): " + "; ".join(found)
+    )
+
+
+def test_every_third_party_private_read_listed_is_still_made() -> None:
+    made = {(module, member) for module, _, _, member, _ in _private_reads(PACKAGE)}
+    stale = sorted(
+        f"{module}: {member}" for module, member in set(THIRD_PARTY_PRIVATE_READS) - made
+    )
+    assert stale == [], "no longer read, remove from THIRD_PARTY_PRIVATE_READS: " + "; ".join(stale)
+
+
+def test_a_private_member_read_is_found(tmp_path: Path) -> None:
+    files = {
+        "__init__.py": "",
+        "core.py": "class Lease:\n    _state = None\n\n    def ok(self):\n"
+        "        return self._state\n",
+        "hook.py": "def f(lease):\n    return lease._state.lost, lease.__class__\n",
+        "own.py": "class A:\n    _x = 1\n\ndef g(a):\n    return a._x\n",
+        "other.py": "import os\n\ndef h():\n    os._exit(0)\n",
+    }
+    assert private_members_read(_write(tmp_path, files), allowed={}) == [
+        "pkg.hook:2 lease._state (_state is defined by pkg.core)",
+        "pkg.other:4 os._exit (another library's private member, not in THIRD_PARTY_PRIVATE_READS)",
+    ]
+    assert private_members_read(
+        _write(tmp_path, files), allowed={("pkg.other", "_exit"): "public"}
+    ) == ["pkg.hook:2 lease._state (_state is defined by pkg.core)"]

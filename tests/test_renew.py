@@ -131,7 +131,7 @@ async def test_without_the_lost_check_the_flush_of_a_lost_lease_writes(
     """The pair of the test above: the fence alone cannot stop this INSERT (no
     newer holder wrote the row), so only the lost check keeps it out."""
     lease_type = sa_fence.AsyncLease if is_async(front) else sa_fence.Lease
-    monkeypatch.setattr(lease_type, "_check_for_write", lambda self: None)
+    monkeypatch.setattr(lease_type, "check", lambda self, for_write=False: None)
     told: list[Any] = []
     lease = await io(front.acquire("job:1", TTL, renew=True, on_lost=told.append))
     session = lease.bind(make_session())

@@ -307,7 +307,7 @@ def grant_params(
     skip_flush: bool = True,
 ) -> dict[str, Any]:
     """The grant statement's parameters, as ``TokenSource.params(name)`` builds them
-    (pass the compared Fencer's lock wait bound: ``fencer._tokens.lock_timeout_ms``)."""
+    (pass the compared Fencer's lock wait bound: ``fencer.token_source.lock_timeout_ms``)."""
     register = Register(sequence)
     return {
         "name": name,
@@ -572,7 +572,7 @@ def lease_section(
         psycopg_conninfo(url),
         schema.sequence,
         f"{schema.prefix}:floor",
-        lock_timeout_ms=fencer._tokens.lock_timeout_ms,
+        lock_timeout_ms=fencer.token_source.lock_timeout_ms,
     )
     try:
         ops = {

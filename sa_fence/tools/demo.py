@@ -97,7 +97,7 @@ class StoryError(Exception):
 # ===================================================================== worker
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Linux: have the kernel SIGKILL this worker when the demo process dies.
 
     A stopped worker would otherwise outlive a killed demo forever.
@@ -112,7 +112,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-class _Emitter:
+class Emitter:
     """Writes one JSON event per line to the worker's stdout."""
 
     def __init__(self, out: TextIO) -> None:
@@ -126,10 +126,10 @@ class _Emitter:
             self._out.flush()
 
 
-class _EventLogHandler(logging.Handler):
+class EventLogHandler(logging.Handler):
     """Forwards the library's log records to the demo as ``log`` events."""
 
-    def __init__(self, emit: _Emitter) -> None:
+    def __init__(self, emit: Emitter) -> None:
         super().__init__(logging.INFO)
         self._emit = emit
 
@@ -137,7 +137,7 @@ class _EventLogHandler(logging.Handler):
         self._emit("log", level=record.levelname, message=record.getMessage())
 
 
-def _wait_for(stdin: TextIO, command: str) -> None:
+def wait_for(stdin: TextIO, command: str) -> None:
     line = stdin.readline()
     if not line:
         raise SystemExit(1)  # the demo process went away: nothing left to do
@@ -147,8 +147,8 @@ def _wait_for(stdin: TextIO, command: str) -> None:
 
 def worker_main(stdin: TextIO, stdout: TextIO) -> int:
     """One worker: acquire on ``acquire``, load, write on ``write``, report, release."""
-    emit = _Emitter(stdout)
-    handler = _EventLogHandler(emit)
+    emit = Emitter(stdout)
+    handler = EventLogHandler(emit)
     log.addHandler(handler)
     engine: sa.Engine | None = None
     client: redis_lib.Redis | None = None
@@ -165,7 +165,7 @@ def worker_main(stdin: TextIO, stdout: TextIO) -> int:
             install(make_session)
         emit("ready", pid=os.getpid())
 
-        _wait_for(stdin, "acquire")
+        wait_for(stdin, "acquire")
         lease = fencer.acquire(LEASE_NAME, float(config["ttl"]))
         emit("acquired", token=lease.token, ttl=lease.ttl)
         with make_session() as session:
@@ -174,7 +174,7 @@ def worker_main(stdin: TextIO, stdout: TextIO) -> int:
             job = session.get_one(DemoJob, JOB_ID)
             emit("loaded", result=job.result, fence=job.fence)
 
-            _wait_for(stdin, "write")
+            wait_for(stdin, "write")
             job.result = str(config["result"])
             try:
                 session.commit()
@@ -189,7 +189,7 @@ def worker_main(stdin: TextIO, stdout: TextIO) -> int:
                 )
             else:
                 emit("committed", result=job.result, fence=job.fence)
-        _wait_for(stdin, "release")
+        wait_for(stdin, "release")
         emit("released", deleted=lease.release())
         return EXIT_OK
     except Exception as exc:
@@ -210,21 +210,21 @@ def _worker_entry(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    _die_with_parent(int(argv[1]))
+    die_with_parent(int(argv[1]))
     return worker_main(sys.stdin, sys.stdout)
 
 
 # =============================================================== orchestrator
 
 
-class _Worker:
+class Worker:
     """The demo's handle on one worker process: commands in, JSON events out."""
 
     def __init__(
         self,
         name: str,
         config: dict[str, Any],
-        timeline: _Timeline,
+        timeline: Timeline,
         *,
         module: str = "sa_fence.tools.demo",
         role: str = "worker",
@@ -367,7 +367,7 @@ class _Worker:
         return ("; its stderr:\n    " + "\n    ".join(tail)) if tail else ""
 
 
-class _Timeline:
+class Timeline:
     """Prints one line per event: elapsed time, who holds the lease (per Redis), who, what."""
 
     def __init__(self, out: TextIO, client: redis_lib.Redis, key: str) -> None:
@@ -421,11 +421,11 @@ class _Collecting(logging.Handler):
         self.records.append(record)
 
 
-class _Unreachable(Exception):
+class Unreachable(Exception):
     """PostgreSQL or Redis cannot be reached (the message says how to start it)."""
 
 
-def _server_url(pg: str) -> sa.URL:
+def server_url(pg: str) -> sa.URL:
     try:
         url = sa.make_url(pg)
     except sa.exc.ArgumentError as exc:
@@ -464,7 +464,7 @@ def _reason(exc: BaseException) -> str:
     return text if text.endswith((".", "?", "!")) else text + "."
 
 
-def _connect_redis(url: str) -> redis_lib.Redis:
+def connect_redis(url: str) -> redis_lib.Redis:
     try:
         client = redis_lib.Redis.from_url(
             url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=STEP_TIMEOUT
@@ -475,7 +475,7 @@ def _connect_redis(url: str) -> redis_lib.Redis:
         client.ping()
     except redis_lib.RedisError as exc:
         client.close()
-        raise _Unreachable(
+        raise Unreachable(
             f"cannot reach Redis at {_shown_redis(url)}: {_reason(exc)} Start it (`make services`, "
             "or `redis-server --daemonize yes`), or point --redis (or SA_FENCE_DEMO_REDIS) "
             "at a running server."
@@ -483,12 +483,12 @@ def _connect_redis(url: str) -> redis_lib.Redis:
     return client
 
 
-def _check_postgres(server: sa.URL) -> None:
+def check_postgres(server: sa.URL) -> None:
     try:
         with psycopg.connect(_admin_dsn(server), autocommit=True, connect_timeout=CONNECT_TIMEOUT):
             pass
     except psycopg.Error as exc:
-        raise _Unreachable(
+        raise Unreachable(
             f"cannot reach PostgreSQL at {_shown(server)}: {_reason(exc)} Start it (`make "
             "services`, or `pg_ctlcluster <version> main start` / `systemctl start "
             "postgresql`), or point --pg (or SA_FENCE_DEMO_PG) at a running server."
@@ -496,7 +496,7 @@ def _check_postgres(server: sa.URL) -> None:
 
 
 @contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
+def sigterm_as_exit() -> Iterator[None]:
     """Turn SIGTERM into SystemExit so the workers, database and keys are cleaned up."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -516,21 +516,21 @@ def run(*, pg: str, redis_url: str, ttl: float, fenced: bool, out: TextIO | None
     """Play the story once; return the exit status (see the module docstring)."""
     out = sys.stdout if out is None else out
     try:
-        server = _server_url(pg)
+        server = server_url(pg)
         if not MIN_TTL <= ttl <= MAX_TTL:
             raise ValueError(f"--ttl must be between {MIN_TTL:g} and {MAX_TTL:g} s, got {ttl:g}")
-        client = _connect_redis(redis_url)
+        client = connect_redis(redis_url)
     except ValueError as exc:
         print(f"sa-fence demo: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except _Unreachable as exc:
+    except Unreachable as exc:
         print(f"sa-fence demo: error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     try:
-        _check_postgres(server)
-        with _sigterm_as_exit():
-            return _Demo(server, client, redis_url, ttl, fenced, out).play()
-    except _Unreachable as exc:
+        check_postgres(server)
+        with sigterm_as_exit():
+            return Demo(server, client, redis_url, ttl, fenced, out).play()
+    except Unreachable as exc:
         print(f"sa-fence demo: error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except StoryError as exc:
@@ -541,7 +541,7 @@ def run(*, pg: str, redis_url: str, ttl: float, fenced: bool, out: TextIO | None
 
 
 @dataclass
-class _Demo:
+class Demo:
     server: sa.URL
     client: redis_lib.Redis
     redis_url: str
@@ -549,7 +549,7 @@ class _Demo:
     fenced: bool
     out: TextIO
     run_id: str = field(default_factory=lambda: secrets.token_hex(4))
-    workers: list[_Worker] = field(default_factory=list)
+    workers: list[Worker] = field(default_factory=list)
 
     @property
     def database(self) -> str:
@@ -654,7 +654,7 @@ class _Demo:
 
     def story(self, engine: sa.Engine) -> int:
         """The demo's acts in order; the verdict's exit status."""
-        t = _Timeline(self.out, self.client, self.prefix + LEASE_NAME)
+        t = Timeline(self.out, self.client, self.prefix + LEASE_NAME)
         t.header()
         self.create_tables(engine, t)
         self.insert_job(engine, t)
@@ -667,7 +667,7 @@ class _Demo:
         b.finish()
         return self.verdict(engine, written, token_a, token_b)
 
-    def create_tables(self, engine: sa.Engine, t: _Timeline) -> None:
+    def create_tables(self, engine: sa.Engine, t: Timeline) -> None:
         """The migrations; --unfenced drops the guard triggers again."""
         from .schema import upgrade_demo_schema
 
@@ -696,7 +696,7 @@ class _Demo:
             "(--unfenced: nothing in the database checks the writers)",
         )
 
-    def insert_job(self, engine: sa.Engine, t: _Timeline) -> None:
+    def insert_job(self, engine: sa.Engine, t: Timeline) -> None:
         """An admin inserts the job with no lease, inside ``unfenced()``."""
         # The admin's insert logs sa-fence's warning for writes without a lease
         # (the opt-out is meant to be visible); here it is expected, so it is
@@ -720,7 +720,7 @@ class _Demo:
             f"expected here): {self.row_text(engine)}",
         )
 
-    def start_workers(self, t: _Timeline) -> tuple[_Worker, _Worker]:
+    def start_workers(self, t: Timeline) -> tuple[Worker, Worker]:
         """Workers A and B, started and waiting for the demo's go."""
         config = {
             "pg": self.server.set(database=self.database).render_as_string(hide_password=False),
@@ -729,9 +729,9 @@ class _Demo:
             "ttl": self.ttl,
             "fenced": self.fenced,
         }
-        a = _Worker("A", {**config, "result": "A"}, t)
+        a = Worker("A", {**config, "result": "A"}, t)
         self.workers.append(a)
-        b = _Worker("B", {**config, "result": "B"}, t)
+        b = Worker("B", {**config, "result": "B"}, t)
         self.workers.append(b)
         for w in (a, b):
             w.expect("ready", timeout=STARTUP_TIMEOUT)
@@ -741,7 +741,7 @@ class _Demo:
     def _unused(self) -> str:
         return "" if self.fenced else " (its session is not fenced: the token goes unused)"
 
-    def a_takes_the_lease(self, a: _Worker, t: _Timeline) -> int:
+    def a_takes_the_lease(self, a: Worker, t: Timeline) -> int:
         """A takes the lease and starts working; returns A's token."""
         a.send("acquire")
         token_a = int(a.expect("acquired")["token"])
@@ -759,7 +759,7 @@ class _Demo:
         )
         return token_a
 
-    def a_freezes_past_its_ttl(self, a: _Worker, t: _Timeline) -> float:
+    def a_freezes_past_its_ttl(self, a: Worker, t: Timeline) -> float:
         """SIGSTOP A for twice its TTL; returns when A was stopped (monotonic)."""
         ttl = self.ttl
         a.stop()
@@ -775,7 +775,7 @@ class _Demo:
         t.say("redis", f"A's lease has expired (TTL {ttl:g} s); A is stopped and cannot notice")
         return stopped_at
 
-    def b_takes_over(self, b: _Worker, engine: sa.Engine, t: _Timeline) -> int:
+    def b_takes_over(self, b: Worker, engine: sa.Engine, t: Timeline) -> int:
         """B takes the lease over, writes, commits and releases; returns B's token."""
         b.send("acquire")
         token_b = int(b.expect("acquired")["token"])
@@ -794,7 +794,7 @@ class _Demo:
         return token_b
 
     def a_wakes_and_writes(
-        self, a: _Worker, engine: sa.Engine, t: _Timeline, token_a: int, stopped_at: float
+        self, a: Worker, engine: sa.Engine, t: Timeline, token_a: int, stopped_at: float
     ) -> dict[str, Any]:
         """SIGCONT A, which still believes it holds the lease: its write and release.
 

@@ -64,13 +64,13 @@ from .demo import (
     MIN_TTL,
     STARTUP_TIMEOUT,
     STEP_TIMEOUT,
+    Demo,
+    Emitter,
+    EventLogHandler,
     StoryError,
-    _Demo,
-    _Emitter,
-    _EventLogHandler,
-    _Timeline,
-    _wait_for,
-    _Worker,
+    Timeline,
+    Worker,
+    wait_for,
 )
 from .demo_models import DemoJob
 
@@ -118,8 +118,8 @@ def make_app(conninfo: str) -> procrastinate.App:
 
 def holder_main(stdin: TextIO, stdout: TextIO) -> int:
     """A or B: acquire, write the result and enqueue the e-mail; commit on ``write``."""
-    emit = _Emitter(stdout)
-    handler = _EventLogHandler(emit)
+    emit = Emitter(stdout)
+    handler = EventLogHandler(emit)
     log.addHandler(handler)
     engine: sa.Engine | None = None
     client: redis_lib.Redis | None = None
@@ -141,7 +141,7 @@ def holder_main(stdin: TextIO, stdout: TextIO) -> int:
             install(make_session)
         emit("ready", pid=os.getpid())
 
-        _wait_for(stdin, "acquire")
+        wait_for(stdin, "acquire")
         lease = fencer.acquire(LEASE_NAME, float(config["ttl"]))
         emit("acquired", token=lease.token, ttl=lease.ttl)
         with make_session() as session:
@@ -159,7 +159,7 @@ def holder_main(stdin: TextIO, stdout: TextIO) -> int:
                 job_id = send_mail.configure(connection=driver).defer(**mail, idempotency_key=key)
             emit("enqueued", job_id=job_id, key=key, to=mail["to"])
 
-            _wait_for(stdin, "write")
+            wait_for(stdin, "write")
             try:
                 session.commit()
             except StaleTokenError as exc:
@@ -167,7 +167,7 @@ def holder_main(stdin: TextIO, stdout: TextIO) -> int:
                 emit("refused", error=type(exc).__name__, message=str(exc))
             else:
                 emit("committed")
-        _wait_for(stdin, "release")
+        wait_for(stdin, "release")
         emit("released", deleted=lease.release())
         return EXIT_OK
     except Exception as exc:
@@ -181,7 +181,7 @@ def holder_main(stdin: TextIO, stdout: TextIO) -> int:
             engine.dispose()
 
 
-async def _deliver(app: procrastinate.App, recover: bool, emit: _Emitter) -> None:
+async def _deliver(app: procrastinate.App, recover: bool, emit: Emitter) -> None:
     async with app.open_async():
         if recover:
             # procrastinate's recovery for a worker that died mid-job (its docs run
@@ -210,12 +210,12 @@ async def _deliver(app: procrastinate.App, recover: bool, emit: _Emitter) -> Non
 
 def deliverer_main(stdin: TextIO, stdout: TextIO) -> int:
     """A procrastinate worker: on ``deliver``, work until the queue is empty, then exit."""
-    emit = _Emitter(stdout)
+    emit = Emitter(stdout)
     try:
         config = json.loads(stdin.readline() or "{}")
         app = make_app(config["conninfo"])
         emit("ready", pid=os.getpid())
-        _wait_for(stdin, "deliver")
+        wait_for(stdin, "deliver")
         asyncio.run(_deliver(app, bool(config["recover"]), emit))
         return EXIT_OK
     except Exception as exc:
@@ -228,7 +228,7 @@ def _entry(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in roles or not argv[1].isdigit():
         print(f"{MODULE} is started by `sa-fence demo --side-effects`.", file=sys.stderr)
         return EXIT_USAGE
-    demo._die_with_parent(int(argv[1]))
+    demo.die_with_parent(int(argv[1]))
     return roles[argv[0]](sys.stdin, sys.stdout)
 
 
@@ -242,7 +242,7 @@ class MailApi:
     the sender is still waiting for the answer when the demo kills it.
     """
 
-    def __init__(self, timeline: _Timeline) -> None:
+    def __init__(self, timeline: Timeline) -> None:
         self.attempts: list[tuple[str, dict[str, Any]]] = []
         self.sent: dict[str, dict[str, Any]] = {}
         self.arrived = threading.Event()
@@ -299,7 +299,7 @@ class MailApi:
 
 
 @dataclass
-class _SideEffectsDemo(_Demo):
+class _SideEffectsDemo(Demo):
     conninfo: str = ""
     api: MailApi | None = field(default=None, repr=False)
 
@@ -312,15 +312,15 @@ class _SideEffectsDemo(_Demo):
         self.echo("sa-fence demo --side-effects: a paused worker's e-mail, and its successor's")
         self.summary("mode", mode)
 
-    def worker(self, name: str, config: dict[str, Any], t: _Timeline, role: str) -> _Worker:
-        w = _Worker(name, config, t, module=MODULE, role=role)
+    def worker(self, name: str, config: dict[str, Any], t: Timeline, role: str) -> Worker:
+        w = Worker(name, config, t, module=MODULE, role=role)
         self.workers.append(w)
         return w
 
     def story(self, engine: sa.Engine) -> int:
         from .schema import upgrade_demo_schema
 
-        t = _Timeline(self.out, self.client, self.prefix + LEASE_NAME)
+        t = Timeline(self.out, self.client, self.prefix + LEASE_NAME)
         t.header()
         upgrade_demo_schema(engine)
         conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
@@ -345,7 +345,7 @@ class _SideEffectsDemo(_Demo):
         finally:
             api.close()
 
-    def _play(self, engine: sa.Engine, conninfo: str, api: MailApi, t: _Timeline) -> int:
+    def _play(self, engine: sa.Engine, conninfo: str, api: MailApi, t: Timeline) -> int:
         """The acts after the setup; the verdict's exit status."""
         t.say("setup", f"job {JOB_ID} inserted; a mail API listens on {api.url}")
         a, b = self._start_workers(conninfo, api, t)
@@ -358,7 +358,7 @@ class _SideEffectsDemo(_Demo):
         self._deliver(engine, conninfo, api, t)
         return self.verdict_mail(engine, written, enq_a, enq_b, api)
 
-    def _start_workers(self, conninfo: str, api: MailApi, t: _Timeline) -> tuple[_Worker, _Worker]:
+    def _start_workers(self, conninfo: str, api: MailApi, t: Timeline) -> tuple[Worker, Worker]:
         config = {
             "pg": self.server.set(database=self.database).render_as_string(hide_password=False),
             "conninfo": conninfo,
@@ -375,7 +375,7 @@ class _SideEffectsDemo(_Demo):
             t.say(w.name, f"worker process started (pid {w.pid})")
         return a, b
 
-    def _a_enqueues_and_freezes(self, a: _Worker, t: _Timeline) -> dict[str, Any]:
+    def _a_enqueues_and_freezes(self, a: Worker, t: Timeline) -> dict[str, Any]:
         """A takes the lease, enqueues its e-mail uncommitted, and is stopped past its TTL."""
         ttl = self.ttl
         a.send("acquire")
@@ -396,7 +396,7 @@ class _SideEffectsDemo(_Demo):
         t.say("redis", "A's lease has expired; A is stopped and cannot notice")
         return enq_a
 
-    def _b_takes_over(self, b: _Worker, t: _Timeline) -> dict[str, Any]:
+    def _b_takes_over(self, b: Worker, t: Timeline) -> dict[str, Any]:
         """B takes the lease, enqueues its e-mail, commits and releases."""
         b.send("acquire")
         token_b = int(b.expect("acquired")["token"])
@@ -412,7 +412,7 @@ class _SideEffectsDemo(_Demo):
         b.expect("released")
         return enq_b
 
-    def _a_wakes_and_commits(self, a: _Worker, t: _Timeline) -> dict[str, Any]:
+    def _a_wakes_and_commits(self, a: Worker, t: Timeline) -> dict[str, Any]:
         """SIGCONT A; returns its commit's event (committed or refused)."""
         a.resume()
         t.say("demo", "SIGCONT A: it carries on as if it still held the lease")
@@ -426,7 +426,7 @@ class _SideEffectsDemo(_Demo):
         a.expect("released")
         return written
 
-    def _deliver(self, engine: sa.Engine, conninfo: str, api: MailApi, t: _Timeline) -> None:
+    def _deliver(self, engine: sa.Engine, conninfo: str, api: MailApi, t: Timeline) -> None:
         """W1 is killed mid-delivery; W2 retries its stalled job and drains the queue."""
         first = self.worker("W1", {"conninfo": conninfo, "recover": False}, t, "deliverer")
         first.expect("ready", timeout=STARTUP_TIMEOUT)
@@ -513,21 +513,21 @@ def run(*, pg: str, redis_url: str, ttl: float, fenced: bool, out: TextIO | None
         print(f"sa-fence demo: error: {INSTALL_HINT}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        server = demo._server_url(pg)
+        server = demo.server_url(pg)
         if not MIN_TTL <= ttl <= MAX_TTL:
             raise ValueError(f"--ttl must be between {MIN_TTL:g} and {MAX_TTL:g} s, got {ttl:g}")
-        client = demo._connect_redis(redis_url)
+        client = demo.connect_redis(redis_url)
     except ValueError as exc:
         print(f"sa-fence demo: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except demo._Unreachable as exc:
+    except demo.Unreachable as exc:
         print(f"sa-fence demo: error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     try:
-        demo._check_postgres(server)
-        with demo._sigterm_as_exit():
+        demo.check_postgres(server)
+        with demo.sigterm_as_exit():
             return _SideEffectsDemo(server, client, redis_url, ttl, fenced, out).play()
-    except demo._Unreachable as exc:
+    except demo.Unreachable as exc:
         print(f"sa-fence demo: error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except StoryError as exc:
