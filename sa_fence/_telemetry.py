@@ -834,23 +834,3 @@ def flush_ended(span: Any, *, failed: bool = False) -> None:
     if failed and otel_trace is not None and span is not _NOOP:
         span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, "flush failed"))
     span.end()
-
-
-# A general helper, not telemetry: the tools import it from here.
-def redact_url(url: object) -> str:
-    """``url`` (a Redis or database URL, or a SQLAlchemy ``URL``) with its password
-    shown as ``***``: every URL sa-fence prints or logs goes through this."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    text = url.render_as_string(hide_password=True) if hasattr(url, "render_as_string") else url
-    text = str(text)
-    try:
-        parts = urlsplit(text)
-        password = parts.password
-    except ValueError:  # not a URL at all: show nothing that could be a secret in it
-        return "<unparsable URL>"
-    if not password:
-        return text
-    user, _, host = parts.netloc.rpartition("@")
-    name = user.split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{name}:***@{host}"))

@@ -50,9 +50,9 @@ from .._flush import install
 from .._lease import Fencer, Lease
 from .._model import Fenced
 from .._register import DEFAULT_GRANT_LOCK_TIMEOUT_MS, SCOPE_TABLE, Register
-from .._telemetry import redact_url
 from .._tokens import fence_sequence
 from ..errors import LeaseBackendError, StaleTokenError
+from ._redact import redact_url
 
 VARIANTS = ("plain", "fenced", "version_id_col")
 #: ids of the rows the delete benchmark deletes and puts back (untimed)

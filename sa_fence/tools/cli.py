@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import __version__
+from ._redact import redact_url
 
 DEMO_PG_ENV = "SA_FENCE_DEMO_PG"
 DEMO_REDIS_ENV = "SA_FENCE_DEMO_REDIS"
@@ -101,15 +102,9 @@ def _bench_pg_url(text: str) -> str:
 def _redis_url(text: str) -> str:
     if not text.startswith(("redis://", "rediss://", "unix://")):
         raise argparse.ArgumentTypeError(
-            f"not a Redis URL: {_redacted(text)!r} (e.g. redis://127.0.0.1:6379/0)"
+            f"not a Redis URL: {redact_url(text)!r} (e.g. redis://127.0.0.1:6379/0)"
         )
     return text
-
-
-def _redacted(url: str) -> str:
-    from .._telemetry import redact_url
-
-    return redact_url(url)
 
 
 def _demo(args: argparse.Namespace) -> int:

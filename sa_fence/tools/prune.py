@@ -8,7 +8,7 @@ import redis as redis_lib
 
 from .._failures import cause_text
 from .._prune import PruneResult, check_ages, format_duration, parse_duration, prune_on, redis_held
-from .._telemetry import redact_url
+from ._redact import redact_url
 from .check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, with_connection
 
 if TYPE_CHECKING:

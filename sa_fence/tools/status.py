@@ -33,7 +33,7 @@ from .. import _protocol as proto
 from .._failures import cause_text
 from .._fitness import register_problems
 from .._register import Register, pinned_register
-from .._telemetry import redact_url
+from ._redact import redact_url
 from .check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, with_connection
 
 #: Where the applications' key_prefix is read from (the ``--key-prefix`` default).
