@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import sqlalchemy as sa
 
+from ._fitness import SEQUENCE_SQL
 from ._guard import DEFAULT_SEQUENCE, create_guard_sql, drop_guard_sql, qualified
 from ._model import fence_column_of
 
@@ -24,12 +25,6 @@ _COLUMN_SQL = sa.text(
     "(SELECT format_type(a.atttypid, NULL) FROM pg_catalog.pg_attribute a "
     " WHERE a.attrelid = to_regclass(:table) AND a.attname = :column "
     "   AND a.attnum > 0 AND NOT a.attisdropped) AS data_type"
-)
-
-#: Whether ``:sequence`` names a sequence (looked up as the guard will: on the
-#: writer's ``search_path`` when unqualified).
-_SEQUENCE_SQL = sa.text(
-    "SELECT c.relkind = 'S' FROM pg_catalog.pg_class c WHERE c.oid = to_regclass(:sequence)"
 )
 
 
@@ -112,11 +107,10 @@ def _guard_problem(
     )
     if problem is not None:
         return problem
+    # looked up as the guard will: on the writer's search_path when unqualified
     seq_schema, _, seq_name = sequence.rpartition(".")
-    is_sequence = conn.execute(
-        _SEQUENCE_SQL, {"sequence": qualified(seq_name, seq_schema or None)}
-    ).scalar_one_or_none()
-    if not is_sequence:
+    found = conn.execute(SEQUENCE_SQL, {"name": qualified(seq_name, seq_schema or None)})
+    if found.one_or_none() is None:
         return (
             f"the token sequence {sequence!r} does not exist (the guard reads it at every "
             "write that raises a fence); create it first: sa_fence.fence_sequence("
