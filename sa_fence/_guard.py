@@ -307,8 +307,7 @@ def guard_made_with(source: str) -> tuple[MissingToken, str] | None:
 
 
 def function_source(statements: list[str]) -> str:
-    """What ``pg_proc.prosrc`` holds for the guard function ``statements``
-    (:func:`create_guard_sql`'s) create."""
+    """What ``pg_proc.prosrc`` holds for the function :func:`create_guard_sql` made."""
     return statements[0].split(_BODY_QUOTE)[1]
 
 

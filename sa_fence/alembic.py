@@ -95,6 +95,8 @@ class _FenceOp(MigrateOperation):
     """What every sa-fence op has: a name, the SQL it runs, and its arguments as source."""
 
     op_name: ClassVar[str] = ""
+    #: The arguments the op is made with; its reverse is made with the same.
+    _fields: ClassVar[tuple[str, ...]]
 
     def __init_subclass__(cls) -> None:
         super().__init_subclass__()
@@ -104,6 +106,12 @@ class _FenceOp(MigrateOperation):
             _OP_CLASSES.append(cls)
             Operations.implementation_for(cls)(_run)
             renderers.dispatch_for(cls)(_render)
+
+    def _arguments(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._fields}
+
+    def reverse(self) -> _FenceOp:
+        return _OPPOSITE[type(self)](**self._arguments())
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
         """What to execute, after any online check (nothing is sent when one fails)."""
@@ -131,6 +139,7 @@ class _FenceOp(MigrateOperation):
 
 
 class _SequenceOp(_FenceOp):
+    _fields = ("name", "schema")
     _ddl: ClassVar[type[CreateSequence] | type[DropSequence]]
 
     def __init__(self, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None) -> None:
@@ -145,9 +154,6 @@ class _SequenceOp(_FenceOp):
 
     def to_diff_tuple(self) -> tuple[Any, ...]:
         return (self.op_name, self.schema, self.name)
-
-    def reverse(self) -> _FenceOp:
-        return _OPPOSITE[type(self)](self.name, schema=self.schema)
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
         return [self._ddl(fence_sequence(None, self.name, schema=self.schema))]
@@ -307,6 +313,8 @@ class AlterFenceSequenceOp(_SequenceOp):
 
 
 class _RegisterOp(_FenceOp):
+    _fields = ("sequence", "function_only")
+
     def __init__(self, sequence: str = DEFAULT_SEQUENCE, *, function_only: bool = False) -> None:
         self.sequence = check_name("sequence", sequence)
         # Set by autogenerate when only the check function was missing: the
@@ -320,9 +328,6 @@ class _RegisterOp(_FenceOp):
     def to_diff_tuple(self) -> tuple[Any, ...]:
         tail = ("check function only",) if self.function_only else ()
         return (self.op_name, self.sequence, *tail)
-
-    def reverse(self) -> _FenceOp:
-        return _OPPOSITE[type(self)](self.sequence, function_only=self.function_only)
 
     def _render_args(self) -> str:
         return register_op_args(self.sequence)
@@ -371,6 +376,8 @@ class DropFenceRegisterOp(_RegisterOp):
 
 
 class _TableOp(_FenceOp):
+    _fields: ClassVar[tuple[str, ...]] = ("table_name", "column", "schema")
+
     def __init__(self, table_name: str, column: str = "fence", *, schema: str | None = None):
         self.table_name = check_name("table", table_name)
         self.column = check_name("column", column)
@@ -390,9 +397,6 @@ class _TableOp(_FenceOp):
     def to_diff_tuple(self) -> tuple[Any, ...]:
         """What ``alembic check`` reports."""
         return (self.op_name, self.schema, self.table_name, self.column)
-
-    def reverse(self) -> _FenceOp:
-        return _OPPOSITE[type(self)](self.table_name, self.column, schema=self.schema)
 
     def _positional(self) -> list[str]:
         return [self.table_name] + ([] if self.column == "fence" else [self.column])
@@ -436,6 +440,8 @@ class DropFenceColumnOp(_TableOp):
 
 
 class _GuardOp(_TableOp):
+    _fields = (*_TableOp._fields, "on_missing_token", "sequence")
+
     def __init__(
         self,
         table_name: str,
@@ -462,14 +468,6 @@ class _GuardOp(_TableOp):
     ) -> None:
         policy = {"on_missing_token": on_missing_token, "sequence": sequence}
         operations.invoke(cls(table_name, column, schema=schema, **policy))
-
-    def same_guard(self, cls: Callable[..., _FenceOp], **extra: Any) -> _FenceOp:
-        """An op of ``cls`` on the same guard: table, column, schema, policy, sequence."""
-        policy = {"on_missing_token": self.on_missing_token, "sequence": self.sequence}
-        return cls(self.table_name, self.column, schema=self.schema, **policy, **extra)
-
-    def reverse(self) -> _FenceOp:
-        return self.same_guard(_OPPOSITE[type(self)])
 
     def _keywords(self) -> dict[str, Any]:
         # on_missing_token always written out: which writers the guard refuses
@@ -627,8 +625,8 @@ class ReplaceFenceGuardOp(_GuardOp):
                 "was before is unknown (autogenerate records it; a hand-written revision "
                 "can pass previous=[...] in its downgrade)"
             )
-        return self.same_guard(
-            ReplaceFenceGuardOp,
+        return ReplaceFenceGuardOp(
+            **self._arguments(),
             previous=self.replaced,
             replaced=self.previous,
             reasons=self.reasons,
