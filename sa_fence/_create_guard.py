@@ -5,10 +5,8 @@ has no migrations to run ``op.create_fence_guard()`` in.  These calls run the
 very statements that op runs (:func:`sa_fence._guard.create_guard_sql`), after
 the same checks, so a guard made either way is the same guard (``sa-fence
 check`` and autogenerate find it current).  ``sa-fence create-guard`` is the
-command-line form.
-
-Every check runs before the first statement, and the statements run in one
-transaction: bad input writes nothing.
+command-line form.  Every check runs before the first statement, and the
+statements run in one transaction: bad input writes nothing.
 """
 
 from __future__ import annotations
@@ -17,28 +15,21 @@ from collections.abc import Iterable
 
 import sqlalchemy as sa
 
-from ._guard import (
-    DEFAULT_SEQUENCE,
-    create_guard_sql,
-    drop_guard_sql,
-    qualified,
-)
+from ._fitness import SEQUENCE_SQL
+from ._guard import DEFAULT_SEQUENCE, create_guard_sql, drop_guard_sql, qualified
 from ._model import fence_column_of
 
 #: Whether ``:table`` exists and the type of its ``:column`` (NULL: no such column).
-#: ``op.create_fence_guard`` runs the same query.
-COLUMN_SQL = sa.text(
+_COLUMN_SQL = sa.text(
     "SELECT to_regclass(:table) IS NOT NULL AS present, "
     "(SELECT format_type(a.atttypid, NULL) FROM pg_catalog.pg_attribute a "
     " WHERE a.attrelid = to_regclass(:table) AND a.attname = :column "
     "   AND a.attnum > 0 AND NOT a.attisdropped) AS data_type"
 )
 
-#: Whether ``:sequence`` names a sequence (looked up as the guard will: on the
-#: writer's ``search_path`` when unqualified).
-_SEQUENCE_SQL = sa.text(
-    "SELECT c.relkind = 'S' FROM pg_catalog.pg_class c WHERE c.oid = to_regclass(:sequence)"
-)
+
+def shown_table(table: str, schema: str | None) -> str:
+    return f"{schema}.{table}" if schema else table
 
 
 def _target(
@@ -65,18 +56,15 @@ def _target(
 
 
 def _connection_of(bind: object, what: str) -> sa.Engine | sa.Connection:
-    # An AsyncEngine or AsyncConnection proxies a sync one (``sync_engine`` /
-    # ``sync_connection``).  Told by that, not by importing sqlalchemy.ext.asyncio,
-    # which fails without greenlet, as in a plain ``pip install sa-fence``.
-    if not isinstance(bind, sa.Engine | sa.Connection) and (
-        hasattr(bind, "sync_engine") or hasattr(bind, "sync_connection")
-    ):
-        raise TypeError(
-            f"{what} is synchronous: with an AsyncEngine run it as "
-            f"`async with engine.begin() as conn: await conn.run_sync(sa_fence.{what}, "
-            "'jobs')`"
-        )
     if not isinstance(bind, sa.Engine | sa.Connection):
+        # An AsyncEngine or AsyncConnection proxies a sync one: told by that, not by
+        # importing sqlalchemy.ext.asyncio, which fails without greenlet.
+        if hasattr(bind, "sync_engine") or hasattr(bind, "sync_connection"):
+            raise TypeError(
+                f"{what} is synchronous: with an AsyncEngine run it as "
+                f"`async with engine.begin() as conn: await conn.run_sync(sa_fence.{what}, "
+                "'jobs')`"
+            )
         raise TypeError(f"{what} needs a sqlalchemy Engine or Connection, got {bind!r}")
     if bind.dialect.name != "postgresql":
         raise ValueError(
@@ -86,29 +74,43 @@ def _connection_of(bind: object, what: str) -> sa.Engine | sa.Connection:
     return bind
 
 
-def guard_problem(
-    conn: sa.Connection, table: str, column: str, schema: str | None, sequence: str
+def column_problem(
+    conn: sa.Connection,
+    table: str,
+    column: str,
+    schema: str | None,
+    create_hint: str,
+    column_hint: str,
 ) -> str | None:
-    """Why the guard cannot go on ``table`` now (None: it can)."""
+    """Why ``table`` cannot take the guard (no table, no bigint ``column``), else None."""
     shown = shown_table(table, schema)
-    found = conn.execute(COLUMN_SQL, {"table": qualified(table, schema), "column": column}).one()
+    found = conn.execute(_COLUMN_SQL, {"table": qualified(table, schema), "column": column}).one()
     if not found.present:
-        return (
-            f"table {shown!r} does not exist; create it first "
-            "(Base.metadata.create_all(engine)), then the guard"
-        )
+        return f"table {shown!r} does not exist; create it first {create_hint}"
     if found.data_type != "bigint":
         what = "has no column" if found.data_type is None else f"has a {found.data_type} column"
-        return (
-            f"table {shown!r} {what} {column!r}; the guard needs the bigint fence column "
-            f"(ALTER TABLE {qualified(table, schema)} ADD COLUMN {qualified(column, None)} "
-            "bigint NOT NULL DEFAULT 0, or op.add_fence_column() in a migration)"
-        )
+        return f"table {shown!r} {what} {column!r}; the guard needs the bigint fence {column_hint}"
+    return None
+
+
+def _guard_problem(
+    conn: sa.Connection, table: str, column: str, schema: str | None, sequence: str
+) -> str | None:
+    problem = column_problem(
+        conn,
+        table,
+        column,
+        schema,
+        "(Base.metadata.create_all(engine)), then the guard",
+        f"column (ALTER TABLE {qualified(table, schema)} ADD COLUMN {qualified(column, None)} "
+        "bigint NOT NULL DEFAULT 0, or op.add_fence_column() in a migration)",
+    )
+    if problem is not None:
+        return problem
+    # looked up as the guard will: on the writer's search_path when unqualified
     seq_schema, _, seq_name = sequence.rpartition(".")
-    is_sequence = conn.execute(
-        _SEQUENCE_SQL, {"sequence": qualified(seq_name, seq_schema or None)}
-    ).scalar_one_or_none()
-    if not is_sequence:
+    found = conn.execute(SEQUENCE_SQL, {"name": qualified(seq_name, seq_schema or None)})
+    if found.one_or_none() is None:
         return (
             f"the token sequence {sequence!r} does not exist (the guard reads it at every "
             "write that raises a fence); create it first: sa_fence.fence_sequence("
@@ -118,11 +120,20 @@ def guard_problem(
     return None
 
 
-def _run(bind: sa.Engine | sa.Connection, statements: Iterable[str]) -> None:
+def _run(
+    bind: sa.Engine | sa.Connection,
+    statements: Iterable[str],
+    guard: tuple[str, str, str | None, str] | None = None,
+) -> None:
+    """Run ``statements`` (an Engine: in a transaction of their own), once the
+    ``guard`` (table, column, schema, sequence) about to be made has no problem."""
     if isinstance(bind, sa.Engine):
         with bind.begin() as conn:
-            _run(conn, statements)
+            _run(conn, statements, guard)
         return
+    problem = None if guard is None else _guard_problem(bind, *guard)
+    if problem is not None:
+        raise ValueError(f"create_fence_guard: {problem}")
     for statement in statements:
         bind.execute(sa.text(statement))  # as op.execute() runs a string
 
@@ -166,25 +177,7 @@ def create_fence_guard(
     statements = create_guard_sql(
         name, col, schema=schema, on_missing_token=on_missing_token, sequence=sequence
     )
-    if isinstance(target, sa.Engine):
-        with target.begin() as conn:
-            _create(conn, name, col, schema, sequence, statements)
-    else:
-        _create(target, name, col, schema, sequence, statements)
-
-
-def _create(
-    conn: sa.Connection,
-    name: str,
-    column: str,
-    schema: str | None,
-    sequence: str,
-    statements: list[str],
-) -> None:
-    problem = guard_problem(conn, name, column, schema, sequence)
-    if problem is not None:
-        raise ValueError(f"create_fence_guard: {problem}")
-    _run(conn, statements)
+    _run(target, statements, (name, col, schema, sequence))
 
 
 def drop_fence_guard(
@@ -197,7 +190,3 @@ def drop_fence_guard(
     target = _connection_of(bind, "drop_fence_guard")
     name, _, schema = _target(table, "fence", schema)
     _run(target, drop_guard_sql(name, schema=schema))
-
-
-def shown_table(table: str, schema: str | None) -> str:
-    return f"{schema}.{table}" if schema else table

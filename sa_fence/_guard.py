@@ -1,49 +1,15 @@
 """The database-side guard: a PL/pgSQL trigger that fences every writer.
 
-The ORM hook fences writes that go through a fenced session.  The guard
-fences the table itself, so raw SQL, Core, another service or a ``psql``
-session cannot overwrite or delete a row a newer lease holder has written.
-
-How a writer presents its token (checked by the trigger, in this order):
-
-1. The transaction-local setting ``sa_fence.token``.  The fenced flush sets
-   it *inside its own statement*: its comparison is
-   ``fence <= CAST(set_config('sa_fence.token', :token, true) AS BIGINT)``,
-   so no extra round trip is spent, with or without a guard (the predicate
-   cannot be true without the token having been presented).  Raw SQL
-   presents it with ``SELECT set_config('sa_fence.token', '<token>', true)``
-   in the same transaction; :func:`sa_fence.fence_connection` does that for a
-   Core connection, and a bound session does it once per transaction before
-   its first ``text()`` statement.
-2. Otherwise, an UPDATE that *raises* the fence presents the new fence as its
-   token.
-
-Rules (one row at a time, ``BEFORE INSERT OR UPDATE OR DELETE ... FOR EACH ROW``):
-
-* an UPDATE that would lower the fence is refused (lowering: a fence set
-  to NULL, or to a smaller value; a NULL fence is "never fenced", so an
-  UPDATE leaving it NULL lowers nothing);
-* a write whose token is smaller than the row's fence is refused (stale);
-* an UPDATE or DELETE that presents no token: ``on_missing_token="reject"``
-  (default) refuses it; ``"unchanged"`` lets an UPDATE through when it
-  leaves the fence as it is (a DELETE always needs a token);
-* a write whose token, or whose new fence, is greater than the last value
-  the token sequence has handed out is refused (stale: no lease ever held
-  that token).  Without this rule a writer could set the fence to, say,
-  2^63-1 and lock every later holder out of the row for good.  The sequence
-  is read (``pg_sequence_last_value``, no round trip) only when the write
-  would raise the row's fence; the writer's role needs ``SELECT`` or
-  ``USAGE`` on it;
-* an INSERT is held to the rule above only: a new row has no newer holder
-  to lose to (a stale holder's INSERTs through sa-fence are refused at
-  COMMIT by lease scope).  Without a token, its fence (if not NULL) is its
-  token; with neither, the row is "never fenced" and goes in as it is;
-* an accepted write records the token: ``fence = greatest(fence, token)``
-  (on an INSERT, the presented token replaces whatever fence it carried).
-
-Refusals raise SQLSTATE :data:`STALE_SQLSTATE` (stale or lowering) or
-:data:`NO_TOKEN_SQLSTATE` (no token presented), with a message naming table,
-key and token, and a JSON ``DETAIL`` that sa-fence turns into
+The ORM hook fences writes that go through a fenced session; the guard fences
+the table itself, so raw SQL, Core, another service or a ``psql`` session
+cannot overwrite or delete a row a newer lease holder has written.  A writer
+presents its token in the transaction-local setting ``sa_fence.token`` (the
+fenced flush sets it inside its own UPDATE, :func:`sa_fence.fence_connection`
+for a Core connection), or, in an UPDATE that raises the fence, as the new
+fence.  The rules the trigger applies, and why: docs/migrations.md, "What the
+guard refuses".  Refusals raise SQLSTATE :data:`STALE_SQLSTATE` (stale or
+lowering) or :data:`NO_TOKEN_SQLSTATE` (no token presented) with a JSON
+``DETAIL`` that :func:`error_from_guard` turns into
 :class:`~sa_fence.StaleTokenError` / :class:`~sa_fence.UnfencedWriteError`.
 """
 
@@ -64,25 +30,19 @@ NO_TOKEN_SQLSTATE = "SF002"
 TOKEN_SETTING = "sa_fence.token"
 #: The trigger's name on every guarded table.
 TRIGGER_NAME = "sa_fence_guard"
-#: SQLSTATE of a refused commit: a newer lease of the same name was granted
-#: (the commit check in ``_register`` raises it, :func:`lease_error_from_check` reads it).
+#: SQLSTATE of a commit refused by ``_register``'s check: a newer lease of the name exists.
 LEASE_STALE_SQLSTATE = "SF003"
-#: The token sequence a guard reads when none is named; the package's one
-#: default (``_register``, ``_tokens`` and the tools import it from here).
+#: The token sequence a guard reads when none is named: the package's one default.
 DEFAULT_SEQUENCE = "sa_fence_token_seq"
 
 MissingToken = Literal["reject", "unchanged"]
 MISSING_TOKEN_POLICIES: tuple[MissingToken, ...] = ("reject", "unchanged")
 
-#: The comparison that refuses a stale writer (a test removes it to prove it matters).
+# The stale check, the check of a token or fence no lease was granted (the larger
+# of token and new fence past the sequence's last value) and the trigger's events:
+# names of their own, so a test can remove each to prove it matters.
 STALE_CHECK = "current_fence > token"
-#: The comparison that refuses a token or fence no lease was ever granted
-#: (``raised``: the larger of token and new fence; ``issued``: the sequence's
-#: last value).  A test removes it to prove it matters.
 ISSUED_CHECK = "raised > issued"
-
-#: The events the guard trigger fires on, before each row (a test removes
-#: INSERT to prove it matters).
 EVENTS = "INSERT OR UPDATE OR DELETE"
 #: ``pg_trigger.tgtype`` bits of a complete guard: ROW, BEFORE, INSERT, DELETE, UPDATE.
 TGTYPE_COMPLETE = 1 | 2 | 4 | 8 | 16
@@ -109,9 +69,8 @@ def function_name(table: str) -> str:
 
 
 def check_policy(on_missing_token: str) -> MissingToken:
-    for policy in MISSING_TOKEN_POLICIES:
-        if on_missing_token == policy:
-            return policy
+    if on_missing_token in MISSING_TOKEN_POLICIES:
+        return on_missing_token
     raise ValueError(
         f"on_missing_token must be 'reject' or 'unchanged', got {on_missing_token!r}: "
         "'reject' refuses every UPDATE/DELETE that presents no token; 'unchanged' lets "
@@ -265,11 +224,9 @@ _BODY_QUOTE = "$sa_fence$"
 
 
 def quote_literal(value: str) -> str:
-    """A PostgreSQL string literal for ``value``, safe whatever
-    ``standard_conforming_strings`` is: the ``E''`` form escapes both quotes
-    and backslashes.  (Used where a statement cannot take parameters: the
-    guard function's body, and the commit check, which must travel in one
-    simple-protocol message with ``COMMIT``.)"""
+    """A PostgreSQL string literal for ``value`` where a statement cannot take
+    parameters (the guard's body; the commit check, sent with ``COMMIT``): the
+    ``E''`` form is safe whatever ``standard_conforming_strings`` is."""
     if "\x00" in value:
         raise ValueError(
             f"{value!r} contains a NUL character, which PostgreSQL text cannot hold: remove it"
@@ -293,11 +250,10 @@ def create_guard_sql(
     ``search_path``, like the lease register's.
     """
     policy = check_policy(on_missing_token)
-    check_name("table", table)
-    check_name("column", column)
-    check_name("sequence", sequence)
-    for what, value in (("table", table), ("column", column), ("schema", schema or ""),
-                        ("sequence", sequence)):  # fmt: skip
+    names = {"table": table, "column": column, "schema": schema or "", "sequence": sequence}
+    for what in ("table", "column", "sequence"):
+        check_name(what, names[what])
+    for what, value in names.items():
         if _BODY_QUOTE in value:
             raise ValueError(f"{what} {value!r} cannot contain {_BODY_QUOTE!r}")
     seq_schema, _, seq_name = sequence.rpartition(".")
@@ -351,14 +307,12 @@ def guard_made_with(source: str) -> tuple[MissingToken, str] | None:
 
 
 def function_source(statements: list[str]) -> str:
-    """What ``pg_proc.prosrc`` holds for the guard function ``statements``
-    (:func:`create_guard_sql`'s) create."""
+    """What ``pg_proc.prosrc`` holds for the function :func:`create_guard_sql` made."""
     return statements[0].split(_BODY_QUOTE)[1]
 
 
-#: The guard trigger of a table (enabled or not; none: no row), as :func:`outdated`
-#: needs it, and the DDL that makes it again as it is (what a replace's downgrade
-#: restores).
+#: A table's guard trigger (no row: none) as :func:`outdated` needs it, with the DDL
+#: that makes it again as it is (what a replace's downgrade restores).
 GUARD_STATE_SQL = f"""
 SELECT t.tgenabled <> 'D' AS enabled,
        (t.tgtype::int & {TGTYPE_COMPLETE}) = {TGTYPE_COMPLETE} AS complete,
@@ -384,11 +338,10 @@ def outdated(
 ) -> list[str]:
     """Why an existing guard is not the one this sa-fence creates (empty: it is).
 
-    ``source``: its function's ``prosrc``; ``complete``: its trigger fires
-    before each INSERT, UPDATE and DELETE of a row.  The function is compared
-    with the one :func:`create_guard_sql` makes with the policy and sequence
-    its header names (or ``sequence``), the table's schema named as given,
-    not at all, or as ``default_schema`` (a guard made either way is current).
+    ``source``: its function's ``prosrc``; ``complete``: its trigger fires on
+    all three events.  The function may be made with the policy and sequence
+    its header names (or ``sequence``), with the schema named as given, not at
+    all, or as ``default_schema``.
     """
     why = []
     if not complete:
@@ -425,6 +378,15 @@ def drop_guard_sql(table: str, *, schema: str | None = None) -> list[str]:
 # ------------------------------------------------------ SQLSTATE -> sa-fence errors
 
 
+def _detail(diag: object) -> dict[str, Any]:
+    """A refusal's JSON ``DETAIL`` ({} when there is none)."""
+    try:
+        detail: dict[str, Any] = json.loads(getattr(diag, "message_detail", None) or "{}")
+    except ValueError:
+        return {}
+    return detail
+
+
 def error_from_guard(
     orig: BaseException, lease_name: str | None = None, lease_token: int | None = None
 ) -> FenceError | None:
@@ -441,10 +403,6 @@ def error_from_guard(
         return None
     diag = getattr(orig, "diag", None)
     message = str(getattr(diag, "message_primary", None) or orig).strip()
-    try:
-        detail: dict[str, Any] = json.loads(getattr(diag, "message_detail", None) or "{}")
-    except ValueError:
-        detail = {}
     if sqlstate == NO_TOKEN_SQLSTATE:
         return UnfencedWriteError(
             f"{message}. The table's guard refuses writes that present no token: bind a "
@@ -452,6 +410,7 @@ def error_from_guard(
             "sa_fence.fence_connection(conn, lease), or run "
             "SELECT set_config('sa_fence.token', '<token>', true) in the transaction."
         )
+    detail = _detail(diag)
     if detail.get("reason") == "not_issued":
         return FencingConfigError(
             f"{message}. No lease was granted that token or fence, so sa-fence did not "
@@ -466,7 +425,6 @@ def error_from_guard(
     table = str(detail.get("table", "?"))
     if schema and schema != "public":
         table = f"{schema}.{table}"
-    key = detail.get("key") or []
     token = detail.get("token")
     if token is None:
         token = lease_token
@@ -475,7 +433,7 @@ def error_from_guard(
         table=table,
         statement=str(detail.get("op", "UPDATE")),
         token=int(token) if token is not None else -1,
-        primary_keys=[tuple(key)],
+        primary_keys=[tuple(detail.get("key") or [])],
         current_fences=[int(fence) if fence is not None else None],
         lease_name=lease_name,
     )
@@ -485,11 +443,7 @@ def lease_error_from_check(orig: BaseException, scope: Any) -> StaleTokenError |
     """The StaleTokenError for a refused commit check (SQLSTATE SF003), else None."""
     if getattr(orig, "sqlstate", None) != LEASE_STALE_SQLSTATE:
         return None
-    diag = getattr(orig, "diag", None)
-    try:
-        detail: dict[str, Any] = json.loads(getattr(diag, "message_detail", None) or "{}")
-    except ValueError:
-        detail = {}
+    detail = _detail(getattr(orig, "diag", None))
     name = detail.get("name")
     token = detail.get("token")
     if name is None or token is None:  # cannot happen with our function; stay specific anyway

@@ -6,41 +6,22 @@ it in ``env.py``)::
     # env.py
     import sa_fence.alembic  # noqa: F401  (registers op.create_fence_sequence & co.)
 
-    # a revision
-    def upgrade() -> None:
-        op.create_fence_sequence()              # bigint, CACHE 1, NO CYCLE
-        op.create_fence_register()              # sa_fence_leases + its commit check
-        op.add_fence_column("jobs")             # BIGINT NOT NULL DEFAULT 0, no rewrite
-        op.create_fence_guard("jobs")           # trigger refusing stale writers
+    # a revision's upgrade(); its downgrade() drops in the reverse order
+    op.create_fence_sequence()              # bigint, CACHE 1, NO CYCLE
+    op.create_fence_register()              # sa_fence_leases + its commit check
+    op.add_fence_column("jobs")             # BIGINT NOT NULL DEFAULT 0, no rewrite
+    op.create_fence_guard("jobs")           # trigger refusing stale writers
 
-    def downgrade() -> None:
-        op.drop_fence_guard("jobs")
-        op.drop_fence_column("jobs")
-        op.drop_fence_register()                # before the sequence its default uses
-        op.drop_fence_sequence()                # resets tokens: never in production
-
-Every operation has a ``reverse()``, so autogenerate writes both directions.
-``alembic revision --autogenerate`` adds what fenced models
-(``sa_fence.Fenced``, ``sa_fence.fence_column()``) and a declared register
-(``sa_fence.fence_sequence(metadata)``) lack: the fence column, the guard
-(``replace_fence_guard`` for one this sa-fence would not create), a sequence
-fit for tokens (none, or ``CACHE > 1`` / ``CYCLE``), the lease register and
-its commit check.  Alembic's own ``create_table`` / ``drop_table`` of the
-register give way to ``create_fence_register``; autogenerate never drops it.
-``context.configure(sa_fence_sequence="schema.name")`` names another
-sequence (the register lives in its schema); ``include_name`` and
-``include_object`` are honoured.  docs/migrations.md has the details.
-
-Only Alembic's plugin points are used: ``Operations.register_operation``,
-``Operations.implementation_for``, ``alembic.autogenerate.renderers`` and
-``alembic.autogenerate.comparators``.
+Every operation has a ``reverse()``, and ``alembic revision --autogenerate``
+adds what fenced models and a declared register lack: docs/migrations.md.
 """
 
 from __future__ import annotations
 
+import re
 import textwrap
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import sqlalchemy as sa
 from alembic.autogenerate import comparators, renderers
@@ -49,7 +30,7 @@ from alembic.operations import ops as alembic_ops
 from alembic.util import DispatchPriority, PriorityDispatchResult
 from sqlalchemy.schema import CreateSequence, DropSequence
 
-from ._create_guard import COLUMN_SQL
+from ._create_guard import column_problem, shown_table
 from ._fitness import CHECK_FUNCTION_SQL, SEQUENCE_SQL, register_op_args
 from ._guard import (
     GUARD_STATE_SQL,
@@ -92,36 +73,75 @@ __all__ = [
 IMPORT_LINE = "import sa_fence.alembic  # noqa: F401"
 
 
-def _qualified(name: str, schema: str | None) -> str:
-    return f"{schema}.{name}" if schema else name
-
-
 def _args(*positional: Any, **keywords: Any) -> str:
     return ", ".join([*map(repr, positional), *(f"{k}={v!r}" for k, v in keywords.items())])
 
 
-class _FenceOp(MigrateOperation):
-    """What every sa-fence op has: a name, the SQL it runs, and its arguments as source.
+def _run(operations: Operations, operation: _FenceOp) -> None:
+    operation._run(operations)
 
-    Ops of one kind share one entry point (``op.<op_name>``, registered with
-    ``sourcename``); its help is the op class's docstring (set after the guard ops).
-    """
+
+def _render(autogen_context: AutogenContext, op: _FenceOp) -> list[str]:
+    return op._render(autogen_context)
+
+
+#: The op classes, in definition order (their docstrings become ``help(op.<name>)``).
+_OP_CLASSES: list[type[_FenceOp]] = []
+#: Each op's reverse: the opposite op, made with the same arguments.
+_OPPOSITE: dict[type[_FenceOp], Callable[..., _FenceOp]] = {}
+
+
+class _FenceOp(MigrateOperation):
+    """What every sa-fence op has: a name, the SQL it runs, and its arguments as source."""
 
     op_name: ClassVar[str] = ""
+    #: The arguments the op is made with; its reverse is made with the same.
+    _fields: ClassVar[tuple[str, ...]]
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        if not cls.__name__.startswith("_"):
+            # CreateFenceGuardOp: op.create_fence_guard, registered with that name
+            cls.op_name = re.sub(r"(?<!^)([A-Z])", r"_\1", cls.__name__[:-2]).lower()
+            _OP_CLASSES.append(cls)
+            Operations.implementation_for(cls)(_run)
+            renderers.dispatch_for(cls)(_render)
+
+    def _arguments(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._fields}
+
+    def reverse(self) -> _FenceOp:
+        return _OPPOSITE[type(self)](**self._arguments())
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
         """What to execute, after any online check (nothing is sent when one fails)."""
         raise NotImplementedError
 
+    def _run(self, operations: Operations) -> None:
+        for statement in self._statements(operations):
+            operations.execute(statement)
+
     def _render_args(self) -> str:
         """The op's arguments as autogenerate writes them into a revision."""
         raise NotImplementedError
+
+    def _notes(self) -> list[str]:
+        """The comment lines above the op in a revision."""
+        return []
+
+    def _render(self, autogen_context: AutogenContext) -> list[str]:
+        """``op.<name>(<args>)`` for a revision, which then imports sa_fence.alembic."""
+        autogen_context.imports.add(IMPORT_LINE)
+        return [*self._notes(), f"op.{self.op_name}({self._render_args()})"]
 
 
 # ================================================================ the sequence
 
 
 class _SequenceOp(_FenceOp):
+    _fields = ("name", "schema")
+    _ddl: ClassVar[type[CreateSequence] | type[DropSequence]]
+
     def __init__(self, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None) -> None:
         self.name = check_name("sequence name", name)
         self.schema = schema
@@ -134,6 +154,9 @@ class _SequenceOp(_FenceOp):
 
     def to_diff_tuple(self) -> tuple[Any, ...]:
         return (self.op_name, self.schema, self.name)
+
+    def _statements(self, operations: Operations) -> Iterable[Any]:
+        return [self._ddl(fence_sequence(None, self.name, schema=self.schema))]
 
     def _render_args(self, **extra: Any) -> str:
         positional = [] if self.name == DEFAULT_SEQUENCE else [self.name]
@@ -150,13 +173,32 @@ class CreateFenceSequenceOp(_SequenceOp):
     CACHE 1 NO CYCLE``.  The reverse drops it, which resets the tokens.
     """
 
-    op_name = "create_fence_sequence"
+    _ddl = CreateSequence
 
-    def reverse(self) -> DropFenceSequenceOp:
-        return DropFenceSequenceOp(self.name, schema=self.schema)
 
-    def _statements(self, operations: Operations) -> Iterable[Any]:
-        return [CreateSequence(fence_sequence(None, self.name, schema=self.schema))]
+#: Above a rendered drop_fence_sequence() (it appears in downgrade()).
+DROP_SEQUENCE_WARNING = [
+    "# WARNING: this drops the token sequence.  Created again, it starts from 1 again,",
+    "# below the fences already on your rows and the tokens in the lease register:",
+    "# every later writer of those rows would be refused until it catches up.  Never",
+    "# run this on a live database; delete this line to keep the sequence.",
+]
+
+#: Column defaults that draw from a sequence (``nextval``), e.g. the register's token.
+_SEQUENCE_USERS_SQL = sa.text(
+    """
+    SELECT d.adrelid::regclass::text AS table_name, a.attname AS column_name,
+           c.relname = :register AS is_register
+      FROM pg_catalog.pg_depend p
+      JOIN pg_catalog.pg_attrdef d
+        ON p.classid = 'pg_catalog.pg_attrdef'::regclass AND p.objid = d.oid
+      JOIN pg_catalog.pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+      JOIN pg_catalog.pg_class c ON c.oid = d.adrelid
+     WHERE p.refclassid = 'pg_catalog.pg_class'::regclass
+       AND p.refobjid = to_regclass(:sequence)
+     ORDER BY 1, 2
+    """
+)
 
 
 @Operations.register_operation("drop_fence_sequence", "_sequence_op")
@@ -170,33 +212,29 @@ class DropFenceSequenceOp(_SequenceOp):
     before sending anything.
     """
 
-    op_name = "drop_fence_sequence"
-
-    def reverse(self) -> CreateFenceSequenceOp:
-        return CreateFenceSequenceOp(self.name, schema=self.schema)
+    _ddl = DropSequence
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
         if not operations.get_context().as_sql:
-            self._check_unused(operations.get_bind())
-        return [DropSequence(fence_sequence(None, self.name, schema=self.schema))]
+            params = {"sequence": qualified(self.name, self.schema), "register": REGISTER_TABLE}
+            users = operations.get_bind().execute(_SEQUENCE_USERS_SQL, params).all()
+            if users:
+                shown = shown_table(self.name, self.schema)
+                first = (
+                    "drop the lease register first: "
+                    f"op.drop_fence_register({register_op_args(shown)})"
+                    if any(u.is_register for u in users)
+                    else "drop those defaults (or their tables) first"
+                )
+                raise ValueError(
+                    f"drop_fence_sequence: sequence {shown!r} is still the default of "
+                    + ", ".join(f"{u.table_name}.{u.column_name}" for u in users)
+                    + f"; {first}"
+                )
+        return super()._statements(operations)
 
-    def _check_unused(self, conn: sa.Connection) -> None:
-        target = qualified(self.name, self.schema)
-        params = {"sequence": target, "register": REGISTER_TABLE}
-        users = conn.execute(_SEQUENCE_USERS_SQL, params).all()
-        if not users:
-            return
-        shown = _qualified(self.name, self.schema)
-        first = (
-            f"drop the lease register first: op.drop_fence_register({register_op_args(shown)})"
-            if any(u.is_register for u in users)
-            else "drop those defaults (or their tables) first"
-        )
-        raise ValueError(
-            f"drop_fence_sequence: sequence {shown!r} is still the default of "
-            + ", ".join(f"{u.table_name}.{u.column_name}" for u in users)
-            + f"; {first}"
-        )
+    def _notes(self) -> list[str]:
+        return DROP_SEQUENCE_WARNING
 
 
 @Operations.register_operation("alter_fence_sequence")
@@ -206,8 +244,6 @@ class AlterFenceSequenceOp(_SequenceOp):
     Makes an existing sequence fit for tokens: ``AS bigint CACHE 1 NO
     CYCLE``.  ``existing_*`` record what it was, for the reverse.
     """
-
-    op_name = "alter_fence_sequence"
 
     def __init__(
         self,
@@ -236,7 +272,6 @@ class AlterFenceSequenceOp(_SequenceOp):
         existing_cycle: bool = False,
         schema: str | None = None,
     ) -> None:
-        """Set the token sequence to CACHE 1 NO CYCLE (the reverse restores the old values)."""
         operations.invoke(
             cls(name, existing_cache=existing_cache, existing_cycle=existing_cycle, schema=schema)
         )
@@ -254,37 +289,32 @@ class AlterFenceSequenceOp(_SequenceOp):
             schema=self.schema,
         )
 
+    def _cycle(self) -> str:
+        return "CYCLE" if self.cycle else "NO CYCLE"
+
     def _statements(self, operations: Operations) -> Iterable[Any]:
-        cycle = "CYCLE" if self.cycle else "NO CYCLE"
         target = qualified(self.name, self.schema)
-        return [f"ALTER SEQUENCE {target} AS bigint CACHE {self.cache} {cycle}"]
+        return [f"ALTER SEQUENCE {target} AS bigint CACHE {self.cache} {self._cycle()}"]
 
     def _render_args(self, **extra: Any) -> str:
         existing = {"existing_cache": self.existing_cache, "existing_cycle": self.existing_cycle}
         return super()._render_args(**existing, **extra)
 
-
-#: Column defaults that draw from a sequence (``nextval``), e.g. the register's token.
-_SEQUENCE_USERS_SQL = sa.text(
-    """
-    SELECT d.adrelid::regclass::text AS table_name, a.attname AS column_name,
-           c.relname = :register AS is_register
-      FROM pg_catalog.pg_depend p
-      JOIN pg_catalog.pg_attrdef d
-        ON p.classid = 'pg_catalog.pg_attrdef'::regclass AND p.objid = d.oid
-      JOIN pg_catalog.pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
-      JOIN pg_catalog.pg_class c ON c.oid = d.adrelid
-     WHERE p.refclassid = 'pg_catalog.pg_class'::regclass
-       AND p.refobjid = to_regclass(:sequence)
-     ORDER BY 1, 2
-    """
-)
+    def _render(self, autogen_context: AutogenContext) -> list[str]:
+        if self.cache == 1 and not self.cycle:
+            return super()._render(autogen_context)
+        # the reverse of a fix: put back what was there (only downgrades render this)
+        target = shown_table(self.name, self.schema)
+        sql = f"ALTER SEQUENCE {target} CACHE {self.cache} {self._cycle()}"
+        return [f"op.execute({sql!r})"]
 
 
 # ================================================================ the register
 
 
 class _RegisterOp(_FenceOp):
+    _fields = ("sequence", "function_only")
+
     def __init__(self, sequence: str = DEFAULT_SEQUENCE, *, function_only: bool = False) -> None:
         self.sequence = check_name("sequence", sequence)
         # Set by autogenerate when only the check function was missing: the
@@ -313,11 +343,6 @@ class CreateFenceRegisterOp(_RegisterOp):
     Idempotent: an existing register is kept and the function is replaced.
     """
 
-    op_name = "create_fence_register"
-
-    def reverse(self) -> DropFenceRegisterOp:
-        return DropFenceRegisterOp(self.sequence, function_only=self.function_only)
-
     def _statements(self, operations: Operations) -> Iterable[Any]:
         return create_register_sql(self.sequence)
 
@@ -332,11 +357,6 @@ class DropFenceRegisterOp(_RegisterOp):
     ``op.drop_fence_sequence()``, whose sequence the register's default uses.
     """
 
-    op_name = "drop_fence_register"
-
-    def reverse(self) -> CreateFenceRegisterOp:
-        return CreateFenceRegisterOp(self.sequence, function_only=self.function_only)
-
     def _function_sql(self) -> str:
         return f"DROP FUNCTION IF EXISTS {Register(self.sequence).function_sql}(text, bigint)"
 
@@ -345,11 +365,19 @@ class DropFenceRegisterOp(_RegisterOp):
             return [self._function_sql()]
         return drop_register_sql(self.sequence)
 
+    def _render(self, autogen_context: AutogenContext) -> list[str]:
+        if self.function_only:
+            # the reverse of a repair: the register stays, only the function goes
+            return [f"op.execute({self._function_sql()!r})"]
+        return super()._render(autogen_context)
+
 
 # ================================================================== the column
 
 
 class _TableOp(_FenceOp):
+    _fields: ClassVar[tuple[str, ...]] = ("table_name", "column", "schema")
+
     def __init__(self, table_name: str, column: str = "fence", *, schema: str | None = None):
         self.table_name = check_name("table", table_name)
         self.column = check_name("column", column)
@@ -370,12 +398,14 @@ class _TableOp(_FenceOp):
         """What ``alembic check`` reports."""
         return (self.op_name, self.schema, self.table_name, self.column)
 
+    def _positional(self) -> list[str]:
+        return [self.table_name] + ([] if self.column == "fence" else [self.column])
+
     def _keywords(self) -> dict[str, Any]:
         return {} if self.schema is None else {"schema": self.schema}
 
     def _render_args(self) -> str:
-        positional = [self.table_name] + ([] if self.column == "fence" else [self.column])
-        return _args(*positional, **self._keywords())
+        return _args(*self._positional(), **self._keywords())
 
 
 @Operations.register_operation("add_fence_column", "_column_op")
@@ -388,10 +418,11 @@ class AddFenceColumnOp(_TableOp):
     lock; set ``lock_timeout`` so it cannot queue behind long queries).
     """
 
-    op_name = "add_fence_column"
-
-    def reverse(self) -> DropFenceColumnOp:
-        return DropFenceColumnOp(self.table_name, self.column, schema=self.schema)
+    def _run(self, operations: Operations) -> None:
+        column = sa.Column(
+            self.column, sa.BigInteger(), nullable=False, server_default=sa.text("0")
+        )
+        operations.add_column(self.table_name, column, schema=self.schema)
 
 
 @Operations.register_operation("drop_fence_column", "_column_op")
@@ -401,33 +432,16 @@ class DropFenceColumnOp(_TableOp):
     Drops the fence column from ``table``.
     """
 
-    op_name = "drop_fence_column"
-
-    def reverse(self) -> AddFenceColumnOp:
-        return AddFenceColumnOp(self.table_name, self.column, schema=self.schema)
-
-
-@Operations.implementation_for(AddFenceColumnOp)
-def _add_fence_column(operations: Operations, operation: AddFenceColumnOp) -> None:
-    operations.add_column(
-        operation.table_name,
-        sa.Column(operation.column, sa.BigInteger(), nullable=False, server_default=sa.text("0")),
-        schema=operation.schema,
-    )
-
-
-@Operations.implementation_for(DropFenceColumnOp)
-def _drop_fence_column(operations: Operations, operation: DropFenceColumnOp) -> None:
-    operations.drop_column(operation.table_name, operation.column, schema=operation.schema)
+    def _run(self, operations: Operations) -> None:
+        operations.drop_column(self.table_name, self.column, schema=self.schema)
 
 
 # =================================================================== the guard
 
 
-_G = TypeVar("_G", bound="_GuardOp")
-
-
 class _GuardOp(_TableOp):
+    _fields = (*_TableOp._fields, "on_missing_token", "sequence")
+
     def __init__(
         self,
         table_name: str,
@@ -455,43 +469,26 @@ class _GuardOp(_TableOp):
         policy = {"on_missing_token": on_missing_token, "sequence": sequence}
         operations.invoke(cls(table_name, column, schema=schema, **policy))
 
-    def same_guard(self, cls: type[_G], **extra: Any) -> _G:
-        """An op of ``cls`` on the same guard: table, column, schema, policy, sequence."""
-        policy = {"on_missing_token": self.on_missing_token, "sequence": self.sequence}
-        return cls(self.table_name, self.column, schema=self.schema, **policy, **extra)
-
     def _keywords(self) -> dict[str, Any]:
         # on_missing_token always written out: which writers the guard refuses
         # is a decision for whoever reads the revision, not a default to overlook
         kw = {**super()._keywords(), "on_missing_token": self.on_missing_token}
         return kw if self.sequence == DEFAULT_SEQUENCE else {**kw, "sequence": self.sequence}
 
-    def _check_column(self, operations: Operations) -> None:
-        """Online: refuse a guard on a missing table or column before writing anything.
-
-        (PL/pgSQL would accept the function and fail at the first write.)
-        """
-        if operations.get_context().as_sql:
-            return
-        params = {"table": qualified(self.table_name, self.schema), "column": self.column}
-        found = operations.get_bind().execute(COLUMN_SQL, params).one()
-        shown = _qualified(self.table_name, self.schema)
-        if not found.present:
-            raise ValueError(
-                f"create_fence_guard: table {shown!r} does not exist; create it first "
-                "(the guard goes after op.create_table in the same revision)"
-            )
-        if found.data_type != "bigint":
-            what = "has no column" if found.data_type is None else f"has a {found.data_type} column"
-            raise ValueError(
-                f"create_fence_guard: table {shown!r} {what} {self.column!r}; the guard "
-                f"needs the bigint fence column: op.add_fence_column({self.table_name!r}"
-                + ("" if self.column == "fence" else f", {self.column!r}")
-                + ") first"
-            )
-
     def _create_statements(self, operations: Operations) -> Iterable[Any]:
-        self._check_column(operations)
+        # Online, a missing table or column is refused before anything is written
+        # (PL/pgSQL would accept the function and fail at the first write).
+        if not operations.get_context().as_sql:
+            problem = column_problem(
+                operations.get_bind(),
+                self.table_name,
+                self.column,
+                self.schema,
+                "(the guard goes after op.create_table in the same revision)",
+                f"column: op.add_fence_column({_args(*self._positional())}) first",
+            )
+            if problem is not None:
+                raise ValueError(f"create_fence_guard: {problem}")
         return create_guard_sql(
             self.table_name,
             self.column,
@@ -499,6 +496,23 @@ class _GuardOp(_TableOp):
             on_missing_token=self.on_missing_token,
             sequence=self.sequence,
         )
+
+
+#: Above a rendered create_fence_guard(), by policy.
+GUARD_POLICY_NOTES = {
+    "unchanged": [
+        "# on_missing_token='unchanged': the table already exists, so it may have writers",
+        "# that present no token (other services, psql, sessions without sa_fence.install()).",
+        "# They may still UPDATE a row if they leave its fence alone; no writer can lower a",
+        "# fence or write with a stale token.  Once every writer presents a token, switch to",
+        "# 'reject' (the migrations guide: 'Roll the guard out in two steps').",
+    ],
+    "reject": [
+        "# on_missing_token='reject': every UPDATE and DELETE must present a lease token;",
+        "# writers without sa-fence (other services, psql) are refused.  Use 'unchanged'",
+        "# while such writers remain.",
+    ],
+}
 
 
 @Operations.register_operation("create_fence_guard", "_guard_op")
@@ -515,13 +529,11 @@ class CreateFenceGuardOp(_GuardOp):
     lets their UPDATEs through when the fence is left as it is.
     """
 
-    op_name = "create_fence_guard"
-
-    def reverse(self) -> DropFenceGuardOp:
-        return self.same_guard(DropFenceGuardOp)
-
     def _statements(self, operations: Operations) -> Iterable[Any]:
         return self._create_statements(operations)
+
+    def _notes(self) -> list[str]:
+        return GUARD_POLICY_NOTES[self.on_missing_token]
 
 
 @Operations.register_operation("drop_fence_guard", "_guard_op")
@@ -533,13 +545,17 @@ class DropFenceGuardOp(_GuardOp):
     and ``sequence`` only tell the reverse how to recreate them.
     """
 
-    op_name = "drop_fence_guard"
-
-    def reverse(self) -> CreateFenceGuardOp:
-        return self.same_guard(CreateFenceGuardOp)
-
     def _statements(self, operations: Operations) -> Iterable[Any]:
         return drop_guard_sql(self.table_name, schema=self.schema)
+
+
+def _render_statements(statements: Sequence[str]) -> str:
+    """SQL statements as Python source: each one string, line by line, exactly as it was."""
+    items = []
+    for statement in statements:
+        lines = statement.splitlines(keepends=True) or [statement]
+        items.append("(\n" + "".join(f"        {line!r}\n" for line in lines) + "    )")
+    return "[\n" + "".join(f"    {item},\n" for item in items) + "]"
 
 
 @Operations.register_operation("replace_fence_guard")
@@ -556,8 +572,6 @@ class ReplaceFenceGuardOp(_GuardOp):
     INSERT, UPDATE and DELETE, or a function another version made or someone
     edited.
     """
-
-    op_name = "replace_fence_guard"
 
     def __init__(
         self,
@@ -601,19 +615,18 @@ class ReplaceFenceGuardOp(_GuardOp):
         sequence: str = DEFAULT_SEQUENCE,
         previous: Sequence[str] | None = None,
     ) -> None:
-        """Remake the guard of ``table_name`` (or put ``previous`` back)."""
         policy = {"on_missing_token": on_missing_token, "sequence": sequence}
         operations.invoke(cls(table_name, column, schema=schema, previous=previous, **policy))
 
-    def reverse(self) -> ReplaceFenceGuardOp:
+    def reverse(self) -> _FenceOp:
         if self.previous is None and self.replaced is None:
             raise ValueError(
                 f"replace_fence_guard({self.table_name!r}) has no reverse: what the guard "
                 "was before is unknown (autogenerate records it; a hand-written revision "
                 "can pass previous=[...] in its downgrade)"
             )
-        return self.same_guard(
-            ReplaceFenceGuardOp,
+        return ReplaceFenceGuardOp(
+            **self._arguments(),
             previous=self.replaced,
             replaced=self.previous,
             reasons=self.reasons,
@@ -625,134 +638,43 @@ class ReplaceFenceGuardOp(_GuardOp):
         target = qualified(self.table_name, self.schema)
         return [f"DROP TRIGGER IF EXISTS {TRIGGER_NAME} ON {target}", *self.previous]
 
+    def _render_args(self) -> str:
+        if self.previous is None:
+            return super()._render_args()
+        return f"{super()._render_args()}, previous={_render_statements(self.previous)}"
 
-def _execute(operations: Operations, operation: _FenceOp) -> None:
-    for statement in operation._statements(operations):
-        operations.execute(statement)
+    def _notes(self) -> list[str]:
+        if self.previous is not None:
+            return [
+                f"# sa-fence: puts back the guard of {self.table_name!r} as it was before "
+                "the upgrade"
+            ]
+        return [
+            f"# sa-fence: the guard of {self.table_name!r} is not the one this sa-fence creates:",
+            *(
+                line
+                for reason in self.reasons
+                for line in textwrap.wrap(
+                    reason, 86, initial_indent="#   ", subsequent_indent="#     "
+                )
+            ),
+            "# remade as it was made (same on_missing_token and sequence); the downgrade puts the",
+            "# old one back.",
+        ]
 
 
-_EXECUTED: tuple[type[_FenceOp], ...] = (
-    CreateFenceSequenceOp,
-    DropFenceSequenceOp,
-    AlterFenceSequenceOp,
-    CreateFenceRegisterOp,
-    DropFenceRegisterOp,
-    CreateFenceGuardOp,
-    DropFenceGuardOp,
-    ReplaceFenceGuardOp,
-)
-_op_class: type[_FenceOp]
-for _op_class in _EXECUTED:
-    Operations.implementation_for(_op_class)(_execute)
+_pair: tuple[type[_FenceOp], type[_FenceOp]]
+for _pair in (
+    (CreateFenceSequenceOp, DropFenceSequenceOp),
+    (CreateFenceRegisterOp, DropFenceRegisterOp),
+    (AddFenceColumnOp, DropFenceColumnOp),
+    (CreateFenceGuardOp, DropFenceGuardOp),
+):
+    _OPPOSITE.update([_pair, _pair[::-1]])
 # help(op.create_fence_guard) & co.: ops of a kind share one entry point, so it
 # gets the op class's docstring, which spells out the call.
-for _op_class in (*_EXECUTED, AddFenceColumnOp, DropFenceColumnOp):
+for _op_class in _OP_CLASSES:
     getattr(Operations, _op_class.op_name).__doc__ = _op_class.__doc__
-
-
-# ================================================================== renderers
-
-
-def _call(autogen_context: AutogenContext, op: _FenceOp, args: str | None = None) -> str:
-    """``op.<name>(<args>)`` for a revision, which then imports sa_fence.alembic."""
-    autogen_context.imports.add(IMPORT_LINE)
-    return f"op.{op.op_name}({op._render_args() if args is None else args})"
-
-
-for _op_class in (
-    CreateFenceSequenceOp,
-    CreateFenceRegisterOp,
-    AddFenceColumnOp,
-    DropFenceColumnOp,
-    DropFenceGuardOp,
-):
-    renderers.dispatch_for(_op_class)(_call)
-
-
-#: Above a rendered drop_fence_sequence() (it appears in downgrade()).
-DROP_SEQUENCE_WARNING = [
-    "# WARNING: this drops the token sequence.  Created again, it starts from 1 again,",
-    "# below the fences already on your rows and the tokens in the lease register:",
-    "# every later writer of those rows would be refused until it catches up.  Never",
-    "# run this on a live database; delete this line to keep the sequence.",
-]
-
-#: Above a rendered create_fence_guard(), by policy.
-GUARD_POLICY_NOTES = {
-    "unchanged": [
-        "# on_missing_token='unchanged': the table already exists, so it may have writers",
-        "# that present no token (other services, psql, sessions without sa_fence.install()).",
-        "# They may still UPDATE a row if they leave its fence alone; no writer can lower a",
-        "# fence or write with a stale token.  Once every writer presents a token, switch to",
-        "# 'reject' (the migrations guide: 'Roll the guard out in two steps').",
-    ],
-    "reject": [
-        "# on_missing_token='reject': every UPDATE and DELETE must present a lease token;",
-        "# writers without sa-fence (other services, psql) are refused.  Use 'unchanged'",
-        "# while such writers remain.",
-    ],
-}
-
-
-@renderers.dispatch_for(DropFenceSequenceOp)
-def _render_drop_sequence(autogen_context: AutogenContext, op: DropFenceSequenceOp) -> list[str]:
-    return [*DROP_SEQUENCE_WARNING, _call(autogen_context, op)]
-
-
-@renderers.dispatch_for(AlterFenceSequenceOp)
-def _render_alter_sequence(autogen_context: AutogenContext, op: AlterFenceSequenceOp) -> str:
-    if op.cache != 1 or op.cycle:
-        # the reverse of a fix: put back what was there (only downgrades render this)
-        sql = f"ALTER SEQUENCE {_qualified(op.name, op.schema)} CACHE {op.cache} " + (
-            "CYCLE" if op.cycle else "NO CYCLE"
-        )
-        return f"op.execute({sql!r})"
-    return _call(autogen_context, op)
-
-
-@renderers.dispatch_for(DropFenceRegisterOp)
-def _render_drop_register(autogen_context: AutogenContext, op: DropFenceRegisterOp) -> str:
-    if op.function_only:
-        # the reverse of a repair: the register stays, only the function goes
-        return f"op.execute({op._function_sql()!r})"
-    return _call(autogen_context, op)
-
-
-@renderers.dispatch_for(CreateFenceGuardOp)
-def _render_create_guard(autogen_context: AutogenContext, op: CreateFenceGuardOp) -> list[str]:
-    return [*GUARD_POLICY_NOTES[op.on_missing_token], _call(autogen_context, op)]
-
-
-def _render_statements(statements: Sequence[str]) -> str:
-    """A list of SQL statements as Python source: each statement one string,
-    written line by line (implicit concatenation), exactly as it was."""
-    items = []
-    for statement in statements:
-        lines = statement.splitlines(keepends=True) or [statement]
-        items.append("(\n" + "".join(f"        {line!r}\n" for line in lines) + "    )")
-    return "[\n" + "".join(f"    {item},\n" for item in items) + "]"
-
-
-@renderers.dispatch_for(ReplaceFenceGuardOp)
-def _render_replace_guard(autogen_context: AutogenContext, op: ReplaceFenceGuardOp) -> list[str]:
-    if op.previous is not None:
-        args = f"{op._render_args()}, previous={_render_statements(op.previous)}"
-        return [
-            f"# sa-fence: puts back the guard of {op.table_name!r} as it was before the upgrade",
-            _call(autogen_context, op, args),
-        ]
-    why = [
-        line
-        for reason in op.reasons
-        for line in textwrap.wrap(reason, 86, initial_indent="#   ", subsequent_indent="#     ")
-    ]
-    return [
-        f"# sa-fence: the guard of {op.table_name!r} is not the one this sa-fence creates:",
-        *why,
-        "# remade as it was made (same on_missing_token and sequence); the downgrade puts the",
-        "# old one back.",
-        _call(autogen_context, op),
-    ]
 
 
 # ================================================================= comparator
@@ -788,15 +710,12 @@ def _replace_if_outdated(
 
 
 _GUARD_STATE_SQL = sa.text(GUARD_STATE_SQL)
+_REGISTER_EXISTS_SQL = sa.text("SELECT to_regclass(:register) IS NOT NULL")
 
 
 def _metadatas(autogen_context: AutogenContext) -> list[sa.MetaData]:
     metadata = autogen_context.metadata
-    if metadata is None:
-        return []
-    if isinstance(metadata, sa.MetaData):
-        return [metadata]
-    return list(metadata)
+    return [metadata] if isinstance(metadata, sa.MetaData) else list(metadata or ())
 
 
 def _included(autogen_context: AutogenContext, table: sa.Table) -> bool:
@@ -806,17 +725,23 @@ def _included(autogen_context: AutogenContext, table: sa.Table) -> bool:
     ) and autogen_context.run_object_filters(table, table.name, "table", False, None)
 
 
-def _fenced_tables(
-    autogen_context: AutogenContext, schemas: Iterable[str | None]
-) -> list[tuple[sa.Table, str]]:
-    wanted = set(schemas)
-    return [
-        (table, fence.name)
-        for metadata in _metadatas(autogen_context)
-        for table in metadata.tables.values()
-        if (fence := fence_column_of(table)) is not None
-        and table.schema in wanted
-        and _included(autogen_context, table)
+def _take_builtin_register_ops(upgrade_ops: alembic_ops.UpgradeOps, register: Register) -> None:
+    """Remove Alembic's own create_table / drop_table of the register and its scope
+    table (with its index): create_fence_register makes them with the commit check,
+    and autogenerate never drops the register (docs/migrations.md)."""
+    upgrade_ops.ops = [
+        o
+        for o in upgrade_ops.ops
+        if not (
+            isinstance(o, (alembic_ops.CreateTableOp, alembic_ops.DropTableOp))
+            and o.table_name in (REGISTER_TABLE, SCOPE_TABLE)
+            and o.schema == register.schema
+        )
+        and not (
+            isinstance(o, (alembic_ops.ModifyTableOps, alembic_ops.DropIndexOp))
+            and o.table_name == SCOPE_TABLE
+            and o.schema == register.schema
+        )
     ]
 
 
@@ -840,35 +765,8 @@ def _take_builtin_add_column(
             upgrade_ops.ops.remove(modify)
 
 
-def _take_builtin_register_ops(upgrade_ops: alembic_ops.UpgradeOps, register: Register) -> None:
-    """Remove Alembic's own create_table / drop_table of the register (and of
-    the scope table beside it, with its index).
-
-    Its create_table would make the table without the commit check function
-    (create_fence_register replaces it), and autogenerate never drops the
-    register (a metadata without it does not mean "stop fencing"; write
-    op.drop_fence_register() by hand for that).
-    """
-    upgrade_ops.ops = [
-        o
-        for o in upgrade_ops.ops
-        if not (
-            isinstance(o, (alembic_ops.CreateTableOp, alembic_ops.DropTableOp))
-            and o.table_name in (REGISTER_TABLE, SCOPE_TABLE)
-            and o.schema == register.schema
-        )
-        # the scope table (and its index) belongs to create_fence_register too
-        and not (
-            isinstance(o, (alembic_ops.ModifyTableOps, alembic_ops.DropIndexOp))
-            and o.table_name == SCOPE_TABLE
-            and o.schema == register.schema
-        )
-    ]
-
-
 def _register_scope(autogen_context: AutogenContext, register: Register) -> tuple[bool, bool]:
-    """(declared, included): does the metadata declare the register
-    (``fence_sequence(metadata)``), and do ``include_name`` / ``include_object``
+    """(declared, included): does the metadata declare the register, and do the filters
     leave it in scope?"""
     key = f"{register.schema}.{REGISTER_TABLE}" if register.schema else REGISTER_TABLE
     for metadata in _metadatas(autogen_context):
@@ -880,7 +778,18 @@ def _register_scope(autogen_context: AutogenContext, register: Register) -> tupl
     )
 
 
-_REGISTER_EXISTS_SQL = sa.text("SELECT to_regclass(:register) IS NOT NULL")
+def _fenced_tables(
+    autogen_context: AutogenContext, schemas: Iterable[str | None]
+) -> list[tuple[sa.Table, str]]:
+    wanted = set(schemas)
+    return [
+        (table, fence.name)
+        for metadata in _metadatas(autogen_context)
+        for table in metadata.tables.values()
+        if (fence := fence_column_of(table)) is not None
+        and table.schema in wanted
+        and _included(autogen_context, table)
+    ]
 
 
 def _table_ops(
