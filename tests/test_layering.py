@@ -347,7 +347,7 @@ THIRD_PARTY_PRIVATE_READS: dict[tuple[str, str], str] = {
     ("sa_fence._rewrite", "_deannotate"): "the ORM's annotated table back to the plain Table",
     ("sa_fence._telemetry", "_tracer"): "OpenTelemetry's proxy tracer: no span without a provider",
     ("sa_fence._telemetry", "_real_instrument"): "OpenTelemetry's proxy histogram: idle?",
-    ("sa_fence._telemetry", "_replace"): "namedtuple._replace is public API despite the _",
+    ("sa_fence.tools._redact", "_replace"): "namedtuple._replace is public API despite the _",
     ("sa_fence._tokens", "_invalidate"): "Pool._invalidate: recycle the pool as on a disconnect",
     ("sa_fence.tools.demo", "_exit"): "os._exit is public API despite the _",
     ("sa_fence.tools.demo", "_replace"): "namedtuple._replace is public API despite the _",
