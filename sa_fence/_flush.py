@@ -1,39 +1,20 @@
 """The fenced flush: session events plus a hook on each fenced connection.
 
-How a bound session's transaction is fenced, step by step:
+1. ``install(maker)`` adds session listeners (``_EVENTS``); the Engine and the
+   session's bind stay the user's.
+2. When the session begins a transaction on a Connection, that Connection's
+   class is swapped for :class:`_FencedConnection`, whose private execute,
+   begin, commit and rollback steps run sa-fence's code first (no event
+   listener is dispatched per statement).
+3. Lease scope: the transaction's BEGIN message also writes one row to
+   ``sa_fence_scope`` (:func:`_arm`), and a deferred trigger checks the lease
+   register at COMMIT, whatever sends it; a refusal becomes StaleTokenError.
+4. The row fence: ``before_flush`` refuses fenced writes without a lease, with
+   a released lease or with a fence assigned by hand; every fenced UPDATE,
+   DELETE and INSERT is rewritten (:mod:`sa_fence._rewrite`), and one targeted
+   by primary key (or an upsert) has its row count checked (:func:`_after_execute`).
 
-1. ``install(maker)`` adds session listeners (``_EVENTS``).  Nothing is
-   added to the Engine, and the session's bind stays the user's.
-2. When the session begins a transaction on a Connection (``after_begin``),
-   that Connection's class is swapped for a subclass,
-   :class:`_FencedConnection` (:func:`_hook_connection`), whose private
-   execute/begin/commit/rollback steps run sa-fence's code first.  Only
-   that connection's statements pass the hook, and no event listener is
-   dispatched per statement.
-3. **Lease scope (at COMMIT, in PostgreSQL).**  The transaction is *armed*
-   by its BEGIN message (one row in ``sa_fence_scope``, :func:`_arm`); a
-   deferred constraint trigger checks the lease register at COMMIT and
-   PREPARE TRANSACTION, whatever sends them, so a stale holder's
-   transaction commits nothing.  sa-fence sends the COMMIT itself
-   (:func:`_check_scope_and_commit`) only to turn a refusal into
-   :class:`StaleTokenError`.  Writes to another database are outside it,
-   and so is a session with no lease bound.
-4. **The row fence (at the flush).**  ``before_flush`` refuses, before any
-   SQL, fenced writes without a lease (:class:`UnfencedWriteError`), with a
-   released lease (:class:`LeaseLostError`) or with a fence assigned by hand
-   (:class:`FencingConfigError`), and makes a change to a joined-inheritance
-   subclass table also write the base table.  Every UPDATE, DELETE and
-   INSERT of a fenced table on the connection is rewritten
-   (:mod:`sa_fence._rewrite`) to compare ``fence <= :token`` and to write
-   ``fence = :token``; the ORM's batched executemany UPDATE stays one
-   statement.  A statement targeted by primary key (or an upsert) then has
-   its row count compared with the rows it targeted
-   (:func:`_after_execute`): fewer means a newer holder wrote one, and
-   :class:`StaleTokenError` names table, key and token.
-
-``<=`` (not ``<``) lets the same holder write one row many times.
-SQLAlchemy's ``version_id_col`` cannot be used: it compares for equality
-with the loaded version and forces one UPDATE per row.
+``<=`` lets one holder write a row many times (``version_id_col`` compares for equality).
 """
 
 from __future__ import annotations
@@ -47,7 +28,7 @@ import typing
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -99,7 +80,7 @@ from ._model import (
     orm_index,
 )
 from ._register import DATABASE_ID_SQL, SCOPE_SCHEMA_SQL, SCOPE_TABLE
-from ._rewrite import TOKEN_BIND, rewrite
+from ._rewrite import TOKEN_BIND, FencedStatement, rewrite
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -137,46 +118,28 @@ class _Pending:
     pk_names: list[str]
     param_sets: Sequence[Mapping[str, Any]]
     lease_name: str
-    #: the row count the statement must report; None: one row per parameter set
-    expected: int | None = None
-    #: rows an upsert's cursor executions reported (see _count_upserted_rows)
-    counted: int = 0
+    expected: int | None = None  # the row count due; None: one row per parameter set
+    counted: int = 0  # rows an upsert's cursor executions reported
 
 
+@dataclass(slots=True, weakref_slot=True, eq=False)
 class SessionState:
     """What sa-fence keeps on one session (in ``session.info``)."""
 
-    __slots__ = (
-        "__weakref__",
-        "bumped",
-        "connections",
-        "flush_span",
-        "lease",
-        "pending",
-        "poisoned",
-        "presented_in",
-        "unfenced",
-    )
-
-    def __init__(self) -> None:
-        self.lease: Lease | None = None
-        self.unfenced = 0
-        self.poisoned: FenceError | None = None
-        self.pending: _Pending | None = None
-        self.connections: list[Connection] = []
-        # joined-inheritance objects whose base-table fence this flush bumps
-        self.bumped: list[Any] = []
-        # (transaction, token) for which raw SQL presentation already ran
-        self.presented_in: tuple[Any, int] | None = None
-        # the span of the fenced flush under way (see _telemetry.flush_started)
-        self.flush_span: Any = None
+    lease: Lease | None = None
+    unfenced: int = 0
+    poisoned: FenceError | None = None
+    pending: _Pending | None = None
+    connections: list[Connection] = field(default_factory=list)
+    bumped: list[Any] = field(default_factory=list)  # joined-inheritance objects this flush bumps
+    presented_in: tuple[Any, int] | None = None  # (transaction, token) presented for raw SQL
+    flush_span: Any = None  # the span of the fenced flush under way
 
     def require_lease(self) -> Lease | None:
         """The lease to fence with; None when the caller opted out explicitly."""
         lease = self.lease
         if lease is not None:
-            # Released, lost (renewal or extend found it gone) or, with
-            # fail_fast, past its local validity: LeaseLostError, no SQL sent.
+            # released, lost or (fail_fast) past its validity: LeaseLostError, no SQL sent
             lease._check_for_write()
             return lease
         if self.unfenced:
@@ -202,12 +165,8 @@ class SessionState:
             ) from self.poisoned
 
     def present_for_raw_sql(self, conn: Connection) -> None:
-        """Before raw SQL (``text()``): present the token once per transaction.
-
-        Raw SQL cannot be rewritten to carry the token, so a guard would see
-        none; one ``set_config`` per transaction (only when raw SQL runs on
-        a connection with a lease) fixes that.
-        """
+        """Before raw SQL (``text()``), which cannot carry the token: present it to guards
+        once per transaction."""
         lease = self.lease
         if lease is None or lease.released:
             return
@@ -223,7 +182,6 @@ def _state(session: Session) -> SessionState | None:
 
 
 def bound_lease(session: Session) -> Lease | None:
-    """The lease bound to ``session``, or None."""
     state = _state(session)
     return None if state is None else state.lease
 
@@ -237,45 +195,29 @@ def state_for(session: Session) -> SessionState:
 
 # ----------------------------------------------------------- statement hook
 #
-# What sa-fence keeps per Connection lives on the Connection itself, as the
-# attributes below: it dies with the connection and is found without a weak
-# dictionary lookup (a Connection has a __dict__; nothing of SQLAlchemy's
-# uses these names).  Read through vars() where the object may only stand in
-# for a Connection: a Mock makes up any attribute asked for.
+# What sa-fence keeps per Connection lives in the Connection's own __dict__
+# (read through vars() where a Mock may stand in for one: it makes up attributes).
 
-#: Connection attribute: the fenced session (or fence_connection() block)
-#: whose transaction runs on it.
+#: the fenced session (or fence_connection() block) whose transaction runs on it
 _ACTIVE = "_sa_fence_active"
-#: Connection attribute: the installed sessions whose transactions run on it,
-#: in the order they began (``Session(bind=other.connection())`` puts two on
-#: one).  The newest is the active one; when it ends, the one before takes over.
+#: the installed sessions whose transactions run on it, oldest first (the newest is active)
 _SHARING = "_sa_fence_sharing"
-#: Connection attribute: the leases whose register rows its transaction's
-#: COMMIT must find unchanged, keyed by (name, token).  Set while a bound
-#: session or a fenced connection uses it; dropped when its transaction
-#: commits or rolls back (so it outlives a session joined to an outer
-#: transaction).
+#: {(name, token): lease} its transaction's COMMIT checks; dropped when the transaction ends
 _SCOPE = "_sa_fence_scope"
 
 
 def present_token(conn: Connection, token: int) -> None:
-    """Present ``token`` to guards for the rest of ``conn``'s transaction (one round trip)."""
+    """Present ``token`` to guards for the rest of ``conn``'s transaction."""
     conn.execute(select(func.set_config(literal(TOKEN_SETTING), literal(str(token)), true())))
 
 
 class _FencedConnection(Connection):
     """A Connection whose statements, BEGIN, COMMIT and ROLLBACK pass sa-fence first.
 
-    Not made by anyone: the class of each Connection an installed session
-    begins a transaction on is swapped for it (:func:`_hook_connection`), so
-    the connection keeps its engine, its listeners and its identity, and only
-    its own statements pass the hook.  Each step here calls the module's
-    function by name (tests replace them) and then SQLAlchemy's own.  No
-    event listener is involved: SQLAlchemy's event dispatch on every
-    statement and transaction of a connection with listeners was most of
-    what the hook cost (docs/benchmarks.md).  The private methods overridden
-    are the ones SQLAlchemy 2.0 and 2.1 fire the matching Connection events
-    from.
+    Never made: a Connection's class is swapped for it (:func:`_hook_connection`),
+    so it keeps its identity. Event dispatch per statement was most of what a
+    listener-based hook cost (docs/benchmarks.md); the methods overridden are
+    those SQLAlchemy 2.0 and 2.1 fire the Connection events from.
     """
 
     __slots__ = ()
@@ -316,9 +258,8 @@ class _FencedConnection(Connection):
 
 
 def check_connection_api(cls: type) -> None:
-    """Refuse a SQLAlchemy whose Connection lacks a private method
-    :class:`_FencedConnection` overrides (or takes other arguments): an
-    override that is never called would leave writes unfenced without a word."""
+    """Refuse a Connection class lacking (or changing) a method _FencedConnection overrides:
+    an override never called would leave writes unfenced without a word."""
     import inspect
 
     wanted = {
@@ -348,15 +289,15 @@ check_connection_api(Connection)
 
 #: Connection class -> its fenced subclass (``_FencedConnection`` for Connection).
 _hooked_classes: dict[type, type] = {Connection: _FencedConnection}
+#: Dialect attribute: sa-fence's handle_error listener is attached.
+_GUARD_ERRORS = "_sa_fence_maps_guard_errors"
 
 
 def _hook_connection(connection: Connection) -> None:
-    """Route ``connection``'s statements and transaction ends through sa-fence.
+    """Swap ``connection``'s class for a fenced subclass (the same layout: ``__slots__ = ()``).
 
-    Its class becomes a subclass adding sa-fence's steps (``__slots__ = ()``:
-    the same layout, so the swap is allowed); a subclass of Connection of the
-    user's gets a fenced subclass of its own.  The dialect's error hook is
-    attached once per dialect.
+    ``handle_error`` is a Dialect event since SQLAlchemy 2.0: attached once per
+    dialect, :func:`_map_guard_error` acts only on connections sa-fence fences.
     """
     cls = type(connection)
     hooked = _hooked_classes.get(cls)
@@ -365,45 +306,24 @@ def _hook_connection(connection: Connection) -> None:
             f"Fenced{cls.__name__}", (_FencedConnection, cls), {"__slots__": ()}
         )
     connection.__class__ = hooked
-    if not getattr(connection.dialect, _GUARD_ERRORS, False):
-        _listen_for_guard_errors(connection.dialect)
+    dialect = connection.dialect
+    if not getattr(dialect, _GUARD_ERRORS, False):
+        if not event.contains(dialect, "handle_error", _map_guard_error):
+            event.listen(dialect, "handle_error", _map_guard_error)
+        setattr(dialect, _GUARD_ERRORS, True)
 
 
 def is_hooked(connection: object) -> bool:
-    """Whether ``connection``'s statements pass sa-fence's hook."""
     return isinstance(connection, _FencedConnection)
 
 
 def _attach(connection: Connection, state: SessionState) -> None:
-    """Route ``connection``'s statements through the hook on behalf of ``state``.
-
-    The dialect is checked only where a lease fences the connection (a bound
-    session's begin, ``lease.bind()``, ``fence_connection()``): until then an
-    installed session works on any connection as without sa-fence.  Something
-    that only stands in for a Connection (a test's mock) is not routed.
-    """
+    """Route ``connection``'s statements through the hook on behalf of ``state``
+    (a test's Mock(spec=Connection) only claims to be a Connection: not routed)."""
     vars(connection)[_ACTIVE] = state
-    cls = type(connection)  # (a Mock(spec=Connection) only claims to be a Connection)
+    cls = type(connection)
     if not issubclass(cls, _FencedConnection) and issubclass(cls, Connection):
         _hook_connection(connection)
-
-
-#: Dialect attribute: sa-fence's handle_error listener is attached.
-_GUARD_ERRORS = "_sa_fence_maps_guard_errors"
-
-
-def _listen_for_guard_errors(dialect: Any) -> None:
-    """Map the guard's SQLSTATEs to sa-fence errors on connections sa-fence fences.
-
-    Since SQLAlchemy 2.0 ``handle_error`` is a Dialect event: it cannot be
-    attached to one Connection.  So it is attached, once and lazily, to the
-    dialect, and acts only on connections a fenced session or
-    :func:`fence_connection` is using; every other connection's errors pass
-    through untouched.
-    """
-    if not event.contains(dialect, "handle_error", _map_guard_error):
-        event.listen(dialect, "handle_error", _map_guard_error)
-    setattr(dialect, _GUARD_ERRORS, True)
 
 
 def _map_guard_error(context: Any) -> None:
@@ -419,13 +339,10 @@ def _map_guard_error(context: Any) -> None:
         lease.token if lease else None,
     )
     if error is None and lease is not None:
-        # a COMMIT the client sent itself (text("COMMIT"), PREPARE TRANSACTION)
-        # refused by the scope trigger
+        # a COMMIT the client sent itself (text("COMMIT"), PREPARE TRANSACTION) refused
         error = lease_error_from_check(
             context.original_exception, {(lease.name, lease.token): lease}
-        )
-    if error is None and lease is not None:
-        error = _scope_rights_error(context.original_exception)
+        ) or _scope_rights_error(context.original_exception)
     if error is None:
         return
     if isinstance(error, UnfencedWriteError):
@@ -436,8 +353,7 @@ def _map_guard_error(context: Any) -> None:
 
 
 def _refuse_missing_fence_column(context: Any) -> None:
-    """A fenced model whose table lacks its fence column: say so, not "column
-    jobs.fence does not exist" with the whole statement."""
+    """A fenced model's table lacks its fence column: say how to add it."""
     compiled = getattr(context.execution_context, "compiled", None)
     missing = missing_fence_column(context.original_exception, getattr(compiled, "statement", None))
     if missing is None:
@@ -460,7 +376,8 @@ def _refuse_missing_fence_column(context: Any) -> None:
 
 
 def _scope_rights_error(orig: BaseException) -> FencingConfigError | None:
-    """The role may not arm its transaction (or the trigger may not clean up): a set-up mistake."""
+    """The role may not write the scope table: a set-up mistake."""
+
     if getattr(orig, "sqlstate", None) != "42501" or SCOPE_TABLE not in str(orig):
         return None
     return FencingConfigError(
@@ -475,7 +392,7 @@ def _scope_rights_error(orig: BaseException) -> FencingConfigError | None:
 
 
 def in_scope(conn: Connection, lease: Lease) -> bool:
-    """Whether ``conn``'s transaction checks ``lease`` at COMMIT (is lease-scoped for it)."""
+    """Whether ``conn``'s transaction checks ``lease`` at COMMIT."""
     scope = vars(conn).get(_SCOPE)
     return scope is not None and (lease.name, lease.token) in scope
 
@@ -493,11 +410,8 @@ _database_ids: weakref.WeakKeyDictionary[Any, tuple[Any, ...] | None] = weakref.
 def _same_database(conn: Connection, lease: Lease) -> bool:
     """Whether ``conn`` writes to the database that holds ``lease``'s register.
 
-    Equal URLs decide at once; otherwise (another host name, a socket, a
-    pooler) the cluster identifier and database name are read once per
-    engine, on this connection with no events, and compared with the
-    Fencer's.  When either is unknown, lease scope applies (a register
-    missing there makes the COMMIT fail loudly, never pass silently).
+    Equal URLs decide; else the cluster identifier and database name (read once
+    per engine). When either is unknown, lease scope applies (and fails loudly).
     """
     fencer_engine: Any = lease.fencer.engine
     a, b = conn.engine.url, fencer_engine.url
@@ -525,11 +439,7 @@ def _read_database_id(conn: Connection) -> tuple[Any, ...] | None:
 
 
 def _enter_scope(conn: Connection, lease: Lease) -> None:
-    """Make ``conn``'s transaction commit only while ``lease`` is its name's newest grant.
-
-    The transaction is *armed* (:func:`_arm`): PostgreSQL itself then checks
-    the register at COMMIT and PREPARE TRANSACTION, whatever sends them.
-    """
+    """Make ``conn``'s transaction commit only while ``lease`` is its name's newest grant."""
     scope = vars(conn).get(_SCOPE)
     if scope is not None and (lease.name, lease.token) in scope:
         if not _PSYCOPG_BEGIN_HOOK:
@@ -546,30 +456,20 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
 
 # ------------------------------------------- arming: lease scope in PostgreSQL
 #
-# A transaction in lease scope holds one row (lease name, token) in the
-# UNLOGGED table sa_fence_scope; the deferred constraint trigger on it
-# (sa_fence._register) checks the register at COMMIT / PREPARE TRANSACTION
-# and deletes the row.  The row is written by the transaction's BEGIN message:
+# A transaction in lease scope holds one row (name, token) in sa_fence_scope,
+# whose deferred trigger checks the register at COMMIT (docs/architecture.md).
 # psycopg sends BEGIN as a message of its own before a transaction's first
-# statement (BaseConnection._start_query), and sa-fence replaces that step on
-# the connections it arms so that the message is ``BEGIN; INSERT INTO
-# <schema>.sa_fence_scope ...`` (one simple-protocol message, no round trip,
-# whatever the first statement is; in psycopg's pipeline mode, executemany,
-# the INSERT is queued behind BEGIN).  Every BEGIN psycopg sends while the
-# connection is in scope carries the arm, so a transaction begun after a
-# COMMIT the client sent itself (text("COMMIT"), the DBAPI's commit()) is
-# armed too.  When BEGIN has already been sent (a session joining an outer
-# transaction, a lease bound mid-transaction) or the driver is not psycopg 3,
-# the arm is its own statement: one round trip.
+# statement (_start_query); on armed connections sa-fence's step sends
+# "BEGIN; INSERT INTO <schema>.sa_fence_scope ..." instead, no round trip (in
+# pipeline mode the INSERT is queued behind BEGIN). When BEGIN was already sent
+# or the driver is not psycopg 3, the arm is a statement of its own.
 
-#: Attribute on a psycopg connection: {scope table: [arm VALUES rows]} that
-#: every BEGIN sa-fence's _start_query sends carries, while in scope.
+#: psycopg connection attribute: {scope table: [VALUES rows]} every BEGIN carries in scope
 _ARMS = "_sa_fence_arms"
-#: Attribute on a psycopg connection: sa-fence's _start_query is installed.
+#: psycopg connection attribute: sa-fence's _start_query is installed
 _ARMED_START = "_start_query"
-#: Attribute on a psycopg connection: weakref to the SQLAlchemy Connection
-#: whose lease scope the arms belong to (they are dropped once it is gone or
-#: out of scope, so they never outlive it, e.g. into another pool user).
+#: psycopg connection attribute: weakref to the Connection the arms belong to (they never
+#: outlive its scope, e.g. into another pool user)
 _ARMS_OWNER = "_sa_fence_arms_owner"
 
 #: (Engine, Register) -> the scope table's schema-qualified name there.
@@ -577,12 +477,8 @@ _scope_tables: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyD
 
 
 def _scope_table(conn: Connection, lease: Lease) -> str:
-    """The scope table of ``lease``'s register, schema-qualified.
-
-    A register named without a schema lives in the first schema of the
-    search path that has one (as unqualified names resolve); that schema is
-    looked up once per engine, never in ``pg_temp``, so a ``TEMP TABLE
-    sa_fence_scope`` cannot swallow the arm.
+    """The scope table of ``lease``'s register, schema-qualified (without a schema: the
+    search path's, looked up once per engine, never ``pg_temp``, which could swallow the arm).
     """
     register = lease.fencer.token_source.register
     if register.schema is not None:
@@ -606,9 +502,7 @@ def _scope_table(conn: Connection, lease: Lease) -> str:
 def _run(conn: Connection, sql: str, *, fetch: bool = False) -> Any:
     """Send ``sql`` on ``conn``'s DBAPI connection (no events); the first row if ``fetch``.
 
-    An interruption (KeyboardInterrupt, cancellation, a signal handler's
-    exception) while it is under way leaves the connection's state unknown:
-    it is invalidated, never handed back to the pool.
+    An interruption leaves the connection's state unknown: it is invalidated.
     """
     dbapi_conn: Any = conn.connection.dbapi_connection
     cursor = dbapi_conn.cursor()
@@ -646,7 +540,6 @@ def _arm(conn: Connection, lease: Lease) -> None:
     table = _scope_table(conn, lease)
     row = _arm_row(lease.name, lease.token)
     if _PSYCOPG_BEGIN_HOOK and hasattr(driver, "_get_tx_start_command"):  # psycopg 3
-        # every later BEGIN on this connection carries it, while in scope
         owner = driver.__dict__.get(_ARMS_OWNER)
         if owner is None or owner() is not conn:
             driver.__dict__[_ARMS] = {}
@@ -657,25 +550,22 @@ def _arm(conn: Connection, lease: Lease) -> None:
             driver._start_query = types.MethodType(_start_query_armed, driver)
         if driver.pgconn.transaction_status == _IDLE:
             return  # not begun: it travels in this transaction's BEGIN
-    _run(conn, f"INSERT INTO {table} (name, token) VALUES {row}")
+    _run(conn, _arm_sql(table, [row]))
+
+
+def _arm_sql(table: str, rows: list[str]) -> str:
+    return f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}"
 
 
 def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> None:
-    """Without the BEGIN hook: re-arm a transaction the client ended itself.
-
-    After a COMMIT sent as SQL, the next statement begins a new transaction
-    that no BEGIN of sa-fence's carries the arm in; the driver says the
-    connection is idle, so the arm is sent first (one round trip).  Only
-    statements that pass SQLAlchemy's statement hook get here.
-    """
+    """Without the BEGIN hook: re-arm, first, a transaction begun after a COMMIT sent as SQL."""
     driver: Any = conn.connection.driver_connection
     info = getattr(driver, "info", None)
     if info is None or getattr(driver, "autocommit", False):
         return
     if info.transaction_status == TransactionStatus.IDLE:
         for lease in scope.values():
-            row = _arm_row(lease.name, lease.token)
-            _run(conn, f"INSERT INTO {_scope_table(conn, lease)} (name, token) VALUES {row}")
+            _run(conn, _arm_sql(_scope_table(conn, lease), [_arm_row(lease.name, lease.token)]))
 
 
 def _read_only_error() -> FencingConfigError:
@@ -691,20 +581,14 @@ def _read_only_error() -> FencingConfigError:
 def _disarm(conn: Connection) -> None:
     """The transaction ended: later BEGINs on this connection carry no arm."""
     with contextlib.suppress(Exception):
-        fairy = conn.connection
-        driver: Any = fairy.driver_connection
+        driver: Any = conn.connection.driver_connection
         if driver is not None:
             driver.__dict__.pop(_ARMS, None)
 
 
 def _psycopg_begin_hook() -> bool:
-    """Whether psycopg has the internals :func:`_start_query_armed` replaces.
-
-    ``BaseConnection._start_query`` (sends BEGIN before a transaction's first
-    statement), ``_get_tx_start_command`` and ``_exec_command``; the test
-    suite pins them (tests/test_scope_trigger.py).  Without them every arm
-    is its own statement (one round trip).
-    """
+    """Whether psycopg has the internals :func:`_start_query_armed` uses (pinned by
+    tests/test_scope_trigger.py); without them every arm is its own statement."""
     try:
         from psycopg._connection_base import BaseConnection
     except ImportError:
@@ -720,11 +604,7 @@ _IDLE = TransactionStatus.IDLE
 
 
 def _start_query_armed(self: Any) -> Any:
-    """psycopg's ``_start_query`` with the arm in the BEGIN message (a generator).
-
-    Installed on one psycopg connection; psycopg runs it before every
-    statement and it sends something only when psycopg would send BEGIN.
-    """
+    """psycopg's ``_start_query`` (run before every statement) with the arm in BEGIN."""
     if self._autocommit or self.pgconn.transaction_status != _IDLE:
         return None  # as psycopg's step; in a transaction: armed when it began
     arms = self.__dict__.get(_ARMS)
@@ -736,10 +616,7 @@ def _start_query_armed(self: Any) -> Any:
             arms = None
     if not arms:
         return (yield from type(self)._start_query(self))
-    inserts = [
-        f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}".encode()
-        for table, rows in arms.items()
-    ]
+    inserts = [_arm_sql(table, rows).encode() for table, rows in arms.items()]
     if self.read_only:
         raise _read_only_error()
     begin = self._get_tx_start_command()
@@ -761,11 +638,7 @@ _CHAIN = re.compile(r"\b(COMMIT|END|ROLLBACK|ABORT)\b[^;]*\bAND\s+CHAIN\b", re.I
 
 
 def _refuse_chain(sql: str) -> None:
-    """Refuse ``COMMIT AND CHAIN`` (and ROLLBACK/END/ABORT ... AND CHAIN) in lease scope.
-
-    PostgreSQL begins the chained transaction itself, so no BEGIN carries
-    the arm: that transaction would commit without the register check.
-    """
+    """Refuse ``COMMIT AND CHAIN`` (and the like): no BEGIN would arm the chained transaction."""
     if "chain" in sql.lower() and _CHAIN.search(sql):
         raise FencingConfigError(
             "this statement ends the transaction AND CHAIN: PostgreSQL would begin the "
@@ -777,12 +650,8 @@ def _refuse_chain(sql: str) -> None:
 
 
 def _scope_on_begin(conn: Connection) -> None:
-    """A transaction begins (or driver SQL, a DDL or a default runs) on a connection
-    fenced for a lease: scope it now.
-
-    Without this, a transaction begun inside ``fence_connection()`` after a
-    commit, writing only driver SQL, would commit unchecked.
-    """
+    """A transaction begins (or driver SQL, a DDL or a default runs) on a fenced
+    connection: scope it now (else driver SQL after a commit would commit unchecked)."""
     state: SessionState | None = getattr(conn, _ACTIVE, None)
     if state is not None and state.lease is not None:
         _enter_scope(conn, state.lease)
@@ -799,14 +668,9 @@ def _drop_scope(conn: Connection) -> None:
 def _check_scope_and_commit(conn: Connection) -> None:
     """Commit ``conn``'s transaction, mapping a refusal of lease scope to StaleTokenError.
 
-    The check itself runs inside PostgreSQL, at COMMIT (the scope trigger):
-    sa-fence sends ``COMMIT`` here only to turn a refusal into a
-    :class:`StaleTokenError` and to end the transaction cleanly.  When the
-    trigger refuses, nothing is committed; the DBAPI's own commit that
-    SQLAlchemy sends next finds no transaction and does nothing.  Any other
-    interruption (KeyboardInterrupt, asyncio cancellation, a signal handler's
-    exception) invalidates the connection before SQLAlchemy can return it to
-    its pool (docs/guarantees.md, "An interrupted commit never reaches the pool broken").
+    The check runs in PostgreSQL (the scope trigger); SQLAlchemy's own commit
+    next finds no transaction. An interruption invalidates the connection
+    (docs/guarantees.md, "An interrupted commit never reaches the pool broken").
     """
     scope: dict[tuple[str, int], Lease] | None = vars(conn).pop(_SCOPE, None)
     if scope is None:
@@ -837,9 +701,7 @@ def _commit_in_scope(conn: Connection, dbapi_conn: Any, scope: dict[Any, Lease])
     try:
         _send_commit(dbapi_conn)
     except dialect.loaded_dbapi.Error as exc:
-        # End the transaction as a failed COMMIT would have; SQLAlchemy
-        # will not roll back a transaction whose commit failed before
-        # handing the connection back to its pool.
+        # SQLAlchemy will not roll back a transaction whose commit failed
         try:
             dbapi_conn.rollback()
         except Exception:  # a lost connection: SQLAlchemy sees the
@@ -859,21 +721,16 @@ def _commit_in_scope(conn: Connection, dbapi_conn: Any, scope: dict[Any, Lease])
 
 
 def _send_commit(dbapi_conn: Any) -> None:
-    """Send the COMMIT (a test seam: the interruption tests make it wait in the server).
-
-    The driver's own ``commit()``: through a cursor it took 30 Python calls more.
-    """
+    """Send the COMMIT (a test seam); the driver's ``commit()``: 30 calls less than a cursor."""
     dbapi_conn.commit()
 
 
 def _before_execute(
     conn: Connection, state: SessionState, elem: Any, params: Sequence[Mapping[str, Any]]
 ) -> tuple[Any, Sequence[Mapping[str, Any]], _Pending | None]:
-    """A statement on a fenced connection, before it is sent: what to send instead.
-
-    Returns the statement, its parameter sets and, for a statement whose row
-    count tells a stale write apart, what :func:`_after_execute` checks.
-    """
+    """A statement on a fenced connection, before it is sent: the statement and parameter
+    sets to send instead and, when its row count tells a stale write apart, what
+    :func:`_after_execute` checks."""
     lease = state.lease
     if lease is not None:
         scope = getattr(conn, _SCOPE, None)
@@ -913,46 +770,53 @@ def _before_execute(
     params = [{**(_without(p, key) if key in p else p), TOKEN_BIND: token} for p in params] or [
         {TOKEN_BIND: token}
     ]
-    pending = None
-    if fenced.pk_names is not None and fenced.pk_cols is not None:
-        first = params[0]
-        for name in fenced.pk_names:
-            if name not in first:
-                break
-        else:
-            pending = _Pending(
-                fenced.statement,
-                fence_col.table,
-                token,
-                fenced.pk_cols,
-                fenced.pk_names,
-                params,
-                lease.name,
-            )
-    elif fenced.upsert_rows is not None:
-        # each proposed row inserts or updates: fewer than proposed were skipped as stale
-        pending = state.pending = _Pending(
-            fenced.statement,
-            fence_col.table,
-            token,
-            list(fence_col.table.primary_key.columns),
-            [],
-            params,
-            lease.name,
-            expected=fenced.upsert_rows * len(params),
-        )
-        _count_upserts_on(conn)
-    elif len(params) > 1 and not isinstance(elem, Insert):
+    pk_names = fenced.pk_names
+    if pk_names is None or fenced.pk_cols is None:
+        if fenced.upsert_rows is None and (len(params) == 1 or isinstance(elem, Insert)):
+            return fenced.statement, params, None
+        pending = _unkeyed_pending(conn, state, fenced, fence_col.table, params, lease)
+        return fenced.statement, params, pending
+    for name in pk_names:
+        if name not in params[0]:
+            return fenced.statement, params, None
+    table = fence_col.table
+    pending = _Pending(fenced.statement, table, token, fenced.pk_cols, pk_names, params, lease.name)
+    return fenced.statement, params, pending
+
+
+def _unkeyed_pending(
+    conn: Connection,
+    state: SessionState,
+    fenced: FencedStatement,
+    table: Table,
+    params: Sequence[Mapping[str, Any]],
+    lease: Lease,
+) -> _Pending:
+    """An upsert's row count check; an executemany UPDATE or DELETE not by key is refused."""
+    elem = fenced.statement
+    if fenced.upsert_rows is None:
         raise state.fail(
             FencingConfigError(
                 f"an executemany {'UPDATE' if isinstance(elem, Update) else 'DELETE'} of fenced "
-                f"table {fence_col.table.name!r} whose WHERE clause does not pin every primary "
+                f"table {table.name!r} whose WHERE clause does not pin every primary "
                 "key column with `column == bindparam(...)`: a stale row could be skipped "
                 "without anyone noticing. Target rows by primary key, or send one statement "
                 "per parameter set. Nothing was sent."
             )
         )
-    return fenced.statement, params, pending
+    # each proposed row inserts or updates: fewer than proposed were skipped as stale
+    pending = state.pending = _Pending(
+        elem,
+        table,
+        lease.token,
+        list(table.primary_key.columns),
+        [],
+        params,
+        lease.name,
+        expected=fenced.upsert_rows * len(params),
+    )
+    _count_upserts_on(conn)
+    return pending
 
 
 def _without(params: Mapping[str, Any], key: str) -> Mapping[str, Any]:
