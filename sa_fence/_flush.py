@@ -830,12 +830,11 @@ def _after_execute(conn: Connection, state: SessionState, pending: _Pending, res
     if pending.expected is None:
         if result.rowcount == len(pending.param_sets):
             return
-        error = _stale_error(conn, pending, pending.statement)
     else:
         state.pending = None
         if pending.counted == pending.expected:
             return
-        error = _stale_upsert_error(conn, pending)
+    error = _stale_error(conn, pending)
     _telemetry.stale_refused(state.lease, _telemetry.ROW_FENCE, error)
     raise state.fail(error)
 
@@ -845,32 +844,21 @@ _COUNTS_UPSERTS = "_sa_fence_counts_upserts"
 
 
 def _count_upserts_on(conn: Connection) -> None:
-    """Listen for ``conn``'s cursor executions, from its first fenced upsert on.
-
-    Only an upsert's row count needs the cursor's own (see
-    :func:`_count_upserted_rows`), so only a connection that sends one pays
-    for SQLAlchemy's event dispatch.
-    """
+    """Count ``conn``'s upserted rows from its first fenced upsert on (only such a
+    connection pays for SQLAlchemy's event dispatch)."""
     if not getattr(conn, _COUNTS_UPSERTS, False):
         event.listen(conn, "after_cursor_execute", _count_upserted_rows)
         setattr(conn, _COUNTS_UPSERTS, True)
 
 
 def _count_upserted_rows(
-    conn: Connection,
-    cursor: Any,
-    statement: str,
-    parameters: Any,
-    context: Any,
-    executemany: bool,
+    conn: Connection, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
 ) -> None:
     """Add up the rows a fenced upsert's cursor executions report.
 
-    SQLAlchemy closes an INSERT's cursor before its result is returned, so
-    ``result.rowcount`` is -1 there unless the caller asked for
-    ``preserve_rowcount`` (which, for an "insertmanyvalues" executemany,
-    counts the rows sent, not those written); the cursor's own count is read
-    here instead, once per execution (such an executemany runs several).
+    SQLAlchemy closes an INSERT's cursor before returning its result, so
+    ``result.rowcount`` is -1 (or, with ``preserve_rowcount`` and
+    "insertmanyvalues", the rows sent): the cursor's count is read per execution.
     """
     state: SessionState | None = getattr(conn, _ACTIVE, None)
     if state is None:
@@ -885,29 +873,43 @@ def _count_upserted_rows(
         pending.counted += max(cursor.rowcount, 0)
 
 
-def _stale_upsert_error(conn: Connection, p: _Pending) -> StaleTokenError:
-    """Name the rows a fenced upsert skipped: those that now carry a newer fence (failure path).
+def _stale_error(conn: Connection, p: _Pending) -> StaleTokenError:
+    """Find which targeted rows carry a newer fence (failure path only).
 
-    The proposed primary keys are read from the parameters and the
-    statement's own VALUES where they are there; otherwise (a key the
-    server generates, a conflict on another unique column) the rows are
-    reported as unknown.
+    An upsert's keys are read from its parameters and VALUES; where they are not
+    there (a key the server generates, a conflict on another unique column) its
+    rows are reported as unknown.
     """
+    if p.expected is None:
+        pks = [tuple(ps[n] for n in p.pk_names) for ps in p.param_sets]
+    else:
+        pks = _proposed_keys(p)
     fence_col = fence_column_of(p.table)
     assert fence_col is not None
-    pks = _proposed_keys(p)
     found: dict[tuple[Any, ...], int] = {}
     if pks:
         query = select(*p.pk_cols, fence_col).where(tuple_(*p.pk_cols).in_(pks))
         for row in conn.execute(query).all():
             found[tuple(row[: len(p.pk_cols)])] = row[-1]
-    stale = [pk for pk in pks if pk in found and found[pk] > p.token]
+    if p.expected is not None:
+        statement = "UPSERT"
+        stale = [pk for pk in pks if pk in found and found[pk] > p.token]
+    else:
+        is_delete = isinstance(p.statement, Delete)
+        statement = "DELETE" if is_delete else "UPDATE"
+        # A DELETE has already removed the rows it matched: missing now, but not stale.
+        stale = [
+            pk
+            for pk in pks
+            if (found.get(pk) is not None and found[pk] > p.token)
+            or (found.get(pk) is None and not is_delete)
+        ] or pks
     return StaleTokenError(
         table=p.table.fullname,
-        statement="UPSERT",
+        statement=statement,
         token=p.token,
         primary_keys=stale,
-        current_fences=[found[pk] for pk in stale],
+        current_fences=[found.get(pk) for pk in stale],
         lease_name=p.lease_name,
     )
 
@@ -915,12 +917,13 @@ def _stale_upsert_error(conn: Connection, p: _Pending) -> StaleTokenError:
 def _proposed_keys(p: _Pending) -> list[tuple[Any, ...]]:
     """The primary keys an upsert proposed, where the parameters or VALUES carry them."""
     keys = [c.key for c in p.pk_cols]
-    stmt_rows: list[dict[str, Any]] = []
     stmt: Any = p.statement
-    for rows in getattr(stmt, "_multi_values", ()) or ():
-        stmt_rows.extend(_named_values(row) for row in rows if isinstance(row, dict))
-    if not stmt_rows:
-        stmt_rows = [_named_values(getattr(stmt, "_values", None) or {})]
+    stmt_rows = [
+        _named_values(row)
+        for rows in getattr(stmt, "_multi_values", ()) or ()
+        for row in rows
+        if isinstance(row, dict)
+    ] or [_named_values(getattr(stmt, "_values", None) or {})]
     proposed: list[tuple[Any, ...]] = []
     for params in p.param_sets:
         for row in stmt_rows:
@@ -942,34 +945,6 @@ def _named_values(values: Any) -> dict[str, Any]:
     return named
 
 
-def _stale_error(conn: Connection, p: _Pending, elem: Any) -> StaleTokenError:
-    """Find which targeted rows carry a newer fence (failure path only)."""
-    pks = [tuple(ps[n] for n in p.pk_names) for ps in p.param_sets]
-    fence_col = fence_column_of(p.table)
-    assert fence_col is not None
-    found: dict[tuple[Any, ...], int] = {}
-    rows = conn.execute(select(*p.pk_cols, fence_col).where(tuple_(*p.pk_cols).in_(pks))).all()
-    for row in rows:
-        found[tuple(row[: len(p.pk_cols)])] = row[-1]
-    is_delete = isinstance(elem, Delete)
-    # A DELETE has already removed the rows it matched: those are missing now
-    # but were not stale.  Only rows still present with a newer fence are.
-    stale = [
-        pk
-        for pk in pks
-        if (found.get(pk) is not None and found[pk] > p.token)
-        or (found.get(pk) is None and not is_delete)
-    ] or pks
-    return StaleTokenError(
-        table=p.table.fullname,
-        statement="DELETE" if is_delete else "UPDATE",
-        token=p.token,
-        primary_keys=stale,
-        current_fences=[found.get(pk) for pk in stale],
-        lease_name=p.lease_name,
-    )
-
-
 # ------------------------------------------------------------- session events
 
 
@@ -981,11 +956,9 @@ def _writes_fenced(session: Session) -> bool:
 
 def _really_writes_fenced(session: Session) -> bool:
     """Like _writes_fenced, ignoring objects whose changes net out (error path only)."""
-    for obj in chain(session.new, session.deleted):
-        if is_fenced_class(type(obj)):
-            return True
-    # collections count: an appended or removed many-to-many member writes an
-    # association row of this fenced entity
+    if any(is_fenced_class(type(obj)) for obj in chain(session.new, session.deleted)):
+        return True
+    # collections count: a many-to-many member added or removed writes an association row
     return any(
         is_fenced_class(type(obj)) and session.is_modified(obj, include_collections=True)
         for obj in session.dirty
@@ -995,19 +968,12 @@ def _really_writes_fenced(session: Session) -> bool:
 def _refuse_assigned_fences(session: Session) -> None:
     """A fence the caller assigned on a new or loaded object is refused before any SQL.
 
-    The statement hook would drop the value anyway (the fence is written from
-    the token), but silently: ``job.fence = 10**12`` looked like it worked.
-    An assignment shows as the attribute's committed (pre-change) value in
-    ``committed_state``; a value set back to what it was is no change.
-    ``Session.merge`` does not copy a loaded fence (see ``_FenceProperty``),
-    so only a fence assigned on the detached object reaches here through it.
-    Bulk mappings (``session.execute(update(Job), [...])``,
-    ``bulk_update_mappings``) carry the fence as data, not as an assignment,
-    and keep having it dropped (docs/statements.md).
+    The statement hook would drop it silently (``job.fence = 10**12`` looked like
+    it worked). An assignment shows in ``committed_state``; bulk mappings carry the
+    fence as data and keep having it dropped (docs/statements.md).
     """
-    # The states Session.new and Session.dirty are built from, read directly:
-    # building those IdentitySets cost 5x this loop (0.4 against 0.08 us per
-    # changed object, measured on 1,000), on the hot path of every flush.
+    # Session._new and identity_map._modified read directly: building the
+    # Session.new and .dirty IdentitySets cost 5x this loop on every flush.
     keys: dict[Any, str | None] = {}
     deleted = session._deleted
     for obj_state in chain(session._new, session.identity_map._modified):
@@ -1039,10 +1005,7 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
     state = session.info.get(_STATE_KEY) or state_for(session)
     if state.poisoned is not None:
         state.check_not_poisoned("flush")
-    if state.lease is not None:
-        # The hot path: the statement hook fences.  Refuse a fence assigned by
-        # hand, and ask the lease whether it may still write (released, lost,
-        # or past its local validity with fail_fast): no SQL sent.
+    if state.lease is not None:  # the hot path: the statement hook fences
         try:
             _refuse_assigned_fences(session)
             state.require_lease()
@@ -1074,11 +1037,8 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
 def _bump_base_fences(session: Session, state: SessionState, bump_keys: dict[type, str]) -> None:
     """Joined inheritance: a change to a subclass table alone still fences the row.
 
-    The ORM updates only the tables whose columns changed, so a subclass-only
-    change would send no statement to the base table that carries the fence.
-    Flagging the fence attribute makes the ORM include the base table; the
-    statement hook then compares the fence and sets it to the token (the
-    flagged value itself is never written).
+    The ORM updates only the tables whose columns changed; flagging the fence
+    makes it include the base table (the flagged value itself is never written).
     """
     for obj in session.dirty:
         key = bump_keys.get(type(obj))
@@ -1123,13 +1083,11 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
         raise state.fail(exc) from None
     if lease is None:
         return
-    by_primary_key = isinstance(orm_state.parameters, list)
-    # 'evaluate' would copy the new values onto in-session objects whose rows
-    # were skipped as newer; 'fetch' (RETURNING) reports the rows the fenced
-    # statement really changed.
+    # 'evaluate' would copy the new values onto objects whose rows were skipped
+    # as newer; 'fetch' (RETURNING) reports the rows the statement really changed.
     if (
         (stmt.is_update or stmt.is_delete)
-        and not by_primary_key
+        and not isinstance(orm_state.parameters, list)  # (a list: by primary key)
         and orm_state.execution_options.get("synchronize_session", "auto") is not False
     ):
         orm_state.update_execution_options(synchronize_session="fetch")
@@ -1172,12 +1130,8 @@ def _lease_id(lease: Lease | None) -> tuple[str, int] | None:
 def _refuse_confusable(connection: Connection, state: SessionState, lease: Lease | None) -> None:
     """Refuse a second session on ``connection`` only if its token could be confused.
 
-    The statement hook finds the token to carry by connection, so sessions
-    (or a ``fence_connection()`` block) sharing one must agree on it: the
-    same lease bound, or none bound anywhere (then nothing carries a token
-    and they work as in SQLAlchemy).  One bound and one not would let the
-    unbound one's statements carry the other's token, or refuse the bound
-    one's as unfenced.
+    The hook finds the token by connection, so the sessions (or a
+    ``fence_connection()`` block) sharing one must have the same lease bound, or none.
     """
     sharing: list[SessionState] | None = vars(connection).get(_SHARING)
     active: SessionState | None = vars(connection).get(_ACTIVE)
@@ -1219,7 +1173,7 @@ def _before_commit(session: Session) -> None:
 
 
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
-    # (.parent without its call: this runs for the flush's subtransaction too)
+    # (._parent, not .parent's call: this runs for the flush's subtransaction too)
     if transaction._parent is None:
         state: SessionState | None = session.info.get(_STATE_KEY)
         if state is not None:
@@ -1235,8 +1189,7 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
                     sharing.remove(state)
                 if not sharing:
                     attrs.pop(_SHARING, None)
-                if attrs.get(_ACTIVE) is state:
-                    # another session's transaction may still run on it
+                if attrs.get(_ACTIVE) is state:  # another session's transaction may still run
                     attrs[_ACTIVE] = sharing[-1] if sharing else None
             state.connections.clear()
 
@@ -1255,12 +1208,9 @@ _EVENTS = (
 def _async_target(target: object) -> Any:
     """The sync-side target for an ``async_sessionmaker`` or ``AsyncSession``, else None.
 
-    ``AsyncSession`` runs its sync ``Session``'s events, so the one flush hook
-    serves both: an ``AsyncSession`` is fenced through ``.sync_session``, and
-    an ``async_sessionmaker`` through a private subclass of its
-    ``sync_session_class`` (never the user's class, never ``Session`` itself).
-    sqlalchemy.ext.asyncio is looked at only if already imported: sync users
-    do not need greenlet.
+    An AsyncSession runs its sync Session's events: it is fenced through
+    ``.sync_session``, an async_sessionmaker through a private subclass of its
+    ``sync_session_class``. sqlalchemy.ext.asyncio is read only if imported.
     """
     import sys
 
@@ -1293,6 +1243,13 @@ def _scoped_factory(target: object) -> Any:
     if ext is not None and isinstance(target, ext.async_scoped_session):
         return target.session_factory
     return None
+
+
+def _inner_target(target: object) -> tuple[Any, Any]:
+    """(what a scoped session or an AsyncSession is fenced through, an async_sessionmaker)."""
+    factory = _scoped_factory(target)
+    inner = factory if factory is not None else _async_target(target)
+    return (None, inner) if inner is target else (inner, None)
 
 
 def _fenced_sync_class(maker: Any) -> type[Session]:
@@ -1338,56 +1295,48 @@ def install(target: T) -> T:
     A ``scoped_session`` (Flask-SQLAlchemy's ``db.session``) or
     ``async_scoped_session`` is installed through its ``session_factory``.
     """
-    factory = _scoped_factory(target)
-    if factory is not None:
-        install(factory)
-        return target
-    sync_target = _async_target(target)
-    if isinstance(sync_target, Session):
-        install(sync_target)
-        return target
-    if sync_target is not None:  # an async_sessionmaker
-        _check_bind(sync_target.kw.get("bind"))
-        install(_fenced_sync_class(sync_target))
-        return target
-    _check_target(target)
-    plain = typing.cast("Target", target)  # _check_target() passed: no scoped session
-    _check_bind(
-        plain.kw.get("bind") if isinstance(plain, sessionmaker) else getattr(plain, "bind", None)
-    )
-    holder = _hook_holder(plain)
-    if not vars(holder).get(_INSTALLED):
-        listeners = _listeners_for(plain)
-        for name, fn in listeners:
-            event.listen(target, name, fn)
-        setattr(holder, _INSTALLED, listeners)  # what uninstall() removes
+    inner, maker = _inner_target(target)
+    if maker is not None:
+        _check_bind(maker.kw.get("bind"))
+        install(_fenced_sync_class(maker))
+    elif inner is not None:
+        install(inner)
+    else:
+        _check_target(target)
+        plain = typing.cast("Target", target)  # _check_target() passed: no scoped session
+        _check_bind(
+            plain.kw.get("bind")
+            if isinstance(plain, sessionmaker)
+            else getattr(plain, "bind", None)
+        )
+        holder = _hook_holder(plain)
+        if not vars(holder).get(_INSTALLED):
+            listeners = _listeners_for(plain)
+            for name, fn in listeners:
+                event.listen(target, name, fn)
+            setattr(holder, _INSTALLED, listeners)  # what uninstall() removes
     return target
 
 
 def uninstall(target: T) -> T:
     """Remove what :func:`install` added to ``target``.  Idempotent."""
-    factory = _scoped_factory(target)
-    if factory is not None:
-        uninstall(factory)
-        return target
-    sync_target = _async_target(target)
-    if isinstance(sync_target, Session):
-        uninstall(sync_target)
-        return target
-    if sync_target is not None:  # an async_sessionmaker
-        current = sync_target.kw.get("sync_session_class")
+    inner, maker = _inner_target(target)
+    if maker is not None:
+        current = maker.kw.get("sync_session_class")
         if current is not None and vars(current).get(_SYNC_CLASS):
             uninstall(current)
-            sync_target.configure(sync_session_class=vars(current)[_SYNC_CLASS])
-        return target
-    _check_target(target)
-    plain = typing.cast("Target", target)  # _check_target() passed: no scoped session
-    holder = _hook_holder(plain)
-    listeners = vars(holder).get(_INSTALLED)
-    if listeners:
-        for name, fn in listeners:
-            event.remove(target, name, fn)
-        delattr(holder, _INSTALLED)
+            maker.configure(sync_session_class=vars(current)[_SYNC_CLASS])
+
+    elif inner is not None:
+        uninstall(inner)
+    else:
+        _check_target(target)
+        holder = _hook_holder(typing.cast("Target", target))
+        listeners = vars(holder).get(_INSTALLED)
+        if listeners:
+            for name, fn in listeners:
+                event.remove(target, name, fn)
+            delattr(holder, _INSTALLED)
     return target
 
 
@@ -1397,15 +1346,10 @@ _INSTALLED = "_sa_fence_hook_installed"
 def _listeners_for(target: Target) -> tuple[tuple[str, Callable[..., Any]], ...]:
     """The (event, listener) pairs :func:`install` registers on ``target``.
 
-    A session gets listeners of its own, each calling the shared one.  Why:
-    SQLAlchemy keys its listener registry on ``(id(target), event,
-    id(listener))`` and keeps the keys of class-level listeners after their
-    target is collected.  A sessionmaker installed and then dropped leaves
-    such keys behind; a session later allocated at its address, listening
-    with the same functions, shared those keys, and removing its listeners
-    (``uninstall(session)``) failed inside SQLAlchemy.  A listener made for
-    the session, alive as long as the session holds it, cannot have the id of
-    a shared function.
+    A session gets listeners of its own, each calling the shared one: SQLAlchemy
+    keys its registry on ``(id(target), event, id(listener))`` and keeps dead
+    class-level targets' keys, so a session at a dead sessionmaker's address
+    listening with the shared functions failed to uninstall.
     """
     if not isinstance(target, Session):
         return _EVENTS
@@ -1420,24 +1364,14 @@ def _own_listener(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _hook_holder(target: Target) -> Any:
-    """The object whose own ``__dict__`` records that the hook is installed.
-
-    Not ``event.contains()``: SQLAlchemy keys its listener registry on
-    ``id(target)`` and keeps class-level entries after the class is collected,
-    so a new sessionmaker whose generated class reuses a dead one's address
-    "contains" the hook without having it (and ``install`` skipped it).
-    """
+    """The object whose own ``__dict__`` records the install (not ``event.contains()``:
+    SQLAlchemy's registry keys on ``id(target)``, and a dead class's address is reused)."""
     return target.class_ if isinstance(target, sessionmaker) else target
 
 
 def _check_bind(bind: object) -> None:
-    """Refuse, at install time, an Engine or AsyncEngine bind sa-fence cannot fence through.
-
-    The bind itself is left as it is: the session's engine stays the user's
-    (the hook is routed per connection, see :func:`_hook_connection`).
-    Other binds (none, a Connection, ``binds=`` maps) are checked per
-    connection once a lease fences it.
-    """
+    """Refuse an Engine or AsyncEngine bind sa-fence cannot fence through, at install time
+    (other binds are checked per connection once a lease fences it)."""
     engine = getattr(bind, "sync_engine", bind)  # an AsyncEngine's sync Engine
     if isinstance(engine, Engine):
         check_dialect(engine.dialect)
