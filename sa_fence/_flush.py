@@ -72,13 +72,7 @@ from ._guard import (
     quote_ident,
     quote_literal,
 )
-from ._model import (
-    fence_column_of,
-    fence_key_of,
-    is_fenced_class,
-    missing_fence_column,
-    orm_index,
-)
+from ._model import fence_column_of, fence_key_of, is_fenced_class, missing_fence_column, orm_index
 from ._register import DATABASE_ID_SQL, SCOPE_SCHEMA_SQL, SCOPE_TABLE
 from ._rewrite import TOKEN_BIND, FencedStatement, rewrite
 from .errors import (
@@ -214,10 +208,8 @@ def present_token(conn: Connection, token: int) -> None:
 class _FencedConnection(Connection):
     """A Connection whose statements, BEGIN, COMMIT and ROLLBACK pass sa-fence first.
 
-    Never made: a Connection's class is swapped for it (:func:`_hook_connection`),
-    so it keeps its identity. Event dispatch per statement was most of what a
-    listener-based hook cost (docs/benchmarks.md); the methods overridden are
-    those SQLAlchemy 2.0 and 2.1 fire the Connection events from.
+    A Connection's class is swapped for it (:func:`_hook_connection`); it overrides
+    the methods SQLAlchemy 2.0 and 2.1 fire the Connection events from.
     """
 
     __slots__ = ()
@@ -294,11 +286,8 @@ _GUARD_ERRORS = "_sa_fence_maps_guard_errors"
 
 
 def _hook_connection(connection: Connection) -> None:
-    """Swap ``connection``'s class for a fenced subclass (the same layout: ``__slots__ = ()``).
-
-    ``handle_error`` is a Dialect event since SQLAlchemy 2.0: attached once per
-    dialect, :func:`_map_guard_error` acts only on connections sa-fence fences.
-    """
+    """Swap ``connection``'s class for a fenced subclass (the same layout: ``__slots__ = ()``);
+    ``handle_error`` is a Dialect event: attached once per dialect."""
     cls = type(connection)
     hooked = _hooked_classes.get(cls)
     if hooked is None:
@@ -408,11 +397,8 @@ _database_ids: weakref.WeakKeyDictionary[Any, tuple[Any, ...] | None] = weakref.
 
 
 def _same_database(conn: Connection, lease: Lease) -> bool:
-    """Whether ``conn`` writes to the database that holds ``lease``'s register.
-
-    Equal URLs decide; else the cluster identifier and database name (read once
-    per engine). When either is unknown, lease scope applies (and fails loudly).
-    """
+    """Whether ``conn`` writes to the database of ``lease``'s register: equal URLs, or the
+    same cluster id and database name (read once per engine); unknown: in scope."""
     fencer_engine: Any = lease.fencer.engine
     a, b = conn.engine.url, fencer_engine.url
     if (a.host, a.port, a.database) == (b.host, b.port, b.database):
@@ -425,14 +411,8 @@ def _same_database(conn: Connection, lease: Lease) -> bool:
 
 
 def _read_database_id(conn: Connection) -> tuple[Any, ...] | None:
-    dbapi_conn: Any = conn.connection.dbapi_connection
     try:
-        cursor = dbapi_conn.cursor()
-        try:
-            cursor.execute(DATABASE_ID_SQL)
-            row = cursor.fetchone()
-        finally:
-            cursor.close()
+        row = _run(conn, DATABASE_ID_SQL, fetch=True)
     except Exception:
         return None
     return None if row is None else tuple(row)
@@ -501,9 +481,7 @@ def _scope_table(conn: Connection, lease: Lease) -> str:
 
 def _run(conn: Connection, sql: str, *, fetch: bool = False) -> Any:
     """Send ``sql`` on ``conn``'s DBAPI connection (no events); the first row if ``fetch``.
-
-    An interruption leaves the connection's state unknown: it is invalidated.
-    """
+    An interruption leaves the connection's state unknown: it is invalidated."""
     dbapi_conn: Any = conn.connection.dbapi_connection
     cursor = dbapi_conn.cursor()
     try:
@@ -666,12 +644,8 @@ def _drop_scope(conn: Connection) -> None:
 
 
 def _check_scope_and_commit(conn: Connection) -> None:
-    """Commit ``conn``'s transaction, mapping a refusal of lease scope to StaleTokenError.
-
-    The check runs in PostgreSQL (the scope trigger); SQLAlchemy's own commit
-    next finds no transaction. An interruption invalidates the connection
-    (docs/guarantees.md, "An interrupted commit never reaches the pool broken").
-    """
+    """Commit ``conn``'s transaction, mapping the scope trigger's refusal to StaleTokenError;
+    an interruption invalidates the connection (docs/guarantees.md)."""
     scope: dict[tuple[str, int], Lease] | None = vars(conn).pop(_SCOPE, None)
     if scope is None:
         return
@@ -854,12 +828,8 @@ def _count_upserts_on(conn: Connection) -> None:
 def _count_upserted_rows(
     conn: Connection, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
 ) -> None:
-    """Add up the rows a fenced upsert's cursor executions report.
-
-    SQLAlchemy closes an INSERT's cursor before returning its result, so
-    ``result.rowcount`` is -1 (or, with ``preserve_rowcount`` and
-    "insertmanyvalues", the rows sent): the cursor's count is read per execution.
-    """
+    """Add up the rows a fenced upsert's cursor executions report (``result.rowcount`` is
+    -1 for an INSERT, or with ``preserve_rowcount`` and insertmanyvalues the rows sent)."""
     state: SessionState | None = getattr(conn, _ACTIVE, None)
     if state is None:
         return
@@ -874,12 +844,8 @@ def _count_upserted_rows(
 
 
 def _stale_error(conn: Connection, p: _Pending) -> StaleTokenError:
-    """Find which targeted rows carry a newer fence (failure path only).
-
-    An upsert's keys are read from its parameters and VALUES; where they are not
-    there (a key the server generates, a conflict on another unique column) its
-    rows are reported as unknown.
-    """
+    """Find which targeted rows carry a newer fence (failure path only); an upsert's keys
+    come from its parameters and VALUES (a key the server generates is unknown)."""
     if p.expected is None:
         pks = [tuple(ps[n] for n in p.pk_names) for ps in p.param_sets]
     else:
@@ -966,12 +932,9 @@ def _really_writes_fenced(session: Session) -> bool:
 
 
 def _refuse_assigned_fences(session: Session) -> None:
-    """A fence the caller assigned on a new or loaded object is refused before any SQL.
+    """Refuse, before any SQL, a fence assigned on a new or loaded object (the hook would
+    drop it silently); bulk mappings carry it as data and have it dropped (docs/statements.md)."""
 
-    The statement hook would drop it silently (``job.fence = 10**12`` looked like
-    it worked). An assignment shows in ``committed_state``; bulk mappings carry the
-    fence as data and keep having it dropped (docs/statements.md).
-    """
     # Session._new and identity_map._modified read directly: building the
     # Session.new and .dirty IdentitySets cost 5x this loop on every flush.
     keys: dict[Any, str | None] = {}
@@ -1035,11 +998,8 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
 
 
 def _bump_base_fences(session: Session, state: SessionState, bump_keys: dict[type, str]) -> None:
-    """Joined inheritance: a change to a subclass table alone still fences the row.
-
-    The ORM updates only the tables whose columns changed; flagging the fence
-    makes it include the base table (the flagged value itself is never written).
-    """
+    """Joined inheritance: flag the fence so a subclass-only change also updates (and fences)
+    the base table (the flagged value itself is never written)."""
     for obj in session.dirty:
         key = bump_keys.get(type(obj))
         if key is not None and session.is_modified(obj, include_collections=False):
@@ -1128,11 +1088,8 @@ def _lease_id(lease: Lease | None) -> tuple[str, int] | None:
 
 
 def _refuse_confusable(connection: Connection, state: SessionState, lease: Lease | None) -> None:
-    """Refuse a second session on ``connection`` only if its token could be confused.
-
-    The hook finds the token by connection, so the sessions (or a
-    ``fence_connection()`` block) sharing one must have the same lease bound, or none.
-    """
+    """Refuse a second session (or fence_connection() block) on ``connection`` unless it
+    has the same lease bound, or none: the hook finds the token by connection."""
     sharing: list[SessionState] | None = vars(connection).get(_SHARING)
     active: SessionState | None = vars(connection).get(_ACTIVE)
     if not sharing and (active is None or active is state):
@@ -1206,12 +1163,8 @@ _EVENTS = (
 
 
 def _async_target(target: object) -> Any:
-    """The sync-side target for an ``async_sessionmaker`` or ``AsyncSession``, else None.
-
-    An AsyncSession runs its sync Session's events: it is fenced through
-    ``.sync_session``, an async_sessionmaker through a private subclass of its
-    ``sync_session_class``. sqlalchemy.ext.asyncio is read only if imported.
-    """
+    """An AsyncSession's sync session, an async_sessionmaker itself, else None
+    (sqlalchemy.ext.asyncio is read only if imported: sync users need no greenlet)."""
     import sys
 
     ext = sys.modules.get("sqlalchemy.ext.asyncio")
@@ -1282,18 +1235,13 @@ def _check_target(target: object) -> None:
 def install(target: T) -> T:
     """Install the fenced-flush hook on a Session subclass, a sessionmaker, or one session.
 
-    Sessions covered by the hook refuse to write fenced entities unless a
-    lease is bound (:meth:`Lease.bind`) and compare the lease's token on every
-    UPDATE/DELETE of a fenced row.  Idempotent; never touches Mapper, the
-    Engine you pass around, or the bind: the session's engine stays yours
-    (the hook is routed per connection when a transaction begins).  An
-    ``async_sessionmaker`` or ``AsyncSession`` is fenced through its sync
-    session.  An Engine bind that cannot fence (not PostgreSQL with psycopg)
-    is refused here; other binds once a lease fences them.  Returns
-    ``target``.
-
-    A ``scoped_session`` (Flask-SQLAlchemy's ``db.session``) or
-    ``async_scoped_session`` is installed through its ``session_factory``.
+    Its sessions refuse to write fenced entities unless a lease is bound
+    (:meth:`Lease.bind`) and compare the lease's token on every UPDATE/DELETE of
+    a fenced row. Idempotent; the Mapper, the Engine and the bind stay yours. An
+    ``async_sessionmaker`` or ``AsyncSession`` is fenced through its sync session,
+    a ``scoped_session`` (Flask-SQLAlchemy's ``db.session``) or
+    ``async_scoped_session`` through its ``session_factory``. An Engine bind that
+    cannot fence (not PostgreSQL with psycopg) is refused here. Returns ``target``.
     """
     inner, maker = _inner_target(target)
     if maker is not None:
@@ -1346,10 +1294,8 @@ _INSTALLED = "_sa_fence_hook_installed"
 def _listeners_for(target: Target) -> tuple[tuple[str, Callable[..., Any]], ...]:
     """The (event, listener) pairs :func:`install` registers on ``target``.
 
-    A session gets listeners of its own, each calling the shared one: SQLAlchemy
-    keys its registry on ``(id(target), event, id(listener))`` and keeps dead
-    class-level targets' keys, so a session at a dead sessionmaker's address
-    listening with the shared functions failed to uninstall.
+    A session gets its own: SQLAlchemy's registry keys on ``id(listener)`` and
+    keeps dead targets' keys, so shared ones could fail to uninstall from it.
     """
     if not isinstance(target, Session):
         return _EVENTS
@@ -1378,12 +1324,8 @@ def _check_bind(bind: object) -> None:
 
 
 def is_installed(session: Session) -> bool:
-    """True when ``session`` runs the fenced-flush hook (via any target).
-
-    Reads the marker :func:`install` leaves on the session or on its class
-    (inherited by subclasses, as SQLAlchemy's class-level listeners are):
-    cheaper than walking the dispatch collection on every ``bind``.
-    """
+    """True when ``session`` runs the fenced-flush hook: the marker :func:`install` leaves
+    on it or its class (cheaper than walking the dispatch collection on every ``bind``)."""
     return bool(vars(session).get(_INSTALLED) or getattr(type(session), _INSTALLED, False))
 
 
@@ -1458,22 +1400,14 @@ def unbind(session: Session) -> None:
 def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
     """Fence a Core ``Connection``'s writes with ``lease`` inside the block.
 
-    Core UPDATE/DELETE/INSERT of fenced tables on ``conn`` are rewritten as
-    in a bound session (token compared, fence written, a stale write by
-    primary key raises :class:`StaleTokenError`).  The token is also
-    presented to database-side guards now, for the connection's current
-    transaction, and again once per later transaction before raw ``text()``
-    SQL; a guard's refusal raises :class:`StaleTokenError` (or
-    :class:`UnfencedWriteError`) instead of a driver error.  Statements sent
-    with ``exec_driver_sql`` in a transaction begun later inside the block
-    are not presented to guards: present the token there with ``text()`` SQL
-    first.  Every transaction of ``conn`` inside the block, whatever it
-    sends, commits only while ``lease`` is its name's newest grant (lease
-    scope, as for a bound session).
-
-    Presenting the token on entry begins the connection's transaction if
-    none is open: call ``conn.begin()`` before entering, or use
-    commit-as-you-go (``conn.commit()``) inside the block.
+    Core UPDATE/DELETE/INSERT of fenced tables on ``conn`` are rewritten as in
+    a bound session (a stale write by primary key raises :class:`StaleTokenError`),
+    and every transaction of ``conn`` in the block commits only while ``lease`` is
+    its name's newest grant. The token is presented to guards now and once per
+    later transaction before raw ``text()`` SQL (not before ``exec_driver_sql``:
+    send ``text()`` first); a guard's refusal raises StaleTokenError or
+    UnfencedWriteError. Presenting it on entry begins a transaction if none is
+    open: call ``conn.begin()`` first, or commit as you go (``conn.commit()``).
     """
     if not isinstance(conn, Connection):
         raise TypeError(
