@@ -323,9 +323,7 @@ def _map_guard_error(context: Any) -> None:
     _refuse_missing_fence_column(context)
     lease = state.lease
     error: FenceError | None = error_from_guard(
-        context.original_exception,
-        lease.name if lease else None,
-        lease.token if lease else None,
+        context.original_exception, lease.name if lease else None, lease.token if lease else None
     )
     if error is None and lease is not None:
         # a COMMIT the client sent itself (text("COMMIT"), PREPARE TRANSACTION) refused
@@ -594,7 +592,11 @@ def _start_query_armed(self: Any) -> Any:
             arms = None
     if not arms:
         return (yield from type(self)._start_query(self))
-    inserts = [_arm_sql(table, rows).encode() for table, rows in arms.items()]
+    inserts = [
+        f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}".encode()
+        for table, rows in arms.items()
+    ]
+
     if self.read_only:
         raise _read_only_error()
     begin = self._get_tx_start_command()
@@ -981,20 +983,16 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
             _telemetry.flush_ended(state.flush_span)
         state.flush_span = _telemetry.flush_started(state.lease)
         return
-    if state.unfenced:
-        if _writes_fenced(session):
-            try:
-                _refuse_assigned_fences(session)
-            except FenceError as exc:
-                raise state.fail(exc) from None
-            log.warning("flushing fenced objects without a lease (sa_fence.unfenced)")
-        return
-    if not (_writes_fenced(session) and _really_writes_fenced(session)):
+    if not (_writes_fenced(session) and (state.unfenced or _really_writes_fenced(session))):
         return
     try:
-        state.require_lease()
+        if state.unfenced:
+            _refuse_assigned_fences(session)
+        state.require_lease()  # (None under unfenced())
     except FenceError as exc:
         raise state.fail(exc) from None
+    if state.unfenced:
+        log.warning("flushing fenced objects without a lease (sa_fence.unfenced)")
 
 
 def _bump_base_fences(session: Session, state: SessionState, bump_keys: dict[type, str]) -> None:
@@ -1016,12 +1014,9 @@ def _after_flush_postexec(session: Session, flush_context: UOWTransaction) -> No
         return
     lease = state.lease
     bumped, state.bumped = state.bumped, []
-    if lease is None:
-        return
-    for obj in bumped:
-        key = orm_index().bump_keys[type(obj)]
-        # the row now carries the token (the flagged old value was not written)
-        set_committed_value(obj, key, lease.token)
+    if lease is not None:
+        for obj in bumped:  # the row now carries the token (the flagged value was not written)
+            set_committed_value(obj, orm_index().bump_keys[type(obj)], lease.token)
 
 
 def _do_orm_execute(orm_state: ORMExecuteState) -> None:
