@@ -434,13 +434,9 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
 
 # ------------------------------------------- arming: lease scope in PostgreSQL
 #
-# A transaction in lease scope holds one row (name, token) in sa_fence_scope,
-# whose deferred trigger checks the register at COMMIT (docs/architecture.md).
-# psycopg sends BEGIN as a message of its own before a transaction's first
-# statement (_start_query); on armed connections sa-fence's step sends
-# "BEGIN; INSERT INTO <schema>.sa_fence_scope ..." instead, no round trip (in
-# pipeline mode the INSERT is queued behind BEGIN). When BEGIN was already sent
-# or the driver is not psycopg 3, the arm is a statement of its own.
+# A transaction in lease scope holds one row (name, token) in sa_fence_scope, written by
+# its BEGIN message (docs/how-it-works.md); when BEGIN was already sent or the driver is
+# not psycopg 3, the arm is a statement of its own.
 
 #: psycopg connection attribute: {scope table: [VALUES rows]} every BEGIN carries in scope
 _ARMS = "_sa_fence_arms"
@@ -741,8 +737,8 @@ def _before_execute(
             params = [_without(p, key) for p in params]
         return elem, params, None
     token = lease.token
-    # A fence in the parameters (bulk mappings, copied row dicts, the joined-
-    # inheritance bump) is never taken: the statement sets fence = :token.
+    # a fence in the parameters (bulk mappings, row dicts, the bump) is never taken
+
     params = [{**(_without(p, key) if key in p else p), TOKEN_BIND: token} for p in params] or [
         {TOKEN_BIND: token}
     ]

@@ -86,16 +86,15 @@ def rewrite(elem: Any, fence_col: Column[Any]) -> FencedStatement:
     if fenced is not None:
         return fenced
     _refuse_caller_fence(elem, fence_col)
-    stmt = elem
-    if not isinstance(elem, Insert):
-        stmt = stmt.where(fence_predicate(fence_col, _TOKEN))
-    if not isinstance(elem, Delete):
-        stmt = _with_value(stmt, fence_col, _TOKEN_WRITTEN)
-    upsert_rows = None
     if isinstance(elem, Insert):
-        stmt, upsert_rows = _fence_upsert(stmt, fence_col)
-    pk_cols, pk_names = (None, None) if isinstance(elem, Insert) else _key_binds(elem)
-    fenced = FencedStatement(stmt, pk_cols, pk_names, upsert_rows)
+        stmt, upsert_rows = _fence_upsert(_with_value(elem, fence_col, _TOKEN_WRITTEN), fence_col)
+        fenced = FencedStatement(stmt, None, None, upsert_rows)
+    else:
+        stmt = elem.where(fence_predicate(fence_col, _TOKEN))
+        if isinstance(elem, Update):
+            stmt = _with_value(stmt, fence_col, _TOKEN_WRITTEN)
+        fenced = FencedStatement(stmt, *_key_binds(elem))
+
     with contextlib.suppress(TypeError):  # not weak-referenceable: not cached
         _rewritten[elem] = fenced
     return fenced
@@ -178,17 +177,13 @@ def _keys(mapping_keys: Any) -> set[str]:
 def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
     """Refuse a statement that sets the fence itself (one in the parameters is dropped)."""
     names = {fence_col.key, fence_col.name}
-    given: set[str] = set()
-    if getattr(elem, "_values", None):
-        given |= _keys(elem._values)
-    if getattr(elem, "_ordered_values", None):
-        given |= _keys(k for k, _ in elem._ordered_values)
+    given = _keys(getattr(elem, "_values", None) or ())
+    given |= _keys(k for k, _ in getattr(elem, "_ordered_values", None) or ())
     if isinstance(elem, Insert) and elem.select is not None:
         given |= _keys(elem._select_names)
     for rows in getattr(elem, "_multi_values", ()) or ():
-        for row in rows:
-            if isinstance(row, dict):
-                given |= _keys(row)
+        given |= _keys(k for row in rows if isinstance(row, dict) for k in row)
+
     upsert = _upsert_clause(elem)
     if upsert is not None and _keys(dict(upsert.update_values_to_set)) & names:
         raise FencingConfigError(
