@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import re
+import sys
 import types
 import typing
 import weakref
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import sqlalchemy
 from psycopg import errors, generators
 from psycopg.pq import ExecStatus, TransactionStatus
 from sqlalchemy import (
@@ -229,11 +232,11 @@ class _FencedConnection(Connection):
         return result
 
     def _execute_default(self, *args: Any, **kwargs: Any) -> Any:
-        _touch_scope(self)
+        _scope_on_begin(self)
         return super()._execute_default(*args, **kwargs)
 
     def _execute_ddl(self, *args: Any, **kwargs: Any) -> Any:
-        _touch_scope(self)
+        _scope_on_begin(self)
         return super()._execute_ddl(*args, **kwargs)
 
     def _begin_impl(self, transaction: Any) -> None:
@@ -245,15 +248,14 @@ class _FencedConnection(Connection):
         super()._commit_impl()
 
     def _rollback_impl(self) -> None:
-        _drop_scope(self)
+        if _pop_scope(self) is not None:
+            _disarm(self)  # (arms are only ever set in scope)
         super()._rollback_impl()
 
 
 def check_connection_api(cls: type) -> None:
     """Refuse a Connection class lacking (or changing) a method _FencedConnection overrides:
     an override never called would leave writes unfenced without a word."""
-    import inspect
-
     wanted = {
         "_execute_clauseelement": ["self", "elem", "distilled_parameters", "execution_options"],
         "_execute_default": None,
@@ -267,8 +269,6 @@ def check_connection_api(cls: type) -> None:
         if not callable(method) or (
             parameters is not None and list(inspect.signature(method).parameters) != parameters
         ):
-            import sqlalchemy
-
             raise ImportError(
                 f"sa-fence cannot fence connections of SQLAlchemy {sqlalchemy.__version__}: "
                 f"Connection.{name} is missing or takes other arguments than the "
@@ -279,6 +279,8 @@ def check_connection_api(cls: type) -> None:
 
 check_connection_api(Connection)
 
+#: Connection attribute: its ``after_cursor_execute`` listener counts upserted rows.
+_COUNTS_UPSERTS = "_sa_fence_counts_upserts"
 #: Connection class -> its fenced subclass (``_FencedConnection`` for Connection).
 _hooked_classes: dict[type, type] = {Connection: _FencedConnection}
 #: Dialect attribute: sa-fence's handle_error listener is attached.
@@ -316,27 +318,26 @@ def _attach(connection: Connection, state: SessionState) -> None:
 
 
 def _map_guard_error(context: Any) -> None:
-    conn = context.connection
-    state: SessionState | None = getattr(conn, _ACTIVE, None)
+    state: SessionState | None = getattr(context.connection, _ACTIVE, None)
     if state is None:
         return
     _refuse_missing_fence_column(context)
     lease = state.lease
+    orig = context.original_exception
     error: FenceError | None = error_from_guard(
-        context.original_exception, lease.name if lease else None, lease.token if lease else None
+        orig, lease.name if lease else None, lease.token if lease else None
     )
     if error is None and lease is not None:
         # a COMMIT the client sent itself (text("COMMIT"), PREPARE TRANSACTION) refused
-        error = lease_error_from_check(
-            context.original_exception, {(lease.name, lease.token): lease}
-        ) or _scope_rights_error(context.original_exception)
+        scope = {(lease.name, lease.token): lease}
+        error = lease_error_from_check(orig, scope) or _scope_rights_error(orig)
     if error is None:
         return
     if isinstance(error, UnfencedWriteError):
         _telemetry.unfenced_refused(_telemetry.GUARD)
     elif isinstance(error, StaleTokenError):
         _telemetry.stale_refused(lease, _telemetry.GUARD, error)
-    raise state.fail(error) from context.original_exception
+    raise state.fail(error) from orig
 
 
 def _refuse_missing_fence_column(context: Any) -> None:
@@ -633,14 +634,6 @@ def _scope_on_begin(conn: Connection) -> None:
         _enter_scope(conn, state.lease)
 
 
-_touch_scope = _scope_on_begin
-
-
-def _drop_scope(conn: Connection) -> None:
-    if _pop_scope(conn) is not None:
-        _disarm(conn)  # (arms are only ever set in scope)
-
-
 def _check_scope_and_commit(conn: Connection) -> None:
     """Commit ``conn``'s transaction, mapping the scope trigger's refusal to StaleTokenError;
     an interruption invalidates the connection (docs/guarantees.md)."""
@@ -787,7 +780,9 @@ def _unkeyed_pending(
         lease.name,
         expected=fenced.upsert_rows * len(params),
     )
-    _count_upserts_on(conn)
+    if not getattr(conn, _COUNTS_UPSERTS, False):  # only such a connection pays for dispatch
+        event.listen(conn, "after_cursor_execute", _count_upserted_rows)
+        setattr(conn, _COUNTS_UPSERTS, True)
     return pending
 
 
@@ -809,18 +804,6 @@ def _after_execute(conn: Connection, state: SessionState, pending: _Pending, res
     error = _stale_error(conn, pending)
     _telemetry.stale_refused(state.lease, _telemetry.ROW_FENCE, error)
     raise state.fail(error)
-
-
-#: Connection attribute: its ``after_cursor_execute`` listener counts upserted rows.
-_COUNTS_UPSERTS = "_sa_fence_counts_upserts"
-
-
-def _count_upserts_on(conn: Connection) -> None:
-    """Count ``conn``'s upserted rows from its first fenced upsert on (only such a
-    connection pays for SQLAlchemy's event dispatch)."""
-    if not getattr(conn, _COUNTS_UPSERTS, False):
-        event.listen(conn, "after_cursor_execute", _count_upserted_rows)
-        setattr(conn, _COUNTS_UPSERTS, True)
 
 
 def _count_upserted_rows(
@@ -1156,8 +1139,6 @@ _EVENTS = (
 def _async_target(target: object) -> Any:
     """An AsyncSession's sync session, an async_sessionmaker itself, else None
     (sqlalchemy.ext.asyncio is read only if imported: sync users need no greenlet)."""
-    import sys
-
     ext = sys.modules.get("sqlalchemy.ext.asyncio")
     if ext is None:
         return None
@@ -1181,8 +1162,6 @@ def _scoped_factory(target: object) -> Any:
     """The ``session_factory`` of a scoped_session / async_scoped_session, else None."""
     if isinstance(target, scoped_session):
         return target.session_factory
-    import sys
-
     ext = sys.modules.get("sqlalchemy.ext.asyncio")
     if ext is not None and isinstance(target, ext.async_scoped_session):
         return target.session_factory

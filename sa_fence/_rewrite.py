@@ -65,10 +65,8 @@ def fence_predicate(fence_col: Column[Any], token: Any) -> ColumnElement[bool]:
     """
     setting: ColumnElement[str] = literal_column(f"'{TOKEN_SETTING}'")  # rendered inline
     presented = func.set_config(setting, cast(token, Text), true())
-    # coalesce: a NULL fence (a legacy row never written under a lease) is
-    # writable, and the token is still presented for every row examined.
-    comparison: ColumnElement[bool] = func.coalesce(fence_col, 0) <= cast(presented, BigInteger)
-    return comparison
+    # coalesce: a NULL fence (a legacy row never written under a lease) is writable
+    return func.coalesce(fence_col, 0) <= cast(presented, BigInteger)
 
 
 @dataclass(slots=True)
@@ -94,7 +92,6 @@ def rewrite(elem: Any, fence_col: Column[Any]) -> FencedStatement:
         if isinstance(elem, Update):
             stmt = _with_value(stmt, fence_col, _TOKEN_WRITTEN)
         fenced = FencedStatement(stmt, *_key_binds(elem))
-
     with contextlib.suppress(TypeError):  # not weak-referenceable: not cached
         _rewritten[elem] = fenced
     return fenced
@@ -183,7 +180,6 @@ def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
         given |= _keys(elem._select_names)
     for rows in getattr(elem, "_multi_values", ()) or ():
         given |= _keys(k for row in rows if isinstance(row, dict) for k in row)
-
     upsert = _upsert_clause(elem)
     if upsert is not None and _keys(dict(upsert.update_values_to_set)) & names:
         raise FencingConfigError(
@@ -205,10 +201,9 @@ def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
 
 
 def _key_binds(elem: Update | Delete) -> tuple[list[Column[Any]] | None, list[str] | None]:
-    """The primary key columns and the binds the WHERE clause pins them to with ``=``.
+    """The primary key columns and the binds the WHERE clause pins them to with ``=``;
+    ``(None, None)`` unless every primary key column is pinned to a bind."""
 
-    ``(None, None)`` unless every primary key column is pinned to a bind.
-    """
     table: Any = elem.table._deannotate()  # the ORM's statements carry an AnnotatedTable
     pk_cols: list[Column[Any]] = list(table.primary_key.columns)
     by_column: dict[Any, str] = {}
