@@ -1,11 +1,9 @@
 """The fenced flush: session events plus a hook on each fenced connection.
 
-1. ``install(maker)`` adds session listeners (``_EVENTS``); the Engine and the
-   session's bind stay the user's.
-2. When the session begins a transaction on a Connection, that Connection's
-   class is swapped for :class:`_FencedConnection`, whose private execute,
-   begin, commit and rollback steps run sa-fence's code first (no event
-   listener is dispatched per statement).
+1. ``install(maker)`` adds session listeners (``_EVENTS``); the Engine and the bind stay.
+2. When the session begins a transaction on a Connection, its class is swapped for
+   :class:`_FencedConnection`, whose private execute, begin, commit and rollback
+   steps run sa-fence's code first (no event listener is dispatched per statement).
 3. Lease scope: the transaction's BEGIN message also writes one row to
    ``sa_fence_scope`` (:func:`_arm`), and a deferred trigger checks the lease
    register at COMMIT, whatever sends it; a refusal becomes StaleTokenError.
@@ -209,11 +207,8 @@ def present_token(conn: Connection, token: int) -> None:
 
 
 class _FencedConnection(Connection):
-    """A Connection whose statements, BEGIN, COMMIT and ROLLBACK pass sa-fence first.
-
-    A Connection's class is swapped for it (:func:`_hook_connection`); it overrides
-    the methods SQLAlchemy 2.0 and 2.1 fire the Connection events from.
-    """
+    """A Connection whose statements, BEGIN, COMMIT and ROLLBACK pass sa-fence first (its
+    class is swapped in; the methods are those SQLAlchemy 2.0/2.1 fire Connection events from)."""
 
     __slots__ = ()
 
@@ -1262,11 +1257,8 @@ _INSTALLED = "_sa_fence_hook_installed"
 
 
 def _listeners_for(target: Target) -> tuple[tuple[str, Callable[..., Any]], ...]:
-    """The (event, listener) pairs :func:`install` registers on ``target``.
-
-    A session gets its own: SQLAlchemy's registry keys on ``id(listener)`` and
-    keeps dead targets' keys, so shared ones could fail to uninstall from it.
-    """
+    """The (event, listener) pairs :func:`install` registers on ``target``; a session gets
+    its own (SQLAlchemy keeps dead targets' ``id(listener)`` keys: shared ones could clash)."""
     if not isinstance(target, Session):
         return _EVENTS
     return tuple((name, _own_listener(fn)) for name, fn in _EVENTS)

@@ -141,11 +141,10 @@ def _upsert_clause(elem: Any) -> OnConflictDoUpdate | None:
 def _fence_upsert(stmt: Any, fence_col: Column[Any]) -> tuple[Any, int | None]:
     """The DO UPDATE of an upsert also writes ``fence = :token``, where ``fence <= :token``.
 
-    Returns the statement and the rows one execution proposes: each inserts or
-    updates, so a lower row count means some were stale. None (no count check)
-    for ``INSERT ... SELECT`` and for a DO UPDATE with its own ``where=``, which
-    may skip rows on purpose (docs/statements.md). No public API edits an ON
-    CONFLICT clause: it is cloned and its two attributes replaced (2.0 and 2.1).
+    Returns it and the rows one execution proposes (each inserts or updates, so
+    fewer rows mean stale ones); None for ``INSERT ... SELECT`` and a ``where=``
+    of the caller's, which may skip rows on purpose (docs/statements.md). The ON
+    CONFLICT clause is cloned and its two attributes replaced (no public API).
     """
     clause = _upsert_clause(stmt)
     if clause is None:
