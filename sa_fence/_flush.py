@@ -1,56 +1,38 @@
 """The fenced flush: session events plus a hook on each fenced connection.
 
-How a bound session's transaction is fenced, step by step:
+1. ``install(maker)`` adds session listeners (``_EVENTS``); the Engine and the bind stay.
+2. When the session begins a transaction on a Connection, its class is swapped for
+   :class:`_FencedConnection`, whose private execute, begin, commit and rollback
+   steps run sa-fence's code first (no event listener is dispatched per statement).
+3. Lease scope: the transaction's BEGIN message also writes one row to
+   ``sa_fence_scope`` (:func:`_arm`), and a deferred trigger checks the lease
+   register at COMMIT, whatever sends it; a refusal becomes StaleTokenError.
+4. The row fence: ``before_flush`` refuses fenced writes without a lease, with
+   a released lease or with a fence assigned by hand; every fenced UPDATE,
+   DELETE and INSERT is rewritten (:mod:`sa_fence._rewrite`), and one targeted
+   by primary key (or an upsert) has its row count checked (:func:`_after_execute`).
 
-1. ``install(maker)`` adds session listeners (``_EVENTS``).  Nothing is
-   added to the Engine, and the session's bind stays the user's.
-2. When the session begins a transaction on a Connection (``after_begin``),
-   that Connection's class is swapped for a subclass,
-   :class:`_FencedConnection` (:func:`_hook_connection`), whose private
-   execute/begin/commit/rollback steps run sa-fence's code first.  Only
-   that connection's statements pass the hook, and no event listener is
-   dispatched per statement.
-3. **Lease scope (at COMMIT, in PostgreSQL).**  The transaction is *armed*
-   by its BEGIN message (one row in ``sa_fence_scope``, :func:`_arm`); a
-   deferred constraint trigger checks the lease register at COMMIT and
-   PREPARE TRANSACTION, whatever sends them, so a stale holder's
-   transaction commits nothing.  sa-fence sends the COMMIT itself
-   (:func:`_check_scope_and_commit`) only to turn a refusal into
-   :class:`StaleTokenError`.  Writes to another database are outside it,
-   and so is a session with no lease bound.
-4. **The row fence (at the flush).**  ``before_flush`` refuses, before any
-   SQL, fenced writes without a lease (:class:`UnfencedWriteError`), with a
-   released lease (:class:`LeaseLostError`) or with a fence assigned by hand
-   (:class:`FencingConfigError`), and makes a change to a joined-inheritance
-   subclass table also write the base table.  Every UPDATE, DELETE and
-   INSERT of a fenced table on the connection is rewritten
-   (:mod:`sa_fence._rewrite`) to compare ``fence <= :token`` and to write
-   ``fence = :token``; the ORM's batched executemany UPDATE stays one
-   statement.  A statement targeted by primary key (or an upsert) then has
-   its row count compared with the rows it targeted
-   (:func:`_after_execute`): fewer means a newer holder wrote one, and
-   :class:`StaleTokenError` names table, key and token.
-
-``<=`` (not ``<``) lets the same holder write one row many times.
-SQLAlchemy's ``version_id_col`` cannot be used: it compares for equality
-with the loaded version and forces one UPDATE per row.
+``<=`` lets one holder write a row many times (``version_id_col`` compares for equality).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import re
+import sys
 import types
 import typing
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import sqlalchemy
 from psycopg import errors, generators
 from psycopg.pq import ExecStatus, TransactionStatus
 from sqlalchemy import (
@@ -91,15 +73,9 @@ from ._guard import (
     quote_ident,
     quote_literal,
 )
-from ._model import (
-    fence_column_of,
-    fence_key_of,
-    is_fenced_class,
-    missing_fence_column,
-    orm_index,
-)
+from ._model import fence_column_of, fence_key_of, is_fenced_class, missing_fence_column, orm_index
 from ._register import DATABASE_ID_SQL, SCOPE_SCHEMA_SQL, SCOPE_TABLE
-from ._rewrite import TOKEN_BIND, rewrite
+from ._rewrite import TOKEN_BIND, FencedStatement, rewrite
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -137,46 +113,28 @@ class _Pending:
     pk_names: list[str]
     param_sets: Sequence[Mapping[str, Any]]
     lease_name: str
-    #: the row count the statement must report; None: one row per parameter set
-    expected: int | None = None
-    #: rows an upsert's cursor executions reported (see _count_upserted_rows)
-    counted: int = 0
+    expected: int | None = None  # the row count due; None: one row per parameter set
+    counted: int = 0  # rows an upsert's cursor executions reported
 
 
+@dataclass(slots=True, weakref_slot=True, eq=False)
 class SessionState:
     """What sa-fence keeps on one session (in ``session.info``)."""
 
-    __slots__ = (
-        "__weakref__",
-        "bumped",
-        "connections",
-        "flush_span",
-        "lease",
-        "pending",
-        "poisoned",
-        "presented_in",
-        "unfenced",
-    )
-
-    def __init__(self) -> None:
-        self.lease: Lease | None = None
-        self.unfenced = 0
-        self.poisoned: FenceError | None = None
-        self.pending: _Pending | None = None
-        self.connections: list[Connection] = []
-        # joined-inheritance objects whose base-table fence this flush bumps
-        self.bumped: list[Any] = []
-        # (transaction, token) for which raw SQL presentation already ran
-        self.presented_in: tuple[Any, int] | None = None
-        # the span of the fenced flush under way (see _telemetry.flush_started)
-        self.flush_span: Any = None
+    lease: Lease | None = None
+    unfenced: int = 0
+    poisoned: FenceError | None = None
+    pending: _Pending | None = None
+    connections: list[Connection] = field(default_factory=list)
+    bumped: list[Any] = field(default_factory=list)  # joined-inheritance objects this flush bumps
+    presented_in: tuple[Any, int] | None = None  # (transaction, token) presented for raw SQL
+    flush_span: Any = None  # the span of the fenced flush under way
 
     def require_lease(self) -> Lease | None:
         """The lease to fence with; None when the caller opted out explicitly."""
         lease = self.lease
         if lease is not None:
-            # Released, lost (renewal or extend found it gone) or, with
-            # fail_fast, past its local validity: LeaseLostError, no SQL sent.
+            # released, lost or (fail_fast) past its validity: LeaseLostError, no SQL sent
             lease.check(for_write=True)
             return lease
         if self.unfenced:
@@ -202,12 +160,8 @@ class SessionState:
             ) from self.poisoned
 
     def present_for_raw_sql(self, conn: Connection) -> None:
-        """Before raw SQL (``text()``): present the token once per transaction.
-
-        Raw SQL cannot be rewritten to carry the token, so a guard would see
-        none; one ``set_config`` per transaction (only when raw SQL runs on
-        a connection with a lease) fixes that.
-        """
+        """Before raw SQL (``text()``), which cannot carry the token: present it to guards
+        once per transaction."""
         lease = self.lease
         if lease is None or lease.released:
             return
@@ -232,7 +186,6 @@ class Marks:
 
 
 def bound_lease(session: Session) -> Lease | None:
-    """The lease bound to ``session``, or None."""
     state = _state(session)
     return None if state is None else state.lease
 
@@ -246,46 +199,25 @@ def state_for(session: Session) -> SessionState:
 
 # ----------------------------------------------------------- statement hook
 #
-# What sa-fence keeps per Connection lives on the Connection itself, as the
-# attributes below: it dies with the connection and is found without a weak
-# dictionary lookup (a Connection has a __dict__; nothing of SQLAlchemy's
-# uses these names).  Read through vars() where the object may only stand in
-# for a Connection: a Mock makes up any attribute asked for.
+# What sa-fence keeps per Connection lives in the Connection's own __dict__
+# (read through vars() where a Mock may stand in for one: it makes up attributes).
 
-#: Connection attribute: the fenced session (or fence_connection() block)
-#: whose transaction runs on it.
+#: the fenced session (or fence_connection() block) whose transaction runs on it
 _ACTIVE = "_sa_fence_active"
-#: Connection attribute: the installed sessions whose transactions run on it,
-#: in the order they began (``Session(bind=other.connection())`` puts two on
-#: one).  The newest is the active one; when it ends, the one before takes over.
+#: the installed sessions whose transactions run on it, oldest first (the newest is active)
 _SHARING = "_sa_fence_sharing"
-#: Connection attribute: the leases whose register rows its transaction's
-#: COMMIT must find unchanged, keyed by (name, token).  Set while a bound
-#: session or a fenced connection uses it; dropped when its transaction
-#: commits or rolls back (so it outlives a session joined to an outer
-#: transaction).
+#: {(name, token): lease} its transaction's COMMIT checks; dropped when the transaction ends
 _SCOPE = "_sa_fence_scope"
 
 
 def present_token(conn: Connection, token: int) -> None:
-    """Present ``token`` to guards for the rest of ``conn``'s transaction (one round trip)."""
+    """Present ``token`` to guards for the rest of ``conn``'s transaction."""
     conn.execute(select(func.set_config(literal(TOKEN_SETTING), literal(str(token)), true())))
 
 
 class _FencedConnection(Connection):
-    """A Connection whose statements, BEGIN, COMMIT and ROLLBACK pass sa-fence first.
-
-    Not made by anyone: the class of each Connection an installed session
-    begins a transaction on is swapped for it (:func:`_hook_connection`), so
-    the connection keeps its engine, its listeners and its identity, and only
-    its own statements pass the hook.  Each step here calls the module's
-    function by name (tests replace them) and then SQLAlchemy's own.  No
-    event listener is involved: SQLAlchemy's event dispatch on every
-    statement and transaction of a connection with listeners was most of
-    what the hook cost (docs/benchmarks.md).  The private methods overridden
-    are the ones SQLAlchemy 2.0 and 2.1 fire the matching Connection events
-    from.
-    """
+    """A Connection whose statements, BEGIN, COMMIT and ROLLBACK pass sa-fence first (its
+    class is swapped in; the methods are those SQLAlchemy 2.0/2.1 fire Connection events from)."""
 
     __slots__ = ()
 
@@ -304,11 +236,11 @@ class _FencedConnection(Connection):
         return result
 
     def _execute_default(self, *args: Any, **kwargs: Any) -> Any:
-        _touch_scope(self)
+        _scope_on_begin(self)
         return super()._execute_default(*args, **kwargs)
 
     def _execute_ddl(self, *args: Any, **kwargs: Any) -> Any:
-        _touch_scope(self)
+        _scope_on_begin(self)
         return super()._execute_ddl(*args, **kwargs)
 
     def _begin_impl(self, transaction: Any) -> None:
@@ -320,16 +252,14 @@ class _FencedConnection(Connection):
         super()._commit_impl()
 
     def _rollback_impl(self) -> None:
-        _drop_scope(self)
+        if _pop_scope(self) is not None:
+            _disarm(self)  # (arms are only ever set in scope)
         super()._rollback_impl()
 
 
 def check_connection_api(cls: type) -> None:
-    """Refuse a SQLAlchemy whose Connection lacks a private method
-    :class:`_FencedConnection` overrides (or takes other arguments): an
-    override that is never called would leave writes unfenced without a word."""
-    import inspect
-
+    """Refuse a Connection class lacking (or changing) a method _FencedConnection overrides:
+    an override never called would leave writes unfenced without a word."""
     wanted = {
         "_execute_clauseelement": ["self", "elem", "distilled_parameters", "execution_options"],
         "_execute_default": None,
@@ -343,8 +273,6 @@ def check_connection_api(cls: type) -> None:
         if not callable(method) or (
             parameters is not None and list(inspect.signature(method).parameters) != parameters
         ):
-            import sqlalchemy
-
             raise ImportError(
                 f"sa-fence cannot fence connections of SQLAlchemy {sqlalchemy.__version__}: "
                 f"Connection.{name} is missing or takes other arguments than the "
@@ -355,18 +283,17 @@ def check_connection_api(cls: type) -> None:
 
 check_connection_api(Connection)
 
+#: Connection attribute: its ``after_cursor_execute`` listener counts upserted rows.
+_COUNTS_UPSERTS = "_sa_fence_counts_upserts"
 #: Connection class -> its fenced subclass (``_FencedConnection`` for Connection).
 _hooked_classes: dict[type, type] = {Connection: _FencedConnection}
+#: Dialect attribute: sa-fence's handle_error listener is attached.
+_GUARD_ERRORS = "_sa_fence_maps_guard_errors"
 
 
 def _hook_connection(connection: Connection) -> None:
-    """Route ``connection``'s statements and transaction ends through sa-fence.
-
-    Its class becomes a subclass adding sa-fence's steps (``__slots__ = ()``:
-    the same layout, so the swap is allowed); a subclass of Connection of the
-    user's gets a fenced subclass of its own.  The dialect's error hook is
-    attached once per dialect.
-    """
+    """Swap ``connection``'s class for a fenced subclass (the same layout: ``__slots__ = ()``);
+    ``handle_error`` is a Dialect event: attached once per dialect."""
     cls = type(connection)
     hooked = _hooked_classes.get(cls)
     if hooked is None:
@@ -374,79 +301,51 @@ def _hook_connection(connection: Connection) -> None:
             f"Fenced{cls.__name__}", (_FencedConnection, cls), {"__slots__": ()}
         )
     connection.__class__ = hooked
-    if not getattr(connection.dialect, _GUARD_ERRORS, False):
-        _listen_for_guard_errors(connection.dialect)
+    dialect = connection.dialect
+    if not getattr(dialect, _GUARD_ERRORS, False):
+        if not event.contains(dialect, "handle_error", _map_guard_error):
+            event.listen(dialect, "handle_error", _map_guard_error)
+        setattr(dialect, _GUARD_ERRORS, True)
 
 
 def is_hooked(connection: object) -> bool:
-    """Whether ``connection``'s statements pass sa-fence's hook."""
     return isinstance(connection, _FencedConnection)
 
 
 def _attach(connection: Connection, state: SessionState) -> None:
-    """Route ``connection``'s statements through the hook on behalf of ``state``.
-
-    The dialect is checked only where a lease fences the connection (a bound
-    session's begin, ``lease.bind()``, ``fence_connection()``): until then an
-    installed session works on any connection as without sa-fence.  Something
-    that only stands in for a Connection (a test's mock) is not routed.
-    """
+    """Route ``connection``'s statements through the hook on behalf of ``state``
+    (a test's Mock(spec=Connection) only claims to be a Connection: not routed)."""
     vars(connection)[_ACTIVE] = state
-    cls = type(connection)  # (a Mock(spec=Connection) only claims to be a Connection)
+    cls = type(connection)
     if not issubclass(cls, _FencedConnection) and issubclass(cls, Connection):
         _hook_connection(connection)
 
 
-#: Dialect attribute: sa-fence's handle_error listener is attached.
-_GUARD_ERRORS = "_sa_fence_maps_guard_errors"
-
-
-def _listen_for_guard_errors(dialect: Any) -> None:
-    """Map the guard's SQLSTATEs to sa-fence errors on connections sa-fence fences.
-
-    Since SQLAlchemy 2.0 ``handle_error`` is a Dialect event: it cannot be
-    attached to one Connection.  So it is attached, once and lazily, to the
-    dialect, and acts only on connections a fenced session or
-    :func:`fence_connection` is using; every other connection's errors pass
-    through untouched.
-    """
-    if not event.contains(dialect, "handle_error", _map_guard_error):
-        event.listen(dialect, "handle_error", _map_guard_error)
-    setattr(dialect, _GUARD_ERRORS, True)
-
-
 def _map_guard_error(context: Any) -> None:
-    conn = context.connection
-    state: SessionState | None = getattr(conn, _ACTIVE, None)
+    state: SessionState | None = getattr(context.connection, _ACTIVE, None)
     if state is None:
         return
     _refuse_missing_fence_column(context)
     lease = state.lease
+    orig = context.original_exception
     error: FenceError | None = error_from_guard(
-        context.original_exception,
-        lease.name if lease else None,
-        lease.token if lease else None,
+        orig, lease.name if lease else None, lease.token if lease else None
     )
     if error is None and lease is not None:
-        # a COMMIT the client sent itself (text("COMMIT"), PREPARE TRANSACTION)
-        # refused by the scope trigger
-        error = lease_error_from_check(
-            context.original_exception, {(lease.name, lease.token): lease}
-        )
-    if error is None and lease is not None:
-        error = _scope_rights_error(context.original_exception)
+        # a COMMIT the client sent itself (text("COMMIT"), PREPARE TRANSACTION) refused
+        scope = {(lease.name, lease.token): lease}
+        error = lease_error_from_check(orig, scope) or _scope_rights_error(orig)
     if error is None:
         return
     if isinstance(error, UnfencedWriteError):
         _telemetry.unfenced_refused(_telemetry.GUARD)
     elif isinstance(error, StaleTokenError):
         _telemetry.stale_refused(lease, _telemetry.GUARD, error)
-    raise state.fail(error) from context.original_exception
+    raise state.fail(error) from orig
 
 
 def _refuse_missing_fence_column(context: Any) -> None:
-    """A fenced model whose table lacks its fence column: say so, not "column
-    jobs.fence does not exist" with the whole statement."""
+    """A fenced model's table lacks its fence column: say how to add it."""
     compiled = getattr(context.execution_context, "compiled", None)
     missing = missing_fence_column(context.original_exception, getattr(compiled, "statement", None))
     if missing is None:
@@ -469,7 +368,8 @@ def _refuse_missing_fence_column(context: Any) -> None:
 
 
 def _scope_rights_error(orig: BaseException) -> FencingConfigError | None:
-    """The role may not arm its transaction (or the trigger may not clean up): a set-up mistake."""
+    """The role may not write the scope table: a set-up mistake."""
+
     if getattr(orig, "sqlstate", None) != "42501" or SCOPE_TABLE not in str(orig):
         return None
     return FencingConfigError(
@@ -484,7 +384,7 @@ def _scope_rights_error(orig: BaseException) -> FencingConfigError | None:
 
 
 def in_scope(conn: Connection, lease: Lease) -> bool:
-    """Whether ``conn``'s transaction checks ``lease`` at COMMIT (is lease-scoped for it)."""
+    """Whether ``conn``'s transaction checks ``lease`` at COMMIT."""
     scope = vars(conn).get(_SCOPE)
     return scope is not None and (lease.name, lease.token) in scope
 
@@ -500,14 +400,8 @@ _database_ids: weakref.WeakKeyDictionary[Any, tuple[Any, ...] | None] = weakref.
 
 
 def _same_database(conn: Connection, lease: Lease) -> bool:
-    """Whether ``conn`` writes to the database that holds ``lease``'s register.
-
-    Equal URLs decide at once; otherwise (another host name, a socket, a
-    pooler) the cluster identifier and database name are read once per
-    engine, on this connection with no events, and compared with the
-    Fencer's.  When either is unknown, lease scope applies (a register
-    missing there makes the COMMIT fail loudly, never pass silently).
-    """
+    """Whether ``conn`` writes to the database of ``lease``'s register: equal URLs, or the
+    same cluster id and database name (read once per engine); unknown: in scope."""
     fencer_engine: Any = lease.fencer.engine
     a, b = conn.engine.url, fencer_engine.url
     if (a.host, a.port, a.database) == (b.host, b.port, b.database):
@@ -520,25 +414,15 @@ def _same_database(conn: Connection, lease: Lease) -> bool:
 
 
 def _read_database_id(conn: Connection) -> tuple[Any, ...] | None:
-    dbapi_conn: Any = conn.connection.dbapi_connection
     try:
-        cursor = dbapi_conn.cursor()
-        try:
-            cursor.execute(DATABASE_ID_SQL)
-            row = cursor.fetchone()
-        finally:
-            cursor.close()
+        row = _run(conn, DATABASE_ID_SQL, fetch=True)
     except Exception:
         return None
     return None if row is None else tuple(row)
 
 
 def _enter_scope(conn: Connection, lease: Lease) -> None:
-    """Make ``conn``'s transaction commit only while ``lease`` is its name's newest grant.
-
-    The transaction is *armed* (:func:`_arm`): PostgreSQL itself then checks
-    the register at COMMIT and PREPARE TRANSACTION, whatever sends them.
-    """
+    """Make ``conn``'s transaction commit only while ``lease`` is its name's newest grant."""
     scope = vars(conn).get(_SCOPE)
     if scope is not None and (lease.name, lease.token) in scope:
         if not _PSYCOPG_BEGIN_HOOK:
@@ -555,30 +439,16 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
 
 # ------------------------------------------- arming: lease scope in PostgreSQL
 #
-# A transaction in lease scope holds one row (lease name, token) in the
-# UNLOGGED table sa_fence_scope; the deferred constraint trigger on it
-# (sa_fence._register) checks the register at COMMIT / PREPARE TRANSACTION
-# and deletes the row.  The row is written by the transaction's BEGIN message:
-# psycopg sends BEGIN as a message of its own before a transaction's first
-# statement (BaseConnection._start_query), and sa-fence replaces that step on
-# the connections it arms so that the message is ``BEGIN; INSERT INTO
-# <schema>.sa_fence_scope ...`` (one simple-protocol message, no round trip,
-# whatever the first statement is; in psycopg's pipeline mode, executemany,
-# the INSERT is queued behind BEGIN).  Every BEGIN psycopg sends while the
-# connection is in scope carries the arm, so a transaction begun after a
-# COMMIT the client sent itself (text("COMMIT"), the DBAPI's commit()) is
-# armed too.  When BEGIN has already been sent (a session joining an outer
-# transaction, a lease bound mid-transaction) or the driver is not psycopg 3,
-# the arm is its own statement: one round trip.
+# A transaction in lease scope holds one row (name, token) in sa_fence_scope, written by
+# its BEGIN message (docs/how-it-works.md); when BEGIN was already sent or the driver is
+# not psycopg 3, the arm is a statement of its own.
 
-#: Attribute on a psycopg connection: {scope table: [arm VALUES rows]} that
-#: every BEGIN sa-fence's _start_query sends carries, while in scope.
+#: psycopg connection attribute: {scope table: [VALUES rows]} every BEGIN carries in scope
 _ARMS = "_sa_fence_arms"
-#: Attribute on a psycopg connection: sa-fence's _start_query is installed.
+#: psycopg connection attribute: sa-fence's _start_query is installed
 _ARMED_START = "_start_query"
-#: Attribute on a psycopg connection: weakref to the SQLAlchemy Connection
-#: whose lease scope the arms belong to (they are dropped once it is gone or
-#: out of scope, so they never outlive it, e.g. into another pool user).
+#: psycopg connection attribute: weakref to the Connection the arms belong to (they never
+#: outlive its scope, e.g. into another pool user)
 _ARMS_OWNER = "_sa_fence_arms_owner"
 
 #: (Engine, Register) -> the scope table's schema-qualified name there.
@@ -586,12 +456,8 @@ _scope_tables: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyD
 
 
 def _scope_table(conn: Connection, lease: Lease) -> str:
-    """The scope table of ``lease``'s register, schema-qualified.
-
-    A register named without a schema lives in the first schema of the
-    search path that has one (as unqualified names resolve); that schema is
-    looked up once per engine, never in ``pg_temp``, so a ``TEMP TABLE
-    sa_fence_scope`` cannot swallow the arm.
+    """The scope table of ``lease``'s register, schema-qualified (without a schema: the
+    search path's, looked up once per engine, never ``pg_temp``, which could swallow the arm).
     """
     register = lease.fencer.token_source.register
     if register.schema is not None:
@@ -614,11 +480,7 @@ def _scope_table(conn: Connection, lease: Lease) -> str:
 
 def _run(conn: Connection, sql: str, *, fetch: bool = False) -> Any:
     """Send ``sql`` on ``conn``'s DBAPI connection (no events); the first row if ``fetch``.
-
-    An interruption (KeyboardInterrupt, cancellation, a signal handler's
-    exception) while it is under way leaves the connection's state unknown:
-    it is invalidated, never handed back to the pool.
-    """
+    An interruption leaves the connection's state unknown: it is invalidated."""
     dbapi_conn: Any = conn.connection.dbapi_connection
     cursor = dbapi_conn.cursor()
     try:
@@ -655,7 +517,6 @@ def _arm(conn: Connection, lease: Lease) -> None:
     table = _scope_table(conn, lease)
     row = _arm_row(lease.name, lease.token)
     if _PSYCOPG_BEGIN_HOOK and hasattr(driver, "_get_tx_start_command"):  # psycopg 3
-        # every later BEGIN on this connection carries it, while in scope
         owner = driver.__dict__.get(_ARMS_OWNER)
         if owner is None or owner() is not conn:
             driver.__dict__[_ARMS] = {}
@@ -666,25 +527,22 @@ def _arm(conn: Connection, lease: Lease) -> None:
             driver._start_query = types.MethodType(_start_query_armed, driver)
         if driver.pgconn.transaction_status == _IDLE:
             return  # not begun: it travels in this transaction's BEGIN
-    _run(conn, f"INSERT INTO {table} (name, token) VALUES {row}")
+    _run(conn, _arm_sql(table, [row]))
+
+
+def _arm_sql(table: str, rows: list[str]) -> str:
+    return f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}"
 
 
 def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> None:
-    """Without the BEGIN hook: re-arm a transaction the client ended itself.
-
-    After a COMMIT sent as SQL, the next statement begins a new transaction
-    that no BEGIN of sa-fence's carries the arm in; the driver says the
-    connection is idle, so the arm is sent first (one round trip).  Only
-    statements that pass SQLAlchemy's statement hook get here.
-    """
+    """Without the BEGIN hook: re-arm, first, a transaction begun after a COMMIT sent as SQL."""
     driver: Any = conn.connection.driver_connection
     info = getattr(driver, "info", None)
     if info is None or getattr(driver, "autocommit", False):
         return
     if info.transaction_status == TransactionStatus.IDLE:
         for lease in scope.values():
-            row = _arm_row(lease.name, lease.token)
-            _run(conn, f"INSERT INTO {_scope_table(conn, lease)} (name, token) VALUES {row}")
+            _run(conn, _arm_sql(_scope_table(conn, lease), [_arm_row(lease.name, lease.token)]))
 
 
 def _read_only_error() -> FencingConfigError:
@@ -700,20 +558,14 @@ def _read_only_error() -> FencingConfigError:
 def _disarm(conn: Connection) -> None:
     """The transaction ended: later BEGINs on this connection carry no arm."""
     with contextlib.suppress(Exception):
-        fairy = conn.connection
-        driver: Any = fairy.driver_connection
+        driver: Any = conn.connection.driver_connection
         if driver is not None:
             driver.__dict__.pop(_ARMS, None)
 
 
 def _psycopg_begin_hook() -> bool:
-    """Whether psycopg has the internals :func:`_start_query_armed` replaces.
-
-    ``BaseConnection._start_query`` (sends BEGIN before a transaction's first
-    statement), ``_get_tx_start_command`` and ``_exec_command``; the test
-    suite pins them (tests/test_scope_trigger.py).  Without them every arm
-    is its own statement (one round trip).
-    """
+    """Whether psycopg has the internals :func:`_start_query_armed` uses (pinned by
+    tests/test_scope_trigger.py); without them every arm is its own statement."""
     try:
         from psycopg._connection_base import BaseConnection
     except ImportError:
@@ -729,11 +581,7 @@ _IDLE = TransactionStatus.IDLE
 
 
 def _start_query_armed(self: Any) -> Any:
-    """psycopg's ``_start_query`` with the arm in the BEGIN message (a generator).
-
-    Installed on one psycopg connection; psycopg runs it before every
-    statement and it sends something only when psycopg would send BEGIN.
-    """
+    """psycopg's ``_start_query`` (run before every statement) with the arm in BEGIN."""
     if self._autocommit or self.pgconn.transaction_status != _IDLE:
         return None  # as psycopg's step; in a transaction: armed when it began
     arms = self.__dict__.get(_ARMS)
@@ -749,6 +597,7 @@ def _start_query_armed(self: Any) -> Any:
         f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}".encode()
         for table, rows in arms.items()
     ]
+
     if self.read_only:
         raise _read_only_error()
     begin = self._get_tx_start_command()
@@ -770,11 +619,7 @@ _CHAIN = re.compile(r"\b(COMMIT|END|ROLLBACK|ABORT)\b[^;]*\bAND\s+CHAIN\b", re.I
 
 
 def _refuse_chain(sql: str) -> None:
-    """Refuse ``COMMIT AND CHAIN`` (and ROLLBACK/END/ABORT ... AND CHAIN) in lease scope.
-
-    PostgreSQL begins the chained transaction itself, so no BEGIN carries
-    the arm: that transaction would commit without the register check.
-    """
+    """Refuse ``COMMIT AND CHAIN`` (and the like): no BEGIN would arm the chained transaction."""
     if "chain" in sql.lower() and _CHAIN.search(sql):
         raise FencingConfigError(
             "this statement ends the transaction AND CHAIN: PostgreSQL would begin the "
@@ -786,37 +631,16 @@ def _refuse_chain(sql: str) -> None:
 
 
 def _scope_on_begin(conn: Connection) -> None:
-    """A transaction begins (or driver SQL, a DDL or a default runs) on a connection
-    fenced for a lease: scope it now.
-
-    Without this, a transaction begun inside ``fence_connection()`` after a
-    commit, writing only driver SQL, would commit unchecked.
-    """
+    """A transaction begins (or driver SQL, a DDL or a default runs) on a fenced
+    connection: scope it now (else driver SQL after a commit would commit unchecked)."""
     state: SessionState | None = getattr(conn, _ACTIVE, None)
     if state is not None and state.lease is not None:
         _enter_scope(conn, state.lease)
 
 
-_touch_scope = _scope_on_begin
-
-
-def _drop_scope(conn: Connection) -> None:
-    if _pop_scope(conn) is not None:
-        _disarm(conn)  # (arms are only ever set in scope)
-
-
 def _check_scope_and_commit(conn: Connection) -> None:
-    """Commit ``conn``'s transaction, mapping a refusal of lease scope to StaleTokenError.
-
-    The check itself runs inside PostgreSQL, at COMMIT (the scope trigger):
-    sa-fence sends ``COMMIT`` here only to turn a refusal into a
-    :class:`StaleTokenError` and to end the transaction cleanly.  When the
-    trigger refuses, nothing is committed; the DBAPI's own commit that
-    SQLAlchemy sends next finds no transaction and does nothing.  Any other
-    interruption (KeyboardInterrupt, asyncio cancellation, a signal handler's
-    exception) invalidates the connection before SQLAlchemy can return it to
-    its pool (docs/guarantees.md, "An interrupted commit never reaches the pool broken").
-    """
+    """Commit ``conn``'s transaction, mapping the scope trigger's refusal to StaleTokenError;
+    an interruption invalidates the connection (docs/guarantees.md)."""
     scope: dict[tuple[str, int], Lease] | None = vars(conn).pop(_SCOPE, None)
     if scope is None:
         return
@@ -846,9 +670,7 @@ def _commit_in_scope(conn: Connection, dbapi_conn: Any, scope: dict[Any, Lease])
     try:
         _send_commit(dbapi_conn)
     except dialect.loaded_dbapi.Error as exc:
-        # End the transaction as a failed COMMIT would have; SQLAlchemy
-        # will not roll back a transaction whose commit failed before
-        # handing the connection back to its pool.
+        # SQLAlchemy will not roll back a transaction whose commit failed
         try:
             dbapi_conn.rollback()
         except Exception:  # a lost connection: SQLAlchemy sees the
@@ -868,21 +690,16 @@ def _commit_in_scope(conn: Connection, dbapi_conn: Any, scope: dict[Any, Lease])
 
 
 def _send_commit(dbapi_conn: Any) -> None:
-    """Send the COMMIT (a test seam: the interruption tests make it wait in the server).
-
-    The driver's own ``commit()``: through a cursor it took 30 Python calls more.
-    """
+    """Send the COMMIT (a test seam); the driver's ``commit()``: 30 calls less than a cursor."""
     dbapi_conn.commit()
 
 
 def _before_execute(
     conn: Connection, state: SessionState, elem: Any, params: Sequence[Mapping[str, Any]]
 ) -> tuple[Any, Sequence[Mapping[str, Any]], _Pending | None]:
-    """A statement on a fenced connection, before it is sent: what to send instead.
-
-    Returns the statement, its parameter sets and, for a statement whose row
-    count tells a stale write apart, what :func:`_after_execute` checks.
-    """
+    """A statement on a fenced connection, before it is sent: the statement and parameter
+    sets to send instead and, when its row count tells a stale write apart, what
+    :func:`_after_execute` checks."""
     lease = state.lease
     if lease is not None:
         scope = getattr(conn, _SCOPE, None)
@@ -916,51 +733,60 @@ def _before_execute(
             params = [_without(p, key) for p in params]
         return elem, params, None
     token = lease.token
-    # A fence in the parameters (bulk mappings, copied row dicts, the joined-
-    # inheritance bump) is never taken: the statement sets fence = :token.
+    # a fence in the parameters (bulk mappings, row dicts, the bump) is never taken
+
     params = [{**(_without(p, key) if key in p else p), TOKEN_BIND: token} for p in params] or [
         {TOKEN_BIND: token}
     ]
-    pending = None
-    if fenced.pk_names is not None and fenced.pk_cols is not None:
-        first = params[0]
-        for name in fenced.pk_names:
-            if name not in first:
-                break
-        else:
-            pending = _Pending(
-                fenced.statement,
-                fence_col.table,
-                token,
-                fenced.pk_cols,
-                fenced.pk_names,
-                params,
-                lease.name,
-            )
-    elif fenced.upsert_rows is not None:
-        # each proposed row inserts or updates: fewer than proposed were skipped as stale
-        pending = state.pending = _Pending(
-            fenced.statement,
-            fence_col.table,
-            token,
-            list(fence_col.table.primary_key.columns),
-            [],
-            params,
-            lease.name,
-            expected=fenced.upsert_rows * len(params),
-        )
-        _count_upserts_on(conn)
-    elif len(params) > 1 and not isinstance(elem, Insert):
+    pk_names = fenced.pk_names
+    if pk_names is None or fenced.pk_cols is None:
+        if fenced.upsert_rows is None and (len(params) == 1 or isinstance(elem, Insert)):
+            return fenced.statement, params, None
+        pending = _unkeyed_pending(conn, state, fenced, fence_col.table, params, lease)
+        return fenced.statement, params, pending
+    for name in pk_names:
+        if name not in params[0]:
+            return fenced.statement, params, None
+    table = fence_col.table
+    pending = _Pending(fenced.statement, table, token, fenced.pk_cols, pk_names, params, lease.name)
+    return fenced.statement, params, pending
+
+
+def _unkeyed_pending(
+    conn: Connection,
+    state: SessionState,
+    fenced: FencedStatement,
+    table: Table,
+    params: Sequence[Mapping[str, Any]],
+    lease: Lease,
+) -> _Pending:
+    """An upsert's row count check; an executemany UPDATE or DELETE not by key is refused."""
+    elem = fenced.statement
+    if fenced.upsert_rows is None:
         raise state.fail(
             FencingConfigError(
                 f"an executemany {'UPDATE' if isinstance(elem, Update) else 'DELETE'} of fenced "
-                f"table {fence_col.table.name!r} whose WHERE clause does not pin every primary "
+                f"table {table.name!r} whose WHERE clause does not pin every primary "
                 "key column with `column == bindparam(...)`: a stale row could be skipped "
                 "without anyone noticing. Target rows by primary key, or send one statement "
                 "per parameter set. Nothing was sent."
             )
         )
-    return fenced.statement, params, pending
+    # each proposed row inserts or updates: fewer than proposed were skipped as stale
+    pending = state.pending = _Pending(
+        elem,
+        table,
+        lease.token,
+        list(table.primary_key.columns),
+        [],
+        params,
+        lease.name,
+        expected=fenced.upsert_rows * len(params),
+    )
+    if not getattr(conn, _COUNTS_UPSERTS, False):  # only such a connection pays for dispatch
+        event.listen(conn, "after_cursor_execute", _count_upserted_rows)
+        setattr(conn, _COUNTS_UPSERTS, True)
+    return pending
 
 
 def _without(params: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -974,48 +800,20 @@ def _after_execute(conn: Connection, state: SessionState, pending: _Pending, res
     if pending.expected is None:
         if result.rowcount == len(pending.param_sets):
             return
-        error = _stale_error(conn, pending, pending.statement)
     else:
         state.pending = None
         if pending.counted == pending.expected:
             return
-        error = _stale_upsert_error(conn, pending)
+    error = _stale_error(conn, pending)
     _telemetry.stale_refused(state.lease, _telemetry.ROW_FENCE, error)
     raise state.fail(error)
 
 
-#: Connection attribute: its ``after_cursor_execute`` listener counts upserted rows.
-_COUNTS_UPSERTS = "_sa_fence_counts_upserts"
-
-
-def _count_upserts_on(conn: Connection) -> None:
-    """Listen for ``conn``'s cursor executions, from its first fenced upsert on.
-
-    Only an upsert's row count needs the cursor's own (see
-    :func:`_count_upserted_rows`), so only a connection that sends one pays
-    for SQLAlchemy's event dispatch.
-    """
-    if not getattr(conn, _COUNTS_UPSERTS, False):
-        event.listen(conn, "after_cursor_execute", _count_upserted_rows)
-        setattr(conn, _COUNTS_UPSERTS, True)
-
-
 def _count_upserted_rows(
-    conn: Connection,
-    cursor: Any,
-    statement: str,
-    parameters: Any,
-    context: Any,
-    executemany: bool,
+    conn: Connection, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
 ) -> None:
-    """Add up the rows a fenced upsert's cursor executions report.
-
-    SQLAlchemy closes an INSERT's cursor before its result is returned, so
-    ``result.rowcount`` is -1 there unless the caller asked for
-    ``preserve_rowcount`` (which, for an "insertmanyvalues" executemany,
-    counts the rows sent, not those written); the cursor's own count is read
-    here instead, once per execution (such an executemany runs several).
-    """
+    """Add up the rows a fenced upsert's cursor executions report (``result.rowcount`` is
+    -1 for an INSERT, or with ``preserve_rowcount`` and insertmanyvalues the rows sent)."""
     state: SessionState | None = getattr(conn, _ACTIVE, None)
     if state is None:
         return
@@ -1029,29 +827,39 @@ def _count_upserted_rows(
         pending.counted += max(cursor.rowcount, 0)
 
 
-def _stale_upsert_error(conn: Connection, p: _Pending) -> StaleTokenError:
-    """Name the rows a fenced upsert skipped: those that now carry a newer fence (failure path).
-
-    The proposed primary keys are read from the parameters and the
-    statement's own VALUES where they are there; otherwise (a key the
-    server generates, a conflict on another unique column) the rows are
-    reported as unknown.
-    """
+def _stale_error(conn: Connection, p: _Pending) -> StaleTokenError:
+    """Find which targeted rows carry a newer fence (failure path only); an upsert's keys
+    come from its parameters and VALUES (a key the server generates is unknown)."""
+    if p.expected is None:
+        pks = [tuple(ps[n] for n in p.pk_names) for ps in p.param_sets]
+    else:
+        pks = _proposed_keys(p)
     fence_col = fence_column_of(p.table)
     assert fence_col is not None
-    pks = _proposed_keys(p)
     found: dict[tuple[Any, ...], int] = {}
     if pks:
         query = select(*p.pk_cols, fence_col).where(tuple_(*p.pk_cols).in_(pks))
         for row in conn.execute(query).all():
             found[tuple(row[: len(p.pk_cols)])] = row[-1]
-    stale = [pk for pk in pks if pk in found and found[pk] > p.token]
+    if p.expected is not None:
+        statement = "UPSERT"
+        stale = [pk for pk in pks if pk in found and found[pk] > p.token]
+    else:
+        is_delete = isinstance(p.statement, Delete)
+        statement = "DELETE" if is_delete else "UPDATE"
+        # A DELETE has already removed the rows it matched: missing now, but not stale.
+        stale = [
+            pk
+            for pk in pks
+            if (found.get(pk) is not None and found[pk] > p.token)
+            or (found.get(pk) is None and not is_delete)
+        ] or pks
     return StaleTokenError(
         table=p.table.fullname,
-        statement="UPSERT",
+        statement=statement,
         token=p.token,
         primary_keys=stale,
-        current_fences=[found[pk] for pk in stale],
+        current_fences=[found.get(pk) for pk in stale],
         lease_name=p.lease_name,
     )
 
@@ -1059,12 +867,13 @@ def _stale_upsert_error(conn: Connection, p: _Pending) -> StaleTokenError:
 def _proposed_keys(p: _Pending) -> list[tuple[Any, ...]]:
     """The primary keys an upsert proposed, where the parameters or VALUES carry them."""
     keys = [c.key for c in p.pk_cols]
-    stmt_rows: list[dict[str, Any]] = []
     stmt: Any = p.statement
-    for rows in getattr(stmt, "_multi_values", ()) or ():
-        stmt_rows.extend(_named_values(row) for row in rows if isinstance(row, dict))
-    if not stmt_rows:
-        stmt_rows = [_named_values(getattr(stmt, "_values", None) or {})]
+    stmt_rows = [
+        _named_values(row)
+        for rows in getattr(stmt, "_multi_values", ()) or ()
+        for row in rows
+        if isinstance(row, dict)
+    ] or [_named_values(getattr(stmt, "_values", None) or {})]
     proposed: list[tuple[Any, ...]] = []
     for params in p.param_sets:
         for row in stmt_rows:
@@ -1086,34 +895,6 @@ def _named_values(values: Any) -> dict[str, Any]:
     return named
 
 
-def _stale_error(conn: Connection, p: _Pending, elem: Any) -> StaleTokenError:
-    """Find which targeted rows carry a newer fence (failure path only)."""
-    pks = [tuple(ps[n] for n in p.pk_names) for ps in p.param_sets]
-    fence_col = fence_column_of(p.table)
-    assert fence_col is not None
-    found: dict[tuple[Any, ...], int] = {}
-    rows = conn.execute(select(*p.pk_cols, fence_col).where(tuple_(*p.pk_cols).in_(pks))).all()
-    for row in rows:
-        found[tuple(row[: len(p.pk_cols)])] = row[-1]
-    is_delete = isinstance(elem, Delete)
-    # A DELETE has already removed the rows it matched: those are missing now
-    # but were not stale.  Only rows still present with a newer fence are.
-    stale = [
-        pk
-        for pk in pks
-        if (found.get(pk) is not None and found[pk] > p.token)
-        or (found.get(pk) is None and not is_delete)
-    ] or pks
-    return StaleTokenError(
-        table=p.table.fullname,
-        statement="DELETE" if is_delete else "UPDATE",
-        token=p.token,
-        primary_keys=stale,
-        current_fences=[found.get(pk) for pk in stale],
-        lease_name=p.lease_name,
-    )
-
-
 # ------------------------------------------------------------- session events
 
 
@@ -1125,11 +906,9 @@ def _writes_fenced(session: Session) -> bool:
 
 def _really_writes_fenced(session: Session) -> bool:
     """Like _writes_fenced, ignoring objects whose changes net out (error path only)."""
-    for obj in chain(session.new, session.deleted):
-        if is_fenced_class(type(obj)):
-            return True
-    # collections count: an appended or removed many-to-many member writes an
-    # association row of this fenced entity
+    if any(is_fenced_class(type(obj)) for obj in chain(session.new, session.deleted)):
+        return True
+    # collections count: a many-to-many member added or removed writes an association row
     return any(
         is_fenced_class(type(obj)) and session.is_modified(obj, include_collections=True)
         for obj in session.dirty
@@ -1137,21 +916,11 @@ def _really_writes_fenced(session: Session) -> bool:
 
 
 def _refuse_assigned_fences(session: Session) -> None:
-    """A fence the caller assigned on a new or loaded object is refused before any SQL.
+    """Refuse, before any SQL, a fence assigned on a new or loaded object (the hook would
+    drop it silently); bulk mappings carry it as data and have it dropped (docs/statements.md)."""
 
-    The statement hook would drop the value anyway (the fence is written from
-    the token), but silently: ``job.fence = 10**12`` looked like it worked.
-    An assignment shows as the attribute's committed (pre-change) value in
-    ``committed_state``; a value set back to what it was is no change.
-    ``Session.merge`` does not copy a loaded fence (see ``_FenceProperty``),
-    so only a fence assigned on the detached object reaches here through it.
-    Bulk mappings (``session.execute(update(Job), [...])``,
-    ``bulk_update_mappings``) carry the fence as data, not as an assignment,
-    and keep having it dropped (docs/statements.md).
-    """
-    # The states Session.new and Session.dirty are built from, read directly:
-    # building those IdentitySets cost 5x this loop (0.4 against 0.08 us per
-    # changed object, measured on 1,000), on the hot path of every flush.
+    # Session._new and identity_map._modified read directly: building the
+    # Session.new and .dirty IdentitySets cost 5x this loop on every flush.
     keys: dict[Any, str | None] = {}
     deleted = session._deleted
     for obj_state in chain(session._new, session.identity_map._modified):
@@ -1183,10 +952,7 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
     state = session.info.get(_STATE_KEY) or state_for(session)
     if state.poisoned is not None:
         state.check_not_poisoned("flush")
-    if state.lease is not None:
-        # The hot path: the statement hook fences.  Refuse a fence assigned by
-        # hand, and ask the lease whether it may still write (released, lost,
-        # or past its local validity with fail_fast): no SQL sent.
+    if state.lease is not None:  # the hot path: the statement hook fences
         try:
             _refuse_assigned_fences(session)
             state.require_lease()
@@ -1199,31 +965,21 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
             _telemetry.flush_ended(state.flush_span)
         state.flush_span = _telemetry.flush_started(state.lease)
         return
-    if state.unfenced:
-        if _writes_fenced(session):
-            try:
-                _refuse_assigned_fences(session)
-            except FenceError as exc:
-                raise state.fail(exc) from None
-            log.warning("flushing fenced objects without a lease (sa_fence.unfenced)")
-        return
-    if not (_writes_fenced(session) and _really_writes_fenced(session)):
+    if not (_writes_fenced(session) and (state.unfenced or _really_writes_fenced(session))):
         return
     try:
-        state.require_lease()
+        if state.unfenced:
+            _refuse_assigned_fences(session)
+        state.require_lease()  # (None under unfenced())
     except FenceError as exc:
         raise state.fail(exc) from None
+    if state.unfenced:
+        log.warning("flushing fenced objects without a lease (sa_fence.unfenced)")
 
 
 def _bump_base_fences(session: Session, state: SessionState, bump_keys: dict[type, str]) -> None:
-    """Joined inheritance: a change to a subclass table alone still fences the row.
-
-    The ORM updates only the tables whose columns changed, so a subclass-only
-    change would send no statement to the base table that carries the fence.
-    Flagging the fence attribute makes the ORM include the base table; the
-    statement hook then compares the fence and sets it to the token (the
-    flagged value itself is never written).
-    """
+    """Joined inheritance: flag the fence so a subclass-only change also updates (and fences)
+    the base table (the flagged value itself is never written)."""
     for obj in session.dirty:
         key = bump_keys.get(type(obj))
         if key is not None and session.is_modified(obj, include_collections=False):
@@ -1240,12 +996,9 @@ def _after_flush_postexec(session: Session, flush_context: UOWTransaction) -> No
         return
     lease = state.lease
     bumped, state.bumped = state.bumped, []
-    if lease is None:
-        return
-    for obj in bumped:
-        key = orm_index().bump_keys[type(obj)]
-        # the row now carries the token (the flagged old value was not written)
-        set_committed_value(obj, key, lease.token)
+    if lease is not None:
+        for obj in bumped:  # the row now carries the token (the flagged value was not written)
+            set_committed_value(obj, orm_index().bump_keys[type(obj)], lease.token)
 
 
 def _do_orm_execute(orm_state: ORMExecuteState) -> None:
@@ -1267,13 +1020,11 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
         raise state.fail(exc) from None
     if lease is None:
         return
-    by_primary_key = isinstance(orm_state.parameters, list)
-    # 'evaluate' would copy the new values onto in-session objects whose rows
-    # were skipped as newer; 'fetch' (RETURNING) reports the rows the fenced
-    # statement really changed.
+    # 'evaluate' would copy the new values onto objects whose rows were skipped
+    # as newer; 'fetch' (RETURNING) reports the rows the statement really changed.
     if (
         (stmt.is_update or stmt.is_delete)
-        and not by_primary_key
+        and not isinstance(orm_state.parameters, list)  # (a list: by primary key)
         and orm_state.execution_options.get("synchronize_session", "auto") is not False
     ):
         orm_state.update_execution_options(synchronize_session="fetch")
@@ -1314,15 +1065,8 @@ def _lease_id(lease: Lease | None) -> tuple[str, int] | None:
 
 
 def _refuse_confusable(connection: Connection, state: SessionState, lease: Lease | None) -> None:
-    """Refuse a second session on ``connection`` only if its token could be confused.
-
-    The statement hook finds the token to carry by connection, so sessions
-    (or a ``fence_connection()`` block) sharing one must agree on it: the
-    same lease bound, or none bound anywhere (then nothing carries a token
-    and they work as in SQLAlchemy).  One bound and one not would let the
-    unbound one's statements carry the other's token, or refuse the bound
-    one's as unfenced.
-    """
+    """Refuse a second session (or fence_connection() block) on ``connection`` unless it
+    has the same lease bound, or none: the hook finds the token by connection."""
     sharing: list[SessionState] | None = vars(connection).get(_SHARING)
     active: SessionState | None = vars(connection).get(_ACTIVE)
     if not sharing and (active is None or active is state):
@@ -1363,7 +1107,7 @@ def _before_commit(session: Session) -> None:
 
 
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
-    # (.parent without its call: this runs for the flush's subtransaction too)
+    # (._parent, not .parent's call: this runs for the flush's subtransaction too)
     if transaction._parent is None:
         state: SessionState | None = session.info.get(_STATE_KEY)
         if state is not None:
@@ -1379,8 +1123,7 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
                     sharing.remove(state)
                 if not sharing:
                     attrs.pop(_SHARING, None)
-                if attrs.get(_ACTIVE) is state:
-                    # another session's transaction may still run on it
+                if attrs.get(_ACTIVE) is state:  # another session's transaction may still run
                     attrs[_ACTIVE] = sharing[-1] if sharing else None
             state.connections.clear()
 
@@ -1397,17 +1140,8 @@ _EVENTS = (
 
 
 def _async_target(target: object) -> Any:
-    """The sync-side target for an ``async_sessionmaker`` or ``AsyncSession``, else None.
-
-    ``AsyncSession`` runs its sync ``Session``'s events, so the one flush hook
-    serves both: an ``AsyncSession`` is fenced through ``.sync_session``, and
-    an ``async_sessionmaker`` through a private subclass of its
-    ``sync_session_class`` (never the user's class, never ``Session`` itself).
-    sqlalchemy.ext.asyncio is looked at only if already imported: sync users
-    do not need greenlet.
-    """
-    import sys
-
+    """An AsyncSession's sync session, an async_sessionmaker itself, else None
+    (sqlalchemy.ext.asyncio is read only if imported: sync users need no greenlet)."""
     ext = sys.modules.get("sqlalchemy.ext.asyncio")
     if ext is None:
         return None
@@ -1431,12 +1165,17 @@ def _scoped_factory(target: object) -> Any:
     """The ``session_factory`` of a scoped_session / async_scoped_session, else None."""
     if isinstance(target, scoped_session):
         return target.session_factory
-    import sys
-
     ext = sys.modules.get("sqlalchemy.ext.asyncio")
     if ext is not None and isinstance(target, ext.async_scoped_session):
         return target.session_factory
     return None
+
+
+def _inner_target(target: object) -> tuple[Any, Any]:
+    """(what a scoped session or an AsyncSession is fenced through, an async_sessionmaker)."""
+    factory = _scoped_factory(target)
+    inner = factory if factory is not None else _async_target(target)
+    return (None, inner) if inner is target else (inner, None)
 
 
 def _fenced_sync_class(maker: Any) -> type[Session]:
@@ -1469,69 +1208,56 @@ def _check_target(target: object) -> None:
 def install(target: T) -> T:
     """Install the fenced-flush hook on a Session subclass, a sessionmaker, or one session.
 
-    Sessions covered by the hook refuse to write fenced entities unless a
-    lease is bound (:meth:`Lease.bind`) and compare the lease's token on every
-    UPDATE/DELETE of a fenced row.  Idempotent; never touches Mapper, the
-    Engine you pass around, or the bind: the session's engine stays yours
-    (the hook is routed per connection when a transaction begins).  An
-    ``async_sessionmaker`` or ``AsyncSession`` is fenced through its sync
-    session.  An Engine bind that cannot fence (not PostgreSQL with psycopg)
-    is refused here; other binds once a lease fences them.  Returns
-    ``target``.
-
-    A ``scoped_session`` (Flask-SQLAlchemy's ``db.session``) or
-    ``async_scoped_session`` is installed through its ``session_factory``.
+    Its sessions refuse to write fenced entities unless a lease is bound
+    (:meth:`Lease.bind`) and compare the lease's token on every UPDATE/DELETE of
+    a fenced row. Idempotent; the Mapper, the Engine and the bind stay yours. An
+    ``async_sessionmaker`` or ``AsyncSession`` is fenced through its sync session,
+    a ``scoped_session`` (Flask-SQLAlchemy's ``db.session``) or
+    ``async_scoped_session`` through its ``session_factory``. An Engine bind that
+    cannot fence (not PostgreSQL with psycopg) is refused here. Returns ``target``.
     """
-    factory = _scoped_factory(target)
-    if factory is not None:
-        install(factory)
-        return target
-    sync_target = _async_target(target)
-    if isinstance(sync_target, Session):
-        install(sync_target)
-        return target
-    if sync_target is not None:  # an async_sessionmaker
-        _check_bind(sync_target.kw.get("bind"))
-        install(_fenced_sync_class(sync_target))
-        return target
-    _check_target(target)
-    plain = typing.cast("Target", target)  # _check_target() passed: no scoped session
-    _check_bind(
-        plain.kw.get("bind") if isinstance(plain, sessionmaker) else getattr(plain, "bind", None)
-    )
-    holder = _hook_holder(plain)
-    if not vars(holder).get(_INSTALLED):
-        listeners = _listeners_for(plain)
-        for name, fn in listeners:
-            event.listen(target, name, fn)
-        setattr(holder, _INSTALLED, listeners)  # what uninstall() removes
+    inner, maker = _inner_target(target)
+    if maker is not None:
+        _check_bind(maker.kw.get("bind"))
+        install(_fenced_sync_class(maker))
+    elif inner is not None:
+        install(inner)
+    else:
+        _check_target(target)
+        plain = typing.cast("Target", target)  # _check_target() passed: no scoped session
+        _check_bind(
+            plain.kw.get("bind")
+            if isinstance(plain, sessionmaker)
+            else getattr(plain, "bind", None)
+        )
+        holder = _hook_holder(plain)
+        if not vars(holder).get(_INSTALLED):
+            listeners = _listeners_for(plain)
+            for name, fn in listeners:
+                event.listen(target, name, fn)
+            setattr(holder, _INSTALLED, listeners)  # what uninstall() removes
     return target
 
 
 def uninstall(target: T) -> T:
     """Remove what :func:`install` added to ``target``.  Idempotent."""
-    factory = _scoped_factory(target)
-    if factory is not None:
-        uninstall(factory)
-        return target
-    sync_target = _async_target(target)
-    if isinstance(sync_target, Session):
-        uninstall(sync_target)
-        return target
-    if sync_target is not None:  # an async_sessionmaker
-        current = sync_target.kw.get("sync_session_class")
+    inner, maker = _inner_target(target)
+    if maker is not None:
+        current = maker.kw.get("sync_session_class")
         if current is not None and vars(current).get(_SYNC_CLASS):
             uninstall(current)
-            sync_target.configure(sync_session_class=vars(current)[_SYNC_CLASS])
-        return target
-    _check_target(target)
-    plain = typing.cast("Target", target)  # _check_target() passed: no scoped session
-    holder = _hook_holder(plain)
-    listeners = vars(holder).get(_INSTALLED)
-    if listeners:
-        for name, fn in listeners:
-            event.remove(target, name, fn)
-        delattr(holder, _INSTALLED)
+            maker.configure(sync_session_class=vars(current)[_SYNC_CLASS])
+
+    elif inner is not None:
+        uninstall(inner)
+    else:
+        _check_target(target)
+        holder = _hook_holder(typing.cast("Target", target))
+        listeners = vars(holder).get(_INSTALLED)
+        if listeners:
+            for name, fn in listeners:
+                event.remove(target, name, fn)
+            delattr(holder, _INSTALLED)
     return target
 
 
@@ -1539,18 +1265,8 @@ _INSTALLED = "_sa_fence_hook_installed"
 
 
 def _listeners_for(target: Target) -> tuple[tuple[str, Callable[..., Any]], ...]:
-    """The (event, listener) pairs :func:`install` registers on ``target``.
-
-    A session gets listeners of its own, each calling the shared one.  Why:
-    SQLAlchemy keys its listener registry on ``(id(target), event,
-    id(listener))`` and keeps the keys of class-level listeners after their
-    target is collected.  A sessionmaker installed and then dropped leaves
-    such keys behind; a session later allocated at its address, listening
-    with the same functions, shared those keys, and removing its listeners
-    (``uninstall(session)``) failed inside SQLAlchemy.  A listener made for
-    the session, alive as long as the session holds it, cannot have the id of
-    a shared function.
-    """
+    """The (event, listener) pairs :func:`install` registers on ``target``; a session gets
+    its own (SQLAlchemy keeps dead targets' ``id(listener)`` keys: shared ones could clash)."""
     if not isinstance(target, Session):
         return _EVENTS
     return tuple((name, _own_listener(fn)) for name, fn in _EVENTS)
@@ -1564,36 +1280,22 @@ def _own_listener(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _hook_holder(target: Target) -> Any:
-    """The object whose own ``__dict__`` records that the hook is installed.
-
-    Not ``event.contains()``: SQLAlchemy keys its listener registry on
-    ``id(target)`` and keeps class-level entries after the class is collected,
-    so a new sessionmaker whose generated class reuses a dead one's address
-    "contains" the hook without having it (and ``install`` skipped it).
-    """
+    """The object whose own ``__dict__`` records the install (not ``event.contains()``:
+    SQLAlchemy's registry keys on ``id(target)``, and a dead class's address is reused)."""
     return target.class_ if isinstance(target, sessionmaker) else target
 
 
 def _check_bind(bind: object) -> None:
-    """Refuse, at install time, an Engine or AsyncEngine bind sa-fence cannot fence through.
-
-    The bind itself is left as it is: the session's engine stays the user's
-    (the hook is routed per connection, see :func:`_hook_connection`).
-    Other binds (none, a Connection, ``binds=`` maps) are checked per
-    connection once a lease fences it.
-    """
+    """Refuse an Engine or AsyncEngine bind sa-fence cannot fence through, at install time
+    (other binds are checked per connection once a lease fences it)."""
     engine = getattr(bind, "sync_engine", bind)  # an AsyncEngine's sync Engine
     if isinstance(engine, Engine):
         check_dialect(engine.dialect)
 
 
 def is_installed(session: Session) -> bool:
-    """True when ``session`` runs the fenced-flush hook (via any target).
-
-    Reads the marker :func:`install` leaves on the session or on its class
-    (inherited by subclasses, as SQLAlchemy's class-level listeners are):
-    cheaper than walking the dispatch collection on every ``bind``.
-    """
+    """True when ``session`` runs the fenced-flush hook: the marker :func:`install` leaves
+    on it or its class (cheaper than walking the dispatch collection on every ``bind``)."""
     return bool(vars(session).get(_INSTALLED) or getattr(type(session), _INSTALLED, False))
 
 
@@ -1668,22 +1370,14 @@ def unbind(session: Session) -> None:
 def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
     """Fence a Core ``Connection``'s writes with ``lease`` inside the block.
 
-    Core UPDATE/DELETE/INSERT of fenced tables on ``conn`` are rewritten as
-    in a bound session (token compared, fence written, a stale write by
-    primary key raises :class:`StaleTokenError`).  The token is also
-    presented to database-side guards now, for the connection's current
-    transaction, and again once per later transaction before raw ``text()``
-    SQL; a guard's refusal raises :class:`StaleTokenError` (or
-    :class:`UnfencedWriteError`) instead of a driver error.  Statements sent
-    with ``exec_driver_sql`` in a transaction begun later inside the block
-    are not presented to guards: present the token there with ``text()`` SQL
-    first.  Every transaction of ``conn`` inside the block, whatever it
-    sends, commits only while ``lease`` is its name's newest grant (lease
-    scope, as for a bound session).
-
-    Presenting the token on entry begins the connection's transaction if
-    none is open: call ``conn.begin()`` before entering, or use
-    commit-as-you-go (``conn.commit()``) inside the block.
+    Core UPDATE/DELETE/INSERT of fenced tables on ``conn`` are rewritten as in
+    a bound session (a stale write by primary key raises :class:`StaleTokenError`),
+    and every transaction of ``conn`` in the block commits only while ``lease`` is
+    its name's newest grant. The token is presented to guards now and once per
+    later transaction before raw ``text()`` SQL (not before ``exec_driver_sql``:
+    send ``text()`` first); a guard's refusal raises StaleTokenError or
+    UnfencedWriteError. Presenting it on entry begins a transaction if none is
+    open: call ``conn.begin()`` first, or commit as you go (``conn.commit()``).
     """
     if not isinstance(conn, Connection):
         raise TypeError(

@@ -1,29 +1,18 @@
 """Statement rewriting: how a fenced table's DML carries the token.
 
-Given an UPDATE, DELETE or INSERT of a table with a fence column,
-:func:`rewrite` returns the statement sa-fence sends instead (built once
-per original statement and cached; the token travels as the bound
-parameter ``sa_fence_token``):
+:func:`rewrite` turns an UPDATE, DELETE or INSERT of a table with a fence
+column into the statement sa-fence sends (cached per original statement; the
+token travels as the bind ``sa_fence_token``):
 
-* UPDATE and DELETE get ``AND coalesce(fence, 0) <= :token`` (the
-  comparison also presents the token to a database-side guard, see
-  :func:`fence_predicate`);
-* UPDATE and INSERT set ``fence = CAST(:token AS BIGINT)`` (an expression,
-  so the ORM expires ``obj.fence`` and reloads the row's token);
-* ``INSERT ... ON CONFLICT DO UPDATE`` compares and writes in its DO UPDATE
-  too (:func:`_fence_upsert`);
-* a statement that sets the fence itself is refused
-  (:func:`_refuse_caller_fence`).
+* UPDATE and DELETE get ``AND coalesce(fence, 0) <= :token``
+  (:func:`fence_predicate`, which also presents the token to a guard);
+* UPDATE and INSERT set ``fence = CAST(:token AS BIGINT)``;
+* ``INSERT ... ON CONFLICT DO UPDATE`` compares and writes in its DO UPDATE too;
+* a statement that sets the fence itself is refused.
 
-It also finds the primary key binds of the WHERE clause
-(:func:`_key_binds`), so that the statement hook can compare the row count
-with the number of rows targeted.  Nothing here touches a connection.
-
-For example ``rewrite(update(jobs).where(jobs.c.id == bindparam("id")),
-jobs.c.fence)`` gives ``UPDATE jobs SET ..., fence=CAST(:sa_fence_token AS
-BIGINT) WHERE jobs.id = :id AND coalesce(jobs.fence, 0) <=
-CAST(set_config('sa_fence.token', ...) AS BIGINT)`` with ``pk_names ==
-["id"]``.
+It also finds the primary key binds of the WHERE clause, so that the
+statement hook can compare the row count with the rows targeted. Nothing
+here touches a connection.
 """
 
 from __future__ import annotations
@@ -61,33 +50,23 @@ TOKEN_BIND = "sa_fence_token"
 _rewritten: weakref.WeakKeyDictionary[Any, FencedStatement] = weakref.WeakKeyDictionary()
 
 _TOKEN = bindparam(TOKEN_BIND, type_=BigInteger)
-#: The value written to the fence: an expression, not a bare bind, so that the
-#: ORM counts the column as set by the server and expires ``obj.fence`` after
-#: the INSERT or UPDATE (read next, it loads the token the row now carries).
-#: A bare bind would leave the object showing the value it had before, e.g. 0
-#: or None with ``expire_on_commit=False`` (SQLModel, FastAPI, asyncio).
+#: An expression, not a bare bind: the ORM then expires ``obj.fence`` after the write, so it
+#: reads back the token (a bare bind would leave 0 or None with expire_on_commit=False).
 _TOKEN_WRITTEN = cast(_TOKEN, BigInteger)
 
 
 def fence_predicate(fence_col: Column[Any], token: Any) -> ColumnElement[bool]:
     """The comparison every fenced UPDATE/DELETE carries: ``fence <= :token``.
 
-    The token is compared through ``set_config('sa_fence.token', :token, true)``,
-    which returns it and also presents it to a database-side guard
-    (:mod:`sa_fence._guard`) for the rest of the transaction: the same
-    statement, no extra round trip, whether or not the table has a guard.  The
-    comparison cannot be true without the token having been presented, so
-    the guard sees it for every row the statement writes (the ORM's DELETE
-    needs this: a BEFORE DELETE trigger has no NEW row to read the token
-    from).  On a table without a guard it costs one function call per row
-    the statement examines, computed in the server.
+    The token goes through ``set_config('sa_fence.token', :token, true)``, which
+    returns it and presents it to a guard (:mod:`sa_fence._guard`) for every row
+    the statement writes, in the same statement (a BEFORE DELETE trigger has no
+    NEW row to read the token from).
     """
     setting: ColumnElement[str] = literal_column(f"'{TOKEN_SETTING}'")  # rendered inline
     presented = func.set_config(setting, cast(token, Text), true())
-    # coalesce: a NULL fence (a legacy row never written under a lease) is
-    # writable, and the token is still presented for every row examined.
-    comparison: ColumnElement[bool] = func.coalesce(fence_col, 0) <= cast(presented, BigInteger)
-    return comparison
+    # coalesce: a NULL fence (a legacy row never written under a lease) is writable
+    return func.coalesce(fence_col, 0) <= cast(presented, BigInteger)
 
 
 @dataclass(slots=True)
@@ -95,12 +74,9 @@ class FencedStatement:
     """A fenced table's DML statement as sa-fence sends it (built once, cached)."""
 
     statement: Any
-    #: primary key columns and the bind names that target them (None: not by key)
-    pk_cols: list[Column[Any]] | None
-    pk_names: list[str] | None
-    #: an upsert whose row count is checked: the rows one execution proposes
-    #: (VALUES rows); None: not such an upsert (see :func:`_fence_upsert`)
-    upsert_rows: int | None = None
+    pk_cols: list[Column[Any]] | None  # None: not targeted by primary key
+    pk_names: list[str] | None  # the bind names that target pk_cols
+    upsert_rows: int | None = None  # the rows one execution of a checked upsert proposes
 
 
 def rewrite(elem: Any, fence_col: Column[Any]) -> FencedStatement:
@@ -108,28 +84,22 @@ def rewrite(elem: Any, fence_col: Column[Any]) -> FencedStatement:
     if fenced is not None:
         return fenced
     _refuse_caller_fence(elem, fence_col)
-    stmt = elem
-    if not isinstance(elem, Insert):
-        stmt = stmt.where(fence_predicate(fence_col, _TOKEN))
-    if not isinstance(elem, Delete):
-        stmt = _with_value(stmt, fence_col, _TOKEN_WRITTEN)
-    upsert_rows = None
     if isinstance(elem, Insert):
-        stmt, upsert_rows = _fence_upsert(stmt, fence_col)
-    pk_cols, pk_names = (None, None) if isinstance(elem, Insert) else _key_binds(elem)
-    fenced = FencedStatement(stmt, pk_cols, pk_names, upsert_rows)
+        stmt, upsert_rows = _fence_upsert(_with_value(elem, fence_col, _TOKEN_WRITTEN), fence_col)
+        fenced = FencedStatement(stmt, None, None, upsert_rows)
+    else:
+        stmt = elem.where(fence_predicate(fence_col, _TOKEN))
+        if isinstance(elem, Update):
+            stmt = _with_value(stmt, fence_col, _TOKEN_WRITTEN)
+        fenced = FencedStatement(stmt, *_key_binds(elem))
     with contextlib.suppress(TypeError):  # not weak-referenceable: not cached
         _rewritten[elem] = fenced
     return fenced
 
 
 def _with_value(stmt: Any, column: Column[Any], value: Any) -> Any:
-    """``stmt`` also setting ``column = value``: ``ordered_values()``, multi-row VALUES and
-    ``INSERT ... SELECT`` included.
-
-    ``values()`` refuses a statement with ordered values, so such a statement
-    is cloned and the pair appended (SQLAlchemy's own attribute: 2.1 keeps the
-    order flag beside ``_values``, 2.0 keeps ``_ordered_values``).
+    """``stmt`` also setting ``column = value`` (``values()`` refuses ordered values, so
+    those statements are cloned: 2.0 keeps ``_ordered_values``, 2.1 a flag beside ``_values``).
     """
     if getattr(stmt, "_ordered_values", None):  # SQLAlchemy 2.0
         clone = stmt._generate()
@@ -158,39 +128,23 @@ def _with_value(stmt: Any, column: Column[Any], value: Any) -> Any:
 
 
 def _row_with(row: Any, table: Any, column: Column[Any], value: Any) -> dict[Any, Any]:
-    """One row of a multi-row VALUES (a mapping, or a tuple in column order) plus ``column``."""
     if isinstance(row, dict):
         return {**row, column.key: value}
     return {**dict(zip(table.columns, row, strict=False)), column: value}
 
 
 def _upsert_clause(elem: Any) -> OnConflictDoUpdate | None:
-    """The ``ON CONFLICT ... DO UPDATE`` clause of a PostgreSQL INSERT, else None."""
     clause = getattr(elem, "_post_values_clause", None)
     return clause if isinstance(clause, OnConflictDoUpdate) else None
 
 
 def _fence_upsert(stmt: Any, fence_col: Column[Any]) -> tuple[Any, int | None]:
-    """Fence an ``INSERT ... ON CONFLICT DO UPDATE``: the DO UPDATE compares and writes.
+    """The DO UPDATE of an upsert also writes ``fence = :token``, where ``fence <= :token``.
 
-    The INSERT part already writes ``fence = :token`` (the caller did that);
-    here the DO UPDATE's SET gets ``fence = :token`` too and its WHERE
-    ``coalesce(fence, 0) <= :token`` (ANDed with the caller's own ``where=``),
-    so a proposed row that conflicts with a row a newer holder wrote updates
-    nothing.  The comparison presents the token to a guard trigger as the
-    flush's does, before the trigger runs on the UPDATE.
-
-    Returns the statement and the number of rows one execution proposes
-    when its row count tells a stale upsert apart: every proposed row either
-    inserts or updates, so fewer rows than proposed means the fence skipped
-    some.  None (no count check) for ``INSERT ... SELECT`` (the number of
-    rows is unknown) and for a DO UPDATE with a ``where=`` of its own, which
-    may skip rows on purpose: such an upsert skips rows with a newer fence
-    silently, as a criteria-based UPDATE does (docs/statements.md).
-
-    No public API edits an existing statement's ON CONFLICT clause, so the
-    clause is cloned and its two attributes replaced (SQLAlchemy's
-    PostgreSQL ``Insert`` internals, the same in 2.0 and 2.1).
+    Returns it and the rows one execution proposes (each inserts or updates, so
+    fewer rows mean stale ones); None for ``INSERT ... SELECT`` and a ``where=``
+    of the caller's, which may skip rows on purpose (docs/statements.md). The ON
+    CONFLICT clause is cloned and its two attributes replaced (no public API).
     """
     clause = _upsert_clause(stmt)
     if clause is None:
@@ -206,13 +160,10 @@ def _fence_upsert(stmt: Any, fence_col: Column[Any]) -> tuple[Any, int | None]:
     fenced.update_whereclause = predicate if own_where is None else and_(own_where, predicate)
     out = stmt._generate()
     out._post_values_clause = fenced
-    rows: int | None
     if own_where is not None or getattr(stmt, "select", None) is not None:
-        rows = None
-    else:
-        multi = getattr(stmt, "_multi_values", ()) or ()
-        rows = len(multi[0]) if multi else 1
-    return out, rows
+        return out, None
+    multi = getattr(stmt, "_multi_values", ()) or ()
+    return out, len(multi[0]) if multi else 1
 
 
 def _keys(mapping_keys: Any) -> set[str]:
@@ -220,23 +171,14 @@ def _keys(mapping_keys: Any) -> set[str]:
 
 
 def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
-    """A statement that writes the fence column itself is refused before it is sent.
-
-    Values in *parameters* are dropped instead (see _before_execute): ORM
-    bulk mappings and copied row dicts carry the fence as data.
-    """
+    """Refuse a statement that sets the fence itself (one in the parameters is dropped)."""
     names = {fence_col.key, fence_col.name}
-    given: set[str] = set()
-    if getattr(elem, "_values", None):
-        given |= _keys(elem._values)
-    if getattr(elem, "_ordered_values", None):
-        given |= _keys(k for k, _ in elem._ordered_values)
+    given = _keys(getattr(elem, "_values", None) or ())
+    given |= _keys(k for k, _ in getattr(elem, "_ordered_values", None) or ())
     if isinstance(elem, Insert) and elem.select is not None:
         given |= _keys(elem._select_names)
     for rows in getattr(elem, "_multi_values", ()) or ():
-        for row in rows:
-            if isinstance(row, dict):
-                given |= _keys(row)
+        given |= _keys(k for row in rows if isinstance(row, dict) for k in row)
     upsert = _upsert_clause(elem)
     if upsert is not None and _keys(dict(upsert.update_values_to_set)) & names:
         raise FencingConfigError(
@@ -258,13 +200,9 @@ def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
 
 
 def _key_binds(elem: Update | Delete) -> tuple[list[Column[Any]] | None, list[str] | None]:
-    """The primary key columns and the names of the binds the WHERE clause targets them by.
+    """The primary key columns and the binds the WHERE clause pins them to with ``=``;
+    ``(None, None)`` unless every primary key column is pinned to a bind."""
 
-    Found in the statement itself, so the ORM flush (``jobs.id = :jobs_id``),
-    ORM bulk by primary key and Core statements with any bind names all get
-    their row counts checked.  ``(None, None)`` when the WHERE clause does not
-    pin every primary key column to a bind parameter with ``=``.
-    """
     table: Any = elem.table._deannotate()  # the ORM's statements carry an AnnotatedTable
     pk_cols: list[Column[Any]] = list(table.primary_key.columns)
     by_column: dict[Any, str] = {}
