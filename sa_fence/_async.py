@@ -63,19 +63,15 @@ def _cancel_quietly(task: asyncio.Task[Any]) -> None:
         task.cancel()
 
 
-async def _renew(ref: weakref.ref[AsyncLease], at: float) -> None:
+async def _renew(ref: weakref.ref[AsyncLease], at: float | None) -> None:
     """One lease's renewal task, holding it weakly: a dropped lease expires in Redis."""
-    while True:
+    while at is not None:
         delay = at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        lease = ref()
-        if lease is None:
+        if (lease := ref()) is None:
             return
-        next_at = await greenlet_spawn(steps.renew, lease)  # (it never raises)
-        if next_at is None:
-            return
-        at = next_at
+        at = await greenlet_spawn(steps.renew, lease)  # (it never raises)
         del lease
 
 

@@ -72,20 +72,6 @@ class _Sequence:
     count: int = 0
 
 
-def _sync_session(session: object) -> Session:
-    if isinstance(session, scoped_session):
-        session = session()
-    sync = getattr(session, "sync_session", None)  # an AsyncSession
-    if isinstance(sync, Session):
-        session = sync
-    if not isinstance(session, Session):
-        raise TypeError(
-            "side_effect() takes a sqlalchemy Session (or scoped_session) bound to a lease, "
-            f"and side_effect_async() an AsyncSession; got {type(session).__name__}"
-        )
-    return session
-
-
 def _check_task(task: object, kwargs: dict[str, Any]) -> None:
     try:
         from procrastinate.tasks import Task
@@ -208,10 +194,17 @@ def side_effect(
     :func:`side_effect_async`.
     """
     _check_task(task, task_kwargs)
-    sync = _sync_session(session)
-    if sync is not session and not isinstance(session, scoped_session):
+    sync: Any = session() if isinstance(session, scoped_session) else session
+    if isinstance(getattr(sync, "sync_session", None), Session):  # an AsyncSession
+        if sync is session:
+            raise TypeError(
+                "side_effect() got an AsyncSession: use `await sa_fence.side_effect_async(...)`"
+            )
+        sync = sync.sync_session
+    if not isinstance(sync, Session):
         raise TypeError(
-            "side_effect() got an AsyncSession: use `await sa_fence.side_effect_async(...)`"
+            "side_effect() takes a sqlalchemy Session (or scoped_session) bound to a lease, "
+            f"and side_effect_async() an AsyncSession; got {type(sync).__name__}"
         )
     lease = _bound_lease(sync)
     conn = sync.connection()  # begins the transaction: lease scope is entered here
