@@ -6,12 +6,10 @@
         (await session.get(Job, 1)).result = "done"
         await session.commit()        # StaleTokenError if a newer holder wrote
 
-The API of ``Fencer``/``Lease`` (a test compares the signatures) and the same
-lifecycle, run in SQLAlchemy's greenlet bridge.  What differs, because asyncio
-can cancel at any ``await``: a cancelled acquire removes what it may have set
-in Redis (owner-checked, shielded) first; a release runs its delete shielded
-and marks the lease released only once Redis answered; renewal is one task
-per renewed lease, holding it weakly.
+The API of ``Fencer``/``Lease`` and the same lifecycle, run in SQLAlchemy's
+greenlet bridge.  Because asyncio can cancel at any ``await``, a cancelled acquire
+removes what it may have set in Redis first, and a release runs shielded; renewal
+is one task per renewed lease, holding it weakly.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from sqlalchemy.util import await_only, greenlet_spawn
 from . import _lifecycle as steps
 from . import _prune, _telemetry
 from ._dialect import check_dialect
+from ._flush import bind_lease
 from ._lifecycle import BaseLease, FencerCore
 from ._redis_client import probe_speaks
 from .errors import FencingConfigError, LeaseBackendError
@@ -53,42 +52,26 @@ AsyncOnLost = Callable[["AsyncLease"], object]
 RENEWAL_TASK_NAME = "sa-fence-renew"
 
 
-def check_async_engine(engine: object) -> AsyncEngine:
-    if isinstance(engine, Engine):
-        raise FencingConfigError(
-            "AsyncFencer takes a sqlalchemy AsyncEngine (create_async_engine("
-            "'postgresql+psycopg_async://...')); for a sync Engine use sa_fence.Fencer"
-        )
-    if not isinstance(engine, AsyncEngine):
-        raise TypeError(f"engine must be a sqlalchemy AsyncEngine, got {type(engine).__name__}")
-    check_dialect(engine.sync_engine.dialect)
-    return engine
-
-
 def _keep_quiet(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved: a shielded task whose caller left is not "never retrieved"
 
 
 def _cancel_quietly(task: asyncio.Task[Any]) -> None:
-    """Cancel a renewal task whose lease was dropped (a weakref finalizer)."""
+    """Cancel the renewal task of a dropped lease."""
     with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs it any more
         task.cancel()
 
 
-async def _renew(ref: weakref.ref[AsyncLease], at: float) -> None:
+async def _renew(ref: weakref.ref[AsyncLease], at: float | None) -> None:
     """One lease's renewal task, holding it weakly: a dropped lease expires in Redis."""
-    while True:
+    while at is not None:
         delay = at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        lease = ref()
-        if lease is None:
+        if (lease := ref()) is None:
             return
-        next_at = await greenlet_spawn(steps.renew, lease)  # (it never raises)
-        if next_at is None:
-            return
-        at = next_at
+        at = await greenlet_spawn(steps.renew, lease)  # (it never raises)
         del lease
 
 
@@ -146,8 +129,6 @@ class AsyncLease(BaseLease["AsyncFencer"]):
         ``Session``; it must have the flush hook (:func:`sa_fence.install`).
         Returns the session.
         """
-        from ._flush import bind_lease
-
         bind_lease(session, self)  # type: ignore[arg-type]  # an AsyncSession is unwrapped
         return session
 
@@ -164,8 +145,6 @@ class AsyncLease(BaseLease["AsyncFencer"]):
             await self.release()
         except (LeaseBackendError, FencingConfigError) as error:
             self._release_failed(error)
-
-    # ------------------------------------------------------------ internals
 
     async def _delete(self) -> bool:
         renewal = self._renewal
@@ -227,7 +206,15 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
                 f"got {type(redis).__module__}.{type(redis).__name__} (for a sync client "
                 "use sa_fence.Fencer)"
             )
-        self.engine = check_async_engine(engine)
+        if isinstance(engine, Engine):
+            raise FencingConfigError(
+                "AsyncFencer takes a sqlalchemy AsyncEngine (create_async_engine("
+                "'postgresql+psycopg_async://...')); for a sync Engine use sa_fence.Fencer"
+            )
+        if not isinstance(engine, AsyncEngine):
+            raise TypeError(f"engine must be a sqlalchemy AsyncEngine, got {type(engine).__name__}")
+        check_dialect(engine.sync_engine.dialect)
+        self.engine = engine
         #: Shielded clean-ups and releases still running (strong refs until done).
         self._background: set[asyncio.Task[Any]] = set()
         return self.engine.sync_engine
@@ -336,18 +323,14 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         return greenlet_spawn(self._tokens.next_token, name, pooled=True)
 
     def _release_quietly(self, key: str, values: list[str]) -> Awaitable[None]:
-        """The clean-up after a failed or cancelled acquire, shielded: it ends even
-        if the caller is cancelled again."""
+        """The clean-up after a failed acquire, shielded from another cancellation."""
         return asyncio.shield(self._spawn(greenlet_spawn(steps.release_quietly, self, key, values)))
 
     @staticmethod
     def _io(awaitable: Awaitable[T]) -> T:
-        """Await ``awaitable`` from the lifecycle's greenlet.  A cancellation of the
-        task that the await swallowed is raised all the same: redis-py sends each
-        command through ``asyncio.wait_for``, which before Python 3.12 returns the
-        result when the cancellation lands just as the call completes (CPython
-        gh-86296), and a blocking acquire would then wait on, or take the lease,
-        for a caller that has gone."""
+        """Await ``awaitable`` from the lifecycle's greenlet, raising a cancellation the
+        await swallowed: redis-py's ``asyncio.wait_for`` (before Python 3.12) returns the
+        result when it lands as the call completes (CPython gh-86296)."""
         task = asyncio.current_task()
         cancels = 0 if task is None else task.cancelling()
         result = await_only(awaitable)

@@ -1,8 +1,8 @@
 """Leases in Redis with tokens from PostgreSQL: :class:`Fencer` and :class:`Lease`.
 
 The sync front end of :mod:`sa_fence._lifecycle`: each call is made when the
-lifecycle asks for it, sleeps use ``time.sleep`` and renewed leases share one
-thread per fencer.  ``time`` is imported as a module so tests can swap the clock.
+lifecycle asks for it and renewed leases share one thread per fencer.  ``time``
+is imported as a module so tests can swap the clock.
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ from . import _lifecycle as steps
 from . import _prune, _telemetry
 from ._dialect import check_engine
 from ._flush import bind_lease
-from ._lifecycle import (  # re-exported: imported from here elsewhere
-    DEFAULT_KEY_PREFIX as DEFAULT_KEY_PREFIX,
-)
+from ._lifecycle import DEFAULT_KEY_PREFIX as DEFAULT_KEY_PREFIX  # re-exported
 from ._lifecycle import BaseLease, FencerCore
 from ._redis_client import probe_speaks
 from .errors import FencingConfigError, LeaseBackendError
@@ -62,11 +60,10 @@ class Lease(BaseLease["Fencer"]):
         """Set the lease's remaining time to ``ttl`` seconds (default: the original ttl).
 
         Owner-checked: raises :class:`~sa_fence.LeaseLostError` (and marks the
-        lease lost) when the lease expired or another owner holds it; it is
-        then never extended.  Raises :class:`~sa_fence.LeaseBackendError` when
-        Redis did not answer within the fencer's failure budget (``timeout``),
-        and :class:`~sa_fence.FencingConfigError` when it refused the set-up
-        (e.g. the ACL lacks ``PEXPIRE``).
+        lease lost) when the lease expired or another owner holds it.  Raises
+        :class:`~sa_fence.LeaseBackendError` when Redis did not answer within the
+        failure budget (``timeout``), and :class:`~sa_fence.FencingConfigError`
+        when it refused the set-up (e.g. the ACL lacks ``PEXPIRE``).
         """
         steps.extend(self, ttl)
 
@@ -76,13 +73,11 @@ class Lease(BaseLease["Fencer"]):
 
         Idempotent; stops renewal first.  Returns True when this call deleted
         our live lease, False when it had already expired, been taken over,
-        or been released.  A resend after a lost reply that finds the key gone
-        counts as ours when the lease was still within its local validity
-        (only our own delete can have removed it then).  Raises
+        or been released (a resend that finds the key gone within the local
+        validity counts as ours: only our delete can have removed it).  Raises
         :class:`~sa_fence.LeaseBackendError` when Redis did not answer within
-        the fencer's failure budget (``timeout``), and
-        :class:`~sa_fence.FencingConfigError` when it refused the set-up; the
-        lease's TTL then ends it.
+        the failure budget (``timeout``), and :class:`~sa_fence.FencingConfigError`
+        when it refused the set-up; the lease's TTL then ends it.
         """
         with self._lock:
             if self._state.released:
@@ -117,8 +112,6 @@ class Lease(BaseLease["Fencer"]):
         except (LeaseBackendError, FencingConfigError) as error:
             self._release_failed(error)
 
-    # ------------------------------------------------------------ internals
-
     def _renewing(self) -> bool:
         with self._lock:  # release() clears it first, then cancels under the renewer's lock
             return self._state.renewing
@@ -132,12 +125,8 @@ class Lease(BaseLease["Fencer"]):
 
 
 class _Renewer:
-    """One thread per Fencer that extends renewed leases when they fall due.
-
-    One thread and a heap of deadlines, whatever the number of leases; it runs
-    only while a lease is scheduled and holds leases weakly, so a Lease dropped
-    without release stops being renewed (docs/architecture.md).
-    """
+    """One thread per Fencer, with a heap of deadlines, that extends renewed leases when
+    they fall due; it holds them weakly (docs/architecture.md)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -210,20 +199,19 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
     one background thread per Fencer, which runs only while such leases exist.
 
     ``timeout`` is the failure budget in seconds (default 5): how long one
-    acquire (apart from waiting for a busy lease, which ``blocking`` and its
-    ``timeout`` bound), extend, release or token draw may spend on a failing
-    Redis or PostgreSQL before it gives up.  A failed call is resent only
-    while the next attempt, judged by the last one, ends within the budget,
-    and at most three times; a single call lasts as long as the client lets
-    it (its ``socket_timeout`` and its own ``retry``), so give the client a
-    ``socket_timeout`` well below the budget.  The same budget bounds a
-    grant's wait for a holder that is committing (the register row's lock).
-    Set-up mistakes (a wrong password or database index, TLS on one side
-    only, a missing ACL right, a missing register) are not resent: they raise
-    :class:`~sa_fence.FencingConfigError` at once, with the fix.
+    acquire (apart from waiting for a busy lease), extend, release or token
+    draw may spend on a failing Redis or PostgreSQL, a grant's wait for a
+    committing holder (the register row's lock) included.  A failed call is
+    resent at most three times, and only while the next attempt, judged by
+    the last, ends within the budget; one call lasts as long as the client
+    lets it (its ``socket_timeout`` and ``retry``), so give the client a
+    ``socket_timeout`` well below the budget.  Set-up mistakes (a wrong
+    password or database index, TLS on one side only, a missing ACL right or
+    register) are not resent: they raise :class:`~sa_fence.FencingConfigError`
+    at once, with the fix.
 
-    ``telemetry``: where metrics and spans go, and how lease names are
-    shortened for them (:class:`~sa_fence.telemetry.Telemetry`); default: the global
+    ``telemetry``: where metrics and spans go and how lease names are shortened
+    for them (:class:`~sa_fence.telemetry.Telemetry`); default: the global
     OpenTelemetry providers (no-ops without an SDK).  See docs/observability.md.
     """
 
@@ -263,14 +251,13 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         last granted more than ``older_than`` ago (seconds, or a ``timedelta``).
 
         ``longest_lease`` is the longest a lease of yours can last from its grant
-        to its last commit (renewals included), a bound only you know; an
-        ``older_than`` shorter than it raises ValueError.  A name held in Redis
-        now is kept whatever its age, and a row is deleted only while it still
-        holds the token read (a grant in between survives).  A stale holder of
-        a pruned name is still refused at commit.  ``dry_run`` deletes nothing
-        and reports what would go.  Returns a :class:`PruneResult` (rows and
-        bytes removed).  ``sa-fence prune`` does the same from the command line;
-        see docs/operations.md#retention.
+        to its last commit (renewals included); an ``older_than`` shorter than it
+        raises ValueError.  A name held in Redis is kept whatever its age, a row
+        only while it holds the token read (a grant in between survives), and a
+        stale holder of a pruned name is still refused at commit.  ``dry_run``
+        deletes nothing and reports what would go.  Returns a :class:`PruneResult`
+        (rows and bytes removed).  ``sa-fence prune`` does the same; see
+        docs/operations.md#retention.
         """
         return _prune.prune(
             self.engine,
@@ -284,10 +271,9 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
     def close(self) -> None:
         """Close the server connection this fencer holds for drawing tokens.
 
-        ``engine.dispose()`` does not reach it (sa-fence adds no listener to
-        your Engine); garbage collection does, and so does this.  Leases
-        already granted keep working, and the fencer stays usable: the next
-        token opens a new connection.
+        ``engine.dispose()`` does not reach it; garbage collection does, and so
+        does this.  Leases already granted keep working, and the fencer stays
+        usable: the next token opens a new connection.
         """
         self._tokens.close()
 
@@ -315,13 +301,12 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
 
         Raises :class:`~sa_fence.LeaseNotAcquiredError` when another owner
         holds it (after the wait, if blocking), :class:`~sa_fence.LeaseBackendError`
-        when Redis or PostgreSQL did not answer within the fencer's failure
-        budget (``timeout``) or is failing over (any lease left behind is
-        removed if possible), :class:`~sa_fence.LeaseLostError` when the lease
-        expired before its token could be recorded (the token is thrown away),
-        and :class:`~sa_fence.FencingConfigError` when the set-up is wrong: the
-        sequence or register is missing or unfit, a login or ACL right is
-        refused, TLS is on one side only (checked before anything is written).
+        when Redis or PostgreSQL did not answer within the failure budget
+        (``timeout``) or is failing over (what was set is removed if possible),
+        :class:`~sa_fence.LeaseLostError` when the lease expired before its token
+        was recorded, and :class:`~sa_fence.FencingConfigError` when the set-up is
+        wrong: the sequence or register is missing or unfit, a login or ACL right
+        is refused, TLS is on one side only (checked before anything is written).
         """
         lease: Lease = steps.acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
         return lease

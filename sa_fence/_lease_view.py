@@ -1,11 +1,7 @@
 """What the flush hook and telemetry need of a lease, as typing Protocols.
 
-:class:`~sa_fence._lifecycle.BaseLease` (and so ``Lease`` and ``AsyncLease``)
-satisfies :class:`LeaseView`; ``Fencer`` and ``AsyncFencer`` satisfy
-:class:`FencerView`.  ``_flush`` and ``_telemetry`` type their arguments with
-these instead of importing the leases, which import both of them.  The
-interface is public members only, but for the marks each consumer owns
-(``_flush.Marks``, ``_telemetry.Reported``, which the lease core inherits).
+``_flush`` and ``_telemetry`` type their arguments with these instead of importing
+the leases, which import both of them (docs/architecture.md, the lease interface).
 """
 
 from __future__ import annotations

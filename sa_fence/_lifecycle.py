@@ -1,18 +1,15 @@
 """The lease lifecycle, written once for both front ends, over its two base classes.
 
-:class:`FencerCore` (settings, scripts, token source) and :class:`BaseLease`
-(a granted lease's state and checks) are what ``Fencer``/``AsyncFencer`` and
-``Lease``/``AsyncLease`` share.  Acquire (with its confirm and withdrawal),
-extend, renew and release (a ``BaseLease`` method) make every I/O call
-through the fencer, as SQLAlchemy's asyncio layer runs its sync core::
+:class:`FencerCore` and :class:`BaseLease` are what ``Fencer``/``AsyncFencer``
+and ``Lease``/``AsyncLease`` share.  Acquire, extend, renew and release make
+every I/O call through the fencer::
 
     reply = fencer._io(fencer._acquire(keys=[key], args=[owner, ttl_ms]))
 
 A sync fencer makes the call there and then and its ``_io`` hands the reply
 back; an async one runs each operation in a greenlet and its ``_io`` awaits
-with ``await_only``, so one ``try``/``except`` serves both.  The decisions are
-the pure functions of ``_protocol`` and ``_failures``; why greenlet, and the
-interface the integrations use: docs/architecture.md.
+with ``await_only``, so one ``try``/``except`` serves both.  Why greenlet, and
+the interface the integrations use: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -82,9 +79,8 @@ def acquire(
     on_lost: Any,
     fail_fast: bool | None,
 ) -> Any:
-    """Validate, grant, draw the token, confirm it (withdraw it if the lease was lost
-    meanwhile) and return the front end's lease; after a failure or cancellation,
-    what this owner may have set in Redis is removed (owner-checked) first."""
+    """Validate, grant, draw the token, confirm it and return the front end's lease;
+    after a failure or cancellation, what this owner may have set in Redis goes first."""
     key = f.key_prefix + proto.check_name(name)  # f.key(name), one call fewer
     ttl_ms = proto.ttl_to_ms(ttl)
     max_wait = proto.check_timeout(blocking, timeout, float(ttl))
@@ -127,18 +123,9 @@ def acquire(
         # the register goes back to the live holder's (if it still holds ours).
         tokens.withdraw(name, token)  # sync code, in the async front end's greenlet
         raise LeaseLostError(proto.confirm_lost_message(name, token))
+    fail_fast = renew if fail_fast is None else fail_fast
     lease = f._lease_type(
-        f,
-        name,
-        key,
-        owner,
-        token,
-        ttl,
-        value,
-        started,
-        ttl_ms=ttl_ms,
-        fail_fast=renew if fail_fast is None else fail_fast,
-        on_lost=on_lost,
+        f, name, key, owner, token, ttl, value, started, ttl_ms, fail_fast, on_lost
     )
     if renew:
         lease._start_renewal(started + f.renew_fraction * ttl_ms / 1000)
@@ -189,9 +176,8 @@ def _grant(
 def call(
     f: FencerCore[Any, Any], name: str, operation: str, script: Any, key: str, *args: object
 ) -> tuple[Any, int]:
-    """Send an idempotent script call, resending it within the failure budget while
-    it fails in a way a resend may fix; (its reply, how many sends failed before),
-    or raise the error for the failure."""
+    """Send an idempotent script call, resent within the failure budget while a resend
+    may fix its failure; (its reply, how many sends failed before)."""
     keys, argv = [key], list(args)
     budget = None  # made at the first failure: most calls never need one
     while True:
@@ -199,26 +185,21 @@ def call(
         try:
             return f._io(script(keys=keys, args=argv)), 0 if budget is None else budget.failures
         except REDIS_ERRORS as exc:
-            failure = classify_redis(exc)
             now = time.monotonic()
-            if budget is None:
-                budget = FailureBudget(f.timeout)
-            wait = budget.on_failure(failure, sent_at=sent_at, now=now, rand=random.random())
+            budget = budget or FailureBudget(f.timeout)
+            wait = budget.on_failure(
+                classify_redis(exc), sent_at=sent_at, now=now, rand=random.random()
+            )
             if wait is None:
                 raise _error(f, name, operation, exc, budget) from None
             f._sleep(wait)
 
 
 def _error(
-    f: FencerCore[Any, Any],
-    name: str,
-    operation: str,
-    exc: BaseException,
-    budget: FailureBudget,
+    f: FencerCore[Any, Any], name: str, operation: str, exc: BaseException, budget: FailureBudget
 ) -> FenceError:
-    """The error for a Redis call that failed for good; probes the server first
-    (within what is left of the budget) when the connection failed before
-    anything was sent: TLS on one side only looks like an outage."""
+    """The error for a Redis call that failed for good; probes the server first (within
+    the budget) when nothing was sent: TLS on one side only looks like an outage."""
     target = probe_target(f.redis)
     speaks = None
     if target is not None and wants_probe(classify_redis(exc)):
@@ -228,8 +209,7 @@ def _error(
 
 
 def release_quietly(f: FencerCore[Any, Any], key: str, values: list[str]) -> None:
-    """Owner-checked clean-up after a failed or cancelled acquire, one attempt per
-    value; its failure is logged at debug level (the TTL ends the lease anyway)."""
+    """Owner-checked clean-up after a failed or cancelled acquire, one attempt per value."""
     for value in values:
         try:
             f._io(f._release(keys=[key], args=[value]))
@@ -309,7 +289,7 @@ def renew(lease: Any) -> float | None:
 
 
 def expire(lease: Any) -> Any:
-    """The owner-checked RELEASE, sent once, the lease left unaware (``testing.expire``)."""
+    """The owner-checked RELEASE, the lease left unaware (``testing.expire``)."""
     return lease.fencer._release(keys=[lease.key], args=[lease._value])
 
 
@@ -334,8 +314,7 @@ def lose(lease: BaseLease[Any], message: str) -> None:
 
 
 class FencerCore(Generic[R, E]):
-    """What both fencers hold and do without I/O: the checked settings, the
-    scripts, the token source.  ``R`` is the Redis client type, ``E`` the engine's."""
+    """What both fencers hold and do without I/O (``R``: the Redis client type, ``E``: engine)."""
 
     #: The front end's logger, class name in errors, and word for its renewer.
     _log: ClassVar[logging.Logger]
@@ -362,8 +341,9 @@ class FencerCore(Generic[R, E]):
         self.renew_fraction = proto.check_renew_fraction(renew_fraction)
         #: the failure budget, in seconds (see the class docstring)
         self.timeout = check_budget(redis, timeout, self._kind)
+        # the register's lock wait is bounded by the same budget
         self._tokens = TokenSource(
-            sync_engine, sequence, lock_timeout_ms=lock_timeout_ms(self.timeout)
+            sync_engine, sequence, lock_timeout_ms=max(1, math.ceil(self.timeout * 1000))
         )
         client: Any = redis
         self._acquire = client.register_script(proto.ACQUIRE_SCRIPT)
@@ -375,8 +355,7 @@ class FencerCore(Generic[R, E]):
         self._telemetry = telemetry
 
     def _start(self, redis: object, engine: E) -> Engine:
-        """Check the client and engine, set ``engine`` and the front end's own
-        state; return the Engine that draws tokens."""
+        """Check the client and engine, set up the front end; return the token Engine."""
         raise NotImplementedError
 
     # The front end's I/O: each returns the reply, or (asyncio) an awaitable of it,
@@ -416,11 +395,6 @@ class FencerCore(Generic[R, E]):
             )
 
 
-def lock_timeout_ms(budget: float) -> int:
-    """The register's lock wait bound for a failure budget (the same seconds)."""
-    return max(1, math.ceil(budget * 1000))
-
-
 # ------------------------------------------------------------ the lease core
 
 FencerT = TypeVar("FencerT", bound=FencerView)
@@ -430,8 +404,8 @@ _warned_unbound: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _warn_never_bound(lease: BaseLease[Any]) -> None:
-    """Release is the one cheap place that sees a lease that fenced nothing: say so
-    once per Fencer (a session without the hook runs no sa-fence code at all)."""
+    """Say once per Fencer that a lease fenced nothing (release is the one cheap place
+    that sees it: a session without the hook runs no sa-fence code at all)."""
     if lease.fencer in _warned_unbound:
         return
     _warned_unbound.add(lease.fencer)
@@ -449,12 +423,8 @@ def _warn_never_bound(lease: BaseLease[Any]) -> None:
 
 
 class BaseLease(Marks, Reported, Generic[FencerT]):
-    """What a holder knows about a granted lease, without I/O.
-
-    Shared by :class:`Lease` and :class:`sa_fence.AsyncLease` (and read by the
-    flush hook): the state, the validity on this process's monotonic clock,
-    and the "is it still usable" checks.  The subclasses add the Redis calls.
-    """
+    """What a holder knows about a granted lease, without I/O: its state, its validity
+    on this process's monotonic clock, and the "is it still usable" checks."""
 
     #: The front end's logger (for what only one front end logs).
     _log = log
@@ -469,10 +439,9 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
         ttl: float,
         value: str,
         acquired_at: float,
-        *,
-        ttl_ms: int | None = None,
-        fail_fast: bool = False,
-        on_lost: Callable[[Any], object] | None = None,
+        ttl_ms: int,
+        fail_fast: bool,
+        on_lost: Callable[[Any], object] | None,
     ) -> None:
         self.fencer = fencer
         self.name = name
@@ -482,12 +451,12 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
         self.ttl = ttl
         self._value = value
         self.acquired_at = acquired_at
-        self._ttl_ms = proto.ttl_to_ms(ttl) if ttl_ms is None else ttl_ms
+        self._ttl_ms = ttl_ms
         self._lock = threading.Lock()
         self._state = proto.LeaseState(
             name=name,
             token=token,
-            valid_until=proto.valid_until(acquired_at, self._ttl_ms),
+            valid_until=proto.valid_until(acquired_at, ttl_ms),
             fail_fast=fail_fast,
         )
         self._on_lost = on_lost
@@ -551,8 +520,7 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
             raise LeaseLostError(problem)
 
     def _release_in_redis(self) -> bool:
-        """Owner-checked RELEASE (the front end stopped renewal first); True when this
-        deleted our live lease.  The lease counts as released once Redis answered."""
+        """Owner-checked RELEASE (renewal already stopped); True when it deleted our live lease."""
         f: Any = self.fencer
         first_sent = time.monotonic()
         reply, failures = call(f, self.name, "release", f._release, self.key, self._value)
@@ -584,7 +552,7 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
         """Stop renewing this lease (the front end's renewer)."""
 
     def _release_failed(self, exc: LeaseBackendError | FencingConfigError) -> None:
-        """The release on leaving a ``with`` block failed: log it, the TTL ends the lease."""
+        """The release on leaving a ``with`` block failed: the TTL ends the lease."""
         self._log.warning(
             "could not release lease %r (token %d): %s; its TTL will end it",
             self.name,

@@ -1,12 +1,9 @@
 """Side effects that leave only from current holders: fenced jobs on procrastinate.
 
-An e-mail or a payment call cannot be taken back by the commit check, so it is
-not sent from the fenced transaction: it is enqueued there, as a
-`procrastinate <https://procrastinate.readthedocs.io/>`_ job, on the bound
-session's own connection.  The job row commits with the transaction that lease
-scope checks at ``COMMIT`` (a stale holder's never does), and each job carries
-an idempotency key, ``<lease name>:<token>:<transaction>:<n>``, the same on
-every delivery attempt, for the receiver to deduplicate on::
+An e-mail or a payment call cannot be taken back, so it is enqueued in the fenced
+transaction as a `procrastinate <https://procrastinate.readthedocs.io/>`_ job: the
+job row commits with the transaction lease scope checks (a stale holder's never
+does), and carries an idempotency key, ``<lease name>:<token>:<transaction>:<n>``::
 
     with fencer.lease("order:7", ttl=30) as lease, Session() as session:
         lease.bind(session)
@@ -15,7 +12,7 @@ every delivery attempt, for the receiver to deduplicate on::
         session.commit()   # the order and its job commit together, or neither does
 
 ``side_effect_async`` does the same for an ``AsyncSession``; docs/side-effects.md
-has the whole guide.  procrastinate is imported only when an effect is enqueued.
+has the whole guide.
 """
 
 from __future__ import annotations
@@ -68,25 +65,11 @@ class SideEffect:
 
 @dataclass(slots=True)
 class _Sequence:
-    """The side effects numbered so far in one transaction of a session."""
+    """The side effects numbered so far in one transaction."""
 
     transaction: object
     xid: str
     count: int = 0
-
-
-def _sync_session(session: object) -> Session:
-    if isinstance(session, scoped_session):
-        session = session()
-    sync = getattr(session, "sync_session", None)  # an AsyncSession
-    if isinstance(sync, Session):
-        session = sync
-    if not isinstance(session, Session):
-        raise TypeError(
-            "side_effect() takes a sqlalchemy Session (or scoped_session) bound to a lease, "
-            f"and side_effect_async() an AsyncSession; got {type(session).__name__}"
-        )
-    return session
 
 
 def _check_task(task: object, kwargs: dict[str, Any]) -> None:
@@ -122,7 +105,6 @@ def _check_task(task: object, kwargs: dict[str, Any]) -> None:
 
 
 def _bound_lease(session: Session) -> Lease:
-    """The lease bound to ``session``, still usable for a write (else raise, nothing sent)."""
     lease = _flush.bound_lease(session)
     if lease is None:
         raise UnfencedWriteError(
@@ -148,7 +130,6 @@ def _require_scope(conn: Connection, lease: Lease) -> None:
 
 
 def _next_key(session: Session, lease: Lease, xid: str) -> str:
-    """The next effect's key in ``session``'s transaction, whose id is ``xid``."""
     transaction = session.get_transaction()
     seq = session.info.get(_INFO_KEY)
     if not isinstance(seq, _Sequence) or seq.transaction is not transaction or seq.xid != xid:
@@ -158,7 +139,7 @@ def _next_key(session: Session, lease: Lease, xid: str) -> str:
 
 
 def _known_xid(session: Session) -> str | None:
-    """The id of ``session``'s transaction, if an effect has asked for it already."""
+    """The id of ``session``'s transaction, if an effect read it already."""
     seq = session.info.get(_INFO_KEY)
     if isinstance(seq, _Sequence) and seq.transaction is session.get_transaction():
         return seq.xid
@@ -167,20 +148,17 @@ def _known_xid(session: Session) -> str | None:
 
 @contextlib.contextmanager
 def _explaining_a_missing_queue() -> Iterator[None]:
-    """Turn procrastinate's tables or functions not being in this database into a clear error."""
+    """procrastinate's tables, functions or types missing in this database: a clear error."""
     try:
         yield
     except Exception as exc:
-        import psycopg.errors
+        from psycopg.errors import UndefinedFunction, UndefinedObject, UndefinedTable
 
-        missing = (
-            psycopg.errors.UndefinedTable,
-            psycopg.errors.UndefinedFunction,
-            psycopg.errors.UndefinedObject,  # its types
-        )
         cause: BaseException | None = exc
         while cause is not None:
-            if isinstance(cause, missing) and "procrastinate" in str(cause):
+            if isinstance(cause, UndefinedTable | UndefinedFunction | UndefinedObject) and (
+                "procrastinate" in str(cause)
+            ):
                 raise FencingConfigError(
                     "procrastinate's queue tables are not in this session's database "
                     f"({str(cause).strip()}). Create them where the fenced rows and the lease "
@@ -216,10 +194,17 @@ def side_effect(
     :func:`side_effect_async`.
     """
     _check_task(task, task_kwargs)
-    sync = _sync_session(session)
-    if sync is not session and not isinstance(session, scoped_session):
+    sync: Any = session() if isinstance(session, scoped_session) else session
+    if isinstance(getattr(sync, "sync_session", None), Session):  # an AsyncSession
+        if sync is session:
+            raise TypeError(
+                "side_effect() got an AsyncSession: use `await sa_fence.side_effect_async(...)`"
+            )
+        sync = sync.sync_session
+    if not isinstance(sync, Session):
         raise TypeError(
-            "side_effect() got an AsyncSession: use `await sa_fence.side_effect_async(...)`"
+            "side_effect() takes a sqlalchemy Session (or scoped_session) bound to a lease, "
+            f"and side_effect_async() an AsyncSession; got {type(sync).__name__}"
         )
     lease = _bound_lease(sync)
     conn = sync.connection()  # begins the transaction: lease scope is entered here
