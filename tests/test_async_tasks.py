@@ -119,7 +119,9 @@ async def test_with_cancel_on_lost_off_the_body_runs_on_and_only_the_flush_refus
         await asyncio.sleep(0.01)
     lease = _lease_of(repo)
     expire(redis_client, lease)
-    await asyncio.sleep(2 * TTL)  # renewal finds it lost
+    deadline = asyncio.get_running_loop().time() + 40 * TTL  # a bound for a loaded machine
+    while not lease.lost and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)  # until renewal finds it lost (within TTL/3 when idle)
     assert lease.lost
     release.set()
     with pytest.raises(sa_fence.LeaseLostError, match="no longer ours"):
@@ -213,32 +215,51 @@ async def test_a_hundred_tasks_racing_for_ten_names_never_commit_out_of_token_or
     afencer: sa_fence.AsyncFencer,
     make_async_session: async_sessionmaker[AsyncSession],
     engine: sa.Engine,
+    redis_client: redis.Redis,
 ) -> None:
-    """Short leases and random stalls past the TTL: stale holders try to write.
+    """Random stalls, some past the lease (ended in Redis): stale holders try to write.
 
     Each committed write also inserts an audit row in the same transaction,
     after the job row's UPDATE took its row lock, so the audit ids of one job
     follow its commit order.  That order must follow token order.
+
+    The TTL is long enough for a loaded machine; a holder that stalls past its
+    lease has it ended in Redis (as its TTL would) and stalls until the next
+    task of its name was granted, then writes: no sleep races the TTL.
     """
-    ttl, rng = 0.2, random.Random(5)
-    stalls = [rng.choice([0.0, 0.0, 0.05, 2 * ttl]) for _ in range(100)]
+    ttl, rng, past = 10.0, random.Random(5), -1.0
+    stalls = [rng.choice([0.0, 0.0, 0.05, past]) for _ in range(100)]
+    granted: dict[int, int] = {}  # job id -> the newest token granted for it
+    waiting = {100 + n: 10 for n in range(10)}  # job id -> its tasks not yet granted
     with engine.begin() as conn:
         conn.execute(
             sa.text("INSERT INTO jobs (id, result, status, fence) VALUES (:id, 'new', 'p', 0)"),
             [{"id": 100 + n} for n in range(10)],
         )
 
+    async def stall_past(lease: sa_fence.AsyncLease, job_id: int) -> None:
+        assert expire(redis_client, lease)  # its TTL ran out while it stalled
+        deadline = asyncio.get_running_loop().time() + 60  # a bound, never a wait in itself
+        while granted[job_id] <= lease.token and waiting[job_id]:
+            assert asyncio.get_running_loop().time() < deadline, "no takeover"
+            await asyncio.sleep(0.01)
+
     async def worker(i: int) -> str:
         job_id = 100 + i % 10
         try:
-            async with (
-                afencer.lease(f"race:{job_id}", ttl, blocking=True, timeout=30) as lease,
-                make_async_session() as session,
-            ):
+            try:
+                lease = await afencer.acquire(f"race:{job_id}", ttl, blocking=True, timeout=60)
+            finally:
+                waiting[job_id] -= 1
+            granted[job_id] = max(granted.get(job_id, 0), lease.token)
+            async with lease, make_async_session() as session:
                 lease.bind(session)
                 job = await session.get(Job, job_id)
                 assert job is not None
-                await asyncio.sleep(stalls[i])  # some stall past their TTL
+                if stalls[i] == past:
+                    await stall_past(lease, job_id)
+                else:
+                    await asyncio.sleep(stalls[i])
                 job.result = f"task {i}"
                 session.add(Audit(job_id=job_id, message=str(lease.token)))
                 await session.commit()

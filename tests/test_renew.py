@@ -171,19 +171,31 @@ def test_a_renewed_lease_dropped_without_release_stops_being_renewed(
 def test_a_thousand_renewed_leases_share_one_thread_and_leave_none_behind(
     redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
 ) -> None:
+    """Sized by work, not by the machine's speed: the TTL leaves one thread time to send
+    a thousand renewals on a loaded machine, and the test waits for every lease to be
+    renewed and to outlive its TTL (bounded), rather than for a fixed time."""
+    ttl = 6  # renewed every 2 s: 500 renewals a second, with 4 s of slack each
     fencer = sa_fence.Fencer(redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
     assert wait_for_no_renewer() == []
     before = threading.active_count()
-    leases = [fencer.acquire(f"job:{i}", 3, renew=True) for i in range(1000)]
+    leases = [fencer.acquire(f"job:{i}", ttl, renew=True) for i in range(1000)]
+    granted = time.monotonic()  # every SET of the leases was sent before this
+    first_valid = [lease._state.valid_until for lease in leases]
     assert len(renewer_threads()) == 1
     assert threading.active_count() == before + 1
-    time.sleep(2.0)  # every lease falls due (after 1 s) while we wait
+    deadline = granted + 120  # a bound for a loaded machine, never a wait in itself
+    while time.monotonic() < granted + ttl or any(
+        lease._state.valid_until <= valid for lease, valid in zip(leases, first_valid, strict=True)
+    ):  # until every lease fell due and was renewed, and each is older than its TTL
+        assert time.monotonic() < deadline, "the renewer did not renew every lease"
+        assert not any(lease.lost for lease in leases)
+        time.sleep(0.05)
     assert not any(lease.lost for lease in leases)
-    # renewed: without renewal the first leases would have under 1 s left
+    # renewed in Redis: without renewal every key would be gone, each set over a TTL ago
     pipe = redis_client.pipeline(transaction=False)
     for lease in leases:
         pipe.pttl(lease.key)
-    assert min(pipe.execute()) > 1500
+    assert min(pipe.execute()) > 0
     assert all(lease.release() for lease in leases)
     assert wait_for_no_renewer() == []
     assert threading.active_count() == before

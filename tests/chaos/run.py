@@ -156,6 +156,10 @@ class ChaosConfig:
     #: end the run once the nemesis went round every enabled kind this often
     #: (None: run to ``ops`` or ``max_seconds``)
     fault_cycles: int | None = None
+    #: with ``fault_cycles``: end the run only once the workers also committed this
+    #: many units of work (acknowledged), so that a slow machine does the same work
+    #: in more time; ``max_seconds`` still bounds the run
+    min_ok: int = 0
     #: the workers' Redis client for another topology (see WorkerConfig)
     redis_factory: str | None = None
     #: fenced runs: False leaves the row fence alone (no register check at COMMIT)
@@ -328,6 +332,7 @@ def run(
     deadline = started + config.max_seconds
     per_worker = -(-config.ops // config.workers)
     states = [context.Value("i", 0) for _ in range(config.workers)]
+    committed = [context.Value("i", 0) for _ in range(config.workers)]
     stop = context.Event()
     processes = []
     for i in range(config.workers):
@@ -350,7 +355,9 @@ def run(
             lease_scope=config.lease_scope,
         )
         process = context.Process(
-            target=worker_main, args=(worker_config.to_json(), states[i], stop), daemon=True
+            target=worker_main,
+            args=(worker_config.to_json(), states[i], stop, committed[i]),
+            daemon=True,
         )
         process.start()
         processes.append(process)
@@ -362,7 +369,11 @@ def run(
     say(f"{label}: {config.workers} workers, {bound}")
     try:
         while any(p.is_alive() for p in processes) and time.time() < deadline + 30:
-            if config.fault_cycles is not None and nemesis.cycles >= config.fault_cycles:
+            if (
+                config.fault_cycles is not None
+                and nemesis.cycles >= config.fault_cycles
+                and sum(count.value for count in committed) >= config.min_ok
+            ):
                 stop.set()
             time.sleep(0.05)
         stop.set()

@@ -20,7 +20,8 @@ flush is sent first, then the commit, so that the outcome is known exactly:
 One JSON line per attempt goes to the worker's history file, written and
 flushed before the next attempt begins.  ``state`` (shared with the parent)
 says when the worker holds a lease and has read its row but not yet sent its
-COMMIT, so the nemesis can freeze it exactly then.
+COMMIT, so the nemesis can freeze it exactly then; ``committed`` (shared too)
+counts the ``ok`` attempts, so the parent can run until enough work was done.
 """
 
 from __future__ import annotations
@@ -61,17 +62,17 @@ class WorkerConfig:
         return json.dumps(asdict(self))
 
 
-def main(config_json: str, state: Any, stop: Any) -> None:
+def main(config_json: str, state: Any, stop: Any, committed: Any = None) -> None:
     """Entry point in the child (multiprocessing, spawn)."""
     # Lost leases, unbound leases (unfenced runs), servers going away: expected
     # here, and recorded as outcomes; the log would only drown the figures.
     logging.getLogger("sa_fence").setLevel(logging.CRITICAL)
     config = WorkerConfig(**json.loads(config_json))
-    Worker(config, state, stop).run()
+    Worker(config, state, stop, committed).run()
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, state: Any, stop: Any) -> None:
+    def __init__(self, config: WorkerConfig, state: Any, stop: Any, committed: Any = None) -> None:
         import redis
         import sqlalchemy as sa
         from redis.backoff import NoBackoff
@@ -84,6 +85,7 @@ class Worker:
         self.config = config
         self.state = state
         self.stop = stop
+        self.committed = committed
         self.rng = random.Random(config.seed)
         self.engine = sa.create_engine(
             config.pg_url,
@@ -129,6 +131,8 @@ class Worker:
                 record = self.attempt(op)
                 self.history.write(json.dumps(record) + "\n")
                 self.history.flush()
+                if record["outcome"] == "ok" and self.committed is not None:
+                    self.committed.value += 1  # after the line is written: the parent counts it
                 if record["outcome"] in ("acquire-failed", "failed", "unknown"):
                     time.sleep(0.02)  # a server is down: do not spin
         finally:
