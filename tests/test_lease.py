@@ -131,6 +131,43 @@ async def test_the_context_manager_releases_when_the_body_raises(
     assert keys(redis_client, key_prefix) == []
 
 
+async def test_the_write_check_leaves_local_validity_to_the_fence_unless_fail_fast(
+    front: Any,
+) -> None:
+    """``check(for_write=True)`` is the flush's check, public: past its local validity
+    a plain lease may still write (the fence and the register decide), a
+    ``fail_fast`` one may not; a released one never."""
+    await warm_up(front)  # so that the 0.2 s leases are not spent connecting
+    plain = await io(front.acquire("job:1", 0.2))
+    strict = await io(front.acquire("job:2", 0.2, fail_fast=True))
+    time.sleep(0.5)  # both past their local validity (over twice the TTL)
+    plain.check(for_write=True)  # no error: nothing is known lost
+    with pytest.raises(sa_fence.LeaseLostError, match="local validity"):
+        plain.check()  # the plain check still counts the clock
+    with pytest.raises(sa_fence.LeaseLostError, match="local validity"):
+        strict.check(for_write=True)
+    assert plain.lost_reason is None
+    assert strict.lost_reason is None
+    await io(plain.release())
+    await io(strict.release())
+    with pytest.raises(sa_fence.LeaseLostError, match="released"):
+        plain.check(for_write=True)
+
+
+async def test_lost_reason_is_what_the_lost_lease_raises(front: Any) -> None:
+    await warm_up(front)
+    lease = await io(front.acquire("job:1", 0.2))
+    assert lease.lost_reason is None
+    time.sleep(0.5)  # its TTL runs out (over twice the TTL)
+    with pytest.raises(sa_fence.LeaseLostError, match="no longer ours"):
+        await io(lease.extend(10))
+    assert lease.lost
+    assert lease.lost_reason is not None
+    with pytest.raises(sa_fence.LeaseLostError) as raised:
+        lease.check(for_write=True)
+    assert str(raised.value) == lease.lost_reason
+
+
 def expire_between_set_and_token(
     fencer: sa_fence.Fencer, monkeypatch: pytest.MonkeyPatch
 ) -> dict[str, Any]:
