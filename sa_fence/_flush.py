@@ -200,7 +200,7 @@ def state_for(session: Session) -> SessionState:
 # ----------------------------------------------------------- statement hook
 #
 # What sa-fence keeps per Connection lives in the Connection's own __dict__
-# (read through vars() where a Mock may stand in for one: it makes up attributes).
+# (read as .__dict__, no call, where a Mock may stand in for one: it makes up attributes).
 
 #: the fenced session (or fence_connection() block) whose transaction runs on it
 _ACTIVE = "_sa_fence_active"
@@ -292,8 +292,7 @@ _GUARD_ERRORS = "_sa_fence_maps_guard_errors"
 
 
 def _hook_connection(connection: Connection) -> None:
-    """Swap ``connection``'s class for a fenced subclass (the same layout: ``__slots__ = ()``);
-    ``handle_error`` is a Dialect event: attached once per dialect."""
+    """Swap in a fenced subclass (same layout); attach handle_error once per dialect."""
     cls = type(connection)
     hooked = _hooked_classes.get(cls)
     if hooked is None:
@@ -313,9 +312,8 @@ def is_hooked(connection: object) -> bool:
 
 
 def _attach(connection: Connection, state: SessionState) -> None:
-    """Route ``connection``'s statements through the hook on behalf of ``state``
-    (a test's Mock(spec=Connection) only claims to be a Connection: not routed)."""
-    vars(connection)[_ACTIVE] = state
+    """Route ``connection``'s statements through the hook for ``state`` (not a Mock's)."""
+    connection.__dict__[_ACTIVE] = state
     cls = type(connection)
     if not issubclass(cls, _FencedConnection) and issubclass(cls, Connection):
         _hook_connection(connection)
@@ -385,13 +383,13 @@ def _scope_rights_error(orig: BaseException) -> FencingConfigError | None:
 
 def in_scope(conn: Connection, lease: Lease) -> bool:
     """Whether ``conn``'s transaction checks ``lease`` at COMMIT."""
-    scope = vars(conn).get(_SCOPE)
+    scope = conn.__dict__.get(_SCOPE)
     return scope is not None and (lease.name, lease.token) in scope
 
 
 def _pop_scope(conn: Connection) -> dict[tuple[str, int], Lease] | None:
     """End ``conn``'s lease scope: the leases it held, or None."""
-    scope: dict[tuple[str, int], Lease] | None = vars(conn).pop(_SCOPE, None)
+    scope: dict[tuple[str, int], Lease] | None = conn.__dict__.pop(_SCOPE, None)
     return scope
 
 
@@ -423,7 +421,7 @@ def _read_database_id(conn: Connection) -> tuple[Any, ...] | None:
 
 def _enter_scope(conn: Connection, lease: Lease) -> None:
     """Make ``conn``'s transaction commit only while ``lease`` is its name's newest grant."""
-    scope = vars(conn).get(_SCOPE)
+    scope = conn.__dict__.get(_SCOPE)
     if scope is not None and (lease.name, lease.token) in scope:
         if not _PSYCOPG_BEGIN_HOOK:
             _rearm_if_ended(conn, scope)
@@ -432,7 +430,7 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
         return  # another database: outside lease scope (documented)
     if scope is None:
         scope = {}
-        vars(conn)[_SCOPE] = scope
+        conn.__dict__[_SCOPE] = scope
     scope[(lease.name, lease.token)] = lease
     _arm(conn, lease)
 
@@ -451,8 +449,8 @@ _ARMED_START = "_start_query"
 #: outlive its scope, e.g. into another pool user)
 _ARMS_OWNER = "_sa_fence_arms_owner"
 
-#: (Engine, Register) -> the scope table's schema-qualified name there.
-_scope_tables: weakref.WeakKeyDictionary[Any, dict[Any, str]] = weakref.WeakKeyDictionary()
+#: Engine attribute: {Register: the scope table's schema-qualified name there}
+_SCOPE_TABLES = "_sa_fence_scope_tables"
 
 
 def _scope_table(conn: Connection, lease: Lease) -> str:
@@ -462,7 +460,7 @@ def _scope_table(conn: Connection, lease: Lease) -> str:
     register = lease.fencer.token_source.register
     if register.schema is not None:
         return str(register.scope_sql)
-    tables = _scope_tables.setdefault(conn.engine, {})
+    tables: dict[Any, str] = conn.engine.__dict__.setdefault(_SCOPE_TABLES, {})
     table = tables.get(register)
     if table is None:
         row = _run(conn, SCOPE_SCHEMA_SQL, fetch=True)
@@ -588,7 +586,7 @@ def _start_query_armed(self: Any) -> Any:
     if arms:
         owner = self.__dict__.get(_ARMS_OWNER)
         conn = owner() if owner is not None else None
-        if conn is None or vars(conn).get(_SCOPE) is None:  # its lease scope has ended
+        if conn is None or conn.__dict__.get(_SCOPE) is None:  # its lease scope has ended
             self.__dict__.pop(_ARMS, None)
             arms = None
     if not arms:
@@ -641,7 +639,7 @@ def _scope_on_begin(conn: Connection) -> None:
 def _check_scope_and_commit(conn: Connection) -> None:
     """Commit ``conn``'s transaction, mapping the scope trigger's refusal to StaleTokenError;
     an interruption invalidates the connection (docs/guarantees.md)."""
-    scope: dict[tuple[str, int], Lease] | None = vars(conn).pop(_SCOPE, None)
+    scope: dict[tuple[str, int], Lease] | None = conn.__dict__.pop(_SCOPE, None)
     if scope is None:
         return
     if not scope:
@@ -1043,7 +1041,7 @@ def _refuse_from_statement(table: Any) -> None:
 
 def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
     state = session.info.get(_STATE_KEY) or state_for(session)
-    attrs = vars(connection)
+    attrs = connection.__dict__
     sharing: list[SessionState] | None = attrs.get(_SHARING)
     active = attrs.get(_ACTIVE)
     if sharing or (active is not None and active is not state):  # (else: its alone)
@@ -1052,7 +1050,11 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
         attrs[_SHARING] = [state]
     elif state not in sharing:
         sharing.append(state)
-    _attach(connection, state)
+    if type(connection) in _hooked_classes:  # (_attach, inlined: a class met before)
+        attrs[_ACTIVE] = state
+        _hook_connection(connection)
+    else:
+        _attach(connection, state)
     state.connections.append(connection)
     if state.lease is not None:
         check_dialect(connection.dialect)
@@ -1067,8 +1069,8 @@ def _lease_id(lease: Lease | None) -> tuple[str, int] | None:
 def _refuse_confusable(connection: Connection, state: SessionState, lease: Lease | None) -> None:
     """Refuse a second session (or fence_connection() block) on ``connection`` unless it
     has the same lease bound, or none: the hook finds the token by connection."""
-    sharing: list[SessionState] | None = vars(connection).get(_SHARING)
-    active: SessionState | None = vars(connection).get(_ACTIVE)
+    sharing: list[SessionState] | None = connection.__dict__.get(_SHARING)
+    active: SessionState | None = connection.__dict__.get(_ACTIVE)
     if not sharing and (active is None or active is state):
         return  # the hot path: a connection of this session's alone
     others = [s for s in sharing or () if s is not state]
@@ -1117,7 +1119,7 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
             if state.bumped:
                 state.bumped.clear()
             for conn in state.connections:
-                attrs = vars(conn)
+                attrs = conn.__dict__
                 sharing = attrs.get(_SHARING) or []
                 if state in sharing:
                     sharing.remove(state)
@@ -1294,9 +1296,8 @@ def _check_bind(bind: object) -> None:
 
 
 def is_installed(session: Session) -> bool:
-    """True when ``session`` runs the fenced-flush hook: the marker :func:`install` leaves
-    on it or its class (cheaper than walking the dispatch collection on every ``bind``)."""
-    return bool(vars(session).get(_INSTALLED) or getattr(type(session), _INSTALLED, False))
+    """Whether ``session`` runs the hook: :func:`install`'s marker on it or its class."""
+    return bool(session.__dict__.get(_INSTALLED) or getattr(type(session), _INSTALLED, False))
 
 
 def _session_of(target: Any) -> Session:
@@ -1316,8 +1317,8 @@ def _session_of(target: Any) -> Session:
 def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
     if not isinstance(session, Session):
         session = _session_of(session)
-    if not is_installed(session):
-        raise FencingConfigError(
+    if not (session.__dict__.get(_INSTALLED) or getattr(type(session), _INSTALLED, False)):
+        raise FencingConfigError(  # (is_installed(), inlined)
             "this session does not have the sa-fence flush hook, so binding a lease would "
             "fence nothing. Call sa_fence.install() on the session, its sessionmaker or "
             "its Session class first (for a scoped_session, such as Flask-SQLAlchemy's "

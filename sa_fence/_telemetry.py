@@ -132,9 +132,6 @@ class _NoOp:
     add = record = set_attribute = set_attributes = add_event = _nothing
     set_status = record_exception = end = _nothing
 
-    def idle(self) -> bool:
-        return True
-
     def is_recording(self) -> bool:
         return False
 
@@ -239,11 +236,8 @@ class _Histogram:
         # measurements until one is set: sa-fence then takes none (nor their context).
         self.proxy = hasattr(histogram, "_real_instrument")
 
-    def idle(self) -> bool:
-        return self.proxy and self.histogram._real_instrument is None
-
     def record(self, amount: float, attributes: Mapping[str, str]) -> None:
-        if not (self.proxy and self.histogram._real_instrument is None):  # (idle(), inlined)
+        if not (self.proxy and self.histogram._real_instrument is None):  # (not idle)
             self.pending.put(self.histogram, amount, attributes)
 
 
@@ -443,9 +437,8 @@ class Telemetry:
         trace unless ``root_spans`` (why: docs/observability.md, "Spans")."""
         tracer = self.tracer
         if self._proxy is not None:
-            # The global provider's tracer, or the API's no-op one while none is
-            # set: then no span, and no lookup of the current one (about 8 calls).
-            # Asked at every span, so a provider set later takes effect at once.
+            # The global provider's tracer, or the API's no-op one while none is set: then
+            # no span (8 calls less); asked every time: a provider set later takes effect.
             tracer = self._proxy._tracer
             if type(tracer) is otel_trace.NoOpTracer:
                 return _NOOP
@@ -803,15 +796,18 @@ class CommitCheck:
 
 
 def commit_check(scope: Mapping[tuple[str, int], LeaseView]) -> CommitCheck | None:
-    """The commit check's span and latency, or None when neither would be recorded
-    (no provider set, or no API): a check of no-ops cost about 15 calls per
-    COMMIT.  The caller then counts a stale refusal with :func:`commit_refused`."""
+    """The commit check's span and latency, or None when neither would be recorded (no
+    provider, or no API; ~15 calls less): then :func:`commit_refused` counts a refusal."""
     for lease in scope.values():  # noqa: B007 (the first one: no next(iter()) calls)
         break
     tel = lease._tel or _lease_tel(lease)  # (a LeaseTelemetry is never false)
-    telemetry = tel.telemetry
-    span = telemetry.start_span("sa_fence.commit_check", tel.attrs)
-    if span is _NOOP and telemetry.commit_check_duration.idle():
+    telemetry, proxy = tel.telemetry, tel.telemetry._proxy  # (start_span's no-span cases:)
+    no_span = telemetry._untraced if proxy is None else type(proxy._tracer) is otel_trace.NoOpTracer
+    span = _NOOP if no_span else telemetry.start_span("sa_fence.commit_check", tel.attrs)
+    histogram = telemetry.commit_check_duration  # idle: _NOOP, or the API's proxy of none
+    if span is _NOOP and (
+        histogram is _NOOP or (histogram.proxy and histogram.histogram._real_instrument is None)
+    ):
         return None
     return CommitCheck(scope, tel, span)
 
@@ -825,7 +821,10 @@ def commit_refused(scope: Mapping[tuple[str, int], LeaseView], exc: StaleTokenEr
 def flush_started(lease: LeaseView) -> Any:
     """A fenced flush begins: its span (ended by :func:`flush_ended`), or None."""
     tel = lease._tel or _lease_tel(lease)  # (a LeaseTelemetry is never false)
-    span = tel.telemetry.start_span("sa_fence.flush", tel.attrs)
+    telemetry, proxy = tel.telemetry, tel.telemetry._proxy  # (start_span's no-span cases:)
+    if telemetry._untraced if proxy is None else type(proxy._tracer) is otel_trace.NoOpTracer:
+        return None
+    span = telemetry.start_span("sa_fence.flush", tel.attrs)
     return None if span is _NOOP else span
 
 
