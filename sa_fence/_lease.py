@@ -190,7 +190,7 @@ class _Renewer:
 
 
 class Script:
-    """A sync client's script: EVALSHA by ``execute_command`` (far fewer calls than
+    """A sync client's one-key script: EVALSHA by ``execute_command`` (far fewer calls than
     redis-py's ``Script``), loaded again after NOSCRIPT (a restarted or flushed server)."""
 
     def __init__(self, client: Any, script: str) -> None:
@@ -198,10 +198,10 @@ class Script:
 
     def __call__(self, keys: Any, args: Any) -> Any:
         try:
-            return self.client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+            return self.client.execute_command("EVALSHA", self.sha, 1, *keys, *args)
         except redis_lib.exceptions.NoScriptError:
             self.sha = self.client.script_load(self.script)
-            return self.client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+            return self.client.execute_command("EVALSHA", self.sha, 1, *keys, *args)
 
 
 class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
