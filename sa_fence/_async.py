@@ -342,6 +342,8 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
     def _sleep(seconds: float) -> None:
         await_only(asyncio.sleep(seconds))
 
+    _script = staticmethod(lambda client, script: client.register_script(script))
+
     @staticmethod
     def _probe(host: str, port: int, timeout: float) -> str | None:
         return await_only(asyncio.to_thread(probe_speaks, host, port, timeout))

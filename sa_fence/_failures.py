@@ -208,11 +208,10 @@ def _redis_kind(exc: BaseException, lowered: str) -> tuple[str, bool]:
 def classify_redis(exc: BaseException, *, speaks: str | None = None, tls: bool = False) -> Failure:
     """What a failed Redis call means.
 
-    ``speaks`` is what a probe of the server found when the connection itself
-    failed: ``"tls"``, ``"plain"`` or None (not probed / no answer); ``tls``
-    is whether the client uses TLS.  A client and server that disagree about
-    TLS fail as timeouts or closed connections, so only the probe tells that
-    set-up mistake from an outage.
+    ``speaks`` is what a probe of the server found when the connection itself failed: ``"tls"``,
+    ``"plain"`` or None (not probed / no answer); ``tls`` is whether the client uses TLS.  A client
+    and server that disagree about TLS fail as timeouts or closed connections, so only the probe
+    tells that set-up mistake from an outage.
     """
     cause = cause_text(exc)
     lowered = str(exc).lower()

@@ -189,26 +189,37 @@ class _Renewer:
             del lease
 
 
+class Script:
+    """A sync client's one-key script: EVALSHA by ``execute_command`` (far fewer calls than
+    redis-py's ``Script``), loaded again after NOSCRIPT (a restarted or flushed server)."""
+
+    def __init__(self, client: Any, script: str) -> None:
+        self.client, self.script, self.sha = client, script, client.register_script(script).sha
+
+    def __call__(self, keys: Any, args: Any) -> Any:
+        try:
+            return self.client.execute_command("EVALSHA", self.sha, 1, *keys, *args)
+        except redis_lib.exceptions.NoScriptError:
+            self.sha = self.client.script_load(self.script)
+            return self.client.execute_command("EVALSHA", self.sha, 1, *keys, *args)
+
+
 class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
     """Grants leases (Redis) that carry fencing tokens (PostgreSQL sequence).
 
-    ``redis`` is a ``redis.Redis`` client; ``engine`` is the SQLAlchemy engine
-    of the database that holds the fenced rows *and* the token sequence.
-    Leases are stored under ``key_prefix + name``.  Renewed leases
-    (``renew=True``) are extended after ``renew_fraction`` of their TTL by
-    one background thread per Fencer, which runs only while such leases exist.
+    ``redis`` is a ``redis.Redis`` client; ``engine`` is the SQLAlchemy engine of the database that
+    holds the fenced rows *and* the token sequence. Leases are stored under ``key_prefix + name``.
+    Renewed leases (``renew=True``) are extended after ``renew_fraction`` of their TTL by one
+    background thread per Fencer, which runs only while such leases exist.
 
-    ``timeout`` is the failure budget in seconds (default 5): how long one
-    acquire (apart from waiting for a busy lease), extend, release or token
-    draw may spend on a failing Redis or PostgreSQL, a grant's wait for a
-    committing holder (the register row's lock) included.  A failed call is
-    resent at most three times, and only while the next attempt, judged by
-    the last, ends within the budget; one call lasts as long as the client
-    lets it (its ``socket_timeout`` and ``retry``), so give the client a
-    ``socket_timeout`` well below the budget.  Set-up mistakes (a wrong
-    password or database index, TLS on one side only, a missing ACL right or
-    register) are not resent: they raise :class:`~sa_fence.FencingConfigError`
-    at once, with the fix.
+    ``timeout`` is the failure budget in seconds (default 5): how long one acquire (apart from
+    waiting for a busy lease), extend, release or token draw may spend on a failing Redis or
+    PostgreSQL, a grant's wait for a committing holder (the register row's lock) included.  A failed
+    call is resent at most three times, and only while the next attempt, judged by the last, ends
+    within the budget; one call lasts as long as the client lets it (its ``socket_timeout`` and
+    ``retry``), so give the client a ``socket_timeout`` well below the budget.  Set-up mistakes (a
+    wrong password or database index, TLS on one side only, a missing ACL right or register) are not
+    resent: they raise :class:`~sa_fence.FencingConfigError` at once, with the fix.
 
     ``telemetry``: where metrics and spans go and how lease names are shortened
     for them (:class:`~sa_fence.telemetry.Telemetry`); default: the global
@@ -250,14 +261,12 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         """Delete the lease register's rows of names that no one holds and that were
         last granted more than ``older_than`` ago (seconds, or a ``timedelta``).
 
-        ``longest_lease`` is the longest a lease of yours can last from its grant
-        to its last commit (renewals included); an ``older_than`` shorter than it
-        raises ValueError.  A name held in Redis is kept whatever its age, a row
-        only while it holds the token read (a grant in between survives), and a
-        stale holder of a pruned name is still refused at commit.  ``dry_run``
-        deletes nothing and reports what would go.  Returns a :class:`PruneResult`
-        (rows and bytes removed).  ``sa-fence prune`` does the same; see
-        docs/operations.md#retention.
+        ``longest_lease`` is the longest a lease of yours can last from its grant to its last commit
+        (renewals included); an ``older_than`` shorter than it raises ValueError.  A name held in
+        Redis is kept whatever its age, a row only while it holds the token read (a grant in between
+        survives), and a stale holder of a pruned name is still refused at commit.  ``dry_run``
+        deletes nothing and reports what would go.  Returns a :class:`PruneResult` (rows and bytes
+        removed).  ``sa-fence prune`` does the same; see docs/operations.md#retention.
         """
         return _prune.prune(
             self.engine,
@@ -291,13 +300,11 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
     ) -> Lease:
         """Take lease ``name`` for ``ttl`` seconds and draw its token.
 
-        ``blocking=True`` waits while another owner holds the lease, with
-        exponential backoff and full jitter, for at most ``timeout`` seconds
-        (default: ``ttl``) on the monotonic clock.  ``renew=True`` keeps the
-        lease alive in the background until it is released or lost;
-        ``on_lost(lease)`` then runs once if it is lost.  ``fail_fast``
-        (default: ``renew``) makes bound sessions refuse to flush once the
-        lease's local validity has passed.
+        ``blocking=True`` waits while another owner holds the lease, with exponential backoff and
+        full jitter, for at most ``timeout`` seconds (default: ``ttl``) on the monotonic clock.
+        ``renew=True`` keeps the lease alive in the background until it is released or lost;
+        ``on_lost(lease)`` then runs once if it is lost.  ``fail_fast`` (default: ``renew``) makes
+        bound sessions refuse to flush once the lease's local validity has passed.
 
         Raises :class:`~sa_fence.LeaseNotAcquiredError` when another owner
         holds it (after the wait, if blocking), :class:`~sa_fence.LeaseBackendError`
@@ -360,3 +367,4 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         time.sleep(seconds)
 
     _probe = staticmethod(probe_speaks)
+    _script = Script

@@ -6,10 +6,9 @@ every I/O call through the fencer::
 
     reply = fencer._io(fencer._acquire(keys=[key], args=[owner, ttl_ms]))
 
-A sync fencer makes the call there and then and its ``_io`` hands the reply
-back; an async one runs each operation in a greenlet and its ``_io`` awaits
-with ``await_only``, so one ``try``/``except`` serves both.  Why greenlet, and
-the interface the integrations use: docs/architecture.md.
+A sync fencer makes the call there and then and its ``_io`` hands the reply back; an async one runs
+each operation in a greenlet and its ``_io`` awaits with ``await_only``, so one ``try``/``except``
+serves both.  Why greenlet, and the interface the integrations use: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -152,10 +151,9 @@ def _grant(
                 rand=random.random(),
             )
             if wait is None:
-                # Not "acquired", not "not acquired".  Remove what a lost ACQUIRE
-                # may have set (the TTL ends it otherwise): not after a failure
-                # that proves nothing was set, nor when the call would not end
-                # within the budget (a Redis that stopped answering).
+                # Not "acquired", not "not acquired".  Remove what a lost ACQUIRE may have set (the
+                # TTL ends it otherwise): not after a failure that proves nothing was set, nor when
+                # the call would not end within the budget (a Redis that stopped answering).
                 if attempts.unknown_since is not None and attempts.failed.fits_another(
                     time.monotonic()
                 ):
@@ -178,12 +176,12 @@ def call(
 ) -> tuple[Any, int]:
     """Send an idempotent script call, resent within the failure budget while a resend
     may fix its failure; (its reply, how many sends failed before)."""
-    keys, argv = [key], list(args)
+    keys = [key]
     budget = None  # made at the first failure: most calls never need one
     while True:
         sent_at = time.monotonic()
         try:
-            return f._io(script(keys=keys, args=argv)), 0 if budget is None else budget.failures
+            return f._io(script(keys=keys, args=args)), 0 if budget is None else budget.failures
         except REDIS_ERRORS as exc:
             now = time.monotonic()
             budget = budget or FailureBudget(f.timeout)
@@ -321,6 +319,7 @@ class FencerCore(Generic[R, E]):
     _kind: ClassVar[str]
     _renewer_word: ClassVar[str]
     _lease_type: ClassVar[type[Any]]
+    _script: Callable[[Any, str], Any]  # (client, Lua text) -> callable(keys=, args=)
 
     def __init__(
         self,
@@ -345,11 +344,11 @@ class FencerCore(Generic[R, E]):
         self._tokens = TokenSource(
             sync_engine, sequence, lock_timeout_ms=max(1, math.ceil(self.timeout * 1000))
         )
-        client: Any = redis
-        self._acquire = client.register_script(proto.ACQUIRE_SCRIPT)
-        self._confirm = client.register_script(proto.CONFIRM_SCRIPT)
-        self._extend = client.register_script(proto.EXTEND_SCRIPT)
-        self._release = client.register_script(proto.RELEASE_SCRIPT)
+        script = self._script
+        self._acquire = script(redis, proto.ACQUIRE_SCRIPT)
+        self._confirm = script(redis, proto.CONFIRM_SCRIPT)
+        self._extend = script(redis, proto.EXTEND_SCRIPT)
+        self._release = script(redis, proto.RELEASE_SCRIPT)
         self._warned_no_timeout = False
         #: where metrics and spans go (None: the global providers; docs/observability.md)
         self._telemetry = telemetry
@@ -475,9 +474,8 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
     def lost(self) -> bool:
         """True once the lease is known to be gone.
 
-        Set when renewal or :meth:`extend` found another owner or no lease,
-        or when a renewed lease's local validity ran out without a successful
-        renewal.  Never goes back to False.
+        Set when renewal or :meth:`extend` found another owner or no lease, or when a renewed
+        lease's local validity ran out without a successful renewal.  Never goes back to False.
         """
         self._notice_overdue()
         return self._state.lost is not None
@@ -501,12 +499,10 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
     def check(self, *, for_write: bool = False) -> None:
         """Raise :class:`~sa_fence.LeaseLostError` unless the lease is still usable.
 
-        Usable: not released, not lost, and within its local validity.  No
-        round trip to Redis: call it between steps of long work.  With
-        ``for_write=True`` it is the check a bound session makes before each
-        fenced write: local validity then counts only with ``fail_fast``
-        (otherwise the fence decides), and a renewed lease whose renewal is
-        overdue counts as lost.
+        Usable: not released, not lost, and within its local validity.  No round trip to Redis: call
+        it between steps of long work.  With ``for_write=True`` it is the check a bound session
+        makes before each fenced write: local validity then counts only with ``fail_fast``
+        (otherwise the fence decides), and a renewed lease whose renewal is overdue counts as lost.
         """
         state = self._state  # the hot path (every fenced flush and statement): no calls
         if not (state.released or state.lost is not None) and (

@@ -1,11 +1,10 @@
 """Sans-I/O part of the lease protocol: scripts, argument checks, value formats.
 
-Pure (no Redis, no PostgreSQL): both front ends drive the same functions and
-scripts.  ACQUIRE sets the lease if the key is free, PostgreSQL draws the
-token, and CONFIRM records it in the lease only while the lease is still ours
-(else the token is thrown away), so token order follows grant order (the
-whole protocol: docs/how-it-works.md).  Every script is idempotent for one
-owner value: a call whose reply was lost can be resent and answers the same.
+Pure (no Redis, no PostgreSQL): both front ends drive the same functions and scripts.  ACQUIRE sets
+the lease if the key is free, PostgreSQL draws the token, and CONFIRM records it in the lease only
+while the lease is still ours (else the token is thrown away), so token order follows grant order
+(the whole protocol: docs/how-it-works.md).  Every script is idempotent for one owner value: a call
+whose reply was lost can be resent and answers the same.
 """
 
 from __future__ import annotations
@@ -53,11 +52,10 @@ return 0
 #: Longest TTL accepted: a sanity check (a lease this long is a bug), not a Redis limit.
 MAX_TTL_SECONDS = 7 * 24 * 3600.0
 MAX_NAME_LENGTH = 1024
-#: Longest lease name in UTF-8 bytes.  The name is the register's primary key, and
-#: a btree entry must fit in a third of a page: on 8 kB pages PostgreSQL 15 refuses
-#: an incompressible name over 2,692 bytes ("index row size exceeds btree version 4
-#: maximum").  2,048 leaves room for any content: 1,024 ASCII, Cyrillic or Greek
-#: characters, 682 CJK ones.
+#: Longest lease name in UTF-8 bytes.  The name is the register's primary key, and a btree entry
+#: must fit in a third of a page: on 8 kB pages PostgreSQL 15 refuses an incompressible name over
+#: 2,692 bytes ("index row size exceeds btree version 4 maximum").  2,048 leaves room for any
+#: content: 1,024 ASCII, Cyrillic or Greek characters, 682 CJK ones.
 MAX_NAME_BYTES = 2048
 
 

@@ -39,10 +39,9 @@ def client_call_bound(client: object) -> tuple[float | None, str] | None:
     """The longest one call of a plain or Sentinel client can last (None: unbounded),
     and how; None when it cannot be read (a cluster client, a custom class).
 
-    redis-py connects with up to ``retries`` retries (each up to
-    ``socket_connect_timeout``, with waits up to its backoff's cap), waits up
-    to ``socket_timeout`` for the reply, and on a failure does it all again up
-    to ``retries`` times.
+    redis-py connects with up to ``retries`` retries (each up to ``socket_connect_timeout``, with
+    waits up to its backoff's cap), waits up to ``socket_timeout`` for the reply, and on a failure
+    does it all again up to ``retries`` times.
     """
     kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
     if not isinstance(kwargs, dict):
@@ -106,9 +105,8 @@ def probe_target(client: object) -> tuple[str, int, bool] | None:
 
 
 def probe_speaks(host: str, port: int, timeout: float = 0.5) -> str | None:
-    """What the server on ``host:port`` speaks: "plain" (RESP), "tls", or None (no
-    answer): a plain Redis answers ``PING`` in RESP, a TLS port closes the
-    connection or answers with a TLS alert."""
+    """What the server on ``host:port`` speaks: "plain" (RESP), "tls", or None (no answer): a plain
+    Redis answers ``PING`` in RESP, a TLS port closes the connection or answers with a TLS alert."""
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
             sock.sendall(b"PING\r\n")

@@ -42,11 +42,10 @@ log = logging.getLogger(__name__)  # a child of "sa_fence"
 #: closed (closing would end the parent's session on the shared socket).
 _FORKED_AWAY: list[Any] = []
 
-#: How many times one grant's statement is sent when its connection turns out
-#: lost (a server restart, a failover, an idle timeout: without ``pool_pre_ping``
-#: the pool still holds connections from before).  The pool is then invalidated,
-#: as SQLAlchemy does on a disconnect, so the next try gets a fresh connection.
-#: Resending is safe: a token whose answer was lost is never used (a gap).
+#: How many times one grant's statement is sent when its connection turns out lost (a server
+#: restart, a failover, an idle timeout: without ``pool_pre_ping`` the pool still holds connections
+#: from before).  The pool is then invalidated, as SQLAlchemy does on a disconnect, so the next try
+#: gets a fresh connection. Resending is safe: a token whose answer was lost is never used (a gap).
 DRAW_ATTEMPTS = 2
 
 
@@ -59,13 +58,13 @@ def fence_sequence(
     """The token sequence as a SQLAlchemy schema object, declared correctly.
 
     ``metadata.create_all(engine)`` (or ``fence_sequence().create(conn)``) then emits
-    ``CREATE SEQUENCE ... AS BIGINT INCREMENT BY 1 START WITH 1 CACHE 1 NO CYCLE``.  With
-    a ``metadata``, the lease register (``sa_fence_leases``, whose token default draws
-    from this sequence) and its commit check function are added too, so ``create_all()``
-    gives the whole working schema.  ``CACHE 1`` is required: with a cache every backend
-    pre-allocates a block of values and ``nextval`` stops following real time across
-    connections.  Never drop or ``RESTART`` this sequence in a live database: tokens
-    would start again below the fences already on the rows.
+    ``CREATE SEQUENCE ... AS BIGINT INCREMENT BY 1 START WITH 1 CACHE 1 NO CYCLE``.  With a
+    ``metadata``, the lease register (``sa_fence_leases``, whose token default draws from this
+    sequence) and its commit check function are added too, so ``create_all()`` gives the whole
+    working schema.
+    ``CACHE 1`` is required: with a cache every backend pre-allocates a block of values and
+    ``nextval`` stops following real time across connections.  Never drop or ``RESTART`` this
+    sequence in a live database: tokens would start again below the fences already on the rows.
     """
     if schema is None and "." in name:
         schema, name = split_name(name)
