@@ -4,9 +4,14 @@ loopback and headless Chromium loads each page with a Mermaid diagram.
 mkdocs-material replaces each ``<pre class="mermaid">`` with a
 ``<div class="mermaid">`` holding the SVG only once Mermaid has rendered it;
 a diagram Mermaid cannot parse, or a Mermaid that did not load (the site
-falls back to unpkg.com, unreachable here), leaves the source text instead.
-Chromium comes from Debian (`.ci/docs-tools` installs it for `make test`);
-the test is skipped where it is missing.
+falls back to unpkg.com), leaves the source text instead. Every request that
+is not to the loopback server is aborted, so "offline" is enforced, not assumed.
+
+Chromium comes from Debian (`.ci/docs-tools` installs it for `make test`) and
+is driven by Playwright, which waits for what the page must show (bounded)
+instead of dumping the DOM after a fixed budget: the search index is built in
+a web worker that headless Chromium's virtual time never waited for, and on a
+loaded machine three dumps in a row came back before it answered.
 """
 
 from __future__ import annotations
@@ -15,23 +20,29 @@ import functools
 import http.server
 import re
 import shutil
-import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import Browser, ConsoleMessage, Page, Route, sync_playwright
 
 import docs_hooks
+from tests._tools import missing
 from tests.test_docs import ROOT
 from tests.test_docs_site import build
 
-pytestmark = pytest.mark.slow  # builds the site and starts a browser per page
+pytestmark = pytest.mark.slow  # builds the site and starts a browser
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 #: The pages whose diagrams are checked: every page with a ```mermaid fence.
 PAGES = sorted(p for p in (ROOT / "docs").glob("*.md") if "```mermaid" in p.read_text())
+#: How long a page may take to show what it must (ms): a bound, not a pace.
+WAIT_MS = 60_000
+#: What the theme may ask the internet for, degrading without it: its web font
+#: and the repository's star count. Anything else off loopback fails the test.
+OPTIONAL_ORIGINS = ("https://fonts.googleapis.com/", "https://api.github.com/repos/")
 
 
 def fences(page: Path) -> int:
@@ -40,17 +51,15 @@ def fences(page: Path) -> int:
 
 @pytest.fixture(scope="module")
 def site_url() -> Iterator[str]:
-    if CHROMIUM is None:
-        pytest.skip("chromium is not installed (apt-get install chromium; .ci/docs-tools)")
     if docs_hooks.mermaid_js() is None:
         if shutil.which("npm") is None:
-            pytest.skip("no npm to fetch Mermaid with (python docs_hooks.py fetch-mermaid)")
+            missing("no npm to fetch Mermaid with", "python docs_hooks.py fetch-mermaid")
         docs_hooks.fetch_mermaid()
     with tempfile.TemporaryDirectory() as tmp:
         site = Path(tmp) / "site"
         done = build(site)
         assert done.returncode == 0, done.stdout + done.stderr
-        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+        handler = functools.partial(QuietHandler, directory=str(site))
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
@@ -62,35 +71,62 @@ def site_url() -> Iterator[str]:
             thread.join(10)
 
 
-def browse(url: str) -> tuple[str, str]:
-    """(the DOM after scripts ran, the browser's console log) of ``url``."""
-    assert CHROMIUM is not None
-    with tempfile.TemporaryDirectory() as profile:
-        done = subprocess.run(
-            [
-                CHROMIUM,
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                f"--user-data-dir={profile}",
-                "--virtual-time-budget=10000",
-                "--enable-logging=stderr",
-                "--v=0",
-                "--dump-dom",
-                url,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if CHROMIUM is None:
+        missing("chromium is not installed", "apt-get install chromium; .ci/docs-tools")
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
         )
-    console = "\n".join(line for line in done.stderr.splitlines() if ":CONSOLE" in line)
-    return done.stdout, console
+        try:
+            yield launched
+        finally:
+            launched.close()
+
+
+class Visit:
+    """One page in a fresh browser context: its console errors and blocked requests."""
+
+    def __init__(self, browser: Browser, site_url: str) -> None:
+        self.context = browser.new_context(service_workers="block")
+        self.page: Page = self.context.new_page()
+        self.page.set_default_timeout(WAIT_MS)
+        self.errors: list[str] = []
+        self.blocked: list[str] = []
+        self.page.on("console", self._console)
+        self.page.on("pageerror", lambda error: self.errors.append(f"pageerror: {error}"))
+        self.context.route("**/*", functools.partial(self._offline, site_url))
+
+    def _console(self, message: ConsoleMessage) -> None:
+        # An aborted request logs ERR_FAILED; self.blocked holds which one it was.
+        if message.type == "error" and "net::ERR_FAILED" not in message.text:
+            self.errors.append(message.text)
+
+    def _offline(self, site_url: str, route: Route) -> None:
+        if route.request.url.startswith(site_url):
+            route.continue_()
+        else:
+            if not route.request.url.startswith(OPTIONAL_ORIGINS):
+                self.blocked.append(route.request.url)
+            route.abort()
+
+    def close(self) -> None:
+        self.context.close()
+
+
+@pytest.fixture
+def visit(browser: Browser, site_url: str) -> Iterator[Visit]:
+    opened = Visit(browser, site_url)
+    try:
+        yield opened
+    finally:
+        opened.close()
 
 
 def test_every_page_with_diagrams_is_checked() -> None:
@@ -101,27 +137,35 @@ def test_every_page_with_diagrams_is_checked() -> None:
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.stem for p in PAGES])
 def test_each_diagram_renders_offline_with_the_mermaid_the_site_serves(
-    site_url: str, page: Path
+    visit: Visit, site_url: str, page: Path
 ) -> None:
     path = "" if page.stem == "index" else f"{page.stem}/"
-    dom, console = browse(site_url + path)
+    visit.page.goto(site_url + path)
+    expected = fences(page)
+    # Rendered: every <pre class="mermaid"> replaced by its <div> (whose SVG sits
+    # in a closed shadow root, out of the DOM's reach), within the bound.
+    visit.page.wait_for_function(
+        "n => document.querySelectorAll('div.mermaid').length >= n"
+        " && !document.querySelector('pre.mermaid')",
+        arg=expected,
+    )
+    dom = visit.page.content()
     assert "assets/javascripts/mermaid.min.js" in dom  # served by the site, not unpkg
-    assert "Error" not in console, console
-    assert dom.count('<div class="mermaid"') == fences(page), console
+    assert dom.count('<div class="mermaid"') == expected
     assert "sequenceDiagram" not in dom  # no diagram left as its source text
+    assert (visit.blocked, visit.errors) == ([], [])
 
 
-def test_search_finds_a_page_in_the_browser_offline(site_url: str) -> None:
+def test_search_finds_a_page_in_the_browser_offline(visit: Visit, site_url: str) -> None:
     """mkdocs-material's search (lunr in a web worker, from the site's own index)."""
-    # The index is built in a web worker, which headless Chromium's virtual time
-    # does not wait for: on a loaded machine one load may dump the page before
-    # the worker answers, so the same load is tried up to three times.
-    for _ in range(3):
-        dom, console = browse(site_url + "?q=create-guard")
-        assert "Error" not in console, console
-        results = re.search(r'class="md-search-result__meta">\s*(\d+) matching document', dom)
-        if results:
-            break
-    assert results, dom[-2000:]
-    assert int(results.group(1)) >= 1
-    assert 'href="' + site_url + "cli/" in dom or 'href="cli/' in dom
+    visit.page.goto(site_url + "?q=create-guard")
+    meta = visit.page.locator(".md-search-result__meta")
+    meta.filter(has_text=re.compile(r"\d+ matching document")).wait_for()
+    found = re.search(r"(\d+) matching document", meta.inner_text())
+    assert found, meta.inner_text()
+    assert int(found.group(1)) >= 1
+    links = visit.page.locator(".md-search-result__link").evaluate_all(
+        "links => links.map(a => a.href)"
+    )
+    assert any(link.startswith(site_url + "cli/") for link in links), links
+    assert (visit.blocked, visit.errors) == ([], [])
