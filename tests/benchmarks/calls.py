@@ -12,7 +12,10 @@ the other sections did to their engine does not change the counts.
 Ops: a plain and a fenced 1-row update+commit (the difference is
 "sa-fence's own calls per fenced transaction"), the same for 1000 rows and
 for deleting 1 and 1000 rows, and a lease cycle (``Fencer.acquire()`` +
-``Lease.release()``).  Then "where the calls go": the fenced 1-row update's
+``Lease.release()``), beside two counts of redis-py alone that bound it from
+below: one command through its client (a lease cycle sends three scripts that
+way) and a cycle of its own ``Lock`` (two commands, no token).  Then "where the
+calls go": the fenced 1-row update's
 calls next to plain's, grouped by the package (and, for SQLAlchemy, the
 subpackage) of the function called, and the functions with the most extra
 calls of their own.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import cProfile
 import gc
 import pstats
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -180,6 +184,8 @@ class CallsResult:
     n: int
     flush: dict[str, dict[str, Count]] = field(default_factory=dict)  # op -> variant -> count
     cycle: Count | None = None
+    redis_command: Count | None = None  # one EVALSHA through redis-py's client
+    redis_lock_cycle: Count | None = None  # redis-py Lock: acquire + release
 
 
 def ops_counted(rows: int) -> list[tuple[str, str, int]]:
@@ -209,10 +215,40 @@ def run(
     fencer = sa_fence.Fencer(client, engine, sequence=schema.sequence, key_prefix=key_prefix)
     try:
         with fencer.lease("calls-flush", ttl=3600) as lease:
-            return _run(FlushBench(engine, schema, lease, config.rows), fencer, config, progress)
+            result = _run(FlushBench(engine, schema, lease, config.rows), fencer, config, progress)
     finally:
         fencer.close()
         engine.dispose()
+    n, warmup = result.n, min(result.n, 20)
+    result.redis_command = count(Op(redis_command(client, key_prefix)), n, warmup)
+    result.redis_lock_cycle = count(Op(redis_lock_cycle(client, key_prefix)), n, warmup)
+    return result
+
+
+def redis_command(client: redis.Redis, key_prefix: str) -> Callable[[], object]:
+    """One EVALSHA through redis-py's client, as each of a lease cycle's scripts is sent."""
+    script = client.register_script("return redis.call('PEXPIRE', KEYS[1], ARGV[1])")
+    script([f"{key_prefix}calls-command"], [1000])  # loads it: the op is EVALSHA alone
+    key = f"{key_prefix}calls-command"
+    sha = script.sha
+
+    def command() -> object:
+        return client.execute_command("EVALSHA", sha, 1, key, 1000)
+
+    return command
+
+
+def redis_lock_cycle(client: redis.Redis, key_prefix: str) -> Callable[[], object]:
+    """redis-py's ``Lock``: acquire (SET NX PX) and release (its owner-checked script)."""
+    lock = client.lock(f"{key_prefix}calls-lock", timeout=30, blocking=False)
+
+    def cycle() -> object:
+        if not lock.acquire():
+            raise RuntimeError("the benchmark's redis-py lock was held")
+        lock.release()
+        return None
+
+    return cycle
 
 
 def _run(
@@ -268,6 +304,15 @@ def report(result: CallsResult) -> list[Target]:
         "  lease cycle by area: "
         + ", ".join(f"{name} {round(calls)}" for name, calls in cycle_areas if round(calls))
     )
+    assert result.redis_command is not None
+    assert result.redis_lock_cycle is not None
+    command, lock = result.redis_command.total, result.redis_lock_cycle.total
+    print(f"{'  redis-py alone: one EVALSHA':<40}{'':>9}{round(command):>9}")
+    print(f"{'  redis-py Lock cycle (no token)':<40}{'':>9}{round(lock):>9}")
+    print(
+        f"  the cycle's three scripts through redis-py's client: at least "
+        f"{round(3 * command)} calls before sa-fence's and psycopg's"
+    )
     key = "update 1 row"
     areas, functions = where(result.flush[key]["fenced"], result.flush[key]["plain"])
     print(f"\nwhere the calls go: fenced vs plain, {key}, per op")
@@ -286,7 +331,9 @@ def report(result: CallsResult) -> list[Target]:
             float(round(cycle)),
             CYCLE_LIMIT,
             "calls",
-            f"{account(cycle_areas, cycle)}: {WHY_CYCLE}",
+            f"{account(cycle_areas, cycle)}: {WHY_CYCLE}; redis-py alone makes "
+            f"{round(command)} calls per command and {round(lock)} per cycle of its own "
+            f"Lock, so three scripts take {round(3 * command)} before any of sa-fence's",
             decimals=0,
         )
     )
