@@ -235,6 +235,12 @@ class _FencedConnection(Connection):
             _after_execute(self, state, pending, result)
         return result
 
+    def exec_driver_sql(self, statement: str, *args: Any, **kwargs: Any) -> Any:
+        state: SessionState | None = getattr(self, _ACTIVE, None)
+        if state is not None and state.lease is not None and isinstance(statement, str):
+            _refuse_chain(statement)  # driver SQL is not seen as text(): refuse it here too
+        return super().exec_driver_sql(statement, *args, **kwargs)
+
     def _execute_default(self, *args: Any, **kwargs: Any) -> Any:
         _scope_on_begin(self)
         return super()._execute_default(*args, **kwargs)

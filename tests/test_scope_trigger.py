@@ -161,33 +161,65 @@ def test_commit_and_chain_is_refused_before_anything_is_sent(
     for sql in ("COMMIT AND CHAIN", "end and  chain", "ROLLBACK AND CHAIN"):
         with pytest.raises(sa_fence.FencingConfigError, match="AND CHAIN"):
             session.execute(sa.text(sql))
+        with pytest.raises(sa_fence.FencingConfigError, match="AND CHAIN"):
+            session.connection().exec_driver_sql(sql)
     session.rollback()  # the refusal poisons the session: nothing of it commits
     session.close()
     assert outbox(scope_engine) == []
     a.release()
 
 
+@pytest.mark.parametrize("send", ["text", "exec_driver_sql"])
 def test_without_the_chain_refusal_a_chained_transaction_commits_a_stale_holders_rows(
     fencer: sa_fence.Fencer,
     make_session: sessionmaker[Session],
     scope_engine: sa.Engine,
     monkeypatch: pytest.MonkeyPatch,
+    send: str,
 ) -> None:
-    """Guard-removal pair: the chained transaction carries no arm."""
+    """Guard-removal pair: the chained transaction carries no arm (either way sent)."""
     monkeypatch.setattr(_flush, "_refuse_chain", lambda sql: None)
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with make_session() as session:
+
+        def sql(statement: str) -> None:
+            if send == "text":
+                session.execute(sa.text(statement))
+            else:
+                session.connection().exec_driver_sql(statement)
+
         a.bind(session)
         session.add(Outbox(id=1, message="current"))
         session.flush()
-        session.execute(sa.text("COMMIT AND CHAIN"))
+        sql("COMMIT AND CHAIN")
         assert expire(a)
         b = fencer.acquire(a.name, 5)
         session.add(Outbox(id=2, message="stale"))
         session.flush()
-        session.execute(sa.text("COMMIT"))
+        sql("COMMIT")
     assert outbox(scope_engine) == ["current", "stale"]  # the outcome the refusal prevents
     b.release()
+
+
+@pytest.mark.parametrize("send", ["text", "exec_driver_sql"])
+def test_a_chained_transaction_is_refused_on_a_fenced_connection(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine, send: str
+) -> None:
+    """fence_connection(): COMMIT AND CHAIN is refused however SQLAlchemy sends it,
+    and nothing the transaction wrote commits."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
+        conn.execute(sa.text("INSERT INTO outbox (id, message) VALUES (1, 'A')"))
+        chain = (
+            (lambda: conn.execute(sa.text("COMMIT AND CHAIN")))
+            if send == "text"
+            else (lambda: conn.exec_driver_sql("COMMIT AND CHAIN"))
+        )
+        with pytest.raises(sa_fence.FencingConfigError, match="Nothing was sent"):
+            chain()
+        conn.rollback()
+    assert outbox(scope_engine) == []
+    a.release()
 
 
 def test_a_joined_external_transaction_is_armed_by_its_own_statement_and_refused_when_stale(
