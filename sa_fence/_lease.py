@@ -7,14 +7,13 @@ is imported as a module so tests can swap the clock.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
+import sched
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -54,7 +53,7 @@ class Lease(BaseLease["Fencer"]):
     """
 
     #: The renewer's heap entry for this lease, while it is scheduled.
-    _renew_entry: int | None = None
+    _renew_entry: sched.Event | None = None
 
     def extend(self, ttl: float | None = None) -> None:
         """Set the lease's remaining time to ``ttl`` seconds (default: the original ttl).
@@ -124,69 +123,80 @@ class Lease(BaseLease["Fencer"]):
         self.fencer._renewer.cancel(self)
 
 
-class _Renewer:
-    """One thread per Fencer, with a heap of deadlines, that extends renewed leases when
-    they fall due; it holds them weakly (docs/architecture.md)."""
+class Deadlines:
+    """Runs actions at monotonic deadlines on one daemon thread, started by the first entry
+    and gone once none is pending: a fencer's renewer, and ``@fenced``'s ``max_hold``."""
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, weakref.ref[Lease]]] = []
-        self._wanted: set[int] = set()  # entries still scheduled (not cancelled)
-        self._seq = itertools.count()
+    def __init__(self, thread_name: str) -> None:
+        self._thread_name = thread_name
+        self.reset()
+
+    def reset(self) -> None:
+        """No thread and no entries (as a forked child starts)."""
+        self._lock = threading.Lock()
+        self._wake = threading.Event()  # add() and cancel() cut the scheduler's sleep short
+        self._scheduler = sched.scheduler(_monotonic, self._sleep)
         self._thread: threading.Thread | None = None
 
-    def schedule(self, lease: Lease, at: float) -> None:
-        with self._cond:
-            if not lease._renewing():
-                return
-            seq = next(self._seq)
-            lease._renew_entry = seq
-            heapq.heappush(self._heap, (at, seq, weakref.ref(lease)))
-            self._wanted.add(seq)
+    def _sleep(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        self._wake.clear()  # the scheduler looks at its queue again next
+
+    def add(self, at: float, action: Callable[..., object], *args: object) -> sched.Event:
+        with self._lock:
+            entry = self._scheduler.enterabs(at, 0, action, args)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
-                    target=self._run, name="sa-fence-renewer", daemon=True
+                    target=self._run, name=self._thread_name, daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+        self._wake.set()
+        return entry
 
-    def cancel(self, lease: Lease) -> None:
-        with self._cond:
-            if lease._renew_entry is not None:
-                self._wanted.discard(lease._renew_entry)
-                lease._renew_entry = None
-            if not self._wanted:
-                self._heap.clear()
-            self._cond.notify()
-
-    def _next_due(self) -> Lease | None:
-        """Wait for the next lease that is due; None when nothing is scheduled."""
-        with self._cond:
-            while True:
-                while self._heap and self._heap[0][1] not in self._wanted:
-                    heapq.heappop(self._heap)
-                if not self._heap:
-                    self._thread = None
-                    return None
-                at, seq, ref = self._heap[0]
-                now = time.monotonic()
-                if at > now:
-                    self._cond.wait(at - now)
-                    continue
-                heapq.heappop(self._heap)
-                self._wanted.discard(seq)
-                lease = ref()
-                if lease is None or lease._renew_entry != seq:
-                    continue
-                lease._renew_entry = None
-                return lease
+    def cancel(self, entry: sched.Event) -> None:
+        with suppress(ValueError):  # it has run already
+            self._scheduler.cancel(entry)
+        self._wake.set()
 
     def _run(self) -> None:
-        while (lease := self._next_due()) is not None:
-            at = steps.renew(lease)  # (which never raises: see _lifecycle.renew)
-            if at is not None:
-                self.schedule(lease, at)
-            del lease
+        while True:
+            self._scheduler.run()  # returns once nothing is pending
+            with self._lock:  # add() starts a new thread only when this one is gone
+                if self._scheduler.empty():
+                    self._thread = None
+                    return
+
+
+def _monotonic() -> float:
+    return time.monotonic()  # looked up at each call: tests swap the clock
+
+
+class _Renewer:
+    """Extends a Fencer's renewed leases when they fall due, on one thread (its
+    :class:`Deadlines`); it holds them weakly (docs/architecture.md)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # a lease's check of _renewing() and its entry go together
+        self._deadlines = Deadlines("sa-fence-renewer")
+
+    def schedule(self, lease: Lease, at: float) -> None:
+        with self._lock:
+            if lease._renewing():
+                lease._renew_entry = self._deadlines.add(at, self._renew, weakref.ref(lease))
+
+    def cancel(self, lease: Lease) -> None:
+        with self._lock:
+            if lease._renew_entry is not None:
+                self._deadlines.cancel(lease._renew_entry)
+                lease._renew_entry = None
+
+    def _renew(self, ref: weakref.ref[Lease]) -> None:
+        lease = ref()
+        if lease is None:
+            return
+        at = steps.renew(lease)  # (which never raises: see _lifecycle.renew)
+        if at is not None:
+            self.schedule(lease, at)
 
 
 class Script:

@@ -168,6 +168,18 @@ def test_a_renewed_lease_dropped_without_release_stops_being_renewed(
     assert wait_for_no_renewer() == []
 
 
+def test_releasing_the_last_renewed_lease_ends_the_renewer_at_once(
+    fencer: sa_fence.Fencer,
+) -> None:
+    """The release cancels the lease's pending renewal, so the thread exits then, not at
+    the renewal it would have sent 20 s later."""
+    assert wait_for_no_renewer() == []
+    lease = fencer.acquire("job:1", 30, renew=True)
+    assert len(renewer_threads()) == 1
+    assert lease.release()
+    assert wait_for_no_renewer(timeout=2.0) == []
+
+
 def test_a_thousand_renewed_leases_share_one_thread_and_leave_none_behind(
     redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
 ) -> None:
