@@ -52,7 +52,7 @@ class Lease(BaseLease["Fencer"]):
     it as a context manager).
     """
 
-    #: The renewer's heap entry for this lease, while it is scheduled.
+    #: The renewer's entry for this lease's next renewal.
     _renew_entry: sched.Event | None = None
 
     def extend(self, ttl: float | None = None) -> None:
@@ -84,7 +84,7 @@ class Lease(BaseLease["Fencer"]):
             self._state.released = True
             renewing, self._state.renewing = self._state.renewing, False
         if renewing:  # (a lost lease's renewal was stopped when it was lost)
-            self.fencer._renewer.cancel(self)
+            self._stop_renewal()
         return self._release_in_redis()
 
     def bind(self, session: S) -> S:
@@ -111,16 +111,18 @@ class Lease(BaseLease["Fencer"]):
         except (LeaseBackendError, FencingConfigError) as error:
             self._release_failed(error)
 
-    def _renewing(self) -> bool:
-        with self._lock:  # release() clears it first, then cancels under the renewer's lock
-            return self._state.renewing
-
     def _start_renewal(self, at: float) -> None:
         self._state.renewing = True
-        self.fencer._renewer.schedule(self, at)
+        self._schedule_renewal(at)
+
+    def _schedule_renewal(self, at: float) -> None:
+        with self._lock:  # release() and lose() clear renewing under it, then cancel the entry
+            if self._state.renewing:
+                self._renew_entry = self.fencer._renewals.add(at, _renew, weakref.ref(self))
 
     def _stop_renewal(self) -> None:
-        self.fencer._renewer.cancel(self)
+        if self._renew_entry is not None:
+            self.fencer._renewals.cancel(self._renew_entry)
 
 
 class Deadlines:
@@ -171,32 +173,12 @@ def _monotonic() -> float:
     return time.monotonic()  # looked up at each call: tests swap the clock
 
 
-class _Renewer:
-    """Extends a Fencer's renewed leases when they fall due, on one thread (its
-    :class:`Deadlines`); it holds them weakly (docs/architecture.md)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # a lease's check of _renewing() and its entry go together
-        self._deadlines = Deadlines("sa-fence-renewer")
-
-    def schedule(self, lease: Lease, at: float) -> None:
-        with self._lock:
-            if lease._renewing():
-                lease._renew_entry = self._deadlines.add(at, self._renew, weakref.ref(lease))
-
-    def cancel(self, lease: Lease) -> None:
-        with self._lock:
-            if lease._renew_entry is not None:
-                self._deadlines.cancel(lease._renew_entry)
-                lease._renew_entry = None
-
-    def _renew(self, ref: weakref.ref[Lease]) -> None:
-        lease = ref()
-        if lease is None:
-            return
-        at = steps.renew(lease)  # (which never raises: see _lifecycle.renew)
-        if at is not None:
-            self.schedule(lease, at)
+def _renew(ref: weakref.ref[Lease]) -> None:
+    """A renewal falling due on the fencer's renewer thread, which holds the lease weakly: a
+    dropped lease is not renewed (docs/architecture.md)."""
+    lease = ref()
+    if lease is not None and (at := steps.renew(lease)) is not None:  # (it never raises)
+        lease._schedule_renewal(at)
 
 
 class Script:
@@ -249,7 +231,7 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
             )
         self.engine = check_engine(engine)
         self._check_lock = threading.Lock()
-        self._renewer = _Renewer()
+        self._renewals = Deadlines("sa-fence-renewer")
         return self.engine
 
     def check(self) -> None:

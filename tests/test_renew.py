@@ -180,6 +180,33 @@ def test_releasing_the_last_renewed_lease_ends_the_renewer_at_once(
     assert wait_for_no_renewer(timeout=2.0) == []
 
 
+def test_a_release_while_a_renewal_is_sent_schedules_no_next_renewal(
+    fencer: sa_fence.Fencer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release lands after the renewal's answer, before its next one is scheduled
+    (here due 30 s later): nothing is scheduled, so the thread exits then."""
+    from sa_fence import _lifecycle
+
+    renew = _lifecycle.renew
+    released = threading.Event()
+
+    def renew_then_release(lease: Any) -> float | None:
+        at = renew(lease)
+        if released.is_set():
+            return at
+        assert at is not None
+        assert lease.release()
+        released.set()
+        return time.monotonic() + 30
+
+    monkeypatch.setattr(_lifecycle, "renew", renew_then_release)
+    assert wait_for_no_renewer() == []
+    lease = fencer.acquire("job:1", TTL, renew=True)
+    assert released.wait(10)
+    assert lease.released
+    assert wait_for_no_renewer() == []
+
+
 def test_a_thousand_renewed_leases_share_one_thread_and_leave_none_behind(
     redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
 ) -> None:
