@@ -328,7 +328,7 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         without the lease.  If Redis cannot be reached to release it, a
         warning is logged instead of raising: the lease's TTL ends it.
         """
-        lease = self.acquire(
+        with self.acquire(
             name,
             ttl,
             blocking=blocking,
@@ -336,11 +336,8 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
             renew=renew,
             on_lost=on_lost,
             fail_fast=fail_fast,
-        )
-        try:
+        ) as lease:
             yield lease
-        finally:
-            lease.__exit__(None, None, None)
 
     # ------------------------------------------------------ I/O (see _lifecycle)
 
