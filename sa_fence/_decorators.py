@@ -34,6 +34,7 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from . import _protocol as proto
 from . import _telemetry
+from ._flush import SessionState, state_for
 from ._lease import Deadlines, Fencer, OnLost
 from ._lifecycle import BaseLease, lose
 from .errors import LeaseLostError, LeaseNotAcquiredError
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
 
     from ._async import AsyncFencer, AsyncLease
-    from ._flush import SessionState
 
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
@@ -383,8 +383,6 @@ def _open(how: str, source: Any, is_async: bool) -> Any:
 
 
 def _session_state(session: Any) -> SessionState:
-    from ._flush import state_for
-
     return state_for(getattr(session, "sync_session", session))  # an AsyncSession's own
 
 

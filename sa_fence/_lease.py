@@ -7,13 +7,14 @@ is imported as a module so tests can swap the clock.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
-import sched
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -53,7 +54,7 @@ class Lease(BaseLease["Fencer"]):
     """
 
     #: The renewer's entry for this lease's next renewal.
-    _renew_entry: sched.Event | None = None
+    _renew_entry: Entry | None = None
 
     def extend(self, ttl: float | None = None) -> None:
         """Set the lease's remaining time to ``ttl`` seconds (default: the original ttl).
@@ -121,8 +122,10 @@ class Lease(BaseLease["Fencer"]):
                 self._renew_entry = self.fencer._renewals.add(at, _renew, weakref.ref(self))
 
     def _stop_renewal(self) -> None:
-        if self._renew_entry is not None:
-            self.fencer._renewals.cancel(self._renew_entry)
+        self.fencer._renewals.cancel(self._renew_entry)
+
+
+Entry = tuple[float, int, Callable[..., object], tuple[object, ...]]  # (when, seq, action, args)
 
 
 class Deadlines:
@@ -130,52 +133,52 @@ class Deadlines:
     and gone once none is pending: a fencer's renewer, and ``@fenced``'s ``max_hold``."""
 
     def __init__(self, thread_name: str) -> None:
-        self._thread_name = thread_name
+        self._name = thread_name
         self.reset()
 
     def reset(self) -> None:
         """No thread and no entries (as a forked child starts)."""
-        self._lock = threading.Lock()
-        self._wake = threading.Event()  # add() and cancel() cut the scheduler's sleep short
-        self._scheduler = sched.scheduler(_monotonic, self._sleep)
+        self._cond = threading.Condition()
+        self._heap: list[Entry] = []
+        self._seq = itertools.count()  # orders entries of the same deadline, never compared past
         self._thread: threading.Thread | None = None
 
-    def _sleep(self, seconds: float) -> None:
-        self._wake.wait(seconds)
-        self._wake.clear()  # the scheduler looks at its queue again next
-
-    def add(self, at: float, action: Callable[..., object], *args: object) -> sched.Event:
-        with self._lock:
-            entry = self._scheduler.enterabs(at, 0, action, args)
+    def add(self, at: float, action: Callable[..., object], *args: object) -> Entry:
+        entry = (at, next(self._seq), action, args)
+        with self._cond:
+            heapq.heappush(self._heap, entry)
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name=self._thread_name, daemon=True
-                )
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-        self._wake.set()
+            self._cond.notify()
         return entry
 
-    def cancel(self, entry: sched.Event) -> None:
-        with suppress(ValueError):  # it has run already
-            self._scheduler.cancel(entry)
-        self._wake.set()
+    def cancel(self, entry: Entry | None) -> None:
+        with self._cond:
+            if entry in self._heap:  # (not None, not once it ran)
+                self._heap.remove(entry)
+                heapq.heapify(self._heap)
+                self._cond.notify()  # the thread ends if it was the last
+
+    def _next_due(self) -> Entry | None:
+        """Wait for the next entry that is due and take it; None once none is pending."""
+        with self._cond:
+            while self._heap:
+                delay = self._heap[0][0] - time.monotonic()  # (tests swap the clock)
+                if delay <= 0:
+                    return heapq.heappop(self._heap)
+                self._cond.wait(delay)
+            self._thread = None  # add() starts a new thread from now on
+            return None
 
     def _run(self) -> None:
-        while True:
-            self._scheduler.run()  # returns once nothing is pending
-            with self._lock:  # add() starts a new thread only when this one is gone
-                if self._scheduler.empty():
-                    self._thread = None
-                    return
-
-
-def _monotonic() -> float:
-    return time.monotonic()  # looked up at each call: tests swap the clock
+        while (entry := self._next_due()) is not None:
+            _, _, action, args = entry
+            action(*args)
 
 
 def _renew(ref: weakref.ref[Lease]) -> None:
-    """A renewal falling due on the fencer's renewer thread, which holds the lease weakly: a
-    dropped lease is not renewed (docs/architecture.md)."""
+    """A renewal due on the renewer thread, which holds the lease weakly (a dropped one expires)."""
     lease = ref()
     if lease is not None and (at := steps.renew(lease)) is not None:  # (it never raises)
         lease._schedule_renewal(at)

@@ -176,8 +176,24 @@ def test_releasing_the_last_renewed_lease_ends_the_renewer_at_once(
     assert wait_for_no_renewer() == []
     lease = fencer.acquire("job:1", 30, renew=True)
     assert len(renewer_threads()) == 1
+    time.sleep(0.2)  # the thread is asleep now, waiting for the renewal due in 20 s
     assert lease.release()
     assert wait_for_no_renewer(timeout=2.0) == []
+
+
+def test_a_lease_due_before_the_one_the_renewer_waits_for_is_renewed_in_time(
+    fencer: sa_fence.Fencer, redis_client: redis.Redis
+) -> None:
+    """The new, earlier deadline wakes the renewer thread from its wait for a later one."""
+    slow = fencer.acquire("job:slow", 30, renew=True)  # renewed in 20 s
+    time.sleep(0.2)  # the thread is asleep now, waiting for it
+    fast = fencer.acquire("job:fast", TTL, renew=True)
+    time.sleep(3 * TTL)
+    assert not fast.lost
+    assert redis_client.pttl(fast.key) > 0
+    assert fast.release()
+    assert slow.release()
+    assert wait_for_no_renewer() == []
 
 
 def test_a_release_while_a_renewal_is_sent_schedules_no_next_renewal(
