@@ -263,7 +263,7 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         As :meth:`sa_fence.Fencer.lease`; the release on exit also runs when
         the body was cancelled.
         """
-        lease = await self.acquire(
+        async with await self.acquire(
             name,
             ttl,
             blocking=blocking,
@@ -271,11 +271,8 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
             renew=renew,
             on_lost=on_lost,
             fail_fast=fail_fast,
-        )
-        try:
+        ) as lease:
             yield lease
-        finally:
-            await lease.__aexit__(None, None, None)
 
     async def prune(
         self,

@@ -17,17 +17,14 @@ back, :func:`_run_async` awaits each one first.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import enum
 import functools
 import inspect
 import logging
 import os
-import sched
 import string
 import sys
-import threading
 import time
 from collections.abc import Callable, Coroutine, Generator, Iterable
 from dataclasses import dataclass, field
@@ -37,7 +34,8 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from . import _protocol as proto
 from . import _telemetry
-from ._lease import Fencer, OnLost
+from ._flush import SessionState, state_for
+from ._lease import Deadlines, Fencer, OnLost
 from ._lifecycle import BaseLease, lose
 from .errors import LeaseLostError, LeaseNotAcquiredError
 
@@ -45,7 +43,6 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
 
     from ._async import AsyncFencer, AsyncLease
-    from ._flush import SessionState
 
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
@@ -386,8 +383,6 @@ def _open(how: str, source: Any, is_async: bool) -> Any:
 
 
 def _session_state(session: Any) -> SessionState:
-    from ._flush import state_for
-
     return state_for(getattr(session, "sync_session", session))  # an AsyncSession's own
 
 
@@ -398,51 +393,9 @@ def _lose_at_max_hold(lease: BaseLease[Any], message: str) -> None:
         log.exception("marking lease %r lost at its max_hold failed", lease.name)
 
 
-class _HoldLimits:
-    """Marks leases lost at their ``max_hold``: a scheduler of deadlines on one daemon
-    thread, started by the first entry and gone once none is pending."""
-
-    def __init__(self) -> None:
-        self._reset()
-
-    def _reset(self) -> None:
-        self._lock = threading.Lock()
-        self._wake = threading.Event()  # add() and cancel() cut the scheduler's sleep short
-        self._scheduler = sched.scheduler(time.monotonic, self._sleep)
-        self._thread: threading.Thread | None = None
-
-    def _sleep(self, seconds: float) -> None:
-        self._wake.wait(seconds)
-        self._wake.clear()  # the scheduler looks at its queue again next
-
-    def add(self, at: float, lease: BaseLease[Any], message: str) -> sched.Event:
-        with self._lock:
-            entry = self._scheduler.enterabs(at, 0, _lose_at_max_hold, (lease, message))
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="sa-fence-max-hold", daemon=True
-                )
-                self._thread.start()
-        self._wake.set()
-        return entry
-
-    def cancel(self, entry: sched.Event) -> None:
-        with contextlib.suppress(ValueError):  # it has run already
-            self._scheduler.cancel(entry)
-        self._wake.set()
-
-    def _run(self) -> None:
-        while True:
-            self._scheduler.run()  # returns once nothing is pending
-            with self._lock:  # add() starts a new thread only when this one is gone
-                if self._scheduler.empty():
-                    self._thread = None
-                    return
-
-
-_hold_limits = _HoldLimits()
+_hold_limits = Deadlines("sa-fence-max-hold")
 # A forked child (Celery's prefork pool) starts with no thread and no entries.
-os.register_at_fork(after_in_child=_hold_limits._reset)
+os.register_at_fork(after_in_child=_hold_limits.reset)
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,7 +417,8 @@ class _Kind:
         if self.is_async:  # the event loop's timer: no thread
             delay = max(0.0, at - time.monotonic())
             return asyncio.get_running_loop().call_later(delay, lose, lease, message).cancel
-        return functools.partial(_hold_limits.cancel, _hold_limits.add(at, lease, message))
+        entry = _hold_limits.add(at, _lose_at_max_hold, lease, message)
+        return functools.partial(_hold_limits.cancel, entry)
 
     def unit_of_work(self, lease: Any, steps: _Steps[Any]) -> Any:
         """Run ``steps`` now (a def), or return an awaitable running them (an async

@@ -53,8 +53,8 @@ class Lease(BaseLease["Fencer"]):
     it as a context manager).
     """
 
-    #: The renewer's heap entry for this lease, while it is scheduled.
-    _renew_entry: int | None = None
+    #: The renewer's entry for this lease's next renewal.
+    _renew_entry: Entry | None = None
 
     def extend(self, ttl: float | None = None) -> None:
         """Set the lease's remaining time to ``ttl`` seconds (default: the original ttl).
@@ -85,7 +85,7 @@ class Lease(BaseLease["Fencer"]):
             self._state.released = True
             renewing, self._state.renewing = self._state.renewing, False
         if renewing:  # (a lost lease's renewal was stopped when it was lost)
-            self.fencer._renewer.cancel(self)
+            self._stop_renewal()
         return self._release_in_redis()
 
     def bind(self, session: S) -> S:
@@ -112,81 +112,76 @@ class Lease(BaseLease["Fencer"]):
         except (LeaseBackendError, FencingConfigError) as error:
             self._release_failed(error)
 
-    def _renewing(self) -> bool:
-        with self._lock:  # release() clears it first, then cancels under the renewer's lock
-            return self._state.renewing
-
     def _start_renewal(self, at: float) -> None:
         self._state.renewing = True
-        self.fencer._renewer.schedule(self, at)
+        self._schedule_renewal(at)
+
+    def _schedule_renewal(self, at: float) -> None:
+        with self._lock:  # release() and lose() clear renewing under it, then cancel the entry
+            if self._state.renewing:
+                self._renew_entry = self.fencer._renewals.add(at, _renew, weakref.ref(self))
 
     def _stop_renewal(self) -> None:
-        self.fencer._renewer.cancel(self)
+        self.fencer._renewals.cancel(self._renew_entry)
 
 
-class _Renewer:
-    """One thread per Fencer, with a heap of deadlines, that extends renewed leases when
-    they fall due; it holds them weakly (docs/architecture.md)."""
+Entry = tuple[float, int, Callable[..., object], tuple[object, ...]]  # (when, seq, action, args)
 
-    def __init__(self) -> None:
+
+class Deadlines:
+    """Runs actions at monotonic deadlines on one daemon thread, started by the first entry
+    and gone once none is pending: a fencer's renewer, and ``@fenced``'s ``max_hold``."""
+
+    def __init__(self, thread_name: str) -> None:
+        self._name = thread_name
+        self.reset()
+
+    def reset(self) -> None:
+        """No thread and no entries (as a forked child starts)."""
         self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, weakref.ref[Lease]]] = []
-        self._wanted: set[int] = set()  # entries still scheduled (not cancelled)
-        self._seq = itertools.count()
+        self._heap: list[Entry] = []
+        self._seq = itertools.count()  # orders entries of the same deadline, never compared past
         self._thread: threading.Thread | None = None
 
-    def schedule(self, lease: Lease, at: float) -> None:
+    def add(self, at: float, action: Callable[..., object], *args: object) -> Entry:
+        entry = (at, next(self._seq), action, args)
         with self._cond:
-            if not lease._renewing():
-                return
-            seq = next(self._seq)
-            lease._renew_entry = seq
-            heapq.heappush(self._heap, (at, seq, weakref.ref(lease)))
-            self._wanted.add(seq)
+            heapq.heappush(self._heap, entry)
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="sa-fence-renewer", daemon=True
-                )
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
             self._cond.notify()
+        return entry
 
-    def cancel(self, lease: Lease) -> None:
+    def cancel(self, entry: Entry | None) -> None:
         with self._cond:
-            if lease._renew_entry is not None:
-                self._wanted.discard(lease._renew_entry)
-                lease._renew_entry = None
-            if not self._wanted:
-                self._heap.clear()
-            self._cond.notify()
+            if entry in self._heap:  # (not None, not once it ran)
+                self._heap.remove(entry)
+                heapq.heapify(self._heap)
+                self._cond.notify()  # the thread ends if it was the last
 
-    def _next_due(self) -> Lease | None:
-        """Wait for the next lease that is due; None when nothing is scheduled."""
+    def _next_due(self) -> Entry | None:
+        """Wait for the next entry that is due and take it; None once none is pending."""
         with self._cond:
-            while True:
-                while self._heap and self._heap[0][1] not in self._wanted:
-                    heapq.heappop(self._heap)
-                if not self._heap:
-                    self._thread = None
-                    return None
-                at, seq, ref = self._heap[0]
-                now = time.monotonic()
-                if at > now:
-                    self._cond.wait(at - now)
-                    continue
-                heapq.heappop(self._heap)
-                self._wanted.discard(seq)
-                lease = ref()
-                if lease is None or lease._renew_entry != seq:
-                    continue
-                lease._renew_entry = None
-                return lease
+            while self._heap:
+                delay = self._heap[0][0] - time.monotonic()  # (tests swap the clock)
+                if delay <= 0:
+                    return heapq.heappop(self._heap)
+                self._cond.wait(delay)
+            self._thread = None  # add() starts a new thread from now on
+            return None
 
     def _run(self) -> None:
-        while (lease := self._next_due()) is not None:
-            at = steps.renew(lease)  # (which never raises: see _lifecycle.renew)
-            if at is not None:
-                self.schedule(lease, at)
-            del lease
+        while (entry := self._next_due()) is not None:
+            _, _, action, args = entry
+            action(*args)
+
+
+def _renew(ref: weakref.ref[Lease]) -> None:
+    """A renewal due on the renewer thread, which holds the lease weakly (a dropped one expires)."""
+    lease = ref()
+    if lease is not None and (at := steps.renew(lease)) is not None:  # (it never raises)
+        lease._schedule_renewal(at)
 
 
 class Script:
@@ -239,7 +234,7 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
             )
         self.engine = check_engine(engine)
         self._check_lock = threading.Lock()
-        self._renewer = _Renewer()
+        self._renewals = Deadlines("sa-fence-renewer")
         return self.engine
 
     def check(self) -> None:
@@ -336,7 +331,7 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         without the lease.  If Redis cannot be reached to release it, a
         warning is logged instead of raising: the lease's TTL ends it.
         """
-        lease = self.acquire(
+        with self.acquire(
             name,
             ttl,
             blocking=blocking,
@@ -344,11 +339,8 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
             renew=renew,
             on_lost=on_lost,
             fail_fast=fail_fast,
-        )
-        try:
+        ) as lease:
             yield lease
-        finally:
-            lease.__exit__(None, None, None)
 
     # ------------------------------------------------------ I/O (see _lifecycle)
 

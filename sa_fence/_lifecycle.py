@@ -183,10 +183,9 @@ def call(
         try:
             return f._io(script(keys=keys, args=args)), 0 if budget is None else budget.failures
         except REDIS_ERRORS as exc:
-            now = time.monotonic()
             budget = budget or FailureBudget(f.timeout)
             wait = budget.on_failure(
-                classify_redis(exc), sent_at=sent_at, now=now, rand=random.random()
+                classify_redis(exc), sent_at=sent_at, now=time.monotonic(), rand=random.random()
             )
             if wait is None:
                 raise _error(f, name, operation, exc, budget) from None

@@ -168,6 +168,61 @@ def test_a_renewed_lease_dropped_without_release_stops_being_renewed(
     assert wait_for_no_renewer() == []
 
 
+def test_releasing_the_last_renewed_lease_ends_the_renewer_at_once(
+    fencer: sa_fence.Fencer,
+) -> None:
+    """The release cancels the lease's pending renewal, so the thread exits then, not at
+    the renewal it would have sent 20 s later."""
+    assert wait_for_no_renewer() == []
+    lease = fencer.acquire("job:1", 30, renew=True)
+    assert len(renewer_threads()) == 1
+    time.sleep(0.2)  # the thread is asleep now, waiting for the renewal due in 20 s
+    assert lease.release()
+    assert wait_for_no_renewer(timeout=2.0) == []
+
+
+def test_a_lease_due_before_the_one_the_renewer_waits_for_is_renewed_in_time(
+    fencer: sa_fence.Fencer, redis_client: redis.Redis
+) -> None:
+    """The new, earlier deadline wakes the renewer thread from its wait for a later one."""
+    slow = fencer.acquire("job:slow", 30, renew=True)  # renewed in 20 s
+    time.sleep(0.2)  # the thread is asleep now, waiting for it
+    fast = fencer.acquire("job:fast", TTL, renew=True)
+    time.sleep(3 * TTL)
+    assert not fast.lost
+    assert redis_client.pttl(fast.key) > 0
+    assert fast.release()
+    assert slow.release()
+    assert wait_for_no_renewer() == []
+
+
+def test_a_release_while_a_renewal_is_sent_schedules_no_next_renewal(
+    fencer: sa_fence.Fencer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release lands after the renewal's answer, before its next one is scheduled
+    (here due 30 s later): nothing is scheduled, so the thread exits then."""
+    from sa_fence import _lifecycle
+
+    renew = _lifecycle.renew
+    released = threading.Event()
+
+    def renew_then_release(lease: Any) -> float | None:
+        at = renew(lease)
+        if released.is_set():
+            return at
+        assert at is not None
+        assert lease.release()
+        released.set()
+        return time.monotonic() + 30
+
+    monkeypatch.setattr(_lifecycle, "renew", renew_then_release)
+    assert wait_for_no_renewer() == []
+    lease = fencer.acquire("job:1", TTL, renew=True)
+    assert released.wait(10)
+    assert lease.released
+    assert wait_for_no_renewer() == []
+
+
 def test_a_thousand_renewed_leases_share_one_thread_and_leave_none_behind(
     redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
 ) -> None:
