@@ -491,8 +491,9 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
     def lost_reason(self) -> str | None:
         """Why the lease was lost (what :class:`~sa_fence.LeaseLostError` says), or None.
 
-        Set together with :attr:`lost` (and read without checking the clock).
+        None exactly while :attr:`lost` is False (an overdue renewal counts for both).
         """
+        self._notice_overdue()
         return self._state.lost
 
     def check(self, *, for_write: bool = False) -> None:

@@ -92,6 +92,18 @@ def test_a_paused_process_is_not_told_that_redis_did_not_answer(
     assert message == proto.renewal_timed_out_message("job:paused", lease.token)
 
 
+def test_lost_reason_counts_an_overdue_renewal_as_lost_does(fencer: sa_fence.Fencer) -> None:
+    """Read first, lost_reason already gives the reason lost would: no order dependence."""
+    lease = fencer.acquire("job:overdue", ttl=5, renew=True)
+    try:
+        lease._state.valid_until = time.monotonic() - 1  # as if paused past its validity
+        reason = lease.lost_reason
+        assert reason == proto.renewal_timed_out_message("job:overdue", lease.token)
+        assert lease.lost
+    finally:
+        lease.release()
+
+
 def test_a_lease_never_bound_is_reported_once_per_fencer_at_release(
     fencer: sa_fence.Fencer,
     engine: sa.Engine,
