@@ -1318,8 +1318,8 @@ def _session_of(target: Any) -> Session:
 def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
     if not isinstance(session, Session):
         session = _session_of(session)
-    if not (session.__dict__.get(_INSTALLED) or getattr(type(session), _INSTALLED, False)):
-        raise FencingConfigError(  # (is_installed(), inlined)
+    if not (_INSTALLED in session.__dict__ or getattr(type(session), _INSTALLED, False)):
+        raise FencingConfigError(  # (is_installed(), inlined; install()'s mark is never empty)
             "this session does not have the sa-fence flush hook, so binding a lease would "
             "fence nothing. Call sa_fence.install() on the session, its sessionmaker or "
             "its Session class first (for a scoped_session, such as Flask-SQLAlchemy's "
