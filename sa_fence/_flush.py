@@ -143,7 +143,8 @@ class SessionState:
         transaction = conn.get_transaction()
         if transaction is not None and self.presented_in == (transaction, lease.token):
             return
-        present_token(conn, lease.token)
+        token = literal(str(lease.token))  # presented to guards for the rest of the transaction
+        conn.execute(select(func.set_config(literal(TOKEN_SETTING), token, true())))
         self.presented_in = (conn.get_transaction(), lease.token)
 
 
@@ -185,11 +186,6 @@ _ACTIVE = "_sa_fence_active"
 _SHARING = "_sa_fence_sharing"
 #: {(name, token): lease} its transaction's COMMIT checks; dropped when the transaction ends
 _SCOPE = "_sa_fence_scope"
-
-
-def present_token(conn: Connection, token: int) -> None:
-    """Present ``token`` to guards for the rest of ``conn``'s transaction."""
-    conn.execute(select(func.set_config(literal(TOKEN_SETTING), literal(str(token)), true())))
 
 
 class _FencedConnection(Connection):
@@ -990,7 +986,8 @@ def _bump_base_fences(session: Session, state: SessionState, bump_keys: dict[typ
 
 
 def _after_flush_postexec(session: Session, flush_context: UOWTransaction) -> None:
-    state: SessionState | None = session.info.get(_STATE_KEY)
+    info = session.info
+    state: SessionState | None = info[_STATE_KEY] if _STATE_KEY in info else None  # noqa: SIM401
     if state is not None and state.flush_span is not None:
         span, state.flush_span = state.flush_span, None
         _telemetry.flush_ended(span)
@@ -1061,7 +1058,9 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
     state.connections.append(connection)
     if state.lease is not None:
         check_dialect(connection.dialect)
-        _refuse_unscoped(session, connection)
+        if session.twophase:  # (_refuse_unscoped(), inlined: it raises)
+            _refuse_unscoped(session, connection)
+        _refuse_autocommit(connection)
         _enter_scope(connection, state.lease)
 
 
@@ -1106,7 +1105,8 @@ def _after_soft_rollback(session: Session, previous_transaction: SessionTransact
 
 
 def _before_commit(session: Session) -> None:
-    state: SessionState | None = session.info.get(_STATE_KEY)
+    info = session.info
+    state: SessionState | None = info[_STATE_KEY] if _STATE_KEY in info else None  # noqa: SIM401
     if state is not None and state.poisoned is not None:
         state.check_not_poisoned("commit")
 
