@@ -35,47 +35,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy
 from psycopg import errors, generators
 from psycopg.pq import ExecStatus, TransactionStatus
-from sqlalchemy import (
-    Column,
-    ColumnElement,
-    Connection,
-    Engine,
-    Table,
-    TextClause,
-    event,
-    func,
-    literal,
-    select,
-    true,
-    tuple_,
-)
+from sqlalchemy import Connection, Engine, TextClause, event, func, literal, select, true
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import (
-    NO_VALUE,
-    ORMExecuteState,
-    Session,
-    SessionTransaction,
-    UOWTransaction,
-    scoped_session,
-    sessionmaker,
-)
+from sqlalchemy.orm import NO_VALUE, Session, scoped_session, sessionmaker
 from sqlalchemy.orm.attributes import flag_modified, set_committed_value
 from sqlalchemy.sql.dml import Delete, Insert, Update
-from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.sql.elements import BindParameter, ColumnElement
 
-from . import _telemetry
+from . import _guard, _telemetry
 from ._dialect import check_dialect
-from ._guard import (
-    TOKEN_SETTING,
-    error_from_guard,
-    lease_error_from_check,
-    qualified,
-    quote_ident,
-    quote_literal,
-)
+from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check, quote_ident
 from ._model import fence_column_of, fence_key_of, is_fenced_class, missing_fence_column, orm_index
 from ._register import DATABASE_ID_SQL, SCOPE_SCHEMA_SQL, SCOPE_TABLE
-from ._rewrite import TOKEN_BIND, FencedStatement, rewrite
+from ._rewrite import TOKEN_BIND, FencedStatement, rewrite, rewritten
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -86,6 +58,9 @@ from .errors import (
 
 if TYPE_CHECKING:
     from typing import TypeAlias
+
+    from sqlalchemy import Column, Table
+    from sqlalchemy.orm import ORMExecuteState, SessionTransaction, UOWTransaction
 
     from ._lease_view import LeaseView
 
@@ -168,7 +143,8 @@ class SessionState:
         transaction = conn.get_transaction()
         if transaction is not None and self.presented_in == (transaction, lease.token):
             return
-        present_token(conn, lease.token)
+        token = literal(str(lease.token))  # presented to guards for the rest of the transaction
+        conn.execute(select(func.set_config(literal(TOKEN_SETTING), token, true())))
         self.presented_in = (conn.get_transaction(), lease.token)
 
 
@@ -183,6 +159,8 @@ class Marks:
     _bound: bool = False
     #: Set at the first write statement under the lease (its timing, _telemetry.wrote).
     _wrote: bool = False
+    #: (engine, its scope table) of its last arm: _same_database, the table to write, no call
+    _scoped: Any = None
 
 
 def bound_lease(session: Session) -> Lease | None:
@@ -191,16 +169,16 @@ def bound_lease(session: Session) -> Lease | None:
 
 
 def state_for(session: Session) -> SessionState:
-    st = session.info.get(_STATE_KEY)
-    if st is None:
-        st = session.info[_STATE_KEY] = SessionState()
-    return st
+    info = session.info  # (`in` and [], not get(): no call)
+    if _STATE_KEY not in info:
+        info[_STATE_KEY] = SessionState()
+    return info[_STATE_KEY]  # type: ignore[no-any-return]
 
 
 # ----------------------------------------------------------- statement hook
 #
-# What sa-fence keeps per Connection lives in the Connection's own __dict__
-# (read as .__dict__, no call, where a Mock may stand in for one: it makes up attributes).
+# What sa-fence keeps per Connection lives in its own __dict__, read with `in` and [] (no call:
+# a get() is one, hence the SIM401 noqas on the hot path; a Mock would make up attributes).
 
 #: the fenced session (or fence_connection() block) whose transaction runs on it
 _ACTIVE = "_sa_fence_active"
@@ -208,11 +186,6 @@ _ACTIVE = "_sa_fence_active"
 _SHARING = "_sa_fence_sharing"
 #: {(name, token): lease} its transaction's COMMIT checks; dropped when the transaction ends
 _SCOPE = "_sa_fence_scope"
-
-
-def present_token(conn: Connection, token: int) -> None:
-    """Present ``token`` to guards for the rest of ``conn``'s transaction."""
-    conn.execute(select(func.set_config(literal(TOKEN_SETTING), literal(str(token)), true())))
 
 
 class _FencedConnection(Connection):
@@ -224,7 +197,8 @@ class _FencedConnection(Connection):
     def _execute_clauseelement(
         self, elem: Any, distilled_parameters: Any, execution_options: Any
     ) -> Any:
-        state: SessionState | None = getattr(self, _ACTIVE, None)
+        attrs = self.__dict__  # (`in` and [], not get(): no call per statement)
+        state: SessionState | None = attrs[_ACTIVE] if _ACTIVE in attrs else None  # noqa: SIM401
         if state is None:
             return super()._execute_clauseelement(elem, distilled_parameters, execution_options)
         elem, distilled_parameters, pending = _before_execute(
@@ -258,7 +232,7 @@ class _FencedConnection(Connection):
         super()._commit_impl()
 
     def _rollback_impl(self) -> None:
-        if _pop_scope(self) is not None:
+        if self.__dict__.pop(_SCOPE, None) is not None:
             _disarm(self)  # (arms are only ever set in scope)
         super()._rollback_impl()
 
@@ -300,17 +274,16 @@ _GUARD_ERRORS = "_sa_fence_maps_guard_errors"
 def _hook_connection(connection: Connection) -> None:
     """Swap in a fenced subclass (same layout); attach handle_error once per dialect."""
     cls = type(connection)
-    hooked = _hooked_classes.get(cls)
-    if hooked is None:
-        hooked = _hooked_classes[cls] = type(
+    if cls not in _hooked_classes:
+        _hooked_classes[cls] = type(
             f"Fenced{cls.__name__}", (_FencedConnection, cls), {"__slots__": ()}
         )
-    connection.__class__ = hooked
+    connection.__class__ = _hooked_classes[cls]
     dialect = connection.dialect
-    if not getattr(dialect, _GUARD_ERRORS, False):
+    if _GUARD_ERRORS not in dialect.__dict__:  # (set below, as an attribute: no getattr call)
         if not event.contains(dialect, "handle_error", _map_guard_error):
             event.listen(dialect, "handle_error", _map_guard_error)
-        setattr(dialect, _GUARD_ERRORS, True)
+        dialect.__dict__[_GUARD_ERRORS] = True
 
 
 def is_hooked(connection: object) -> bool:
@@ -357,13 +330,12 @@ def _refuse_missing_fence_column(context: Any) -> None:
     schema, table, column = missing
     shown = f"{schema}.{table}" if schema else table
     raise FencingConfigError(
-        f"table {shown} has no fence column {column!r} in this database, but the model "
-        "maps it as fenced (sa_fence.Fenced or fence_column()); create_all() does not add "
-        "columns to a table that exists. Add it: in an Alembic migration "
-        f"op.add_fence_column({table!r}"
+        f"table {shown} has no fence column {column!r} in this database, but the model maps it as "
+        "fenced (sa_fence.Fenced or fence_column()); create_all() does not add columns to a table "
+        f"that exists. Add it: in an Alembic migration op.add_fence_column({table!r}"
         + ("" if column == "fence" else f", {column!r}")
         + ("" if schema is None else f", schema={schema!r}")
-        + f"); without Alembic: ALTER TABLE {qualified(table, schema)} ADD COLUMN "
+        + f"); without Alembic: ALTER TABLE {_guard.qualified(table, schema)} ADD COLUMN "
         f"{quote_ident(column)} bigint NOT NULL DEFAULT 0; then the guard: "
         f"sa_fence.create_fence_guard(engine, {table!r}). `sa-fence check` lists every "
         "such table. Nothing was written.",
@@ -391,12 +363,6 @@ def in_scope(conn: Connection, lease: Lease) -> bool:
     """Whether ``conn``'s transaction checks ``lease`` at COMMIT."""
     scope = conn.__dict__.get(_SCOPE)
     return scope is not None and (lease.name, lease.token) in scope
-
-
-def _pop_scope(conn: Connection) -> dict[tuple[str, int], Lease] | None:
-    """End ``conn``'s lease scope: the leases it held, or None."""
-    scope: dict[tuple[str, int], Lease] | None = conn.__dict__.pop(_SCOPE, None)
-    return scope
 
 
 #: Engine -> the (system identifier, database name) its connections reach.
@@ -427,16 +393,17 @@ def _read_database_id(conn: Connection) -> tuple[Any, ...] | None:
 
 def _enter_scope(conn: Connection, lease: Lease) -> None:
     """Make ``conn``'s transaction commit only while ``lease`` is its name's newest grant."""
-    scope = conn.__dict__.get(_SCOPE)
+    attrs = conn.__dict__
+    scope = attrs[_SCOPE] if _SCOPE in attrs else None  # noqa: SIM401
     if scope is not None and (lease.name, lease.token) in scope:
         if not _PSYCOPG_BEGIN_HOOK:
             _rearm_if_ended(conn, scope)
         return
-    if not _same_database(conn, lease):
+    known = lease._scoped
+    if (known is None or known[0] is not conn.engine) and not _same_database(conn, lease):
         return  # another database: outside lease scope (documented)
     if scope is None:
-        scope = {}
-        conn.__dict__[_SCOPE] = scope
+        scope = attrs[_SCOPE] = {}
     scope[(lease.name, lease.token)] = lease
     _arm(conn, lease)
 
@@ -465,6 +432,7 @@ def _scope_table(conn: Connection, lease: Lease) -> str:
     """
     register = lease.fencer.token_source.register
     if register.schema is not None:
+        lease._scoped = (conn.engine, str(register.scope_sql))
         return str(register.scope_sql)
     tables: dict[Any, str] = conn.engine.__dict__.setdefault(_SCOPE_TABLES, {})
     table = tables.get(register)
@@ -479,6 +447,7 @@ def _scope_table(conn: Connection, lease: Lease) -> str:
                 "check` lists what else is missing."
             )
         table = tables[register] = f"{row[0]}.{quote_ident(SCOPE_TABLE)}"
+    lease._scoped = (conn.engine, table)
     return table
 
 
@@ -510,32 +479,62 @@ def _invalidate(conn: Connection) -> None:
 
 @functools.lru_cache(maxsize=256)  # every transaction of a lease sends the same row
 def _arm_row(name: str, token: int) -> str:
-    return f"({quote_literal(name)}, {int(token)})"
+    return f"({_guard.quote_literal(name)}, {int(token)})"
+
+
+#: Connection attribute: (DBAPI connection, its driver connection), read once per DBAPI connection
+_DRIVER = "_sa_fence_driver"
+
+
+def _driver(conn: Connection, fairy: Any = None) -> Any:
+    """``conn``'s driver connection, cached: a reconnect or a checkout is another DBAPI one."""
+    fairy = conn.connection if fairy is None else fairy
+    attrs, dbapi_conn = conn.__dict__, fairy.dbapi_connection
+    cached = attrs[_DRIVER] if _DRIVER in attrs else (None, None)  # noqa: SIM401
+    if cached[0] is not dbapi_conn:
+        cached = attrs[_DRIVER] = (dbapi_conn, fairy.driver_connection)
+    return cached[1]
 
 
 def _arm(conn: Connection, lease: Lease) -> None:
     """Arm ``conn``'s transaction (now or in its BEGIN) for ``lease``."""
-    driver: Any = conn.connection.driver_connection
-    if getattr(driver, "read_only", None):
+    driver: Any = _driver(conn)
+    hook = _PSYCOPG_BEGIN_HOOK and hasattr(driver, "_get_tx_start_command")  # psycopg 3
+    if driver.read_only if hook else getattr(driver, "read_only", None):
         raise _read_only_error()
-    table = _scope_table(conn, lease)
+    known = lease._scoped
+    table = known[1] if known is not None and known[0] is conn.engine else _scope_table(conn, lease)
     row = _arm_row(lease.name, lease.token)
-    if _PSYCOPG_BEGIN_HOOK and hasattr(driver, "_get_tx_start_command"):  # psycopg 3
-        owner = driver.__dict__.get(_ARMS_OWNER)
+    if hook:
+        attrs = driver.__dict__  # (`in` and [], not get(): no calls)
+        owner = attrs[_ARMS_OWNER] if _ARMS_OWNER in attrs else None  # noqa: SIM401
         if owner is None or owner() is not conn:
-            driver.__dict__[_ARMS] = {}
-            driver.__dict__[_ARMS_OWNER] = weakref.ref(conn)
-        arms = driver.__dict__.setdefault(_ARMS, {})
-        arms.setdefault(table, []).append(row)
-        if _ARMED_START not in driver.__dict__:
+            attrs[_ARMS], attrs[_ARMS_OWNER] = (), weakref.ref(conn)
+        attrs[_ARMS] = _with_arm(attrs[_ARMS] if _ARMS in attrs else (), table, row)  # noqa: SIM401
+        if _ARMED_START not in attrs:
             driver._start_query = types.MethodType(_start_query_armed, driver)
         if driver.pgconn.transaction_status == _IDLE:
             return  # not begun: it travels in this transaction's BEGIN
     _run(conn, _arm_sql(table, [row]))
 
 
-def _arm_sql(table: str, rows: list[str]) -> str:
+def _arm_sql(table: str, rows: Sequence[str]) -> str:
     return f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}"
+
+
+Arms = tuple[tuple[str, tuple[str, ...]], ...]  # ((scope table, its VALUES rows), ...)
+
+
+@functools.lru_cache(maxsize=256)  # (arms are immutable: no call when cached)
+def _with_arm(arms: Arms, table: str, row: str) -> Arms:
+    rows = dict(arms)
+    rows[table] = (*rows.get(table, ()), row)
+    return tuple(rows.items())
+
+
+@functools.lru_cache(maxsize=256)
+def _arm_inserts(arms: Arms) -> tuple[bytes, ...]:
+    return tuple(_arm_sql(table, rows).encode() for table, rows in arms)
 
 
 def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> None:
@@ -551,11 +550,10 @@ def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> No
 
 def _read_only_error() -> FencingConfigError:
     return FencingConfigError(
-        "this transaction is READ ONLY (postgresql_readonly / psycopg read_only), so it "
-        "cannot write the row that holds it to its lease at COMMIT, and a read-only "
-        "transaction can still send NOTIFY. Run a bound session's transactions "
-        "read-write, or do read-only work in a session with no lease bound. Nothing "
-        "was sent."
+        "this transaction is READ ONLY (postgresql_readonly / psycopg read_only), so it cannot "
+        "write the row that holds it to its lease at COMMIT, and a read-only transaction can still "
+        "send NOTIFY. Run a bound session's transactions read-write, or do read-only work in a "
+        "session with no lease bound. Nothing was sent."
     )
 
 
@@ -588,30 +586,26 @@ def _start_query_armed(self: Any) -> Any:
     """psycopg's ``_start_query`` (run before every statement) with the arm in BEGIN."""
     if self._autocommit or self.pgconn.transaction_status != _IDLE:
         return None  # as psycopg's step; in a transaction: armed when it began
-    arms = self.__dict__.get(_ARMS)
+    attrs = self.__dict__  # (`in` and [], not get(): no calls)
+    arms: Arms | None = attrs[_ARMS] if _ARMS in attrs else None  # noqa: SIM401
     if arms:
-        owner = self.__dict__.get(_ARMS_OWNER)
+        owner = attrs[_ARMS_OWNER] if _ARMS_OWNER in attrs else None  # noqa: SIM401
         conn = owner() if owner is not None else None
-        if conn is None or conn.__dict__.get(_SCOPE) is None:  # its lease scope has ended
-            self.__dict__.pop(_ARMS, None)
+        if conn is None or _SCOPE not in conn.__dict__:  # its lease scope has ended
+            attrs.pop(_ARMS, None)
             arms = None
     if not arms:
         return (yield from type(self)._start_query(self))
-    inserts = [
-        f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}".encode()
-        for table, rows in arms.items()
-    ]
-
-    if self.read_only:
+    if self._read_only:  # (the read_only property's own attribute)
         raise _read_only_error()
     begin = self._get_tx_start_command()
     if self._pipeline:
         yield from self._exec_command(begin)
-        for insert in inserts:
+        for insert in _arm_inserts(arms):
             yield from self._exec_command(insert)
         yield from self._pipeline._sync_gen()
         return None
-    self.pgconn.send_query(b"; ".join([begin, *inserts]))
+    self.pgconn.send_query(b"; ".join([begin, *_arm_inserts(arms)]))
     results = yield from generators.execute(self.pgconn)
     for result in results:
         if result.status == ExecStatus.FATAL_ERROR:
@@ -652,9 +646,9 @@ def _check_scope_and_commit(conn: Connection) -> None:
         _disarm(conn)
         return
     fairy = conn.connection
-    driver: Any = fairy.driver_connection
-    if driver is not None:
-        driver.__dict__.pop(_ARMS, None)  # later BEGINs carry no arm
+    driver: Any = _driver(conn, fairy)
+    if driver is not None and _ARMS in driver.__dict__:
+        del driver.__dict__[_ARMS]  # later BEGINs carry no arm
     dbapi_conn = fairy.dbapi_connection
     assert dbapi_conn is not None
     check = _telemetry.commit_check(scope)  # None: no span or latency to record
@@ -704,11 +698,13 @@ def _before_execute(
     """A statement on a fenced connection, before it is sent: the statement and parameter
     sets to send instead and, when its row count tells a stale write apart, what
     :func:`_after_execute` checks."""
-    lease = state.lease
-    if lease is not None:
-        scope = getattr(conn, _SCOPE, None)
-        if scope is None or (lease.name, lease.token) not in scope or not _PSYCOPG_BEGIN_HOOK:
-            _enter_scope(conn, lease)
+    lease, attrs = state.lease, conn.__dict__
+    if lease is not None and (
+        _SCOPE not in attrs
+        or (lease.name, lease.token) not in attrs[_SCOPE]
+        or not _PSYCOPG_BEGIN_HOOK
+    ):
+        _enter_scope(conn, lease)
     if not (elem.is_dml and isinstance(elem, Update | Delete | Insert)):  # (a SELECT: no call)
         if isinstance(elem, TextClause):
             if lease is not None:
@@ -718,7 +714,8 @@ def _before_execute(
     if lease is not None and not lease._wrote:
         lease._wrote = True
         _telemetry.wrote(lease)  # the first write under the lease is timed
-    fence_col = fence_column_of(elem.table)
+    fenced = rewritten(elem)  # a statement met before: its rewrite and fence column
+    fence_col = fence_column_of(elem.table) if fenced is None else fenced.fence_col
     if fence_col is None:
         if lease is None and elem.table in orm_index().association_tables:
             try:
@@ -727,8 +724,12 @@ def _before_execute(
                 raise state.fail(exc) from None
         return elem, params, None
     try:
-        lease = state.require_lease()
-        fenced = rewrite(elem, fence_col)
+        if lease is None:
+            lease = state.require_lease()
+        else:  # (require_lease(), inlined)
+            lease.check(for_write=True)
+        if fenced is None:
+            fenced = rewrite(elem, fence_col)
     except FenceError as exc:
         raise state.fail(exc) from None
     key = fence_col.key
@@ -842,7 +843,7 @@ def _stale_error(conn: Connection, p: _Pending) -> StaleTokenError:
     assert fence_col is not None
     found: dict[tuple[Any, ...], int] = {}
     if pks:
-        query = select(*p.pk_cols, fence_col).where(tuple_(*p.pk_cols).in_(pks))
+        query = select(*p.pk_cols, fence_col).where(sqlalchemy.tuple_(*p.pk_cols).in_(pks))
         for row in conn.execute(query).all():
             found[tuple(row[: len(p.pk_cols)])] = row[-1]
     if p.expected is not None:
@@ -943,17 +944,16 @@ def _refuse_assigned_fences(session: Session) -> None:
         identity = obj_state.identity
         which = f"{cls} {identity!r}" if identity is not None else f"a new {cls}"
         raise FencingConfigError(
-            f"{cls}.{key} was assigned ({after!r}) on {which}: the fence is written by "
-            "sa-fence from the bound lease's token at every flush, and no value a caller "
-            "gives is taken (a low one would re-open the row to stale holders, a high one "
-            f"would lock every later holder out). Never set {cls}.{key}; read it after the "
-            "flush to see the token the row carries. Nothing was sent. Call "
-            "session.rollback()."
+            f"{cls}.{key} was assigned ({after!r}) on {which}: the fence is written by sa-fence "
+            "from the bound lease's token at every flush, and no value a caller gives is taken (a "
+            f"low one would re-open the row to stale holders, a high one would lock every later "
+            f"holder out). Never set {cls}.{key}; read it after the flush to see the token the row "
+            "carries. Nothing was sent. Call session.rollback()."
         )
 
 
 def _before_flush(session: Session, flush_context: UOWTransaction, instances: Any) -> None:
-    state = session.info.get(_STATE_KEY) or state_for(session)
+    state = session.info[_STATE_KEY] if _STATE_KEY in session.info else state_for(session)
     if state.poisoned is not None:
         state.check_not_poisoned("flush")
     if state.lease is not None:  # the hot path: the statement hook fences
@@ -992,7 +992,8 @@ def _bump_base_fences(session: Session, state: SessionState, bump_keys: dict[typ
 
 
 def _after_flush_postexec(session: Session, flush_context: UOWTransaction) -> None:
-    state: SessionState | None = session.info.get(_STATE_KEY)
+    info = session.info
+    state: SessionState | None = info[_STATE_KEY] if _STATE_KEY in info else None  # noqa: SIM401
     if state is not None and state.flush_span is not None:
         span, state.flush_span = state.flush_span, None
         _telemetry.flush_ended(span)
@@ -1037,19 +1038,18 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
 def _refuse_from_statement(table: Any) -> None:
     """``select(...).from_statement(update(...))`` reaches the connection as a SELECT."""
     raise FencingConfigError(
-        f"select(...).from_statement() around a DML statement of fenced table "
-        f"{table.name!r} reaches the connection as a SELECT, so its WHERE clause "
-        "could not carry the token. Execute the statement itself, with "
-        ".returning(...) for the rows: session.scalars(update(...).returning(...)). "
-        "Nothing was sent."
+        f"select(...).from_statement() around a DML statement of fenced table {table.name!r} "
+        f"reaches the connection as a SELECT, so its WHERE clause could not carry the token. "
+        "Execute the statement itself, with .returning(...) for the rows: "
+        "session.scalars(update(...).returning(...)). Nothing was sent."
     )
 
 
 def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
-    state = session.info.get(_STATE_KEY) or state_for(session)
-    attrs = connection.__dict__
-    sharing: list[SessionState] | None = attrs.get(_SHARING)
-    active = attrs.get(_ACTIVE)
+    info, attrs = session.info, connection.__dict__  # (`in` and [], not get(): no calls)
+    state = info[_STATE_KEY] if _STATE_KEY in info else state_for(session)
+    sharing: list[SessionState] | None = attrs[_SHARING] if _SHARING in attrs else None  # noqa: SIM401
+    active = attrs[_ACTIVE] if _ACTIVE in attrs else None  # noqa: SIM401
     if sharing or (active is not None and active is not state):  # (else: its alone)
         _refuse_confusable(connection, state, state.lease)
     if sharing is None:
@@ -1064,7 +1064,9 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
     state.connections.append(connection)
     if state.lease is not None:
         check_dialect(connection.dialect)
-        _refuse_unscoped(session, connection)
+        if session.twophase:  # (_refuse_unscoped(), inlined: it raises)
+            _refuse_unscoped(session, connection)
+        _refuse_autocommit(connection)
         _enter_scope(connection, state.lease)
 
 
@@ -1109,31 +1111,31 @@ def _after_soft_rollback(session: Session, previous_transaction: SessionTransact
 
 
 def _before_commit(session: Session) -> None:
-    state: SessionState | None = session.info.get(_STATE_KEY)
+    info = session.info
+    state: SessionState | None = info[_STATE_KEY] if _STATE_KEY in info else None  # noqa: SIM401
     if state is not None and state.poisoned is not None:
         state.check_not_poisoned("commit")
 
 
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
     # (._parent, not .parent's call: this runs for the flush's subtransaction too)
-    if transaction._parent is None:
-        state: SessionState | None = session.info.get(_STATE_KEY)
-        if state is not None:
-            state.poisoned = None
-            state.pending = None
-            state.presented_in = None
-            if state.bumped:
-                state.bumped.clear()
-            for conn in state.connections:
-                attrs = conn.__dict__
-                sharing = attrs.get(_SHARING) or []
-                if state in sharing:
-                    sharing.remove(state)
-                if not sharing:
-                    attrs.pop(_SHARING, None)
-                if attrs.get(_ACTIVE) is state:  # another session's transaction may still run
-                    attrs[_ACTIVE] = sharing[-1] if sharing else None
-            state.connections.clear()
+    if transaction._parent is None and _STATE_KEY in session.info:
+        state: SessionState = session.info[_STATE_KEY]  # (never None: state_for's)
+        state.poisoned = state.pending = state.presented_in = None
+        if state.bumped:
+            state.bumped.clear()
+        for conn in state.connections:
+            attrs = conn.__dict__  # (`in`, [] and del: no calls on the path of one session)
+            sharing = attrs[_SHARING] if _SHARING in attrs else []  # noqa: SIM401
+            if sharing == [state]:
+                sharing = []
+            elif state in sharing:
+                sharing.remove(state)
+            if not sharing and _SHARING in attrs:
+                del attrs[_SHARING]
+            if _ACTIVE in attrs and attrs[_ACTIVE] is state:  # another session's may still run
+                attrs[_ACTIVE] = sharing[-1] if sharing else None
+        state.connections = []
 
 
 _EVENTS = (
@@ -1199,9 +1201,8 @@ def _fenced_sync_class(maker: Any) -> type[Session]:
 def _check_target(target: object) -> None:
     if target is Session:
         raise TypeError(
-            "refusing to install on sqlalchemy.orm.Session itself: that would fence every "
-            "session in the process. Install on your sessionmaker, a Session subclass, "
-            "or one session."
+            "refusing to install on sqlalchemy.orm.Session itself: that would fence every session "
+            "in the process. Install on your sessionmaker, a Session subclass, or one session."
         )
     if isinstance(target, Session | sessionmaker) or (
         isinstance(target, type) and issubclass(target, Session)
@@ -1323,8 +1324,8 @@ def _session_of(target: Any) -> Session:
 def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
     if not isinstance(session, Session):
         session = _session_of(session)
-    if not (session.__dict__.get(_INSTALLED) or getattr(type(session), _INSTALLED, False)):
-        raise FencingConfigError(  # (is_installed(), inlined)
+    if not (_INSTALLED in session.__dict__ or getattr(type(session), _INSTALLED, False)):
+        raise FencingConfigError(  # (is_installed(), inlined; install()'s mark is never empty)
             "this session does not have the sa-fence flush hook, so binding a lease would "
             "fence nothing. Call sa_fence.install() on the session, its sessionmaker or "
             "its Session class first (for a scoped_session, such as Flask-SQLAlchemy's "
@@ -1356,7 +1357,7 @@ def _refuse_unscoped(session: Session, conn: Connection) -> None:
 
 def _refuse_autocommit(conn: Connection) -> None:
     """Lease scope needs a transaction to check at COMMIT: refuse autocommit connections."""
-    driver = conn.connection.driver_connection
+    driver = _driver(conn)
     if getattr(driver, "autocommit", False):
         raise FencingConfigError(
             "this connection is in AUTOCOMMIT mode: every statement commits on its own, so "

@@ -23,23 +23,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import (
-    BigInteger,
-    Column,
-    ColumnElement,
-    Text,
-    and_,
-    bindparam,
-    cast,
-    func,
-    literal_column,
-    select,
-    true,
-)
+from sqlalchemy import BigInteger, Column, and_, bindparam, cast, func, literal_column, select, true
 from sqlalchemy.dialects.postgresql.dml import OnConflictDoUpdate
-from sqlalchemy.sql import operators
+from sqlalchemy.sql import ColumnElement, operators
 from sqlalchemy.sql.dml import Delete, Insert, Update
 from sqlalchemy.sql.elements import BinaryExpression, BindParameter, BooleanClauseList
+from sqlalchemy.types import Text
 
 from ._guard import TOKEN_SETTING
 from .errors import FencingConfigError
@@ -77,12 +66,20 @@ class FencedStatement:
     pk_cols: list[Column[Any]] | None  # None: not targeted by primary key
     pk_names: list[str] | None  # the bind names that target pk_cols
     upsert_rows: int | None = None  # the rows one execution of a checked upsert proposes
+    fence_col: Any = None  # the fence column it compares and writes
+
+
+def rewritten(elem: Any) -> FencedStatement | None:
+    """``elem`` as :func:`rewrite` made it before, or None: its cache read as a dict (one call)."""
+    try:
+        ref, data = weakref.ref(elem), _rewritten.data  # type: ignore[attr-defined]
+    except TypeError:  # not weak-referenceable: never cached
+        return None
+    return data[ref] if ref in data else None  # noqa: SIM401
 
 
 def rewrite(elem: Any, fence_col: Column[Any]) -> FencedStatement:
-    fenced = _rewritten.get(elem)
-    if fenced is not None:
-        return fenced
+    """``elem`` fenced by ``fence_col``, cached (read by :func:`rewritten` first)."""
     _refuse_caller_fence(elem, fence_col)
     if isinstance(elem, Insert):
         stmt, upsert_rows = _fence_upsert(_with_value(elem, fence_col, _TOKEN_WRITTEN), fence_col)
@@ -92,6 +89,7 @@ def rewrite(elem: Any, fence_col: Column[Any]) -> FencedStatement:
         if isinstance(elem, Update):
             stmt = _with_value(stmt, fence_col, _TOKEN_WRITTEN)
         fenced = FencedStatement(stmt, *_key_binds(elem))
+    fenced.fence_col = fence_col
     with contextlib.suppress(TypeError):  # not weak-referenceable: not cached
         _rewritten[elem] = fenced
     return fenced
