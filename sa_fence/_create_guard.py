@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from ._fitness import SEQUENCE_SQL
 from ._guard import DEFAULT_SEQUENCE, create_guard_sql, drop_guard_sql, qualified
 from ._model import fence_column_of
+from ._register import Register
 
 #: Whether ``:table`` exists and the type of its ``:column`` (NULL: no such column).
 _COLUMN_SQL = sa.text(
@@ -108,8 +109,7 @@ def _guard_problem(
     if problem is not None:
         return problem
     # looked up as the guard will: on the writer's search_path when unqualified
-    seq_schema, _, seq_name = sequence.rpartition(".")
-    found = conn.execute(SEQUENCE_SQL, {"name": qualified(seq_name, seq_schema or None)})
+    found = conn.execute(SEQUENCE_SQL, {"name": Register(sequence).sequence_sql})
     if found.one_or_none() is None:
         return (
             f"the token sequence {sequence!r} does not exist (the guard reads it at every "

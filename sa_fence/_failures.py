@@ -268,11 +268,15 @@ _PG_SETUP_STATES = {
     "26000": "prepared",
 }
 _PG_FAILOVER_STATES = {"25006"}  # read_only_sql_transaction: connected to a standby
-_PG_AUTH_TEXTS = (
-    "password authentication failed",
-    "pg_hba.conf",
-    "authentication failed",
-    "no such user",
+#: Set-up mistakes told by the text alone, first match first: (words all in it, problem).
+_PG_SETUP_TEXTS = (
+    (("does not exist", 'role "'), "auth"),
+    (("does not exist", 'database "'), "database"),
+    (("no such database",), "database"),
+    (("password authentication failed",), "auth"),
+    (("pg_hba.conf",), "auth"),
+    (("authentication failed",), "auth"),
+    (("no such user",), "auth"),
 )
 
 
@@ -288,14 +292,9 @@ def classify_postgres(sqlstate: str | None, message: str) -> tuple[str, str | No
         return FAILOVER, None
     if sqlstate is None:
         lowered = message.lower()
-        if "does not exist" in lowered and 'role "' in lowered:
-            return SETUP, "auth"
-        if ("does not exist" in lowered and 'database "' in lowered) or (
-            "no such database" in lowered
-        ):
-            return SETUP, "database"
-        if any(text in lowered for text in _PG_AUTH_TEXTS):
-            return SETUP, "auth"
+        for words, problem in _PG_SETUP_TEXTS:
+            if all(word in lowered for word in words):
+                return SETUP, problem
         return OUTAGE, None
     if sqlstate.startswith(("08", "57", "53")):
         return OUTAGE, None

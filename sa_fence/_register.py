@@ -354,9 +354,9 @@ def register_table(metadata: MetaData, sequence: Sequence) -> Table:
     ``metadata.create_all()`` creates the sequence first, then this table
     and (after it) its commit check function.
     """
-    key = f"{sequence.schema}.{REGISTER_TABLE}" if sequence.schema else REGISTER_TABLE
-    if key in metadata.tables:
-        return metadata.tables[key]
+    register = Register(f"{sequence.schema}.{sequence.name}" if sequence.schema else sequence.name)
+    if register.table_display in metadata.tables:
+        return metadata.tables[register.table_display]
     table = Table(
         REGISTER_TABLE,
         metadata,
@@ -372,7 +372,6 @@ def register_table(metadata: MetaData, sequence: Sequence) -> Table:
         schema=sequence.schema,
         info={"sa_fence.register": True},
     )
-    register = Register(f"{sequence.schema}.{sequence.name}" if sequence.schema else sequence.name)
     # The scope table is declared too, so that autogenerate finds every table
     # create_all() made (else each run logs "Detected removed table 'sa_fence_scope'").
     # Created first (the register's DDL then adds the functions and its trigger);

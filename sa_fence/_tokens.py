@@ -289,14 +289,11 @@ class TokenSource:
         ):
             row = self._next_token_psycopg(params)
         else:
-            row = self._next_token_sqlalchemy(params)
+            row = self._redraw(self._draw_connection, params)
         return self.granted(row, name)
 
-    def _next_token_sqlalchemy(self, params: dict[str, Any]) -> Any:
-        """The grant statement through a pooled ``Connection`` in autocommit."""
-        return self._redraw(self._draw_connection, params)
-
     def _draw_connection(self, params: dict[str, Any]) -> Any:
+        """The grant statement through a pooled ``Connection`` in autocommit."""
         with self.engine.connect() as conn:  # closed even if setting autocommit fails
             conn.execution_options(isolation_level="AUTOCOMMIT")
             return conn.execute(self.register.grant_text(), params).one_or_none()

@@ -51,6 +51,7 @@ from ._register import (
     create_register_sql,
     drop_register_sql,
     scope_trigger_problem,
+    split_name,
 )
 from ._tokens import DEFAULT_SEQUENCE, fence_sequence
 
@@ -97,6 +98,8 @@ class _FenceOp(MigrateOperation):
     op_name: ClassVar[str] = ""
     #: The arguments the op is made with; its reverse is made with the same.
     _fields: ClassVar[tuple[str, ...]]
+    #: The ``schema=`` of the ops that take one (rendered when not None).
+    schema: str | None = None
 
     def __init_subclass__(cls) -> None:
         super().__init_subclass__()
@@ -121,9 +124,15 @@ class _FenceOp(MigrateOperation):
         for statement in self._statements(operations):
             operations.execute(statement)
 
+    def _positional(self) -> list[Any]:
+        return []
+
+    def _keywords(self) -> dict[str, Any]:
+        return {} if self.schema is None else {"schema": self.schema}
+
     def _render_args(self) -> str:
         """The op's arguments as autogenerate writes them into a revision."""
-        raise NotImplementedError
+        return _args(*self._positional(), **self._keywords())
 
     def _notes(self) -> list[str]:
         """The comment lines above the op in a revision."""
@@ -158,11 +167,8 @@ class _SequenceOp(_FenceOp):
     def _statements(self, operations: Operations) -> Iterable[Any]:
         return [self._ddl(fence_sequence(None, self.name, schema=self.schema))]
 
-    def _render_args(self, **extra: Any) -> str:
-        positional = [] if self.name == DEFAULT_SEQUENCE else [self.name]
-        return _args(
-            *positional, **extra, **({} if self.schema is None else {"schema": self.schema})
-        )
+    def _positional(self) -> list[Any]:
+        return [] if self.name == DEFAULT_SEQUENCE else [self.name]
 
 
 @Operations.register_operation("create_fence_sequence", "_sequence_op")
@@ -296,9 +302,9 @@ class AlterFenceSequenceOp(_SequenceOp):
         target = qualified(self.name, self.schema)
         return [f"ALTER SEQUENCE {target} AS bigint CACHE {self.cache} {self._cycle()}"]
 
-    def _render_args(self, **extra: Any) -> str:
+    def _keywords(self) -> dict[str, Any]:
         existing = {"existing_cache": self.existing_cache, "existing_cycle": self.existing_cycle}
-        return super()._render_args(**existing, **extra)
+        return {**existing, **super()._keywords()}
 
     def _render(self, autogen_context: AutogenContext) -> list[str]:
         if self.cache == 1 and not self.cycle:
@@ -398,14 +404,8 @@ class _TableOp(_FenceOp):
         """What ``alembic check`` reports."""
         return (self.op_name, self.schema, self.table_name, self.column)
 
-    def _positional(self) -> list[str]:
+    def _positional(self) -> list[Any]:
         return [self.table_name] + ([] if self.column == "fence" else [self.column])
-
-    def _keywords(self) -> dict[str, Any]:
-        return {} if self.schema is None else {"schema": self.schema}
-
-    def _render_args(self) -> str:
-        return _args(*self._positional(), **self._keywords())
 
 
 @Operations.register_operation("add_fence_column", "_column_op")
@@ -475,7 +475,7 @@ class _GuardOp(_TableOp):
         kw = {**super()._keywords(), "on_missing_token": self.on_missing_token}
         return kw if self.sequence == DEFAULT_SEQUENCE else {**kw, "sequence": self.sequence}
 
-    def _create_statements(self, operations: Operations) -> Iterable[Any]:
+    def _statements(self, operations: Operations) -> Iterable[Any]:
         # Online, a missing table or column is refused before anything is written
         # (PL/pgSQL would accept the function and fail at the first write).
         if not operations.get_context().as_sql:
@@ -528,9 +528,6 @@ class CreateFenceGuardOp(_GuardOp):
     ``"reject"`` refuses writers that present no token; ``"unchanged"``
     lets their UPDATEs through when the fence is left as it is.
     """
-
-    def _statements(self, operations: Operations) -> Iterable[Any]:
-        return self._create_statements(operations)
 
     def _notes(self) -> list[str]:
         return GUARD_POLICY_NOTES[self.on_missing_token]
@@ -634,7 +631,7 @@ class ReplaceFenceGuardOp(_GuardOp):
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
         if self.previous is None:
-            return self._create_statements(operations)
+            return super()._statements(operations)
         target = qualified(self.table_name, self.schema)
         return [f"DROP TRIGGER IF EXISTS {TRIGGER_NAME} ON {target}", *self.previous]
 
@@ -768,9 +765,8 @@ def _take_builtin_add_column(
 def _register_scope(autogen_context: AutogenContext, register: Register) -> tuple[bool, bool]:
     """(declared, included): does the metadata declare the register, and do the filters
     leave it in scope?"""
-    key = f"{register.schema}.{REGISTER_TABLE}" if register.schema else REGISTER_TABLE
     for metadata in _metadatas(autogen_context):
-        table = metadata.tables.get(key)
+        table = metadata.tables.get(register.table_display)
         if table is not None:
             return True, _included(autogen_context, table)
     return False, autogen_context.run_name_filters(
@@ -830,9 +826,8 @@ def _head_ops(
     conn: sa.Connection, register: Register, included: bool
 ) -> Iterator[MigrateOperation]:
     """The sequence's op, then the register's: what goes first in the upgrade."""
-    seq_schema, _, seq_name = register.sequence.rpartition(".")
-    schema = seq_schema or None
-    row = conn.execute(SEQUENCE_SQL, {"name": qualified(seq_name, schema)}).one_or_none()
+    schema, seq_name = split_name(register.sequence)
+    row = conn.execute(SEQUENCE_SQL, {"name": register.sequence_sql}).one_or_none()
     if row is None:
         yield CreateFenceSequenceOp(seq_name, schema=schema)
     elif not (row.is_cache_1 and row.is_no_cycle):  # the rules AlterFenceSequenceOp fixes

@@ -258,12 +258,11 @@ class LeaseBackendError(FenceError):
             backend, operation, name, detail = (attributes[f] for f in self._fields if f != "cause")
             # Only its text travels in args; pickle keeps the exception (__reduce__).
             cause = Exception(attributes["cause"])
-        if cause is None:
+            message, shown = rebuild[0], str(cause)
+        elif cause is None:
             raise TypeError("LeaseBackendError() needs cause=<the client's exception>")
-        shown = str(cause) if rebuild else f"{type(cause).__name__}: {cause}"
-        if rebuild:
-            message = rebuild[0]
         else:
+            shown = f"{type(cause).__name__}: {cause}"
             message = f"{operation} of lease {name!r} failed: " + (
                 detail
                 or f"{backend} did not answer or failed ({shown}); the outcome is unknown. "
