@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 import sa_fence
+from tests._tools import wait_for
 from tests.models import SEQUENCE
 
 
@@ -86,11 +87,16 @@ def test_fencer_close_ends_the_held_server_connection_and_the_fencer_stays_usabl
         fencer.acquire("job:1", 30).release()
         pid = fencer._tokens._held.info.backend_pid
         fencer.close()
-        with engine.connect() as conn:
-            alive = conn.execute(
-                sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
-            ).scalar_one()
-        assert alive == 0
+
+        def backend_gone() -> bool:  # the server ends it once it reads the client's close
+            with engine.connect() as conn:
+                alive = conn.execute(
+                    sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"),
+                    {"pid": pid},
+                ).scalar_one()
+            return alive == 0
+
+        wait_for(backend_gone, 10, "the held connection's server backend to exit after close()")
         fencer.acquire("job:1", 30).release()  # a new connection is opened on demand
     finally:
         fencer.close()
