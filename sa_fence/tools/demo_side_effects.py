@@ -195,7 +195,75 @@ def _entry(argv: list[str]) -> int:
 # =================================================================== receiver
 
 
-class MailApi:
+class LoopbackApi:
+    """An HTTP API on loopback (the demo's mail API, the tests' webhook receiver).
+
+    Its requests run on daemon threads of a ``ThreadingHTTPServer``; a
+    subclass passes its handler (a :class:`PostHandler`) and URL path.  A
+    handler may :meth:`hold` a request open, after it was accepted, until
+    :meth:`release` (``holding``: from the start, else from
+    :meth:`keep_open` on): the sender is still waiting for the answer when
+    it is killed.
+    """
+
+    def __init__(
+        self, handler: type[PostHandler], path: str, *, holding: bool, join_timeout: float
+    ) -> None:
+        self.arrived = threading.Event()
+        self._release = threading.Event()
+        if not holding:
+            self._release.set()
+        self._path = path
+        self._join_timeout = join_timeout
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}{self._path}"
+
+    def hold(self) -> None:
+        """Say a request arrived, and keep it open until :meth:`release` (at most HOLD_TIMEOUT)."""
+        self.arrived.set()
+        self._release.wait(HOLD_TIMEOUT)
+
+    def keep_open(self) -> None:
+        """From now on :meth:`hold` keeps requests open, until :meth:`release`."""
+        self._release.clear()
+
+    def release(self) -> None:
+        self._release.set()
+
+    def close(self) -> None:
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=self._join_timeout)
+
+
+class PostHandler(http.server.BaseHTTPRequestHandler):
+    """A :class:`LoopbackApi`'s request handler: JSON POSTs keyed by ``Idempotency-Key``."""
+
+    def posted(self) -> tuple[str, Any]:
+        """The request's ``Idempotency-Key`` (empty if none) and its JSON body."""
+        key = self.headers.get("Idempotency-Key", "")
+        return key, json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+    def answer(self, status: int) -> None:
+        """An empty answer; none if the sender is gone (it may be dead by now)."""
+        with contextlib.suppress(OSError):
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class MailApi(LoopbackApi):
     """A mail API on loopback: it sends (counts) each e-mail once per ``Idempotency-Key``.
 
     The first request is held open after it was accepted, until ``release``:
@@ -205,15 +273,12 @@ class MailApi:
     def __init__(self, timeline: Timeline) -> None:
         self.attempts: list[tuple[str, dict[str, Any]]] = []
         self.sent: dict[str, dict[str, Any]] = {}
-        self.arrived = threading.Event()
-        self._release = threading.Event()
         self._lock = threading.Lock()
         api = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(PostHandler):
             def do_POST(self) -> None:
-                key = self.headers.get("Idempotency-Key", "")
-                mail = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                key, mail = self.posted()
                 with api._lock:
                     first = not api.attempts
                     api.attempts.append((key, mail))
@@ -225,34 +290,10 @@ class MailApi:
                 else:
                     timeline.say("mail", f"SENT {mail['subject']!r} to {mail['to']} (key {key!r})")
                 if first:
-                    api.arrived.set()
-                    api._release.wait(HOLD_TIMEOUT)
-                with contextlib.suppress(OSError):  # the sender may be dead by now
-                    self.send_response(200 if duplicate else 202)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                    api.hold()
+                self.answer(200 if duplicate else 202)
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}/v1/mail"
-
-    def release(self) -> None:
-        self._release.set()
-
-    def close(self) -> None:
-        self._release.set()
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=STEP_TIMEOUT)
+        super().__init__(Handler, "/v1/mail", holding=True, join_timeout=STEP_TIMEOUT)
 
 
 # =============================================================== orchestrator
