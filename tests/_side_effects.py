@@ -36,16 +36,18 @@ from typing import Any
 
 import procrastinate
 
-from sa_fence.tools.demo_side_effects import LoopbackApi, PostHandler
+from sa_fence.tools.demo_side_effects import (
+    LoopbackApi,
+    PostHandler,
+    retry_stalled,
+    work_until_empty,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 #: A worker imports procrastinate, psycopg and asyncio before it works.
 WORKER_TIMEOUT = 60.0
 #: A sink holding a delivery waits at most this long for the test.
 HOLD_TIMEOUT = 30.0
-#: The heartbeat of the test workers, and how old one must be to count as stalled.
-HEARTBEAT = 0.2
-STALLED_AFTER = 1.0
 
 
 def message_id(key: str, domain: str = "sa-fence.invalid") -> str:
@@ -129,29 +131,10 @@ def jobs(conninfo: str) -> list[dict[str, Any]]:
 async def _work(conninfo: str, recover: bool) -> None:
     app = make_app(conninfo)
     async with app.open_async():
-        if recover:
-            # procrastinate's recovery for a worker that died mid-job: its jobs
-            # stay "doing" until a stalled worker's jobs are retried.
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + HOLD_TIMEOUT
-            while True:
-                stalled = list(
-                    await app.job_manager.get_stalled_jobs(seconds_since_heartbeat=STALLED_AFTER)
-                )
-                if stalled:
-                    break
-                if loop.time() > deadline:
-                    raise SystemExit("no stalled job to recover")
-                await asyncio.sleep(0.1)
-            for job in stalled:
-                await app.job_manager.retry_job(job)
-        await app.run_worker_async(
-            wait=False,
-            concurrency=1,
-            update_heartbeat_interval=HEARTBEAT,
-            install_signal_handlers=False,
-            listen_notify=False,
-        )
+        # a worker that died mid-job leaves its jobs "doing" until they are retried
+        if recover and not await retry_stalled(app, HOLD_TIMEOUT):
+            raise SystemExit("no stalled job to recover")
+        await work_until_empty(app)
 
 
 def child_main(argv: list[str]) -> int:

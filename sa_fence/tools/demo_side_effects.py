@@ -141,30 +141,42 @@ def _write_and_enqueue(config: dict[str, Any], emit: Emitter, stdin: TextIO) -> 
     return work
 
 
+async def retry_stalled(app: procrastinate.App, within: float) -> list[Any]:
+    """procrastinate's recovery for a worker that died mid-job (its docs run this
+    as a periodic task): the jobs of stalled workers, retried; waits up to
+    ``within`` seconds for there to be any (none then)."""
+    deadline = time.monotonic() + within
+    while True:
+        stalled = list(
+            await app.job_manager.get_stalled_jobs(seconds_since_heartbeat=STALLED_AFTER)
+        )
+        if stalled or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    for job in stalled:
+        await app.job_manager.retry_job(job)
+    return stalled
+
+
+async def work_until_empty(app: procrastinate.App) -> None:
+    """A procrastinate worker, one job at a time, beating its heart every HEARTBEAT
+    seconds (what :func:`retry_stalled` reads), until the queue is empty."""
+    await app.run_worker_async(
+        wait=False,
+        concurrency=1,
+        update_heartbeat_interval=HEARTBEAT,
+        install_signal_handlers=False,
+        listen_notify=False,
+    )
+
+
 async def _deliver(app: procrastinate.App, recover: bool, emit: Emitter) -> None:
     async with app.open_async():
         if recover:
-            # procrastinate's recovery for a worker that died mid-job (its docs run
-            # this as a periodic task): retry the jobs of stalled workers.
-            deadline = time.monotonic() + STEP_TIMEOUT
-            while True:
-                stalled = list(
-                    await app.job_manager.get_stalled_jobs(seconds_since_heartbeat=STALLED_AFTER)
-                )
-                if stalled or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.1)
-            for job in stalled:
-                await app.job_manager.retry_job(job)
+            stalled = await retry_stalled(app, STEP_TIMEOUT)
             emit("recovered", jobs=[job.id for job in stalled])
         emit("working")
-        await app.run_worker_async(
-            wait=False,
-            concurrency=1,
-            update_heartbeat_interval=HEARTBEAT,
-            install_signal_handlers=False,
-            listen_notify=False,
-        )
+        await work_until_empty(app)
     emit("drained")
 
 
