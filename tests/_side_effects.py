@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
-import http.server
 import json
 import smtplib
 import socket
@@ -37,14 +36,18 @@ from typing import Any
 
 import procrastinate
 
+from sa_fence.tools.demo_side_effects import (
+    LoopbackApi,
+    PostHandler,
+    retry_stalled,
+    work_until_empty,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
 #: A worker imports procrastinate, psycopg and asyncio before it works.
 WORKER_TIMEOUT = 60.0
 #: A sink holding a delivery waits at most this long for the test.
 HOLD_TIMEOUT = 30.0
-#: The heartbeat of the test workers, and how old one must be to count as stalled.
-HEARTBEAT = 0.2
-STALLED_AFTER = 1.0
 
 
 def message_id(key: str, domain: str = "sa-fence.invalid") -> str:
@@ -128,29 +131,10 @@ def jobs(conninfo: str) -> list[dict[str, Any]]:
 async def _work(conninfo: str, recover: bool) -> None:
     app = make_app(conninfo)
     async with app.open_async():
-        if recover:
-            # procrastinate's recovery for a worker that died mid-job: its jobs
-            # stay "doing" until a stalled worker's jobs are retried.
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + HOLD_TIMEOUT
-            while True:
-                stalled = list(
-                    await app.job_manager.get_stalled_jobs(seconds_since_heartbeat=STALLED_AFTER)
-                )
-                if stalled:
-                    break
-                if loop.time() > deadline:
-                    raise SystemExit("no stalled job to recover")
-                await asyncio.sleep(0.1)
-            for job in stalled:
-                await app.job_manager.retry_job(job)
-        await app.run_worker_async(
-            wait=False,
-            concurrency=1,
-            update_heartbeat_interval=HEARTBEAT,
-            install_signal_handlers=False,
-            listen_notify=False,
-        )
+        # a worker that died mid-job leaves its jobs "doing" until they are retried
+        if recover and not await retry_stalled(app, HOLD_TIMEOUT):
+            raise SystemExit("no stalled job to recover")
+        await work_until_empty(app)
 
 
 def child_main(argv: list[str]) -> int:
@@ -214,7 +198,7 @@ class Deliveries:
             return True
 
 
-class HttpSink:
+class HttpSink(LoopbackApi):
     """An HTTP receiver on loopback that deduplicates POSTs on ``Idempotency-Key``.
 
     ``hold_first()`` makes it keep the first request open after applying its
@@ -224,16 +208,12 @@ class HttpSink:
     def __init__(self) -> None:
         self.seen = Deliveries()
         self.refused: list[str] = []
-        self.arrived = threading.Event()
-        self._release = threading.Event()
-        self._release.set()
         self._failures = 0
         sink = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(PostHandler):
             def do_POST(self) -> None:
-                key = self.headers.get("Idempotency-Key", "")
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                key, body = self.posted()
                 with sink.seen.lock:
                     fail = sink._failures > 0
                     sink._failures -= fail
@@ -242,41 +222,17 @@ class HttpSink:
                     self.send_error(503)
                     return
                 applied = sink.seen.record(key, body)
-                sink.arrived.set()
-                sink._release.wait(HOLD_TIMEOUT)
-                with contextlib.suppress(OSError):  # the sender may be dead by now
-                    self.send_response(201 if applied else 200)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                sink.hold()
+                self.answer(201 if applied else 200)
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}/hooks"
+        super().__init__(Handler, "/hooks", holding=False, join_timeout=HOLD_TIMEOUT)
 
     def fail_next(self, n: int) -> None:
         """Answer the next ``n`` requests 503 without applying them."""
         self._failures = n
 
     def hold_first(self) -> None:
-        self._release.clear()
-
-    def release(self) -> None:
-        self._release.set()
-
-    def close(self) -> None:
-        self._release.set()
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=HOLD_TIMEOUT)
+        self.keep_open()
 
 
 def _free_port() -> int:

@@ -14,6 +14,7 @@ new key per attempt shows the retried effect happening twice.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -222,6 +223,8 @@ def test_a_worker_killed_mid_delivery_is_retried_with_the_same_key(
     first = q.start_worker(conninfo)
     try:
         assert http.arrived.wait(q.WORKER_TIMEOUT), "the first worker never delivered"
+        time.sleep(0.5)  # the worker would have its answer and mark the job by now
+        assert [j["status"] for j in q.jobs(conninfo)] == ["doing"], "the request was not held"
         first.kill()  # SIGKILL mid-delivery: the job stays "doing"
         first.wait(timeout=q.WORKER_TIMEOUT)
     finally:

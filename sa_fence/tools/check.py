@@ -342,50 +342,29 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
 
 def _lacking_rights(rights: Any, shown: Register, role: str) -> list[tuple[str, str, str]]:
     """The rights (a row of ``REGISTER_RIGHTS_SQL``) ``role`` lacks: (right, what fails, GRANT)."""
-    lacking: list[tuple[str, str, str]] = []
-    for allowed, right in (
-        (rights.can_select, "SELECT"),
-        (rights.can_insert, "INSERT"),
-        (rights.can_update, "UPDATE"),
-    ):
-        if allowed is False:
-            lacking.append(
-                (
-                    f"{right} on {shown.table_display}",
-                    "every grant",
-                    f"GRANT {right} ON {shown.table_sql} TO {_ident(role)};",
-                )
-            )
-    for allowed, right in (
-        (rights.can_arm, "INSERT"),
-        (rights.can_read_scope, "SELECT"),
-        (rights.can_disarm, "DELETE"),
-    ):
-        if allowed is False:
-            lacking.append(
-                (
-                    f"{right} on {shown.scope_display}",
-                    "every transaction of a bound session",
-                    f"GRANT {right} ON {shown.scope_sql} TO {_ident(role)};",
-                )
-            )
-    if rights.can_draw is False:
-        lacking.append(
-            (
-                f"USAGE on sequence {shown.sequence}",
-                "every grant",
-                f"GRANT USAGE ON SEQUENCE {shown.sequence_sql} TO {_ident(role)};",
-            )
-        )
-    if rights.can_check is False:
-        lacking.append(
-            (
-                f"EXECUTE on {shown.function_sql}(text, bigint)",
-                "every commit of a bound session",
-                f"GRANT EXECUTE ON FUNCTION {shown.function_sql}(text, bigint) TO {_ident(role)};",
-            )
-        )
-    return lacking
+    table, scope = shown.table_display, shown.scope_display
+    sequence, function = f"sequence {shown.sequence}", f"{shown.function_sql}(text, bigint)"
+    grants, transactions, commits = (
+        "every grant",
+        "every transaction of a bound session",
+        "every commit of a bound session",
+    )
+    #: (has it, the right, on what as shown, what fails without it, on what in the GRANT)
+    needed = (
+        (rights.can_select, "SELECT", table, grants, shown.table_sql),
+        (rights.can_insert, "INSERT", table, grants, shown.table_sql),
+        (rights.can_update, "UPDATE", table, grants, shown.table_sql),
+        (rights.can_arm, "INSERT", scope, transactions, shown.scope_sql),
+        (rights.can_read_scope, "SELECT", scope, transactions, shown.scope_sql),
+        (rights.can_disarm, "DELETE", scope, transactions, shown.scope_sql),
+        (rights.can_draw, "USAGE", sequence, grants, f"SEQUENCE {shown.sequence_sql}"),
+        (rights.can_check, "EXECUTE", function, commits, f"FUNCTION {function}"),
+    )
+    return [
+        (f"{right} on {on}", fails, f"GRANT {right} ON {target} TO {_ident(role)};")
+        for allowed, right, on, fails, target in needed
+        if allowed is False
+    ]
 
 
 def _check_registers(conn: sa.Connection, report: Report) -> None:

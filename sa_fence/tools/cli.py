@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
@@ -110,13 +111,12 @@ def _redis_url(text: str) -> str:
 def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
+    run = demo.run
     if args.side_effects:
         from . import demo_side_effects
 
-        return demo_side_effects.run(
-            pg=args.pg, redis_url=args.redis, ttl=args.ttl, fenced=not args.unfenced
-        )
-    return demo.run(pg=args.pg, redis_url=args.redis, ttl=args.ttl, fenced=not args.unfenced)
+        run = demo_side_effects.run
+    return run(pg=args.pg, redis_url=args.redis, ttl=args.ttl, fenced=not args.unfenced)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -192,6 +192,21 @@ def _prune(args: argparse.Namespace) -> int:
     )
 
 
+def _create_guard(args: argparse.Namespace) -> int:
+    from . import create_guard
+
+    return create_guard.run(
+        args.url,
+        args.tables,
+        column=args.column,
+        schema=args.schema,
+        sequence=args.sequence,
+        on_missing_token=args.on_missing_token,
+        out=sys.stdout,
+        err=sys.stderr,
+    )
+
+
 def _duration(text: str) -> float:
     from .prune import parse_duration
 
@@ -201,60 +216,99 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _database_arguments(parser: argparse.ArgumentParser) -> None:
-    from .._tokens import DEFAULT_SEQUENCE
-
-    _url_argument(
-        parser, f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})"
-    )
-    parser.add_argument(
-        "--sequence",
-        metavar="NAME",
-        default=DEFAULT_SEQUENCE,
-        help=f"the token sequence, optionally schema-qualified (default: {DEFAULT_SEQUENCE})",
-    )
-    parser.add_argument(
-        "--metadata",
-        metavar="MODULE:ATTR",
-        help="your models, e.g. myapp.models:Base; fenced tables are taken from them "
-        "(default: every table with a COLUMN column or a guard trigger). Imported with "
-        "--app-dir first on the import path, as Alembic's prepend_sys_path does",
-    )
-    parser.add_argument(
-        "--app-dir",
-        metavar="DIR",
-        default=".",
-        help="the folder --metadata is imported from, put first on the import path "
-        "(default: the current folder)",
-    )
-    parser.add_argument(
-        "--column",
-        metavar="COLUMN",
-        default="fence",
-        help="the fence column's name, used without --metadata (default: fence)",
-    )
+def _block() -> argparse.ArgumentParser:
+    """An empty argparse parent parser: options several subcommands share."""
+    return argparse.ArgumentParser(add_help=False)
 
 
-def _url_argument(
-    parser: argparse.ArgumentParser, help: str, type: Callable[[str], str] | None = None
-) -> None:
+def _url_block(help: str, type: Callable[[str], str] = str) -> argparse.ArgumentParser:
     """``--url``, defaulting to $SA_FENCE_DATABASE_URL.
 
     Not ``required=`` in argparse: the environment variable satisfies it,
     and ``--help`` must not say it is required.  :func:`main` asks for it
-    when neither is given.
+    when neither is given (``needs_url``).
     """
-    parser.add_argument(
+    block = _block()
+    block.add_argument(
         "--url",
         metavar="URL",
-        type=type if type is not None else str,
+        type=type,
         default=os.environ.get(DATABASE_URL_ENV),
         help=help.replace(
             f"(default: ${DATABASE_URL_ENV})",
             f"(default: ${DATABASE_URL_ENV}; required when it is not set)",
         ),
     )
-    parser.set_defaults(needs_url=True, parser=parser)
+    block.set_defaults(needs_url=True)
+    return block
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """The option blocks subcommands share, as parent parsers.
+
+    A subcommand lists the ones it takes in ``parents``, in the order its
+    ``--help`` shows them, and adds its own options after them.
+    """
+
+    url: argparse.ArgumentParser  # --url of the protected database
+    sequence: argparse.ArgumentParser  # --sequence
+    models: argparse.ArgumentParser  # --metadata, --app-dir, --column (check, repair-sequence)
+    redis: argparse.ArgumentParser  # --redis
+    key_prefix: argparse.ArgumentParser  # --key-prefix
+
+
+def _blocks() -> _Blocks:
+    from .._lease import DEFAULT_KEY_PREFIX
+    from .._tokens import DEFAULT_SEQUENCE
+    from .status import KEY_PREFIX_ENV
+
+    sequence = _block()
+    sequence.add_argument(
+        "--sequence",
+        metavar="NAME",
+        default=DEFAULT_SEQUENCE,
+        help=f"the token sequence, optionally schema-qualified (default: {DEFAULT_SEQUENCE})",
+    )
+    models = _block()
+    models.add_argument(
+        "--metadata",
+        metavar="MODULE:ATTR",
+        help="your models, e.g. myapp.models:Base; fenced tables are taken from them "
+        "(default: every table with a COLUMN column or a guard trigger). Imported with "
+        "--app-dir first on the import path, as Alembic's prepend_sys_path does",
+    )
+    models.add_argument(
+        "--app-dir",
+        metavar="DIR",
+        default=".",
+        help="the folder --metadata is imported from, put first on the import path "
+        "(default: the current folder)",
+    )
+    models.add_argument(
+        "--column",
+        metavar="COLUMN",
+        default="fence",
+        help="the fence column's name, used without --metadata (default: fence)",
+    )
+    redis = _block()
+    redis.add_argument(
+        "--redis",
+        metavar="URL",
+        type=_redis_url,
+        default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS),
+        help=f"Redis URL (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS})",
+    )
+    key_prefix = _block()
+    key_prefix.add_argument(
+        "--key-prefix",
+        metavar="PREFIX",
+        default=os.environ.get(KEY_PREFIX_ENV, DEFAULT_KEY_PREFIX),
+        help=f"the Fencer's key_prefix (default: ${KEY_PREFIX_ENV}, as the recipes read "
+        f"it, else {DEFAULT_KEY_PREFIX})",
+    )
+    url = _url_block(f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})")
+    return _Blocks(url, sequence, models, redis, key_prefix)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -266,17 +320,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _demo_parser(commands)
-    _check_parser(commands)
-    _repair_parser(commands)
-    _bench_parser(commands)
-    _status_parser(commands)
-    _create_guard_parser(commands)
-    _prune_parser(commands)
+    blocks = _blocks()
+    _demo_parser(commands, blocks)
+    _check_parser(commands, blocks)
+    _repair_parser(commands, blocks)
+    _bench_parser(commands, blocks)
+    _status_parser(commands, blocks)
+    _create_guard_parser(commands, blocks)
+    _prune_parser(commands, blocks)
     return parser
 
 
-def _demo_parser(commands: Any) -> None:
+def _demo_parser(commands: Any, blocks: _Blocks) -> None:
     demo = commands.add_parser(
         "demo",
         help="show a paused worker's late write refused (or, --unfenced, overwriting)",
@@ -319,10 +374,10 @@ def _demo_parser(commands: Any) -> None:
         default=1.0,
         help="lease TTL; worker A stays stopped for twice as long (default: 1.0)",
     )
-    demo.set_defaults(handler=_demo)
+    demo.set_defaults(handler=_demo, parser=demo)
 
 
-def _check_parser(commands: Any) -> None:
+def _check_parser(commands: Any, blocks: _Blocks) -> None:
     check = commands.add_parser(
         "check",
         help="check a live database: token sequence, fenced tables' columns and guards",
@@ -332,17 +387,17 @@ def _check_parser(commands: Any) -> None:
         "A table with no guard trigger is advice (raw SQL writers go unfenced), a problem "
         "with --strict. Read-only. Exit status: 0 no problems, 1 problems found, "
         "2 bad argument, 3 database unreachable.",
+        parents=[blocks.url, blocks.sequence, blocks.models],
     )
-    _database_arguments(check)
     check.add_argument(
         "--strict",
         action="store_true",
         help="count advice (a fenced table with no guard trigger) as problems: exit 1",
     )
-    check.set_defaults(handler=_check)
+    check.set_defaults(handler=_check, parser=check)
 
 
-def _repair_parser(commands: Any) -> None:
+def _repair_parser(commands: Any, blocks: _Blocks) -> None:
     repair = commands.add_parser(
         "repair-sequence",
         help="move the token sequence past max(fence) plus a margin (after a restore)",
@@ -351,8 +406,8 @@ def _repair_parser(commands: Any) -> None:
         "fence of every fenced table plus --margin (never backwards), after asking. Stop "
         "the workers first. Exit status: 0 moved or nothing to do, 1 aborted or no "
         "sequence, 2 bad argument, 3 database unreachable.",
+        parents=[blocks.url, blocks.sequence, blocks.models],
     )
-    _database_arguments(repair)
     repair.add_argument(
         "--margin",
         metavar="N",
@@ -370,10 +425,15 @@ def _repair_parser(commands: Any) -> None:
         "every lease name of the register a new token so that no lease granted before can "
         "commit (docs/reliability.md)",
     )
-    repair.set_defaults(handler=_repair_sequence)
+    repair.set_defaults(handler=_repair_sequence, parser=repair)
 
 
-def _bench_parser(commands: Any) -> None:
+def _bench_parser(commands: Any, blocks: _Blocks) -> None:
+    url = _url_block(
+        "SQLAlchemy URL of a PostgreSQL database where the bench may create and drop "
+        f"a schema (default: ${DATABASE_URL_ENV})",
+        type=_bench_pg_url,
+    )
     bench = commands.add_parser(
         "bench",
         help="measure a lease cycle and the fenced-flush overhead on your servers",
@@ -385,19 +445,7 @@ def _bench_parser(commands: Any) -> None:
         "lease register) in the database and keys with that prefix in Redis, and removes "
         "them at the end. Progress goes to stderr. Exit status: 0 done, "
         "2 bad argument, 3 PostgreSQL or Redis unreachable.",
-    )
-    _url_argument(
-        bench,
-        "SQLAlchemy URL of a PostgreSQL database where the bench may create and drop "
-        f"a schema (default: ${DATABASE_URL_ENV})",
-        type=_bench_pg_url,
-    )
-    bench.add_argument(
-        "--redis",
-        metavar="URL",
-        type=_redis_url,
-        default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS),
-        help=f"Redis URL (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS})",
+        parents=[url, blocks.redis],
     )
     bench.add_argument(
         "--rounds",
@@ -414,25 +462,10 @@ def _bench_parser(commands: Any) -> None:
         help="rows changed by the large flush (default: 1000)",
     )
     bench.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    bench.set_defaults(handler=_bench)
+    bench.set_defaults(handler=_bench, parser=bench)
 
 
-def _create_guard(args: argparse.Namespace) -> int:
-    from . import create_guard
-
-    return create_guard.run(
-        args.url,
-        args.tables,
-        column=args.column,
-        schema=args.schema,
-        sequence=args.sequence,
-        on_missing_token=args.on_missing_token,
-        out=sys.stdout,
-        err=sys.stderr,
-    )
-
-
-def _create_guard_parser(commands: Any) -> None:
+def _create_guard_parser(commands: Any, blocks: _Blocks) -> None:
     from .._guard import DEFAULT_SEQUENCE, MISSING_TOKEN_POLICIES
 
     guard = commands.add_parser(
@@ -446,9 +479,11 @@ def _create_guard_parser(commands: Any) -> None:
         "fence column or the token sequence is missing, nothing is created. Exit status: "
         "0 created, 1 nothing created (the message says why), 2 bad argument, "
         "3 database unreachable.",
+        parents=[
+            blocks.url,
+        ],
     )
     guard.add_argument("tables", metavar="TABLE", nargs="+", help="fenced tables")
-    _url_argument(guard, f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})")
     guard.add_argument(
         "--schema", metavar="SCHEMA", help="the tables' schema (default: the search_path)"
     )
@@ -469,37 +504,10 @@ def _create_guard_parser(commands: Any) -> None:
         help="reject (default): refuse UPDATEs and DELETEs that present no token; "
         "unchanged: let an UPDATE that leaves the fence as it is through",
     )
-    guard.set_defaults(handler=_create_guard)
+    guard.set_defaults(handler=_create_guard, parser=guard)
 
 
-def _redis_arguments(parser: argparse.ArgumentParser) -> None:
-    from .._lease import DEFAULT_KEY_PREFIX
-    from .._tokens import DEFAULT_SEQUENCE
-    from .status import KEY_PREFIX_ENV
-
-    parser.add_argument(
-        "--redis",
-        metavar="URL",
-        type=_redis_url,
-        default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS),
-        help=f"Redis URL (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS})",
-    )
-    parser.add_argument(
-        "--key-prefix",
-        metavar="PREFIX",
-        default=os.environ.get(KEY_PREFIX_ENV, DEFAULT_KEY_PREFIX),
-        help=f"the Fencer's key_prefix (default: ${KEY_PREFIX_ENV}, as the recipes read "
-        f"it, else {DEFAULT_KEY_PREFIX})",
-    )
-    parser.add_argument(
-        "--sequence",
-        metavar="NAME",
-        default=DEFAULT_SEQUENCE,
-        help=f"the token sequence, optionally schema-qualified (default: {DEFAULT_SEQUENCE})",
-    )
-
-
-def _prune_parser(commands: Any) -> None:
+def _prune_parser(commands: Any, blocks: _Blocks) -> None:
     prune = commands.add_parser(
         "prune",
         help="delete lease register rows of names no one holds, last granted long ago",
@@ -509,9 +517,8 @@ def _prune_parser(commands: Any) -> None:
         "of a pruned name is still refused at commit. --older-than may not be shorter "
         "than --longest-lease. Prints the rows and bytes removed. Exit status: 0 done, "
         "1 no register, 2 bad argument, 3 PostgreSQL or Redis unreachable.",
+        parents=[blocks.url, blocks.redis, blocks.key_prefix, blocks.sequence],
     )
-    _url_argument(prune, f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})")
-    _redis_arguments(prune)
     prune.add_argument(
         "--older-than",
         metavar="DURATION",
@@ -530,10 +537,10 @@ def _prune_parser(commands: Any) -> None:
     prune.add_argument(
         "--dry-run", action="store_true", help="delete nothing; print what would be removed"
     )
-    prune.set_defaults(handler=_prune)
+    prune.set_defaults(handler=_prune, parser=prune)
 
 
-def _status_parser(commands: Any) -> None:
+def _status_parser(commands: Any, blocks: _Blocks) -> None:
     from .status import DEFAULT_LIMIT
 
     status = commands.add_parser(
@@ -545,12 +552,9 @@ def _status_parser(commands: Any) -> None:
         "Owners are shown only as a short hash. Read-only. Exit status: 0 shown, "
         "1 a NAME was never granted and is not held (or there is no register), "
         "2 bad argument, 3 PostgreSQL or Redis unreachable.",
+        parents=[blocks.url, blocks.redis, blocks.key_prefix, blocks.sequence],
     )
     status.add_argument("names", metavar="NAME", nargs="*", help="lease names (default: all)")
-    _url_argument(
-        status, f"SQLAlchemy URL of the protected database (default: ${DATABASE_URL_ENV})"
-    )
-    _redis_arguments(status)
     status.add_argument(
         "--limit",
         metavar="N",
@@ -559,7 +563,7 @@ def _status_parser(commands: Any) -> None:
         help=f"names listed without NAME, newest grants first (default: {DEFAULT_LIMIT})",
     )
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    status.set_defaults(handler=_status)
+    status.set_defaults(handler=_status, parser=status)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import IO, Any, TextIO
+from typing import IO, Any, ClassVar, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -145,8 +145,17 @@ def wait_for(stdin: TextIO, command: str) -> None:
         raise StoryError(f"expected command {command!r}, got {line.strip()!r}")
 
 
-def worker_main(stdin: TextIO, stdout: TextIO) -> int:
-    """One worker: acquire on ``acquire``, load, write on ``write``, report, release."""
+#: What a worker does in its session once it holds the lease (the session bound
+#: to it when fenced): its reads and writes, ``write``'s commit and the report.
+Work = Callable[[Session], None]
+
+
+def serve(
+    stdin: TextIO, stdout: TextIO, prepare: Callable[[dict[str, Any], Emitter, TextIO], Work]
+) -> int:
+    """A worker's life, the same in both demos: ``ready``, the lease on ``acquire``,
+    ``prepare``'s work in a session, the release on ``release``; every failure is
+    an ``error`` event.  ``prepare`` reads the settings before anything connects."""
     emit = Emitter(stdout)
     handler = EventLogHandler(emit)
     log.addHandler(handler)
@@ -155,6 +164,7 @@ def worker_main(stdin: TextIO, stdout: TextIO) -> int:
     try:
         config = json.loads(stdin.readline() or "{}")
         fenced = bool(config["fenced"])
+        work = prepare(config, emit, stdin)
         engine = sa.create_engine(config["pg"])
         client = redis_lib.Redis.from_url(config["redis"], socket_connect_timeout=CONNECT_TIMEOUT)
         fencer = Fencer(client, engine, key_prefix=config["prefix"])
@@ -171,24 +181,7 @@ def worker_main(stdin: TextIO, stdout: TextIO) -> int:
         with make_session() as session:
             if fenced:
                 lease.bind(session)
-            job = session.get_one(DemoJob, JOB_ID)
-            emit("loaded", result=job.result, fence=job.fence)
-
-            wait_for(stdin, "write")
-            job.result = str(config["result"])
-            try:
-                session.commit()
-            except StaleTokenError as exc:
-                session.rollback()
-                emit(
-                    "refused",
-                    error=type(exc).__name__,
-                    message=str(exc),
-                    token=exc.token,
-                    current_fences=list(exc.current_fences),
-                )
-            else:
-                emit("committed", result=job.result, fence=job.fence)
+            work(session)
         wait_for(stdin, "release")
         emit("released", deleted=lease.release())
         return EXIT_OK
@@ -201,6 +194,42 @@ def worker_main(stdin: TextIO, stdout: TextIO) -> int:
             client.close()
         if engine is not None:
             engine.dispose()
+
+
+def worker_main(stdin: TextIO, stdout: TextIO) -> int:
+    """One worker: acquire on ``acquire``, load, write on ``write``, report, release."""
+    return serve(stdin, stdout, _load_and_write)
+
+
+def _load_and_write(config: dict[str, Any], emit: Emitter, stdin: TextIO) -> Work:
+    def work(session: Session) -> None:
+        job = session.get_one(DemoJob, JOB_ID)
+        emit("loaded", result=job.result, fence=job.fence)
+
+        wait_for(stdin, "write")
+        job.result = str(config["result"])
+        try:
+            session.commit()
+        except StaleTokenError as exc:
+            session.rollback()
+            emit(
+                "refused",
+                error=type(exc).__name__,
+                message=str(exc),
+                token=exc.token,
+                current_fences=list(exc.current_fences),
+            )
+        else:
+            emit("committed", result=job.result, fence=job.fence)
+
+    return work
+
+
+def drop_guards(conn: sa.Connection) -> None:
+    """--unfenced: the demo tables lose their guard triggers (nothing checks the writers)."""
+    for table in ("jobs", "job_steps"):
+        for statement in drop_guard_sql(table):
+            conn.execute(sa.text(statement))
 
 
 def _worker_entry(argv: list[str]) -> int:
@@ -514,6 +543,14 @@ def sigterm_as_exit() -> Iterator[None]:
 
 def run(*, pg: str, redis_url: str, ttl: float, fenced: bool, out: TextIO | None = None) -> int:
     """Play the story once; return the exit status (see the module docstring)."""
+    return play(Demo, pg=pg, redis_url=redis_url, ttl=ttl, fenced=fenced, out=out)
+
+
+def play(
+    story: type[Demo], *, pg: str, redis_url: str, ttl: float, fenced: bool, out: TextIO | None
+) -> int:
+    """Play ``story`` once (either demo's): its arguments and servers checked first,
+    each failure printed as ``sa-fence demo: ...``; the exit status."""
     out = sys.stdout if out is None else out
     try:
         server = server_url(pg)
@@ -529,7 +566,7 @@ def run(*, pg: str, redis_url: str, ttl: float, fenced: bool, out: TextIO | None
     try:
         check_postgres(server)
         with sigterm_as_exit():
-            return Demo(server, client, redis_url, ttl, fenced, out).play()
+            return story(server, client, redis_url, ttl, fenced, out).play()
     except Unreachable as exc:
         print(f"sa-fence demo: error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -550,6 +587,8 @@ class Demo:
     out: TextIO
     run_id: str = field(default_factory=lambda: secrets.token_hex(4))
     workers: list[Worker] = field(default_factory=list)
+    #: What the workers run: ``python -m MODULE ROLE PID``.
+    module: ClassVar[str] = "sa_fence.tools.demo"
 
     @property
     def database(self) -> str:
@@ -687,9 +726,7 @@ class Demo:
         # guard triggers (whose "unchanged" policy would let these plain
         # UPDATEs through anyway, and would only blur the story).
         with engine.begin() as conn:
-            for table in ("jobs", "job_steps"):
-                for statement in drop_guard_sql(table):
-                    conn.execute(sa.text(statement))
+            drop_guards(conn)
         t.say(
             "setup",
             f"created the tables jobs and job_steps, {created}; no guard triggers "
@@ -722,30 +759,46 @@ class Demo:
 
     def start_workers(self, t: Timeline) -> tuple[Worker, Worker]:
         """Workers A and B, started and waiting for the demo's go."""
+        return self.start_pair(t, "; waiting for the demo's go")
+
+    def worker(
+        self, name: str, config: dict[str, Any], t: Timeline, role: str = "worker"
+    ) -> Worker:
+        """A process of this story's module in ``role``; :meth:`play` kills it at the end."""
+        w = Worker(name, config, t, module=self.module, role=role)
+        self.workers.append(w)
+        return w
+
+    def start_pair(self, t: Timeline, started: str, **config: Any) -> tuple[Worker, Worker]:
+        """Workers A and B on this run's servers (and ``config``), both ready."""
         config = {
             "pg": self.server.set(database=self.database).render_as_string(hide_password=False),
             "redis": self.redis_url,
             "prefix": self.prefix,
             "ttl": self.ttl,
             "fenced": self.fenced,
+            **config,
         }
-        a = Worker("A", {**config, "result": "A"}, t)
-        self.workers.append(a)
-        b = Worker("B", {**config, "result": "B"}, t)
-        self.workers.append(b)
+        a = self.worker("A", {**config, "result": "A"}, t)
+        b = self.worker("B", {**config, "result": "B"}, t)
         for w in (a, b):
             w.expect("ready", timeout=STARTUP_TIMEOUT)
-            t.say(w.name, f"worker process started (pid {w.pid}); waiting for the demo's go")
+            t.say(w.name, f"worker process started (pid {w.pid}){started}")
         return a, b
+
+    def take_lease(self, w: Worker, t: Timeline) -> int:
+        """``w`` acquires the lease; its token, which the timeline shows as ``w``'s."""
+        w.send("acquire")
+        token = int(w.expect("acquired")["token"])
+        t.holders[token] = w.name
+        return token
 
     def _unused(self) -> str:
         return "" if self.fenced else " (its session is not fenced: the token goes unused)"
 
     def a_takes_the_lease(self, a: Worker, t: Timeline) -> int:
         """A takes the lease and starts working; returns A's token."""
-        a.send("acquire")
-        token_a = int(a.expect("acquired")["token"])
-        t.holders[token_a] = "A"
+        token_a = self.take_lease(a, t)
         t.say(
             "A",
             f"acquired lease {LEASE_NAME!r} with token {token_a}, TTL {self.ttl:g} s"
@@ -777,9 +830,7 @@ class Demo:
 
     def b_takes_over(self, b: Worker, engine: sa.Engine, t: Timeline) -> int:
         """B takes the lease over, writes, commits and releases; returns B's token."""
-        b.send("acquire")
-        token_b = int(b.expect("acquired")["token"])
-        t.holders[token_b] = "B"
+        token_b = self.take_lease(b, t)
         t.say("B", f"acquired lease {LEASE_NAME!r} with token {token_b}{self._unused()}")
         loaded = b.expect("loaded")
         t.say("B", f"loaded job {JOB_ID} (result={loaded['result']!r}, fence={loaded['fence']})")

@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import http.server
 import json
-import logging
 import os
 import sys
 import threading
@@ -41,32 +40,23 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
-import redis as redis_lib
 import sqlalchemy as sa
-from sqlalchemy.orm import Session, sessionmaker
 
-from .._flush import install
-from .._guard import drop_guard_sql
-from .._lease import Fencer
 from .._side_effects import side_effect
 from ..errors import StaleTokenError
 from . import demo
 from .demo import (
     EXIT_OK,
     EXIT_STORY,
-    EXIT_UNREACHABLE,
     EXIT_USAGE,
     JOB_ID,
     LEASE_NAME,
-    MAX_TTL,
-    MIN_TTL,
     STARTUP_TIMEOUT,
     STEP_TIMEOUT,
     Demo,
     Emitter,
-    EventLogHandler,
     StoryError,
     Timeline,
     Worker,
@@ -76,6 +66,7 @@ from .demo_models import DemoJob
 
 if TYPE_CHECKING:
     import procrastinate
+    from sqlalchemy.orm import Session
 
 MODULE = "sa_fence.tools.demo_side_effects"
 #: How long the mail API keeps the first delivery open, at most (the demo kills the sender).
@@ -83,8 +74,6 @@ HOLD_TIMEOUT = 30.0
 #: The delivery workers' heartbeat, and how old one must be for its jobs to count as stalled.
 HEARTBEAT = 0.2
 STALLED_AFTER = 1.0
-
-log = logging.getLogger("sa_fence")
 
 INSTALL_HINT = (
     "`sa-fence demo --side-effects` needs procrastinate, the job queue side effects are "
@@ -118,93 +107,76 @@ def make_app(conninfo: str) -> procrastinate.App:
 
 def holder_main(stdin: TextIO, stdout: TextIO) -> int:
     """A or B: acquire, write the result and enqueue the e-mail; commit on ``write``."""
-    emit = Emitter(stdout)
-    handler = EventLogHandler(emit)
-    log.addHandler(handler)
-    engine: sa.Engine | None = None
-    client: redis_lib.Redis | None = None
-    try:
-        config = json.loads(stdin.readline() or "{}")
-        fenced = bool(config["fenced"])
-        who = str(config["result"])
-        app = make_app(config["conninfo"])
-        send_mail = app.tasks["send_mail"]
-        engine = sa.create_engine(config["pg"])
-        client = redis_lib.Redis.from_url(
-            config["redis"], socket_connect_timeout=demo.CONNECT_TIMEOUT
-        )
-        fencer = Fencer(client, engine, key_prefix=config["prefix"])
-        client.ping()
-        fencer.check()
-        make_session: sessionmaker[Session] = sessionmaker(engine)
+    return demo.serve(stdin, stdout, _write_and_enqueue)
+
+
+def _write_and_enqueue(config: dict[str, Any], emit: Emitter, stdin: TextIO) -> demo.Work:
+    fenced = bool(config["fenced"])
+    who = str(config["result"])
+    app = make_app(config["conninfo"])
+    send_mail = app.tasks["send_mail"]
+
+    def work(session: Session) -> None:
+        mail = {"api": config["api"], "to": f"{who.lower()}@example.invalid"}
+        mail["subject"] = f"job {JOB_ID} is done (by worker {who})"
+        session.get_one(DemoJob, JOB_ID).result = who
         if fenced:
-            install(make_session)
-        emit("ready", pid=os.getpid())
+            effect = side_effect(session, send_mail, **mail)
+            job_id, key = effect.job_id, effect.idempotency_key
+        else:  # procrastinate alone, in the same transaction: the best without sa-fence
+            key = f"unfenced-{uuid.uuid4()}"
+            driver = session.connection().connection.driver_connection
+            job_id = send_mail.configure(connection=driver).defer(**mail, idempotency_key=key)
+        emit("enqueued", job_id=job_id, key=key, to=mail["to"])
 
-        wait_for(stdin, "acquire")
-        lease = fencer.acquire(LEASE_NAME, float(config["ttl"]))
-        emit("acquired", token=lease.token, ttl=lease.ttl)
-        with make_session() as session:
-            mail = {"api": config["api"], "to": f"{who.lower()}@example.invalid"}
-            mail["subject"] = f"job {JOB_ID} is done (by worker {who})"
-            if fenced:
-                lease.bind(session)
-            session.get_one(DemoJob, JOB_ID).result = who
-            if fenced:
-                effect = side_effect(session, send_mail, **mail)
-                job_id, key = effect.job_id, effect.idempotency_key
-            else:  # procrastinate alone, in the same transaction: the best without sa-fence
-                key = f"unfenced-{uuid.uuid4()}"
-                driver = session.connection().connection.driver_connection
-                job_id = send_mail.configure(connection=driver).defer(**mail, idempotency_key=key)
-            emit("enqueued", job_id=job_id, key=key, to=mail["to"])
+        wait_for(stdin, "write")
+        try:
+            session.commit()
+        except StaleTokenError as exc:
+            session.rollback()
+            emit("refused", error=type(exc).__name__, message=str(exc))
+        else:
+            emit("committed")
 
-            wait_for(stdin, "write")
-            try:
-                session.commit()
-            except StaleTokenError as exc:
-                session.rollback()
-                emit("refused", error=type(exc).__name__, message=str(exc))
-            else:
-                emit("committed")
-        wait_for(stdin, "release")
-        emit("released", deleted=lease.release())
-        return EXIT_OK
-    except Exception as exc:
-        emit("error", error=type(exc).__name__, message=str(exc))
-        return EXIT_STORY
-    finally:
-        log.removeHandler(handler)
-        if client is not None:
-            client.close()
-        if engine is not None:
-            engine.dispose()
+    return work
+
+
+async def retry_stalled(app: procrastinate.App, within: float) -> list[Any]:
+    """procrastinate's recovery for a worker that died mid-job (its docs run this
+    as a periodic task): the jobs of stalled workers, retried; waits up to
+    ``within`` seconds for there to be any (none then)."""
+    deadline = time.monotonic() + within
+    while True:
+        stalled = list(
+            await app.job_manager.get_stalled_jobs(seconds_since_heartbeat=STALLED_AFTER)
+        )
+        if stalled or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    for job in stalled:
+        await app.job_manager.retry_job(job)
+    return stalled
+
+
+async def work_until_empty(app: procrastinate.App) -> None:
+    """A procrastinate worker, one job at a time, beating its heart every HEARTBEAT
+    seconds (what :func:`retry_stalled` reads), until the queue is empty."""
+    await app.run_worker_async(
+        wait=False,
+        concurrency=1,
+        update_heartbeat_interval=HEARTBEAT,
+        install_signal_handlers=False,
+        listen_notify=False,
+    )
 
 
 async def _deliver(app: procrastinate.App, recover: bool, emit: Emitter) -> None:
     async with app.open_async():
         if recover:
-            # procrastinate's recovery for a worker that died mid-job (its docs run
-            # this as a periodic task): retry the jobs of stalled workers.
-            deadline = time.monotonic() + STEP_TIMEOUT
-            while True:
-                stalled = list(
-                    await app.job_manager.get_stalled_jobs(seconds_since_heartbeat=STALLED_AFTER)
-                )
-                if stalled or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.1)
-            for job in stalled:
-                await app.job_manager.retry_job(job)
+            stalled = await retry_stalled(app, STEP_TIMEOUT)
             emit("recovered", jobs=[job.id for job in stalled])
         emit("working")
-        await app.run_worker_async(
-            wait=False,
-            concurrency=1,
-            update_heartbeat_interval=HEARTBEAT,
-            install_signal_handlers=False,
-            listen_notify=False,
-        )
+        await work_until_empty(app)
     emit("drained")
 
 
@@ -235,7 +207,75 @@ def _entry(argv: list[str]) -> int:
 # =================================================================== receiver
 
 
-class MailApi:
+class LoopbackApi:
+    """An HTTP API on loopback (the demo's mail API, the tests' webhook receiver).
+
+    Its requests run on daemon threads of a ``ThreadingHTTPServer``; a
+    subclass passes its handler (a :class:`PostHandler`) and URL path.  A
+    handler may :meth:`hold` a request open, after it was accepted, until
+    :meth:`release` (``holding``: from the start, else from
+    :meth:`keep_open` on): the sender is still waiting for the answer when
+    it is killed.
+    """
+
+    def __init__(
+        self, handler: type[PostHandler], path: str, *, holding: bool, join_timeout: float
+    ) -> None:
+        self.arrived = threading.Event()
+        self._release = threading.Event()
+        if not holding:
+            self._release.set()
+        self._path = path
+        self._join_timeout = join_timeout
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}{self._path}"
+
+    def hold(self) -> None:
+        """Say a request arrived, and keep it open until :meth:`release` (at most HOLD_TIMEOUT)."""
+        self.arrived.set()
+        self._release.wait(HOLD_TIMEOUT)
+
+    def keep_open(self) -> None:
+        """From now on :meth:`hold` keeps requests open, until :meth:`release`."""
+        self._release.clear()
+
+    def release(self) -> None:
+        self._release.set()
+
+    def close(self) -> None:
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=self._join_timeout)
+
+
+class PostHandler(http.server.BaseHTTPRequestHandler):
+    """A :class:`LoopbackApi`'s request handler: JSON POSTs keyed by ``Idempotency-Key``."""
+
+    def posted(self) -> tuple[str, Any]:
+        """The request's ``Idempotency-Key`` (empty if none) and its JSON body."""
+        key = self.headers.get("Idempotency-Key", "")
+        return key, json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+    def answer(self, status: int) -> None:
+        """An empty answer; none if the sender is gone (it may be dead by now)."""
+        with contextlib.suppress(OSError):
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class MailApi(LoopbackApi):
     """A mail API on loopback: it sends (counts) each e-mail once per ``Idempotency-Key``.
 
     The first request is held open after it was accepted, until ``release``:
@@ -245,15 +285,12 @@ class MailApi:
     def __init__(self, timeline: Timeline) -> None:
         self.attempts: list[tuple[str, dict[str, Any]]] = []
         self.sent: dict[str, dict[str, Any]] = {}
-        self.arrived = threading.Event()
-        self._release = threading.Event()
         self._lock = threading.Lock()
         api = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(PostHandler):
             def do_POST(self) -> None:
-                key = self.headers.get("Idempotency-Key", "")
-                mail = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                key, mail = self.posted()
                 with api._lock:
                     first = not api.attempts
                     api.attempts.append((key, mail))
@@ -265,34 +302,10 @@ class MailApi:
                 else:
                     timeline.say("mail", f"SENT {mail['subject']!r} to {mail['to']} (key {key!r})")
                 if first:
-                    api.arrived.set()
-                    api._release.wait(HOLD_TIMEOUT)
-                with contextlib.suppress(OSError):  # the sender may be dead by now
-                    self.send_response(200 if duplicate else 202)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                    api.hold()
+                self.answer(200 if duplicate else 202)
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}/v1/mail"
-
-    def release(self) -> None:
-        self._release.set()
-
-    def close(self) -> None:
-        self._release.set()
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=STEP_TIMEOUT)
+        super().__init__(Handler, "/v1/mail", holding=True, join_timeout=STEP_TIMEOUT)
 
 
 # =============================================================== orchestrator
@@ -302,6 +315,7 @@ class MailApi:
 class _SideEffectsDemo(Demo):
     conninfo: str = ""
     api: MailApi | None = field(default=None, repr=False)
+    module: ClassVar[str] = MODULE
 
     def intro(self) -> None:
         mode = (
@@ -311,11 +325,6 @@ class _SideEffectsDemo(Demo):
         )
         self.echo("sa-fence demo --side-effects: a paused worker's e-mail, and its successor's")
         self.summary("mode", mode)
-
-    def worker(self, name: str, config: dict[str, Any], t: Timeline, role: str) -> Worker:
-        w = Worker(name, config, t, module=MODULE, role=role)
-        self.workers.append(w)
-        return w
 
     def story(self, engine: sa.Engine) -> int:
         from .schema import upgrade_demo_schema
@@ -335,9 +344,7 @@ class _SideEffectsDemo(Demo):
         )
         with engine.begin() as conn:
             if not self.fenced:  # nothing in the database checks the writers (as `demo`)
-                for table in ("jobs", "job_steps"):
-                    for statement in drop_guard_sql(table):
-                        conn.execute(sa.text(statement))
+                demo.drop_guards(conn)
             conn.execute(sa.insert(DemoJob).values(id=JOB_ID, result=None, fence=0))
         self.api = api = MailApi(t)
         try:
@@ -348,7 +355,7 @@ class _SideEffectsDemo(Demo):
     def _play(self, engine: sa.Engine, conninfo: str, api: MailApi, t: Timeline) -> int:
         """The acts after the setup; the verdict's exit status."""
         t.say("setup", f"job {JOB_ID} inserted; a mail API listens on {api.url}")
-        a, b = self._start_workers(conninfo, api, t)
+        a, b = self.start_pair(t, "", conninfo=conninfo, api=api.url)
         enq_a = self._a_enqueues_and_freezes(a, t)
         enq_b = self._b_takes_over(b, t)
         written = self._a_wakes_and_commits(a, t)
@@ -358,29 +365,10 @@ class _SideEffectsDemo(Demo):
         self._deliver(engine, conninfo, api, t)
         return self.verdict_mail(engine, written, enq_a, enq_b, api)
 
-    def _start_workers(self, conninfo: str, api: MailApi, t: Timeline) -> tuple[Worker, Worker]:
-        config = {
-            "pg": self.server.set(database=self.database).render_as_string(hide_password=False),
-            "conninfo": conninfo,
-            "redis": self.redis_url,
-            "prefix": self.prefix,
-            "ttl": self.ttl,
-            "fenced": self.fenced,
-            "api": api.url,
-        }
-        a = self.worker("A", {**config, "result": "A"}, t, "worker")
-        b = self.worker("B", {**config, "result": "B"}, t, "worker")
-        for w in (a, b):
-            w.expect("ready", timeout=STARTUP_TIMEOUT)
-            t.say(w.name, f"worker process started (pid {w.pid})")
-        return a, b
-
     def _a_enqueues_and_freezes(self, a: Worker, t: Timeline) -> dict[str, Any]:
         """A takes the lease, enqueues its e-mail uncommitted, and is stopped past its TTL."""
         ttl = self.ttl
-        a.send("acquire")
-        token_a = int(a.expect("acquired")["token"])
-        t.holders[token_a] = "A"
+        token_a = self.take_lease(a, t)
         t.say("A", f"acquired lease {LEASE_NAME!r} with token {token_a}, TTL {ttl:g} s")
         enq_a = a.expect("enqueued")
         t.say(
@@ -398,9 +386,7 @@ class _SideEffectsDemo(Demo):
 
     def _b_takes_over(self, b: Worker, t: Timeline) -> dict[str, Any]:
         """B takes the lease, enqueues its e-mail, commits and releases."""
-        b.send("acquire")
-        token_b = int(b.expect("acquired")["token"])
-        t.holders[token_b] = "B"
+        token_b = self.take_lease(b, t)
         t.say("B", f"acquired lease {LEASE_NAME!r} with token {token_b}")
         enq_b = b.expect("enqueued")
         t.say("B", f"set result='B' and enqueued its e-mail (key {enq_b['key']!r})")
@@ -506,35 +492,12 @@ def _jobs_text(jobs: list[tuple[int, str]]) -> str:
 
 def run(*, pg: str, redis_url: str, ttl: float, fenced: bool, out: TextIO | None = None) -> int:
     """Play the side-effects story once; the exit status is ``sa-fence demo``'s."""
-    out = sys.stdout if out is None else out
     try:
         import procrastinate  # noqa: F401
     except ImportError:
         print(f"sa-fence demo: error: {INSTALL_HINT}", file=sys.stderr)
         return EXIT_USAGE
-    try:
-        server = demo.server_url(pg)
-        if not MIN_TTL <= ttl <= MAX_TTL:
-            raise ValueError(f"--ttl must be between {MIN_TTL:g} and {MAX_TTL:g} s, got {ttl:g}")
-        client = demo.connect_redis(redis_url)
-    except ValueError as exc:
-        print(f"sa-fence demo: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except demo.Unreachable as exc:
-        print(f"sa-fence demo: error: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    try:
-        demo.check_postgres(server)
-        with demo.sigterm_as_exit():
-            return _SideEffectsDemo(server, client, redis_url, ttl, fenced, out).play()
-    except demo.Unreachable as exc:
-        print(f"sa-fence demo: error: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    except StoryError as exc:
-        print(f"sa-fence demo: FAILED, the story went differently: {exc}", file=sys.stderr)
-        return EXIT_STORY
-    finally:
-        client.close()
+    return demo.play(_SideEffectsDemo, pg=pg, redis_url=redis_url, ttl=ttl, fenced=fenced, out=out)
 
 
 if __name__ == "__main__":
