@@ -195,7 +195,7 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
 
     def skip(session: Session) -> None:
         session.flush()
-        if _flush._pop_scope(session.connection()) is None:
+        if session.connection().__dict__.pop(_flush._SCOPE, None) is None:  # scope ends
             raise RuntimeError("no lease scope to skip: the breakdown would measure nothing")
 
     def unarmed() -> None:

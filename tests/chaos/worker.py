@@ -112,7 +112,7 @@ class Worker:
             from sa_fence import _flush
 
             def commit_unchecked(conn: Any) -> None:
-                _flush._pop_scope(conn)
+                conn.__dict__.pop(_flush._SCOPE, None)  # the scope ends, unchecked
 
             _flush._check_scope_and_commit = commit_unchecked
         maker = sessionmaker(self.engine)
