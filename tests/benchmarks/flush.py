@@ -39,6 +39,7 @@ import gc
 import statistics
 import time
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,9 +228,19 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
         psycopg.connect(psycopg_conninfo(bench.engine.url)) as conn,
         psycopg.connect(psycopg_conninfo(bench.engine.url)) as armed,
     ):
-        # sa-fence's own BEGIN on the second connection: every BEGIN carries the arm
-        vars(armed)[_flush._ARMS] = {scope_table: [arm_row]}
+        # sa-fence's own BEGIN on the second connection: every BEGIN carries the arm.
+        # The arm goes out only while its owner (a Connection in lease scope) lives: a
+        # stand-in owner in scope, kept alive for the block.
+        owner = _ScopeOwner()
+        vars(owner)[_flush._SCOPE] = {(lease.name, lease.token): lease}
+        vars(armed)[_flush._ARMS] = ((str(scope_table), (arm_row,)),)
+        vars(armed)[_flush._ARMS_OWNER] = weakref.ref(owner)
         armed._start_query = types.MethodType(_flush._start_query_armed, armed)  # type: ignore[method-assign]
+        # the first statement begins the transaction, whose BEGIN carries the arm's row
+        scoped = armed.execute(f"SELECT count(*) FROM {scope_table}").fetchone()
+        armed.rollback()
+        if scoped is None or scoped[0] < 1:
+            raise RuntimeError("the armed BEGIN carried no arm: this line would measure nothing")
         serial = 0
 
         def commit_with(message: str | None, on: psycopg.Connection[Any] = conn) -> Op:
@@ -258,6 +269,10 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
     return Breakdown(
         op, sql, bench.rows, flush_cpu(bench, config, progress), transaction_cpu(bench, config)
     )
+
+
+class _ScopeOwner:
+    """Stands in for the Connection whose lease scope an armed BEGIN belongs to."""
 
 
 def transaction_cpu(bench: FlushBench, config: Config) -> dict[str, list[float]]:
