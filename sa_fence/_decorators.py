@@ -386,13 +386,6 @@ def _session_state(session: Any) -> SessionState:
     return state_for(getattr(session, "sync_session", session))  # an AsyncSession's own
 
 
-def _lose_at_max_hold(lease: BaseLease[Any], message: str) -> None:
-    try:
-        lose(lease, message)
-    except Exception:  # never stop the others
-        log.exception("marking lease %r lost at its max_hold failed", lease.name)
-
-
 _hold_limits = Deadlines("sa-fence-max-hold")
 # A forked child (Celery's prefork pool) starts with no thread and no entries.
 os.register_at_fork(after_in_child=_hold_limits.reset)
@@ -417,7 +410,7 @@ class _Kind:
         if self.is_async:  # the event loop's timer: no thread
             delay = max(0.0, at - time.monotonic())
             return asyncio.get_running_loop().call_later(delay, lose, lease, message).cancel
-        entry = _hold_limits.add(at, _lose_at_max_hold, lease, message)
+        entry = _hold_limits.add(at, lose, lease, message)  # (a failure is logged there)
         return functools.partial(_hold_limits.cancel, entry)
 
     def unit_of_work(self, lease: Any, steps: _Steps[Any]) -> Any:

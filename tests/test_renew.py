@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
+from sa_fence._lease import Deadlines
 from sa_fence.testing import expire
 from tests._async_fixtures import expire as end
 from tests._async_fixtures import no_renewal_tasks_left, renewal_tasks
@@ -194,6 +195,36 @@ def test_a_lease_due_before_the_one_the_renewer_waits_for_is_renewed_in_time(
     assert fast.release()
     assert slow.release()
     assert wait_for_no_renewer() == []
+
+
+def test_an_action_that_raises_does_not_stall_the_deadlines_after_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One failing action is logged; the thread goes on to the next entry."""
+    deadlines = Deadlines("sa-fence-test-deadlines")
+    ran = threading.Event()
+
+    def fail() -> None:
+        raise RuntimeError("boom")
+
+    now = time.monotonic()
+    deadlines.add(now, fail)
+    deadlines.add(now + 0.05, ran.set)
+    assert ran.wait(5.0)
+    assert "a scheduled sa-fence-test-deadlines action failed" in caplog.text
+
+
+def test_a_cancelled_deadline_does_not_run_while_others_are_pending() -> None:
+    """Cancelled entries stay in the heap (a cancel is O(1)) and are skipped when due."""
+    deadlines = Deadlines("sa-fence-test-deadlines")
+    ran: list[str] = []
+    done = threading.Event()
+    now = time.monotonic()
+    cancelled = deadlines.add(now + 0.05, ran.append, "cancelled")
+    deadlines.add(now + 0.2, done.set)  # keeps the heap from being cleared
+    deadlines.cancel(cancelled)
+    assert done.wait(5.0)
+    assert ran == []
 
 
 def test_a_release_while_a_renewal_is_sent_schedules_no_next_renewal(
