@@ -210,8 +210,8 @@ class _FencedConnection(Connection):
         return result
 
     def exec_driver_sql(self, statement: str, *args: Any, **kwargs: Any) -> Any:
-        state: SessionState | None = getattr(self, _ACTIVE, None)
-        if state is not None and state.lease is not None and isinstance(statement, str):
+        attrs = self.__dict__  # (`in` and [], not get(): no call)
+        if _ACTIVE in attrs and attrs[_ACTIVE] is not None and attrs[_ACTIVE].lease is not None:
             _refuse_chain(statement)  # driver SQL is not seen as text(): refuse it here too
         return super().exec_driver_sql(statement, *args, **kwargs)
 
@@ -242,6 +242,7 @@ def check_connection_api(cls: type) -> None:
     an override never called would leave writes unfenced without a word."""
     wanted = {
         "_execute_clauseelement": ["self", "elem", "distilled_parameters", "execution_options"],
+        "exec_driver_sql": ["self", "statement", "parameters", "execution_options"],
         "_execute_default": None,
         "_execute_ddl": None,
         "_begin_impl": ["self", "transaction"],
@@ -431,11 +432,8 @@ def _scope_table(conn: Connection, lease: Lease) -> str:
     search path's, looked up once per engine, never ``pg_temp``, which could swallow the arm).
     """
     register = lease.fencer.token_source.register
-    if register.schema is not None:
-        lease._scoped = (conn.engine, str(register.scope_sql))
-        return str(register.scope_sql)
     tables: dict[Any, str] = conn.engine.__dict__.setdefault(_SCOPE_TABLES, {})
-    table = tables.get(register)
+    table = str(register.scope_sql) if register.schema is not None else tables.get(register)
     if table is None:
         row = _run(conn, SCOPE_SCHEMA_SQL, fetch=True)
         if row is None or row[0] is None:
