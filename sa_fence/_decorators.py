@@ -22,7 +22,6 @@ import enum
 import functools
 import inspect
 import logging
-import os
 import string
 import sys
 import time
@@ -386,9 +385,7 @@ def _session_state(session: Any) -> SessionState:
     return state_for(getattr(session, "sync_session", session))  # an AsyncSession's own
 
 
-_hold_limits = Deadlines("sa-fence-max-hold")
-# A forked child (Celery's prefork pool) starts with no thread and no entries.
-os.register_at_fork(after_in_child=_hold_limits.reset)
+_hold_limits = Deadlines("sa-fence-max-hold")  # (reset in a forked child, as every one is)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -137,6 +138,7 @@ class Deadlines:
     def __init__(self, thread_name: str) -> None:
         self._name = thread_name
         self.reset()
+        _every_deadlines.add(self)  # a forked child starts each with no thread and no entries
 
     def reset(self) -> None:
         """No thread and no entries (as a forked child starts)."""
@@ -187,6 +189,19 @@ class Deadlines:
                 action(*args)
             except Exception:  # (none is expected) one failure must not stall the others
                 log.exception("sa-fence: a scheduled %s action failed", self._name)
+
+
+_every_deadlines: weakref.WeakSet[Deadlines] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    """In a forked child (Celery's prefork pool): the parent renews its own leases."""
+    for deadlines in list(_every_deadlines):
+        deadlines.reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _renew(ref: weakref.ref[Lease]) -> None:

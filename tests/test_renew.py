@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -225,6 +226,24 @@ def test_a_cancelled_deadline_does_not_run_while_others_are_pending() -> None:
     deadlines.cancel(cancelled)
     assert done.wait(5.0)
     assert ran == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_starts_with_no_renewals_of_its_parents_leases(
+    fencer: sa_fence.Fencer,
+) -> None:
+    """The parent renews its leases; a child renewing them too would extend (and, once the
+    parent released one, report lost) leases that are not its own."""
+    lease = fencer.acquire("job:fork", 30, renew=True)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: report and leave at once, no test machinery
+            os._exit(len(fencer._renewals._live) + 10 * len(fencer._renewals._heap))
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert len(fencer._renewals._live) == 1  # the parent's renewal is still scheduled
+    finally:
+        assert lease.release()
 
 
 def test_a_release_while_a_renewal_is_sent_schedules_no_next_renewal(
