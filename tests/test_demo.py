@@ -144,6 +144,13 @@ def test_the_demo_names_an_unreachable_redis_and_how_to_start_it() -> None:
     assert "--redis" in run.stderr
 
 
+def test_the_demo_shows_an_unreachable_redis_without_its_password() -> None:
+    run = _demo("--pg", PG_SERVER, "--redis", "redis://user:s3cret@127.0.0.1:1/0")
+    assert run.returncode == 3
+    assert "cannot reach Redis at redis://user:***@127.0.0.1:1/0: " in run.stderr
+    assert "s3cret" not in run.stdout + run.stderr
+
+
 def test_the_demo_names_an_unreachable_postgresql_and_how_to_start_it() -> None:
     run = _demo("--pg", "postgresql+psycopg://postgres@127.0.0.1:1", "--redis", REDIS_URL)
     assert run.returncode == 3

@@ -52,7 +52,6 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any, ClassVar, TextIO
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import redis as redis_lib
@@ -67,6 +66,7 @@ from .._lease import Fencer
 from .._protocol import token_from_value
 from .._tokens import DEFAULT_SEQUENCE
 from ..errors import StaleTokenError
+from ._redact import redact_url
 from .demo_models import DemoJob
 
 DEFAULT_TTL = 1.0
@@ -479,14 +479,6 @@ def _shown(server: sa.URL) -> str:
     return server.set(database=None).render_as_string(hide_password=True)
 
 
-def _shown_redis(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
-
-
 def _reason(exc: BaseException) -> str:
     """An error message on one line, ending in exactly one sentence mark."""
     text = " ".join(str(exc).split()) or type(exc).__name__
@@ -499,13 +491,13 @@ def connect_redis(url: str) -> redis_lib.Redis:
             url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=STEP_TIMEOUT
         )
     except ValueError as exc:
-        raise ValueError(f"--redis {_shown_redis(url)!r} is not a Redis URL ({exc})") from None
+        raise ValueError(f"--redis {redact_url(url)!r} is not a Redis URL ({exc})") from None
     try:
         client.ping()
     except redis_lib.RedisError as exc:
         client.close()
         raise Unreachable(
-            f"cannot reach Redis at {_shown_redis(url)}: {_reason(exc)} Start it (`make services`, "
+            f"cannot reach Redis at {redact_url(url)}: {_reason(exc)} Start it (`make services`, "
             "or `redis-server --daemonize yes`), or point --redis (or SA_FENCE_DEMO_REDIS) "
             "at a running server."
         ) from None
@@ -630,7 +622,7 @@ class Demo:
         self.intro()
         self.summary("PostgreSQL", _shown(self.server))
         self.summary("database", f"{self.database} (temporary, dropped at the end)")
-        self.summary("Redis", f"{_shown_redis(self.redis_url)}, keys under {self.prefix!r}")
+        self.summary("Redis", f"{redact_url(self.redis_url)}, keys under {self.prefix!r}")
         self.summary("lease", f"{LEASE_NAME!r}, TTL {self.ttl:g} s")
         self.echo()
         admin_dsn = _admin_dsn(self.server)
