@@ -350,7 +350,6 @@ THIRD_PARTY_PRIVATE_READS: dict[tuple[str, str], str] = {
     ("sa_fence.tools._redact", "_replace"): "namedtuple._replace is public API despite the _",
     ("sa_fence._tokens", "_invalidate"): "Pool._invalidate: recycle the pool as on a disconnect",
     ("sa_fence.tools.demo", "_exit"): "os._exit is public API despite the _",
-    ("sa_fence.tools.demo", "_replace"): "namedtuple._replace is public API despite the _",
 }
 
 
