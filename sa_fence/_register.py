@@ -22,7 +22,6 @@ from sqlalchemy import (
     DDL,
     BigInteger,
     Column,
-    Index,
     MetaData,
     Sequence,
     Table,
@@ -263,22 +262,22 @@ DECLARE
     granted timestamptz;
 BEGIN
 {body}
-    DELETE FROM @sa_fence_schema@.sa_fence_scope
-     WHERE xact = pg_catalog.pg_current_xact_id()::text::bigint;
+    DELETE FROM @sa_fence_schema@.sa_fence_scope WHERE ctid = NEW.ctid;
     RETURN NULL;
 END
 $sa_fence$"""
 
+# No index and no column but the arm's: each row lives from the arm to its own trigger, which
+# deletes it by ctid (a transaction id column and its index cost every fenced commit ~10 us).
 _SCOPE_TABLE = """\
 CREATE UNLOGGED TABLE IF NOT EXISTS @sa_fence_schema@.sa_fence_scope (
-    xact bigint NOT NULL DEFAULT pg_catalog.pg_current_xact_id()::text::bigint,
     name text NOT NULL,
     token bigint NOT NULL
 )"""
 
-_SCOPE_INDEX = (
-    "CREATE INDEX IF NOT EXISTS sa_fence_scope_xact ON @sa_fence_schema@.sa_fence_scope (xact)"
-)
+# The first scope table had an indexed transaction id column for its clean-up, now
+# dropped (with its index) where it is still there: the trigger deletes by ctid.
+_DROP_XACT = "ALTER TABLE @sa_fence_schema@.sa_fence_scope DROP COLUMN xact"
 
 _SCOPE_TRIGGER = """\
 CREATE CONSTRAINT TRIGGER sa_fence_scope_check
@@ -294,6 +293,12 @@ DO $sa_fence_do$
 DECLARE s text := coalesce({schema}, pg_catalog.current_schema());
 BEGIN
 {run}
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
+                WHERE attrelid = pg_catalog.to_regclass(
+                      pg_catalog.quote_ident(s) || '.sa_fence_scope')
+                  AND attname = 'xact' AND NOT attisdropped) THEN
+        {drop_xact}
+    END IF;
     IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger
                     WHERE tgrelid = pg_catalog.to_regclass(
                           pg_catalog.quote_ident(s) || '.sa_fence_scope')
@@ -314,10 +319,11 @@ def _execute(sql: str) -> str:
 def check_function_sql(register: Register) -> str:
     """The commit check function, the scope table and its deferred trigger (idempotent)."""
     body = _CHECK_BODY.format(sqlstate=LEASE_STALE_SQLSTATE)
-    run = (_CHECK_FUNCTION.format(body=body), _SCOPE_TABLE, _SCOPE_INDEX)
+    run = (_CHECK_FUNCTION.format(body=body), _SCOPE_TABLE, _SCOPE_FUNCTION.format(body=body))
     return _DO_BLOCK.format(
         schema=quote_literal(register.schema) if register.schema else "NULL",
-        run="\n".join(f"    {_execute(sql)}" for sql in (*run, _SCOPE_FUNCTION.format(body=body))),
+        run="\n".join(f"    {_execute(sql)}" for sql in run),
+        drop_xact=_execute(_DROP_XACT),
         trigger=_execute(_SCOPE_TRIGGER),
     )
 
@@ -379,15 +385,8 @@ def register_table(metadata: MetaData, sequence: Sequence) -> Table:
     scope = Table(
         SCOPE_TABLE,
         metadata,
-        Column(
-            "xact",
-            BigInteger,
-            nullable=False,
-            server_default=text("pg_catalog.pg_current_xact_id()::text::bigint"),
-        ),
         Column("name", Text, nullable=False),
         Column("token", BigInteger, nullable=False),
-        Index("sa_fence_scope_xact", "xact"),
         schema=sequence.schema,
         prefixes=["UNLOGGED"],
         info={"sa_fence.scope": True},
