@@ -407,10 +407,12 @@ def _commit_one_and_two_arms(
 def test_a_committed_transaction_leaves_none_of_its_arms_behind(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
 ) -> None:
-    """The trigger deletes each arm at COMMIT (by its ctid), so the table stays empty."""
+    """The trigger deletes each arm at COMMIT (by its ctid), so the table stays empty
+    (but for rows earlier tests left with the trigger disabled)."""
+    before = _arms_left(scope_engine)
     _commit_one_and_two_arms(fencer, make_session, scope_engine)
     assert outbox(scope_engine) == ["A"]
-    assert _arms_left(scope_engine) == 0
+    assert _arms_left(scope_engine) == before
 
 
 def test_without_the_clean_up_every_committed_arm_stays(
@@ -421,7 +423,10 @@ def test_without_the_clean_up_every_committed_arm_stays(
 ) -> None:
     """Guard-removal pair: the trigger without its DELETE keeps every row it checked."""
     register = _register.Register("sa_fence_token_seq")
-    clean_up = "    DELETE FROM @sa_fence_schema@.sa_fence_scope WHERE ctid = NEW.ctid;\n"
+    clean_up = (
+        "    DELETE FROM @sa_fence_schema@.sa_fence_scope"
+        " WHERE ctid OPERATOR(pg_catalog.=) NEW.ctid;\n"
+    )
     assert clean_up in _register._SCOPE_FUNCTION
     monkeypatch.setattr(
         _register, "_SCOPE_FUNCTION", _register._SCOPE_FUNCTION.replace(clean_up, "")
@@ -429,12 +434,12 @@ def test_without_the_clean_up_every_committed_arm_stays(
     with scope_engine.begin() as conn:
         conn.execute(sa.text(_register.check_function_sql(register)))
     monkeypatch.undo()
+    before = _arms_left(scope_engine)
     try:
         _commit_one_and_two_arms(fencer, make_session, scope_engine)
-        assert _arms_left(scope_engine) == 3
+        assert _arms_left(scope_engine) == before + 3
     finally:
         with scope_engine.begin() as conn:
-            conn.execute(sa.text("DELETE FROM sa_fence_scope"))
             conn.execute(sa.text(_register.check_function_sql(register)))
 
 
@@ -449,7 +454,8 @@ def test_the_register_op_upgrades_the_first_scope_table_and_its_clean_up(
         "WHERE xact = pg_catalog.pg_current_xact_id()::text::bigint;"
     )
     first_function = _register._SCOPE_FUNCTION.replace(
-        "DELETE FROM @sa_fence_schema@.sa_fence_scope WHERE ctid = NEW.ctid;", first_clean_up
+        "DELETE FROM @sa_fence_schema@.sa_fence_scope WHERE ctid OPERATOR(pg_catalog.=) NEW.ctid;",
+        first_clean_up,
     ).format(body=_register._CHECK_BODY.format(sqlstate="SF003"))
     with scope_engine.begin() as conn:
         conn.execute(
@@ -460,8 +466,9 @@ def test_the_register_op_upgrades_the_first_scope_table_and_its_clean_up(
         )
         conn.execute(sa.text("CREATE INDEX sa_fence_scope_xact ON sa_fence_scope (xact)"))
         conn.execute(sa.text(first_function.replace("@sa_fence_schema@", "public")))
+    before = _arms_left(scope_engine)
     _commit_one_and_two_arms(fencer, make_session, scope_engine)  # today's arm, first table
-    assert _arms_left(scope_engine) == 0
+    assert _arms_left(scope_engine) == before
     with scope_engine.begin() as conn:
         for statement in _register.create_register_sql("sa_fence_token_seq"):
             conn.execute(sa.text(statement))
@@ -472,11 +479,11 @@ def test_the_register_op_upgrades_the_first_scope_table_and_its_clean_up(
         function = conn.execute(
             sa.text("SELECT prosrc FROM pg_proc WHERE proname = 'sa_fence_scope_check'")
         ).scalar_one()
-    assert "ctid = NEW.ctid" in function
+    assert "WHERE ctid OPERATOR(pg_catalog.=) NEW.ctid" in function
     _empty_tables_now(scope_engine)
     _commit_one_and_two_arms(fencer, make_session, scope_engine)
     assert outbox(scope_engine) == ["A"]
-    assert _arms_left(scope_engine) == 0
+    assert _arms_left(scope_engine) == before
 
 
 def _empty_tables_now(engine: sa.Engine) -> None:
@@ -521,23 +528,18 @@ def test_a_temp_register_holding_the_stale_token_does_not_stand_in(
     b.release()
 
 
-def test_without_the_pinned_search_path_a_temp_register_stands_in(
+def test_without_the_schema_qualified_register_a_temp_register_stands_in(
     fencer: sa_fence.Fencer,
     make_session: sessionmaker[Session],
     scope_engine: sa.Engine,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Guard-removal pair: the trigger as it would be with the register found
-    through search_path (unqualified, search_path not pinned)."""
+    through search_path (unqualified)."""
     monkeypatch.setattr(
         _register,
         "_CHECK_BODY",
         _register._CHECK_BODY.replace("@sa_fence_schema@.sa_fence_leases", "sa_fence_leases"),
-    )
-    monkeypatch.setattr(
-        _register,
-        "_SCOPE_FUNCTION",
-        _register._SCOPE_FUNCTION.replace("SET search_path = pg_catalog, pg_temp ", ""),
     )
     with scope_engine.begin() as conn:
         conn.execute(
@@ -558,6 +560,80 @@ def test_without_the_pinned_search_path_a_temp_register_stands_in(
             for statement in _register.create_register_sql("sa_fence_token_seq"):
                 conn.execute(sa.text(statement))
     b.release()
+
+
+#: An `=` for bigint that holds for any two numbers, in a schema a session puts before
+#: pg_catalog: a check comparing tokens with the search path's `=` would pass a stale token.
+_SHADOW_EQUALS = (
+    "CREATE SCHEMA IF NOT EXISTS shadow_ops",
+    "CREATE OR REPLACE FUNCTION shadow_ops.always(bigint, bigint) RETURNS boolean "
+    "LANGUAGE sql IMMUTABLE AS 'SELECT true'",
+    "DROP OPERATOR IF EXISTS shadow_ops.= (bigint, bigint)",
+    "CREATE OPERATOR shadow_ops.= (LEFTARG = bigint, RIGHTARG = bigint, "
+    "FUNCTION = shadow_ops.always)",
+)
+
+
+def _stale_commit_with_shadow_operators(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """A stale holder commits from a session whose search_path puts shadow_ops first."""
+    a, b = stale_pair(fencer)
+    try:
+        with make_session() as session:
+            a.bind(session)
+            session.execute(sa.text("SET LOCAL search_path = shadow_ops, pg_catalog, public"))
+            session.add(Outbox(id=1, message="stale"))
+            session.commit()
+    finally:
+        b.release()
+
+
+def test_operators_on_the_search_path_do_not_stand_in(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """The check compares tokens with pg_catalog's own `=`, whatever the session's path."""
+    with scope_engine.begin() as conn:
+        for statement in _SHADOW_EQUALS:
+            conn.execute(sa.text(statement))
+    try:
+        with pytest.raises(sa_fence.StaleTokenError):
+            _stale_commit_with_shadow_operators(fencer, make_session)
+        assert outbox(scope_engine) == []
+    finally:
+        with scope_engine.begin() as conn:
+            conn.execute(sa.text("DROP SCHEMA shadow_ops CASCADE"))
+
+
+def test_without_the_qualified_operators_a_shadow_operator_stands_in(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guard-removal pair: the check written with the bare operator, as it would be
+    without qualified operators (nor a pinned search_path), lets the stale commit through."""
+    qualified_check = "COALESCE(newest OPERATOR(pg_catalog.=) lease_token, false)"
+    assert qualified_check in _register._CHECK_BODY
+    monkeypatch.setattr(
+        _register,
+        "_CHECK_BODY",
+        _register._CHECK_BODY.replace(qualified_check, "COALESCE(newest = lease_token, false)"),
+    )
+    register = _register.Register("sa_fence_token_seq")
+    with scope_engine.begin() as conn:
+        conn.execute(sa.text(_register.check_function_sql(register)))
+        for statement in _SHADOW_EQUALS:
+            conn.execute(sa.text(statement))
+    monkeypatch.undo()
+    try:
+        _stale_commit_with_shadow_operators(fencer, make_session)
+        assert outbox(scope_engine) == ["stale"]
+    finally:
+        scope_engine.dispose()  # plpgsql's cached plans of the bare operator go too
+        with scope_engine.begin() as conn:
+            conn.execute(sa.text("DROP SCHEMA shadow_ops CASCADE"))
+            conn.execute(sa.text(_register.check_function_sql(register)))
 
 
 # ----------------------------------------- PREPARE TRANSACTION (private cluster)
