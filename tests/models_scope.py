@@ -16,6 +16,10 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 import sa_fence
 
 SEQUENCE = "sa_fence_token_seq"
+#: The rows of sa_fence_scope the current transaction wrote (its arms): their xmin is its id.
+OWN_ARMS = (
+    "sa_fence_scope WHERE xmin::text::bigint = pg_current_xact_id()::text::bigint % 4294967296"
+)
 
 
 class ScopeBase(DeclarativeBase):

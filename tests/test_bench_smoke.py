@@ -50,6 +50,8 @@ def test_every_benchmark_section_runs_and_prints_its_table(tmp_path: Path) -> No
         "where the fenced 1-row update's time goes",
         "the register check in SQL",
         "flush CPU time of this process",
+        "CPU per 1-row update + commit, this process and its server backend",
+        "+ lease scope",
         "guard trigger (BEFORE INSERT OR UPDATE OR DELETE, policy reject) vs no trigger",
         "insert 20 rows",
         "contention:",

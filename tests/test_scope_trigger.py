@@ -37,7 +37,7 @@ from sa_fence.testing import expire
 from tests import _scope_fixtures
 from tests._interrupt_commit import slow_commit
 from tests._pg_cluster import private_cluster
-from tests.models_scope import Outbox, create_scope_schema
+from tests.models_scope import OWN_ARMS, Outbox, create_scope_schema
 
 outbox_table = Outbox.__table__
 
@@ -111,11 +111,7 @@ def test_the_current_holder_commits_through_every_path_and_its_next_transaction_
     # again (a COMMIT the client sent itself ends lease scope for nobody).
     session.add(Outbox(id=2, message="second"))
     session.flush()
-    armed = session.execute(
-        sa.text(
-            "SELECT count(*) FROM sa_fence_scope WHERE xact = pg_current_xact_id()::text::bigint"
-        )
-    ).scalar_one()
+    armed = session.execute(sa.text(f"SELECT count(*) FROM {OWN_ARMS}")).scalar_one()
     assert armed == 1
     assert expire(a)
     b = fencer.acquire(a.name, 5)
@@ -138,12 +134,7 @@ def test_the_arm_never_reaches_the_next_user_of_a_pooled_connection(
             session.execute(sa.text("SELECT 1"))
             session.execute(sa.text("COMMIT"))  # SQLAlchemy does not know it ended
         with engine.connect() as conn:  # the same DBAPI connection, unfenced
-            armed = conn.execute(
-                sa.text(
-                    "SELECT count(*) FROM sa_fence_scope "
-                    "WHERE xact = pg_current_xact_id()::text::bigint"
-                )
-            ).scalar_one()
+            armed = conn.execute(sa.text(f"SELECT count(*) FROM {OWN_ARMS}")).scalar_one()
             assert armed == 0
         a.release()
     finally:
@@ -260,11 +251,7 @@ def test_an_executemany_first_statement_arms_its_transaction_once(
     # psycopg sends an executemany in pipeline mode: BEGIN and the arm are queued first
     stmt = update(outbox_table).where(outbox_table.c.id == bindparam("b_id"))
     session.execute(stmt.values(message="A"), [{"b_id": i} for i in range(50)])
-    armed = session.execute(
-        sa.text(
-            "SELECT count(*) FROM sa_fence_scope WHERE xact = pg_current_xact_id()::text::bigint"
-        )
-    ).scalar_one()
+    armed = session.execute(sa.text(f"SELECT count(*) FROM {OWN_ARMS}")).scalar_one()
     assert armed == 1
     assert expire(a)
     b = fencer.acquire(a.name, 5)
@@ -293,12 +280,7 @@ def test_the_arm_travels_in_psycopgs_begin_message(
         session.execute(sa.text("SELECT 1"))  # a text() first statement
         driver = session.connection().connection.driver_connection
         assert "_start_query" in vars(driver)  # sa-fence's BEGIN is installed
-        sent = session.execute(
-            sa.text(
-                "SELECT name, token FROM sa_fence_scope "
-                "WHERE xact = pg_current_xact_id()::text::bigint"
-            )
-        ).all()
+        sent = session.execute(sa.text(f"SELECT name, token FROM {OWN_ARMS}")).all()
         assert [tuple(r) for r in sent] == [(a.name, a.token)]
     a.release()
 
@@ -398,6 +380,117 @@ def test_a_missing_scope_trigger_is_a_config_error_with_the_fix(
     fencer.check()
 
 
+def _arms_left(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.text("SELECT count(*) FROM sa_fence_scope")).scalar_one())
+
+
+def _commit_one_and_two_arms(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """A bound session's commit (one arm), then a raw writer's transaction with two arms."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    b = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        session.add(Outbox(id=1, message="A"))
+        session.commit()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("INSERT INTO sa_fence_scope (name, token) VALUES (:a, :ta), (:b, :tb)"),
+            {"a": a.name, "ta": a.token, "b": b.name, "tb": b.token},
+        )
+    a.release()
+    b.release()
+
+
+def test_a_committed_transaction_leaves_none_of_its_arms_behind(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """The trigger deletes each arm at COMMIT (by its ctid), so the table stays empty
+    (but for rows earlier tests left with the trigger disabled)."""
+    before = _arms_left(scope_engine)
+    _commit_one_and_two_arms(fencer, make_session, scope_engine)
+    assert outbox(scope_engine) == ["A"]
+    assert _arms_left(scope_engine) == before
+
+
+def test_without_the_clean_up_every_committed_arm_stays(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guard-removal pair: the trigger without its DELETE keeps every row it checked."""
+    register = _register.Register("sa_fence_token_seq")
+    clean_up = (
+        "    DELETE FROM @sa_fence_schema@.sa_fence_scope"
+        " WHERE ctid OPERATOR(pg_catalog.=) NEW.ctid;\n"
+    )
+    assert clean_up in _register._SCOPE_FUNCTION
+    monkeypatch.setattr(
+        _register, "_SCOPE_FUNCTION", _register._SCOPE_FUNCTION.replace(clean_up, "")
+    )
+    with scope_engine.begin() as conn:
+        conn.execute(sa.text(_register.check_function_sql(register)))
+    monkeypatch.undo()
+    before = _arms_left(scope_engine)
+    try:
+        _commit_one_and_two_arms(fencer, make_session, scope_engine)
+        assert _arms_left(scope_engine) == before + 3
+    finally:
+        with scope_engine.begin() as conn:
+            conn.execute(sa.text(_register.check_function_sql(register)))
+
+
+def test_the_register_op_upgrades_the_first_scope_table_and_its_clean_up(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """A database made by the first lease-scope release (an indexed ``xact`` column, a
+    trigger deleting by it) keeps working, and ``op.create_fence_register()`` (the same
+    statements) drops the column and its index and replaces the trigger's function."""
+    first_clean_up = (
+        "DELETE FROM @sa_fence_schema@.sa_fence_scope "
+        "WHERE xact = pg_catalog.pg_current_xact_id()::text::bigint;"
+    )
+    first_function = _register._SCOPE_FUNCTION.replace(
+        "DELETE FROM @sa_fence_schema@.sa_fence_scope WHERE ctid OPERATOR(pg_catalog.=) NEW.ctid;",
+        first_clean_up,
+    ).format(body=_register._CHECK_BODY.format(sqlstate="SF003"))
+    with scope_engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "ALTER TABLE sa_fence_scope ADD COLUMN xact bigint NOT NULL "
+                "DEFAULT pg_catalog.pg_current_xact_id()::text::bigint"
+            )
+        )
+        conn.execute(sa.text("CREATE INDEX sa_fence_scope_xact ON sa_fence_scope (xact)"))
+        conn.execute(sa.text(first_function.replace("@sa_fence_schema@", "public")))
+    before = _arms_left(scope_engine)
+    _commit_one_and_two_arms(fencer, make_session, scope_engine)  # today's arm, first table
+    assert _arms_left(scope_engine) == before
+    with scope_engine.begin() as conn:
+        for statement in _register.create_register_sql("sa_fence_token_seq"):
+            conn.execute(sa.text(statement))
+    inspector = sa.inspect(scope_engine)
+    assert [c["name"] for c in inspector.get_columns("sa_fence_scope")] == ["name", "token"]
+    assert inspector.get_indexes("sa_fence_scope") == []
+    with scope_engine.connect() as conn:
+        function = conn.execute(
+            sa.text("SELECT prosrc FROM pg_proc WHERE proname = 'sa_fence_scope_check'")
+        ).scalar_one()
+    assert "WHERE ctid OPERATOR(pg_catalog.=) NEW.ctid" in function
+    _empty_tables_now(scope_engine)
+    _commit_one_and_two_arms(fencer, make_session, scope_engine)
+    assert outbox(scope_engine) == ["A"]
+    assert _arms_left(scope_engine) == before
+
+
+def _empty_tables_now(engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM outbox"))
+
+
 def _shadow(session: Session, token: int, name: str) -> None:
     """A TEMP TABLE sa_fence_leases (and sa_fence_scope) holding the stale token."""
     session.execute(
@@ -435,23 +528,18 @@ def test_a_temp_register_holding_the_stale_token_does_not_stand_in(
     b.release()
 
 
-def test_without_the_pinned_search_path_a_temp_register_stands_in(
+def test_without_the_schema_qualified_register_a_temp_register_stands_in(
     fencer: sa_fence.Fencer,
     make_session: sessionmaker[Session],
     scope_engine: sa.Engine,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Guard-removal pair: the trigger as it would be with the register found
-    through search_path (unqualified, search_path not pinned)."""
+    through search_path (unqualified)."""
     monkeypatch.setattr(
         _register,
         "_CHECK_BODY",
         _register._CHECK_BODY.replace("@sa_fence_schema@.sa_fence_leases", "sa_fence_leases"),
-    )
-    monkeypatch.setattr(
-        _register,
-        "_SCOPE_FUNCTION",
-        _register._SCOPE_FUNCTION.replace("SET search_path = pg_catalog, pg_temp ", ""),
     )
     with scope_engine.begin() as conn:
         conn.execute(
@@ -472,6 +560,80 @@ def test_without_the_pinned_search_path_a_temp_register_stands_in(
             for statement in _register.create_register_sql("sa_fence_token_seq"):
                 conn.execute(sa.text(statement))
     b.release()
+
+
+#: An `=` for bigint that holds for any two numbers, in a schema a session puts before
+#: pg_catalog: a check comparing tokens with the search path's `=` would pass a stale token.
+_SHADOW_EQUALS = (
+    "CREATE SCHEMA IF NOT EXISTS shadow_ops",
+    "CREATE OR REPLACE FUNCTION shadow_ops.always(bigint, bigint) RETURNS boolean "
+    "LANGUAGE sql IMMUTABLE AS 'SELECT true'",
+    "DROP OPERATOR IF EXISTS shadow_ops.= (bigint, bigint)",
+    "CREATE OPERATOR shadow_ops.= (LEFTARG = bigint, RIGHTARG = bigint, "
+    "FUNCTION = shadow_ops.always)",
+)
+
+
+def _stale_commit_with_shadow_operators(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """A stale holder commits from a session whose search_path puts shadow_ops first."""
+    a, b = stale_pair(fencer)
+    try:
+        with make_session() as session:
+            a.bind(session)
+            session.execute(sa.text("SET LOCAL search_path = shadow_ops, pg_catalog, public"))
+            session.add(Outbox(id=1, message="stale"))
+            session.commit()
+    finally:
+        b.release()
+
+
+def test_operators_on_the_search_path_do_not_stand_in(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """The check compares tokens with pg_catalog's own `=`, whatever the session's path."""
+    with scope_engine.begin() as conn:
+        for statement in _SHADOW_EQUALS:
+            conn.execute(sa.text(statement))
+    try:
+        with pytest.raises(sa_fence.StaleTokenError):
+            _stale_commit_with_shadow_operators(fencer, make_session)
+        assert outbox(scope_engine) == []
+    finally:
+        with scope_engine.begin() as conn:
+            conn.execute(sa.text("DROP SCHEMA shadow_ops CASCADE"))
+
+
+def test_without_the_qualified_operators_a_shadow_operator_stands_in(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guard-removal pair: the check written with the bare operator, as it would be
+    without qualified operators (nor a pinned search_path), lets the stale commit through."""
+    qualified_check = "COALESCE(newest OPERATOR(pg_catalog.=) lease_token, false)"
+    assert qualified_check in _register._CHECK_BODY
+    monkeypatch.setattr(
+        _register,
+        "_CHECK_BODY",
+        _register._CHECK_BODY.replace(qualified_check, "COALESCE(newest = lease_token, false)"),
+    )
+    register = _register.Register("sa_fence_token_seq")
+    with scope_engine.begin() as conn:
+        conn.execute(sa.text(_register.check_function_sql(register)))
+        for statement in _SHADOW_EQUALS:
+            conn.execute(sa.text(statement))
+    monkeypatch.undo()
+    try:
+        _stale_commit_with_shadow_operators(fencer, make_session)
+        assert outbox(scope_engine) == ["stale"]
+    finally:
+        scope_engine.dispose()  # plpgsql's cached plans of the bare operator go too
+        with scope_engine.begin() as conn:
+            conn.execute(sa.text("DROP SCHEMA shadow_ops CASCADE"))
+            conn.execute(sa.text(_register.check_function_sql(register)))
 
 
 # ----------------------------------------- PREPARE TRANSACTION (private cluster)

@@ -81,10 +81,10 @@ WHY_PER_ROW = (
 )
 WHY_CHECK = (
     "the transaction's BEGIN message carries the arm, `BEGIN; INSERT INTO sa_fence_scope "
-    "...` (no extra round trip): the server parses and runs the INSERT (one row and one "
-    "index entry in an UNLOGGED table, which gives the transaction an xid), and at COMMIT "
-    "the deferred trigger calls its PL/pgSQL function, looks up the register row, takes its "
-    "share lock (a WAL record) and deletes the scope row"
+    "...` (no extra round trip): the server parses, plans and runs a second statement in "
+    "that message, the INSERT of one row into an UNLOGGED table with no index, and at "
+    "COMMIT the deferred trigger calls its PL/pgSQL function, which looks up the register "
+    "row, takes its share lock (a WAL record) and deletes the scope row by its ctid"
 )
 
 
@@ -105,13 +105,13 @@ class Breakdown:
     sql: dict[str, Timing]  # raw psycopg: COMMIT / SELECT 1; COMMIT / check; COMMIT
     rows: int = 0  # rows changed per flush in the CPU measurement
     cpu: dict[str, list[float]] = field(default_factory=dict)  # plain / fenced: flush CPU s
-    #: plain / fenced: this process's CPU time per 1-row update + commit (seconds)
-    txn_cpu: dict[str, list[float]] = field(default_factory=dict)
+    #: the CPU a 1-row update + commit costs this process and its server backend
+    txn_cpu: CpuAccount | None = None
 
     def ours(self) -> float:
         """The fenced 1-row transaction's extra CPU time in this process (seconds)."""
-        plain, fenced = (statistics.median(self.txn_cpu[v]) for v in ("plain", "fenced"))
-        return fenced - plain
+        assert self.txn_cpu is not None
+        return self.txn_cpu.over_plain("fenced")[0]
 
     def per_row(self) -> tuple[float, float, float]:
         """Median flush CPU time, plain and fenced, and the fenced extra per row (seconds)."""
@@ -127,6 +127,25 @@ class Breakdown:
             op["fenced"] - op[SKIPPED],
             sql[SELECT_1] - sql[COMMIT],
             sql[CHECK] - sql[SELECT_1],
+        )
+
+
+@dataclass
+class CpuAccount:
+    """Median CPU seconds per 1-row update + commit of each variant (plain, lease scope
+    skipped, fenced): this thread's, and its server backend's (None when the server
+    runs on another machine)."""
+
+    client: dict[str, float]
+    server: dict[str, float] | None
+    ops: int
+
+    def over_plain(self, variant: str) -> tuple[float, float | None]:
+        """(client, server) CPU seconds ``variant`` costs over plain per op."""
+        server = self.server
+        return (
+            self.client[variant] - self.client["plain"],
+            None if server is None else server[variant] - server["plain"],
         )
 
 
@@ -189,30 +208,8 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
     without dropping it.  Diagnostic only: a bound session always checks.
     """
     per = 2 if config.quick else 40
-
-    def keep(session: Session) -> None:
-        session.flush()
-        session.connection()
-
-    def skip(session: Session) -> None:
-        session.flush()
-        if session.connection().__dict__.pop(_flush._SCOPE, None) is None:  # scope ends
-            raise RuntimeError("no lease scope to skip: the breakdown would measure nothing")
-
-    def unarmed() -> None:
-        arm = _flush._arm
-        _flush._arm = lambda conn, lease: None  # type: ignore[assignment]
-        try:
-            bench.update("fenced", 1, before_commit=skip)
-        finally:
-            _flush._arm = arm  # type: ignore[assignment]
-
     op = interleave(
-        {
-            "plain": Op(lambda: bench.update("plain", 1)),
-            SKIPPED: Op(unarmed),
-            "fenced": Op(lambda: bench.update("fenced", 1, before_commit=keep)),
-        },
+        {v: Op(lambda v=v: run_variant(bench, v)) for v in CPU_VARIANTS},  # type: ignore[misc]
         rounds=config.rounds,
         per_round=per,
         progress=progress,
@@ -275,26 +272,103 @@ class _ScopeOwner:
     """Stands in for the Connection whose lease scope an armed BEGIN belongs to."""
 
 
-def transaction_cpu(bench: FlushBench, config: Config) -> dict[str, list[float]]:
-    """This process's CPU time per 1-row update + commit, plain and fenced, alternated.
+#: The 1-row update variants of the breakdown: plain, fenced with lease scope skipped (the
+#: hooks and the row fence alone: a diagnostic, never a setting), fenced.
+CPU_VARIANTS = ("plain", SKIPPED, "fenced")
 
-    The client's share of the op: what sa-fence's Python adds, apart from the
-    server's work and the wait for it, which a loaded machine makes noisy.
+
+def _keep(session: Session) -> None:
+    session.flush()
+    session.connection()
+
+
+def _skip(session: Session) -> None:
+    session.flush()
+    if session.connection().__dict__.pop(_flush._SCOPE, None) is None:  # scope ends
+        raise RuntimeError("no lease scope to skip: the breakdown would measure nothing")
+
+
+def run_variant(bench: FlushBench, variant: str) -> None:
+    """One 1-row update + commit of ``variant``; the fenced ones run the same flush and
+    ``session.connection()`` call, the skipped one drops its lease scope before COMMIT
+    and sends no arm."""
+    if variant == "plain":
+        bench.update("plain", 1)
+    elif variant == "fenced":
+        bench.update("fenced", 1, before_commit=_keep)
+    else:
+        arm = _flush._arm
+        _flush._arm = lambda conn, lease: None  # type: ignore[assignment]
+        try:
+            bench.update("fenced", 1, before_commit=_skip)
+        finally:
+            _flush._arm = arm  # type: ignore[assignment]
+
+
+def backend_cpu(pid: int) -> float | None:
+    """CPU seconds server backend ``pid`` has run (the kernel's schedstat, nanoseconds);
+    None when no PostgreSQL process of that pid runs on this machine."""
+    try:
+        with open(f"/proc/{pid}/comm", encoding="ascii") as comm:
+            if not comm.read().startswith("postgres"):
+                return None
+        with open(f"/proc/{pid}/schedstat", encoding="ascii") as stat:
+            return int(stat.read().split()[0]) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+def transaction_cpu(bench: FlushBench, config: Config) -> CpuAccount:
+    """CPU per 1-row update + commit of each variant, this thread's and its backend's.
+
+    Each variant gets an engine of its own with one connection, so its server backend
+    serves it alone; the variants alternate op by op (the order rotated every round), and
+    each side's median per op is kept.  CPU time, not wall time: what another load on the
+    machine adds is mostly waiting, which leaves both out, so sa-fence's Python (ours) and
+    the server's SQL work for lease scope are told apart even on a busy machine.
     """
     rounds, per = (1, 2) if config.quick else (config.rounds, 40)
-    cpu: dict[str, list[float]] = {"plain": [], "fenced": []}
-    for r in range(rounds):
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(per):
-                for variant in ("plain", "fenced") if r % 2 == 0 else ("fenced", "plain"):
-                    started = time.process_time()
-                    bench.update(variant, 1)
-                    cpu[variant].append(time.process_time() - started)
-        finally:
-            gc.enable()
-    return cpu
+    engines = {
+        v: sa.create_engine(bench.engine.url, pool_size=1, max_overflow=0) for v in CPU_VARIANTS
+    }
+    try:
+        benches = {
+            v: FlushBench(e, bench.schema, bench.lease, bench.rows) for v, e in engines.items()
+        }
+        pids = {}
+        for v, e in engines.items():
+            with e.connect() as conn:
+                pids[v] = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+            for _ in range(20):  # the pool, the compiled-statement cache, prepared statements
+                run_variant(benches[v], v)
+        client: dict[str, list[float]] = {v: [] for v in CPU_VARIANTS}
+        server: dict[str, list[float]] | None = {v: [] for v in CPU_VARIANTS}
+        for r in range(rounds):
+            gc.collect()
+            gc.disable()
+            try:
+                order = CPU_VARIANTS[r % 3 :] + CPU_VARIANTS[: r % 3]
+                for _ in range(per):
+                    for v in order:
+                        started = backend_cpu(pids[v])
+                        before = time.thread_time()
+                        run_variant(benches[v], v)
+                        client[v].append(time.thread_time() - before)
+                        ended = backend_cpu(pids[v])
+                        if server is not None and started is not None and ended is not None:
+                            server[v].append(ended - started)
+                        else:
+                            server = None  # not a PostgreSQL on this machine
+            finally:
+                gc.enable()
+        return CpuAccount(
+            {v: statistics.median(t) for v, t in client.items()},
+            None if server is None else {v: statistics.median(t) for v, t in server.items()},
+            rounds * per,
+        )
+    finally:
+        for e in engines.values():
+            e.dispose()
 
 
 def flush_cpu(bench: FlushBench, config: Config, progress: Progress) -> dict[str, list[float]]:
@@ -374,10 +448,16 @@ def why_missed(
     base = b.op["plain"].median
     us = 1e6
     if n == 1:
-        return (
+        head = (
             f"{(ratio - 1) * plain * us:.0f} us over plain per transaction, with no extra "
             "round trip (the flush sends what plain sends; the BEGIN message carries the "
-            f"arm). This run's breakdown of the same op: the lease register check "
+            "arm). "
+        )
+        cpu = b.txn_cpu
+        if cpu is not None and cpu.server is not None:
+            return head + cpu_account(cpu)
+        return head + (
+            f"This run's breakdown of the same op: the lease register check "
             f"{check * us:.0f} us, {check / base * 100:.1f}% of a plain op by itself: "
             f"{WHY_CHECK}; in raw SQL a second statement in the COMMIT message costs "
             f"{second * us:.0f} us and the check's own work {body * us:.0f} us. sa-fence's "
@@ -403,6 +483,30 @@ def why_missed(
         f"{grows:.1f}% of this op)"
         + (f": {WHY_PER_ROW}" if per_row > PER_ROW_NOTICE else "")
         + ". Whatever is left over is noise: see the per-round range"
+    )
+
+
+def cpu_account(cpu: CpuAccount) -> str:
+    """The 1-row account from CPU times, which another load on the machine leaves alone."""
+    assert cpu.server is not None
+    us = 1e6
+    hooks_client = cpu.client[SKIPPED] - cpu.client["plain"]
+    hooks_server = cpu.server[SKIPPED] - cpu.server["plain"]
+    scope_client = cpu.client["fenced"] - cpu.client[SKIPPED]
+    scope_server = cpu.server["fenced"] - cpu.server[SKIPPED]
+    plain = cpu.client["plain"] + cpu.server["plain"]
+    extra = hooks_client + hooks_server + scope_client + scope_server
+    return (
+        f"CPU per transaction in this run: plain {plain * us:.0f} us (this process "
+        f"{cpu.client['plain'] * us:.0f}, its server backend {cpu.server['plain'] * us:.0f}); "
+        f"fenced +{extra * us:.0f} us ({extra / plain * 100:.1f}%). Ours, this process: "
+        f"{hooks_client * us:+.0f} us for the hooks and the row fence ({WHY_HOOKS}) and "
+        f"{scope_client * us:+.0f} us for lease scope's arm and COMMIT path. The server's: "
+        f"{scope_server * us:+.0f} us for lease scope ({WHY_CHECK}) and {hooks_server * us:+.0f}"
+        f" us for the row fence's comparison. Lease scope's server work alone is "
+        f"{scope_server / plain * 100:.1f}% of a plain transaction's CPU; the wall-clock "
+        "difference beyond the CPU is waiting (the network, the other processes). See "
+        "docs/benchmarks.md"
     )
 
 
@@ -481,13 +585,36 @@ def report_breakdown(b: Breakdown) -> None:
     print(f"flush CPU time of this process, {b.rows} changed rows, median of {n} each")
     print(f"  {'plain':<48}{fmt_time(cpu_plain):>11}")
     print(f"  {'fenced':<48}{fmt_time(cpu_fenced):>11}  {per_row * 1e6:+7.2f} us per row")
-    n = len(b.txn_cpu["plain"])
-    plain_txn = statistics.median(b.txn_cpu["plain"])
-    print(f"CPU time of this process per 1-row update + commit, median of {n} each")
-    print(f"  {'plain':<48}{fmt_time(plain_txn):>11}")
+    if b.txn_cpu is not None:
+        report_cpu(b.txn_cpu)
+
+
+def report_cpu(cpu: CpuAccount) -> None:
+    """The CPU account: what each side costs per 1-row update + commit."""
+    server = cpu.server
     print(
-        f"  {'fenced':<48}{fmt_time(plain_txn + b.ours()):>11}  "
-        f"{b.ours() * 1e6:+7.1f} us  ours (sa-fence's Python)"
+        "CPU per 1-row update + commit, this process and its server backend "
+        f"(median of {cpu.ops} each, interleaved)"
+    )
+    print(f"  {'':<48}{'client':>11}{'server':>11}")
+
+    def shown(seconds: float | None, sign: str = "") -> str:
+        return "        n/a" if seconds is None else f"{seconds * 1e6:>{sign}8.1f} us"
+
+    print(f"  {'plain':<48}{shown(cpu.client['plain'])}{shown(server and server['plain'])}")
+    notes = {SKIPPED: "sa-fence's hooks and the row fence", "fenced": "lease scope"}
+    previous = "plain"
+    for v in (SKIPPED, "fenced"):
+        client = cpu.client[v] - cpu.client[previous]
+        on_server = None if server is None else server[v] - server[previous]
+        print(f"  {'+ ' + notes[v]:<48}{shown(client, '+')}{shown(on_server, '+')}")
+        previous = v
+    client, on_server = cpu.over_plain("fenced")
+    total = cpu.client["plain"] + (server["plain"] if server else 0.0)
+    extra = client + (on_server or 0.0)
+    print(
+        f"  {'fenced over plain':<48}{shown(client, '+')}{shown(on_server, '+')}"
+        f"  {(total + extra) / total:.3f}x plain's CPU"
     )
 
 
