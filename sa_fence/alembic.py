@@ -71,19 +71,9 @@ __all__ = [
     "ReplaceFenceGuardOp",
 ]
 
-IMPORT_LINE = "import sa_fence.alembic  # noqa: F401"
-
 
 def _args(*positional: Any, **keywords: Any) -> str:
     return ", ".join([*map(repr, positional), *(f"{k}={v!r}" for k, v in keywords.items())])
-
-
-def _run(operations: Operations, operation: _FenceOp) -> None:
-    operation._run(operations)
-
-
-def _render(autogen_context: AutogenContext, op: _FenceOp) -> list[str]:
-    return op._render(autogen_context)
 
 
 #: The op classes, in definition order (their docstrings become ``help(op.<name>)``).
@@ -101,14 +91,17 @@ class _FenceOp(MigrateOperation):
     #: The ``schema=`` of the ops that take one (rendered when not None).
     schema: str | None = None
 
-    def __init_subclass__(cls) -> None:
+    def __init_subclass__(cls, opposite: type[_FenceOp] | None = None) -> None:
+        """Name and dispatch a public op class; ``opposite``: the op its reverse is."""
         super().__init_subclass__()
         if not cls.__name__.startswith("_"):
             # CreateFenceGuardOp: op.create_fence_guard, registered with that name
             cls.op_name = re.sub(r"(?<!^)([A-Z])", r"_\1", cls.__name__[:-2]).lower()
             _OP_CLASSES.append(cls)
-            Operations.implementation_for(cls)(_run)
-            renderers.dispatch_for(cls)(_render)
+            Operations.implementation_for(cls)(lambda operations, op: op._run(operations))
+            renderers.dispatch_for(cls)(lambda autogen_context, op: op._render(autogen_context))
+        if opposite is not None:
+            _OPPOSITE.update({cls: opposite, opposite: cls})
 
     def _arguments(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._fields}
@@ -140,7 +133,7 @@ class _FenceOp(MigrateOperation):
 
     def _render(self, autogen_context: AutogenContext) -> list[str]:
         """``op.<name>(<args>)`` for a revision, which then imports sa_fence.alembic."""
-        autogen_context.imports.add(IMPORT_LINE)
+        autogen_context.imports.add("import sa_fence.alembic  # noqa: F401")
         return [*self._notes(), f"op.{self.op_name}({self._render_args()})"]
 
 
@@ -208,7 +201,7 @@ _SEQUENCE_USERS_SQL = sa.text(
 
 
 @Operations.register_operation("drop_fence_sequence", "_sequence_op")
-class DropFenceSequenceOp(_SequenceOp):
+class DropFenceSequenceOp(_SequenceOp, opposite=CreateFenceSequenceOp):
     """``op.drop_fence_sequence(name="sa_fence_token_seq", *, schema=None)``.
 
     Never run this on a live database: the next sequence starts at 1 again,
@@ -286,14 +279,9 @@ class AlterFenceSequenceOp(_SequenceOp):
         return (*super().to_diff_tuple(), self.existing_cache, self.cache)
 
     def reverse(self) -> AlterFenceSequenceOp:
-        return AlterFenceSequenceOp(
-            self.name,
-            cache=self.existing_cache,
-            cycle=self.existing_cycle,
-            existing_cache=self.cache,
-            existing_cycle=self.cycle,
-            schema=self.schema,
-        )
+        was: dict[str, Any] = {"cache": self.existing_cache, "cycle": self.existing_cycle}
+        now: dict[str, Any] = {"existing_cache": self.cache, "existing_cycle": self.cycle}
+        return AlterFenceSequenceOp(self.name, schema=self.schema, **was, **now)
 
     def _cycle(self) -> str:
         return "CYCLE" if self.cycle else "NO CYCLE"
@@ -354,7 +342,7 @@ class CreateFenceRegisterOp(_RegisterOp):
 
 
 @Operations.register_operation("drop_fence_register", "_register_op")
-class DropFenceRegisterOp(_RegisterOp):
+class DropFenceRegisterOp(_RegisterOp, opposite=CreateFenceRegisterOp):
     """``op.drop_fence_register(sequence="sa_fence_token_seq")``.
 
     Drops the commit check function and the lease register.  Never on a live
@@ -426,7 +414,7 @@ class AddFenceColumnOp(_TableOp):
 
 
 @Operations.register_operation("drop_fence_column", "_column_op")
-class DropFenceColumnOp(_TableOp):
+class DropFenceColumnOp(_TableOp, opposite=AddFenceColumnOp):
     """``op.drop_fence_column(table, column="fence", *, schema=None)``.
 
     Drops the fence column from ``table``.
@@ -489,13 +477,8 @@ class _GuardOp(_TableOp):
             )
             if problem is not None:
                 raise ValueError(f"create_fence_guard: {problem}")
-        return create_guard_sql(
-            self.table_name,
-            self.column,
-            schema=self.schema,
-            on_missing_token=self.on_missing_token,
-            sequence=self.sequence,
-        )
+        arguments = self._arguments()
+        return create_guard_sql(arguments.pop("table_name"), **arguments)
 
 
 #: Above a rendered create_fence_guard(), by policy.
@@ -534,7 +517,7 @@ class CreateFenceGuardOp(_GuardOp):
 
 
 @Operations.register_operation("drop_fence_guard", "_guard_op")
-class DropFenceGuardOp(_GuardOp):
+class DropFenceGuardOp(_GuardOp, opposite=CreateFenceGuardOp):
     """``op.drop_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
     sequence="sa_fence_token_seq")``.
 
@@ -660,14 +643,6 @@ class ReplaceFenceGuardOp(_GuardOp):
         ]
 
 
-_pair: tuple[type[_FenceOp], type[_FenceOp]]
-for _pair in (
-    (CreateFenceSequenceOp, DropFenceSequenceOp),
-    (CreateFenceRegisterOp, DropFenceRegisterOp),
-    (AddFenceColumnOp, DropFenceColumnOp),
-    (CreateFenceGuardOp, DropFenceGuardOp),
-):
-    _OPPOSITE.update([_pair, _pair[::-1]])
 # help(op.create_fence_guard) & co.: ops of a kind share one entry point, so it
 # gets the op class's docstring, which spells out the call.
 for _op_class in _OP_CLASSES:
@@ -677,9 +652,9 @@ for _op_class in _OP_CLASSES:
 # ================================================================= comparator
 
 
-def _replace_if_outdated(
+def _replacement(
     conn: sa.Connection, table: sa.Table, column: str, guard: Any, sequence: str
-) -> ReplaceFenceGuardOp | None:
+) -> Iterator[ReplaceFenceGuardOp]:
     """The op that remakes ``table``'s existing guard, when it is not current."""
     reasons = outdated(
         guard.source,
@@ -691,11 +666,11 @@ def _replace_if_outdated(
         sequence=sequence,
     )
     if not reasons:
-        return None
+        return
     # remade as it was made; a guard sa-fence never made gets the lenient policy
     # (its writers are unknown) and the configured sequence
     policy, made_sequence = guard_made_with(guard.source) or ("unchanged", sequence)
-    return ReplaceFenceGuardOp(
+    yield ReplaceFenceGuardOp(
         table.name,
         column,
         schema=table.schema,
@@ -704,10 +679,6 @@ def _replace_if_outdated(
         replaced=(guard.function_sql, guard.trigger_sql),
         reasons=reasons,
     )
-
-
-_GUARD_STATE_SQL = sa.text(GUARD_STATE_SQL)
-_REGISTER_EXISTS_SQL = sa.text("SELECT to_regclass(:register) IS NOT NULL")
 
 
 def _metadatas(autogen_context: AutogenContext) -> list[sa.MetaData]:
@@ -809,13 +780,10 @@ def _table_ops(
                 _take_builtin_add_column(upgrade_ops, table, column)
                 yield AddFenceColumnOp(table.name, column, schema=table.schema)
             else:
-                guard = conn.execute(
-                    _GUARD_STATE_SQL, {"table": qualified(table.name, table.schema)}
-                ).one_or_none()
+                target = {"table": qualified(table.name, table.schema)}
+                guard = conn.execute(sa.text(GUARD_STATE_SQL), target).one_or_none()
                 if guard is not None:
-                    replace = _replace_if_outdated(conn, table, column, guard, sequence)
-                    if replace is not None:
-                        yield replace
+                    yield from _replacement(conn, table, column, guard, sequence)
                     continue
         yield CreateFenceGuardOp(
             table.name, column, schema=table.schema, on_missing_token=policy, sequence=sequence
@@ -839,7 +807,8 @@ def _head_ops(
         )
     if not included:
         return
-    if not conn.execute(_REGISTER_EXISTS_SQL, {"register": register.table_sql}).scalar_one():
+    exists = sa.text("SELECT to_regclass(:register) IS NOT NULL")
+    if not conn.execute(exists, {"register": register.table_sql}).scalar_one():
         yield CreateFenceRegisterOp(register.sequence)
     elif not conn.execute(
         CHECK_FUNCTION_SQL, {"function": register.function_sql}
