@@ -30,7 +30,7 @@ from alembic.operations import ops as alembic_ops
 from alembic.util import DispatchPriority, PriorityDispatchResult
 from sqlalchemy.schema import CreateSequence, DropSequence
 
-from ._create_guard import column_problem, shown_table
+from ._create_guard import check_column, shown_table
 from ._fitness import CHECK_FUNCTION_SQL, SEQUENCE_SQL, register_op_args
 from ._guard import (
     GUARD_STATE_SQL,
@@ -467,7 +467,7 @@ class _GuardOp(_TableOp):
         # Online, a missing table or column is refused before anything is written
         # (PL/pgSQL would accept the function and fail at the first write).
         if not operations.get_context().as_sql:
-            problem = column_problem(
+            check_column(
                 operations.get_bind(),
                 self.table_name,
                 self.column,
@@ -475,8 +475,6 @@ class _GuardOp(_TableOp):
                 "(the guard goes after op.create_table in the same revision)",
                 f"column: op.add_fence_column({_args(*self._positional())}) first",
             )
-            if problem is not None:
-                raise ValueError(f"create_fence_guard: {problem}")
         arguments = self._arguments()
         return create_guard_sql(arguments.pop("table_name"), **arguments)
 
