@@ -679,11 +679,6 @@ def _replacement(
     )
 
 
-def _metadatas(autogen_context: AutogenContext) -> list[sa.MetaData]:
-    metadata = autogen_context.metadata
-    return [metadata] if isinstance(metadata, sa.MetaData) else list(metadata or ())
-
-
 def _included(autogen_context: AutogenContext, table: sa.Table) -> bool:
     """Do ``include_name`` and ``include_object`` leave ``table`` in scope?"""
     return autogen_context.run_name_filters(
@@ -695,19 +690,16 @@ def _take_builtin_register_ops(upgrade_ops: alembic_ops.UpgradeOps, register: Re
     """Remove Alembic's own create_table / drop_table of the register and its scope
     table (with its index): create_fence_register makes them with the commit check,
     and autogenerate never drops the register (docs/migrations.md)."""
+    table_ops = alembic_ops.CreateTableOp, alembic_ops.DropTableOp
+    scope_ops = alembic_ops.ModifyTableOps, alembic_ops.DropIndexOp
     upgrade_ops.ops = [
         o
         for o in upgrade_ops.ops
         if not (
-            isinstance(o, (alembic_ops.CreateTableOp, alembic_ops.DropTableOp))
-            and o.table_name in (REGISTER_TABLE, SCOPE_TABLE)
-            and o.schema == register.schema
+            (isinstance(o, table_ops) and o.table_name in (REGISTER_TABLE, SCOPE_TABLE))
+            or (isinstance(o, scope_ops) and o.table_name == SCOPE_TABLE)
         )
-        and not (
-            isinstance(o, (alembic_ops.ModifyTableOps, alembic_ops.DropIndexOp))
-            and o.table_name == SCOPE_TABLE
-            and o.schema == register.schema
-        )
+        or o.schema != register.schema  # (read only of those four kinds of op)
     ]
 
 
@@ -716,45 +708,16 @@ def _take_builtin_add_column(
 ) -> None:
     """Remove Alembic's own add_column of the fence column: add_fence_column replaces it."""
     for modify in list(upgrade_ops.ops):
-        if not (
-            isinstance(modify, alembic_ops.ModifyTableOps)
-            and modify.table_name == table.name
-            and modify.schema == table.schema
+        if isinstance(modify, alembic_ops.ModifyTableOps) and (
+            (modify.table_name, modify.schema) == (table.name, table.schema)
         ):
-            continue
-        modify.ops = [
-            o
-            for o in modify.ops
-            if not (isinstance(o, alembic_ops.AddColumnOp) and o.column.name == column)
-        ]
-        if not modify.ops:
-            upgrade_ops.ops.remove(modify)
-
-
-def _register_scope(autogen_context: AutogenContext, register: Register) -> tuple[bool, bool]:
-    """(declared, included): does the metadata declare the register, and do the filters
-    leave it in scope?"""
-    for metadata in _metadatas(autogen_context):
-        table = metadata.tables.get(register.table_display)
-        if table is not None:
-            return True, _included(autogen_context, table)
-    return False, autogen_context.run_name_filters(
-        REGISTER_TABLE, "table", {"schema_name": register.schema}
-    )
-
-
-def _fenced_tables(
-    autogen_context: AutogenContext, schemas: Iterable[str | None]
-) -> list[tuple[sa.Table, str]]:
-    wanted = set(schemas)
-    return [
-        (table, fence.name)
-        for metadata in _metadatas(autogen_context)
-        for table in metadata.tables.values()
-        if (fence := fence_column_of(table)) is not None
-        and table.schema in wanted
-        and _included(autogen_context, table)
-    ]
+            modify.ops = [
+                o
+                for o in modify.ops
+                if not (isinstance(o, alembic_ops.AddColumnOp) and o.column.name == column)
+            ]
+            if not modify.ops:
+                upgrade_ops.ops.remove(modify)
 
 
 def _table_ops(
@@ -831,9 +794,26 @@ def _compare_fencing(
     sequence = str(autogen_context.opts.get("sa_fence_sequence", DEFAULT_SEQUENCE))
     register = Register(sequence)
     _take_builtin_register_ops(upgrade_ops, register)
-    tables = _fenced_tables(autogen_context, schemas)
-    declared, included = _register_scope(autogen_context, register)
-    if not tables and not (declared and included):
+    metadata = autogen_context.metadata
+    metadatas = [metadata] if isinstance(metadata, sa.MetaData) else list(metadata or ())
+    tables = [
+        (table, fence.name)
+        for m in metadatas
+        for table in m.tables.values()
+        if (fence := fence_column_of(table)) is not None
+        and table.schema in schemas
+        and _included(autogen_context, table)
+    ]
+    # Does the metadata declare the register, and do the filters leave it in scope?
+    key = register.table_display
+    declared = next((m.tables[key] for m in metadatas if key in m.tables), None)
+    if declared is not None:
+        included = _included(autogen_context, declared)
+    else:
+        included = autogen_context.run_name_filters(
+            REGISTER_TABLE, "table", {"schema_name": register.schema}
+        )
+    if not tables and not (declared is not None and included):
         return PriorityDispatchResult.CONTINUE
     new_ops = list(_table_ops(autogen_context, upgrade_ops, tables, sequence))
     # The sequence first, then the register whose default draws from it (so
