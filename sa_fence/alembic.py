@@ -76,6 +76,13 @@ def _args(*positional: Any, **keywords: Any) -> str:
     return ", ".join([*map(repr, positional), *(f"{k}={v!r}" for k, v in keywords.items())])
 
 
+#: A rendered op leaves an argument out at this value and writes any other one; an
+#: argument not named here is always written (``on_missing_token``: which writers the
+#: guard refuses is a decision for whoever reads the revision, not a default to overlook).
+_DEFAULTS = dict(name=DEFAULT_SEQUENCE, sequence=DEFAULT_SEQUENCE, column="fence", schema=None)
+#: The arguments a rendered op writes without their keyword.
+_POSITIONAL = ("name", "table_name", "column")
+
 #: The op classes, in definition order (their docstrings become ``help(op.<name>)``).
 _OP_CLASSES: list[type[_FenceOp]] = []
 #: Each op's reverse: the opposite op, made with the same arguments.
@@ -88,8 +95,8 @@ class _FenceOp(MigrateOperation):
     op_name: ClassVar[str] = ""
     #: The arguments the op is made with; its reverse is made with the same.
     _fields: ClassVar[tuple[str, ...]]
-    #: The ``schema=`` of the ops that take one (rendered when not None).
-    schema: str | None = None
+    #: The arguments a revision shows, in order, when not ``_fields``.
+    _shown: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, opposite: type[_FenceOp] | None = None) -> None:
         """Name and dispatch a public op class; ``opposite``: the op its reverse is."""
@@ -117,15 +124,11 @@ class _FenceOp(MigrateOperation):
         for statement in self._statements(operations):
             operations.execute(statement)
 
-    def _positional(self) -> list[Any]:
-        return []
-
-    def _keywords(self) -> dict[str, Any]:
-        return {} if self.schema is None else {"schema": self.schema}
-
     def _render_args(self) -> str:
         """The op's arguments as autogenerate writes them into a revision."""
-        return _args(*self._positional(), **self._keywords())
+        shown = {f: getattr(self, f) for f in self._shown or self._fields}
+        shown = {f: v for f, v in shown.items() if f not in _DEFAULTS or v != _DEFAULTS[f]}
+        return _args(*[shown.pop(f) for f in _POSITIONAL if f in shown], **shown)
 
     def _notes(self) -> list[str]:
         """The comment lines above the op in a revision."""
@@ -159,9 +162,6 @@ class _SequenceOp(_FenceOp):
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
         return [self._ddl(fence_sequence(None, self.name, schema=self.schema))]
-
-    def _positional(self) -> list[Any]:
-        return [] if self.name == DEFAULT_SEQUENCE else [self.name]
 
 
 @Operations.register_operation("create_fence_sequence", "_sequence_op")
@@ -244,6 +244,8 @@ class AlterFenceSequenceOp(_SequenceOp):
     CYCLE``.  ``existing_*`` record what it was, for the reverse.
     """
 
+    _shown = ("name", "existing_cache", "existing_cycle", "schema")
+
     def __init__(
         self,
         name: str = DEFAULT_SEQUENCE,
@@ -290,10 +292,6 @@ class AlterFenceSequenceOp(_SequenceOp):
         target = qualified(self.name, self.schema)
         return [f"ALTER SEQUENCE {target} AS bigint CACHE {self.cache} {self._cycle()}"]
 
-    def _keywords(self) -> dict[str, Any]:
-        existing = {"existing_cache": self.existing_cache, "existing_cycle": self.existing_cycle}
-        return {**existing, **super()._keywords()}
-
     def _render(self, autogen_context: AutogenContext) -> list[str]:
         if self.cache == 1 and not self.cycle:
             return super()._render(autogen_context)
@@ -308,6 +306,7 @@ class AlterFenceSequenceOp(_SequenceOp):
 
 class _RegisterOp(_FenceOp):
     _fields = ("sequence", "function_only")
+    _shown = ("sequence",)
 
     def __init__(self, sequence: str = DEFAULT_SEQUENCE, *, function_only: bool = False) -> None:
         self.sequence = check_name("sequence", sequence)
@@ -322,9 +321,6 @@ class _RegisterOp(_FenceOp):
     def to_diff_tuple(self) -> tuple[Any, ...]:
         tail = ("check function only",) if self.function_only else ()
         return (self.op_name, self.sequence, *tail)
-
-    def _render_args(self) -> str:
-        return register_op_args(self.sequence)
 
 
 @Operations.register_operation("create_fence_register", "_register_op")
@@ -392,9 +388,6 @@ class _TableOp(_FenceOp):
         """What ``alembic check`` reports."""
         return (self.op_name, self.schema, self.table_name, self.column)
 
-    def _positional(self) -> list[Any]:
-        return [self.table_name] + ([] if self.column == "fence" else [self.column])
-
 
 @Operations.register_operation("add_fence_column", "_column_op")
 class AddFenceColumnOp(_TableOp):
@@ -457,23 +450,18 @@ class _GuardOp(_TableOp):
         policy = {"on_missing_token": on_missing_token, "sequence": sequence}
         operations.invoke(cls(table_name, column, schema=schema, **policy))
 
-    def _keywords(self) -> dict[str, Any]:
-        # on_missing_token always written out: which writers the guard refuses
-        # is a decision for whoever reads the revision, not a default to overlook
-        kw = {**super()._keywords(), "on_missing_token": self.on_missing_token}
-        return kw if self.sequence == DEFAULT_SEQUENCE else {**kw, "sequence": self.sequence}
-
     def _statements(self, operations: Operations) -> Iterable[Any]:
         # Online, a missing table or column is refused before anything is written
         # (PL/pgSQL would accept the function and fail at the first write).
         if not operations.get_context().as_sql:
+            add_column = AddFenceColumnOp(self.table_name, self.column)
             check_column(
                 operations.get_bind(),
                 self.table_name,
                 self.column,
                 self.schema,
                 "(the guard goes after op.create_table in the same revision)",
-                f"column: op.add_fence_column({_args(*self._positional())}) first",
+                f"column: op.add_fence_column({add_column._render_args()}) first",
             )
         arguments = self._arguments()
         return create_guard_sql(arguments.pop("table_name"), **arguments)
