@@ -140,9 +140,6 @@ class _FenceOp(MigrateOperation):
         return [*self._notes(), f"op.{self.op_name}({self._render_args()})"]
 
 
-# ================================================================ the sequence
-
-
 class _SequenceOp(_FenceOp):
     _fields = ("name", "schema")
     _ddl: ClassVar[type[CreateSequence] | type[DropSequence]]
@@ -301,9 +298,6 @@ class AlterFenceSequenceOp(_SequenceOp):
         return [f"op.execute({sql!r})"]
 
 
-# ================================================================ the register
-
-
 class _RegisterOp(_FenceOp):
     _fields = ("sequence", "function_only")
     _shown = ("sequence",)
@@ -362,9 +356,6 @@ class DropFenceRegisterOp(_RegisterOp, opposite=CreateFenceRegisterOp):
         return super()._render(autogen_context)
 
 
-# ================================================================== the column
-
-
 class _TableOp(_FenceOp):
     _fields: ClassVar[tuple[str, ...]] = ("table_name", "column", "schema")
 
@@ -400,9 +391,7 @@ class AddFenceColumnOp(_TableOp):
     """
 
     def _run(self, operations: Operations) -> None:
-        column = sa.Column(
-            self.column, sa.BigInteger(), nullable=False, server_default=sa.text("0")
-        )
+        column = sa.Column(self.column, sa.BigInteger, nullable=False, server_default=sa.text("0"))
         operations.add_column(self.table_name, column, schema=self.schema)
 
 
@@ -415,9 +404,6 @@ class DropFenceColumnOp(_TableOp, opposite=AddFenceColumnOp):
 
     def _run(self, operations: Operations) -> None:
         operations.drop_column(self.table_name, self.column, schema=self.schema)
-
-
-# =================================================================== the guard
 
 
 class _GuardOp(_TableOp):
@@ -633,9 +619,6 @@ class ReplaceFenceGuardOp(_GuardOp):
 # gets the op class's docstring, which spells out the call.
 for _op_class in _OP_CLASSES:
     getattr(Operations, _op_class.op_name).__doc__ = _op_class.__doc__
-
-
-# ================================================================= comparator
 
 
 def _replacement(
