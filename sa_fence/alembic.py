@@ -601,15 +601,10 @@ class ReplaceFenceGuardOp(_GuardOp):
                 f"# sa-fence: puts back the guard of {self.table_name!r} as it was before "
                 "the upgrade"
             ]
+        wrapper = textwrap.TextWrapper(86, initial_indent="#   ", subsequent_indent="#     ")
         return [
             f"# sa-fence: the guard of {self.table_name!r} is not the one this sa-fence creates:",
-            *(
-                line
-                for reason in self.reasons
-                for line in textwrap.wrap(
-                    reason, 86, initial_indent="#   ", subsequent_indent="#     "
-                )
-            ),
+            *(line for reason in self.reasons for line in wrapper.wrap(reason)),
             "# remade as it was made (same on_missing_token and sequence); the downgrade puts the",
             "# old one back.",
         ]
