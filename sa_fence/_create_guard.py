@@ -11,8 +11,7 @@ statements run in one transaction: bad input writes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import sqlalchemy as sa
 
@@ -57,7 +56,8 @@ def _target(
     return table, column if column is not None else "fence", schema
 
 
-def _connection_of(bind: object, what: str) -> sa.Engine | sa.Connection:
+def _begin(bind: object, what: str) -> AbstractContextManager[sa.Connection]:
+    """A transaction of its own on an Engine, else the Connection's (begun if none is open)."""
     if not isinstance(bind, sa.Engine | sa.Connection):
         # An AsyncEngine or AsyncConnection proxies a sync one: told by that, not by
         # importing sqlalchemy.ext.asyncio, which fails without greenlet.
@@ -73,7 +73,7 @@ def _connection_of(bind: object, what: str) -> sa.Engine | sa.Connection:
             f"{what}: the guard is a PostgreSQL trigger, but this "
             f"{type(bind).__name__} is {bind.dialect.name}"
         )
-    return bind
+    return bind.begin() if isinstance(bind, sa.Engine) else nullcontext(bind)
 
 
 def check_column(
@@ -97,39 +97,6 @@ def check_column(
     else:
         return
     raise ValueError(f"create_fence_guard: {problem}")
-
-
-def _run(
-    bind: sa.Engine | sa.Connection,
-    statements: Iterable[str],
-    guard: tuple[str, str, str | None, str] | None = None,
-) -> None:
-    """Run ``statements`` (an Engine: in a transaction of their own), once the
-    ``guard`` (table, column, schema, sequence) about to be made is checked."""
-    with bind.begin() if isinstance(bind, sa.Engine) else nullcontext(bind) as conn:
-        if guard is not None:
-            table, column, schema, sequence = guard
-            check_column(
-                conn,
-                table,
-                column,
-                schema,
-                "(Base.metadata.create_all(engine)), then the guard",
-                f"column (ALTER TABLE {qualified(table, schema)} ADD COLUMN "
-                f"{qualified(column, None)} bigint NOT NULL DEFAULT 0, or op.add_fence_column() "
-                "in a migration)",
-            )
-            # looked up as the guard will: on the writer's search_path when unqualified
-            found = conn.execute(SEQUENCE_SQL, {"name": Register(sequence).sequence_sql})
-            if found.one_or_none() is None:
-                raise ValueError(
-                    f"create_fence_guard: the token sequence {sequence!r} does not exist (the "
-                    "guard reads it at every write that raises a fence); create it first: "
-                    "sa_fence.fence_sequence(Base.metadata) before Base.metadata.create_all("
-                    "engine), or pass sequence= the Fencer's sequence"
-                )
-        for statement in statements:
-            conn.execute(sa.text(statement))  # as op.execute() runs a string
 
 
 def create_fence_guard(
@@ -166,12 +133,32 @@ def create_fence_guard(
     Raises ``ValueError``, with nothing written, when the table, its bigint
     fence column or the sequence does not exist, or an argument is invalid.
     """
-    target = _connection_of(bind, "create_fence_guard")
+    begin = _begin(bind, "create_fence_guard")
     name, col, schema = _target(table, column, schema)
     statements = create_guard_sql(
         name, col, schema=schema, on_missing_token=on_missing_token, sequence=sequence
     )
-    _run(target, statements, (name, col, schema, sequence))
+    with begin as conn:
+        check_column(
+            conn,
+            name,
+            col,
+            schema,
+            "(Base.metadata.create_all(engine)), then the guard",
+            f"column (ALTER TABLE {qualified(name, schema)} ADD COLUMN {qualified(col, None)} "
+            "bigint NOT NULL DEFAULT 0, or op.add_fence_column() in a migration)",
+        )
+        # looked up as the guard will: on the writer's search_path when unqualified
+        found = conn.execute(SEQUENCE_SQL, {"name": Register(sequence).sequence_sql})
+        if found.one_or_none() is None:
+            raise ValueError(
+                f"create_fence_guard: the token sequence {sequence!r} does not exist (the guard "
+                "reads it at every write that raises a fence); create it first: "
+                "sa_fence.fence_sequence(Base.metadata) before Base.metadata.create_all(engine), "
+                "or pass sequence= the Fencer's sequence"
+            )
+        for statement in statements:
+            conn.execute(sa.text(statement))  # as op.execute() runs a string
 
 
 def drop_fence_guard(
@@ -181,6 +168,9 @@ def drop_fence_guard(
 
     ``bind`` as for :func:`create_fence_guard`.
     """
-    target = _connection_of(bind, "drop_fence_guard")
+    begin = _begin(bind, "drop_fence_guard")
     name, _, schema = _target(table, "fence", schema)
-    _run(target, drop_guard_sql(name, schema=schema))
+    statements = drop_guard_sql(name, schema=schema)
+    with begin as conn:
+        for statement in statements:
+            conn.execute(sa.text(statement))
