@@ -72,10 +72,6 @@ __all__ = [
 ]
 
 
-def _args(*positional: Any, **keywords: Any) -> str:
-    return ", ".join([*map(repr, positional), *(f"{k}={v!r}" for k, v in keywords.items())])
-
-
 #: A rendered op leaves an argument out at this value and writes any other one; an
 #: argument not named here is always written (``on_missing_token``: which writers the
 #: guard refuses is a decision for whoever reads the revision, not a default to overlook).
@@ -128,7 +124,8 @@ class _FenceOp(MigrateOperation):
         """The op's arguments as autogenerate writes them into a revision."""
         shown = {f: getattr(self, f) for f in self._shown or self._fields}
         shown = {f: v for f, v in shown.items() if f not in _DEFAULTS or v != _DEFAULTS[f]}
-        return _args(*[shown.pop(f) for f in _POSITIONAL if f in shown], **shown)
+        positional = [repr(shown.pop(f)) for f in _POSITIONAL if f in shown]
+        return ", ".join([*positional, *(f"{k}={v!r}" for k, v in shown.items())])
 
     def _notes(self) -> list[str]:
         """The comment lines above the op in a revision."""
@@ -501,15 +498,6 @@ class DropFenceGuardOp(_GuardOp, opposite=CreateFenceGuardOp):
         return drop_guard_sql(self.table_name, schema=self.schema)
 
 
-def _render_statements(statements: Sequence[str]) -> str:
-    """SQL statements as Python source: each one string, line by line, exactly as it was."""
-    items = []
-    for statement in statements:
-        lines = statement.splitlines(keepends=True) or [statement]
-        items.append("(\n" + "".join(f"        {line!r}\n" for line in lines) + "    )")
-    return "[\n" + "".join(f"    {item},\n" for item in items) + "]"
-
-
 @Operations.register_operation("replace_fence_guard")
 class ReplaceFenceGuardOp(_GuardOp):
     """``op.replace_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
@@ -593,7 +581,13 @@ class ReplaceFenceGuardOp(_GuardOp):
     def _render_args(self) -> str:
         if self.previous is None:
             return super()._render_args()
-        return f"{super()._render_args()}, previous={_render_statements(self.previous)}"
+        # the statements as Python source: each one string, line by line, exactly as it was
+        items = []
+        for statement in self.previous:
+            lines = statement.splitlines(keepends=True) or [statement]
+            items.append("(\n" + "".join(f"        {line!r}\n" for line in lines) + "    )")
+        previous = "[\n" + "".join(f"    {item},\n" for item in items) + "]"
+        return f"{super()._render_args()}, previous={previous}"
 
     def _notes(self) -> list[str]:
         if self.previous is not None:
