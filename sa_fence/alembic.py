@@ -720,11 +720,9 @@ def _head_ops(
     if row is None:
         yield CreateFenceSequenceOp(seq_name, schema=schema)
     elif not (row.is_cache_1 and row.is_no_cycle):  # the rules AlterFenceSequenceOp fixes
+        cache, cycle = int(row.seqcache), bool(row.seqcycle)
         yield AlterFenceSequenceOp(
-            seq_name,
-            existing_cache=int(row.seqcache),
-            existing_cycle=bool(row.seqcycle),
-            schema=schema,
+            seq_name, existing_cache=cache, existing_cycle=cycle, schema=schema
         )
     if not included:
         return
