@@ -294,10 +294,8 @@ def guard_made_with(source: str) -> tuple[MissingToken, str] | None:
     (``pg_proc.prosrc``) was made with, read from its header; None when the
     source is not one :func:`create_guard_sql` made."""
     header = _HEADER.match(source)
-    if header is None:
-        return None
-    quoted = _QUOTED.match(header.group(2))
-    if quoted is None:
+    quoted = header and _QUOTED.match(header.group(2))
+    if header is None or quoted is None:
         return None
     first, second = (part.replace('""', '"') if part else part for part in quoted.groups())
     sequence = f"{first}.{second}" if second is not None else first
@@ -371,9 +369,6 @@ def drop_guard_sql(table: str, *, schema: str | None = None) -> list[str]:
         f"DROP TRIGGER IF EXISTS {TRIGGER_NAME} ON {qualified(table, schema)}",
         f"DROP FUNCTION IF EXISTS {qualified(function_name(table), schema)}()",
     ]
-
-
-# ------------------------------------------------------ SQLSTATE -> sa-fence errors
 
 
 def _detail(diag: object) -> dict[str, Any]:
