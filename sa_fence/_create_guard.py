@@ -11,7 +11,7 @@ statements run in one transaction: bad input writes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 
 import sqlalchemy as sa
 
@@ -56,7 +56,8 @@ def _target(
     return table, column if column is not None else "fence", schema
 
 
-def _connection_of(bind: object, what: str) -> sa.Engine | sa.Connection:
+def _begin(bind: object, what: str) -> AbstractContextManager[sa.Connection]:
+    """A transaction of its own on an Engine, else the Connection's (begun if none is open)."""
     if not isinstance(bind, sa.Engine | sa.Connection):
         # An AsyncEngine or AsyncConnection proxies a sync one: told by that, not by
         # importing sqlalchemy.ext.asyncio, which fails without greenlet.
@@ -72,70 +73,30 @@ def _connection_of(bind: object, what: str) -> sa.Engine | sa.Connection:
             f"{what}: the guard is a PostgreSQL trigger, but this "
             f"{type(bind).__name__} is {bind.dialect.name}"
         )
-    return bind
+    return bind.begin() if isinstance(bind, sa.Engine) else nullcontext(bind)
 
 
-def column_problem(
+def check_column(
     conn: sa.Connection,
     table: str,
     column: str,
     schema: str | None,
     create_hint: str,
     column_hint: str,
-) -> str | None:
-    """Why ``table`` cannot take the guard (no table, no bigint ``column``), else None."""
+) -> None:
+    """Refuse a guard on a missing ``table`` or one without the bigint ``column``."""
     shown = shown_table(table, schema)
     found = conn.execute(_COLUMN_SQL, {"table": qualified(table, schema), "column": column}).one()
     if not found.present:
-        return f"table {shown!r} does not exist; create it first {create_hint}"
-    if found.data_type != "bigint":
+        problem = f"table {shown!r} does not exist; create it first {create_hint}"
+    elif found.data_type != "bigint":
         what = "has no column" if found.data_type is None else f"has a {found.data_type} column"
-        return f"table {shown!r} {what} {column!r}; the guard needs the bigint fence {column_hint}"
-    return None
-
-
-def _guard_problem(
-    conn: sa.Connection, table: str, column: str, schema: str | None, sequence: str
-) -> str | None:
-    problem = column_problem(
-        conn,
-        table,
-        column,
-        schema,
-        "(Base.metadata.create_all(engine)), then the guard",
-        f"column (ALTER TABLE {qualified(table, schema)} ADD COLUMN {qualified(column, None)} "
-        "bigint NOT NULL DEFAULT 0, or op.add_fence_column() in a migration)",
-    )
-    if problem is not None:
-        return problem
-    # looked up as the guard will: on the writer's search_path when unqualified
-    found = conn.execute(SEQUENCE_SQL, {"name": Register(sequence).sequence_sql})
-    if found.one_or_none() is None:
-        return (
-            f"the token sequence {sequence!r} does not exist (the guard reads it at every "
-            "write that raises a fence); create it first: sa_fence.fence_sequence("
-            "Base.metadata) before Base.metadata.create_all(engine), or pass sequence= "
-            "the Fencer's sequence"
+        problem = (
+            f"table {shown!r} {what} {column!r}; the guard needs the bigint fence {column_hint}"
         )
-    return None
-
-
-def _run(
-    bind: sa.Engine | sa.Connection,
-    statements: Iterable[str],
-    guard: tuple[str, str, str | None, str] | None = None,
-) -> None:
-    """Run ``statements`` (an Engine: in a transaction of their own), once the
-    ``guard`` (table, column, schema, sequence) about to be made has no problem."""
-    if isinstance(bind, sa.Engine):
-        with bind.begin() as conn:
-            _run(conn, statements, guard)
+    else:
         return
-    problem = None if guard is None else _guard_problem(bind, *guard)
-    if problem is not None:
-        raise ValueError(f"create_fence_guard: {problem}")
-    for statement in statements:
-        bind.execute(sa.text(statement))  # as op.execute() runs a string
+    raise ValueError(f"create_fence_guard: {problem}")
 
 
 def create_fence_guard(
@@ -172,12 +133,32 @@ def create_fence_guard(
     Raises ``ValueError``, with nothing written, when the table, its bigint
     fence column or the sequence does not exist, or an argument is invalid.
     """
-    target = _connection_of(bind, "create_fence_guard")
+    begin = _begin(bind, "create_fence_guard")
     name, col, schema = _target(table, column, schema)
     statements = create_guard_sql(
         name, col, schema=schema, on_missing_token=on_missing_token, sequence=sequence
     )
-    _run(target, statements, (name, col, schema, sequence))
+    with begin as conn:
+        check_column(
+            conn,
+            name,
+            col,
+            schema,
+            "(Base.metadata.create_all(engine)), then the guard",
+            f"column (ALTER TABLE {qualified(name, schema)} ADD COLUMN {qualified(col, None)} "
+            "bigint NOT NULL DEFAULT 0, or op.add_fence_column() in a migration)",
+        )
+        # looked up as the guard will: on the writer's search_path when unqualified
+        found = conn.execute(SEQUENCE_SQL, {"name": Register(sequence).sequence_sql})
+        if found.one_or_none() is None:
+            raise ValueError(
+                f"create_fence_guard: the token sequence {sequence!r} does not exist (the guard "
+                "reads it at every write that raises a fence); create it first: "
+                "sa_fence.fence_sequence(Base.metadata) before Base.metadata.create_all(engine), "
+                "or pass sequence= the Fencer's sequence"
+            )
+        for statement in statements:
+            conn.execute(sa.text(statement))  # as op.execute() runs a string
 
 
 def drop_fence_guard(
@@ -187,6 +168,9 @@ def drop_fence_guard(
 
     ``bind`` as for :func:`create_fence_guard`.
     """
-    target = _connection_of(bind, "drop_fence_guard")
+    begin = _begin(bind, "drop_fence_guard")
     name, _, schema = _target(table, "fence", schema)
-    _run(target, drop_guard_sql(name, schema=schema))
+    statements = drop_guard_sql(name, schema=schema)
+    with begin as conn:
+        for statement in statements:
+            conn.execute(sa.text(statement))

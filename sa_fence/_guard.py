@@ -47,8 +47,6 @@ EVENTS = "INSERT OR UPDATE OR DELETE"
 #: ``pg_trigger.tgtype`` bits of a complete guard: ROW, BEFORE, INSERT, DELETE, UPDATE.
 TGTYPE_COMPLETE = 1 | 2 | 4 | 8 | 16
 
-_IDENT_MAX = 63
-
 
 def quote_ident(name: str) -> str:
     """PostgreSQL identifier quoting (always quoted, so any name is safe)."""
@@ -62,7 +60,7 @@ def qualified(name: str, schema: str | None) -> str:
 def function_name(table: str) -> str:
     """The guard function's name for ``table`` (a short hash when the name is too long)."""
     name = f"sa_fence_guard_{table}"
-    if len(name.encode()) <= _IDENT_MAX:
+    if len(name.encode()) <= 63:  # PostgreSQL's longest identifier, in bytes
         return name
     digest = hashlib.sha1(table.encode()).hexdigest()[:10]
     return f"sa_fence_guard_{table.encode()[:30].decode(errors='ignore')}_{digest}"
@@ -296,10 +294,8 @@ def guard_made_with(source: str) -> tuple[MissingToken, str] | None:
     (``pg_proc.prosrc``) was made with, read from its header; None when the
     source is not one :func:`create_guard_sql` made."""
     header = _HEADER.match(source)
-    if header is None:
-        return None
-    quoted = _QUOTED.match(header.group(2))
-    if quoted is None:
+    quoted = header and _QUOTED.match(header.group(2))
+    if header is None or quoted is None:
         return None
     first, second = (part.replace('""', '"') if part else part for part in quoted.groups())
     sequence = f"{first}.{second}" if second is not None else first
@@ -375,9 +371,6 @@ def drop_guard_sql(table: str, *, schema: str | None = None) -> list[str]:
     ]
 
 
-# ------------------------------------------------------ SQLSTATE -> sa-fence errors
-
-
 def _detail(diag: object) -> dict[str, Any]:
     """A refusal's JSON ``DETAIL`` ({} when there is none)."""
     try:
@@ -421,16 +414,12 @@ def error_from_guard(
             "written.",
             cause=orig,
         )
-    schema = detail.get("schema")
-    table = str(detail.get("table", "?"))
-    if schema and schema != "public":
-        table = f"{schema}.{table}"
-    token = detail.get("token")
+    schema, table = detail.get("schema"), str(detail.get("table", "?"))
+    token, fence = detail.get("token"), detail.get("fence")
     if token is None:
         token = lease_token
-    fence = detail.get("fence")
     return StaleTokenError(
-        table=table,
+        table=f"{schema}.{table}" if schema and schema != "public" else table,
         statement=str(detail.get("op", "UPDATE")),
         token=int(token) if token is not None else -1,
         primary_keys=[tuple(detail.get("key") or [])],
@@ -444,8 +433,7 @@ def lease_error_from_check(orig: BaseException, scope: Any) -> StaleTokenError |
     if getattr(orig, "sqlstate", None) != LEASE_STALE_SQLSTATE:
         return None
     detail = _detail(getattr(orig, "diag", None))
-    name = detail.get("name")
-    token = detail.get("token")
+    name, token = detail.get("name"), detail.get("token")
     if name is None or token is None:  # cannot happen with our function; stay specific anyway
         name, token = next(iter(scope))
     newest = detail.get("newest")

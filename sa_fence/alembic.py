@@ -30,7 +30,7 @@ from alembic.operations import ops as alembic_ops
 from alembic.util import DispatchPriority, PriorityDispatchResult
 from sqlalchemy.schema import CreateSequence, DropSequence
 
-from ._create_guard import column_problem, shown_table
+from ._create_guard import check_column, shown_table
 from ._fitness import CHECK_FUNCTION_SQL, SEQUENCE_SQL, register_op_args
 from ._guard import (
     GUARD_STATE_SQL,
@@ -71,20 +71,13 @@ __all__ = [
     "ReplaceFenceGuardOp",
 ]
 
-IMPORT_LINE = "import sa_fence.alembic  # noqa: F401"
 
-
-def _args(*positional: Any, **keywords: Any) -> str:
-    return ", ".join([*map(repr, positional), *(f"{k}={v!r}" for k, v in keywords.items())])
-
-
-def _run(operations: Operations, operation: _FenceOp) -> None:
-    operation._run(operations)
-
-
-def _render(autogen_context: AutogenContext, op: _FenceOp) -> list[str]:
-    return op._render(autogen_context)
-
+#: A rendered op leaves an argument out at this value and writes any other one; an
+#: argument not named here is always written (``on_missing_token``: which writers the
+#: guard refuses is a decision for whoever reads the revision, not a default to overlook).
+_DEFAULTS = dict(name=DEFAULT_SEQUENCE, sequence=DEFAULT_SEQUENCE, column="fence", schema=None)
+#: The arguments a rendered op writes without their keyword.
+_POSITIONAL = ("name", "table_name", "column")
 
 #: The op classes, in definition order (their docstrings become ``help(op.<name>)``).
 _OP_CLASSES: list[type[_FenceOp]] = []
@@ -98,17 +91,20 @@ class _FenceOp(MigrateOperation):
     op_name: ClassVar[str] = ""
     #: The arguments the op is made with; its reverse is made with the same.
     _fields: ClassVar[tuple[str, ...]]
-    #: The ``schema=`` of the ops that take one (rendered when not None).
-    schema: str | None = None
+    #: The arguments a revision shows, in order, when not ``_fields``.
+    _shown: ClassVar[tuple[str, ...]] = ()
 
-    def __init_subclass__(cls) -> None:
+    def __init_subclass__(cls, opposite: type[_FenceOp] | None = None) -> None:
+        """Name and dispatch a public op class; ``opposite``: the op its reverse is."""
         super().__init_subclass__()
         if not cls.__name__.startswith("_"):
             # CreateFenceGuardOp: op.create_fence_guard, registered with that name
             cls.op_name = re.sub(r"(?<!^)([A-Z])", r"_\1", cls.__name__[:-2]).lower()
             _OP_CLASSES.append(cls)
-            Operations.implementation_for(cls)(_run)
-            renderers.dispatch_for(cls)(_render)
+            Operations.implementation_for(cls)(lambda operations, op: op._run(operations))
+            renderers.dispatch_for(cls)(lambda autogen_context, op: op._render(autogen_context))
+        if opposite is not None:
+            _OPPOSITE.update({cls: opposite, opposite: cls})
 
     def _arguments(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._fields}
@@ -124,15 +120,12 @@ class _FenceOp(MigrateOperation):
         for statement in self._statements(operations):
             operations.execute(statement)
 
-    def _positional(self) -> list[Any]:
-        return []
-
-    def _keywords(self) -> dict[str, Any]:
-        return {} if self.schema is None else {"schema": self.schema}
-
     def _render_args(self) -> str:
         """The op's arguments as autogenerate writes them into a revision."""
-        return _args(*self._positional(), **self._keywords())
+        shown = {f: getattr(self, f) for f in self._shown or self._fields}
+        shown = {f: v for f, v in shown.items() if f not in _DEFAULTS or v != _DEFAULTS[f]}
+        positional = [repr(shown.pop(f)) for f in _POSITIONAL if f in shown]
+        return ", ".join([*positional, *(f"{k}={v!r}" for k, v in shown.items())])
 
     def _notes(self) -> list[str]:
         """The comment lines above the op in a revision."""
@@ -140,11 +133,8 @@ class _FenceOp(MigrateOperation):
 
     def _render(self, autogen_context: AutogenContext) -> list[str]:
         """``op.<name>(<args>)`` for a revision, which then imports sa_fence.alembic."""
-        autogen_context.imports.add(IMPORT_LINE)
+        autogen_context.imports.add("import sa_fence.alembic  # noqa: F401")
         return [*self._notes(), f"op.{self.op_name}({self._render_args()})"]
-
-
-# ================================================================ the sequence
 
 
 class _SequenceOp(_FenceOp):
@@ -166,9 +156,6 @@ class _SequenceOp(_FenceOp):
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
         return [self._ddl(fence_sequence(None, self.name, schema=self.schema))]
-
-    def _positional(self) -> list[Any]:
-        return [] if self.name == DEFAULT_SEQUENCE else [self.name]
 
 
 @Operations.register_operation("create_fence_sequence", "_sequence_op")
@@ -208,7 +195,7 @@ _SEQUENCE_USERS_SQL = sa.text(
 
 
 @Operations.register_operation("drop_fence_sequence", "_sequence_op")
-class DropFenceSequenceOp(_SequenceOp):
+class DropFenceSequenceOp(_SequenceOp, opposite=CreateFenceSequenceOp):
     """``op.drop_fence_sequence(name="sa_fence_token_seq", *, schema=None)``.
 
     Never run this on a live database: the next sequence starts at 1 again,
@@ -251,6 +238,8 @@ class AlterFenceSequenceOp(_SequenceOp):
     CYCLE``.  ``existing_*`` record what it was, for the reverse.
     """
 
+    _shown = ("name", "existing_cache", "existing_cycle", "schema")
+
     def __init__(
         self,
         name: str = DEFAULT_SEQUENCE,
@@ -286,14 +275,9 @@ class AlterFenceSequenceOp(_SequenceOp):
         return (*super().to_diff_tuple(), self.existing_cache, self.cache)
 
     def reverse(self) -> AlterFenceSequenceOp:
-        return AlterFenceSequenceOp(
-            self.name,
-            cache=self.existing_cache,
-            cycle=self.existing_cycle,
-            existing_cache=self.cache,
-            existing_cycle=self.cycle,
-            schema=self.schema,
-        )
+        was: dict[str, Any] = {"cache": self.existing_cache, "cycle": self.existing_cycle}
+        now: dict[str, Any] = {"existing_cache": self.cache, "existing_cycle": self.cycle}
+        return AlterFenceSequenceOp(self.name, schema=self.schema, **was, **now)
 
     def _cycle(self) -> str:
         return "CYCLE" if self.cycle else "NO CYCLE"
@@ -301,10 +285,6 @@ class AlterFenceSequenceOp(_SequenceOp):
     def _statements(self, operations: Operations) -> Iterable[Any]:
         target = qualified(self.name, self.schema)
         return [f"ALTER SEQUENCE {target} AS bigint CACHE {self.cache} {self._cycle()}"]
-
-    def _keywords(self) -> dict[str, Any]:
-        existing = {"existing_cache": self.existing_cache, "existing_cycle": self.existing_cycle}
-        return {**existing, **super()._keywords()}
 
     def _render(self, autogen_context: AutogenContext) -> list[str]:
         if self.cache == 1 and not self.cycle:
@@ -315,11 +295,9 @@ class AlterFenceSequenceOp(_SequenceOp):
         return [f"op.execute({sql!r})"]
 
 
-# ================================================================ the register
-
-
 class _RegisterOp(_FenceOp):
     _fields = ("sequence", "function_only")
+    _shown = ("sequence",)
 
     def __init__(self, sequence: str = DEFAULT_SEQUENCE, *, function_only: bool = False) -> None:
         self.sequence = check_name("sequence", sequence)
@@ -334,9 +312,6 @@ class _RegisterOp(_FenceOp):
     def to_diff_tuple(self) -> tuple[Any, ...]:
         tail = ("check function only",) if self.function_only else ()
         return (self.op_name, self.sequence, *tail)
-
-    def _render_args(self) -> str:
-        return register_op_args(self.sequence)
 
 
 @Operations.register_operation("create_fence_register", "_register_op")
@@ -354,7 +329,7 @@ class CreateFenceRegisterOp(_RegisterOp):
 
 
 @Operations.register_operation("drop_fence_register", "_register_op")
-class DropFenceRegisterOp(_RegisterOp):
+class DropFenceRegisterOp(_RegisterOp, opposite=CreateFenceRegisterOp):
     """``op.drop_fence_register(sequence="sa_fence_token_seq")``.
 
     Drops the commit check function and the lease register.  Never on a live
@@ -376,9 +351,6 @@ class DropFenceRegisterOp(_RegisterOp):
             # the reverse of a repair: the register stays, only the function goes
             return [f"op.execute({self._function_sql()!r})"]
         return super()._render(autogen_context)
-
-
-# ================================================================== the column
 
 
 class _TableOp(_FenceOp):
@@ -404,9 +376,6 @@ class _TableOp(_FenceOp):
         """What ``alembic check`` reports."""
         return (self.op_name, self.schema, self.table_name, self.column)
 
-    def _positional(self) -> list[Any]:
-        return [self.table_name] + ([] if self.column == "fence" else [self.column])
-
 
 @Operations.register_operation("add_fence_column", "_column_op")
 class AddFenceColumnOp(_TableOp):
@@ -419,14 +388,12 @@ class AddFenceColumnOp(_TableOp):
     """
 
     def _run(self, operations: Operations) -> None:
-        column = sa.Column(
-            self.column, sa.BigInteger(), nullable=False, server_default=sa.text("0")
-        )
+        column = sa.Column(self.column, sa.BigInteger, nullable=False, server_default=sa.text("0"))
         operations.add_column(self.table_name, column, schema=self.schema)
 
 
 @Operations.register_operation("drop_fence_column", "_column_op")
-class DropFenceColumnOp(_TableOp):
+class DropFenceColumnOp(_TableOp, opposite=AddFenceColumnOp):
     """``op.drop_fence_column(table, column="fence", *, schema=None)``.
 
     Drops the fence column from ``table``.
@@ -434,9 +401,6 @@ class DropFenceColumnOp(_TableOp):
 
     def _run(self, operations: Operations) -> None:
         operations.drop_column(self.table_name, self.column, schema=self.schema)
-
-
-# =================================================================== the guard
 
 
 class _GuardOp(_TableOp):
@@ -469,33 +433,21 @@ class _GuardOp(_TableOp):
         policy = {"on_missing_token": on_missing_token, "sequence": sequence}
         operations.invoke(cls(table_name, column, schema=schema, **policy))
 
-    def _keywords(self) -> dict[str, Any]:
-        # on_missing_token always written out: which writers the guard refuses
-        # is a decision for whoever reads the revision, not a default to overlook
-        kw = {**super()._keywords(), "on_missing_token": self.on_missing_token}
-        return kw if self.sequence == DEFAULT_SEQUENCE else {**kw, "sequence": self.sequence}
-
     def _statements(self, operations: Operations) -> Iterable[Any]:
         # Online, a missing table or column is refused before anything is written
         # (PL/pgSQL would accept the function and fail at the first write).
         if not operations.get_context().as_sql:
-            problem = column_problem(
+            add_column = AddFenceColumnOp(self.table_name, self.column)
+            check_column(
                 operations.get_bind(),
                 self.table_name,
                 self.column,
                 self.schema,
                 "(the guard goes after op.create_table in the same revision)",
-                f"column: op.add_fence_column({_args(*self._positional())}) first",
+                f"column: op.add_fence_column({add_column._render_args()}) first",
             )
-            if problem is not None:
-                raise ValueError(f"create_fence_guard: {problem}")
-        return create_guard_sql(
-            self.table_name,
-            self.column,
-            schema=self.schema,
-            on_missing_token=self.on_missing_token,
-            sequence=self.sequence,
-        )
+        arguments = self._arguments()
+        return create_guard_sql(arguments.pop("table_name"), **arguments)
 
 
 #: Above a rendered create_fence_guard(), by policy.
@@ -534,7 +486,7 @@ class CreateFenceGuardOp(_GuardOp):
 
 
 @Operations.register_operation("drop_fence_guard", "_guard_op")
-class DropFenceGuardOp(_GuardOp):
+class DropFenceGuardOp(_GuardOp, opposite=CreateFenceGuardOp):
     """``op.drop_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
     sequence="sa_fence_token_seq")``.
 
@@ -544,15 +496,6 @@ class DropFenceGuardOp(_GuardOp):
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
         return drop_guard_sql(self.table_name, schema=self.schema)
-
-
-def _render_statements(statements: Sequence[str]) -> str:
-    """SQL statements as Python source: each one string, line by line, exactly as it was."""
-    items = []
-    for statement in statements:
-        lines = statement.splitlines(keepends=True) or [statement]
-        items.append("(\n" + "".join(f"        {line!r}\n" for line in lines) + "    )")
-    return "[\n" + "".join(f"    {item},\n" for item in items) + "]"
 
 
 @Operations.register_operation("replace_fence_guard")
@@ -638,7 +581,13 @@ class ReplaceFenceGuardOp(_GuardOp):
     def _render_args(self) -> str:
         if self.previous is None:
             return super()._render_args()
-        return f"{super()._render_args()}, previous={_render_statements(self.previous)}"
+        # the statements as Python source: each one string, line by line, exactly as it was
+        items = []
+        for statement in self.previous:
+            lines = statement.splitlines(keepends=True) or [statement]
+            items.append("(\n" + "".join(f"        {line!r}\n" for line in lines) + "    )")
+        previous = "[\n" + "".join(f"    {item},\n" for item in items) + "]"
+        return f"{super()._render_args()}, previous={previous}"
 
     def _notes(self) -> list[str]:
         if self.previous is not None:
@@ -646,40 +595,24 @@ class ReplaceFenceGuardOp(_GuardOp):
                 f"# sa-fence: puts back the guard of {self.table_name!r} as it was before "
                 "the upgrade"
             ]
+        wrapper = textwrap.TextWrapper(86, initial_indent="#   ", subsequent_indent="#     ")
         return [
             f"# sa-fence: the guard of {self.table_name!r} is not the one this sa-fence creates:",
-            *(
-                line
-                for reason in self.reasons
-                for line in textwrap.wrap(
-                    reason, 86, initial_indent="#   ", subsequent_indent="#     "
-                )
-            ),
+            *(line for reason in self.reasons for line in wrapper.wrap(reason)),
             "# remade as it was made (same on_missing_token and sequence); the downgrade puts the",
             "# old one back.",
         ]
 
 
-_pair: tuple[type[_FenceOp], type[_FenceOp]]
-for _pair in (
-    (CreateFenceSequenceOp, DropFenceSequenceOp),
-    (CreateFenceRegisterOp, DropFenceRegisterOp),
-    (AddFenceColumnOp, DropFenceColumnOp),
-    (CreateFenceGuardOp, DropFenceGuardOp),
-):
-    _OPPOSITE.update([_pair, _pair[::-1]])
 # help(op.create_fence_guard) & co.: ops of a kind share one entry point, so it
 # gets the op class's docstring, which spells out the call.
 for _op_class in _OP_CLASSES:
     getattr(Operations, _op_class.op_name).__doc__ = _op_class.__doc__
 
 
-# ================================================================= comparator
-
-
-def _replace_if_outdated(
+def _replacement(
     conn: sa.Connection, table: sa.Table, column: str, guard: Any, sequence: str
-) -> ReplaceFenceGuardOp | None:
+) -> Iterator[ReplaceFenceGuardOp]:
     """The op that remakes ``table``'s existing guard, when it is not current."""
     reasons = outdated(
         guard.source,
@@ -691,11 +624,11 @@ def _replace_if_outdated(
         sequence=sequence,
     )
     if not reasons:
-        return None
+        return
     # remade as it was made; a guard sa-fence never made gets the lenient policy
     # (its writers are unknown) and the configured sequence
     policy, made_sequence = guard_made_with(guard.source) or ("unchanged", sequence)
-    return ReplaceFenceGuardOp(
+    yield ReplaceFenceGuardOp(
         table.name,
         column,
         schema=table.schema,
@@ -704,15 +637,6 @@ def _replace_if_outdated(
         replaced=(guard.function_sql, guard.trigger_sql),
         reasons=reasons,
     )
-
-
-_GUARD_STATE_SQL = sa.text(GUARD_STATE_SQL)
-_REGISTER_EXISTS_SQL = sa.text("SELECT to_regclass(:register) IS NOT NULL")
-
-
-def _metadatas(autogen_context: AutogenContext) -> list[sa.MetaData]:
-    metadata = autogen_context.metadata
-    return [metadata] if isinstance(metadata, sa.MetaData) else list(metadata or ())
 
 
 def _included(autogen_context: AutogenContext, table: sa.Table) -> bool:
@@ -726,19 +650,16 @@ def _take_builtin_register_ops(upgrade_ops: alembic_ops.UpgradeOps, register: Re
     """Remove Alembic's own create_table / drop_table of the register and its scope
     table (with its index): create_fence_register makes them with the commit check,
     and autogenerate never drops the register (docs/migrations.md)."""
+    table_ops = alembic_ops.CreateTableOp, alembic_ops.DropTableOp
+    scope_ops = alembic_ops.ModifyTableOps, alembic_ops.DropIndexOp
     upgrade_ops.ops = [
         o
         for o in upgrade_ops.ops
         if not (
-            isinstance(o, (alembic_ops.CreateTableOp, alembic_ops.DropTableOp))
-            and o.table_name in (REGISTER_TABLE, SCOPE_TABLE)
-            and o.schema == register.schema
+            (isinstance(o, table_ops) and o.table_name in (REGISTER_TABLE, SCOPE_TABLE))
+            or (isinstance(o, scope_ops) and o.table_name == SCOPE_TABLE)
         )
-        and not (
-            isinstance(o, (alembic_ops.ModifyTableOps, alembic_ops.DropIndexOp))
-            and o.table_name == SCOPE_TABLE
-            and o.schema == register.schema
-        )
+        or o.schema != register.schema  # (read only of those four kinds of op)
     ]
 
 
@@ -747,45 +668,16 @@ def _take_builtin_add_column(
 ) -> None:
     """Remove Alembic's own add_column of the fence column: add_fence_column replaces it."""
     for modify in list(upgrade_ops.ops):
-        if not (
-            isinstance(modify, alembic_ops.ModifyTableOps)
-            and modify.table_name == table.name
-            and modify.schema == table.schema
+        if isinstance(modify, alembic_ops.ModifyTableOps) and (
+            (modify.table_name, modify.schema) == (table.name, table.schema)
         ):
-            continue
-        modify.ops = [
-            o
-            for o in modify.ops
-            if not (isinstance(o, alembic_ops.AddColumnOp) and o.column.name == column)
-        ]
-        if not modify.ops:
-            upgrade_ops.ops.remove(modify)
-
-
-def _register_scope(autogen_context: AutogenContext, register: Register) -> tuple[bool, bool]:
-    """(declared, included): does the metadata declare the register, and do the filters
-    leave it in scope?"""
-    for metadata in _metadatas(autogen_context):
-        table = metadata.tables.get(register.table_display)
-        if table is not None:
-            return True, _included(autogen_context, table)
-    return False, autogen_context.run_name_filters(
-        REGISTER_TABLE, "table", {"schema_name": register.schema}
-    )
-
-
-def _fenced_tables(
-    autogen_context: AutogenContext, schemas: Iterable[str | None]
-) -> list[tuple[sa.Table, str]]:
-    wanted = set(schemas)
-    return [
-        (table, fence.name)
-        for metadata in _metadatas(autogen_context)
-        for table in metadata.tables.values()
-        if (fence := fence_column_of(table)) is not None
-        and table.schema in wanted
-        and _included(autogen_context, table)
-    ]
+            modify.ops = [
+                o
+                for o in modify.ops
+                if not (isinstance(o, alembic_ops.AddColumnOp) and o.column.name == column)
+            ]
+            if not modify.ops:
+                upgrade_ops.ops.remove(modify)
 
 
 def _table_ops(
@@ -809,13 +701,10 @@ def _table_ops(
                 _take_builtin_add_column(upgrade_ops, table, column)
                 yield AddFenceColumnOp(table.name, column, schema=table.schema)
             else:
-                guard = conn.execute(
-                    _GUARD_STATE_SQL, {"table": qualified(table.name, table.schema)}
-                ).one_or_none()
+                target = {"table": qualified(table.name, table.schema)}
+                guard = conn.execute(sa.text(GUARD_STATE_SQL), target).one_or_none()
                 if guard is not None:
-                    replace = _replace_if_outdated(conn, table, column, guard, sequence)
-                    if replace is not None:
-                        yield replace
+                    yield from _replacement(conn, table, column, guard, sequence)
                     continue
         yield CreateFenceGuardOp(
             table.name, column, schema=table.schema, on_missing_token=policy, sequence=sequence
@@ -831,15 +720,14 @@ def _head_ops(
     if row is None:
         yield CreateFenceSequenceOp(seq_name, schema=schema)
     elif not (row.is_cache_1 and row.is_no_cycle):  # the rules AlterFenceSequenceOp fixes
+        cache, cycle = int(row.seqcache), bool(row.seqcycle)
         yield AlterFenceSequenceOp(
-            seq_name,
-            existing_cache=int(row.seqcache),
-            existing_cycle=bool(row.seqcycle),
-            schema=schema,
+            seq_name, existing_cache=cache, existing_cycle=cycle, schema=schema
         )
     if not included:
         return
-    if not conn.execute(_REGISTER_EXISTS_SQL, {"register": register.table_sql}).scalar_one():
+    exists = sa.text("SELECT to_regclass(:register) IS NOT NULL")
+    if not conn.execute(exists, {"register": register.table_sql}).scalar_one():
         yield CreateFenceRegisterOp(register.sequence)
     elif not conn.execute(
         CHECK_FUNCTION_SQL, {"function": register.function_sql}
@@ -864,9 +752,26 @@ def _compare_fencing(
     sequence = str(autogen_context.opts.get("sa_fence_sequence", DEFAULT_SEQUENCE))
     register = Register(sequence)
     _take_builtin_register_ops(upgrade_ops, register)
-    tables = _fenced_tables(autogen_context, schemas)
-    declared, included = _register_scope(autogen_context, register)
-    if not tables and not (declared and included):
+    metadata = autogen_context.metadata
+    metadatas = [metadata] if isinstance(metadata, sa.MetaData) else list(metadata or ())
+    tables = [
+        (table, fence.name)
+        for m in metadatas
+        for table in m.tables.values()
+        if (fence := fence_column_of(table)) is not None
+        and table.schema in schemas
+        and _included(autogen_context, table)
+    ]
+    # Does the metadata declare the register, and do the filters leave it in scope?
+    key = register.table_display
+    declared = next((m.tables[key] for m in metadatas if key in m.tables), None)
+    if declared is not None:
+        included = _included(autogen_context, declared)
+    else:
+        included = autogen_context.run_name_filters(
+            REGISTER_TABLE, "table", {"schema_name": register.schema}
+        )
+    if not tables and not (declared is not None and included):
         return PriorityDispatchResult.CONTINUE
     new_ops = list(_table_ops(autogen_context, upgrade_ops, tables, sequence))
     # The sequence first, then the register whose default draws from it (so
