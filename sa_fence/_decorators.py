@@ -167,16 +167,14 @@ def _template_fields(template: object) -> list[str]:
 def _families() -> list[tuple[type, type, type, type]]:
     """(fencer, session, sessionmaker, scoped_session) of a def, then of an async def once
     sa_fence._async is loaded (until then none of the asyncio kinds can exist)."""
-    families: list[tuple[type, type, type, type]] = [
-        (Fencer, Session, sessionmaker, scoped_session)
-    ]
-    if "sa_fence._async" in sys.modules:
-        from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
+    sync = (Fencer, Session, sessionmaker, scoped_session)
+    if "sa_fence._async" not in sys.modules:
+        return [sync]
+    from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
 
-        from ._async import AsyncFencer
+    from ._async import AsyncFencer
 
-        families.append((AsyncFencer, AsyncSession, async_sessionmaker, async_scoped_session))
-    return families
+    return [sync, (AsyncFencer, AsyncSession, async_sessionmaker, async_scoped_session)]
 
 
 # How a session= value is used at each call.
@@ -291,36 +289,6 @@ def _first_or_parameter(what: str, locator: str, bound: inspect.BoundArguments) 
     return getattr(first, locator)
 
 
-def _locate_fencer(locator: object, kind: type, bound: inspect.BoundArguments) -> Any:
-    if not isinstance(locator, str):
-        return locator
-    found = _first_or_parameter("fencer", locator, bound)
-    if not isinstance(found, kind):
-        raise TypeError(
-            f"@fenced found fencer {locator!r} but it is a {type(found).__name__}, "
-            f"not a {kind.__name__}"
-        )
-    return found
-
-
-def _locate_session(
-    options: _Options, bound: inspect.BoundArguments, is_async: bool
-) -> tuple[str, Any]:
-    """(how to use it, the source): no I/O, so it fails before anything is written."""
-    if options.how is not None:
-        return options.how, options.session
-    locator = str(options.session)
-    source = _first_or_parameter("session", locator, bound)
-    found = _session_kind(source, any_callable=False)
-    if found is None or found[1] != is_async:
-        want = "an AsyncSession" if is_async else "a Session"
-        raise TypeError(
-            f"@fenced found session {locator!r} but it is a {type(source).__name__}, "
-            f"not {want} (or its scoped_session or sessionmaker)"
-        )
-    return found[0], source
-
-
 def _open(how: str, source: Any, is_async: bool) -> Any:
     """The session to run on: the session itself, a scoped session's current one, or a new one."""
     if how == _SESSION:
@@ -343,37 +311,6 @@ def _session_state(session: Any) -> SessionState:
 
 
 _hold_limits = Deadlines("sa-fence-max-hold")  # (reset in a forked child, as every one is)
-
-
-@dataclass(frozen=True, slots=True)
-class _Kind:
-    """What differs between a fenced def and a fenced async def."""
-
-    fencer_type: type
-    is_async: bool
-    cancel_on_lost: bool = False
-
-    def hold_limit(self, lease: BaseLease[Any], max_hold: float) -> Callable[[], object]:
-        """Mark ``lease`` lost once it reaches ``max_hold``; returns what cancels that."""
-        at = lease.acquired_at + max_hold
-        message = (
-            f"lease {lease.name!r} (token {lease.token}) reached its max_hold of {max_hold:g} s, "
-            "the cap on its renewal: it is no longer renewed and counts as lost. Stop the "
-            "work; its writes will be refused."
-        )
-        if self.is_async:  # the event loop's timer: no thread
-            delay = max(0.0, at - time.monotonic())
-            return asyncio.get_running_loop().call_later(delay, lose, lease, message).cancel
-        entry = _hold_limits.add(at, lose, lease, message)  # (a failure is logged there)
-        return functools.partial(_hold_limits.cancel, entry)
-
-    def unit_of_work(self, lease: Any, steps: _Steps[Any]) -> Any:
-        """Run ``steps`` now (a def), or return an awaitable running them (an async def),
-        which the lease's loss cancels with ``cancel_on_lost``."""
-        if not self.is_async:
-            return _run_sync(steps)
-        work = _run_async(steps)
-        return _cancelled_on_loss(lease, work) if self.cancel_on_lost else work
 
 
 def _run_sync(steps: _Steps[R]) -> R:
@@ -402,82 +339,129 @@ async def _run_async(steps: _Steps[Any]) -> Any:
             value, error = None, exc
 
 
-def _fenced_call(
-    options: _Options,
-    fn: Callable[..., Any],
-    sig: inspect.Signature,
-    kind: _Kind,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> _Steps[Any]:
-    """One call of a fenced function: acquire, open, run bound, close, release."""
-    bound = sig.bind(*args, **kwargs)
-    bound.apply_defaults()
-    try:
-        lease_name = options.name.format_map(bound.arguments)
-    except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
-        raise ValueError(
-            f"could not fill lease name template {options.name!r} from the arguments of "
-            f"{fn.__qualname__}(): {type(exc).__name__}: {exc}"
-        ) from None
-    lease_name = proto.check_name(lease_name)
-    fencer = _locate_fencer(options.fencer, kind.fencer_type, bound)
-    how, source = _locate_session(options, bound, kind.is_async)
-    body = functools.partial(fn, *args, **kwargs)
-    held = _held(fencer, lease_name)
-    if held is not None:  # this call stack holds the name: reuse the lease, never wait for it
-        held.lease.check(for_write=True)  # lost: stop here
-        return (yield from _in_session(body, held, how, source, kind))
-    try:
-        with _telemetry.naming(options.name):  # metrics name the template, not the name
-            lease = yield fencer.acquire(
-                lease_name,
-                options.ttl,
-                on_lost=options.on_lost,
-                blocking=options.on_busy == "wait",
-                timeout=options.timeout,
-                renew=options.renew,
-                fail_fast=options.fail_fast,
-            )
-    except LeaseNotAcquiredError:
-        if options.on_busy != "skip":
-            raise
-        log.info("lease %r is busy; skipped %s()", lease_name, fn.__qualname__)
-        return SKIPPED
-    stop_limit = None if options.max_hold is None else kind.hold_limit(lease, options.max_hold)
-    try:
-        return (yield from _in_session(body, _Frame(fencer, lease_name, lease), how, source, kind))
-    finally:
-        if stop_limit is not None:
-            stop_limit()
-        yield (lease.__aexit__ if kind.is_async else lease.__exit__)(None, None, None)
+@dataclass(frozen=True, slots=True)
+class _Fenced:
+    """One fenced function, def or async def: its calls, as steps (see the module doc)."""
 
+    options: _Options
+    fn: Callable[..., Any]
+    sig: inspect.Signature
+    is_async: bool
 
-def _in_session(
-    body: Callable[[], Any], holder: _Frame, how: str, source: Any, kind: _Kind
-) -> _Steps[Any]:
-    """Open the session, bind ``holder.lease`` to it, run the unit of work, restore the
-    session's previous binding and close what was opened."""
-    session = _open(how, source, kind.is_async)
-    try:
-        frame = _Frame(holder.fencer, holder.name, holder.lease, session)
-        state = _session_state(session)
-        previous = state.lease
-        # a nested call on the session its outer call bound: the outer call commits it
-        joined = how != _FACTORY and previous is frame.lease
-        reset = _frames.set((*_frames.get(), frame))
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Steps[Any]:
+        """One call: acquire, open, run bound, close, release."""
+        options = self.options
+        bound = self.sig.bind(*args, **kwargs)
+        bound.apply_defaults()
         try:
-            if joined:
-                return (yield body())
-            frame.lease.bind(session)
-            return (yield kind.unit_of_work(frame.lease, _unit_of_work(body, frame)))
+            lease_name = options.name.format_map(bound.arguments)
+        except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"could not fill lease name template {options.name!r} from the arguments of "
+                f"{self.fn.__qualname__}(): {type(exc).__name__}: {exc}"
+            ) from None
+        lease_name = proto.check_name(lease_name)
+        fencer, how, source = self.locate(bound)
+        body = functools.partial(self.fn, *args, **kwargs)
+        held = _held(fencer, lease_name)
+        if held is not None:  # this call stack holds the name: reuse the lease, never wait for it
+            held.lease.check(for_write=True)  # lost: stop here
+            return (yield from self.in_session(body, held, how, source))
+        try:
+            with _telemetry.naming(options.name):  # metrics name the template, not the name
+                lease = yield fencer.acquire(
+                    lease_name,
+                    options.ttl,
+                    on_lost=options.on_lost,
+                    blocking=options.on_busy == "wait",
+                    timeout=options.timeout,
+                    renew=options.renew,
+                    fail_fast=options.fail_fast,
+                )
+        except LeaseNotAcquiredError:
+            if options.on_busy != "skip":
+                raise
+            log.info("lease %r is busy; skipped %s()", lease_name, self.fn.__qualname__)
+            return SKIPPED
+        stop_limit = None if options.max_hold is None else self.hold_limit(lease, options.max_hold)
+        try:
+            return (
+                yield from self.in_session(body, _Frame(fencer, lease_name, lease), how, source)
+            )
         finally:
-            if not joined:
-                state.lease = previous
-            _frames.reset(reset)
-    finally:
-        if how == _FACTORY:
-            yield session.close()
+            if stop_limit is not None:
+                stop_limit()
+            yield (lease.__aexit__ if self.is_async else lease.__exit__)(None, None, None)
+
+    def locate(self, bound: inspect.BoundArguments) -> tuple[Any, str, Any]:
+        """The fencer, how to use the session, and its source: found without I/O, so a
+        failure comes before anything is written."""
+        fencer, how, source = self.options.fencer, self.options.how, self.options.session
+        if isinstance(fencer, str):
+            fencer = _first_or_parameter("fencer", fencer, bound)
+            kind = _families()[self.is_async][0]
+            if not isinstance(fencer, kind):
+                raise TypeError(
+                    f"@fenced found fencer {self.options.fencer!r} but it is a "
+                    f"{type(fencer).__name__}, not a {kind.__name__}"
+                )
+        if how is None:
+            source = _first_or_parameter("session", str(source), bound)
+            found = _session_kind(source, any_callable=False)
+            if found is None or found[1] != self.is_async:
+                want = "an AsyncSession" if self.is_async else "a Session"
+                raise TypeError(
+                    f"@fenced found session {self.options.session!r} but it is a "
+                    f"{type(source).__name__}, not {want} (or its scoped_session or sessionmaker)"
+                )
+            how = found[0]
+        return fencer, how, source
+
+    def hold_limit(self, lease: BaseLease[Any], max_hold: float) -> Callable[[], object]:
+        """Mark ``lease`` lost once it reaches ``max_hold``; returns what cancels that."""
+        at = lease.acquired_at + max_hold
+        message = (
+            f"lease {lease.name!r} (token {lease.token}) reached its max_hold of {max_hold:g} s, "
+            "the cap on its renewal: it is no longer renewed and counts as lost. Stop the "
+            "work; its writes will be refused."
+        )
+        if self.is_async:  # the event loop's timer: no thread
+            delay = max(0.0, at - time.monotonic())
+            return asyncio.get_running_loop().call_later(delay, lose, lease, message).cancel
+        entry = _hold_limits.add(at, lose, lease, message)  # (a failure is logged there)
+        return functools.partial(_hold_limits.cancel, entry)
+
+    def in_session(
+        self, body: Callable[[], Any], holder: _Frame, how: str, source: Any
+    ) -> _Steps[Any]:
+        """Open the session, bind ``holder.lease`` to it, run the unit of work (which the
+        lease's loss cancels in an async def, with ``cancel_on_lost``), restore the
+        session's previous binding and close what was opened."""
+        session = _open(how, source, self.is_async)
+        try:
+            frame = _Frame(holder.fencer, holder.name, holder.lease, session)
+            state = _session_state(session)
+            previous = state.lease
+            # a nested call on the session its outer call bound: the outer call commits it
+            joined = how != _FACTORY and previous is frame.lease
+            reset = _frames.set((*_frames.get(), frame))
+            try:
+                if joined:
+                    return (yield body())
+                frame.lease.bind(session)
+                if not self.is_async:
+                    return (yield _run_sync(_unit_of_work(body, frame)))
+                work = _run_async(_unit_of_work(body, frame))
+                if self.options.cancel_on_lost is not False:
+                    work = _cancelled_on_loss(frame.lease, work)
+                return (yield work)
+            finally:
+                if not joined:
+                    state.lease = previous
+                _frames.reset(reset)
+        finally:
+            if how == _FACTORY:
+                yield session.close()
 
 
 def _unit_of_work(body: Callable[[], Any], frame: _Frame) -> _Steps[Any]:
@@ -592,12 +576,7 @@ def fenced(
     Bad arguments raise ``TypeError``/``ValueError`` at decoration time.  The
     wrapper keeps the function's signature.  docs/decorators.md has the details.
     """
-    options = _Options(**locals())  # every parameter of fenced(), by name
-
-    def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
-        return _decorate(options, fn)
-
-    return decorate
+    return functools.partial(_decorate, _Options(**locals()))  # every parameter, by name
 
 
 def _decorate(options: _Options, fn: Callable[P, R]) -> Callable[P, Any]:
@@ -628,22 +607,20 @@ def _decorate(options: _Options, fn: Callable[P, R]) -> Callable[P, Any]:
             f"{fn.__qualname__}() has no parameter for (parameters: "
             f"{', '.join(params) or 'none'}); name one of its parameters"
         )
+    fenced = _Fenced(options, fn, sig, is_async)
     wrapper: Callable[P, Any]
     if is_async:
-        from ._async import AsyncFencer
-
-        kind = _Kind(AsyncFencer, True, options.cancel_on_lost is not False)
+        from . import _async  # noqa: F401  # loads the asyncio kinds (see _families)
 
         @functools.wraps(fn)
         async def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-            return await _run_async(_fenced_call(options, fn, sig, kind, args, kwargs))
+            return await _run_async(fenced.call(args, kwargs))
 
     else:
-        kind = _Kind(Fencer, False)
 
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-            return _run_sync(_fenced_call(options, fn, sig, kind, args, kwargs))
+            return _run_sync(fenced.call(args, kwargs))
 
     setattr(wrapper, _MARK, True)
     setattr(wrapper, "__signature__", sig)  # noqa: B010  # getfullargspec reads it
