@@ -7,8 +7,8 @@
         sa_fence.current_session().get(Job, job_id).result = result   # committed on return
 
 docs/decorators.md tells the whole story.  The algorithm is written once, as generators
-that ``yield`` every value an ``async def`` would ``await``: :func:`_run_sync` sends plain
-values straight back, :func:`_run_async` awaits each one first.
+that ``yield`` every value an ``async def`` would ``await``: :func:`run_steps` sends plain
+values straight back, :func:`await_steps` awaits each one first.
 """
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ def _session_state(session: Any) -> SessionState:
 _hold_limits = Deadlines("sa-fence-max-hold")  # (reset in a forked child, as every one is)
 
 
-def _run_sync(steps: _Steps[R]) -> R:
+def run_steps(steps: _Steps[R]) -> R:
     """Drive ``steps`` in a plain def: each value it yields is already the result."""
     value: Any = None
     try:
@@ -323,7 +323,7 @@ def _run_sync(steps: _Steps[R]) -> R:
         return stop.value  # type: ignore[no-any-return]
 
 
-async def _run_async(steps: _Steps[Any]) -> Any:
+async def await_steps(steps: _Steps[R]) -> R:
     """Drive ``steps`` in an async def: await each awaitable it yields, then send back
     its result or throw in its exception."""
     value: Any = None
@@ -332,7 +332,7 @@ async def _run_async(steps: _Steps[Any]) -> Any:
         try:
             awaitable = steps.send(value) if error is None else steps.throw(error)
         except StopIteration as stop:
-            return stop.value
+            return stop.value  # type: ignore[no-any-return]
         try:
             value, error = await awaitable, None
         except BaseException as exc:  # thrown into the generator above
@@ -450,8 +450,8 @@ class _Fenced:
                     return (yield body())
                 frame.lease.bind(session)
                 if not self.is_async:
-                    return (yield _run_sync(_unit_of_work(body, frame)))
-                work = _run_async(_unit_of_work(body, frame))
+                    return (yield run_steps(_unit_of_work(body, frame)))
+                work = await_steps(_unit_of_work(body, frame))
                 if self.options.cancel_on_lost is not False:
                     work = _cancelled_on_loss(frame.lease, work)
                 return (yield work)
@@ -614,13 +614,13 @@ def _decorate(options: _Options, fn: Callable[P, R]) -> Callable[P, Any]:
 
         @functools.wraps(fn)
         async def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-            return await _run_async(fenced.call(args, kwargs))
+            return await await_steps(fenced.call(args, kwargs))
 
     else:
 
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-            return _run_sync(fenced.call(args, kwargs))
+            return run_steps(fenced.call(args, kwargs))
 
     setattr(wrapper, _MARK, True)
     setattr(wrapper, "__signature__", sig)  # noqa: B010  # getfullargspec reads it
