@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from . import _protocol as proto
 from . import _telemetry
-from ._flush import SessionState, state_for
+from ._flush import state_for
 from ._lease import Deadlines, Fencer, OnLost
 from ._lifecycle import BaseLease, lose
 from .errors import LeaseLostError, LeaseNotAcquiredError
@@ -306,10 +306,6 @@ def _open(how: str, source: Any, is_async: bool) -> Any:
     return session
 
 
-def _session_state(session: Any) -> SessionState:
-    return state_for(getattr(session, "sync_session", session))  # an AsyncSession's own
-
-
 _hold_limits = Deadlines("sa-fence-max-hold")  # (reset in a forked child, as every one is)
 
 
@@ -434,13 +430,12 @@ class _Fenced:
     def in_session(
         self, body: Callable[[], Any], holder: _Frame, how: str, source: Any
     ) -> _Steps[Any]:
-        """Open the session, bind ``holder.lease`` to it, run the unit of work (which the
-        lease's loss cancels in an async def, with ``cancel_on_lost``), restore the
-        session's previous binding and close what was opened."""
+        """Open the session, run the unit of work bound to ``holder.lease`` (cancelled by its
+        loss with ``cancel_on_lost``), restore the previous binding, close what it opened."""
         session = _open(how, source, self.is_async)
         try:
             frame = _Frame(holder.fencer, holder.name, holder.lease, session)
-            state = _session_state(session)
+            state = state_for(getattr(session, "sync_session", session))  # an AsyncSession's own
             previous = state.lease
             # a nested call on the session its outer call bound: the outer call commits it
             joined = how != _FACTORY and previous is frame.lease
@@ -477,12 +472,9 @@ def _unit_of_work(body: Callable[[], Any], frame: _Frame) -> _Steps[Any]:
 
 
 async def _cancelled_on_loss(lease: AsyncLease, work: Any) -> Any:
-    """Run ``work`` in a child task that the lease's loss cancels (LeaseLostError then).
-
-    A child task, so the loss cancels the body only, while a cancellation of the caller
-    still reaches it and is re-raised as such; the task runs in a copy of this context,
-    so ``current_lease()`` works in the body.
-    """
+    """Run ``work`` in a child task that the lease's loss cancels (LeaseLostError then): the
+    loss cancels the body only, a cancellation of the caller still reaches it and is re-raised
+    as such, and ``current_lease()`` works in it (a copy of this context)."""
     from ._async import add_loss_hook, remove_loss_hook
 
     child = asyncio.ensure_future(work)

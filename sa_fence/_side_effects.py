@@ -63,15 +63,6 @@ class SideEffect:
     idempotency_key: str
 
 
-@dataclass(slots=True)
-class _Sequence:
-    """The side effects numbered so far in one transaction."""
-
-    transaction: object
-    xid: str
-    count: int = 0
-
-
 def _check_task(task: object, kwargs: dict[str, Any]) -> None:
     try:
         from procrastinate.tasks import Task
@@ -136,17 +127,18 @@ def _enqueue(
     raw = (yield conn.get_raw_connection()) if is_async else conn.connection
     driver: Any = raw.driver_connection
     transaction = sync.get_transaction()
-    seq = sync.info.get(_INFO_KEY)  # the transaction's id is read once, by its first effect
-    if not isinstance(seq, _Sequence) or seq.transaction is not transaction:
+    # (the transaction, its id, the effects numbered so far): the id is read by the first effect
+    numbered, xid, count = sync.info.get(_INFO_KEY, (None, "", 0))
+    if numbered is not transaction:
         cursor = driver.cursor()
         try:
             yield cursor.execute(_XID_SQL)
-            xid = str((yield cursor.fetchone())[0])
+            xid, count = str((yield cursor.fetchone())[0]), 0
         finally:
             yield cursor.close()
-        seq = sync.info[_INFO_KEY] = _Sequence(transaction, xid)
-    seq.count += 1
-    key = f"{quote(lease.name, safe=_SAFE)}:{lease.token}:{seq.xid}:{seq.count}"
+    count += 1
+    sync.info[_INFO_KEY] = (transaction, xid, count)
+    key = f"{quote(lease.name, safe=_SAFE)}:{lease.token}:{xid}:{count}"
     try:
         deferrer = task.configure(connection=driver)
         defer = deferrer.defer_async if is_async else deferrer.defer
