@@ -6,12 +6,9 @@
     def finish_job(job_id: int, result: str) -> None:
         sa_fence.current_session().get(Job, job_id).result = result   # committed on return
 
-Each call fills the lease name from its arguments, acquires the lease, binds
-it to the session, runs the body, commits or rolls back, and releases the
-lease; docs/decorators.md tells the whole story.  The algorithm is written
-once, as generators (:func:`_fenced_call`) that ``yield`` every value an
-``async def`` would ``await``: :func:`_run_sync` sends plain values straight
-back, :func:`_run_async` awaits each one first.
+docs/decorators.md tells the whole story.  The algorithm is written once, as generators
+that ``yield`` every value an ``async def`` would ``await``: :func:`run_steps` sends plain
+values straight back, :func:`await_steps` awaits each one first.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from . import _protocol as proto
 from . import _telemetry
-from ._flush import SessionState, state_for
+from ._flush import state_for
 from ._lease import Deadlines, Fencer, OnLost
 from ._lifecycle import BaseLease, lose
 from .errors import LeaseLostError, LeaseNotAcquiredError
@@ -97,7 +94,7 @@ class _Frame:
     fencer: object
     name: str
     lease: Any  # a Lease, or an AsyncLease in an async def
-    session: Any  # the Session or AsyncSession the call runs on
+    session: Any = None  # the Session or AsyncSession the call runs on
 
 
 #: The fenced calls running in this thread or asyncio task, outermost first.
@@ -167,30 +164,17 @@ def _template_fields(template: object) -> list[str]:
     return roots
 
 
-def _check_fields(template: str, fields: list[str], fn: Callable[..., Any]) -> inspect.Signature:
-    sig = inspect.signature(fn)
-    params = sig.parameters
-    has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    unknown = [f for f in fields if f not in params and not has_var_kw]
-    if unknown:
-        raise ValueError(
-            f"lease name template {template!r} uses {', '.join(map(repr, unknown))}, which "
-            f"{fn.__qualname__}() has no parameter for (parameters: "
-            f"{', '.join(params) or 'none'}); name one of its parameters"
-        )
-    return sig
-
-
-def _async_kinds() -> tuple[type, type, type, type] | None:
-    """(AsyncFencer, AsyncSession, async_sessionmaker, async_scoped_session), or None
-    while sa_fence._async is not loaded (then none of them can exist yet)."""
+def _families() -> list[tuple[type, type, type, type]]:
+    """(fencer, session, sessionmaker, scoped_session) of a def, then of an async def once
+    sa_fence._async is loaded (until then none of the asyncio kinds can exist)."""
+    sync = (Fencer, Session, sessionmaker, scoped_session)
     if "sa_fence._async" not in sys.modules:
-        return None
+        return [sync]
     from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
 
     from ._async import AsyncFencer
 
-    return AsyncFencer, AsyncSession, async_sessionmaker, async_scoped_session
+    return [sync, (AsyncFencer, AsyncSession, async_sessionmaker, async_scoped_session)]
 
 
 # How a session= value is used at each call.
@@ -201,45 +185,14 @@ _FACTORY = "factory"  # a session factory: a new session per call, closed after 
 
 def _session_kind(value: object, *, any_callable: bool) -> tuple[str, bool | None] | None:
     """(how it is used, is it asyncio's: True/False, None when unknown) or None."""
-    families: list[tuple[bool, type, type, type]] = [(False, Session, sessionmaker, scoped_session)]
-    kinds = _async_kinds()
-    if kinds is not None:
-        families.append((True, *kinds[1:]))
-    for is_async, session, maker, scoped in families:
+    for is_async, (_, session, maker, scoped) in enumerate(_families()):
         if isinstance(value, session):
-            return _SESSION, is_async
+            return _SESSION, bool(is_async)
         if isinstance(value, scoped):
-            return _SCOPED, is_async
+            return _SCOPED, bool(is_async)
         if isinstance(value, maker) or (isinstance(value, type) and issubclass(value, session)):
-            return _FACTORY, is_async
-    if any_callable and callable(value):
-        return _FACTORY, None
-    return None
-
-
-def _sides(fencer: object, session: object) -> tuple[bool | None, bool | None]:
-    """Are the fencer and the session asyncio's (None: a name, or any callable)?"""
-    kinds = _async_kinds()
-    if isinstance(fencer, str) and fencer.isidentifier():
-        fencer_side = None
-    elif isinstance(fencer, Fencer) or (kinds is not None and isinstance(fencer, kinds[0])):
-        fencer_side = not isinstance(fencer, Fencer)
-    else:
-        raise TypeError(
-            "fencer must be a Fencer or the name of a parameter / attribute of the first "
-            f"argument holding one (AsyncFencer for an async def), got {fencer!r}"
-        )
-    if isinstance(session, str) and session.isidentifier():
-        return fencer_side, None
-    found = _session_kind(session, any_callable=True)
-    if found is None:
-        raise TypeError(
-            "session must be a Session, a scoped_session, a session factory (a sessionmaker, "
-            "or any callable returning a Session; a session is opened and closed per call), "
-            "or the name of a parameter / attribute of the first argument holding one "
-            f"(their asyncio kinds for an async def), got {session!r}"
-        )
-    return fencer_side, found[1]
+            return _FACTORY, bool(is_async)
+    return (_FACTORY, None) if any_callable and callable(value) else None
 
 
 _WANTED = {  # what an async def / a plain def needs, by argument
@@ -267,7 +220,9 @@ class _Options:
     session: object
     cancel_on_lost: bool | None
     fields: list[str] = field(init=False)
-    sides: tuple[bool | None, bool | None] = field(init=False)  # see _sides()
+    #: Are the fencer and the session asyncio's (None: a name, or any callable)?
+    sides: tuple[bool | None, bool | None] = field(init=False)
+    how: str | None = field(init=False)  # how session= is used, unless it is a name
 
     def __post_init__(self) -> None:
         self.fields = _template_fields(self.name)
@@ -283,38 +238,41 @@ class _Options:
         if not isinstance(self.renew, bool):
             raise TypeError(f"renew must be True or False, got {self.renew!r}")
         if self.max_hold is not None:
-            self._check_max_hold(self.max_hold)
+            proto.ttl_to_ms(self.max_hold, "max_hold")
+            if not self.renew:
+                raise ValueError(
+                    f"max_hold={self.max_hold!r} caps renewal, so it needs renew=True (without "
+                    "renewal the lease ends after its ttl anyway)"
+                )
+            if self.max_hold < self.ttl:
+                raise ValueError(
+                    f"max_hold={self.max_hold!r} is shorter than ttl={self.ttl!r}: the lease "
+                    "would count as lost before it was ever renewed; use a shorter ttl or a "
+                    "longer max_hold"
+                )
         if self.on_lost is not None and not callable(self.on_lost):
             raise TypeError(f"on_lost must be a callable taking the lease, got {self.on_lost!r}")
         for flag, value in (("fail_fast", self.fail_fast), ("cancel_on_lost", self.cancel_on_lost)):
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{flag} must be True, False or None, got {value!r}")
-        self.sides = _sides(self.fencer, self.session)
-
-    def _check_max_hold(self, max_hold: float) -> None:
-        proto.ttl_to_ms(max_hold, "max_hold")
-        if not self.renew:
-            raise ValueError(
-                f"max_hold={max_hold!r} caps renewal, so it needs renew=True (without "
-                "renewal the lease ends after its ttl anyway)"
+        sides = [i for i, family in enumerate(_families()) if isinstance(self.fencer, family[0])]
+        if not sides and not (isinstance(self.fencer, str) and self.fencer.isidentifier()):
+            raise TypeError(
+                "fencer must be a Fencer or the name of a parameter / attribute of the first "
+                f"argument holding one (AsyncFencer for an async def), got {self.fencer!r}"
             )
-        if max_hold < self.ttl:
-            raise ValueError(
-                f"max_hold={max_hold!r} is shorter than ttl={self.ttl!r}: the lease would "
-                "count as lost before it was ever renewed; use a shorter ttl or a longer max_hold"
+        if isinstance(self.session, str) and self.session.isidentifier():
+            self.how, session_side = None, None
+        elif (found := _session_kind(self.session, any_callable=True)) is None:
+            raise TypeError(
+                "session must be a Session, a scoped_session, a session factory (a sessionmaker, "
+                "or any callable returning a Session; a session is opened and closed per call), "
+                "or the name of a parameter / attribute of the first argument holding one "
+                f"(their asyncio kinds for an async def), got {self.session!r}"
             )
-
-    def acquire(self, fencer: Any, lease_name: str) -> Any:
-        """``fencer.acquire(...)`` for this call: a Lease, or an awaitable of an AsyncLease."""
-        return fencer.acquire(
-            lease_name,
-            self.ttl,
-            on_lost=self.on_lost,
-            blocking=self.on_busy == "wait",
-            timeout=self.timeout,
-            renew=self.renew,
-            fail_fast=self.fail_fast,
-        )
+        else:
+            self.how, session_side = found
+        self.sides = (bool(sides[0]) if sides else None), session_side
 
 
 def _first_or_parameter(what: str, locator: str, bound: inspect.BoundArguments) -> Any:
@@ -331,45 +289,12 @@ def _first_or_parameter(what: str, locator: str, bound: inspect.BoundArguments) 
     return getattr(first, locator)
 
 
-def _locate_fencer(locator: object, kind: type, bound: inspect.BoundArguments) -> Any:
-    if not isinstance(locator, str):
-        return locator
-    found = _first_or_parameter("fencer", locator, bound)
-    if not isinstance(found, kind):
-        raise TypeError(
-            f"@fenced found fencer {locator!r} but it is a {type(found).__name__}, "
-            f"not a {kind.__name__}"
-        )
-    return found
-
-
-def _locate_session(
-    locator: object, bound: inspect.BoundArguments, is_async: bool
-) -> tuple[str, Any]:
-    """(how to use it, the source): no I/O, so it fails before anything is written."""
-    if isinstance(locator, str):
-        source = _first_or_parameter("session", locator, bound)
-        found = _session_kind(source, any_callable=False)
-        if found is None or found[1] != is_async:
-            want = "an AsyncSession" if is_async else "a Session"
-            raise TypeError(
-                f"@fenced found session {locator!r} but it is a {type(source).__name__}, "
-                f"not {want} (or its scoped_session or sessionmaker)"
-            )
-        return found[0], source
-    found = _session_kind(locator, any_callable=True)
-    assert found is not None  # checked at decoration
-    return found[0], locator
-
-
 def _open(how: str, source: Any, is_async: bool) -> Any:
     """The session to run on: the session itself, a scoped session's current one, or a new one."""
     if how == _SESSION:
         return source
     session = source()
-    kinds = _async_kinds()
-    want = (kinds[1] if kinds is not None else None) if is_async else Session
-    if want is None or not isinstance(session, want):
+    if not isinstance(session, _families()[is_async][1]):
         close = getattr(session, "close", None)
         if how == _FACTORY and callable(close) and not inspect.iscoroutinefunction(close):
             close()
@@ -381,20 +306,112 @@ def _open(how: str, source: Any, is_async: bool) -> Any:
     return session
 
 
-def _session_state(session: Any) -> SessionState:
-    return state_for(getattr(session, "sync_session", session))  # an AsyncSession's own
-
-
 _hold_limits = Deadlines("sa-fence-max-hold")  # (reset in a forked child, as every one is)
 
 
-@dataclass(frozen=True, slots=True)
-class _Kind:
-    """What differs between a fenced def and a fenced async def."""
+def run_steps(steps: _Steps[R]) -> R:
+    """Drive ``steps`` in a plain def: each value it yields is already the result."""
+    value: Any = None
+    try:
+        while True:
+            value = steps.send(value)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
 
-    fencer_type: type
+
+async def await_steps(steps: _Steps[R]) -> R:
+    """Drive ``steps`` in an async def: await each awaitable it yields, then send back
+    its result or throw in its exception."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            awaitable = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        try:
+            value, error = await awaitable, None
+        except BaseException as exc:  # thrown into the generator above
+            value, error = None, exc
+
+
+@dataclass(frozen=True, slots=True)
+class _Fenced:
+    """One fenced function, def or async def: its calls, as steps (see the module doc)."""
+
+    options: _Options
+    fn: Callable[..., Any]
+    sig: inspect.Signature
     is_async: bool
-    cancel_on_lost: bool = False
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Steps[Any]:
+        """One call: acquire, open, run bound, close, release."""
+        options = self.options
+        bound = self.sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        try:
+            lease_name = options.name.format_map(bound.arguments)
+        except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"could not fill lease name template {options.name!r} from the arguments of "
+                f"{self.fn.__qualname__}(): {type(exc).__name__}: {exc}"
+            ) from None
+        lease_name = proto.check_name(lease_name)
+        fencer, how, source = self.locate(bound)
+        body = functools.partial(self.fn, *args, **kwargs)
+        held = _held(fencer, lease_name)
+        if held is not None:  # this call stack holds the name: reuse the lease, never wait for it
+            held.lease.check(for_write=True)  # lost: stop here
+            return (yield from self.in_session(body, held, how, source))
+        try:
+            with _telemetry.naming(options.name):  # metrics name the template, not the name
+                lease = yield fencer.acquire(
+                    lease_name,
+                    options.ttl,
+                    on_lost=options.on_lost,
+                    blocking=options.on_busy == "wait",
+                    timeout=options.timeout,
+                    renew=options.renew,
+                    fail_fast=options.fail_fast,
+                )
+        except LeaseNotAcquiredError:
+            if options.on_busy != "skip":
+                raise
+            log.info("lease %r is busy; skipped %s()", lease_name, self.fn.__qualname__)
+            return SKIPPED
+        stop_limit = None if options.max_hold is None else self.hold_limit(lease, options.max_hold)
+        try:
+            return (
+                yield from self.in_session(body, _Frame(fencer, lease_name, lease), how, source)
+            )
+        finally:
+            if stop_limit is not None:
+                stop_limit()
+            yield (lease.__aexit__ if self.is_async else lease.__exit__)(None, None, None)
+
+    def locate(self, bound: inspect.BoundArguments) -> tuple[Any, str, Any]:
+        """The fencer, how to use the session, and its source: found without I/O, so a
+        failure comes before anything is written."""
+        fencer, how, source = self.options.fencer, self.options.how, self.options.session
+        if isinstance(fencer, str):
+            fencer = _first_or_parameter("fencer", fencer, bound)
+            kind = _families()[self.is_async][0]
+            if not isinstance(fencer, kind):
+                raise TypeError(
+                    f"@fenced found fencer {self.options.fencer!r} but it is a "
+                    f"{type(fencer).__name__}, not a {kind.__name__}"
+                )
+        if how is None:
+            source = _first_or_parameter("session", str(source), bound)
+            found = _session_kind(source, any_callable=False)
+            if found is None or found[1] != self.is_async:
+                want = "an AsyncSession" if self.is_async else "a Session"
+                raise TypeError(
+                    f"@fenced found session {self.options.session!r} but it is a "
+                    f"{type(source).__name__}, not {want} (or its scoped_session or sessionmaker)"
+                )
+            how = found[0]
+        return fencer, how, source
 
     def hold_limit(self, lease: BaseLease[Any], max_hold: float) -> Callable[[], object]:
         """Mark ``lease`` lost once it reaches ``max_hold``; returns what cancels that."""
@@ -410,102 +427,36 @@ class _Kind:
         entry = _hold_limits.add(at, lose, lease, message)  # (a failure is logged there)
         return functools.partial(_hold_limits.cancel, entry)
 
-    def unit_of_work(self, lease: Any, steps: _Steps[Any]) -> Any:
-        """Run ``steps`` now (a def), or return an awaitable running them (an async
-        def), which the lease's loss cancels with ``cancel_on_lost``."""
-        if not self.is_async:
-            return _run_sync(steps)
-        work = _run_async(steps)
-        return _cancelled_on_loss(lease, work) if self.cancel_on_lost else work
-
-
-def _run_sync(steps: _Steps[R]) -> R:
-    """Drive ``steps`` in a plain def: each value it yields is already the result."""
-    value: Any = None
-    try:
-        while True:
-            value = steps.send(value)
-    except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]
-
-
-async def _run_async(steps: _Steps[Any]) -> Any:
-    """Drive ``steps`` in an async def: await each awaitable it yields, then send back
-    its result or throw in its exception."""
-    value: Any = None
-    error: BaseException | None = None
-    while True:
+    def in_session(
+        self, body: Callable[[], Any], holder: _Frame, how: str, source: Any
+    ) -> _Steps[Any]:
+        """Open the session, run the unit of work bound to ``holder.lease`` (cancelled by its
+        loss with ``cancel_on_lost``), restore the previous binding, close what it opened."""
+        session = _open(how, source, self.is_async)
         try:
-            awaitable = steps.send(value) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            return stop.value
-        try:
-            value, error = await awaitable, None
-        except BaseException as exc:  # thrown into the generator above
-            value, error = None, exc
-
-
-def _fenced_call(
-    options: _Options,
-    fn: Callable[..., Any],
-    sig: inspect.Signature,
-    kind: _Kind,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> _Steps[Any]:
-    """One call of a fenced function: acquire, open, run bound, close, release."""
-    bound = sig.bind(*args, **kwargs)
-    bound.apply_defaults()
-    try:
-        lease_name = options.name.format_map(bound.arguments)
-    except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
-        raise ValueError(
-            f"could not fill lease name template {options.name!r} from the arguments of "
-            f"{fn.__qualname__}(): {type(exc).__name__}: {exc}"
-        ) from None
-    lease_name = proto.check_name(lease_name)
-    fencer = _locate_fencer(options.fencer, kind.fencer_type, bound)
-    how, source = _locate_session(options.session, bound, kind.is_async)
-    body = functools.partial(fn, *args, **kwargs)
-    held = _held(fencer, lease_name)
-    if held is not None:
-        return (yield from _nested(body, held, how, source, kind))
-    try:
-        with _telemetry.naming(options.name):  # metrics name the template, not the name
-            lease = yield options.acquire(fencer, lease_name)
-    except LeaseNotAcquiredError:
-        if options.on_busy != "skip":
-            raise
-        log.info("lease %r is busy; skipped %s()", lease_name, fn.__qualname__)
-        return SKIPPED
-    stop_limit = None if options.max_hold is None else kind.hold_limit(lease, options.max_hold)
-    try:
-        session = _open(how, source, kind.is_async)
-        try:
-            frame = _Frame(fencer, lease_name, lease, session)
-            return (yield from _bound_call(body, frame, kind))
+            frame = _Frame(holder.fencer, holder.name, holder.lease, session)
+            state = state_for(getattr(session, "sync_session", session))  # an AsyncSession's own
+            previous = state.lease
+            # a nested call on the session its outer call bound: the outer call commits it
+            joined = how != _FACTORY and previous is frame.lease
+            reset = _frames.set((*_frames.get(), frame))
+            try:
+                if joined:
+                    return (yield body())
+                frame.lease.bind(session)
+                if not self.is_async:
+                    return (yield run_steps(_unit_of_work(body, frame)))
+                work = await_steps(_unit_of_work(body, frame))
+                if self.options.cancel_on_lost is not False:
+                    work = _cancelled_on_loss(frame.lease, work)
+                return (yield work)
+            finally:
+                if not joined:
+                    state.lease = previous
+                _frames.reset(reset)
         finally:
             if how == _FACTORY:
                 yield session.close()
-    finally:
-        if stop_limit is not None:
-            stop_limit()
-        yield (
-            lease.__aexit__(None, None, None) if kind.is_async else lease.__exit__(None, None, None)
-        )
-
-
-def _bound_call(body: Callable[[], Any], frame: _Frame, kind: _Kind) -> _Steps[Any]:
-    """Bind, run the unit of work, restore the session's previous binding."""
-    state = _session_state(frame.session)
-    previous = state.lease
-    reset = _frames.set((*_frames.get(), frame))
-    try:
-        frame.lease.bind(frame.session)
-        return (yield kind.unit_of_work(frame.lease, _unit_of_work(body, frame)))
-    finally:
-        state.lease = previous
-        _frames.reset(reset)
 
 
 def _unit_of_work(body: Callable[[], Any], frame: _Frame) -> _Steps[Any]:
@@ -520,34 +471,10 @@ def _unit_of_work(body: Callable[[], Any], frame: _Frame) -> _Steps[Any]:
     return result
 
 
-def _nested(
-    body: Callable[[], Any], held: _Frame, how: str, source: Any, kind: _Kind
-) -> _Steps[Any]:
-    """A call on a name this call stack already holds: reuse the lease, never wait for it."""
-    held.lease.check(for_write=True)  # lost: stop here
-    session = _open(how, source, kind.is_async)
-    try:
-        frame = _Frame(held.fencer, held.name, held.lease, session)
-        if how == _FACTORY or _session_state(session).lease is not held.lease:
-            return (yield from _bound_call(body, frame, kind))
-        # the same unit of work: the call that bound this session commits it
-        reset = _frames.set((*_frames.get(), frame))
-        try:
-            return (yield body())
-        finally:
-            _frames.reset(reset)
-    finally:
-        if how == _FACTORY:
-            yield session.close()
-
-
 async def _cancelled_on_loss(lease: AsyncLease, work: Any) -> Any:
-    """Run ``work`` in a child task that the lease's loss cancels (LeaseLostError then).
-
-    A child task, so the loss cancels the body only, while a cancellation of the
-    caller still reaches the body and is re-raised as such; it runs in a copy of
-    this context, so ``current_lease()`` works in the body.
-    """
+    """Run ``work`` in a child task that the lease's loss cancels (LeaseLostError then): the
+    loss cancels the body only, a cancellation of the caller still reaches it and is re-raised
+    as such, and ``current_lease()`` works in it (a copy of this context)."""
     from ._async import add_loss_hook, remove_loss_hook
 
     child = asyncio.ensure_future(work)
@@ -641,12 +568,7 @@ def fenced(
     Bad arguments raise ``TypeError``/``ValueError`` at decoration time.  The
     wrapper keeps the function's signature.  docs/decorators.md has the details.
     """
-    options = _Options(**locals())  # every parameter of fenced(), by name
-
-    def decorate(fn: Callable[P, R]) -> Callable[P, Any]:
-        return _decorate(options, fn)
-
-    return decorate
+    return functools.partial(_decorate, _Options(**locals()))  # every parameter, by name
 
 
 def _decorate(options: _Options, fn: Callable[P, R]) -> Callable[P, Any]:
@@ -667,23 +589,30 @@ def _decorate(options: _Options, fn: Callable[P, R]) -> Callable[P, Any]:
                 f"@fenced on {'an async def' if is_async else 'a plain def'} ({fn.__qualname__}) "
                 f"needs {what}=<{_WANTED[what][not is_async]}>, got {type(given).__name__}"
             )
-    sig = _check_fields(options.name, options.fields, fn)
+    sig = inspect.signature(fn)
+    params = sig.parameters
+    has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [f for f in options.fields if f not in params and not has_var_kw]
+    if unknown:
+        raise ValueError(
+            f"lease name template {options.name!r} uses {', '.join(map(repr, unknown))}, which "
+            f"{fn.__qualname__}() has no parameter for (parameters: "
+            f"{', '.join(params) or 'none'}); name one of its parameters"
+        )
+    fenced = _Fenced(options, fn, sig, is_async)
     wrapper: Callable[P, Any]
     if is_async:
-        from ._async import AsyncFencer
-
-        kind = _Kind(AsyncFencer, True, options.cancel_on_lost is not False)
+        from . import _async  # noqa: F401  # loads the asyncio kinds (see _families)
 
         @functools.wraps(fn)
         async def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-            return await _run_async(_fenced_call(options, fn, sig, kind, args, kwargs))
+            return await await_steps(fenced.call(args, kwargs))
 
     else:
-        kind = _Kind(Fencer, False)
 
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-            return _run_sync(_fenced_call(options, fn, sig, kind, args, kwargs))
+            return run_steps(fenced.call(args, kwargs))
 
     setattr(wrapper, _MARK, True)
     setattr(wrapper, "__signature__", sig)  # noqa: B010  # getfullargspec reads it

@@ -17,9 +17,8 @@ has the whole guide.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -27,6 +26,7 @@ from urllib.parse import quote
 from sqlalchemy.orm import Session, scoped_session
 
 from . import _flush
+from ._decorators import await_steps, run_steps
 from .errors import FencingConfigError, UnfencedWriteError
 
 if TYPE_CHECKING:
@@ -63,15 +63,6 @@ class SideEffect:
     idempotency_key: str
 
 
-@dataclass(slots=True)
-class _Sequence:
-    """The side effects numbered so far in one transaction."""
-
-    transaction: object
-    xid: str
-    count: int = 0
-
-
 def _check_task(task: object, kwargs: dict[str, Any]) -> None:
     try:
         from procrastinate.tasks import Task
@@ -104,19 +95,6 @@ def _check_task(task: object, kwargs: dict[str, Any]) -> None:
         )
 
 
-def _bound_lease(session: Session) -> Lease:
-    lease = _flush.bound_lease(session)
-    if lease is None:
-        raise UnfencedWriteError(
-            "this session has no lease bound, so a side effect enqueued in it would not be "
-            "fenced: a stale worker's e-mail or HTTP call would go out. Acquire a lease and "
-            "call lease.bind(session) first (sa_fence.unfenced() does not apply to side "
-            "effects). Nothing was enqueued."
-        )
-    lease.check(for_write=True)  # released, or known lost: LeaseLostError, nothing sent
-    return lease
-
-
 def _require_scope(conn: Connection, lease: Lease) -> None:
     """The job row must be inside the transaction's lease scope, or it commits unchecked."""
     if not _flush.in_scope(conn, lease):
@@ -129,29 +107,43 @@ def _require_scope(conn: Connection, lease: Lease) -> None:
         )
 
 
-def _next_key(session: Session, lease: Lease, xid: str) -> str:
-    transaction = session.get_transaction()
-    seq = session.info.get(_INFO_KEY)
-    if not isinstance(seq, _Sequence) or seq.transaction is not transaction or seq.xid != xid:
-        seq = session.info[_INFO_KEY] = _Sequence(transaction, xid)
-    seq.count += 1
-    return f"{quote(lease.name, safe=_SAFE)}:{lease.token}:{xid}:{seq.count}"
-
-
-def _known_xid(session: Session) -> str | None:
-    """The id of ``session``'s transaction, if an effect read it already."""
-    seq = session.info.get(_INFO_KEY)
-    if isinstance(seq, _Sequence) and seq.transaction is session.get_transaction():
-        return seq.xid
-    return None
-
-
-@contextlib.contextmanager
-def _explaining_a_missing_queue() -> Iterator[None]:
-    """procrastinate's tables, functions or types missing in this database: a clear error."""
+def _enqueue(
+    session: Any, sync: Session, task: Task[Any, Any, Any], task_kwargs: dict[str, Any]
+) -> Generator[Any, Any, SideEffect]:
+    """Steps of both front ends (see sa_fence._decorators): ``session`` is ``sync`` or the
+    AsyncSession around it, whose awaitables side_effect_async awaits."""
+    is_async = session is not sync
+    lease = _flush.bound_lease(sync)
+    if lease is None:
+        raise UnfencedWriteError(
+            "this session has no lease bound, so a side effect enqueued in it would not be "
+            "fenced: a stale worker's e-mail or HTTP call would go out. Acquire a lease and "
+            "call lease.bind(session) first (sa_fence.unfenced() does not apply to side "
+            "effects). Nothing was enqueued."
+        )
+    lease.check(for_write=True)  # released, or known lost: LeaseLostError, nothing sent
+    conn = yield session.connection()  # begins the transaction: lease scope is entered here
+    _require_scope(conn.sync_connection if is_async else conn, lease)
+    raw = (yield conn.get_raw_connection()) if is_async else conn.connection
+    driver: Any = raw.driver_connection
+    transaction = sync.get_transaction()
+    # (the transaction, its id, the effects numbered so far): the id is read by the first effect
+    numbered, xid, count = sync.info.get(_INFO_KEY, (None, "", 0))
+    if numbered is not transaction:
+        cursor = driver.cursor()
+        try:
+            yield cursor.execute(_XID_SQL)
+            xid, count = str((yield cursor.fetchone())[0]), 0
+        finally:
+            yield cursor.close()
+    count += 1
+    sync.info[_INFO_KEY] = (transaction, xid, count)
+    key = f"{quote(lease.name, safe=_SAFE)}:{lease.token}:{xid}:{count}"
     try:
-        yield
-    except Exception as exc:
+        deferrer = task.configure(connection=driver)
+        defer = deferrer.defer_async if is_async else deferrer.defer
+        job_id = yield defer(**task_kwargs, **{KEY_ARGUMENT: key})
+    except Exception as exc:  # procrastinate's tables, functions or types missing here?
         from psycopg.errors import UndefinedFunction, UndefinedObject, UndefinedTable
 
         cause: BaseException | None = exc
@@ -168,13 +160,11 @@ def _explaining_a_missing_queue() -> Iterator[None]:
                 ) from exc
             cause = cause.__cause__ or cause.__context__
         raise
+    return SideEffect(job_id=job_id, idempotency_key=key)
 
 
 def side_effect(
-    session: Session | scoped_session[Any],
-    task: Task[Any, Any, Any],
-    /,
-    **task_kwargs: JSONValue,
+    session: Session | scoped_session[Any], task: Task[Any, Any, Any], /, **task_kwargs: JSONValue
 ) -> SideEffect:
     """Enqueue ``task(**task_kwargs)`` in ``session``'s transaction, fenced by its lease.
 
@@ -206,25 +196,11 @@ def side_effect(
             "side_effect() takes a sqlalchemy Session (or scoped_session) bound to a lease, "
             f"and side_effect_async() an AsyncSession; got {type(sync).__name__}"
         )
-    lease = _bound_lease(sync)
-    conn = sync.connection()  # begins the transaction: lease scope is entered here
-    _require_scope(conn, lease)
-    driver: Any = conn.connection.driver_connection
-    xid = _known_xid(sync)
-    if xid is None:
-        with driver.cursor() as cursor:
-            xid = str(cursor.execute(_XID_SQL).fetchone()[0])
-    key = _next_key(sync, lease, xid)
-    with _explaining_a_missing_queue():
-        job_id = task.configure(connection=driver).defer(**task_kwargs, **{KEY_ARGUMENT: key})
-    return SideEffect(job_id=job_id, idempotency_key=key)
+    return run_steps(_enqueue(sync, sync, task, task_kwargs))
 
 
 async def side_effect_async(
-    session: AsyncSession,
-    task: Task[Any, Any, Any],
-    /,
-    **task_kwargs: JSONValue,
+    session: AsyncSession, task: Task[Any, Any, Any], /, **task_kwargs: JSONValue
 ) -> SideEffect:
     """:func:`side_effect` for an ``AsyncSession`` (a procrastinate ``PsycopgConnector`` app).
 
@@ -238,20 +214,4 @@ async def side_effect_async(
             "side_effect_async() takes a sqlalchemy AsyncSession bound to a lease (use "
             f"side_effect() for a Session); got {type(session).__name__}"
         )
-    lease = _bound_lease(sync)
-    aconn = await session.connection()
-    assert aconn.sync_connection is not None  # set once the connection is started
-    _require_scope(aconn.sync_connection, lease)
-    raw = await aconn.get_raw_connection()
-    driver: Any = raw.driver_connection
-    xid = _known_xid(sync)
-    if xid is None:
-        async with driver.cursor() as cursor:
-            await cursor.execute(_XID_SQL)
-            xid = str((await cursor.fetchone())[0])
-    key = _next_key(sync, lease, xid)
-    with _explaining_a_missing_queue():
-        job_id = await task.configure(connection=driver).defer_async(
-            **task_kwargs, **{KEY_ARGUMENT: key}
-        )
-    return SideEffect(job_id=job_id, idempotency_key=key)
+    return await await_steps(_enqueue(session, sync, task, task_kwargs))
