@@ -252,7 +252,7 @@ class AcquireAttempts:
     def on_held(self, now: float, rand: float) -> float | None:
         """Another owner holds it: seconds to wait before the next try, or None to give up."""
         # A lost attempt of ours would have been found as ours: it set nothing.
-        self.failed.reset()
+        self.failed.failures, self.failed.first_sent = 0, None
         self.unknown_since = None
         if now >= self.deadline:
             return None
