@@ -184,16 +184,6 @@ def classify_redis(exc: BaseException, *, speaks: str | None = None, tls: bool =
     return Failure(REFUSED, True, cause)
 
 
-def wants_probe(failure: Failure) -> bool:
-    """Whether to probe the server first: TLS on one side only looks like an outage."""
-    return failure.kind == OUTAGE
-
-
-def probe_timeout(remaining: float) -> float:
-    """How long the TLS probe may wait: what is left of the budget, 0.05 to 0.5 s."""
-    return min(0.5, max(0.05, remaining))
-
-
 def outage_detail(backend: str, failure: Failure, attempts: int) -> str:
     """LeaseBackendError's text for an outage: what happened, what is known, what to do."""
     sends = "once" if attempts <= 1 else f"{attempts} times"
