@@ -61,22 +61,17 @@ def _from_args(cls: type[Exception], args: tuple[Any, ...]) -> dict[str, Any]:
 class StaleTokenError(FenceError, StaleDataError):
     """A write carried a token older than the newest one: nothing of it was committed.
 
-    Raised in two places:
-
     * **At COMMIT** (lease scope, ``statement == "COMMIT"``): a newer lease of the same name
-      was granted, so the transaction of a session bound to the older lease commits nothing,
-      whatever it wrote.  ``lease_name``, ``token`` and ``newest_token`` (the register's) are
-      set; ``table`` is ``None``.  ``newest_token`` is ``None`` when the register has no row
-      for the name (pruned, see ``Fencer.prune``, or never granted there): the commit is
-      refused all the same.
+      was granted, so a session bound to the older lease commits nothing, whatever it wrote.
+      ``lease_name``, ``token`` and ``newest_token`` (the register's; ``None`` when it has no
+      row for the name: pruned, see ``Fencer.prune``, or never granted there) are set;
+      ``table`` is ``None``.
     * **At the flush** (the row fence, ``statement`` ``"UPDATE"``, ``"DELETE"`` or
-      ``"UPSERT"``): the token-compared statement matched fewer rows than it targeted (an
-      upsert: than it proposed), or a guard trigger refused a row.  ``table``,
-      ``primary_keys`` (each a tuple) and ``current_fences`` (the fence found on each refused
-      row, ``None`` when it is gone) are set.
+      ``"UPSERT"``): a token-compared statement matched fewer rows than it targeted (an upsert:
+      than it proposed), or a guard trigger refused a row.  ``table``, ``primary_keys`` (each a
+      tuple) and ``current_fences`` (the fence on each refused row, ``None`` if gone) are set.
 
-    Because it is also a :class:`sqlalchemy.orm.exc.StaleDataError`, handlers written for
-    ``version_id_col`` conflicts catch it too.
+    Also a :class:`sqlalchemy.orm.exc.StaleDataError`: ``version_id_col`` handlers catch it.
     """
 
     _fields = ("token", "table", "statement", "primary_keys", "current_fences", "lease_name",
