@@ -47,7 +47,6 @@ SETUP = "setup"
 OUTAGE = "outage"
 FAILOVER = "failover"
 REFUSED = "refused"
-RESENDABLE = frozenset({OUTAGE, FAILOVER})
 
 #: Default failure budget (seconds) of one operation: see FailureBudget.
 DEFAULT_BACKEND_TIMEOUT = 5.0
@@ -96,7 +95,7 @@ class FailureBudget:
         if self.first_sent is None:
             self.first_sent = sent_at
         self.failures += 1
-        if failure.kind not in RESENDABLE or self.failures >= BACKEND_ATTEMPTS:
+        if failure.kind not in (OUTAGE, FAILOVER) or self.failures >= BACKEND_ATTEMPTS:
             return None
         wait = BACKEND_BACKOFF.delay(self.failures - 1, rand)
         took = self.last_took = max(0.0, now - sent_at)
