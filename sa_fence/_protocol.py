@@ -154,8 +154,7 @@ HELD = "held"
 
 
 def parse_acquire_reply(reply: object) -> tuple[str, int | None]:
-    """(GRANTED: set by this call or a lost earlier send of it | HELD, the holder's token when
-    HELD and recorded)."""
+    """(GRANTED | HELD, the holder's token when HELD and recorded); GRANTED also for a resend."""
     if isinstance(reply, int) and not isinstance(reply, bool) and reply in (1, 2):
         return GRANTED, None
     if isinstance(reply, bytes | str):
