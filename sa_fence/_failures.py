@@ -6,15 +6,14 @@ the cause and fix each error names, and the resend policy (backoff, budget).
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
 from redis import exceptions as rx
 
-#: How many times one call is sent at most when a resend may fix its failure
-#: (an outage or failover), within the failure budget; every script is
-#: idempotent for one owner.  (redis-py may also retry inside each call.)
+#: How many times one call is sent at most when a resend may fix its failure (an outage or
+#: failover), within the failure budget; every script is idempotent for one owner.  (redis-py
+#: may also retry inside each call.)
 BACKEND_ATTEMPTS = 3
 
 
@@ -38,31 +37,21 @@ class Backoff:
 BACKEND_BACKOFF = Backoff(base=0.02, cap=0.5)
 
 
-# The kinds of failure (for both front ends and backends):
-# * SETUP: a set-up mistake (a wrong password or database index, TLS on one
-#   side only, a missing ACL command, register or right): FencingConfigError
-#   at once, with the fix.
-# * OUTAGE: no answer or a refused connection: resent within the budget.
-# * FAILOVER: an outage a failover explains (no master known to the Sentinels,
-#   a read-only replica, a cluster slot without a master): as OUTAGE.
-# * REFUSED: an error reply no resend changes (out of memory, a busy script).
-# ``may_have_set``: whether the call may have changed something; when it
-# cannot have, acquire skips its clean-up (which would only fail the same way).
-
+# The kinds of failure, for both front ends and backends.  SETUP: a set-up mistake (a wrong
+# password or database index, TLS on one side only, a missing ACL command, register or right):
+# FencingConfigError at once, with the fix.  OUTAGE: no answer or a refused connection.
+# FAILOVER: an outage a failover explains (no master known to the Sentinels, a read-only
+# replica, a cluster slot without a master).  REFUSED: an error reply no resend changes (out of
+# memory, a busy script).  Only outages and failovers are resent (within the budget).
 SETUP = "setup"
 OUTAGE = "outage"
 FAILOVER = "failover"
 REFUSED = "refused"
-#: Failures worth resending (within the budget).
-RESENDABLE = frozenset({OUTAGE, FAILOVER})
 
 #: Default failure budget (seconds) of one operation: see FailureBudget.
 DEFAULT_BACKEND_TIMEOUT = 5.0
 
-ACL_DOC = "docs/topologies.md#redis-acl"
-ROLE_DOC = "docs/topologies.md#postgresql-role"
 POOLER_DOC = "docs/topologies.md#pgbouncer"
-TIMEOUTS_DOC = "docs/topologies.md#timeouts"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +59,7 @@ class Failure:
     """A failed call's kind, whether it may have set anything, and the error's text."""
 
     kind: str
-    may_have_set: bool
+    may_have_set: bool  # if not, acquire skips its clean-up (it would only fail the same way)
     text: str
 
 
@@ -82,19 +71,6 @@ def cause_text(exc: BaseException) -> str:
         exc = orig
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def check_backend_timeout(timeout: object) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise TypeError(
-            f"timeout must be a number of seconds, got {type(timeout).__name__}: {timeout!r}"
-        )
-    if not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(
-            f"timeout must be a finite number of seconds > 0, got {timeout!r}: it is how "
-            "long an operation may spend on a failing Redis or PostgreSQL before it gives up"
-        )
-    return float(timeout)
 
 
 @dataclass
@@ -119,7 +95,7 @@ class FailureBudget:
         if self.first_sent is None:
             self.first_sent = sent_at
         self.failures += 1
-        if failure.kind not in RESENDABLE or self.failures >= BACKEND_ATTEMPTS:
+        if failure.kind not in (OUTAGE, FAILOVER) or self.failures >= BACKEND_ATTEMPTS:
             return None
         wait = BACKEND_BACKOFF.delay(self.failures - 1, rand)
         took = self.last_took = max(0.0, now - sent_at)
@@ -137,10 +113,6 @@ class FailureBudget:
             return self.budget
         return max(0.0, self.first_sent + self.budget - now)
 
-    def reset(self) -> None:
-        self.failures = 0
-        self.first_sent = None
-
 
 #: The fix of each set-up mistake a failed Redis call shows.
 _REDIS_FIXES = {
@@ -150,7 +122,7 @@ _REDIS_FIXES = {
     "than the server's 'databases' setting (16 by default); use an index below it.",
     "acl": "The Redis user lacks a command or key sa-fence needs. Give it the minimal "
     "ACL: -@all +evalsha +script|load +get +set +pexpire +pttl +del "
-    f"~<key_prefix>* (see {ACL_DOC}).",
+    "~<key_prefix>* (see docs/topologies.md#redis-acl).",
     "certificate": "The server's TLS certificate was not accepted: give the client the CA "
     "that signed it (ssl_ca_certs=..., or ?ssl_ca_certs= in the rediss:// URL) and "
     "connect by a name or address the certificate lists.",
@@ -161,8 +133,8 @@ _REDIS_FIXES = {
     "command": "The server does not run Lua scripts under their usual names (EVALSHA, "
     "SCRIPT LOAD renamed or disabled); sa-fence needs them.",
 }
-#: Set-up mistakes by exception type or text, first match first: (types, text
-#: pattern, problem).  Then TLS on one side only, then a renamed command.
+#: Set-up mistakes by exception type or text, first match first: (types, text pattern,
+#: problem).  Then TLS on one side only, then a renamed command.
 _REDIS_SETUP: tuple[tuple[tuple[type[BaseException], ...], str, str], ...] = (
     ((rx.AuthenticationError, rx.AuthorizationError), "wrongpass|noauth", "auth"),
     ((), "db index is out of range|invalid db index", "db"),
@@ -170,39 +142,17 @@ _REDIS_SETUP: tuple[tuple[tuple[type[BaseException], ...], str, str], ...] = (
     ((), "certificate|ssl.*verify|verify.*ssl", "certificate"),
 )
 
-#: Any other failure, by type, first match first: (types, kind, may have set).
-#: No master to send to (a cluster reply refused it) sets nothing; a lost
-#: connection or a timeout may have, unless it came while connecting.
+#: Any other failure, by type, first match first: (types, kind, may have set).  No master to
+#: send to (a cluster reply refused it) sets nothing; a lost connection or a timeout may have,
+#: unless it came while connecting.
+_NO_MASTER = (rx.ClusterError, rx.TryAgainError, rx.RedisClusterException, rx.ReadOnlyError)
 _REDIS_KINDS: tuple[tuple[tuple[type[BaseException], ...], str, bool], ...] = (
-    (
-        (rx.ClusterError, rx.TryAgainError, rx.RedisClusterException, rx.ReadOnlyError),
-        FAILOVER,
-        False,
-    ),
+    (_NO_MASTER, FAILOVER, False),
     ((rx.BusyLoadingError,), OUTAGE, False),
     ((rx.ConnectionError, rx.TimeoutError), OUTAGE, True),
     ((rx.ResponseError,), REFUSED, False),
 )
 _FAILOVER_TEXTS = ("previous master is now a slave", "readonly")
-
-
-def _redis_setup_fix(exc: BaseException, lowered: str, speaks: str | None, tls: bool) -> str | None:
-    for types, pattern, problem in _REDIS_SETUP:
-        if isinstance(exc, types) or re.search(pattern, lowered, re.DOTALL):
-            return _REDIS_FIXES[problem]
-    if speaks is not None and speaks == ("plain" if tls else "tls"):
-        return _REDIS_FIXES[speaks]  # what the probe found the server speaks
-    return _REDIS_FIXES["command"] if "unknown command" in lowered else None
-
-
-def _redis_kind(exc: BaseException, lowered: str) -> tuple[str, bool]:
-    if type(exc).__name__ == "MasterNotFoundError" or any(t in lowered for t in _FAILOVER_TEXTS):
-        return FAILOVER, False
-    for types, kind, may_have_set in _REDIS_KINDS:
-        if isinstance(exc, types):
-            connecting = "connecting to" in lowered or "error connecting" in lowered
-            return kind, may_have_set and not connecting
-    return REFUSED, True
 
 
 def classify_redis(exc: BaseException, *, speaks: str | None = None, tls: bool = False) -> Failure:
@@ -213,22 +163,24 @@ def classify_redis(exc: BaseException, *, speaks: str | None = None, tls: bool =
     and server that disagree about TLS fail as timeouts or closed connections, so only the probe
     tells that set-up mistake from an outage.
     """
-    cause = cause_text(exc)
-    lowered = str(exc).lower()
-    fix = _redis_setup_fix(exc, lowered, speaks, tls)
-    if fix is not None:
+    cause, lowered = cause_text(exc), str(exc).lower()
+    for types, pattern, problem in _REDIS_SETUP:  # noqa: B007 (read after the break)
+        if isinstance(exc, types) or re.search(pattern, lowered, re.DOTALL):
+            break
+    else:
+        problem = "command" if "unknown command" in lowered else ""
+        if speaks is not None and speaks == ("plain" if tls else "tls"):
+            problem = speaks  # what the probe found the server speaks
+    if problem:
+        fix = _REDIS_FIXES[problem]
         return Failure(SETUP, False, f"the Redis connection is set up wrongly ({cause}). {fix}")
-    return Failure(*_redis_kind(exc, lowered), cause)
-
-
-def wants_probe(failure: Failure) -> bool:
-    """Whether to probe the server first: TLS on one side only looks like an outage."""
-    return failure.kind == OUTAGE
-
-
-def probe_timeout(remaining: float) -> float:
-    """How long the TLS probe may wait: what is left of the budget, 0.05 to 0.5 s."""
-    return min(0.5, max(0.05, remaining))
+    if type(exc).__name__ == "MasterNotFoundError" or any(t in lowered for t in _FAILOVER_TEXTS):
+        return Failure(FAILOVER, False, cause)
+    connecting = "connecting to" in lowered or "error connecting" in lowered
+    for types, kind, may_have_set in _REDIS_KINDS:
+        if isinstance(exc, types):
+            return Failure(kind, may_have_set and not connecting, cause)
+    return Failure(REFUSED, True, cause)
 
 
 def outage_detail(backend: str, failure: Failure, attempts: int) -> str:
@@ -254,20 +206,13 @@ def outage_detail(backend: str, failure: Failure, attempts: int) -> str:
     )
 
 
-# PostgreSQL: SQLSTATE classes and the connection-failure texts libpq gives
-# without a SQLSTATE (a login refused by the server arrives as a message).
 _PG_SETUP_STATES = {
-    "28P01": "auth",
-    "28000": "auth",
+    **dict.fromkeys(("28P01", "28000"), "auth"),
     "3D000": "database",
-    "42P01": "schema",
-    "42883": "schema",
-    "3F000": "schema",
+    **dict.fromkeys(("42P01", "42883", "3F000"), "schema"),
     "42501": "rights",
-    "42P05": "prepared",
-    "26000": "prepared",
+    **dict.fromkeys(("42P05", "26000"), "prepared"),
 }
-_PG_FAILOVER_STATES = {"25006"}  # read_only_sql_transaction: connected to a standby
 #: Set-up mistakes told by the text alone, first match first: (words all in it, problem).
 _PG_SETUP_TEXTS = (
     (("does not exist", 'role "'), "auth"),
@@ -283,12 +228,12 @@ _PG_SETUP_TEXTS = (
 def classify_postgres(sqlstate: str | None, message: str) -> tuple[str, str | None]:
     """(SETUP | OUTAGE | FAILOVER | REFUSED, the set-up problem's name or None).
 
-    A login refused by the server reaches the client as a message without a
-    SQLSTATE (libpq's connection failure), so those are told by their text.
+    A login refused by the server reaches the client as a message without a SQLSTATE (libpq's
+    connection failure), so those are told by their text.
     """
     if sqlstate in _PG_SETUP_STATES:
         return SETUP, _PG_SETUP_STATES[sqlstate]
-    if sqlstate in _PG_FAILOVER_STATES:
+    if sqlstate == "25006":  # read_only_sql_transaction: connected to a standby
         return FAILOVER, None
     if sqlstate is None:
         lowered = message.lower()
@@ -312,7 +257,7 @@ _PG_FIXES = {
     "rights": "The database role lacks a right sa-fence needs: GRANT USAGE, SELECT ON "
     "SEQUENCE {sequence}; GRANT SELECT, INSERT, UPDATE ON {register}; GRANT "
     "EXECUTE ON FUNCTION {function}(text, bigint); and SELECT, INSERT, UPDATE, "
-    f"DELETE on the fenced tables (see {ROLE_DOC}).",
+    "DELETE on the fenced tables (see docs/topologies.md#postgresql-role).",
     "prepared": "The connection goes through a pooler that pools by transaction (PgBouncer "
     "pool_mode = transaction, before 1.21 or with max_prepared_statements = 0), "
     "which mixes up psycopg's prepared statements between clients. Create the "

@@ -26,14 +26,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from . import _protocol as proto
 from . import _telemetry
-from ._failures import (
-    FAILOVER,
-    FailureBudget,
-    cause_text,
-    classify_redis,
-    probe_timeout,
-    wants_probe,
-)
+from ._failures import FAILOVER, OUTAGE, FailureBudget, cause_text, classify_redis
 from ._flush import Marks
 from ._lease_view import FencerView
 from ._redis_client import (
@@ -199,8 +192,8 @@ def _error(
     the budget) when nothing was sent: TLS on one side only looks like an outage."""
     target = probe_target(f.redis)
     speaks = None
-    if target is not None and wants_probe(classify_redis(exc)):
-        wait = probe_timeout(budget.remaining(time.monotonic()))
+    if target is not None and classify_redis(exc).kind == OUTAGE:
+        wait = min(0.5, max(0.05, budget.remaining(time.monotonic())))  # 0.05 to 0.5 s
         speaks = f._probe(target[0], target[1], wait)
     return redis_error(name, operation, exc, budget.failures, target=target, speaks=speaks)
 

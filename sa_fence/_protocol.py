@@ -15,11 +15,26 @@ from dataclasses import dataclass, field
 
 from ._failures import BACKEND_BACKOFF, DEFAULT_BACKEND_TIMEOUT, Backoff, Failure, FailureBudget
 
-# Every script touches one key (KEYS[1]), so it runs on Redis Cluster, and
-# compares the stored value with this lease's own, never acting on another's.
+# Every script touches one key (KEYS[1]), so it runs on Redis Cluster, and compares the stored
+# value with this lease's own, never acting on another's.
 
-# CONFIRM: ARGV[1] the owner, ARGV[2] "<owner>:<token>".  Returns the PTTL in
-# ms, or -1 if the lease is not ours; a resend finds ARGV[2] and answers the same.
+# ACQUIRE (SET NX PX, idempotent for one owner): ARGV[1] owner, ARGV[2] TTL in ms.  Returns 1
+# when it set the lease, 2 when it already holds this owner (a resend after a lost reply), else
+# the other owner's stored value.
+ACQUIRE_SCRIPT = """
+local v = redis.call('GET', KEYS[1])
+if not v then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+if v == ARGV[1] then
+  return 2
+end
+return v
+"""
+
+# CONFIRM: ARGV[1] the owner, ARGV[2] "<owner>:<token>".  Returns the PTTL in ms, or -1 if the
+# lease is not ours; a resend finds ARGV[2] and answers the same.
 CONFIRM_SCRIPT = """
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
@@ -130,36 +145,18 @@ def ttl_to_ms(ttl: object, what: str = "ttl") -> int:
     return max(math.ceil(ttl * 1000), 1)
 
 
-# ------------------------------------------------------------ lease lifecycle
-#
-# Pure as well: the front end passes in the clock (monotonic ``now``) and a
-# uniform random number.  Not tenacity, which reads the clock and sleeps itself:
-# a state machine over granted / held / unknown (never reported as either).
-
-# ACQUIRE (SET NX PX, idempotent for one owner): ARGV[1] owner, ARGV[2] TTL in
-# ms.  Returns 1 when it set the lease, 2 when it already holds this owner (a
-# resend after a lost reply), else the other owner's stored value.
-ACQUIRE_SCRIPT = """
-local v = redis.call('GET', KEYS[1])
-if not v then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
-end
-if v == ARGV[1] then
-  return 2
-end
-return v
-"""
+# The lease lifecycle, pure as well: the front end passes in the clock (monotonic ``now``) and a
+# uniform random number.  Not tenacity, which reads the clock and sleeps itself: a state
+# machine over granted / held / unknown (never reported as either).
 
 GRANTED = "granted"
-ALREADY_OURS = "already-ours"
 HELD = "held"
 
 
 def parse_acquire_reply(reply: object) -> tuple[str, int | None]:
-    """(GRANTED | ALREADY_OURS | HELD, the holder's token when HELD and recorded)."""
+    """(GRANTED | HELD, the holder's token when HELD and recorded); GRANTED also for a resend."""
     if isinstance(reply, int) and not isinstance(reply, bool) and reply in (1, 2):
-        return GRANTED if reply == 1 else ALREADY_OURS, None
+        return GRANTED, None
     if isinstance(reply, bytes | str):
         return HELD, token_from_value(reply)
     raise ValueError(f"unexpected reply from the acquire script: {reply!r}")
@@ -252,7 +249,7 @@ class AcquireAttempts:
     def on_held(self, now: float, rand: float) -> float | None:
         """Another owner holds it: seconds to wait before the next try, or None to give up."""
         # A lost attempt of ours would have been found as ours: it set nothing.
-        self.failed.reset()
+        self.failed.failures, self.failed.first_sent = 0, None
         self.unknown_since = None
         if now >= self.deadline:
             return None

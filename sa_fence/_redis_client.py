@@ -7,6 +7,7 @@ server there speaks (the TLS probe), and the error a failed call becomes.
 
 from __future__ import annotations
 
+import math
 import socket
 
 import redis as redis_lib
@@ -73,7 +74,16 @@ def check_budget(client: object, timeout: float | None, owner: str) -> float:
     """
     if timeout is None:
         return _failures.DEFAULT_BACKEND_TIMEOUT
-    budget = _failures.check_backend_timeout(timeout)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(
+            f"timeout must be a number of seconds, got {type(timeout).__name__}: {timeout!r}"
+        )
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(
+            f"timeout must be a finite number of seconds > 0, got {timeout!r}: it is how "
+            "long an operation may spend on a failing Redis or PostgreSQL before it gives up"
+        )
+    budget = float(timeout)
     found = client_call_bound(client)
     bound = found[0] if found else None  # None too without a socket timeout
     if client_socket_timeout(client) is None or (found and (bound is None or bound > budget)):
@@ -86,7 +96,7 @@ def check_budget(client: object, timeout: float | None, owner: str) -> float:
             "Create the client with socket timeouts well below the budget and few retries "
             "of its own (sa-fence resends what is safe to resend, within the budget), e.g. "
             f"redis.Redis(..., socket_timeout={third:.3g}, socket_connect_timeout="
-            f"{third:.3g}, retry=Retry(NoBackoff(), 0)); see {_failures.TIMEOUTS_DOC}."
+            f"{third:.3g}, retry=Retry(NoBackoff(), 0)); see docs/topologies.md#timeouts."
         )
     return budget
 

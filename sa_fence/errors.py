@@ -37,26 +37,15 @@ __all__ = [
 class FenceError(Exception):
     """Base class of every error sa-fence raises on purpose."""
 
-    #: The attributes kept in ``args[1]``, given back to the constructor by pickle.
-    _fields: tuple[str, ...] = ()
+    # Pickle needs no __reduce__: BaseException's rebuilds cls(*args), then restores __dict__.
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
-    def __reduce__(self) -> str | tuple[Any, ...]:
-        if not self._fields:
-            return super().__reduce__()
-        return (_rebuild, (type(self), {f: getattr(self, f) for f in self._fields}))
-
     def _init(self, message: str, attributes: dict[str, Any], **shown: Any) -> None:
         """Set the attributes; ``args`` is ``(message, {attributes, then shown})``."""
-        for field, value in attributes.items():
-            setattr(self, field, value)
+        self.__dict__.update(attributes)
         super().__init__(message, {**attributes, **shown})
-
-
-def _rebuild(cls: type[Exception], kwargs: dict[str, Any]) -> Exception:
-    return cls(**kwargs)
 
 
 def _from_args(cls: type[Exception], args: tuple[Any, ...]) -> dict[str, Any]:
@@ -72,29 +61,21 @@ def _from_args(cls: type[Exception], args: tuple[Any, ...]) -> dict[str, Any]:
 class StaleTokenError(FenceError, StaleDataError):
     """A write carried a token older than the newest one: nothing of it was committed.
 
-    Raised in two places:
+    * **At COMMIT** (lease scope, ``statement == "COMMIT"``): a newer lease of the same name
+      was granted, so a session bound to the older lease commits nothing, whatever it wrote.
+      ``lease_name``, ``token`` and ``newest_token`` (the register's; ``None`` when it has no
+      row for the name: pruned, see ``Fencer.prune``, or never granted there) are set;
+      ``table`` is ``None``.
+    * **At the flush** (the row fence, ``statement`` ``"UPDATE"``, ``"DELETE"`` or
+      ``"UPSERT"``): a token-compared statement matched fewer rows than it targeted (an upsert:
+      than it proposed), or a guard trigger refused a row.  ``table``, ``primary_keys`` (each a
+      tuple) and ``current_fences`` (the fence on each refused row, ``None`` if gone) are set.
 
-    * **At COMMIT** (lease scope, ``statement == "COMMIT"``): a newer lease of
-      the same name was granted, so the transaction of a session bound to the
-      older lease commits nothing, whatever it wrote.  ``lease_name``,
-      ``token`` and ``newest_token`` (the register's) are set; ``table`` is
-      ``None``.  ``newest_token`` is ``None`` when the register has no row for
-      the name (pruned, see ``Fencer.prune``, or never granted there): the
-      commit is refused all the same.
-    * **At the flush** (the row fence, ``statement`` ``"UPDATE"``, ``"DELETE"``
-      or ``"UPSERT"``): the token-compared statement matched fewer rows than
-      it targeted (an upsert: than it proposed), or a guard trigger refused a
-      row.  ``table``, ``primary_keys`` (each a tuple) and ``current_fences``
-      (the fence found on each refused row, ``None`` when it is gone) are set.
-
-    Because it is also a :class:`sqlalchemy.orm.exc.StaleDataError`, handlers
-    written for ``version_id_col`` conflicts catch it too.
+    Also a :class:`sqlalchemy.orm.exc.StaleDataError`: ``version_id_col`` handlers catch it.
     """
 
-    _fields = (
-        "token", "table", "statement", "primary_keys", "current_fences", "lease_name",
-        "newest_token",
-    )  # fmt: skip
+    _fields = ("token", "table", "statement", "primary_keys", "current_fences", "lease_name",
+               "newest_token")  # fmt: skip
     token: int
     table: str | None
     statement: str
@@ -129,11 +110,9 @@ class StaleTokenError(FenceError, StaleDataError):
         newest_token: int | None = None,
     ) -> None:
         if rebuild:
-            attributes = _from_args(type(self), rebuild)
-            StaleTokenError.__init__(self, **{f: attributes[f] for f in self._fields})
+            StaleTokenError.__init__(self, **_from_args(type(self), rebuild))
             return
-        pks = tuple(tuple(pk) for pk in primary_keys)
-        fences = tuple(current_fences)
+        pks, fences = tuple(tuple(pk) for pk in primary_keys), tuple(current_fences)
         if table is None and newest_token is None:
             message = (
                 f"commit refused: lease {lease_name!r} (token {token}) is stale: the lease "
@@ -144,14 +123,13 @@ class StaleTokenError(FenceError, StaleDataError):
             )
         elif table is None:
             message = (
-                f"commit refused: lease {lease_name!r} (token {token}) is stale: a newer "
-                f"lease of that name was granted (token {newest_token}). Nothing of this "
-                "transaction was committed. Roll back and re-read; the newer holder's "
-                "work stands."
+                f"commit refused: lease {lease_name!r} (token {token}) is stale: a newer lease of "
+                f"that name was granted (token {newest_token}). Nothing of this transaction was "
+                "committed. Roll back and re-read; the newer holder's work stands."
             )
         else:
             rows = ", ".join(
-                f"{_fmt_pk(pk)} (fence {'<row gone>' if f is None else f})"
+                f"{(pk[0] if len(pk) == 1 else pk)!r} (fence {'<row gone>' if f is None else f})"
                 for pk, f in zip(pks, fences, strict=False)
             )
             lease = f" of lease {lease_name!r}" if lease_name else ""
@@ -165,18 +143,13 @@ class StaleTokenError(FenceError, StaleDataError):
         self._init(message, dict(zip(self._fields, values, strict=True)))
 
 
-def _fmt_pk(pk: tuple[Any, ...]) -> str:
-    return repr(pk[0]) if len(pk) == 1 else repr(pk)
-
-
 class LeaseNotAcquiredError(FenceError):
     """Another owner holds the lease (contention, not a failure).
 
-    ``name`` is the lease name; ``holder_token`` is the token recorded by the
-    current holder when known, else ``None``.
+    ``name`` is the lease name; ``holder_token`` is the token recorded by the current holder
+    when known, else ``None``; ``waited`` is how long it waited (``None``: it did not wait).
     """
 
-    _fields = ("name", "holder_token", "waited")
     name: str
     holder_token: int | None
     waited: float | None
@@ -195,8 +168,8 @@ class LeaseNotAcquiredError(FenceError):
         waited: float | None = None,
     ) -> None:
         if isinstance(holder_token, dict):  # (message, {attributes}): a result backend's rebuild
-            attributes = _from_args(type(self), (name, holder_token))
-            name, holder_token, waited = (attributes[f] for f in self._fields)
+            LeaseNotAcquiredError.__init__(self, **_from_args(type(self), (name, holder_token)))
+            return
         held = f" (holder's token {holder_token})" if holder_token is not None else ""
         after = f" after waiting {waited:.3g} s" if waited is not None else ""
         self._init(
@@ -212,20 +185,17 @@ class LeaseLostError(FenceError):
 class LeaseBackendError(FenceError):
     """Redis or PostgreSQL did not answer or failed, so the outcome is unknown.
 
-    Not contention: the lease may or may not have been granted, extended or
-    released.  sa-fence resent the (idempotent) call a bounded number of
-    times, then gave up; after a failed acquire it tries to remove whatever it
-    may have set, and the lease's TTL ends it otherwise.
+    Not contention: the lease may or may not have been granted, extended or released.  sa-fence
+    resent the (idempotent) call a bounded number of times, then gave up; after a failed acquire
+    it tries to remove whatever it may have set, and the lease's TTL ends it otherwise.
 
-    Attributes: ``backend`` (``"redis"`` or ``"postgresql"``), ``operation``
-    (``"check"``, ``"acquire"``, ``"token"``, ``"confirm"``, ``"extend"`` or
-    ``"release"``), ``name`` (the lease name), ``cause`` (the client's
-    exception; not chained as ``__cause__``: the message names it) and
-    ``detail`` (what is known: "nothing was changed", "the outcome is
-    unknown", or "a failover may be under way").
+    Attributes: ``backend`` (``"redis"`` or ``"postgresql"``), ``operation`` (``"check"``,
+    ``"acquire"``, ``"token"``, ``"confirm"``, ``"extend"`` or ``"release"``), ``name`` (the
+    lease name), ``cause`` (the client's exception; not chained as ``__cause__``: the message
+    names it) and ``detail`` (what is known: "nothing was changed", "the outcome is unknown",
+    or "a failover may be under way").
     """
 
-    _fields = ("backend", "operation", "name", "cause", "detail")
     backend: str
     operation: str
     name: str
@@ -253,50 +223,43 @@ class LeaseBackendError(FenceError):
         cause: BaseException | None = None,
         detail: str | None = None,
     ) -> None:
-        if rebuild:
-            attributes = _from_args(type(self), rebuild)
-            backend, operation, name, detail = (attributes[f] for f in self._fields if f != "cause")
-            # Only its text travels in args; pickle keeps the exception (__reduce__).
-            cause = Exception(attributes["cause"])
-            message, shown = rebuild[0], str(cause)
+        if rebuild:  # only the cause's text travels in args; pickle restores the exception
+            attributes = dict(_from_args(type(self), rebuild))
+            message, shown = rebuild[0], attributes.pop("cause")
+            cause = Exception(shown)
         elif cause is None:
             raise TypeError("LeaseBackendError() needs cause=<the client's exception>")
         else:
+            attributes = dict(backend=backend, operation=operation, name=name, detail=detail)
             shown = f"{type(cause).__name__}: {cause}"
             message = f"{operation} of lease {name!r} failed: " + (
                 detail
                 or f"{backend} did not answer or failed ({shown}); the outcome is unknown. "
                 f"Check that {backend} is reachable; the lease's TTL ends anything left behind."
             )
-        self._init(
-            message,
-            {"backend": backend, "operation": operation, "name": name, "detail": detail},
-            cause=shown,
-        )
+        self._init(message, attributes, cause=shown)
         self.cause = cause
 
 
 class UnfencedWriteError(FenceError):
     """A fenced entity was about to be written by a session with no lease bound.
 
-    Raised before any SQL is sent.  Bind a lease with ``lease.bind(session)``,
-    or, for admin scripts only, wrap the writes in ``sa_fence.unfenced(session)``.
+    Raised before any SQL is sent.  Bind a lease with ``lease.bind(session)``, or, for admin
+    scripts only, wrap the writes in ``sa_fence.unfenced(session)``.
     """
 
 
 class FencingConfigError(FenceError):
     """The environment cannot give the fencing guarantee (the message says how to fix it).
 
-    Examples: the token sequence is missing or has ``CACHE > 1``;
-    ``synchronous_commit`` is ``off`` on the token connection; the database
-    driver cannot report executemany row counts; a session was bound without
-    the flush hook installed.  Also a server refusing the set-up: a wrong
-    password, a Redis database index out of range, TLS on one side only, a
-    missing ACL command or database right.  Resending never helps; the
-    message names the cause and the fix.
+    Examples: the token sequence is missing or has ``CACHE > 1``; ``synchronous_commit`` is
+    ``off`` on the token connection; the database driver cannot report executemany row counts;
+    a session was bound without the flush hook installed.  Also a server refusing the set-up: a
+    wrong password, a Redis database index out of range, TLS on one side only, a missing ACL
+    command or database right.  Resending never helps; the message names the cause and the fix.
 
-    ``cause`` is the client's exception when a server refused (else
-    ``None``); not chained as ``__cause__``: the message says what it says.
+    ``cause`` is the client's exception when a server refused (else ``None``); not chained as
+    ``__cause__``: the message says what it says.
     """
 
     def __init__(self, *args: Any, cause: BaseException | None = None) -> None:
