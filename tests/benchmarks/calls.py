@@ -33,7 +33,15 @@ import redis
 import sqlalchemy as sa
 
 import sa_fence
-from sa_fence.tools.bench import FlushBench, Op, Progress, Schema, sa_fence_cycle
+from sa_fence.tools.bench import (
+    FlushBench,
+    HandWritten,
+    Op,
+    Progress,
+    Schema,
+    psycopg_conninfo,
+    sa_fence_cycle,
+)
 
 from .common import Config, Target
 
@@ -186,6 +194,7 @@ class CallsResult:
     cycle: Count | None = None
     redis_command: Count | None = None  # one EVALSHA through redis-py's client
     redis_lock_cycle: Count | None = None  # redis-py Lock: acquire + release
+    floor_cycle: Count | None = None  # the hand-written floor: the same four server calls
 
 
 def ops_counted(rows: int) -> list[tuple[str, str, int]]:
@@ -213,13 +222,22 @@ def run(
     ``config.rows`` seeded rows already."""
     engine = sa.create_engine(url)
     fencer = sa_fence.Fencer(client, engine, sequence=schema.sequence, key_prefix=key_prefix)
+    floor = HandWritten(
+        client,
+        psycopg_conninfo(url),
+        schema.sequence,
+        f"{key_prefix}calls-floor",
+        lock_timeout_ms=fencer.token_source.lock_timeout_ms,
+    )
     try:
         with fencer.lease("calls-flush", ttl=3600) as lease:
             result = _run(FlushBench(engine, schema, lease, config.rows), fencer, config, progress)
+        n, warmup = result.n, min(result.n, 20)
+        result.floor_cycle = count(Op(floor.cycle), n, warmup)
     finally:
+        floor.close()
         fencer.close()
         engine.dispose()
-    n, warmup = result.n, min(result.n, 20)
     result.redis_command = count(Op(redis_command(client, key_prefix)), n, warmup)
     result.redis_lock_cycle = count(Op(redis_lock_cycle(client, key_prefix)), n, warmup)
     return result
@@ -306,7 +324,10 @@ def report(result: CallsResult) -> list[Target]:
     )
     assert result.redis_command is not None
     assert result.redis_lock_cycle is not None
+    assert result.floor_cycle is not None
     command, lock = result.redis_command.total, result.redis_lock_cycle.total
+    floor = result.floor_cycle.total
+    print(f"{'  hand-written floor (same server calls)':<40}{'':>9}{round(floor):>9}")
     print(f"{'  redis-py alone: one EVALSHA':<40}{'':>9}{round(command):>9}")
     print(f"{'  redis-py Lock cycle (no token)':<40}{'':>9}{round(lock):>9}")
     print(
@@ -333,7 +354,10 @@ def report(result: CallsResult) -> list[Target]:
             "calls",
             f"{account(cycle_areas, cycle)}: {WHY_CYCLE}; redis-py alone makes "
             f"{round(command)} calls per command and {round(lock)} per cycle of its own "
-            f"Lock, so three scripts take {round(3 * command)} before any of sa-fence's",
+            f"Lock, so three scripts take {round(3 * command)} before any of sa-fence's; "
+            f"the hand-written floor (SET NX PX, the grant, CONFIRM and RELEASE through "
+            f"redis-py and psycopg, nothing else) makes {round(floor)}, so sa-fence's "
+            f"lifecycle adds {round(cycle - floor):+} to the floor",
             decimals=0,
         )
     )
