@@ -1,8 +1,7 @@
-"""Leases in Redis with tokens from PostgreSQL: :class:`Fencer` and :class:`Lease`.
+"""The synchronous front end of :mod:`sa_fence._lifecycle`: :class:`Fencer` and :class:`Lease`.
 
-The sync front end of :mod:`sa_fence._lifecycle`: each call is made when the
-lifecycle asks for it and renewed leases share one thread per fencer.  ``time``
-is imported as a module so tests can swap the clock.
+Each call is made when the lifecycle asks for it; renewed leases share one thread per fencer
+(:class:`Deadlines`).  ``time`` is imported as a module so tests can swap the clock.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
-T = TypeVar("T")
 S = TypeVar("S", bound="Session | scoped_session[Any]")
 #: ``on_lost(lease)``: runs once, on the thread that first sees the loss.
 OnLost = Callable[["Lease"], object]
@@ -48,23 +46,21 @@ OnLost = Callable[["Lease"], object]
 class Lease(BaseLease["Fencer"]):
     """A granted lease: ``name``, ``owner``, ``token``, ``ttl``.
 
-    Bind it to sessions with :meth:`bind`; keep it alive with :meth:`extend`
-    (or ``renew=True`` at acquire); ask whether it is still usable with
-    :meth:`check` or :attr:`lost`; give it back with :meth:`release` (or use
-    it as a context manager).
+    Bind it to sessions with :meth:`bind`; keep it alive with :meth:`extend` (or ``renew=True``
+    at acquire); ask whether it is still usable with :meth:`check` or :attr:`lost`; give it
+    back with :meth:`release` (or use it as a context manager).
     """
 
-    #: The renewer's entry for this lease's next renewal.
-    _renew_entry: Entry | None = None
+    _renew_entry: Entry | None = None  # the renewer's entry for its next renewal
 
     def extend(self, ttl: float | None = None) -> None:
         """Set the lease's remaining time to ``ttl`` seconds (default: the original ttl).
 
-        Owner-checked: raises :class:`~sa_fence.LeaseLostError` (and marks the
-        lease lost) when the lease expired or another owner holds it.  Raises
-        :class:`~sa_fence.LeaseBackendError` when Redis did not answer within the
-        failure budget (``timeout``), and :class:`~sa_fence.FencingConfigError`
-        when it refused the set-up (e.g. the ACL lacks ``PEXPIRE``).
+        Owner-checked: raises :class:`~sa_fence.LeaseLostError` (and marks the lease lost) when
+        it expired or another owner holds it, :class:`~sa_fence.LeaseBackendError` when Redis did
+        not answer within the failure budget (``timeout``), and
+        :class:`~sa_fence.FencingConfigError` when it refused the set-up (e.g. the ACL lacks
+        ``PEXPIRE``).
         """
         steps.extend(self, ttl)
 
@@ -72,13 +68,11 @@ class Lease(BaseLease["Fencer"]):
     def release(self) -> bool:
         """Give the lease back; never deletes another owner's lease.
 
-        Idempotent; stops renewal first.  Returns True when this call deleted
-        our live lease, False when it had already expired, been taken over,
-        or been released (a resend that finds the key gone within the local
-        validity counts as ours: only our delete can have removed it).  Raises
-        :class:`~sa_fence.LeaseBackendError` when Redis did not answer within
-        the failure budget (``timeout``), and :class:`~sa_fence.FencingConfigError`
-        when it refused the set-up; the lease's TTL then ends it.
+        Idempotent; stops renewal first.  Returns True when this call deleted our live lease
+        (a resend that finds the key gone within the local validity counts as ours: only our
+        delete can have removed it), False when it had already expired, been taken over, or been
+        released.  Raises :class:`~sa_fence.LeaseBackendError` or
+        :class:`~sa_fence.FencingConfigError` as :meth:`extend` does; the TTL then ends it.
         """
         with self._lock:
             if self._state.released:
@@ -90,11 +84,10 @@ class Lease(BaseLease["Fencer"]):
         return self._release_in_redis()
 
     def bind(self, session: S) -> S:
-        """Fence ``session``'s flushes with this lease's token from now on.
+        """Fence ``session``'s flushes with this lease's token from now on; returns ``session``.
 
-        The session (or its class / sessionmaker) must have the flush hook:
-        see :func:`sa_fence.install`.  A ``scoped_session`` binds its current
-        session.  Returns ``session``.
+        The session (or its class / sessionmaker) must have the flush hook: see
+        :func:`sa_fence.install`.  A ``scoped_session`` binds its current session.
         """
         bind_lease(session, self)
         return session
@@ -114,10 +107,6 @@ class Lease(BaseLease["Fencer"]):
             self._release_failed(error)
 
     def _start_renewal(self, at: float) -> None:
-        self._state.renewing = True
-        self._schedule_renewal(at)
-
-    def _schedule_renewal(self, at: float) -> None:
         with self._lock:  # release() and lose() clear renewing under it, then cancel the entry
             if self._state.renewing:
                 self._renew_entry = self.fencer._renewals.add(at, _renew, weakref.ref(self))
@@ -126,26 +115,32 @@ class Lease(BaseLease["Fencer"]):
         self.fencer._renewals.cancel(self._renew_entry)
 
 
+def _renew(ref: weakref.ref[Lease]) -> None:
+    """A renewal due; the renewer holds the lease weakly (a dropped one expires)."""
+    lease = ref()
+    if lease is not None and (at := steps.renew(lease)) is not None:  # (it never raises)
+        lease._start_renewal(at)
+
+
 Entry = tuple[float, int, Callable[..., object], tuple[object, ...]]  # (when, seq, action, args)
 
 
 class Deadlines:
     """Runs actions at monotonic deadlines on one daemon thread, started by the first entry
     and gone once none is pending: a fencer's renewer, and ``@fenced``'s ``max_hold``.
-    Not :mod:`sched`: it wakes for an earlier entry or a cancel only through a sleep
-    function of its user's, and costs ~18 more calls per renewed lease cycle."""
+    Not :mod:`sched`, which wakes for an earlier entry only through a sleep of its user's."""
 
     def __init__(self, thread_name: str) -> None:
         self._name = thread_name
         self.reset()
-        _every_deadlines.add(self)  # a forked child starts each with no thread and no entries
+        _every_deadlines.add(self)
 
     def reset(self) -> None:
-        """No thread and no entries (as a forked child starts)."""
+        """No thread and no entries, as a forked child starts: the parent renews its leases."""
         self._cond = threading.Condition()
         self._heap: list[Entry] = []
         self._live: set[int] = set()  # seqs of entries not cancelled: a cancel is O(1)
-        self._seq = itertools.count()  # orders entries of the same deadline, never compared past
+        self._seq = itertools.count()  # orders entries of the same deadline
         self._thread: threading.Thread | None = None
 
     def add(self, at: float, action: Callable[..., object], *args: object) -> Entry:
@@ -174,7 +169,7 @@ class Deadlines:
                 if self._heap[0][1] not in self._live:
                     heapq.heappop(self._heap)  # cancelled
                     continue
-                delay = self._heap[0][0] - time.monotonic()  # (tests swap the clock)
+                delay = self._heap[0][0] - time.monotonic()
                 if delay <= 0:
                     self._live.discard(self._heap[0][1])
                     return heapq.heappop(self._heap)
@@ -194,21 +189,13 @@ class Deadlines:
 _every_deadlines: weakref.WeakSet[Deadlines] = weakref.WeakSet()
 
 
-def _reset_after_fork() -> None:
-    """In a forked child (Celery's prefork pool): the parent renews its own leases."""
+def _reset_after_fork() -> None:  # in a forked child (Celery's prefork pool)
     for deadlines in list(_every_deadlines):
         deadlines.reset()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
-
-
-def _renew(ref: weakref.ref[Lease]) -> None:
-    """A renewal due on the renewer thread, which holds the lease weakly (a dropped one expires)."""
-    lease = ref()
-    if lease is not None and (at := steps.renew(lease)) is not None:  # (it never raises)
-        lease._schedule_renewal(at)
 
 
 class Script:
@@ -243,12 +230,11 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
     wrong password or database index, TLS on one side only, a missing ACL right or register) are not
     resent: they raise :class:`~sa_fence.FencingConfigError` at once, with the fix.
 
-    ``telemetry``: where metrics and spans go and how lease names are shortened
-    for them (:class:`~sa_fence.telemetry.Telemetry`); default: the global
-    OpenTelemetry providers (no-ops without an SDK).  See docs/observability.md.
+    ``telemetry``: where metrics and spans go and how lease names are shortened for them
+    (:class:`~sa_fence.telemetry.Telemetry`); default: the global OpenTelemetry providers
+    (no-ops without an SDK).  See docs/observability.md.
     """
 
-    _log = log
     _kind = "Fencer"
     _renewer_word = "renewer"
     _lease_type = Lease
@@ -265,11 +251,8 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         return self.engine
 
     def check(self) -> None:
-        """Check the token sequence and ``synchronous_commit`` now.
-
-        Runs automatically before the first token; raises
-        :class:`~sa_fence.FencingConfigError` saying how to fix what is wrong.
-        """
+        """Check the token sequence and ``synchronous_commit`` now (it runs by itself before
+        the first token); raises :class:`~sa_fence.FencingConfigError` with the fix."""
         with self._check_lock:
             self._tokens.check()
 
@@ -300,12 +283,9 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         )
 
     def close(self) -> None:
-        """Close the server connection this fencer holds for drawing tokens.
-
-        ``engine.dispose()`` does not reach it; garbage collection does, and so
-        does this.  Leases already granted keep working, and the fencer stays
-        usable: the next token opens a new connection.
-        """
+        """Close the server connection this fencer holds for drawing tokens (which
+        ``engine.dispose()`` does not reach; garbage collection does).  Granted leases keep
+        working, and the fencer stays usable: the next token opens a new connection."""
         self._tokens.close()
 
     @_telemetry.traced_acquire
@@ -328,14 +308,13 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         ``on_lost(lease)`` then runs once if it is lost.  ``fail_fast`` (default: ``renew``) makes
         bound sessions refuse to flush once the lease's local validity has passed.
 
-        Raises :class:`~sa_fence.LeaseNotAcquiredError` when another owner
-        holds it (after the wait, if blocking), :class:`~sa_fence.LeaseBackendError`
-        when Redis or PostgreSQL did not answer within the failure budget
-        (``timeout``) or is failing over (what was set is removed if possible),
-        :class:`~sa_fence.LeaseLostError` when the lease expired before its token
-        was recorded, and :class:`~sa_fence.FencingConfigError` when the set-up is
-        wrong: the sequence or register is missing or unfit, a login or ACL right
-        is refused, TLS is on one side only (checked before anything is written).
+        Raises :class:`~sa_fence.LeaseNotAcquiredError` when another owner holds it (after the
+        wait, if blocking), :class:`~sa_fence.LeaseBackendError` when Redis or PostgreSQL did not
+        answer within the failure budget (``timeout``) or is failing over (what was set is removed
+        if possible), :class:`~sa_fence.LeaseLostError` when the lease expired before its token
+        was recorded, and :class:`~sa_fence.FencingConfigError` when the set-up is wrong: the
+        sequence or register is missing or unfit, a login or ACL right is refused, TLS is on one
+        side only (checked before anything is written).
         """
         lease: Lease = steps.acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
         return lease
@@ -352,12 +331,9 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         on_lost: OnLost | None = None,
         fail_fast: bool | None = None,
     ) -> Iterator[Lease]:
-        """``with fencer.lease(name, ttl) as lease:`` acquires, then releases on exit.
-
-        Takes the same arguments as :meth:`acquire`.  The body never runs
-        without the lease.  If Redis cannot be reached to release it, a
-        warning is logged instead of raising: the lease's TTL ends it.
-        """
+        """``with fencer.lease(name, ttl) as lease:`` acquires (same arguments as
+        :meth:`acquire`), then releases on exit.  The body never runs without the lease; if Redis
+        cannot be reached to release it, a warning is logged instead: the lease's TTL ends it."""
         with self.acquire(
             name,
             ttl,
@@ -374,16 +350,7 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
     def _next_token(self, name: str) -> int:
         return self._tokens.next_token(name)
 
-    def _release_quietly(self, key: str, values: list[str]) -> None:
-        steps.release_quietly(self, key, values)
-
-    @staticmethod
-    def _io(result: T) -> T:
-        return result  # the call was made already
-
-    @staticmethod
-    def _sleep(seconds: float) -> None:
-        time.sleep(seconds)
-
+    _io = staticmethod(lambda result: result)  # the call was made already
+    _sleep = staticmethod(lambda seconds: time.sleep(seconds))  # (tests swap the clock)
     _probe = staticmethod(probe_speaks)
     _script = Script

@@ -1,14 +1,10 @@
-"""The lease lifecycle, written once for both front ends, over its two base classes.
+"""The lease lifecycle, written once for both front ends over their base classes
+:class:`FencerCore` and :class:`BaseLease`: acquire, extend, renew, release and loss.
 
-:class:`FencerCore` and :class:`BaseLease` are what ``Fencer``/``AsyncFencer``
-and ``Lease``/``AsyncLease`` share.  Acquire, extend, renew and release make
-every I/O call through the fencer::
-
-    reply = fencer._io(fencer._acquire(keys=[key], args=[owner, ttl_ms]))
-
-A sync fencer makes the call there and then and its ``_io`` hands the reply back; an async one runs
-each operation in a greenlet and its ``_io`` awaits with ``await_only``, so one ``try``/``except``
-serves both.  Why greenlet, and the interface the integrations use: docs/architecture.md.
+Each I/O call goes through the fencer: ``fencer._io(fencer._acquire(keys=[key], args=[...]))``.
+A sync fencer has made the call and its ``_io`` returns the reply; an async one runs each operation
+in a greenlet and its ``_io`` awaits with ``await_only``, so one ``try``/``except`` serves both.
+Why greenlet, and the interface the integrations use: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -51,8 +47,7 @@ if TYPE_CHECKING:
 
 DEFAULT_KEY_PREFIX = "sa_fence:"
 
-#: The lease core's records keep the logger they have always had.
-log = logging.getLogger("sa_fence._lease")
+log = logging.getLogger("sa_fence._lease")  # the logger the lease core's records always had
 
 R = TypeVar("R")
 E = TypeVar("E")
@@ -81,8 +76,7 @@ def acquire(
     if not tokens.checked:
         try:
             f._io(f.check())
-        except SQLAlchemyError as exc:
-            # the chain adds nothing to the error's own cause (its .cause)
+        except SQLAlchemyError as exc:  # (raised from None: the error's .cause keeps exc)
             raise token_error(
                 name, exc, tokens.lock_timeout_ms, operation="check", sequence=f.sequence
             ) from None
@@ -104,11 +98,8 @@ def acquire(
         if not granted and isinstance(exc, FenceError):
             raise  # contention (nothing of ours set), or _grant already cleaned up
         # Failed, or cancelled at an await: whatever we may have set goes.
-        f._io(
-            f._release_quietly(
-                key, [owner] if token is None else [proto.confirmed_value(owner, token), owner]
-            )
-        )
+        values = [owner] if token is None else [proto.confirmed_value(owner, token), owner]
+        f._io(f._release_quietly(key, values))
         raise
     if int(remaining) < 0:
         # Lost before the token was confirmed: the token was never used, so
@@ -120,6 +111,7 @@ def acquire(
         f, name, key, owner, token, ttl, value, started, ttl_ms, fail_fast, on_lost
     )
     if renew:
+        lease._state.renewing = True
         lease._start_renewal(started + f.renew_fraction * ttl_ms / 1000)
     return lease
 
@@ -137,19 +129,14 @@ def _grant(
         try:
             reply = f._io(f._acquire(keys=[key], args=[owner, ttl_ms]))
         except REDIS_ERRORS as exc:
+            now = time.monotonic()
             wait = attempts.on_failure(
-                classify_redis(exc),
-                sent_at=sent_at,
-                now=time.monotonic(),
-                rand=random.random(),
+                classify_redis(exc), sent_at=sent_at, now=now, rand=random.random()
             )
             if wait is None:
-                # Not "acquired", not "not acquired".  Remove what a lost ACQUIRE may have set (the
-                # TTL ends it otherwise): not after a failure that proves nothing was set, nor when
-                # the call would not end within the budget (a Redis that stopped answering).
-                if attempts.unknown_since is not None and attempts.failed.fits_another(
-                    time.monotonic()
-                ):
+                # Neither granted nor refused: remove what a lost ACQUIRE may have set, unless
+                # nothing can have been set or the call would not end within the budget.
+                if attempts.unknown_since is not None and attempts.failed.fits_another(now):
                     f._io(f._release_quietly(key, [owner]))
                 raise _error(f, name, "acquire", exc, attempts.failed) from None
             f._sleep(wait)
@@ -196,20 +183,6 @@ def _error(
         wait = min(0.5, max(0.05, budget.remaining(time.monotonic())))  # 0.05 to 0.5 s
         speaks = f._probe(target[0], target[1], wait)
     return redis_error(name, operation, exc, budget.failures, target=target, speaks=speaks)
-
-
-def release_quietly(f: FencerCore[Any, Any], key: str, values: list[str]) -> None:
-    """Owner-checked clean-up after a failed or cancelled acquire, one attempt per value."""
-    for value in values:
-        try:
-            f._io(f._release(keys=[key], args=[value]))
-        except REDIS_ERRORS as exc:
-            f._log.debug(
-                "could not remove lease %s after a failed acquire (%s); its TTL ends it",
-                key,
-                cause_text(exc),
-            )
-            return
 
 
 def extend(lease: Any, ttl: float | None) -> None:
@@ -300,16 +273,15 @@ def lose(lease: BaseLease[Any], message: str) -> None:
     lease._after_lost()
 
 
-# ------------------------------------------------------------ the fencers
+# ------------------------------------------------------------ the base classes
 
 
 class FencerCore(Generic[R, E]):
     """What both fencers hold and do without I/O (``R``: the Redis client type, ``E``: engine)."""
 
-    #: The front end's logger, class name in errors, and word for its renewer.
-    _log: ClassVar[logging.Logger]
-    _kind: ClassVar[str]
-    _renewer_word: ClassVar[str]
+    _log: ClassVar[logging.Logger] = log
+    _kind: ClassVar[str]  # the class name in errors
+    _renewer_word: ClassVar[str]  # what renews, in a warning
     _lease_type: ClassVar[type[Any]]
     _script: Callable[[Any, str], Any]  # (client, Lua text) -> callable(keys=, args=)
 
@@ -349,22 +321,32 @@ class FencerCore(Generic[R, E]):
         """Check the client and engine, set up the front end; return the token Engine."""
         raise NotImplementedError
 
-    # The front end's I/O: each returns the reply, or (asyncio) an awaitable of it,
-    # and _io turns that into the reply (sync: the reply itself; asyncio: awaited).
+    # The front end's I/O: each returns the reply or (asyncio) an awaitable, which _io turns
+    # into the reply.
     check: Callable[[], Awaitable[None] | None]
     _io: Callable[[Any], Any]
     _next_token: Callable[[str], Any]
-    _release_quietly: Callable[[str, list[str]], object]
     _sleep: Callable[[float], Any]
     _probe: Callable[[str, int, float], Any]
+
+    def _release_quietly(self, key: str, values: list[str]) -> Any:
+        """Owner-checked clean-up after a failed or cancelled acquire, one attempt per value."""
+        for value in values:
+            try:
+                self._io(self._release(keys=[key], args=[value]))
+            except REDIS_ERRORS as exc:
+                self._log.debug(
+                    "could not remove lease %s after a failed acquire (%s); its TTL ends it",
+                    key,
+                    cause_text(exc),
+                )
+                return
 
     @property
     def sequence(self) -> str:
         return self._tokens.sequence
 
-    # Package-internal (no docstring, so not on the API page): the flush hook
-    # reads the register and the database's identity of this fencer's tokens.
-    @property
+    @property  # package-internal, so no docstring (nor an API entry): for the flush hook
     def token_source(self) -> TokenSource:
         return self._tokens
 
@@ -386,8 +368,6 @@ class FencerCore(Generic[R, E]):
             )
 
 
-# ------------------------------------------------------------ the lease core
-
 FencerT = TypeVar("FencerT", bound=FencerView)
 
 #: Fencers that already logged "a lease was released without being bound".
@@ -395,8 +375,7 @@ _warned_unbound: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _warn_never_bound(lease: BaseLease[Any]) -> None:
-    """Say once per Fencer that a lease fenced nothing (release is the one cheap place
-    that sees it: a session without the hook runs no sa-fence code at all)."""
+    """Once per Fencer: release is the one cheap place that sees a lease fenced nothing."""
     if lease.fencer in _warned_unbound:
         return
     _warned_unbound.add(lease.fencer)
@@ -417,8 +396,7 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
     """What a holder knows about a granted lease, without I/O: its state, its validity
     on this process's monotonic clock, and the "is it still usable" checks."""
 
-    #: The front end's logger (for what only one front end logs).
-    _log = log
+    _log = log  # the front end's logger
 
     def __init__(
         self,
@@ -444,12 +422,8 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
         self.acquired_at = acquired_at
         self._ttl_ms = ttl_ms
         self._lock = threading.Lock()
-        self._state = proto.LeaseState(
-            name=name,
-            token=token,
-            valid_until=proto.valid_until(acquired_at, ttl_ms),
-            fail_fast=fail_fast,
-        )
+        valid_until = proto.valid_until(acquired_at, ttl_ms)
+        self._state = proto.LeaseState(name, token, valid_until, fail_fast)
         self._on_lost = on_lost
         self._renew_failures = 0
 
@@ -464,28 +438,20 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
 
     @property
     def lost(self) -> bool:
-        """True once the lease is known to be gone.
-
-        Set when renewal or :meth:`extend` found another owner or no lease, or when a renewed
-        lease's local validity ran out without a successful renewal.  Never goes back to False.
-        """
+        """True once the lease is known to be gone, for good: renewal or :meth:`extend` found
+        another owner or no lease, or a renewed lease's local validity ran out unrenewed."""
         self._notice_overdue()
         return self._state.lost is not None
 
     def remaining(self) -> float:
-        """Seconds of local validity left (0.0 once passed), on the monotonic clock.
-
-        The lease is surely still ours in Redis before this runs out (unless
-        someone deleted the key); after it, it may be another owner's.
-        """
+        """Seconds of local validity left (0.0 once passed), on the monotonic clock: the lease
+        is surely ours in Redis until then (unless the key was deleted), maybe not after."""
         return max(0.0, self._state.valid_until - time.monotonic())
 
     @property
     def lost_reason(self) -> str | None:
-        """Why the lease was lost (what :class:`~sa_fence.LeaseLostError` says), or None.
-
-        None exactly while :attr:`lost` is False (an overdue renewal counts for both).
-        """
+        """Why the lease was lost (what :class:`~sa_fence.LeaseLostError` says), or None
+        exactly while :attr:`lost` is False (an overdue renewal counts for both)."""
         self._notice_overdue()
         return self._state.lost
 
@@ -534,11 +500,13 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
             )
         return deleted
 
-    #: Renew this lease from a monotonic time on (the front end's renewer).
-    _start_renewal: Callable[[float], None]
+    _start_renewal: Callable[[float], None]  # renew from this monotonic time on (state.renewing)
 
     def _stop_renewal(self) -> None:
         """Stop renewing this lease (the front end's renewer)."""
+
+    def _after_lost(self) -> None:
+        """Run after ``on_lost`` (the asyncio front end cancels fenced bodies here)."""
 
     def _release_failed(self, exc: LeaseBackendError | FencingConfigError) -> None:
         """The release on leaving a ``with`` block failed: the TTL ends the lease."""
@@ -549,9 +517,6 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
             cause_text(exc.cause) if exc.cause is not None else exc,
             extra=_telemetry.log_extra(self, "release_failed"),
         )
-
-    def _after_lost(self) -> None:
-        """Run after ``on_lost`` (the asyncio front end cancels fenced bodies here)."""
 
     def _notice_overdue(self) -> None:
         if self._state.overdue(time.monotonic()):
