@@ -21,7 +21,6 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -83,9 +82,6 @@ class AsyncLease(BaseLease["AsyncFencer"]):
     _log = log
     _renewal: asyncio.Task[None] | None = None
     _releasing: asyncio.Task[bool] | None = None
-    #: Run after on_lost: the decorator's "cancel the body" hooks (add_loss_hook); a tuple,
-    #: replaced rather than mutated, so it needs no per-instance set-up.
-    _loss_hooks: tuple[Callable[[], object], ...] = ()
 
     async def extend(self, ttl: float | None = None) -> None:
         """As :meth:`sa_fence.Lease.extend`.  Cancelled before Redis answered, nothing changes
@@ -124,12 +120,7 @@ class AsyncLease(BaseLease["AsyncFencer"]):
     async def __aenter__(self) -> AsyncLease:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         try:
             await self.release()
         except (LeaseBackendError, FencingConfigError) as error:
@@ -151,22 +142,6 @@ class AsyncLease(BaseLease["AsyncFencer"]):
         task = self._renewal
         if task is not None and task is not asyncio.current_task():
             task.cancel()
-
-    def _after_lost(self) -> None:
-        for hook in self._loss_hooks:
-            try:
-                hook()
-            except Exception:
-                log.exception("loss hook of lease %r raised", self.name)
-
-
-def add_loss_hook(lease: AsyncLease, hook: Callable[[], object]) -> None:
-    """Run ``hook()`` after ``on_lost`` if ``lease`` is lost (until removed)."""
-    lease._loss_hooks = (*lease._loss_hooks, hook)
-
-
-def remove_loss_hook(lease: AsyncLease, hook: Callable[[], object]) -> None:
-    lease._loss_hooks = tuple(h for h in lease._loss_hooks if h is not hook)
 
 
 class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngine]):

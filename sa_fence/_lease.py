@@ -16,7 +16,6 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis as redis_lib
@@ -95,12 +94,7 @@ class Lease(BaseLease["Fencer"]):
     def __enter__(self) -> Lease:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         try:
             self.release()
         except (LeaseBackendError, FencingConfigError) as error:

@@ -84,10 +84,9 @@ def acquire(
         f._warn_if_unbounded()
     owner = proto.new_owner()
     token: int | None = None
-    granted = False
+    started: float | None = None
     try:
         started = _grant(f, name, key, owner, ttl_ms, max_wait)
-        granted = True
         try:
             token = f._io(f._next_token(name))
         except SQLAlchemyError as exc:
@@ -95,7 +94,7 @@ def acquire(
         value = proto.confirmed_value(owner, token)
         remaining, _ = call(f, name, "confirm", f._confirm, key, owner, value)
     except BaseException as exc:
-        if not granted and isinstance(exc, FenceError):
+        if started is None and isinstance(exc, FenceError):
             raise  # contention (nothing of ours set), or _grant already cleaned up
         # Failed, or cancelled at an await: whatever we may have set goes.
         values = [owner] if token is None else [proto.confirmed_value(owner, token), owner]
@@ -270,7 +269,20 @@ def lose(lease: BaseLease[Any], message: str) -> None:
             lease._on_lost(lease)
         except Exception:
             log.exception("on_lost callback of lease %r raised", lease.name)
-    lease._after_lost()
+    for hook in lease._loss_hooks:
+        try:
+            hook()
+        except Exception:
+            lease._log.exception("loss hook of lease %r raised", lease.name)
+
+
+def add_loss_hook(lease: BaseLease[Any], hook: Callable[[], object]) -> None:
+    """Run ``hook()`` after ``on_lost`` if ``lease`` is lost (until removed)."""
+    lease._loss_hooks = (*lease._loss_hooks, hook)
+
+
+def remove_loss_hook(lease: BaseLease[Any], hook: Callable[[], object]) -> None:
+    lease._loss_hooks = tuple(h for h in lease._loss_hooks if h is not hook)
 
 
 # ------------------------------------------------------------ the base classes
@@ -317,12 +329,9 @@ class FencerCore(Generic[R, E]):
         #: where metrics and spans go (None: the global providers; docs/observability.md)
         self._telemetry = telemetry
 
-    def _start(self, redis: object, engine: E) -> Engine:
-        """Check the client and engine, set up the front end; return the token Engine."""
-        raise NotImplementedError
-
-    # The front end's I/O: each returns the reply or (asyncio) an awaitable, which _io turns
-    # into the reply.
+    # The front end's set-up (check the client and engine; return the token Engine), and its
+    # I/O: each returns the reply or (asyncio) an awaitable of it, which _io turns into the reply.
+    _start: Callable[[object, E], Engine]
     check: Callable[[], Awaitable[None] | None]
     _io: Callable[[Any], Any]
     _next_token: Callable[[str], Any]
@@ -355,9 +364,7 @@ class FencerCore(Generic[R, E]):
         return self.key_prefix + proto.check_name(name)
 
     def _warn_if_unbounded(self) -> None:
-        if self._warned_no_timeout:
-            return
-        if client_socket_timeout(self.redis) is None:
+        if not self._warned_no_timeout and client_socket_timeout(self.redis) is None:
             self._warned_no_timeout = True
             self._log.warning(
                 "renewed leases on a Redis client without socket_timeout: a Redis that "
@@ -397,6 +404,9 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
     on this process's monotonic clock, and the "is it still usable" checks."""
 
     _log = log  # the front end's logger
+    #: Run after on_lost: ``@fenced``'s "cancel the body" hooks (add_loss_hook); a tuple,
+    #: replaced rather than mutated, so it needs no per-instance set-up.
+    _loss_hooks: tuple[Callable[[], object], ...] = ()
 
     def __init__(
         self,
@@ -500,13 +510,9 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
             )
         return deleted
 
-    _start_renewal: Callable[[float], None]  # renew from this monotonic time on (state.renewing)
-
-    def _stop_renewal(self) -> None:
-        """Stop renewing this lease (the front end's renewer)."""
-
-    def _after_lost(self) -> None:
-        """Run after ``on_lost`` (the asyncio front end cancels fenced bodies here)."""
+    # The front end's renewer: renew from this monotonic time on (state.renewing), and stop.
+    _start_renewal: Callable[[float], None]
+    _stop_renewal: Callable[[], None]
 
     def _release_failed(self, exc: LeaseBackendError | FencingConfigError) -> None:
         """The release on leaving a ``with`` block failed: the TTL ends the lease."""
