@@ -207,7 +207,11 @@ class Script:
             return self.client.execute_command("EVALSHA", self.sha, 1, *keys, *args)
 
 
-class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
+#: ``Fencer.acquire``, measured (``lease()`` calls it too, with the arguments in order).
+_acquire = _telemetry.traced_acquire(steps.acquire)
+
+
+class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine", Lease]):
     """Grants leases (Redis) that carry fencing tokens (PostgreSQL sequence).
 
     ``redis`` is a ``redis.Redis`` client; ``engine`` is the SQLAlchemy engine of the database that
@@ -282,7 +286,6 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         working, and the fencer stays usable: the next token opens a new connection."""
         self._tokens.close()
 
-    @_telemetry.traced_acquire
     def acquire(
         self,
         name: str,
@@ -310,8 +313,7 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         sequence or register is missing or unfit, a login or ACL right is refused, TLS is on one
         side only (checked before anything is written).
         """
-        lease: Lease = steps.acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
-        return lease
+        return _acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
 
     @contextmanager
     def lease(
@@ -328,15 +330,7 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         """``with fencer.lease(name, ttl) as lease:`` acquires (same arguments as
         :meth:`acquire`), then releases on exit.  The body never runs without the lease; if Redis
         cannot be reached to release it, a warning is logged instead: the lease's TTL ends it."""
-        with self.acquire(
-            name,
-            ttl,
-            blocking=blocking,
-            timeout=timeout,
-            renew=renew,
-            on_lost=on_lost,
-            fail_fast=fail_fast,
-        ) as lease:
+        with _acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast) as lease:
             yield lease
 
     # ------------------------------------------------------ I/O (see _lifecycle)

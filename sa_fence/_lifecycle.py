@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeAlias, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -51,13 +51,15 @@ log = logging.getLogger("sa_fence._lease")  # the logger the lease core's record
 
 R = TypeVar("R")
 E = TypeVar("E")
+LeaseT = TypeVar("LeaseT", bound="BaseLease[Any]")
+AnyFencer: TypeAlias = "FencerCore[Any, Any, Any]"
 
 
 # ---------------------------------------------------------------- the steps
 
 
 def acquire(
-    f: FencerCore[Any, Any],
+    f: FencerCore[Any, Any, LeaseT],
     name: str,
     ttl: float,
     blocking: bool,
@@ -65,7 +67,7 @@ def acquire(
     renew: bool,
     on_lost: Any,
     fail_fast: bool | None,
-) -> Any:
+) -> LeaseT:
     """Validate, grant, draw the token, confirm it and return the front end's lease;
     after a failure or cancellation, what this owner may have set in Redis goes first."""
     key = f.key_prefix + proto.check_name(name)  # f.key(name), one call fewer
@@ -115,9 +117,7 @@ def acquire(
     return lease
 
 
-def _grant(
-    f: FencerCore[Any, Any], name: str, key: str, owner: str, ttl_ms: int, max_wait: float
-) -> float:
+def _grant(f: AnyFencer, name: str, key: str, owner: str, ttl_ms: int, max_wait: float) -> float:
     """Run ACQUIRE until granted; return the monotonic time validity counts from."""
     waited_from = time.monotonic()
     attempts = proto.AcquireAttempts(
@@ -151,7 +151,7 @@ def _grant(
 
 
 def call(
-    f: FencerCore[Any, Any], name: str, operation: str, script: Any, key: str, *args: object
+    f: AnyFencer, name: str, operation: str, script: Any, key: str, *args: object
 ) -> tuple[Any, int]:
     """Send an idempotent script call, resent within the failure budget while a resend
     may fix its failure; (its reply, how many sends failed before)."""
@@ -172,7 +172,7 @@ def call(
 
 
 def _error(
-    f: FencerCore[Any, Any], name: str, operation: str, exc: BaseException, budget: FailureBudget
+    f: AnyFencer, name: str, operation: str, exc: BaseException, budget: FailureBudget
 ) -> FenceError:
     """The error for a Redis call that failed for good; probes the server first (within
     the budget) when nothing was sent: TLS on one side only looks like an outage."""
@@ -288,13 +288,13 @@ def remove_loss_hook(lease: BaseLease[Any], hook: Callable[[], object]) -> None:
 # ------------------------------------------------------------ the base classes
 
 
-class FencerCore(Generic[R, E]):
-    """What both fencers hold and do without I/O (``R``: the Redis client type, ``E``: engine)."""
+class FencerCore(Generic[R, E, LeaseT]):
+    """What both fencers hold and do without I/O, generic in their client, engine and lease."""
 
     _log: ClassVar[logging.Logger] = log
     _kind: ClassVar[str]  # the class name in errors
     _renewer_word: ClassVar[str]  # what renews, in a warning
-    _lease_type: ClassVar[type[Any]]
+    _lease_type: type[LeaseT]
     _script: Callable[[Any, str], Any]  # (client, Lua text) -> callable(keys=, args=)
 
     def __init__(
