@@ -73,11 +73,9 @@ async def _renew(ref: weakref.ref[AsyncLease], at: float | None) -> None:
 
 
 class AsyncLease(BaseLease["AsyncFencer"]):
-    """A granted lease for asyncio: ``name``, ``owner``, ``token``, ``ttl``.
-
-    As :class:`sa_fence.Lease`, with ``await lease.extend()``, ``await lease.release()`` and
-    ``async with``.  :meth:`bind` takes an ``AsyncSession`` (or a sync ``Session``).
-    """
+    """A granted lease for asyncio: ``name``, ``owner``, ``token``, ``ttl``.  As
+    :class:`sa_fence.Lease`, with ``await lease.extend()``, ``await lease.release()`` and
+    ``async with``; :meth:`bind` takes an ``AsyncSession`` (or a sync ``Session``)."""
 
     _log = log
     _renewal: asyncio.Task[None] | None = None
@@ -91,13 +89,10 @@ class AsyncLease(BaseLease["AsyncFencer"]):
 
     @_telemetry.traced_release_async
     async def release(self) -> bool:
-        """Give the lease back; never deletes another owner's lease.
-
-        As :meth:`sa_fence.Lease.release`, except that the lease is marked released only once
-        Redis has answered: renewal stops at once, the owner-checked delete runs in a shielded
-        task (cancelling the caller does not cancel it), and if Redis does not answer
-        (:class:`~sa_fence.LeaseBackendError`) the lease stays unreleased for a later ``release()``.
-        """
+        """Give the lease back, as :meth:`sa_fence.Lease.release`, except that the lease is
+        marked released only once Redis has answered: renewal stops at once, the owner-checked
+        delete runs in a shielded task (cancelling the caller does not cancel it), and if Redis
+        does not answer (:class:`~sa_fence.LeaseBackendError`) it stays unreleased, to retry."""
         if self._state.released:
             return False
         self._stop_renewal()  # before the delete: never extend after release
@@ -148,18 +143,16 @@ class AsyncLease(BaseLease["AsyncFencer"]):
 async def _acquire(fencer: AsyncFencer, *args: Any) -> AsyncLease:
     """``AsyncFencer.acquire``, measured: the lifecycle's acquire in a greenlet (``lease()``
     calls it too, with the arguments in order)."""
-    lease: AsyncLease = await greenlet_spawn(steps.acquire, fencer, *args)
-    return lease
+    return await greenlet_spawn(steps.acquire, fencer, *args)
 
 
 class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngine, AsyncLease]):
     """Grants leases (Redis) that carry fencing tokens (PostgreSQL sequence), for asyncio.
 
-    ``redis`` is a ``redis.asyncio.Redis`` (or ``RedisCluster``) client; ``engine`` is the
-    ``AsyncEngine`` of the database that holds the fenced rows *and* the token sequence, through
-    psycopg 3 (``postgresql+psycopg_async://``).  Everything else is as for
-    :class:`sa_fence.Fencer`, ``timeout`` (the failure budget) included; renewed leases are
-    extended by one asyncio task per lease.
+    ``redis``: a ``redis.asyncio.Redis`` (or ``RedisCluster``) client; ``engine``: the
+    ``AsyncEngine`` (``postgresql+psycopg_async://``) of the database that holds the fenced rows
+    *and* the token sequence.  The rest is as for :class:`sa_fence.Fencer`, ``timeout`` (the
+    failure budget) included; renewed leases are extended by one asyncio task per lease.
     """
 
     _log = log

@@ -43,36 +43,30 @@ OnLost = Callable[["Lease"], object]
 
 
 class Lease(BaseLease["Fencer"]):
-    """A granted lease: ``name``, ``owner``, ``token``, ``ttl``.
-
-    Bind it to sessions with :meth:`bind`; keep it alive with :meth:`extend` (or ``renew=True``
-    at acquire); ask whether it is still usable with :meth:`check` or :attr:`lost`; give it
-    back with :meth:`release` (or use it as a context manager).
-    """
+    """A granted lease: ``name``, ``owner``, ``token``, ``ttl``.  Bind it to sessions with
+    :meth:`bind`, keep it alive with :meth:`extend` (or ``renew=True`` at acquire), ask whether it
+    is still usable with :meth:`check` or :attr:`lost`, give it back with :meth:`release` (or use
+    it as a context manager)."""
 
     _renew_entry: Entry | None = None  # the renewer's entry for its next renewal
 
     def extend(self, ttl: float | None = None) -> None:
         """Set the lease's remaining time to ``ttl`` seconds (default: the original ttl).
 
-        Owner-checked: raises :class:`~sa_fence.LeaseLostError` (and marks the lease lost) when
-        it expired or another owner holds it, :class:`~sa_fence.LeaseBackendError` when Redis did
-        not answer within the failure budget (``timeout``), and
-        :class:`~sa_fence.FencingConfigError` when it refused the set-up (e.g. the ACL lacks
-        ``PEXPIRE``).
+        Owner-checked: raises :class:`~sa_fence.LeaseLostError` (and marks the lease lost) when it
+        expired or another owner holds it, :class:`~sa_fence.LeaseBackendError` when Redis did not
+        answer within the failure budget, :class:`~sa_fence.FencingConfigError` when it refused the
+        set-up (e.g. the ACL lacks ``PEXPIRE``).
         """
         steps.extend(self, ttl)
 
     @_telemetry.traced_release
     def release(self) -> bool:
-        """Give the lease back; never deletes another owner's lease.
-
-        Idempotent; stops renewal first.  Returns True when this call deleted our live lease
-        (a resend that finds the key gone within the local validity counts as ours: only our
-        delete can have removed it), False when it had already expired, been taken over, or been
-        released.  Raises :class:`~sa_fence.LeaseBackendError` or
-        :class:`~sa_fence.FencingConfigError` as :meth:`extend` does; the TTL then ends it.
-        """
+        """Give the lease back; never deletes another owner's lease.  Idempotent; stops renewal
+        first.  True when this call deleted our live lease (a resend finding the key gone within
+        the local validity counts: only our delete can have removed it), False when it had already
+        expired, been taken over, or been released.  Raises :class:`~sa_fence.LeaseBackendError`
+        or :class:`~sa_fence.FencingConfigError` as :meth:`extend` does; the TTL then ends it."""
         with self._lock:
             if self._state.released:
                 return False
@@ -83,11 +77,9 @@ class Lease(BaseLease["Fencer"]):
         return self._release_in_redis()
 
     def bind(self, session: S) -> S:
-        """Fence ``session``'s flushes with this lease's token from now on; returns ``session``.
-
-        The session (or its class / sessionmaker) must have the flush hook: see
-        :func:`sa_fence.install`.  A ``scoped_session`` binds its current session.
-        """
+        """Fence ``session``'s flushes with this lease's token from now on; returns ``session``,
+        which (or whose class or sessionmaker) must have the flush hook (:func:`sa_fence.install`).
+        A ``scoped_session`` binds its current session."""
         bind_lease(session, self)
         return session
 
@@ -214,23 +206,19 @@ _acquire = _telemetry.traced_acquire(steps.acquire)
 class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine", Lease]):
     """Grants leases (Redis) that carry fencing tokens (PostgreSQL sequence).
 
-    ``redis`` is a ``redis.Redis`` client; ``engine`` is the SQLAlchemy engine of the database that
-    holds the fenced rows *and* the token sequence. Leases are stored under ``key_prefix + name``.
-    Renewed leases (``renew=True``) are extended after ``renew_fraction`` of their TTL by one
-    background thread per Fencer, which runs only while such leases exist.
+    ``redis``: a ``redis.Redis`` client; ``engine``: the engine of the database that holds the
+    fenced rows *and* the token sequence.  Leases are stored under ``key_prefix + name``; renewed
+    ones (``renew=True``) are extended after ``renew_fraction`` of their TTL by one background
+    thread per Fencer, which runs only while such leases exist.
 
-    ``timeout`` is the failure budget in seconds (default 5): how long one acquire (apart from
-    waiting for a busy lease), extend, release or token draw may spend on a failing Redis or
-    PostgreSQL, a grant's wait for a committing holder (the register row's lock) included.  A failed
-    call is resent at most three times, and only while the next attempt, judged by the last, ends
-    within the budget; one call lasts as long as the client lets it (its ``socket_timeout`` and
-    ``retry``), so give the client a ``socket_timeout`` well below the budget.  Set-up mistakes (a
-    wrong password or database index, TLS on one side only, a missing ACL right or register) are not
-    resent: they raise :class:`~sa_fence.FencingConfigError` at once, with the fix.
-
-    ``telemetry``: where metrics and spans go and how lease names are shortened for them
-    (:class:`~sa_fence.telemetry.Telemetry`); default: the global OpenTelemetry providers
-    (no-ops without an SDK).  See docs/observability.md.
+    ``timeout``: the failure budget in seconds (default 5) of one acquire (apart from waiting for a
+    busy lease), extend, release or token draw on a failing Redis or PostgreSQL, a grant's wait for
+    a committing holder included.  A failed call is resent at most three times, while the next one,
+    as long as the last, ends within the budget: give the client a ``socket_timeout`` well below
+    it.  Set-up mistakes (a wrong password or database index, TLS on one side only, a missing ACL
+    right or register) are not resent: they raise :class:`~sa_fence.FencingConfigError`, with the
+    fix.  ``telemetry``: where metrics and spans go and how lease names are shortened for them
+    (:class:`~sa_fence.telemetry.Telemetry`; default: the global OpenTelemetry providers).
     """
 
     _kind = "Fencer"
@@ -261,15 +249,13 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine", Le
         longest_lease: float | timedelta,
         dry_run: bool = False,
     ) -> PruneResult:
-        """Delete the lease register's rows of names that no one holds and that were
-        last granted more than ``older_than`` ago (seconds, or a ``timedelta``).
+        """Delete the lease register's rows of names no one holds in Redis, last granted more
+        than ``older_than`` ago (seconds, or a ``timedelta``); ``dry_run`` only reports them.
 
-        ``longest_lease`` is the longest a lease of yours can last from its grant to its last commit
-        (renewals included); an ``older_than`` shorter than it raises ValueError.  A name held in
-        Redis is kept whatever its age, a row only while it holds the token read (a grant in between
-        survives), and a stale holder of a pruned name is still refused at commit.  ``dry_run``
-        deletes nothing and reports what would go.  Returns a :class:`PruneResult` (rows and bytes
-        removed).  ``sa-fence prune`` does the same; see docs/operations.md#retention.
+        ``longest_lease``: the longest a lease of yours lasts from its grant to its last commit
+        (an ``older_than`` below it raises ValueError).  A row goes only while it holds the token
+        read (a grant in between survives); a stale holder of a pruned name is still refused at
+        commit.  Returns a :class:`PruneResult`.  As ``sa-fence prune`` (docs/operations.md).
         """
         return _prune.prune(
             self.engine,
@@ -299,19 +285,18 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine", Le
     ) -> Lease:
         """Take lease ``name`` for ``ttl`` seconds and draw its token.
 
-        ``blocking=True`` waits while another owner holds the lease, with exponential backoff and
-        full jitter, for at most ``timeout`` seconds (default: ``ttl``) on the monotonic clock.
-        ``renew=True`` keeps the lease alive in the background until it is released or lost;
-        ``on_lost(lease)`` then runs once if it is lost.  ``fail_fast`` (default: ``renew``) makes
-        bound sessions refuse to flush once the lease's local validity has passed.
+        ``blocking=True`` waits while another owner holds it, with exponential backoff and full
+        jitter, for at most ``timeout`` seconds (default: ``ttl``).  ``renew=True`` keeps it alive
+        in the background until it is released or lost; ``on_lost(lease)`` then runs once if it is
+        lost.  ``fail_fast`` (default: ``renew``) makes bound sessions refuse to flush once the
+        lease's local validity has passed.
 
         Raises :class:`~sa_fence.LeaseNotAcquiredError` when another owner holds it (after the
         wait, if blocking), :class:`~sa_fence.LeaseBackendError` when Redis or PostgreSQL did not
-        answer within the failure budget (``timeout``) or is failing over (what was set is removed
-        if possible), :class:`~sa_fence.LeaseLostError` when the lease expired before its token
-        was recorded, and :class:`~sa_fence.FencingConfigError` when the set-up is wrong: the
-        sequence or register is missing or unfit, a login or ACL right is refused, TLS is on one
-        side only (checked before anything is written).
+        answer within the failure budget or is failing over (what was set is removed if possible),
+        :class:`~sa_fence.LeaseLostError` when the lease expired before its token was recorded, and
+        :class:`~sa_fence.FencingConfigError`, with the fix, when the set-up is wrong (a missing or
+        unfit sequence or register, a refused login or ACL right, TLS on one side only).
         """
         return _acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
 

@@ -98,13 +98,12 @@ def acquire(
     except BaseException as exc:
         if started is None and isinstance(exc, FenceError):
             raise  # contention (nothing of ours set), or _grant already cleaned up
-        # Failed, or cancelled at an await: whatever we may have set goes.
+        # failed, or cancelled at an await: whatever we may have set goes
         values = [owner] if token is None else [proto.confirmed_value(owner, token), owner]
         f._io(f._release_quietly(key, values))
         raise
     if int(remaining) < 0:
-        # Lost before the token was confirmed: the token was never used, so
-        # the register goes back to the live holder's (if it still holds ours).
+        # lost before the token was confirmed, so never used: the register goes back
         tokens.withdraw(name, token)  # sync code, in the async front end's greenlet
         raise LeaseLostError(proto.confirm_lost_message(name, token))
     fail_fast = renew if fail_fast is None else fail_fast
@@ -314,8 +313,7 @@ class FencerCore(Generic[R, E, LeaseT]):
         self.redis = redis
         self.key_prefix = proto.check_prefix(key_prefix)
         self.renew_fraction = proto.check_renew_fraction(renew_fraction)
-        #: the failure budget, in seconds (see the class docstring)
-        self.timeout = check_budget(redis, timeout, self._kind)
+        self.timeout = check_budget(redis, timeout, self._kind)  # the failure budget, in seconds
         # the register's lock wait is bounded by the same budget
         self._tokens = TokenSource(
             sync_engine, sequence, lock_timeout_ms=max(1, math.ceil(self.timeout * 1000))
@@ -326,8 +324,7 @@ class FencerCore(Generic[R, E, LeaseT]):
         self._extend = script(redis, proto.EXTEND_SCRIPT)
         self._release = script(redis, proto.RELEASE_SCRIPT)
         self._warned_no_timeout = False
-        #: where metrics and spans go (None: the global providers; docs/observability.md)
-        self._telemetry = telemetry
+        self._telemetry = telemetry  # where metrics and spans go (None: the global providers)
 
     # The front end's set-up (check the client and engine; return the token Engine), and its
     # I/O: each returns the reply or (asyncio) an awaitable of it, which _io turns into the reply.
@@ -466,13 +463,11 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
         return self._state.lost
 
     def check(self, *, for_write: bool = False) -> None:
-        """Raise :class:`~sa_fence.LeaseLostError` unless the lease is still usable.
-
-        Usable: not released, not lost, and within its local validity.  No round trip to Redis: call
-        it between steps of long work.  With ``for_write=True`` it is the check a bound session
-        makes before each fenced write: local validity then counts only with ``fail_fast``
-        (otherwise the fence decides), and a renewed lease whose renewal is overdue counts as lost.
-        """
+        """Raise :class:`~sa_fence.LeaseLostError` unless the lease is still usable: not released,
+        not lost, within its local validity.  No round trip to Redis: call it between steps of long
+        work.  ``for_write=True`` is the check a bound session makes before each fenced write: local
+        validity then counts only with ``fail_fast`` (otherwise the fence decides), and a renewed
+        lease whose renewal is overdue counts as lost."""
         state = self._state  # the hot path (every fenced flush and statement): no calls
         if not (state.released or state.lost is not None) and (
             (for_write and not (state.renewing or state.fail_fast))
