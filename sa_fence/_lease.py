@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 import os
 import threading
 import time
@@ -24,8 +23,7 @@ from . import _lifecycle as steps
 from . import _prune, _telemetry
 from ._dialect import check_engine
 from ._flush import bind_lease
-from ._lifecycle import DEFAULT_KEY_PREFIX as DEFAULT_KEY_PREFIX  # re-exported
-from ._lifecycle import BaseLease, FencerCore
+from ._lifecycle import BaseLease, FencerCore, log  # (its logger is this module's name)
 from ._redis_client import probe_speaks
 from .errors import FencingConfigError, LeaseBackendError
 
@@ -34,8 +32,6 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session, scoped_session
 
     from ._prune import PruneResult
-
-log = logging.getLogger(__name__)  # a child of "sa_fence"
 
 S = TypeVar("S", bound="Session | scoped_session[Any]")
 #: ``on_lost(lease)``: runs once, on the thread that first sees the loss.
