@@ -1,10 +1,8 @@
-"""The lease lifecycle, written once for both front ends over their base classes
-:class:`FencerCore` and :class:`BaseLease`: acquire, extend, renew, release and loss.
-
-Each I/O call goes through the fencer: ``fencer._io(fencer._acquire(keys=[key], args=[...]))``.
-A sync fencer has made the call and its ``_io`` returns the reply; an async one runs each operation
-in a greenlet and its ``_io`` awaits with ``await_only``, so one ``try``/``except`` serves both.
-Why greenlet, and the interface the integrations use: docs/architecture.md.
+"""The lease lifecycle (acquire, extend, renew, release, loss), written once for both front ends
+over their base classes :class:`FencerCore` and :class:`BaseLease`.  Each I/O call goes through
+the fencer, ``fencer._io(fencer._acquire(keys=[key], args=[...]))``: a sync ``_io`` returns the
+reply of the call made, an async one awaits it (``await_only``) in the operation's greenlet, so one
+``try``/``except`` serves both.  Why greenlet, and what integrations use: docs/architecture.md.
 """
 
 from __future__ import annotations
