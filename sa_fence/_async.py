@@ -6,10 +6,9 @@
         (await session.get(Job, 1)).result = "done"
         await session.commit()        # StaleTokenError if a newer holder wrote
 
-The API of ``Fencer``/``Lease`` and the same lifecycle, run in SQLAlchemy's
-greenlet bridge.  Because asyncio can cancel at any ``await``, a cancelled acquire
-removes what it may have set in Redis first, and a release runs shielded; renewal
-is one task per renewed lease, holding it weakly.
+The API of ``Fencer``/``Lease`` and the same lifecycle, run in SQLAlchemy's greenlet bridge.
+As asyncio can cancel at any ``await``, a cancelled acquire removes what it may have set in
+Redis first and a release runs shielded; renewal is one task per lease, holding it weakly.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -58,7 +56,6 @@ def _keep_quiet(task: asyncio.Task[Any]) -> None:
 
 
 def _cancel_quietly(task: asyncio.Task[Any]) -> None:
-    """Cancel the renewal task of a dropped lease."""
     with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs it any more
         task.cancel()
 
@@ -76,40 +73,26 @@ async def _renew(ref: weakref.ref[AsyncLease], at: float | None) -> None:
 
 
 class AsyncLease(BaseLease["AsyncFencer"]):
-    """A granted lease for asyncio: ``name``, ``owner``, ``token``, ``ttl``.
-
-    As :class:`sa_fence.Lease`, with ``await lease.extend()``,
-    ``await lease.release()`` and ``async with``.  :meth:`bind` takes an
-    ``AsyncSession`` (or a sync ``Session``).
-    """
+    """A granted lease for asyncio: ``name``, ``owner``, ``token``, ``ttl``.  As
+    :class:`sa_fence.Lease`, with ``await lease.extend()``, ``await lease.release()`` and
+    ``async with``; :meth:`bind` takes an ``AsyncSession`` (or a sync ``Session``)."""
 
     _log = log
     _renewal: asyncio.Task[None] | None = None
     _releasing: asyncio.Task[bool] | None = None
-    #: Run after on_lost: the decorator's "cancel the body" hooks (add_loss_hook).
-    #: A tuple, replaced rather than mutated, so it needs no per-instance set-up.
-    _loss_hooks: tuple[Callable[[], object], ...] = ()
 
     async def extend(self, ttl: float | None = None) -> None:
-        """As :meth:`sa_fence.Lease.extend`.
-
-        Cancelled before Redis answered, nothing changes locally: the lease
-        stays held with its old validity (Redis may have extended it; never
-        the other way round).
+        """As :meth:`sa_fence.Lease.extend`.  Cancelled before Redis answered, nothing changes
+        locally: the lease keeps its old validity (Redis may have extended it, never the reverse).
         """
         await greenlet_spawn(steps.extend, self, ttl)
 
     @_telemetry.traced_release_async
     async def release(self) -> bool:
-        """Give the lease back; never deletes another owner's lease.
-
-        As :meth:`sa_fence.Lease.release`, except that the lease is marked
-        released only once Redis has answered: renewal stops at once, the
-        owner-checked delete runs in a shielded task (cancelling the caller
-        does not cancel it), and if Redis does not answer
-        (:class:`~sa_fence.LeaseBackendError`) the lease stays unreleased so
-        that a later ``release()`` can try again.
-        """
+        """Give the lease back, as :meth:`sa_fence.Lease.release`, except that the lease is
+        marked released only once Redis has answered: renewal stops at once, the owner-checked
+        delete runs in a shielded task (cancelling the caller does not cancel it), and if Redis
+        does not answer (:class:`~sa_fence.LeaseBackendError`) it stays unreleased, to retry."""
         if self._state.released:
             return False
         self._stop_renewal()  # before the delete: never extend after release
@@ -123,24 +106,16 @@ class AsyncLease(BaseLease["AsyncFencer"]):
         return await asyncio.shield(releasing)
 
     def bind(self, session: AsyncSession | Session) -> Any:
-        """Fence ``session``'s flushes with this lease's token from now on.
-
-        ``session`` is an ``AsyncSession`` (its sync session is bound) or a
-        ``Session``; it must have the flush hook (:func:`sa_fence.install`).
-        Returns the session.
-        """
+        """Fence ``session``'s flushes with this lease's token from now on; returns it.
+        ``session`` is an ``AsyncSession`` (its sync session is bound) or a ``Session`` with the
+        flush hook (:func:`sa_fence.install`)."""
         bind_lease(session, self)  # type: ignore[arg-type]  # an AsyncSession is unwrapped
         return session
 
     async def __aenter__(self) -> AsyncLease:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         try:
             await self.release()
         except (LeaseBackendError, FencingConfigError) as error:
@@ -154,11 +129,8 @@ class AsyncLease(BaseLease["AsyncFencer"]):
         return await greenlet_spawn(self._release_in_redis)
 
     def _start_renewal(self, at: float) -> None:
-        with self._lock:
-            self._state.renewing = True
-        task = asyncio.ensure_future(_renew(weakref.ref(self), at))
-        task.set_name(f"{RENEWAL_TASK_NAME}:{self.name}")
-        self._renewal = task
+        name = f"{RENEWAL_TASK_NAME}:{self.name}"
+        self._renewal = task = asyncio.create_task(_renew(weakref.ref(self), at), name=name)
         weakref.finalize(self, _cancel_quietly, task)
 
     def _stop_renewal(self) -> None:
@@ -166,32 +138,21 @@ class AsyncLease(BaseLease["AsyncFencer"]):
         if task is not None and task is not asyncio.current_task():
             task.cancel()
 
-    def _after_lost(self) -> None:
-        for hook in self._loss_hooks:
-            try:
-                hook()
-            except Exception:
-                log.exception("loss hook of lease %r raised", self.name)
+
+@_telemetry.traced_acquire_async
+async def _acquire(fencer: AsyncFencer, *args: Any) -> AsyncLease:
+    """``AsyncFencer.acquire``, measured: the lifecycle's acquire in a greenlet (``lease()``
+    calls it too, with the arguments in order)."""
+    return await greenlet_spawn(steps.acquire, fencer, *args)
 
 
-def add_loss_hook(lease: AsyncLease, hook: Callable[[], object]) -> None:
-    """Run ``hook()`` after ``on_lost`` if ``lease`` is lost (until removed)."""
-    lease._loss_hooks = (*lease._loss_hooks, hook)
-
-
-def remove_loss_hook(lease: AsyncLease, hook: Callable[[], object]) -> None:
-    lease._loss_hooks = tuple(h for h in lease._loss_hooks if h is not hook)
-
-
-class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngine]):
+class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngine, AsyncLease]):
     """Grants leases (Redis) that carry fencing tokens (PostgreSQL sequence), for asyncio.
 
-    ``redis`` is a ``redis.asyncio.Redis`` (or ``RedisCluster``) client;
-    ``engine`` is the ``AsyncEngine`` of the database that holds the fenced
-    rows *and* the token sequence, through psycopg 3
-    (``postgresql+psycopg_async://``).  Everything else is as for
-    :class:`sa_fence.Fencer`, ``timeout`` (the failure budget) included;
-    renewed leases are extended by one asyncio task per lease.
+    ``redis``: a ``redis.asyncio.Redis`` (or ``RedisCluster``) client; ``engine``: the
+    ``AsyncEngine`` (``postgresql+psycopg_async://``) of the database that holds the fenced rows
+    *and* the token sequence.  The rest is as for :class:`sa_fence.Fencer`, ``timeout`` (the
+    failure budget) included; renewed leases are extended by one asyncio task per lease.
     """
 
     _log = log
@@ -223,7 +184,6 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         """Check the token sequence and ``synchronous_commit`` now (see ``Fencer.check``)."""
         await greenlet_spawn(self._tokens.check)
 
-    @_telemetry.traced_acquire_async
     async def acquire(
         self,
         name: str,
@@ -235,16 +195,10 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         on_lost: AsyncOnLost | None = None,
         fail_fast: bool | None = None,
     ) -> AsyncLease:
-        """Take lease ``name`` for ``ttl`` seconds and draw its token.
-
-        As :meth:`sa_fence.Fencer.acquire`.  Cancelling it at any ``await``
-        removes what it may have set in Redis before ``CancelledError``
-        propagates, and starts no renewal.
-        """
-        lease: AsyncLease = await greenlet_spawn(
-            steps.acquire, self, name, ttl, blocking, timeout, renew, on_lost, fail_fast
-        )
-        return lease
+        """Take lease ``name`` for ``ttl`` seconds and draw its token, as
+        :meth:`sa_fence.Fencer.acquire`.  Cancelled at any ``await``, it removes what it may
+        have set in Redis before ``CancelledError`` propagates, and starts no renewal."""
+        return await _acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
 
     @asynccontextmanager
     async def lease(
@@ -258,19 +212,10 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         on_lost: AsyncOnLost | None = None,
         fail_fast: bool | None = None,
     ) -> AsyncIterator[AsyncLease]:
-        """``async with fencer.lease(name, ttl) as lease:`` acquires, then releases on exit.
-
-        As :meth:`sa_fence.Fencer.lease`; the release on exit also runs when
-        the body was cancelled.
-        """
-        async with await self.acquire(
-            name,
-            ttl,
-            blocking=blocking,
-            timeout=timeout,
-            renew=renew,
-            on_lost=on_lost,
-            fail_fast=fail_fast,
+        """``async with fencer.lease(name, ttl) as lease:`` acquires, then releases on exit, as
+        :meth:`sa_fence.Fencer.lease`; the release also runs when the body was cancelled."""
+        async with await _acquire(
+            self, name, ttl, blocking, timeout, renew, on_lost, fail_fast
         ) as lease:
             yield lease
 
@@ -281,9 +226,7 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         longest_lease: float | timedelta,
         dry_run: bool = False,
     ) -> PruneResult:
-        """Delete the lease register's rows of names no one holds, last granted more
-        than ``older_than`` ago (see ``Fencer.prune``, which it runs the same way:
-        the same statements, through this fencer's engine and Redis client)."""
+        """As ``Fencer.prune``: the same statements, through this fencer's engine and client."""
         return await greenlet_spawn(
             _prune.prune,
             self.engine.sync_engine,
@@ -295,12 +238,9 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         )
 
     async def close(self) -> None:
-        """Wait for the cleanups this fencer runs in the background to finish.
-
-        (Owner-checked deletes after a cancelled or failed acquire.)  The
-        async fencer holds no token connection of its own; leases already
-        granted keep working and the fencer stays usable.
-        """
+        """Wait for the owner-checked deletes this fencer runs in the background after a cancelled
+        or failed acquire.  It holds no token connection of its own; granted leases keep working
+        and the fencer stays usable."""
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
 
@@ -315,13 +255,12 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
     # ------------------------------------------------------ I/O (see _lifecycle)
 
     def _next_token(self, name: str) -> Coroutine[Any, Any, int]:
-        # pooled: the psycopg fast path holds a sync DBAPI connection, which an
-        # AsyncEngine does not have
+        # pooled: the psycopg fast path holds a sync DBAPI connection, which an AsyncEngine lacks
         return greenlet_spawn(self._tokens.next_token, name, pooled=True)
 
     def _release_quietly(self, key: str, values: list[str]) -> Awaitable[None]:
         """The clean-up after a failed acquire, shielded from another cancellation."""
-        return asyncio.shield(self._spawn(greenlet_spawn(steps.release_quietly, self, key, values)))
+        return asyncio.shield(self._spawn(greenlet_spawn(super()._release_quietly, key, values)))
 
     @staticmethod
     def _io(awaitable: Awaitable[T]) -> T:
@@ -335,12 +274,6 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
             raise asyncio.CancelledError
         return result
 
-    @staticmethod
-    def _sleep(seconds: float) -> None:
-        await_only(asyncio.sleep(seconds))
-
+    _sleep = staticmethod(lambda seconds: await_only(asyncio.sleep(seconds)))
     _script = staticmethod(lambda client, script: client.register_script(script))
-
-    @staticmethod
-    def _probe(host: str, port: int, timeout: float) -> str | None:
-        return await_only(asyncio.to_thread(probe_speaks, host, port, timeout))
+    _probe = staticmethod(lambda *target: await_only(asyncio.to_thread(probe_speaks, *target)))

@@ -32,7 +32,7 @@ from . import _protocol as proto
 from . import _telemetry
 from ._flush import state_for
 from ._lease import Deadlines, Fencer, OnLost
-from ._lifecycle import BaseLease, lose
+from ._lifecycle import BaseLease, add_loss_hook, lose, remove_loss_hook
 from .errors import LeaseLostError, LeaseNotAcquiredError
 
 if TYPE_CHECKING:
@@ -475,8 +475,6 @@ async def _cancelled_on_loss(lease: AsyncLease, work: Any) -> Any:
     """Run ``work`` in a child task that the lease's loss cancels (LeaseLostError then): the
     loss cancels the body only, a cancellation of the caller still reaches it and is re-raised
     as such, and ``current_lease()`` works in it (a copy of this context)."""
-    from ._async import add_loss_hook, remove_loss_hook
-
     child = asyncio.ensure_future(work)
 
     def on_loss() -> None:

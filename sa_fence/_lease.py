@@ -1,15 +1,13 @@
-"""Leases in Redis with tokens from PostgreSQL: :class:`Fencer` and :class:`Lease`.
+"""The synchronous front end of :mod:`sa_fence._lifecycle`: :class:`Fencer` and :class:`Lease`.
 
-The sync front end of :mod:`sa_fence._lifecycle`: each call is made when the
-lifecycle asks for it and renewed leases share one thread per fencer.  ``time``
-is imported as a module so tests can swap the clock.
+Each call is made when the lifecycle asks for it; renewed leases share one thread per fencer
+(:class:`Deadlines`).  ``time`` is imported as a module so tests can swap the clock.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 import os
 import threading
 import time
@@ -17,7 +15,6 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis as redis_lib
@@ -26,8 +23,7 @@ from . import _lifecycle as steps
 from . import _prune, _telemetry
 from ._dialect import check_engine
 from ._flush import bind_lease
-from ._lifecycle import DEFAULT_KEY_PREFIX as DEFAULT_KEY_PREFIX  # re-exported
-from ._lifecycle import BaseLease, FencerCore
+from ._lifecycle import BaseLease, FencerCore, log  # (its logger is this module's name)
 from ._redis_client import probe_speaks
 from .errors import FencingConfigError, LeaseBackendError
 
@@ -37,49 +33,36 @@ if TYPE_CHECKING:
 
     from ._prune import PruneResult
 
-log = logging.getLogger(__name__)  # a child of "sa_fence"
-
-T = TypeVar("T")
 S = TypeVar("S", bound="Session | scoped_session[Any]")
 #: ``on_lost(lease)``: runs once, on the thread that first sees the loss.
 OnLost = Callable[["Lease"], object]
 
 
 class Lease(BaseLease["Fencer"]):
-    """A granted lease: ``name``, ``owner``, ``token``, ``ttl``.
+    """A granted lease: ``name``, ``owner``, ``token``, ``ttl``.  Bind it to sessions with
+    :meth:`bind`, keep it alive with :meth:`extend` (or ``renew=True`` at acquire), ask whether it
+    is still usable with :meth:`check` or :attr:`lost`, give it back with :meth:`release` (or use
+    it as a context manager)."""
 
-    Bind it to sessions with :meth:`bind`; keep it alive with :meth:`extend`
-    (or ``renew=True`` at acquire); ask whether it is still usable with
-    :meth:`check` or :attr:`lost`; give it back with :meth:`release` (or use
-    it as a context manager).
-    """
-
-    #: The renewer's entry for this lease's next renewal.
-    _renew_entry: Entry | None = None
+    _renew_entry: Entry | None = None  # the renewer's entry for its next renewal
 
     def extend(self, ttl: float | None = None) -> None:
         """Set the lease's remaining time to ``ttl`` seconds (default: the original ttl).
 
-        Owner-checked: raises :class:`~sa_fence.LeaseLostError` (and marks the
-        lease lost) when the lease expired or another owner holds it.  Raises
-        :class:`~sa_fence.LeaseBackendError` when Redis did not answer within the
-        failure budget (``timeout``), and :class:`~sa_fence.FencingConfigError`
-        when it refused the set-up (e.g. the ACL lacks ``PEXPIRE``).
+        Owner-checked: raises :class:`~sa_fence.LeaseLostError` (and marks the lease lost) when it
+        expired or another owner holds it, :class:`~sa_fence.LeaseBackendError` when Redis did not
+        answer within the failure budget, :class:`~sa_fence.FencingConfigError` when it refused the
+        set-up (e.g. the ACL lacks ``PEXPIRE``).
         """
         steps.extend(self, ttl)
 
     @_telemetry.traced_release
     def release(self) -> bool:
-        """Give the lease back; never deletes another owner's lease.
-
-        Idempotent; stops renewal first.  Returns True when this call deleted
-        our live lease, False when it had already expired, been taken over,
-        or been released (a resend that finds the key gone within the local
-        validity counts as ours: only our delete can have removed it).  Raises
-        :class:`~sa_fence.LeaseBackendError` when Redis did not answer within
-        the failure budget (``timeout``), and :class:`~sa_fence.FencingConfigError`
-        when it refused the set-up; the lease's TTL then ends it.
-        """
+        """Give the lease back; never deletes another owner's lease.  Idempotent; stops renewal
+        first.  True when this call deleted our live lease (a resend finding the key gone within
+        the local validity counts: only our delete can have removed it), False when it had already
+        expired, been taken over, or been released.  Raises :class:`~sa_fence.LeaseBackendError`
+        or :class:`~sa_fence.FencingConfigError` as :meth:`extend` does; the TTL then ends it."""
         with self._lock:
             if self._state.released:
                 return False
@@ -90,34 +73,22 @@ class Lease(BaseLease["Fencer"]):
         return self._release_in_redis()
 
     def bind(self, session: S) -> S:
-        """Fence ``session``'s flushes with this lease's token from now on.
-
-        The session (or its class / sessionmaker) must have the flush hook:
-        see :func:`sa_fence.install`.  A ``scoped_session`` binds its current
-        session.  Returns ``session``.
-        """
+        """Fence ``session``'s flushes with this lease's token from now on; returns ``session``,
+        which (or whose class or sessionmaker) must have the flush hook (:func:`sa_fence.install`).
+        A ``scoped_session`` binds its current session."""
         bind_lease(session, self)
         return session
 
     def __enter__(self) -> Lease:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         try:
             self.release()
         except (LeaseBackendError, FencingConfigError) as error:
             self._release_failed(error)
 
     def _start_renewal(self, at: float) -> None:
-        self._state.renewing = True
-        self._schedule_renewal(at)
-
-    def _schedule_renewal(self, at: float) -> None:
         with self._lock:  # release() and lose() clear renewing under it, then cancel the entry
             if self._state.renewing:
                 self._renew_entry = self.fencer._renewals.add(at, _renew, weakref.ref(self))
@@ -126,26 +97,32 @@ class Lease(BaseLease["Fencer"]):
         self.fencer._renewals.cancel(self._renew_entry)
 
 
+def _renew(ref: weakref.ref[Lease]) -> None:
+    """A renewal due; the renewer holds the lease weakly (a dropped one expires)."""
+    lease = ref()
+    if lease is not None and (at := steps.renew(lease)) is not None:  # (it never raises)
+        lease._start_renewal(at)
+
+
 Entry = tuple[float, int, Callable[..., object], tuple[object, ...]]  # (when, seq, action, args)
 
 
 class Deadlines:
     """Runs actions at monotonic deadlines on one daemon thread, started by the first entry
     and gone once none is pending: a fencer's renewer, and ``@fenced``'s ``max_hold``.
-    Not :mod:`sched`: it wakes for an earlier entry or a cancel only through a sleep
-    function of its user's, and costs ~18 more calls per renewed lease cycle."""
+    Not :mod:`sched`, which wakes for an earlier entry only through a sleep of its user's."""
 
     def __init__(self, thread_name: str) -> None:
         self._name = thread_name
         self.reset()
-        _every_deadlines.add(self)  # a forked child starts each with no thread and no entries
+        _every_deadlines.add(self)
 
     def reset(self) -> None:
-        """No thread and no entries (as a forked child starts)."""
+        """No thread and no entries, as a forked child starts: the parent renews its leases."""
         self._cond = threading.Condition()
         self._heap: list[Entry] = []
         self._live: set[int] = set()  # seqs of entries not cancelled: a cancel is O(1)
-        self._seq = itertools.count()  # orders entries of the same deadline, never compared past
+        self._seq = itertools.count()  # orders entries of the same deadline
         self._thread: threading.Thread | None = None
 
     def add(self, at: float, action: Callable[..., object], *args: object) -> Entry:
@@ -174,7 +151,7 @@ class Deadlines:
                 if self._heap[0][1] not in self._live:
                     heapq.heappop(self._heap)  # cancelled
                     continue
-                delay = self._heap[0][0] - time.monotonic()  # (tests swap the clock)
+                delay = self._heap[0][0] - time.monotonic()
                 if delay <= 0:
                     self._live.discard(self._heap[0][1])
                     return heapq.heappop(self._heap)
@@ -194,21 +171,13 @@ class Deadlines:
 _every_deadlines: weakref.WeakSet[Deadlines] = weakref.WeakSet()
 
 
-def _reset_after_fork() -> None:
-    """In a forked child (Celery's prefork pool): the parent renews its own leases."""
+def _reset_after_fork() -> None:  # in a forked child (Celery's prefork pool)
     for deadlines in list(_every_deadlines):
         deadlines.reset()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
-
-
-def _renew(ref: weakref.ref[Lease]) -> None:
-    """A renewal due on the renewer thread, which holds the lease weakly (a dropped one expires)."""
-    lease = ref()
-    if lease is not None and (at := steps.renew(lease)) is not None:  # (it never raises)
-        lease._schedule_renewal(at)
 
 
 class Script:
@@ -226,29 +195,28 @@ class Script:
             return self.client.execute_command("EVALSHA", self.sha, 1, *keys, *args)
 
 
-class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
+#: ``Fencer.acquire``, measured (``lease()`` calls it too, with the arguments in order).
+_acquire = _telemetry.traced_acquire(steps.acquire)
+
+
+class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine", Lease]):
     """Grants leases (Redis) that carry fencing tokens (PostgreSQL sequence).
 
-    ``redis`` is a ``redis.Redis`` client; ``engine`` is the SQLAlchemy engine of the database that
-    holds the fenced rows *and* the token sequence. Leases are stored under ``key_prefix + name``.
-    Renewed leases (``renew=True``) are extended after ``renew_fraction`` of their TTL by one
-    background thread per Fencer, which runs only while such leases exist.
+    ``redis``: a ``redis.Redis`` client; ``engine``: the engine of the database that holds the
+    fenced rows *and* the token sequence.  Leases are stored under ``key_prefix + name``; renewed
+    ones (``renew=True``) are extended after ``renew_fraction`` of their TTL by one background
+    thread per Fencer, which runs only while such leases exist.
 
-    ``timeout`` is the failure budget in seconds (default 5): how long one acquire (apart from
-    waiting for a busy lease), extend, release or token draw may spend on a failing Redis or
-    PostgreSQL, a grant's wait for a committing holder (the register row's lock) included.  A failed
-    call is resent at most three times, and only while the next attempt, judged by the last, ends
-    within the budget; one call lasts as long as the client lets it (its ``socket_timeout`` and
-    ``retry``), so give the client a ``socket_timeout`` well below the budget.  Set-up mistakes (a
-    wrong password or database index, TLS on one side only, a missing ACL right or register) are not
-    resent: they raise :class:`~sa_fence.FencingConfigError` at once, with the fix.
-
-    ``telemetry``: where metrics and spans go and how lease names are shortened
-    for them (:class:`~sa_fence.telemetry.Telemetry`); default: the global
-    OpenTelemetry providers (no-ops without an SDK).  See docs/observability.md.
+    ``timeout``: the failure budget in seconds (default 5) of one acquire (apart from waiting for a
+    busy lease), extend, release or token draw on a failing Redis or PostgreSQL, a grant's wait for
+    a committing holder included.  A failed call is resent at most three times, while the next one,
+    as long as the last, ends within the budget: give the client a ``socket_timeout`` well below
+    it.  Set-up mistakes (a wrong password or database index, TLS on one side only, a missing ACL
+    right or register) are not resent: they raise :class:`~sa_fence.FencingConfigError`, with the
+    fix.  ``telemetry``: where metrics and spans go and how lease names are shortened for them
+    (:class:`~sa_fence.telemetry.Telemetry`; default: the global OpenTelemetry providers).
     """
 
-    _log = log
     _kind = "Fencer"
     _renewer_word = "renewer"
     _lease_type = Lease
@@ -265,11 +233,8 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         return self.engine
 
     def check(self) -> None:
-        """Check the token sequence and ``synchronous_commit`` now.
-
-        Runs automatically before the first token; raises
-        :class:`~sa_fence.FencingConfigError` saying how to fix what is wrong.
-        """
+        """Check the token sequence and ``synchronous_commit`` now (it runs by itself before
+        the first token); raises :class:`~sa_fence.FencingConfigError` with the fix."""
         with self._check_lock:
             self._tokens.check()
 
@@ -280,15 +245,13 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         longest_lease: float | timedelta,
         dry_run: bool = False,
     ) -> PruneResult:
-        """Delete the lease register's rows of names that no one holds and that were
-        last granted more than ``older_than`` ago (seconds, or a ``timedelta``).
+        """Delete the lease register's rows of names no one holds in Redis, last granted more
+        than ``older_than`` ago (seconds, or a ``timedelta``); ``dry_run`` only reports them.
 
-        ``longest_lease`` is the longest a lease of yours can last from its grant to its last commit
-        (renewals included); an ``older_than`` shorter than it raises ValueError.  A name held in
-        Redis is kept whatever its age, a row only while it holds the token read (a grant in between
-        survives), and a stale holder of a pruned name is still refused at commit.  ``dry_run``
-        deletes nothing and reports what would go.  Returns a :class:`PruneResult` (rows and bytes
-        removed).  ``sa-fence prune`` does the same; see docs/operations.md#retention.
+        ``longest_lease``: the longest a lease of yours lasts from its grant to its last commit
+        (an ``older_than`` below it raises ValueError).  A row goes only while it holds the token
+        read (a grant in between survives); a stale holder of a pruned name is still refused at
+        commit.  Returns a :class:`PruneResult`.  As ``sa-fence prune`` (docs/operations.md).
         """
         return _prune.prune(
             self.engine,
@@ -300,15 +263,11 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         )
 
     def close(self) -> None:
-        """Close the server connection this fencer holds for drawing tokens.
-
-        ``engine.dispose()`` does not reach it; garbage collection does, and so
-        does this.  Leases already granted keep working, and the fencer stays
-        usable: the next token opens a new connection.
-        """
+        """Close the server connection this fencer holds for drawing tokens (which
+        ``engine.dispose()`` does not reach; garbage collection does).  Granted leases keep
+        working, and the fencer stays usable: the next token opens a new connection."""
         self._tokens.close()
 
-    @_telemetry.traced_acquire
     def acquire(
         self,
         name: str,
@@ -322,23 +281,20 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
     ) -> Lease:
         """Take lease ``name`` for ``ttl`` seconds and draw its token.
 
-        ``blocking=True`` waits while another owner holds the lease, with exponential backoff and
-        full jitter, for at most ``timeout`` seconds (default: ``ttl``) on the monotonic clock.
-        ``renew=True`` keeps the lease alive in the background until it is released or lost;
-        ``on_lost(lease)`` then runs once if it is lost.  ``fail_fast`` (default: ``renew``) makes
-        bound sessions refuse to flush once the lease's local validity has passed.
+        ``blocking=True`` waits while another owner holds it, with exponential backoff and full
+        jitter, for at most ``timeout`` seconds (default: ``ttl``).  ``renew=True`` keeps it alive
+        in the background until it is released or lost; ``on_lost(lease)`` then runs once if it is
+        lost.  ``fail_fast`` (default: ``renew``) makes bound sessions refuse to flush once the
+        lease's local validity has passed.
 
-        Raises :class:`~sa_fence.LeaseNotAcquiredError` when another owner
-        holds it (after the wait, if blocking), :class:`~sa_fence.LeaseBackendError`
-        when Redis or PostgreSQL did not answer within the failure budget
-        (``timeout``) or is failing over (what was set is removed if possible),
-        :class:`~sa_fence.LeaseLostError` when the lease expired before its token
-        was recorded, and :class:`~sa_fence.FencingConfigError` when the set-up is
-        wrong: the sequence or register is missing or unfit, a login or ACL right
-        is refused, TLS is on one side only (checked before anything is written).
+        Raises :class:`~sa_fence.LeaseNotAcquiredError` when another owner holds it (after the
+        wait, if blocking), :class:`~sa_fence.LeaseBackendError` when Redis or PostgreSQL did not
+        answer within the failure budget or is failing over (what was set is removed if possible),
+        :class:`~sa_fence.LeaseLostError` when the lease expired before its token was recorded, and
+        :class:`~sa_fence.FencingConfigError`, with the fix, when the set-up is wrong (a missing or
+        unfit sequence or register, a refused login or ACL right, TLS on one side only).
         """
-        lease: Lease = steps.acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
-        return lease
+        return _acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
 
     @contextmanager
     def lease(
@@ -352,21 +308,10 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
         on_lost: OnLost | None = None,
         fail_fast: bool | None = None,
     ) -> Iterator[Lease]:
-        """``with fencer.lease(name, ttl) as lease:`` acquires, then releases on exit.
-
-        Takes the same arguments as :meth:`acquire`.  The body never runs
-        without the lease.  If Redis cannot be reached to release it, a
-        warning is logged instead of raising: the lease's TTL ends it.
-        """
-        with self.acquire(
-            name,
-            ttl,
-            blocking=blocking,
-            timeout=timeout,
-            renew=renew,
-            on_lost=on_lost,
-            fail_fast=fail_fast,
-        ) as lease:
+        """``with fencer.lease(name, ttl) as lease:`` acquires (same arguments as
+        :meth:`acquire`), then releases on exit.  The body never runs without the lease; if Redis
+        cannot be reached to release it, a warning is logged instead: the lease's TTL ends it."""
+        with _acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast) as lease:
             yield lease
 
     # ------------------------------------------------------ I/O (see _lifecycle)
@@ -374,16 +319,7 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine"]):
     def _next_token(self, name: str) -> int:
         return self._tokens.next_token(name)
 
-    def _release_quietly(self, key: str, values: list[str]) -> None:
-        steps.release_quietly(self, key, values)
-
-    @staticmethod
-    def _io(result: T) -> T:
-        return result  # the call was made already
-
-    @staticmethod
-    def _sleep(seconds: float) -> None:
-        time.sleep(seconds)
-
+    _io = staticmethod(lambda result: result)  # the call was made already
+    _sleep = staticmethod(lambda seconds: time.sleep(seconds))  # (tests swap the clock)
     _probe = staticmethod(probe_speaks)
     _script = Script

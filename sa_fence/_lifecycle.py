@@ -1,14 +1,8 @@
-"""The lease lifecycle, written once for both front ends, over its two base classes.
-
-:class:`FencerCore` and :class:`BaseLease` are what ``Fencer``/``AsyncFencer``
-and ``Lease``/``AsyncLease`` share.  Acquire, extend, renew and release make
-every I/O call through the fencer::
-
-    reply = fencer._io(fencer._acquire(keys=[key], args=[owner, ttl_ms]))
-
-A sync fencer makes the call there and then and its ``_io`` hands the reply back; an async one runs
-each operation in a greenlet and its ``_io`` awaits with ``await_only``, so one ``try``/``except``
-serves both.  Why greenlet, and the interface the integrations use: docs/architecture.md.
+"""The lease lifecycle (acquire, extend, renew, release, loss), written once for both front ends
+over their base classes :class:`FencerCore` and :class:`BaseLease`.  Each I/O call goes through
+the fencer, ``fencer._io(fencer._acquire(keys=[key], args=[...]))``: a sync ``_io`` returns the
+reply of the call made, an async one awaits it (``await_only``) in the operation's greenlet, so one
+``try``/``except`` serves both.  Why greenlet, and what integrations use: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeAlias, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -51,18 +45,19 @@ if TYPE_CHECKING:
 
 DEFAULT_KEY_PREFIX = "sa_fence:"
 
-#: The lease core's records keep the logger they have always had.
-log = logging.getLogger("sa_fence._lease")
+log = logging.getLogger("sa_fence._lease")  # the logger the lease core's records always had
 
 R = TypeVar("R")
 E = TypeVar("E")
+LeaseT = TypeVar("LeaseT", bound="BaseLease[Any]")
+AnyFencer: TypeAlias = "FencerCore[Any, Any, Any]"
 
 
 # ---------------------------------------------------------------- the steps
 
 
 def acquire(
-    f: FencerCore[Any, Any],
+    f: FencerCore[Any, Any, LeaseT],
     name: str,
     ttl: float,
     blocking: bool,
@@ -70,7 +65,7 @@ def acquire(
     renew: bool,
     on_lost: Any,
     fail_fast: bool | None,
-) -> Any:
+) -> LeaseT:
     """Validate, grant, draw the token, confirm it and return the front end's lease;
     after a failure or cancellation, what this owner may have set in Redis goes first."""
     key = f.key_prefix + proto.check_name(name)  # f.key(name), one call fewer
@@ -81,8 +76,7 @@ def acquire(
     if not tokens.checked:
         try:
             f._io(f.check())
-        except SQLAlchemyError as exc:
-            # the chain adds nothing to the error's own cause (its .cause)
+        except SQLAlchemyError as exc:  # (raised from None: the error's .cause keeps exc)
             raise token_error(
                 name, exc, tokens.lock_timeout_ms, operation="check", sequence=f.sequence
             ) from None
@@ -90,10 +84,9 @@ def acquire(
         f._warn_if_unbounded()
     owner = proto.new_owner()
     token: int | None = None
-    granted = False
+    started: float | None = None
     try:
         started = _grant(f, name, key, owner, ttl_ms, max_wait)
-        granted = True
         try:
             token = f._io(f._next_token(name))
         except SQLAlchemyError as exc:
@@ -101,18 +94,14 @@ def acquire(
         value = proto.confirmed_value(owner, token)
         remaining, _ = call(f, name, "confirm", f._confirm, key, owner, value)
     except BaseException as exc:
-        if not granted and isinstance(exc, FenceError):
+        if started is None and isinstance(exc, FenceError):
             raise  # contention (nothing of ours set), or _grant already cleaned up
-        # Failed, or cancelled at an await: whatever we may have set goes.
-        f._io(
-            f._release_quietly(
-                key, [owner] if token is None else [proto.confirmed_value(owner, token), owner]
-            )
-        )
+        # failed, or cancelled at an await: whatever we may have set goes
+        values = [owner] if token is None else [proto.confirmed_value(owner, token), owner]
+        f._io(f._release_quietly(key, values))
         raise
     if int(remaining) < 0:
-        # Lost before the token was confirmed: the token was never used, so
-        # the register goes back to the live holder's (if it still holds ours).
+        # lost before the token was confirmed, so never used: the register goes back
         tokens.withdraw(name, token)  # sync code, in the async front end's greenlet
         raise LeaseLostError(proto.confirm_lost_message(name, token))
     fail_fast = renew if fail_fast is None else fail_fast
@@ -120,13 +109,12 @@ def acquire(
         f, name, key, owner, token, ttl, value, started, ttl_ms, fail_fast, on_lost
     )
     if renew:
+        lease._state.renewing = True
         lease._start_renewal(started + f.renew_fraction * ttl_ms / 1000)
     return lease
 
 
-def _grant(
-    f: FencerCore[Any, Any], name: str, key: str, owner: str, ttl_ms: int, max_wait: float
-) -> float:
+def _grant(f: AnyFencer, name: str, key: str, owner: str, ttl_ms: int, max_wait: float) -> float:
     """Run ACQUIRE until granted; return the monotonic time validity counts from."""
     waited_from = time.monotonic()
     attempts = proto.AcquireAttempts(
@@ -137,19 +125,14 @@ def _grant(
         try:
             reply = f._io(f._acquire(keys=[key], args=[owner, ttl_ms]))
         except REDIS_ERRORS as exc:
+            now = time.monotonic()
             wait = attempts.on_failure(
-                classify_redis(exc),
-                sent_at=sent_at,
-                now=time.monotonic(),
-                rand=random.random(),
+                classify_redis(exc), sent_at=sent_at, now=now, rand=random.random()
             )
             if wait is None:
-                # Not "acquired", not "not acquired".  Remove what a lost ACQUIRE may have set (the
-                # TTL ends it otherwise): not after a failure that proves nothing was set, nor when
-                # the call would not end within the budget (a Redis that stopped answering).
-                if attempts.unknown_since is not None and attempts.failed.fits_another(
-                    time.monotonic()
-                ):
+                # Neither granted nor refused: remove what a lost ACQUIRE may have set, unless
+                # nothing can have been set or the call would not end within the budget.
+                if attempts.unknown_since is not None and attempts.failed.fits_another(now):
                     f._io(f._release_quietly(key, [owner]))
                 raise _error(f, name, "acquire", exc, attempts.failed) from None
             f._sleep(wait)
@@ -165,7 +148,7 @@ def _grant(
 
 
 def call(
-    f: FencerCore[Any, Any], name: str, operation: str, script: Any, key: str, *args: object
+    f: AnyFencer, name: str, operation: str, script: Any, key: str, *args: object
 ) -> tuple[Any, int]:
     """Send an idempotent script call, resent within the failure budget while a resend
     may fix its failure; (its reply, how many sends failed before)."""
@@ -186,7 +169,7 @@ def call(
 
 
 def _error(
-    f: FencerCore[Any, Any], name: str, operation: str, exc: BaseException, budget: FailureBudget
+    f: AnyFencer, name: str, operation: str, exc: BaseException, budget: FailureBudget
 ) -> FenceError:
     """The error for a Redis call that failed for good; probes the server first (within
     the budget) when nothing was sent: TLS on one side only looks like an outage."""
@@ -196,20 +179,6 @@ def _error(
         wait = min(0.5, max(0.05, budget.remaining(time.monotonic())))  # 0.05 to 0.5 s
         speaks = f._probe(target[0], target[1], wait)
     return redis_error(name, operation, exc, budget.failures, target=target, speaks=speaks)
-
-
-def release_quietly(f: FencerCore[Any, Any], key: str, values: list[str]) -> None:
-    """Owner-checked clean-up after a failed or cancelled acquire, one attempt per value."""
-    for value in values:
-        try:
-            f._io(f._release(keys=[key], args=[value]))
-        except REDIS_ERRORS as exc:
-            f._log.debug(
-                "could not remove lease %s after a failed acquire (%s); its TTL ends it",
-                key,
-                cause_text(exc),
-            )
-            return
 
 
 def extend(lease: Any, ttl: float | None) -> None:
@@ -297,20 +266,32 @@ def lose(lease: BaseLease[Any], message: str) -> None:
             lease._on_lost(lease)
         except Exception:
             log.exception("on_lost callback of lease %r raised", lease.name)
-    lease._after_lost()
+    for hook in lease._loss_hooks:
+        try:
+            hook()
+        except Exception:
+            lease._log.exception("loss hook of lease %r raised", lease.name)
 
 
-# ------------------------------------------------------------ the fencers
+def add_loss_hook(lease: BaseLease[Any], hook: Callable[[], object]) -> None:
+    """Run ``hook()`` after ``on_lost`` if ``lease`` is lost (until removed)."""
+    lease._loss_hooks = (*lease._loss_hooks, hook)
 
 
-class FencerCore(Generic[R, E]):
-    """What both fencers hold and do without I/O (``R``: the Redis client type, ``E``: engine)."""
+def remove_loss_hook(lease: BaseLease[Any], hook: Callable[[], object]) -> None:
+    lease._loss_hooks = tuple(h for h in lease._loss_hooks if h is not hook)
 
-    #: The front end's logger, class name in errors, and word for its renewer.
-    _log: ClassVar[logging.Logger]
-    _kind: ClassVar[str]
-    _renewer_word: ClassVar[str]
-    _lease_type: ClassVar[type[Any]]
+
+# ------------------------------------------------------------ the base classes
+
+
+class FencerCore(Generic[R, E, LeaseT]):
+    """What both fencers hold and do without I/O, generic in their client, engine and lease."""
+
+    _log: ClassVar[logging.Logger] = log
+    _kind: ClassVar[str]  # the class name in errors
+    _renewer_word: ClassVar[str]  # what renews, in a warning
+    _lease_type: type[LeaseT]
     _script: Callable[[Any, str], Any]  # (client, Lua text) -> callable(keys=, args=)
 
     def __init__(
@@ -330,8 +311,7 @@ class FencerCore(Generic[R, E]):
         self.redis = redis
         self.key_prefix = proto.check_prefix(key_prefix)
         self.renew_fraction = proto.check_renew_fraction(renew_fraction)
-        #: the failure budget, in seconds (see the class docstring)
-        self.timeout = check_budget(redis, timeout, self._kind)
+        self.timeout = check_budget(redis, timeout, self._kind)  # the failure budget, in seconds
         # the register's lock wait is bounded by the same budget
         self._tokens = TokenSource(
             sync_engine, sequence, lock_timeout_ms=max(1, math.ceil(self.timeout * 1000))
@@ -342,29 +322,35 @@ class FencerCore(Generic[R, E]):
         self._extend = script(redis, proto.EXTEND_SCRIPT)
         self._release = script(redis, proto.RELEASE_SCRIPT)
         self._warned_no_timeout = False
-        #: where metrics and spans go (None: the global providers; docs/observability.md)
-        self._telemetry = telemetry
+        self._telemetry = telemetry  # where metrics and spans go (None: the global providers)
 
-    def _start(self, redis: object, engine: E) -> Engine:
-        """Check the client and engine, set up the front end; return the token Engine."""
-        raise NotImplementedError
-
-    # The front end's I/O: each returns the reply, or (asyncio) an awaitable of it,
-    # and _io turns that into the reply (sync: the reply itself; asyncio: awaited).
+    # The front end's set-up (check the client and engine; return the token Engine), and its
+    # I/O: each returns the reply or (asyncio) an awaitable of it, which _io turns into the reply.
+    _start: Callable[[object, E], Engine]
     check: Callable[[], Awaitable[None] | None]
     _io: Callable[[Any], Any]
     _next_token: Callable[[str], Any]
-    _release_quietly: Callable[[str, list[str]], object]
     _sleep: Callable[[float], Any]
     _probe: Callable[[str, int, float], Any]
+
+    def _release_quietly(self, key: str, values: list[str]) -> Any:
+        """Owner-checked clean-up after a failed or cancelled acquire, one attempt per value."""
+        for value in values:
+            try:
+                self._io(self._release(keys=[key], args=[value]))
+            except REDIS_ERRORS as exc:
+                self._log.debug(
+                    "could not remove lease %s after a failed acquire (%s); its TTL ends it",
+                    key,
+                    cause_text(exc),
+                )
+                return
 
     @property
     def sequence(self) -> str:
         return self._tokens.sequence
 
-    # Package-internal (no docstring, so not on the API page): the flush hook
-    # reads the register and the database's identity of this fencer's tokens.
-    @property
+    @property  # package-internal, so no docstring (nor an API entry): for the flush hook
     def token_source(self) -> TokenSource:
         return self._tokens
 
@@ -373,9 +359,7 @@ class FencerCore(Generic[R, E]):
         return self.key_prefix + proto.check_name(name)
 
     def _warn_if_unbounded(self) -> None:
-        if self._warned_no_timeout:
-            return
-        if client_socket_timeout(self.redis) is None:
+        if not self._warned_no_timeout and client_socket_timeout(self.redis) is None:
             self._warned_no_timeout = True
             self._log.warning(
                 "renewed leases on a Redis client without socket_timeout: a Redis that "
@@ -386,8 +370,6 @@ class FencerCore(Generic[R, E]):
             )
 
 
-# ------------------------------------------------------------ the lease core
-
 FencerT = TypeVar("FencerT", bound=FencerView)
 
 #: Fencers that already logged "a lease was released without being bound".
@@ -395,8 +377,7 @@ _warned_unbound: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _warn_never_bound(lease: BaseLease[Any]) -> None:
-    """Say once per Fencer that a lease fenced nothing (release is the one cheap place
-    that sees it: a session without the hook runs no sa-fence code at all)."""
+    """Once per Fencer: release is the one cheap place that sees a lease fenced nothing."""
     if lease.fencer in _warned_unbound:
         return
     _warned_unbound.add(lease.fencer)
@@ -417,8 +398,10 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
     """What a holder knows about a granted lease, without I/O: its state, its validity
     on this process's monotonic clock, and the "is it still usable" checks."""
 
-    #: The front end's logger (for what only one front end logs).
-    _log = log
+    _log = log  # the front end's logger
+    #: Run after on_lost: ``@fenced``'s "cancel the body" hooks (add_loss_hook); a tuple,
+    #: replaced rather than mutated, so it needs no per-instance set-up.
+    _loss_hooks: tuple[Callable[[], object], ...] = ()
 
     def __init__(
         self,
@@ -444,12 +427,8 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
         self.acquired_at = acquired_at
         self._ttl_ms = ttl_ms
         self._lock = threading.Lock()
-        self._state = proto.LeaseState(
-            name=name,
-            token=token,
-            valid_until=proto.valid_until(acquired_at, ttl_ms),
-            fail_fast=fail_fast,
-        )
+        valid_until = proto.valid_until(acquired_at, ttl_ms)
+        self._state = proto.LeaseState(name, token, valid_until, fail_fast)
         self._on_lost = on_lost
         self._renew_failures = 0
 
@@ -464,39 +443,29 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
 
     @property
     def lost(self) -> bool:
-        """True once the lease is known to be gone.
-
-        Set when renewal or :meth:`extend` found another owner or no lease, or when a renewed
-        lease's local validity ran out without a successful renewal.  Never goes back to False.
-        """
+        """True once the lease is known to be gone, for good: renewal or :meth:`extend` found
+        another owner or no lease, or a renewed lease's local validity ran out unrenewed."""
         self._notice_overdue()
         return self._state.lost is not None
 
     def remaining(self) -> float:
-        """Seconds of local validity left (0.0 once passed), on the monotonic clock.
-
-        The lease is surely still ours in Redis before this runs out (unless
-        someone deleted the key); after it, it may be another owner's.
-        """
+        """Seconds of local validity left (0.0 once passed), on the monotonic clock: the lease
+        is surely ours in Redis until then (unless the key was deleted), maybe not after."""
         return max(0.0, self._state.valid_until - time.monotonic())
 
     @property
     def lost_reason(self) -> str | None:
-        """Why the lease was lost (what :class:`~sa_fence.LeaseLostError` says), or None.
-
-        None exactly while :attr:`lost` is False (an overdue renewal counts for both).
-        """
+        """Why the lease was lost (what :class:`~sa_fence.LeaseLostError` says), or None
+        exactly while :attr:`lost` is False (an overdue renewal counts for both)."""
         self._notice_overdue()
         return self._state.lost
 
     def check(self, *, for_write: bool = False) -> None:
-        """Raise :class:`~sa_fence.LeaseLostError` unless the lease is still usable.
-
-        Usable: not released, not lost, and within its local validity.  No round trip to Redis: call
-        it between steps of long work.  With ``for_write=True`` it is the check a bound session
-        makes before each fenced write: local validity then counts only with ``fail_fast``
-        (otherwise the fence decides), and a renewed lease whose renewal is overdue counts as lost.
-        """
+        """Raise :class:`~sa_fence.LeaseLostError` unless the lease is still usable: not released,
+        not lost, within its local validity.  No round trip to Redis: call it between steps of long
+        work.  ``for_write=True`` is the check a bound session makes before each fenced write: local
+        validity then counts only with ``fail_fast`` (otherwise the fence decides), and a renewed
+        lease whose renewal is overdue counts as lost."""
         state = self._state  # the hot path (every fenced flush and statement): no calls
         if not (state.released or state.lost is not None) and (
             (for_write and not (state.renewing or state.fail_fast))
@@ -534,11 +503,9 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
             )
         return deleted
 
-    #: Renew this lease from a monotonic time on (the front end's renewer).
+    # The front end's renewer: renew from this monotonic time on (state.renewing), and stop.
     _start_renewal: Callable[[float], None]
-
-    def _stop_renewal(self) -> None:
-        """Stop renewing this lease (the front end's renewer)."""
+    _stop_renewal: Callable[[], None]
 
     def _release_failed(self, exc: LeaseBackendError | FencingConfigError) -> None:
         """The release on leaving a ``with`` block failed: the TTL ends the lease."""
@@ -549,9 +516,6 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
             cause_text(exc.cause) if exc.cause is not None else exc,
             extra=_telemetry.log_extra(self, "release_failed"),
         )
-
-    def _after_lost(self) -> None:
-        """Run after ``on_lost`` (the asyncio front end cancels fenced bodies here)."""
 
     def _notice_overdue(self) -> None:
         if self._state.overdue(time.monotonic()):

@@ -259,7 +259,7 @@ class _Blocks:
 
 
 def _blocks() -> _Blocks:
-    from .._lease import DEFAULT_KEY_PREFIX
+    from .._lifecycle import DEFAULT_KEY_PREFIX
     from .._tokens import DEFAULT_SEQUENCE
     from .status import KEY_PREFIX_ENV
 
