@@ -139,13 +139,6 @@ class AsyncLease(BaseLease["AsyncFencer"]):
             task.cancel()
 
 
-@_telemetry.traced_acquire_async
-async def _acquire(fencer: AsyncFencer, *args: Any) -> AsyncLease:
-    """``AsyncFencer.acquire``, measured: the lifecycle's acquire in a greenlet (``lease()``
-    calls it too, with the arguments in order)."""
-    return await greenlet_spawn(steps.acquire, fencer, *args)
-
-
 class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngine, AsyncLease]):
     """Grants leases (Redis) that carry fencing tokens (PostgreSQL sequence), for asyncio.
 
@@ -184,6 +177,7 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         """Check the token sequence and ``synchronous_commit`` now (see ``Fencer.check``)."""
         await greenlet_spawn(self._tokens.check)
 
+    @_telemetry.traced_acquire_async
     async def acquire(
         self,
         name: str,
@@ -198,7 +192,9 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         """Take lease ``name`` for ``ttl`` seconds and draw its token, as
         :meth:`sa_fence.Fencer.acquire`.  Cancelled at any ``await``, it removes what it may
         have set in Redis before ``CancelledError`` propagates, and starts no renewal."""
-        return await _acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
+        return await greenlet_spawn(
+            steps.acquire, self, name, ttl, blocking, timeout, renew, on_lost, fail_fast
+        )
 
     @asynccontextmanager
     async def lease(
@@ -214,8 +210,14 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
     ) -> AsyncIterator[AsyncLease]:
         """``async with fencer.lease(name, ttl) as lease:`` acquires, then releases on exit, as
         :meth:`sa_fence.Fencer.lease`; the release also runs when the body was cancelled."""
-        async with await _acquire(
-            self, name, ttl, blocking, timeout, renew, on_lost, fail_fast
+        async with await self.acquire(
+            name,
+            ttl,
+            blocking=blocking,
+            timeout=timeout,
+            renew=renew,
+            on_lost=on_lost,
+            fail_fast=fail_fast,
         ) as lease:
             yield lease
 

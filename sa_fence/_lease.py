@@ -195,10 +195,6 @@ class Script:
             return self.client.execute_command("EVALSHA", self.sha, 1, *keys, *args)
 
 
-#: ``Fencer.acquire``, measured (``lease()`` calls it too, with the arguments in order).
-_acquire = _telemetry.traced_acquire(steps.acquire)
-
-
 class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine", Lease]):
     """Grants leases (Redis) that carry fencing tokens (PostgreSQL sequence).
 
@@ -268,6 +264,7 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine", Le
         working, and the fencer stays usable: the next token opens a new connection."""
         self._tokens.close()
 
+    @_telemetry.traced_acquire
     def acquire(
         self,
         name: str,
@@ -294,7 +291,7 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine", Le
         :class:`~sa_fence.FencingConfigError`, with the fix, when the set-up is wrong (a missing or
         unfit sequence or register, a refused login or ACL right, TLS on one side only).
         """
-        return _acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
+        return steps.acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
 
     @contextmanager
     def lease(
@@ -311,7 +308,15 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine", Le
         """``with fencer.lease(name, ttl) as lease:`` acquires (same arguments as
         :meth:`acquire`), then releases on exit.  The body never runs without the lease; if Redis
         cannot be reached to release it, a warning is logged instead: the lease's TTL ends it."""
-        with _acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast) as lease:
+        with self.acquire(
+            name,
+            ttl,
+            blocking=blocking,
+            timeout=timeout,
+            renew=renew,
+            on_lost=on_lost,
+            fail_fast=fail_fast,
+        ) as lease:
             yield lease
 
     # ------------------------------------------------------ I/O (see _lifecycle)

@@ -131,6 +131,25 @@ async def test_the_context_manager_releases_when_the_body_raises(
     assert keys(redis_client, key_prefix) == []
 
 
+async def test_the_context_manager_acquires_through_acquire(
+    front: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lease()`` takes the lease with the fencer's own ``acquire()``, every argument
+    passed on: a subclass's override, or a test's patch of it, applies to both."""
+    seen: list[tuple[Any, ...]] = []
+    original = type(front).acquire
+
+    def acquire(self: Any, name: str, ttl: float, **options: Any) -> Any:
+        seen.append((name, ttl, options))
+        return original(self, name, ttl, **options)
+
+    monkeypatch.setattr(type(front), "acquire", acquire)
+    async with entered(front.lease("job:1", 5, renew=True, fail_fast=False)) as lease:
+        assert lease.name == "job:1"
+    wanted = {"blocking": False, "timeout": None, "renew": True, "on_lost": None}
+    assert seen == [("job:1", 5, {**wanted, "fail_fast": False})]
+
+
 async def test_the_write_check_leaves_local_validity_to_the_fence_unless_fail_fast(
     front: Any,
 ) -> None:
