@@ -96,25 +96,30 @@ def rewrite(elem: Any, fence_col: Column[Any]) -> FencedStatement:
 def _with_value(stmt: Any, column: Column[Any], value: Any) -> Any:
     """``stmt`` also setting ``column = value`` (``values()`` refuses ordered values, so those
     statements are cloned: 2.0 keeps ``_ordered_values``, 2.1 a flag beside ``_values``)."""
-    clone = stmt._generate()
     if getattr(stmt, "_ordered_values", None):  # SQLAlchemy 2.0
+        clone = stmt._generate()
         clone._ordered_values = [*stmt._ordered_values, (column, value)]
-    elif getattr(stmt, "_maintain_values_ordering", False):  # SQLAlchemy 2.1
+        return clone
+    if getattr(stmt, "_maintain_values_ordering", False):  # SQLAlchemy 2.1
+        clone = stmt._generate()
         clone._values = stmt._values.union({column: value})
-    elif isinstance(stmt, Insert) and stmt.select is not None:
+        return clone
+    if isinstance(stmt, Insert) and stmt.select is not None:
         # INSERT ... SELECT: values() is refused; the SELECT gets the column instead
         # (wrapped, so a UNION or a DISTINCT works as written)
+        clone = stmt._generate()
         source = stmt.select.subquery()
         clone._select_names = [*(stmt._select_names or ()), column.key]
         clone.select = select(*source.c, value)
-    elif getattr(stmt, "_multi_values", ()):  # VALUES (...), (...): values() refuses to mix forms
+        return clone
+    multi = getattr(stmt, "_multi_values", ())
+    if multi:  # INSERT ... VALUES (...), (...): values() would refuse to mix the forms
+        clone = stmt._generate()
         clone._multi_values = tuple(
-            [_row_with(row, stmt.table, column, value) for row in rows]
-            for rows in stmt._multi_values
+            [_row_with(row, stmt.table, column, value) for row in rows] for rows in multi
         )
-    else:
-        return stmt.values({column: value})
-    return clone
+        return clone
+    return stmt.values({column: value})
 
 
 def _row_with(row: Any, table: Any, column: Column[Any], value: Any) -> dict[Any, Any]:
