@@ -1,18 +1,16 @@
 """The fitness rules of the token sequence and the lease register, stated once.
 
-A sequence issues fencing tokens only when every rule of :data:`SEQUENCE_RULES`
-holds; a register serves a sequence only when no rule of :data:`REGISTER_RULES`
-is broken.  The grant statement (:mod:`sa_fence._register`: :data:`SEQUENCE_FIT_SQL`
-and :func:`token_sequences_sql`), ``Fencer.check()`` (the first :class:`Problem`
-as one sentence), ``sa-fence check`` (every :class:`Problem`) and ``sa-fence
-status`` all read them, and PostgreSQL evaluates the same predicates in each, so
-what the grant refuses is what the checks report.  Everything names
+A sequence issues fencing tokens only when every rule of :data:`SEQUENCE_RULES` holds; a
+register serves a sequence only when no rule of :data:`REGISTER_RULES` is broken.  The grant
+statement (:mod:`sa_fence._register`: :data:`SEQUENCE_FIT_SQL` and :func:`token_sequences_sql`),
+``Fencer.check()`` (the first :class:`Problem` as one sentence), ``sa-fence check`` (every
+:class:`Problem`) and ``sa-fence status`` all read them, and PostgreSQL evaluates the same
+predicates in each, so what the grant refuses is what the checks report.  Everything names
 ``pg_catalog`` objects qualified: a grant runs on the application's search_path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,17 +21,15 @@ from ._guard import DEFAULT_SEQUENCE
 
 @dataclass(frozen=True)
 class SequenceRule:
-    """One thing the token sequence must be."""
+    """One thing the token sequence must be: ``key``, its column of :data:`SEQUENCE_SQL`;
+    ``sql``, the rule as a predicate over ``pg_catalog.pg_sequence s``; ``clause``, the
+    ``CREATE``/``ALTER SEQUENCE`` clause that makes it hold; ``shown``, what a fit sequence is
+    (as ``sa-fence check`` says it); ``problem``, why it does not hold (formatted with the row)."""
 
-    #: the column of :data:`SEQUENCE_SQL` that says whether the rule holds
     key: str
-    #: the rule as a predicate over ``pg_catalog.pg_sequence s``
     sql: str
-    #: the ``CREATE``/``ALTER SEQUENCE`` clause that makes it hold
     clause: str
-    #: what a fit sequence is, as ``sa-fence check`` says it
     shown: str
-    #: why it does not hold, formatted with the :data:`SEQUENCE_SQL` row
     problem: str
 
 
@@ -94,9 +90,8 @@ SEQUENCE_SQL = text(
 
 
 def token_sequences_sql(register: str) -> str:
-    """A subquery: the OIDs of the relations the token default of ``register``
-    (an SQL expression of type regclass) depends on; the sequences among them
-    are the ones it draws from."""
+    """A subquery: the OIDs of the relations the token default of ``register`` (an SQL
+    expression of type regclass) depends on; the sequences among them are the ones it draws from."""
     return f"""(
            SELECT p.refobjid
              FROM pg_catalog.pg_attrdef d
@@ -139,21 +134,6 @@ REGISTER_SHAPE: dict[str, tuple[str, bool]] = {
 }
 
 
-def shape_problems(columns: Iterable[Any]) -> list[str]:
-    """Why the register's columns (rows of REGISTER_COLUMNS_SQL) are not the expected shape."""
-    found = {row.name: (row.data_type, bool(row.not_null)) for row in columns}
-    problems = []
-    for column, (data_type, not_null) in REGISTER_SHAPE.items():
-        has_type, has_not_null = found.get(column, (None, True))
-        if has_type is None:
-            problems.append(f"has no column {column!r} ({data_type})")
-        elif has_type != data_type:
-            problems.append(f"column {column!r} is {has_type} (need {data_type})")
-        if not_null and not has_not_null:
-            problems.append(f"column {column!r} allows NULL (need NOT NULL)")
-    return problems
-
-
 @dataclass(frozen=True)
 class Problem:
     """A broken rule: what is wrong with what, and how to fix it."""
@@ -179,10 +159,8 @@ class Rule:
     fix: str
 
     def broken(self, names: dict[str, str], **facts: str) -> Problem:
-        values = {**names, **facts}
-        subject, problem, fix = (
-            part.format(**values) for part in (self.subject, self.problem, self.fix)
-        )
+        parts = (self.subject, self.problem, self.fix)
+        subject, problem, fix = (part.format(**names, **facts) for part in parts)
         return Problem(subject, problem, fix, self.key)
 
 
@@ -276,14 +254,13 @@ def sequence_problem(conn: Any, shown: Any, pinned: Any) -> tuple[Any, Problem |
     """(the :data:`SEQUENCE_SQL` row or None, the sequence's problem or None); ``shown``,
     ``pinned``: the ``Register`` as named and schema-qualified (``pinned_register``)."""
     row = conn.execute(SEQUENCE_SQL, {"name": pinned.sequence_sql}).one_or_none()
-    names = _names(shown)
     if row is None:
-        return None, _RULES["sequence missing"].broken(names)
+        return None, _RULES["sequence missing"].broken(_names(shown))
     values = row._mapping
     problems = [rule.problem.format(**values) for rule in SEQUENCE_RULES if not values[rule.key]]
-    if problems:
-        return row, _RULES["sequence unfit"].broken(names, problems="; ".join(problems))
-    return row, None
+    if not problems:
+        return row, None
+    return row, _RULES["sequence unfit"].broken(_names(shown), problems="; ".join(problems))
 
 
 def register_problems(conn: Any, shown: Any, pinned: Any) -> list[Problem]:
@@ -294,7 +271,16 @@ def register_problems(conn: Any, shown: Any, pinned: Any) -> list[Problem]:
     if not columns:
         return [_RULES["missing"].broken(names)]
     found = []
-    shape = shape_problems(columns)
+    kinds = {row.name: (row.data_type, bool(row.not_null)) for row in columns}
+    shape = []
+    for column, (data_type, not_null) in REGISTER_SHAPE.items():
+        has_type, has_not_null = kinds.get(column, (None, True))
+        if has_type is None:
+            shape.append(f"has no column {column!r} ({data_type})")
+        elif has_type != data_type:
+            shape.append(f"column {column!r} is {has_type} (need {data_type})")
+        if not_null and not has_not_null:
+            shape.append(f"column {column!r} allows NULL (need NOT NULL)")
     if shape:
         found.append(_RULES["shape"].broken(names, shape="; ".join(shape)))
     owner = conn.execute(REGISTER_SEQUENCE_SQL, {"register": pinned.table_sql}).scalar()

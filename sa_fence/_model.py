@@ -1,8 +1,8 @@
 """The :class:`Fenced` mixin and the fence column marker.
 
-How sa-fence finds a mapped class's or a table's fence column (cached per
-table, mapper and class), the ORM index the flush hook reads, and the
-PostgreSQL error of a fence column the models declare but the table lacks.
+How sa-fence finds a mapped class's or a table's fence column (cached per table, mapper and
+class), the ORM index the flush hook reads, and the PostgreSQL error of a fence column the models
+declare but the table lacks.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import re
 import weakref
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import BigInteger, Column, FetchedValue, FromClause, event, text
@@ -24,6 +25,7 @@ from sqlalchemy.orm import (
     mapperlib,
 )
 from sqlalchemy.orm.exc import UnmappedClassError
+from sqlalchemy.sql.util import find_tables
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import InstanceState, Session
@@ -55,16 +57,15 @@ def fence_column(name: str = "fence") -> Column[int]:
 class Fenced:
     """Declarative mixin: adds the ``fence`` column and marks the class fenced.
 
-    ``fence`` holds the token of the last lease holder that wrote the row.
-    sa-fence writes it at flush time from the bound lease's token; assigning
-    ``obj.fence`` makes the next flush raise
-    :class:`~sa_fence.FencingConfigError` before any SQL is sent.
-    ``Session.merge`` does not copy a detached object's loaded fence.  Rows
-    inserted without a lease (:func:`sa_fence.unfenced`) get ``fence = 0``.
+    ``fence`` holds the token of the last lease holder that wrote the row.  sa-fence writes it at
+    flush time from the bound lease's token; assigning ``obj.fence`` makes the next flush raise
+    :class:`~sa_fence.FencingConfigError` before any SQL is sent.  ``Session.merge`` does not copy
+    a detached object's loaded fence.  Rows inserted without a lease (:func:`sa_fence.unfenced`)
+    get ``fence = 0``.
 
-    Works with SQLModel too (``class Job(sa_fence.Fenced, SQLModel,
-    table=True)``): ``fence`` is a mapped column, not a pydantic field, so it
-    is neither a constructor argument nor part of ``model_dump()``.
+    Works with SQLModel too (``class Job(sa_fence.Fenced, SQLModel, table=True)``): ``fence`` is
+    a mapped column, not a pydantic field, so it is neither a constructor argument nor part of
+    ``model_dump()``.
     """
 
     @declared_attr
@@ -81,38 +82,30 @@ def fence_column_of(table: FromClause) -> Column[Any] | None:
     try:
         return _table_fences[table]
     except KeyError:
-        pass
+        col = _table_fences[table] = _scan(table)
+        return col
     except TypeError:  # not weak-referenceable: compute without caching
         return _scan(table)
-    col = _scan(table)
-    _table_fences[table] = col
-    return col
 
 
 def carries_fence(col: object) -> bool:
-    """Whether ``col`` is a real table ``Column`` marked as its table's fence.
-
-    A mapper's ``columns`` also hold expression properties' SQL expressions
-    and a subquery's derived columns: no table to fence, and no ``info`` (a
-    ``Label`` raises ``AttributeError`` for it).
-    """
+    """Whether ``col`` is a real table ``Column`` marked as its table's fence (a mapper's
+    ``columns`` also hold expression properties' SQL expressions and a subquery's derived
+    columns: no table to fence, and no ``info``: a ``Label`` raises ``AttributeError`` for it)."""
     return isinstance(col, Column) and bool(col.info.get(FENCE_INFO_KEY))
 
 
 def _scan(table: FromClause) -> Column[Any] | None:
-    for col in table.columns:
-        if carries_fence(col):
-            return col  # type: ignore[return-value]
-    return None
+    return next((col for col in table.columns if carries_fence(col)), None)  # type: ignore[return-value]
 
 
 class _FenceProperty(ColumnProperty[int]):
     """The fence attribute's property: ``Session.merge`` leaves a loaded fence behind.
 
-    ``merge()`` copies a detached object's loaded attributes as if assigned,
-    and a loaded fence, usually older than its row's now, would be refused at
-    flush; an *assigned* one is copied (and refused).  sa-fence switches the
-    fence's ``ColumnProperty`` to this class when it first meets the mapper.
+    ``merge()`` copies a detached object's loaded attributes as if assigned, and a loaded fence,
+    usually older than its row's now, would be refused at flush; an *assigned* one is copied (and
+    refused).  sa-fence switches the fence's ``ColumnProperty`` to this class when it first meets
+    the mapper.
     """
 
     __slots__ = ()
@@ -184,25 +177,23 @@ def is_fenced_class(cls: type) -> bool:
     return fenced
 
 
+@dataclass(slots=True)
 class OrmIndex:
     """What the flush hook needs to know about all mapped classes, computed once.
 
-    * ``association_tables``: ``secondary`` tables of relationships with a
-      fenced class on either side: writing their rows needs a bound lease.
-    * ``bump_keys``: joined-inheritance subclasses of a fenced class whose own
-      table has no fence column, with the fence key: a change to the subclass
-      table alone still compares and bumps the base table's fence.
+    * ``association_tables``: ``secondary`` tables of relationships with a fenced class on
+      either side: writing their rows needs a bound lease.
+    * ``bump_keys``: joined-inheritance subclasses of a fenced class whose own table has no fence
+      column, with the fence key: a change to the subclass table alone still compares and bumps
+      the base table's fence.
 
-    Recomputed after a class is mapped (``_generation``), not per flush (about
-    20 calls each); a disposed registry's classes stay until then, harmlessly.
+    Recomputed after a class is mapped (``_generation``), not per flush (about 20 calls each); a
+    disposed registry's classes stay until then, harmlessly.
     """
 
-    __slots__ = ("association_tables", "bump_keys", "generation")
-
-    def __init__(self, generation: int) -> None:
-        self.generation = generation
-        self.association_tables: frozenset[Any] = frozenset()
-        self.bump_keys: dict[type, str] = {}
+    generation: int
+    association_tables: frozenset[Any] = frozenset()
+    bump_keys: dict[type, str] = field(default_factory=dict)
 
 
 _index = OrmIndex(-1)
@@ -220,36 +211,41 @@ def orm_index() -> OrmIndex:
     global _index
     if _index.generation == _generation:
         return _index
-    index = OrmIndex(_generation)
+    bump_keys: dict[type, str] = {}
     association: set[Any] = set()
-    for registry in list(mapperlib._mapper_registries):
-        for mapper in registry.mappers:
-            key = fence_key_of(mapper)
-            if key is not None and mapper.inherits is not None:
-                fence_table = mapper.columns[key].table
-                if mapper.local_table is not fence_table and mapper.local_table is not (
-                    mapper.inherits.local_table
-                ):
-                    index.bump_keys[mapper.class_] = key
-            for prop in mapper.relationships:
-                if prop.secondary is not None and (
-                    key is not None or fence_key_of(prop.mapper) is not None
-                ):
-                    association.add(prop.secondary)
-    index.association_tables = frozenset(association)
-    _index = index
-    return index
+    for mapper in _mappers():
+        key = fence_key_of(mapper)
+        if (
+            key is not None
+            and mapper.inherits is not None
+            and mapper.local_table is not mapper.columns[key].table
+            and mapper.local_table is not mapper.inherits.local_table
+        ):
+            bump_keys[mapper.class_] = key
+        for prop in mapper.relationships:
+            if prop.secondary is not None and (
+                key is not None or fence_key_of(prop.mapper) is not None
+            ):
+                association.add(prop.secondary)
+    _index = OrmIndex(_generation, frozenset(association), bump_keys)
+    return _index
 
 
-#: PostgreSQL's messages for an undefined column (SQLSTATE 42703): an INSERT or
-#: UPDATE target (``column "fence" of relation "jobs" does not exist``), a
-#: qualified reference (``column jobs.fence does not exist``) or a bare one.
+def _mappers() -> list[Mapper[Any]]:
+    """Every mapper of every registry."""
+    return [
+        mapper for registry in list(mapperlib._mapper_registries) for mapper in registry.mappers
+    ]
+
+
+#: PostgreSQL's messages for an undefined column (SQLSTATE 42703): an INSERT or UPDATE target
+#: (``column "fence" of relation "jobs" does not exist``), a qualified reference (``column
+#: jobs.fence does not exist``) or a bare one.
 _UNDEFINED_COLUMN = re.compile(
     r'column (?:"(?P<target>[^"]+)" of relation "(?P<relation>[^"]+)"'
     r'|(?P<qualifier>[^\s"]+|"[^"]+")\.(?P<qualified>[^\s"]+|"[^"]+")'
     r'|"(?P<bare>[^"]+)") does not exist'
 )
-UNDEFINED_COLUMN_SQLSTATE = "42703"
 
 
 def _unquoted(name: str | None) -> str | None:
@@ -261,12 +257,11 @@ def _unquoted(name: str | None) -> str | None:
 def missing_fence_column(
     orig: BaseException, statement: Any = None
 ) -> tuple[str | None, str, str] | None:
-    """(schema, table, fence column) when ``orig`` is PostgreSQL saying a fenced
-    table's fence column does not exist (a table made before its model was
-    fenced: ``create_all`` adds no columns); else None.  The tables considered
-    are the fenced ones ``statement`` names and every mapped fenced table.
-    """
-    if getattr(orig, "sqlstate", None) != UNDEFINED_COLUMN_SQLSTATE:
+    """(schema, table, fence column) when ``orig`` is PostgreSQL saying a fenced table's fence
+    column does not exist (a table made before its model was fenced: ``create_all`` adds no
+    columns); else None.  The tables considered are the fenced ones ``statement`` names and
+    every mapped fenced table."""
+    if getattr(orig, "sqlstate", None) != "42703":  # undefined_column
         return None
     diag = getattr(orig, "diag", None)
     message = str(getattr(diag, "message_primary", None) or orig)
@@ -277,8 +272,6 @@ def missing_fence_column(
     relation = _unquoted(match["relation"] or match["qualifier"])
     tables: list[Any] = []
     if statement is not None:
-        from sqlalchemy.sql.util import find_tables
-
         with contextlib.suppress(Exception):  # a statement find_tables cannot walk
             tables = find_tables(statement, include_crud=True, include_joins=True)
 
@@ -286,13 +279,7 @@ def missing_fence_column(
         return getattr(fence_column_of(table), "name", None) == column
 
     in_statement = [t for t in tables if fenced_by(t)]
-    mapped = [
-        t
-        for registry in list(mapperlib._mapper_registries)
-        for mapper in registry.mappers
-        for t in mapper.tables
-        if fenced_by(t)
-    ]
+    mapped = [t for mapper in _mappers() for t in mapper.tables if fenced_by(t)]
     # the relation PostgreSQL names; else (an alias such as jobs_1) the statement's own
     named = [
         t

@@ -1,14 +1,12 @@
 """Retention of the lease register: ``Fencer.prune()`` (its command: :mod:`sa_fence.tools.prune`).
 
-The register keeps one row per lease name forever.  Pruning deletes the rows
-of names nobody holds that were last granted long ago, in batches in name
-order: scan the rows granted before ``now - older_than``, ask Redis which of
-those names are held now (one pipelined ``EXISTS`` per batch; a held name is
-kept), then delete each row only while it still holds the token the scan read
-(a grant in between survives), skipping a row locked at that moment.  A stale
-holder of a pruned name is still refused at COMMIT; the one change is for a
-holder whose lease expired without a newer grant, hence the required
-``longest_lease``.  docs/operations.md ("Retention") tells it all.
+The register keeps one row per lease name forever.  Pruning deletes the rows of names nobody
+holds that were last granted long ago, in batches in name order: scan the rows granted before
+``now - older_than``, ask Redis which of those names are held now (one pipelined ``EXISTS`` per
+batch; a held name is kept), then delete each row only while it still holds the token the scan
+read (a grant in between survives), skipping a row locked at that moment.  A stale holder of a
+pruned name is still refused at COMMIT; the one change is for a holder whose lease expired
+without a newer grant, hence the required ``longest_lease``.  docs/operations.md ("Retention").
 """
 
 from __future__ import annotations
@@ -100,14 +98,6 @@ def format_duration(value: float) -> str:
     return f"{value:g}s"
 
 
-def _scan_sql(register: Register) -> Any:
-    return sa.text(
-        f"SELECT r.name, r.token FROM {register.table_sql} r "
-        "WHERE r.name > :after AND r.granted_at < pg_catalog.clock_timestamp() - "
-        "pg_catalog.make_interval(secs => :age) ORDER BY r.name LIMIT :batch"
-    )
-
-
 def _delete_sql(register: Register, *, dry_run: bool) -> Any:
     # Compare-and-delete; a row locked right now (a grant, a commit check) is skipped.
     rows = (
@@ -166,9 +156,14 @@ def prune_on(
             f"there is no lease register {Register(sequence).table_display} for sequence "
             f"{sequence!r}: nothing to prune (run `sa-fence check`, or pass --sequence)"
         )
+    scan = sa.text(
+        f"SELECT r.name, r.token FROM {register.table_sql} r "
+        "WHERE r.name > :after AND r.granted_at < pg_catalog.clock_timestamp() - "
+        "pg_catalog.make_interval(secs => :age) ORDER BY r.name LIMIT :batch"
+    )
     after = ""
     while True:
-        rows = conn.execute(_scan_sql(register), {"after": after, "age": age, "batch": batch}).all()
+        rows = conn.execute(scan, {"after": after, "age": age, "batch": batch}).all()
         conn.rollback()  # no snapshot or lock held while Redis is asked
         if not rows:
             break
@@ -193,10 +188,9 @@ def prune_on(
     return PruneResult(removed, size, kept_held, regranted, dry_run)
 
 
-def _exists(pipe: Any, key_prefix: str, names: Sequence[str]) -> Any:
-    for name in names:
-        pipe.exists(key_prefix + name)
-    return pipe.execute()
+def redis_held(client: Any, key_prefix: str) -> Callable[[Sequence[str]], Sequence[bool]]:
+    """``held(names)`` for a redis-py client: one pipelined EXISTS per name."""
+    return lambda names: [bool(reply) for reply in _exists(client, key_prefix, names)]
 
 
 def async_redis_held(client: Any, key_prefix: str) -> Callable[[Sequence[str]], Sequence[bool]]:
@@ -204,21 +198,11 @@ def async_redis_held(client: Any, key_prefix: str) -> Callable[[Sequence[str]], 
     that ``greenlet_spawn`` runs (SQLAlchemy's bridge: it awaits the pipeline)."""
     from sqlalchemy.util import await_only
 
-    async def ask(names: Sequence[str]) -> list[bool]:
-        pipe = client.pipeline(transaction=False)
-        return [bool(reply) for reply in await _exists(pipe, key_prefix, names)]
-
-    def held(names: Sequence[str]) -> list[bool]:
-        return await_only(ask(names))
-
-    return held
+    return lambda names: [bool(reply) for reply in await_only(_exists(client, key_prefix, names))]
 
 
-def redis_held(client: Any, key_prefix: str) -> Callable[[Sequence[str]], Sequence[bool]]:
-    """``held(names)`` for a redis-py client: one pipelined EXISTS per name."""
-
-    def held(names: Sequence[str]) -> list[bool]:
-        pipe = client.pipeline(transaction=False)
-        return [bool(reply) for reply in _exists(pipe, key_prefix, names)]
-
-    return held
+def _exists(client: Any, key_prefix: str, names: Sequence[str]) -> Any:
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(key_prefix + name)
+    return pipe.execute()

@@ -1,18 +1,17 @@
 """Statement rewriting: how a fenced table's DML carries the token.
 
-:func:`rewrite` turns an UPDATE, DELETE or INSERT of a table with a fence
-column into the statement sa-fence sends (cached per original statement; the
-token travels as the bind ``sa_fence_token``):
+:func:`rewrite` turns an UPDATE, DELETE or INSERT of a table with a fence column into the
+statement sa-fence sends (cached per original statement; the token travels as the bind
+``sa_fence_token``):
 
-* UPDATE and DELETE get ``AND coalesce(fence, 0) <= :token``
-  (:func:`fence_predicate`, which also presents the token to a guard);
+* UPDATE and DELETE get ``AND coalesce(fence, 0) <= :token`` (:func:`fence_predicate`, which
+  also presents the token to a guard);
 * UPDATE and INSERT set ``fence = CAST(:token AS BIGINT)``;
 * ``INSERT ... ON CONFLICT DO UPDATE`` compares and writes in its DO UPDATE too;
 * a statement that sets the fence itself is refused.
 
-It also finds the primary key binds of the WHERE clause, so that the
-statement hook can compare the row count with the rows targeted. Nothing
-here touches a connection.
+It also finds the primary key binds of the WHERE clause, so that the statement hook can compare
+the row count with the rows targeted. Nothing here touches a connection.
 """
 
 from __future__ import annotations
@@ -47,10 +46,9 @@ _TOKEN_WRITTEN = cast(_TOKEN, BigInteger)
 def fence_predicate(fence_col: Column[Any], token: Any) -> ColumnElement[bool]:
     """The comparison every fenced UPDATE/DELETE carries: ``fence <= :token``.
 
-    The token goes through ``set_config('sa_fence.token', :token, true)``, which
-    returns it and presents it to a guard (:mod:`sa_fence._guard`) for every row
-    the statement writes, in the same statement (a BEFORE DELETE trigger has no
-    NEW row to read the token from).
+    The token goes through ``set_config('sa_fence.token', :token, true)``, which returns it and
+    presents it to a guard (:mod:`sa_fence._guard`) for every row the statement writes, in the
+    same statement (a BEFORE DELETE trigger has no NEW row to read the token from).
     """
     setting: ColumnElement[str] = literal_column(f"'{TOKEN_SETTING}'")  # rendered inline
     presented = func.set_config(setting, cast(token, Text), true())
@@ -96,9 +94,8 @@ def rewrite(elem: Any, fence_col: Column[Any]) -> FencedStatement:
 
 
 def _with_value(stmt: Any, column: Column[Any], value: Any) -> Any:
-    """``stmt`` also setting ``column = value`` (``values()`` refuses ordered values, so
-    those statements are cloned: 2.0 keeps ``_ordered_values``, 2.1 a flag beside ``_values``).
-    """
+    """``stmt`` also setting ``column = value`` (``values()`` refuses ordered values, so those
+    statements are cloned: 2.0 keeps ``_ordered_values``, 2.1 a flag beside ``_values``)."""
     if getattr(stmt, "_ordered_values", None):  # SQLAlchemy 2.0
         clone = stmt._generate()
         clone._ordered_values = [*stmt._ordered_values, (column, value)]
@@ -179,22 +176,18 @@ def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
         given |= _keys(k for row in rows if isinstance(row, dict) for k in row)
     upsert = _upsert_clause(elem)
     if upsert is not None and _keys(dict(upsert.update_values_to_set)) & names:
-        raise FencingConfigError(
-            f"this upsert's on_conflict_do_update(set_=...) sets "
-            f"{fence_col.table.name}.{fence_col.name} itself; the fence is written by sa-fence "
-            "from the bound lease's token (on the INSERT and in the DO UPDATE) and no value a "
-            "caller gives is taken (a low one would re-open the row to stale holders, a high "
-            f"one would lock every later holder out). Drop {fence_col.name!r} from set_. "
-            "Nothing was sent."
-        )
-    if given & names:
-        raise FencingConfigError(
-            f"this statement sets {fence_col.table.name}.{fence_col.name} itself; the fence is "
-            "written by sa-fence from the bound lease's token and no value a caller gives is "
-            f"taken (a low one would re-open the row to stale holders, a high one would lock "
-            f"every later holder out). Drop {fence_col.name!r} from values() (or from_select() "
-            "names). Nothing was sent."
-        )
+        what = "this upsert's on_conflict_do_update(set_=...)"
+        where, drop = " (on the INSERT and in the DO UPDATE)", "set_"
+    elif given & names:
+        what, where, drop = "this statement", "", "values() (or from_select() names)"
+    else:
+        return
+    raise FencingConfigError(
+        f"{what} sets {fence_col.table.name}.{fence_col.name} itself; the fence is written by "
+        f"sa-fence from the bound lease's token{where} and no value a caller gives is taken (a "
+        "low one would re-open the row to stale holders, a high one would lock every later "
+        f"holder out). Drop {fence_col.name!r} from {drop}. Nothing was sent."
+    )
 
 
 def _key_binds(elem: Update | Delete) -> tuple[list[Column[Any]] | None, list[str] | None]:
@@ -205,33 +198,25 @@ def _key_binds(elem: Update | Delete) -> tuple[list[Column[Any]] | None, list[st
     pk_cols: list[Column[Any]] = list(table.primary_key.columns)
     by_column: dict[Any, str] = {}
     for criterion in getattr(elem, "_where_criteria", ()):
-        for clause in _conjuncts(criterion):
-            pair = _column_eq_bind(clause, table)
-            if pair is not None:
-                by_column.setdefault(pair[0], pair[1])
+        for eq in _equalities(criterion):
+            for col, other in ((eq.left, eq.right), (eq.right, eq.left)):
+                if (
+                    isinstance(col, Column)
+                    and col.table is table
+                    and isinstance(other, BindParameter)
+                    and other.callable is None
+                    and other.value is None
+                ):
+                    by_column.setdefault(col, str(other.key))
     if not pk_cols or any(c not in by_column for c in pk_cols):
         return None, None
     return pk_cols, [by_column[c] for c in pk_cols]
 
 
-def _conjuncts(clause: Any) -> Iterator[Any]:
+def _equalities(clause: Any) -> Iterator[Any]:
+    """The ``a = b`` comparisons ANDed together in ``clause``."""
     if isinstance(clause, BooleanClauseList) and clause.operator is operators.and_:
         for sub in clause.clauses:
-            yield from _conjuncts(sub)
-    else:
+            yield from _equalities(sub)
+    elif isinstance(clause, BinaryExpression) and clause.operator is operators.eq:
         yield clause
-
-
-def _column_eq_bind(clause: Any, table: Any) -> tuple[Any, str] | None:
-    if not isinstance(clause, BinaryExpression) or clause.operator is not operators.eq:
-        return None
-    for col, other in ((clause.left, clause.right), (clause.right, clause.left)):
-        if (
-            isinstance(col, Column)
-            and col.table is table
-            and isinstance(other, BindParameter)
-            and other.callable is None
-            and other.value is None
-        ):
-            return col, str(other.key)
-    return None

@@ -1,9 +1,9 @@
 """Fencing tokens from a PostgreSQL sequence in the protected database.
 
-Tokens come from a sequence (``CACHE 1``, ``NO CYCLE``, ``bigint``) in the
-same database as the fenced rows, so token and rows share one WAL and one
-failover fate (docs/reliability.md).  :class:`TokenSource` draws them through
-the lease register's grant statement (:mod:`sa_fence._register`).
+Tokens come from a sequence (``CACHE 1``, ``NO CYCLE``, ``bigint``) in the same database as the
+fenced rows, so token and rows share one WAL and one failover fate (docs/reliability.md).
+:class:`TokenSource` draws them through the lease register's grant statement
+(:mod:`sa_fence._register`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from sqlalchemy import BigInteger, Connection, Engine, MetaData, Sequence, text
 from sqlalchemy.exc import DBAPIError
@@ -37,31 +37,20 @@ from .errors import FencingConfigError, LeaseBackendError, LeaseLostError
 
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
-
 #: Held token connections inherited through fork(): kept referenced, never
 #: closed (closing would end the parent's session on the shared socket).
 _FORKED_AWAY: list[Any] = []
 
-#: How many times one grant's statement is sent when its connection turns out lost (a server
-#: restart, a failover, an idle timeout: without ``pool_pre_ping`` the pool still holds connections
-#: from before).  The pool is then invalidated, as SQLAlchemy does on a disconnect, so the next try
-#: gets a fresh connection. Resending is safe: a token whose answer was lost is never used (a gap).
-DRAW_ATTEMPTS = 2
-
 
 def fence_sequence(
-    metadata: MetaData | None = None,
-    name: str = DEFAULT_SEQUENCE,
-    *,
-    schema: str | None = None,
+    metadata: MetaData | None = None, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None
 ) -> Sequence:
     """The token sequence as a SQLAlchemy schema object, declared correctly.
 
-    ``metadata.create_all(engine)`` (or ``fence_sequence().create(conn)``) then emits
-    ``CREATE SEQUENCE ... AS BIGINT INCREMENT BY 1 START WITH 1 CACHE 1 NO CYCLE``.  With a
-    ``metadata``, the lease register (``sa_fence_leases``, whose token default draws from this
-    sequence) and its commit check function are added too, so ``create_all()`` gives the whole
-    working schema.
+    ``metadata.create_all(engine)`` (or ``fence_sequence().create(conn)``) then emits ``CREATE
+    SEQUENCE ... AS BIGINT INCREMENT BY 1 START WITH 1 CACHE 1 NO CYCLE``.  With a ``metadata``,
+    the lease register (``sa_fence_leases``, whose token default draws from this sequence) and its
+    commit check function are added too, so ``create_all()`` gives the whole working schema.
     ``CACHE 1`` is required: with a cache every backend pre-allocates a block of values and
     ``nextval`` stops following real time across connections.  Never drop or ``RESTART`` this
     sequence in a live database: tokens would start again below the fences already on the rows.
@@ -84,19 +73,15 @@ def fence_sequence(
 
 
 def setup_problem(conn: Connection, sequence: str) -> str | None:
-    """What keeps ``sequence`` and its register from granting leases, with the fix; or None.
-
-    The first broken rule of :mod:`sa_fence._fitness`, then the scope trigger, read by
-    the pinned names; messages show the names as the user gave them.
-    """
+    """What keeps ``sequence`` and its register from granting leases, with the fix; or None:
+    the first broken rule of :mod:`sa_fence._fitness`, then the scope trigger, read by the
+    pinned names (messages show the names as the user gave them)."""
     shown = Register(sequence)
     register = pinned_register(conn, sequence)
     _, problem = sequence_problem(conn, shown, register)
     if problem is None:
         problem = next(iter(register_problems(conn, shown, register)), None)
-    if problem is not None:
-        return problem.sentence()
-    return scope_trigger_problem(conn, register)
+    return problem.sentence() if problem is not None else scope_trigger_problem(conn, register)
 
 
 def behind_pooler(conn: Connection) -> bool:
@@ -112,10 +97,9 @@ def behind_pooler(conn: Connection) -> bool:
 def pooler_problem(conn: Connection) -> str | None:
     """What keeps a transaction pooler in front of the database from working, or None.
 
-    psycopg prepares a statement it has run five times, and a pooler that pools by
-    transaction runs it where it was never prepared.  Session pooling or PgBouncer
-    >= 1.21 would work but cannot be told apart from here, so the fix (one parse per
-    call, works behind any pooler) is asked for in every case.
+    psycopg prepares a statement it has run five times, and a pooler that pools by transaction
+    runs it where it was never prepared.  Session pooling or PgBouncer >= 1.21 would work but
+    cannot be told apart from here, so the fix (one parse per call) is asked for in every case.
     """
     if getattr(conn.connection.driver_connection, "prepare_threshold", None) is None:
         return None  # not psycopg, or it never prepares
@@ -146,6 +130,8 @@ def token_error(
     register row is a LeaseBackendError.  Raise it ``from None`` (``.cause`` keeps it)."""
     orig = getattr(exc, "orig", None)
     sqlstate = getattr(orig, "sqlstate", None)
+    kind, problem = _failures.classify_postgres(sqlstate, str(orig if orig is not None else exc))
+    cause = _failures.cause_text(exc)
     if sqlstate == "55P03":  # lock_not_available
         detail = (
             f"waited {lock_timeout_ms} ms for the lease register row of {name!r}, held "
@@ -153,12 +139,7 @@ def token_error(
             "check holds the row until its COMMIT ends). Nothing was granted; try again. "
             "If this repeats, a holder's connection is stuck mid-commit."
         )
-        return LeaseBackendError(
-            backend="postgresql", operation=operation, name=name, cause=exc, detail=detail
-        )
-    kind, problem = _failures.classify_postgres(sqlstate, str(orig if orig is not None else exc))
-    cause = _failures.cause_text(exc)
-    if kind == _failures.SETUP and problem is not None:
+    elif kind == _failures.SETUP and problem is not None:
         register = Register(sequence)
         fix = _failures.postgres_setup_fix(
             problem,
@@ -170,32 +151,20 @@ def token_error(
             f"{operation} of lease {name!r} failed: PostgreSQL refused the set-up ({cause}). {fix}",
             cause=exc,
         )
-    # Whether a draw committed is unknown only when its connection was lost after
-    # it was sent (TokenSource.should_redraw notes the sends on the exception).
-    sends = getattr(exc, "sa_fence_sends", 1)
-    maybe_ran = getattr(exc, "sa_fence_maybe_ran", None)
-    if maybe_ran is None:
-        maybe_ran = sqlstate is None and "connection failed" not in cause.lower()
-    unknown = operation == "token" and kind == _failures.OUTAGE and maybe_ran
-    detail = _failures.outage_detail(
-        "PostgreSQL", _failures.Failure(kind, unknown, cause), max(1, sends)
-    )
+    else:
+        # Whether a draw committed is unknown only when its connection was lost after
+        # it was sent (TokenSource._redraw notes the sends on the exception).
+        maybe_ran = getattr(exc, "sa_fence_maybe_ran", None)
+        if maybe_ran is None:
+            maybe_ran = sqlstate is None and "connection failed" not in cause.lower()
+        failure = _failures.Failure(
+            kind, operation == "token" and kind == _failures.OUTAGE and maybe_ran, cause
+        )
+        detail = _failures.outage_detail(
+            "PostgreSQL", failure, max(1, getattr(exc, "sa_fence_sends", 1))
+        )
     return LeaseBackendError(
         backend="postgresql", operation=operation, name=name, cause=exc, detail=detail
-    )
-
-
-def not_forward_error(name: str, sequence: str, drawn: int, held: int | None) -> FencingConfigError:
-    """A grant refused because its drawn token does not move the register forward."""
-    held_text = "a token at least as large" if held is None else f"token {held}"
-    return FencingConfigError(
-        f"lease {name!r} was not granted: the token sequence {sequence!r} is behind the "
-        f"lease register: it drew token {drawn}, but the register already holds "
-        f"{held_text} for this name. The sequence was set back (setval, a restore from "
-        "backup, a promoted replica), so it would hand out tokens already held: the "
-        f"drawn token was thrown away and nothing was granted. Stop the workers and run "
-        f"`sa-fence repair-sequence --url ... --sequence {sequence}` (it moves the "
-        "sequence past every fence and every registered token)."
     )
 
 
@@ -212,9 +181,9 @@ def _sync_commit_error(value: str) -> FencingConfigError:
 class TokenSource:
     """Draws tokens and advances the lease register through the protected database's engine.
 
-    One statement per grant (:mod:`sa_fence._register`).  The token is durable when
-    the grant returns; the register advance too, unless the statement skipped the
-    WAL flush (:attr:`skip_flush`): then at the latest at the holder's first commit.
+    One statement per grant (:mod:`sa_fence._register`).  The token is durable when the grant
+    returns; the register advance too, unless the statement skipped the WAL flush
+    (:attr:`skip_flush`): then at the latest at the holder's first commit.
     """
 
     engine: Engine
@@ -225,14 +194,17 @@ class TokenSource:
     #: Let a grant skip the WAL flush when its token is already durable
     #: (docs/guarantees.md, "A PostgreSQL crash"); False: every grant waits for it.
     skip_flush: bool = True
-    _checked: bool = False
+    #: Whether :meth:`check` has passed (a fencer runs it before its first token).
+    checked: bool = field(default=False, init=False)
     # The connection tokens are drawn on when no other thread is drawing one.
     _held: Any = field(default=None, init=False, repr=False)
     _held_pid: int = field(default=0, init=False, repr=False)
     _held_since: float = field(default=0.0, init=False, repr=False)
     _held_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
-    #: Sends of one grant's statement when its connection is lost (DRAW_ATTEMPTS).
-    draw_attempts: int = field(default=DRAW_ATTEMPTS, init=False, repr=False)
+    #: Sends of one grant's statement when its connection turns out lost (a server restart, a
+    #: failover, an idle timeout: the pool may hold connections from before).  Resending is
+    #: safe: a token whose answer was lost is never used (a gap).
+    draw_attempts: int = field(default=2, init=False, repr=False)
     #: Whether the latest grant's commit waited for the WAL flush (None: no grant yet).
     last_flushed: bool | None = field(default=None, init=False, repr=False)
     #: (system identifier, database name) of the register's database, once checked
@@ -241,11 +213,6 @@ class TokenSource:
     def __post_init__(self) -> None:
         #: where the register and its check function live (read at every commit)
         self.register = Register(self.sequence)
-
-    @property
-    def checked(self) -> bool:
-        """Whether :meth:`check` has passed (a fencer runs it before its first token)."""
-        return self._checked
 
     def check(self) -> None:
         """Verify the sequence, the register and the connection settings.
@@ -264,7 +231,7 @@ class TokenSource:
             raise _sync_commit_error(sync)
         # every statement from here on names the schema found now, never the search_path's
         self.register = register
-        self._checked = True
+        self.checked = True
 
     def params(self, name: str) -> dict[str, Any]:
         register = self.register
@@ -301,39 +268,33 @@ class TokenSource:
     def _redraw(
         self, draw: Callable[[dict[str, Any]], Any], params: dict[str, Any], sent_before: int = 0
     ) -> Any:
-        """``draw(params)``, again on a fresh connection as :meth:`should_redraw` says."""
+        """``draw(params)``, sent again when its connection was lost (as SQLAlchemy does on a
+        disconnect, the pool was invalidated: the next try gets a fresh connection), at most
+        :attr:`draw_attempts` times.  The error that ends it notes for :func:`token_error` how
+        many sends there were (``sent_before`` on the held connection first) and whether one
+        may have run."""
         attempt = 1
         while True:
             try:
                 return draw(params)
             except DBAPIError as exc:
-                if not self.should_redraw(exc, attempt, params["name"], sent_before=sent_before):
+                if not exc.connection_invalidated or attempt >= self.draw_attempts:
+                    # the attempts before were sent and lost; this one was sent unless
+                    # its connection could not be made (no statement then)
+                    sent = exc.statement is not None
+                    note: Any = exc
+                    note.sa_fence_sends = sent_before + attempt - 1 + sent
+                    note.sa_fence_maybe_ran = bool(
+                        sent_before or attempt > 1 or (sent and exc.connection_invalidated)
+                    )
                     raise
+                log.info(
+                    "the token draw for lease %r lost its connection (%s); drawing again on a "
+                    "fresh one",
+                    params["name"],
+                    (str(exc.orig or exc).strip().splitlines() or [type(exc).__name__])[0],
+                )
                 attempt += 1
-
-    def should_redraw(
-        self, exc: DBAPIError, attempt: int, name: str, *, sent_before: int = 0
-    ) -> bool:
-        """After failed draw number ``attempt``: send it again?  Only when its connection
-        was lost, at most :attr:`draw_attempts` times.  When not, notes on ``exc`` for
-        :func:`token_error` how many sends there were (``sent_before`` on the held
-        connection first) and whether one may have run."""
-        if not exc.connection_invalidated or attempt >= self.draw_attempts:
-            # the attempts before were sent and lost; this one was sent unless
-            # its connection could not be made (no statement then)
-            sent = exc.statement is not None
-            note: Any = exc
-            note.sa_fence_sends = sent_before + attempt - 1 + sent
-            note.sa_fence_maybe_ran = bool(
-                sent_before or attempt > 1 or (sent and exc.connection_invalidated)
-            )
-            return False
-        log.info(
-            "the token draw for lease %r lost its connection (%s); drawing again on a fresh one",
-            name,
-            (str(exc.orig or exc).strip().splitlines() or [type(exc).__name__])[0],
-        )
-        return True
 
     def granted(self, row: Any, name: str) -> int:
         """The token from the grant statement's row; FencingConfigError if it drew none."""
@@ -349,14 +310,22 @@ class TokenSource:
         self.last_flushed = bool(flushed)
         if sync == "off":
             raise _sync_commit_error(sync)
-        if token is None:
-            # ``held`` is of the statement's snapshot, taken before its draw.  At least
-            # the drawn token: the sequence is behind the register.  Less (or no row): a
-            # newer grant drew after us and committed, so our Redis lease had expired.
-            if held is None or held < drawn:
-                raise LeaseLostError(proto.overtaken_grant_message(name, int(drawn)))
-            raise not_forward_error(name, self.sequence, int(drawn), held)
-        return int(token)
+        if token is not None:
+            return int(token)
+        # ``held`` is of the statement's snapshot, taken before its draw.  Less than the
+        # drawn token (or no row): a newer grant drew after us and committed, so our Redis
+        # lease had expired.  At least the drawn token: the sequence is behind the register.
+        if held is None or held < drawn:
+            raise LeaseLostError(proto.overtaken_grant_message(name, int(drawn)))
+        raise FencingConfigError(
+            f"lease {name!r} was not granted: the token sequence {self.sequence!r} is behind "
+            f"the lease register: it drew token {int(drawn)}, but the register already holds "
+            f"token {held} for this name. The sequence was set back (setval, a restore from "
+            "backup, a promoted replica), so it would hand out tokens already held: the drawn "
+            "token was thrown away and nothing was granted. Stop the workers and run `sa-fence "
+            f"repair-sequence --url ... --sequence {self.sequence}` (it moves the sequence past "
+            "every fence and every registered token)."
+        )
 
     def withdraw(self, name: str, token: int) -> None:
         """Put the register back to the token before ``token`` if it still holds ``token``
@@ -387,9 +356,7 @@ class TokenSource:
                     return self._draw(held, params)
                 except Exception as exc:
                     if not (held.closed or held.broken):  # refused: the connection is fine
-                        if isinstance(exc, self.engine.dialect.loaded_dbapi.Error):
-                            raise self._wrap(exc, params, invalidated=False) from exc
-                        raise
+                        self._reraise(exc, params, lost=False)
                     self._drop_held()  # lost: the pool's path below (pre-ping) decides
                 except BaseException:
                     self._drop_held()
@@ -402,7 +369,7 @@ class TokenSource:
         try:
             return self.engine.raw_connection()
         except self.engine.dialect.loaded_dbapi.Error as exc:  # Engine.connect() wraps it too
-            raise self._wrap(exc, None, invalidated=False) from exc
+            self._reraise(exc, None, lost=False)
 
     def _draw_pooled(self, params: dict[str, Any]) -> Any:
         """One grant statement on a pooled connection, put in autocommit for it."""
@@ -421,10 +388,7 @@ class TokenSource:
                 self.engine.pool._invalidate(raw, exc)
             else:
                 raw.invalidate(exc)  # also returns it to the pool, closed
-            if isinstance(exc, self.engine.dialect.loaded_dbapi.Error):
-                # connection_invalidated as SQLAlchemy sets it: "lost, not refused"
-                raise self._wrap(exc, params, invalidated=lost) from exc
-            raise
+            self._reraise(exc, params, lost=lost)
         raw.close()
         return drawn
 
@@ -433,16 +397,22 @@ class TokenSource:
             cursor.execute(self.register.grant_sql(), params)
             return cursor.fetchone()
 
-    def _wrap(self, exc: BaseException, params: dict[str, Any] | None, *, invalidated: bool) -> Any:
+    def _reraise(
+        self, exc: BaseException, params: dict[str, Any] | None, *, lost: bool
+    ) -> NoReturn:
+        """``exc`` again; a driver error wrapped as SQLAlchemy does (``connection_invalidated``:
+        its connection was lost, not refused)."""
         dialect = self.engine.dialect
-        return DBAPIError.instance(
+        if not isinstance(exc, dialect.loaded_dbapi.Error):
+            raise exc
+        raise DBAPIError.instance(
             self.register.grant_sql() if params else None,
             params,
             exc,
             dialect.loaded_dbapi.Error,
-            connection_invalidated=invalidated,
+            connection_invalidated=lost,
             dialect=dialect,
-        )
+        ) from exc
 
     def _held_connection(self) -> Any:
         """The held connection, made on first use and again after a failure."""
@@ -452,11 +422,7 @@ class TokenSource:
             or held.closed
             or -1 < getattr(self.engine.pool, "_recycle", -1) < time.monotonic() - self._held_since
         ):
-            if self._held_pid == os.getpid():
-                self._drop_held()
-            else:
-                _FORKED_AWAY.append(held)  # closing it would close the parent's session
-                self._held = None
+            self._drop_held()
             held = None
         if held is None:
             raw = self._raw_connection()
@@ -468,12 +434,13 @@ class TokenSource:
 
     def _drop_held(self) -> None:
         held, self._held = self._held, None
-        if held is not None:
+        if held is not None and self._held_pid != os.getpid():
+            _FORKED_AWAY.append(held)  # closing it would close the parent's session
+        elif held is not None:
             with contextlib.suppress(Exception):  # already broken: nothing to give back
                 held.close()
 
     def close(self) -> None:
         """Close the held token connection (the next token opens a new one)."""
         with self._held_lock:
-            if self._held_pid == os.getpid():
-                self._drop_held()
+            self._drop_held()

@@ -108,7 +108,7 @@ def test_synchronous_commit_off_is_refused_before_any_lease_is_written(
         assert keys(redis_client, key_prefix) == []
         # Even past the one-time check, every token re-reads the setting and the
         # lease taken for it is given back.
-        fencer._tokens._checked = True
+        fencer._tokens.checked = True
         with pytest.raises(sa_fence.FencingConfigError, match="synchronous_commit"):
             fencer.acquire("job:1", 5)
         assert keys(redis_client, key_prefix) == []

@@ -313,7 +313,7 @@ async def test_postgresql_failing_at_token_time_is_a_backend_error_and_the_lease
 ) -> None:
     down = down_engine(front, engine)
     fencer = kin(front_port(), down, socket_timeout=5)
-    fencer._tokens._checked = True  # the sequence was fine at start-up; then PG went away
+    fencer._tokens.checked = True  # the sequence was fine at start-up; then PG went away
     with pytest.raises(sa_fence.LeaseBackendError) as failed:
         await io(fencer.acquire("job:1", 30))
     assert failed.value.backend == "postgresql"

@@ -211,7 +211,7 @@ def test_the_crash_rounds_see_tokens_handed_out_again_with_synchronous_commit_of
 ) -> None:
     """The other pair: the same statement, committed, with ``synchronous_commit =
     off`` on the token connection (sa-fence refuses it; the refusal is bypassed)."""
-    monkeypatch.setattr(TokenSource, "check", lambda self: setattr(self, "_checked", True))
+    monkeypatch.setattr(TokenSource, "check", lambda self: setattr(self, "checked", True))
     monkeypatch.setattr(TokenSource, "granted", lambda self, row, name: int(row[0]))
     engine = sa.create_engine(pg.url(DB), connect_args={"options": "-c synchronous_commit=off"})
     fencer = make_fencer(redis_client, engine, key_prefix)

@@ -255,7 +255,7 @@ def test_a_dead_postgresql_is_reported_at_once_as_an_outage(
     assert (failed.value.backend, failed.value.operation) == ("postgresql", "check")
     assert "PostgreSQL could not be reached" in str(failed.value)
     no_chain(failed.value)
-    fencer._tokens._checked = True  # the check passed earlier; then PostgreSQL went away
+    fencer._tokens.checked = True  # the check passed earlier; then PostgreSQL went away
     with pytest.raises(sa_fence.LeaseBackendError) as failed:
         fencer.acquire("job:1", 30)
     assert failed.value.operation == "token"
