@@ -105,13 +105,16 @@ class Breakdown:
     sql: dict[str, Timing]  # raw psycopg: COMMIT / SELECT 1; COMMIT / check; COMMIT
     rows: int = 0  # rows changed per flush in the CPU measurement
     cpu: dict[str, list[float]] = field(default_factory=dict)  # plain / fenced: flush CPU s
-    #: the CPU a 1-row update + commit costs this process and its server backend
-    txn_cpu: CpuAccount | None = None
+    #: plain / fenced: this process's CPU time per 1-row update + commit (seconds)
+    txn_cpu: dict[str, list[float]] = field(default_factory=dict)
+    #: the raw SQL lines' median server backend CPU per transaction (seconds); None when
+    #: the server does not run on this machine
+    sql_server: dict[str, float] | None = None
 
     def ours(self) -> float:
         """The fenced 1-row transaction's extra CPU time in this process (seconds)."""
-        assert self.txn_cpu is not None
-        return self.txn_cpu.over_plain("fenced")[0]
+        plain, fenced = (statistics.median(self.txn_cpu[v]) for v in ("plain", "fenced"))
+        return fenced - plain
 
     def per_row(self) -> tuple[float, float, float]:
         """Median flush CPU time, plain and fenced, and the fenced extra per row (seconds)."""
@@ -127,25 +130,6 @@ class Breakdown:
             op["fenced"] - op[SKIPPED],
             sql[SELECT_1] - sql[COMMIT],
             sql[CHECK] - sql[SELECT_1],
-        )
-
-
-@dataclass
-class CpuAccount:
-    """Median CPU seconds per 1-row update + commit of each variant (plain, lease scope
-    skipped, fenced): this thread's, and its server backend's (None when the server
-    runs on another machine)."""
-
-    client: dict[str, float]
-    server: dict[str, float] | None
-    ops: int
-
-    def over_plain(self, variant: str) -> tuple[float, float | None]:
-        """(client, server) CPU seconds ``variant`` costs over plain per op."""
-        server = self.server
-        return (
-            self.client[variant] - self.client["plain"],
-            None if server is None else server[variant] - server["plain"],
         )
 
 
@@ -209,7 +193,7 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
     """
     per = 2 if config.quick else 40
     op = interleave(
-        {v: Op(lambda v=v: run_variant(bench, v)) for v in CPU_VARIANTS},  # type: ignore[misc]
+        {v: Op(lambda v=v: run_variant(bench, v)) for v in OP_VARIANTS},  # type: ignore[misc]
         rounds=config.rounds,
         per_round=per,
         progress=progress,
@@ -251,20 +235,28 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
 
             return Op(run)
 
+        raw = {
+            COMMIT: (conn, commit_with(None)),
+            SELECT_1: (conn, commit_with("SELECT 1; COMMIT")),
+            CHECK: (conn, commit_with(f"{check}; COMMIT")),
+            ARMED: (armed, commit_with(None, armed)),
+        }
+        per_round = 2 if config.quick else 100
         sql = interleave(
-            {
-                COMMIT: commit_with(None),
-                SELECT_1: commit_with("SELECT 1; COMMIT"),
-                CHECK: commit_with(f"{check}; COMMIT"),
-                ARMED: commit_with(None, armed),
-            },
+            {label: op for label, (_, op) in raw.items()},
             rounds=config.rounds,
-            per_round=2 if config.quick else 100,
+            per_round=per_round,
             progress=progress,
             label="flush: the register check in SQL",
         )
+        sql_server = server_cpu(raw, config.rounds * per_round)
     return Breakdown(
-        op, sql, bench.rows, flush_cpu(bench, config, progress), transaction_cpu(bench, config)
+        op,
+        sql,
+        bench.rows,
+        flush_cpu(bench, config, progress),
+        transaction_cpu(bench, config),
+        sql_server,
     )
 
 
@@ -274,7 +266,7 @@ class _ScopeOwner:
 
 #: The 1-row update variants of the breakdown: plain, fenced with lease scope skipped (the
 #: hooks and the row fence alone: a diagnostic, never a setting), fenced.
-CPU_VARIANTS = ("plain", SKIPPED, "fenced")
+OP_VARIANTS = ("plain", SKIPPED, "fenced")
 
 
 def _keep(session: Session) -> None:
@@ -318,57 +310,48 @@ def backend_cpu(pid: int) -> float | None:
         return None
 
 
-def transaction_cpu(bench: FlushBench, config: Config) -> CpuAccount:
-    """CPU per 1-row update + commit of each variant, this thread's and its backend's.
+def server_cpu(
+    raw: dict[str, tuple[psycopg.Connection[Any], Op]], ops: int
+) -> dict[str, float] | None:
+    """The median server backend CPU per op of each raw SQL line, in a pass of its own
+    (untimed, interleaved): the server's share of each mechanism, which another load on
+    the machine leaves mostly alone (it adds waiting, not CPU).  Raw SQL, not the ORM op:
+    nothing of the client's runs between the two readings but the op's own statements."""
+    cpu: dict[str, list[float]] = {label: [] for label in raw}
+    for i in range(ops):
+        labels = list(raw) if i % 2 == 0 else list(reversed(raw))
+        for label in labels:
+            conn, op = raw[label]
+            pid = conn.info.backend_pid
+            before = backend_cpu(pid)
+            op.run()
+            after = backend_cpu(pid)
+            if before is None or after is None:
+                return None
+            cpu[label].append(after - before)
+    return {label: statistics.median(times) for label, times in cpu.items()}
 
-    Each variant gets an engine of its own with one connection, so its server backend
-    serves it alone; the variants alternate op by op (the order rotated every round), and
-    each side's median per op is kept.  CPU time, not wall time: what another load on the
-    machine adds is mostly waiting, which leaves both out, so sa-fence's Python (ours) and
-    the server's SQL work for lease scope are told apart even on a busy machine.
+
+def transaction_cpu(bench: FlushBench, config: Config) -> dict[str, list[float]]:
+    """This process's CPU time per 1-row update + commit, plain and fenced, alternated.
+
+    The client's share of the op: what sa-fence's Python adds, apart from the
+    server's work and the wait for it, which a loaded machine makes noisy.
     """
     rounds, per = (1, 2) if config.quick else (config.rounds, 40)
-    engines = {
-        v: sa.create_engine(bench.engine.url, pool_size=1, max_overflow=0) for v in CPU_VARIANTS
-    }
-    try:
-        benches = {
-            v: FlushBench(e, bench.schema, bench.lease, bench.rows) for v, e in engines.items()
-        }
-        pids = {}
-        for v, e in engines.items():
-            with e.connect() as conn:
-                pids[v] = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
-            for _ in range(20):  # the pool, the compiled-statement cache, prepared statements
-                run_variant(benches[v], v)
-        client: dict[str, list[float]] = {v: [] for v in CPU_VARIANTS}
-        server: dict[str, list[float]] | None = {v: [] for v in CPU_VARIANTS}
-        for r in range(rounds):
-            gc.collect()
-            gc.disable()
-            try:
-                order = CPU_VARIANTS[r % 3 :] + CPU_VARIANTS[: r % 3]
-                for _ in range(per):
-                    for v in order:
-                        started = backend_cpu(pids[v])
-                        before = time.thread_time()
-                        run_variant(benches[v], v)
-                        client[v].append(time.thread_time() - before)
-                        ended = backend_cpu(pids[v])
-                        if server is not None and started is not None and ended is not None:
-                            server[v].append(ended - started)
-                        else:
-                            server = None  # not a PostgreSQL on this machine
-            finally:
-                gc.enable()
-        return CpuAccount(
-            {v: statistics.median(t) for v, t in client.items()},
-            None if server is None else {v: statistics.median(t) for v, t in server.items()},
-            rounds * per,
-        )
-    finally:
-        for e in engines.values():
-            e.dispose()
+    cpu: dict[str, list[float]] = {"plain": [], "fenced": []}
+    for r in range(rounds):
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(per):
+                for variant in ("plain", "fenced") if r % 2 == 0 else ("fenced", "plain"):
+                    started = time.process_time()
+                    bench.update(variant, 1)
+                    cpu[variant].append(time.process_time() - started)
+        finally:
+            gc.enable()
+    return cpu
 
 
 def flush_cpu(bench: FlushBench, config: Config, progress: Progress) -> dict[str, list[float]]:
@@ -453,9 +436,8 @@ def why_missed(
             "round trip (the flush sends what plain sends; the BEGIN message carries the "
             "arm). "
         )
-        cpu = b.txn_cpu
-        if cpu is not None and cpu.server is not None:
-            return head + cpu_account(cpu)
+        if b.sql_server is not None:
+            return head + cpu_account(b, plain)
         return head + (
             f"This run's breakdown of the same op: the lease register check "
             f"{check * us:.0f} us, {check / base * 100:.1f}% of a plain op by itself: "
@@ -486,27 +468,21 @@ def why_missed(
     )
 
 
-def cpu_account(cpu: CpuAccount) -> str:
-    """The 1-row account from CPU times, which another load on the machine leaves alone."""
-    assert cpu.server is not None
+def cpu_account(b: Breakdown, plain: float) -> str:
+    """The 1-row account from CPU times: this process's, and the server backend's for
+    lease scope's SQL (the raw SQL lines), which another load leaves mostly alone."""
+    assert b.sql_server is not None
     us = 1e6
-    hooks_client = cpu.client[SKIPPED] - cpu.client["plain"]
-    hooks_server = cpu.server[SKIPPED] - cpu.server["plain"]
-    scope_client = cpu.client["fenced"] - cpu.client[SKIPPED]
-    scope_server = cpu.server["fenced"] - cpu.server[SKIPPED]
-    plain = cpu.client["plain"] + cpu.server["plain"]
-    extra = hooks_client + hooks_server + scope_client + scope_server
+    scope = b.sql_server[ARMED] - b.sql_server[COMMIT]
+    ours = b.ours()
     return (
-        f"CPU per transaction in this run: plain {plain * us:.0f} us (this process "
-        f"{cpu.client['plain'] * us:.0f}, its server backend {cpu.server['plain'] * us:.0f}); "
-        f"fenced +{extra * us:.0f} us ({extra / plain * 100:.1f}%). Ours, this process: "
-        f"{hooks_client * us:+.0f} us for the hooks and the row fence ({WHY_HOOKS}) and "
-        f"{scope_client * us:+.0f} us for lease scope's arm and COMMIT path. The server's: "
-        f"{scope_server * us:+.0f} us for lease scope ({WHY_CHECK}) and {hooks_server * us:+.0f}"
-        f" us for the row fence's comparison. Lease scope's server work alone is "
-        f"{scope_server / plain * 100:.1f}% of a plain transaction's CPU; the wall-clock "
-        "difference beyond the CPU is waiting (the network, the other processes). See "
-        "docs/benchmarks.md"
+        f"Of it, CPU: this process's (ours: the hooks, the row fence and lease scope's arm "
+        f"and COMMIT path) {ours * us:+.0f} us per transaction ({WHY_HOOKS}); the server's "
+        f"work for lease scope {scope * us:+.0f} us per transaction, measured on its backend in "
+        f"raw SQL ({WHY_CHECK}): {scope / plain * 100:.1f}% of a plain 1-row op by itself, "
+        f"against {b.sql_server[COMMIT] * us:.0f} us of server CPU for the plain transaction. "
+        "The rest of the difference is waiting (the network, the other processes on the "
+        "machine). See docs/benchmarks.md"
     )
 
 
@@ -580,41 +556,25 @@ def report_breakdown(b: Breakdown) -> None:
     )
     for label, timing, note in rows:
         print(f"  {label:<48}{fmt_time(timing.median):>11}  {note}".rstrip())
+    if b.sql_server is not None:
+        server = b.sql_server
+        print(f"the same, server backend CPU per transaction (schedstat), median of {n} each")
+        for label in (COMMIT, SELECT_1, CHECK, ARMED):
+            extra = (server[label] - server[COMMIT]) * 1e6
+            note = f"{extra:+7.1f} us" if label != COMMIT else ""
+            print(f"  {label:<48}{fmt_time(server[label]):>11}  {note}".rstrip())
     cpu_plain, cpu_fenced, per_row = b.per_row()
     n = len(b.cpu["plain"])
     print(f"flush CPU time of this process, {b.rows} changed rows, median of {n} each")
     print(f"  {'plain':<48}{fmt_time(cpu_plain):>11}")
     print(f"  {'fenced':<48}{fmt_time(cpu_fenced):>11}  {per_row * 1e6:+7.2f} us per row")
-    if b.txn_cpu is not None:
-        report_cpu(b.txn_cpu)
-
-
-def report_cpu(cpu: CpuAccount) -> None:
-    """The CPU account: what each side costs per 1-row update + commit."""
-    server = cpu.server
+    n = len(b.txn_cpu["plain"])
+    plain_txn = statistics.median(b.txn_cpu["plain"])
+    print(f"CPU time of this process per 1-row update + commit, median of {n} each")
+    print(f"  {'plain':<48}{fmt_time(plain_txn):>11}")
     print(
-        "CPU per 1-row update + commit, this process and its server backend "
-        f"(median of {cpu.ops} each, interleaved)"
-    )
-    print(f"  {'':<48}{'client':>11}{'server':>11}")
-
-    def shown(seconds: float | None, sign: str = "") -> str:
-        return "        n/a" if seconds is None else f"{seconds * 1e6:>{sign}8.1f} us"
-
-    print(f"  {'plain':<48}{shown(cpu.client['plain'])}{shown(server and server['plain'])}")
-    notes = {SKIPPED: "sa-fence's hooks and the row fence", "fenced": "lease scope"}
-    previous = "plain"
-    for v in (SKIPPED, "fenced"):
-        client = cpu.client[v] - cpu.client[previous]
-        on_server = None if server is None else server[v] - server[previous]
-        print(f"  {'+ ' + notes[v]:<48}{shown(client, '+')}{shown(on_server, '+')}")
-        previous = v
-    client, on_server = cpu.over_plain("fenced")
-    total = cpu.client["plain"] + (server["plain"] if server else 0.0)
-    extra = client + (on_server or 0.0)
-    print(
-        f"  {'fenced over plain':<48}{shown(client, '+')}{shown(on_server, '+')}"
-        f"  {(total + extra) / total:.3f}x plain's CPU"
+        f"  {'fenced':<48}{fmt_time(plain_txn + b.ours()):>11}  "
+        f"{b.ours() * 1e6:+7.1f} us  ours (sa-fence's Python)"
     )
 
 
