@@ -117,12 +117,6 @@ class _NoOp:
     add = record = set_attribute = set_attributes = add_event = _nothing
     set_status = record_exception = end = _nothing
 
-    def is_recording(self) -> bool:
-        return False
-
-    def start_span(self, name: str, *args: Any, **kwargs: Any) -> _NoOp:
-        return self
-
 
 _NOOP = _NoOp()
 
@@ -135,7 +129,7 @@ def _after_fork_in_child() -> None:
     global _tally_lock
     _tally_lock = threading.Lock()
     for state in list(_providers.values()):
-        state.pending.items.clear()
+        state.pending.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -173,19 +167,36 @@ except (AttributeError, TypeError, ValueError):  # no API, or no signature to re
     _RECORD_TAKES_CONTEXT = False
 
 
-class _Pending:
-    """Histogram measurements of one meter provider, with the context each was made in:
-    recorded when a reader collects (docs/observability.md, "Metrics")."""
+class _Provider:
+    """What sa-fence keeps per meter provider: its tallies by counter name, and its histogram
+    measurements pending, with their context, until a reader collects (docs/observability.md,
+    "Metrics")."""
 
-    __slots__ = ("items",)
+    __slots__ = ("pending", "tallies")
 
     def __init__(self) -> None:
+        self.tallies: dict[str, _Tally] = {}
         # a deque: appends and pops are atomic, so two threads never take the same item
-        self.items: deque[tuple[Any, float, Mapping[str, str], Any]] = deque()
+        self.pending: deque[tuple[Any, float, Mapping[str, str], Any]] = deque()
+
+    def counter(self, meter: Any, name: str, unit: str, description: str) -> _Tally:
+        """The tally of counter ``name``: made, and its callback registered, once."""
+        with _tally_lock:
+            tally = self.tallies.get(name)
+            if tally is not None:
+                return tally
+            first = not self.tallies
+            tally = self.tallies[name] = _Tally()
+        # the first counter's callback also records the pending histograms
+        callbacks = [self.drain, tally.observe] if first else [tally.observe]
+        meter.create_observable_counter(
+            name, callbacks=callbacks, unit=unit, description=description
+        )
+        return tally
 
     def drain(self, options: Any = None) -> Iterable[Any]:
         """An ObservableCounter callback: record what is pending, observe nothing."""
-        items = self.items
+        items = self.pending
         for _ in range(len(items)):  # what is there now; later ones wait for the next call
             try:
                 histogram, amount, attributes, context = items.popleft()
@@ -199,16 +210,16 @@ class _Pending:
 
 
 class _Histogram:
-    """A histogram whose measurements wait in ``pending`` until a reader collects
-    (at most ``PENDING_LIMIT``: past it the thread adding one records them all)."""
+    """A histogram whose measurements wait in its provider's ``pending`` until a reader
+    collects (at most ``PENDING_LIMIT``: past it the thread adding one records them all)."""
 
-    __slots__ = ("histogram", "pending", "proxy")
+    __slots__ = ("histogram", "provider", "proxy")
 
-    def __init__(self, meter: Any, name: str, description: str, pending: _Pending) -> None:
+    def __init__(self, meter: Any, name: str, description: str, provider: _Provider) -> None:
         self.histogram = histogram = meter.create_histogram(
             name, unit="s", description=description, explicit_bucket_boundaries_advisory=BUCKETS
         )
-        self.pending = pending
+        self.provider = provider
         # The API's proxy (_ProxyHistogram: no meter provider set yet)? It drops
         # measurements until one is set: sa-fence then takes none (nor their context).
         self.proxy = hasattr(histogram, "_real_instrument")
@@ -217,36 +228,10 @@ class _Histogram:
         histogram = self.histogram
         if self.proxy and histogram._real_instrument is None:  # idle
             return
-        items = self.pending.items
+        items = self.provider.pending
         items.append((histogram, amount, attributes, otel_context.get_current()))
         if len(items) >= PENDING_LIMIT:
-            self.pending.drain()
-
-
-class _Provider:
-    """What sa-fence keeps per meter provider: its tallies by counter name, and
-    its pending histogram measurements."""
-
-    __slots__ = ("pending", "tallies")
-
-    def __init__(self) -> None:
-        self.tallies: dict[str, _Tally] = {}
-        self.pending = _Pending()
-
-    def counter(self, meter: Any, name: str, unit: str, description: str) -> _Tally:
-        """The tally of counter ``name``: made, and its callback registered, once."""
-        with _tally_lock:
-            tally = self.tallies.get(name)
-            if tally is not None:
-                return tally
-            first = not self.tallies
-            tally = self.tallies[name] = _Tally()
-        # the first counter's callback also records the pending histograms
-        callbacks = [self.pending.drain, tally.observe] if first else [tally.observe]
-        meter.create_observable_counter(
-            name, callbacks=callbacks, unit=unit, description=description
-        )
-        return tally
+            self.provider.drain()
 
 
 #: Per meter provider (``_GLOBAL``: the global one).
@@ -394,7 +379,7 @@ class Telemetry:
         for attr, (name, unit, description) in _COUNTERS.items():
             setattr(self, attr, state.counter(meter, name, unit, description))
         for attr, (name, description) in _HISTOGRAMS.items():
-            setattr(self, attr, _Histogram(meter, name, description, state.pending))
+            setattr(self, attr, _Histogram(meter, name, description, state))
 
     def start_span(self, name: str, attributes: Mapping[str, Any]) -> Any:
         """A span named ``name``, child of the caller's; the no-op span outside a
@@ -480,8 +465,7 @@ class LeaseTelemetry:
 class Reported:
     """The lease core inherits this: only this module touches ``_tel``."""
 
-    #: What the lease reports its metrics under (set at acquire).
-    _tel: LeaseTelemetry | None = None
+    _tel: LeaseTelemetry | None = None  # what the lease reports its metrics under (set at acquire)
 
 
 def _lease_tel(lease: LeaseView) -> LeaseTelemetry:
