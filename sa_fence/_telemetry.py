@@ -579,16 +579,13 @@ class _Acquiring:
             span.set_attribute(OUTCOME, outcome)
         if outcome != "busy":  # contention is an answer, not an error
             if outcome is not None:
+                fields = {"sa_fence_lease": self.name, "sa_fence_pattern": self.pattern}
                 log.debug(
                     "acquire of lease %r failed (%s): %s",
                     self.name,
                     outcome,
                     type(exc).__name__,
-                    extra={
-                        "sa_fence_lease": self.name,
-                        "sa_fence_pattern": self.pattern,
-                        "sa_fence_outcome": outcome,
-                    },
+                    extra={**fields, "sa_fence_outcome": outcome},
                 )
             _error_status(span, exc)
         span.end()
