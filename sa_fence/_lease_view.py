@@ -1,8 +1,6 @@
-"""What the flush hook and telemetry need of a lease, as typing Protocols.
-
-``_flush`` and ``_telemetry`` type their arguments with these instead of importing
-the leases, which import both of them (docs/architecture.md, the lease interface).
-"""
+"""What the flush hook and telemetry need of a lease, as typing Protocols: ``_flush`` and
+``_telemetry`` import these, not the leases, which import them (docs/architecture.md, "The
+lease interface")."""
 
 from __future__ import annotations
 
@@ -16,12 +14,10 @@ class FencerView(Protocol):
     """The fencer of a lease, as the flush hook reads it."""
 
     @property
-    def engine(self) -> Any:
-        """The Engine (or AsyncEngine) of the token sequence and lease register."""
+    def engine(self) -> Any: ...  # the Engine (or AsyncEngine) of the tokens and the register
 
     @property
-    def token_source(self) -> TokenSource:
-        """Where its tokens come from: the register and the database's identity."""
+    def token_source(self) -> TokenSource: ...  # the register and the database's identity
 
 
 class LeaseView(Protocol):

@@ -1,23 +1,13 @@
 """Metrics, spans and log fields: what sa-fence tells an OpenTelemetry SDK.
 
-Fencers report to the global providers, or to the ones a :class:`Telemetry` names::
-
-    telemetry = sa_fence.telemetry.Telemetry(
-        meter_provider=meters, tracer_provider=tracers,
-        name_pattern=lambda name: name.split(":", 1)[0],    # "tenant:17:job:4" -> "tenant"
-    )
-    fencer = sa_fence.Fencer(redis_client, engine, telemetry=telemetry)
-
-A lease is one span, ``sa_fence.lease``, from acquire to release; a fenced
-flush and its commit check are a span each.  Metric attributes are bounded:
-a lease's *pattern*, never its name or owner.  Only the OpenTelemetry API is
-used; without it everything is a no-op.  docs/observability.md lists the
-signals; the front ends call the hooks at the bottom of this module.
+A lease is one span, ``sa_fence.lease``, from acquire to release; a fenced flush and its
+commit check are a span each.  Metric attributes are bounded: a lease's *pattern*, never its
+name or owner.  Only the OpenTelemetry API is used; without it everything is a no-op.
+docs/observability.md lists the signals; the front ends call the hooks at the bottom.
 """
 
 from __future__ import annotations
 
-import collections
 import contextvars
 import functools
 import inspect
@@ -27,17 +17,12 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .errors import (
-    FencingConfigError,
-    LeaseBackendError,
-    LeaseLostError,
-    LeaseNotAcquiredError,
-    StaleTokenError,
-)
+from . import errors
 
 try:
     from opentelemetry import context as otel_context
@@ -55,8 +40,7 @@ log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: The instrumentation scope (meter and tracer name).
-SCOPE = "sa_fence"
+SCOPE = "sa_fence"  # the instrumentation scope (meter and tracer name)
 
 # Attribute keys (all of bounded cardinality).
 PATTERN = "sa_fence.lease.pattern"
@@ -66,26 +50,27 @@ RELEASE = "sa_fence.release"  # on the lease's span: released, expired
 TOKEN = "sa_fence.token"  # on the lease's span (never a metric attribute)
 ACQUIRE_SECONDS = "sa_fence.acquire.duration"  # on the lease's span
 
-# Acquire outcomes.
-GRANTED = "granted"
-BUSY = "busy"
-BACKEND_ERROR = "backend_error"
-SETUP_ERROR = "setup_error"
-LOST = "lost"  # the lease expired before its token could be confirmed
-CANCELLED = "cancelled"
-ERROR = "error"  # anything else (a bug, an interrupt)
-
 # Where a stale write was refused.
 LEASE_SCOPE = "lease_scope"  # the register check at COMMIT
 ROW_FENCE = "row_fence"  # a fenced UPDATE/DELETE matched no row (at the flush)
 GUARD = "guard"  # the database-side guard trigger
+
+#: The acquire outcome of a failure (None: a bad argument, refused before anything was
+#: sent, is no acquire); a CancelledError is "cancelled", anything else "error".
+_OUTCOMES: tuple[tuple[type[BaseException], str | None], ...] = (
+    (errors.LeaseNotAcquiredError, "busy"),
+    (errors.LeaseBackendError, "backend_error"),
+    (errors.FencingConfigError, "setup_error"),
+    (errors.LeaseLostError, "lost"),  # the lease expired before its token was confirmed
+    (TypeError, None),
+    (ValueError, None),
+)
 
 #: Histogram buckets in seconds: from half a millisecond (a commit check) to
 #: ten minutes (a long hold).  The SDK's default buckets are for milliseconds.
 _SUB_SECOND = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
 BUCKETS = (*_SUB_SECOND, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
-DEFAULT_MAX_PATTERNS = 100
 OTHER = "other"
 
 _UUID = re.compile(
@@ -132,18 +117,11 @@ class _NoOp:
     add = record = set_attribute = set_attributes = add_event = _nothing
     set_status = record_exception = end = _nothing
 
-    def is_recording(self) -> bool:
-        return False
-
-    def start_span(self, name: str, *args: Any, **kwargs: Any) -> _NoOp:
-        return self
-
 
 _NOOP = _NoOp()
 
-# One lock for every tally, held for a dict update only.  A forked child gets a
-# fresh one (another thread may have held it) and drops its parent's pending
-# histogram measurements (the parent reports them).
+# One lock for every tally, held for a dict update only.  A forked child gets a fresh one
+# (another thread may have held it) and drops the pending measurements (the parent reports them).
 _tally_lock = threading.Lock()
 
 
@@ -151,7 +129,7 @@ def _after_fork_in_child() -> None:
     global _tally_lock
     _tally_lock = threading.Lock()
     for state in list(_providers.values()):
-        state.pending.items.clear()
+        state.pending.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -189,29 +167,36 @@ except (AttributeError, TypeError, ValueError):  # no API, or no signature to re
     _RECORD_TAKES_CONTEXT = False
 
 
-class _Pending:
-    """Histogram measurements of one meter provider, recorded (with the context each
-    was made in) by the first counter's callback when a reader collects; bounded by
-    ``PENDING_LIMIT``.  Why and what readers see: docs/observability.md, "Metrics"."""
+class _Provider:
+    """What sa-fence keeps per meter provider: its tallies by counter name, and its histogram
+    measurements pending, with their context, until a reader collects (docs/observability.md,
+    "Metrics")."""
 
-    __slots__ = ("items",)
+    __slots__ = ("pending", "tallies")
 
     def __init__(self) -> None:
-        # A deque: appending and popping are atomic, so no lock is needed and
-        # two threads recording what is pending never take the same item.
-        self.items: collections.deque[tuple[Any, float, Mapping[str, str], Any]] = (
-            collections.deque()
-        )
+        self.tallies: dict[str, _Tally] = {}
+        # a deque: appends and pops are atomic, so two threads never take the same item
+        self.pending: deque[tuple[Any, float, Mapping[str, str], Any]] = deque()
 
-    def put(self, histogram: Any, amount: float, attributes: Mapping[str, str]) -> None:
-        items = self.items
-        items.append((histogram, amount, attributes, otel_context.get_current()))
-        if len(items) >= PENDING_LIMIT:
-            self.drain()
+    def counter(self, meter: Any, name: str, unit: str, description: str) -> _Tally:
+        """The tally of counter ``name``: made, and its callback registered, once."""
+        with _tally_lock:
+            tally = self.tallies.get(name)
+            if tally is not None:
+                return tally
+            first = not self.tallies
+            tally = self.tallies[name] = _Tally()
+        # the first counter's callback also records the pending histograms
+        callbacks = [self.drain, tally.observe] if first else [tally.observe]
+        meter.create_observable_counter(
+            name, callbacks=callbacks, unit=unit, description=description
+        )
+        return tally
 
     def drain(self, options: Any = None) -> Iterable[Any]:
         """An ObservableCounter callback: record what is pending, observe nothing."""
-        items = self.items
+        items = self.pending
         for _ in range(len(items)):  # what is there now; later ones wait for the next call
             try:
                 histogram, amount, attributes, context = items.popleft()
@@ -225,52 +210,28 @@ class _Pending:
 
 
 class _Histogram:
-    """A histogram whose measurements wait in ``pending`` until a reader collects."""
+    """A histogram whose measurements wait in its provider's ``pending`` until a reader
+    collects (at most ``PENDING_LIMIT``: past it the thread adding one records them all)."""
 
-    __slots__ = ("histogram", "pending", "proxy")
+    __slots__ = ("histogram", "provider", "proxy")
 
-    def __init__(self, histogram: Any, pending: _Pending) -> None:
-        self.histogram = histogram
-        self.pending = pending
+    def __init__(self, meter: Any, name: str, description: str, provider: _Provider) -> None:
+        self.histogram = histogram = meter.create_histogram(
+            name, unit="s", description=description, explicit_bucket_boundaries_advisory=BUCKETS
+        )
+        self.provider = provider
         # The API's proxy (_ProxyHistogram: no meter provider set yet)? It drops
         # measurements until one is set: sa-fence then takes none (nor their context).
         self.proxy = hasattr(histogram, "_real_instrument")
 
     def record(self, amount: float, attributes: Mapping[str, str]) -> None:
-        if not (self.proxy and self.histogram._real_instrument is None):  # (not idle)
-            self.pending.put(self.histogram, amount, attributes)
-
-
-class _Provider:
-    """What sa-fence keeps per meter provider: its tallies by counter name, and
-    its pending histogram measurements."""
-
-    __slots__ = ("pending", "tallies")
-
-    def __init__(self) -> None:
-        self.tallies: dict[str, _Tally] = {}
-        self.pending = _Pending()
-
-    def counter(self, meter: Any, name: str, unit: str, description: str) -> _Tally:
-        """The tally of counter ``name``: made, and its callback registered, once."""
-        with _tally_lock:
-            tally = self.tallies.get(name)
-            if tally is not None:
-                return tally
-            first = not self.tallies
-            tally = self.tallies[name] = _Tally()
-        # the first counter's callback also records the pending histograms
-        callbacks = [self.pending.drain, tally.observe] if first else [tally.observe]
-        meter.create_observable_counter(
-            name, callbacks=callbacks, unit=unit, description=description
-        )
-        return tally
-
-    def histogram(self, meter: Any, name: str, description: str) -> _Histogram:
-        made = meter.create_histogram(
-            name, unit="s", description=description, explicit_bucket_boundaries_advisory=BUCKETS
-        )
-        return _Histogram(made, self.pending)
+        histogram = self.histogram
+        if self.proxy and histogram._real_instrument is None:  # idle
+            return
+        items = self.provider.pending
+        items.append((histogram, amount, attributes, otel_context.get_current()))
+        if len(items) >= PENDING_LIMIT:
+            self.provider.drain()
 
 
 #: Per meter provider (``_GLOBAL``: the global one).
@@ -282,6 +243,20 @@ class _Global:
 
 
 _GLOBAL = _Global()
+
+
+def _provider_state(meter_provider: Any) -> _Provider:
+    """Shared by every Telemetry reporting to ``meter_provider``: a provider keeps the first
+    observable instrument of a name (and its callbacks), so a second one's would never run."""
+    key = _GLOBAL if meter_provider is None else meter_provider
+    with _tally_lock:
+        try:
+            state = _providers.get(key)
+            if state is None:
+                state = _providers[key] = _Provider()
+        except TypeError:  # a provider that cannot be weakly referenced: not shared
+            state = _Provider()
+    return state
 
 
 #: Telemetry attribute -> (metric name, unit, description) of each counter.
@@ -336,30 +311,6 @@ _HISTOGRAMS = {
 }
 
 
-def _check_arguments(name_pattern: object, max_patterns: object, root_spans: object) -> None:
-    if not isinstance(root_spans, bool):
-        raise TypeError(f"root_spans must be True or False, got {root_spans!r}")
-    if name_pattern is not None and not callable(name_pattern):
-        raise TypeError(f"name_pattern must be a callable str -> str, got {name_pattern!r}")
-    if isinstance(max_patterns, bool) or not isinstance(max_patterns, int) or max_patterns < 1:
-        raise ValueError(f"max_patterns must be a whole number >= 1, got {max_patterns!r}")
-
-
-def _provider_state(meter_provider: Any) -> _Provider:
-    """The tallies and pending list of ``meter_provider``, shared by every
-    Telemetry reporting there: a provider keeps the first observable instrument
-    of a name (and its callbacks), so a second Telemetry's own would never be called."""
-    key = _GLOBAL if meter_provider is None else meter_provider
-    with _tally_lock:
-        try:
-            state = _providers.get(key)
-            if state is None:
-                state = _providers[key] = _Provider()
-        except TypeError:  # a provider that cannot be weakly referenced: not shared
-            state = _Provider()
-    return state
-
-
 class Telemetry:
     """Where sa-fence reports: a meter and a tracer, and how lease names are shortened.
 
@@ -397,10 +348,15 @@ class Telemetry:
         meter_provider: Any = None,
         tracer_provider: Any = None,
         name_pattern: Callable[[str], str] | None = None,
-        max_patterns: int = DEFAULT_MAX_PATTERNS,
+        max_patterns: int = 100,
         root_spans: bool = False,
     ) -> None:
-        _check_arguments(name_pattern, max_patterns, root_spans)
+        if not isinstance(root_spans, bool):
+            raise TypeError(f"root_spans must be True or False, got {root_spans!r}")
+        if name_pattern is not None and not callable(name_pattern):
+            raise TypeError(f"name_pattern must be a callable str -> str, got {name_pattern!r}")
+        if isinstance(max_patterns, bool) or not isinstance(max_patterns, int) or max_patterns < 1:
+            raise ValueError(f"max_patterns must be a whole number >= 1, got {max_patterns!r}")
         self.name_pattern = name_pattern or default_name_pattern
         self.max_patterns = max_patterns
         self.root_spans = root_spans
@@ -408,29 +364,22 @@ class Telemetry:
         self._warned_other = False
         self._pattern_of = functools.lru_cache(maxsize=1024)(self._compute_pattern)
         self.enabled = otel_metrics is not None and otel_trace is not None
-        if self.enabled:
-            from . import __version__ as version
+        if not self.enabled:
+            return
+        from . import __version__ as version
 
-            self._use_tracer(otel_trace.get_tracer(SCOPE, version, tracer_provider))
-            self._create_instruments(
-                otel_metrics.get_meter(SCOPE, version, meter_provider),
-                _provider_state(meter_provider),
-            )
-
-    def _use_tracer(self, tracer: Any) -> None:
-        self.tracer = tracer
+        self.tracer = tracer = otel_trace.get_tracer(SCOPE, version, tracer_provider)
         self._untraced = isinstance(tracer, otel_trace.NoOpTracer)
         # The API's proxy of the global provider: its _tracer property is what it
         # delegates to (an API without it is treated as any other tracer).
         proxied = isinstance(getattr(otel_trace.ProxyTracer, "_tracer", None), property)
         self._proxy = tracer if proxied and type(tracer) is otel_trace.ProxyTracer else None
-
-    def _create_instruments(self, meter: Any, state: _Provider) -> None:
-        """The counters (tallies shared per provider) and histograms (pending per provider)."""
+        meter = otel_metrics.get_meter(SCOPE, version, meter_provider)
+        state = _provider_state(meter_provider)  # counters' tallies, histograms' pending list
         for attr, (name, unit, description) in _COUNTERS.items():
             setattr(self, attr, state.counter(meter, name, unit, description))
         for attr, (name, description) in _HISTOGRAMS.items():
-            setattr(self, attr, state.histogram(meter, name, description))
+            setattr(self, attr, _Histogram(meter, name, description, state))
 
     def start_span(self, name: str, attributes: Mapping[str, Any]) -> Any:
         """A span named ``name``, child of the caller's; the no-op span outside a
@@ -510,15 +459,13 @@ class LeaseTelemetry:
         self.attrs = {PATTERN: pattern}
         self.granted_at = granted_at  # time.monotonic()
         self.wrote = False
-        # the lease's span (acquire to release; _NOOP when untraced or ended)
-        self.span: Any = _NOOP
+        self.span: Any = _NOOP  # the lease's span, acquire to release (_NOOP: none, or ended)
 
 
 class Reported:
     """The lease core inherits this: only this module touches ``_tel``."""
 
-    #: What the lease reports its metrics under (set at acquire).
-    _tel: LeaseTelemetry | None = None
+    _tel: LeaseTelemetry | None = None  # what the lease reports its metrics under (set at acquire)
 
 
 def _lease_tel(lease: LeaseView) -> LeaseTelemetry:
@@ -543,26 +490,48 @@ def log_extra(lease: Any, outcome: str | None = None) -> dict[str, Any]:
     return extra
 
 
-def _outcome_of(exc: BaseException) -> str | None:
-    if isinstance(exc, LeaseNotAcquiredError):
-        return BUSY
-    if isinstance(exc, LeaseBackendError):
-        return BACKEND_ERROR
-    if isinstance(exc, FencingConfigError):
-        return SETUP_ERROR
-    if isinstance(exc, LeaseLostError):
-        return LOST
-    if isinstance(exc, TypeError | ValueError):
-        return None  # a bad argument: refused before anything was sent, not an acquire
-    if type(exc).__name__ == "CancelledError":
-        return CANCELLED
-    return ERROR
-
-
 def _error_status(span: Any, exc: BaseException) -> None:
     if otel_trace is not None and span is not _NOOP:
         span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, type(exc).__name__))
         span.record_exception(exc)
+
+
+def _traced(
+    start: Callable[..., Any], done: Callable[[Any, Any], None], failed: Callable[..., None]
+) -> Callable[[F], F]:
+    """A decorator of a method, sync or async: ``probe = start(self, args, kwargs)`` before
+    the call, then ``done(probe, result)`` or ``failed(probe, exc)``."""
+
+    def decorate(fn: F) -> F:
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def traced_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+                probe = start(self, args, kwargs)
+                try:
+                    result = await fn(self, *args, **kwargs)
+                except BaseException as exc:
+                    failed(probe, exc)
+                    raise
+                done(probe, result)
+                return result
+
+            return traced_async  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
+            probe = start(self, args, kwargs)
+            try:
+                result = fn(self, *args, **kwargs)
+            except BaseException as exc:
+                failed(probe, exc)
+                raise
+            done(probe, result)
+            return result
+
+        return traced  # type: ignore[return-value]
+
+    return decorate
 
 
 class _Acquiring:
@@ -580,13 +549,13 @@ class _Acquiring:
     def granted(self, lease: LeaseView) -> None:
         telemetry, took = self.telemetry, time.perf_counter() - self.started
         lease._tel = tel = LeaseTelemetry(telemetry, self.pattern, lease.acquired_at)
-        attrs = {PATTERN: self.pattern, OUTCOME: GRANTED}
+        attrs = {PATTERN: self.pattern, OUTCOME: "granted"}
         telemetry.acquires.add(1, attrs)
         telemetry.acquire_duration.record(took, attrs)
         span = self.span
-        if span is not _NOOP:  # it stays open until the release (see traced_release)
+        if span is not _NOOP:  # it stays open until the release
             # attributes, not a "granted" event: an event costs ~5 us more per lease
-            span.set_attributes({OUTCOME: GRANTED, TOKEN: lease.token, ACQUIRE_SECONDS: took})
+            span.set_attributes({OUTCOME: "granted", TOKEN: lease.token, ACQUIRE_SECONDS: took})
             tel.span = span
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -594,106 +563,52 @@ class _Acquiring:
                 lease.name,
                 lease.token,
                 took * 1000,
-                extra=log_extra(lease, GRANTED),
+                extra=log_extra(lease, "granted"),
             )
 
     def failed(self, exc: BaseException) -> None:
         telemetry, took = self.telemetry, time.perf_counter() - self.started
-        outcome = _outcome_of(exc)
+        outcome = next((o for kind, o in _OUTCOMES if isinstance(exc, kind)), "error")
+        if outcome == "error" and type(exc).__name__ == "CancelledError":
+            outcome = "cancelled"
         span = self.span
         if outcome is not None:
             attrs = {PATTERN: self.pattern, OUTCOME: outcome}
             telemetry.acquires.add(1, attrs)
             telemetry.acquire_duration.record(took, attrs)
             span.set_attribute(OUTCOME, outcome)
-            if outcome != BUSY:
+        if outcome != "busy":  # contention is an answer, not an error
+            if outcome is not None:
+                fields = {"sa_fence_lease": self.name, "sa_fence_pattern": self.pattern}
                 log.debug(
                     "acquire of lease %r failed (%s): %s",
                     self.name,
                     outcome,
                     type(exc).__name__,
-                    extra={
-                        "sa_fence_lease": self.name,
-                        "sa_fence_pattern": self.pattern,
-                        "sa_fence_outcome": outcome,
-                    },
+                    extra={**fields, "sa_fence_outcome": outcome},
                 )
-        if outcome != BUSY:  # contention is an answer, not an error
             _error_status(span, exc)
         span.end()
 
 
-def traced_acquire(fn: F) -> F:
-    """``Fencer.acquire``, measured: outcome, latency, span."""
-
-    @functools.wraps(fn)
-    def acquire(self: Any, *args: Any, **kwargs: Any) -> Any:
-        probe = _Acquiring(self, args, kwargs)
-        try:
-            lease = fn(self, *args, **kwargs)
-        except BaseException as exc:
-            probe.failed(exc)
-            raise
-        probe.granted(lease)
-        return lease
-
-    return acquire  # type: ignore[return-value]
+def _releasing(lease: Any, args: Any, kwargs: Any) -> LeaseTelemetry:
+    return lease._tel or _lease_tel(lease)  # (a LeaseTelemetry is never false)
 
 
-def traced_acquire_async(fn: F) -> F:
-    """``AsyncFencer.acquire``, measured: outcome, latency, span."""
-
-    @functools.wraps(fn)
-    async def acquire(self: Any, *args: Any, **kwargs: Any) -> Any:
-        probe = _Acquiring(self, args, kwargs)
-        try:
-            lease = await fn(self, *args, **kwargs)
-        except BaseException as exc:
-            probe.failed(exc)
-            raise
-        probe.granted(lease)
-        return lease
-
-    return acquire  # type: ignore[return-value]
+def _release_ended(tel: LeaseTelemetry, result: Any = None) -> None:
+    span, tel.span = tel.span, _NOOP  # taken off the lease: ended once
+    span.end()
 
 
-def _lease_span(lease: Any) -> Any:
-    """The lease's span, taken off it: whoever takes it ends it (once)."""
-    tel = _lease_tel(lease)
-    span, tel.span = tel.span, _NOOP
-    return span
+def _release_failed(tel: LeaseTelemetry, exc: BaseException) -> None:
+    _error_status(tel.span, exc)
+    _release_ended(tel)
 
 
-def traced_release(fn: F) -> F:
-    """``Lease.release``, ending the lease's span (:func:`released` records the hold time)."""
-
-    @functools.wraps(fn)
-    def release(self: Any) -> Any:
-        try:
-            return fn(self)
-        except BaseException as exc:
-            _error_status(_lease_tel(self).span, exc)
-            raise
-        finally:
-            _lease_span(self).end()
-
-    return release  # type: ignore[return-value]
-
-
-def traced_release_async(fn: Callable[..., Awaitable[Any]]) -> Any:
-    """``AsyncLease.release``, ending the lease's span."""
-
-    @functools.wraps(fn)
-    async def release(self: Any) -> Any:
-        try:
-            return await fn(self)
-        except BaseException as exc:
-            _error_status(_lease_tel(self).span, exc)
-            raise
-        finally:
-            _lease_span(self).end()
-
-    return release
+#: ``Fencer.acquire`` / ``AsyncFencer.acquire``, measured: outcome, latency, the lease's span.
+traced_acquire = traced_acquire_async = _traced(_Acquiring, _Acquiring.granted, _Acquiring.failed)
+#: ``Lease.release`` / ``AsyncLease.release``: ending the lease's span (``released``: hold time).
+traced_release = traced_release_async = _traced(_releasing, _release_ended, _release_failed)
 
 
 def released(lease: LeaseView, deleted: bool) -> None:
@@ -717,8 +632,7 @@ def released(lease: LeaseView, deleted: bool) -> None:
 def renewal(lease: LeaseView, outcome: str, sent_at: float) -> None:
     """A background renewal answered (``"extended"``) or not (anything else)."""
     tel = _lease_tel(lease)
-    ok = outcome == "extended"
-    result = "ok" if ok else "failed"
+    result = "ok" if outcome == "extended" else "failed"
     tel.telemetry.renewals.add(1, {**tel.attrs, OUTCOME: result})
     span = tel.span
     if span is not _NOOP and span.is_recording():  # an event of the lease's span
@@ -756,7 +670,7 @@ def stale_refused(lease: LeaseView | None, check: str, error: BaseException) -> 
         check,
         getattr(lease, "name", getattr(error, "lease_name", None)),
         getattr(lease, "token", getattr(error, "token", None)),
-        extra={**log_extra(lease), "sa_fence_outcome": check} if lease is not None else None,
+        extra=log_extra(lease, check) if lease is not None else None,
     )
 
 
@@ -768,11 +682,10 @@ def unfenced_refused(check: str = "flush") -> None:
 class CommitCheck:
     """The commit check of one transaction (``with commit_check(scope):``): span and latency."""
 
-    __slots__ = ("attrs", "scope", "span", "started", "telemetry")
+    __slots__ = ("scope", "span", "started", "tel")
 
     def __init__(self, scope: Mapping[tuple[str, int], LeaseView], tel: Any, span: Any) -> None:
-        self.scope, self.span = scope, span
-        self.telemetry, self.attrs = tel.telemetry, tel.attrs
+        self.scope, self.tel, self.span = scope, tel, span
         self.started = time.perf_counter()
 
     def __enter__(self) -> CommitCheck:
@@ -782,13 +695,13 @@ class CommitCheck:
         took = time.perf_counter() - self.started
         if exc is None:
             outcome = "ok"
-        elif isinstance(exc, StaleTokenError):
+        elif isinstance(exc, errors.StaleTokenError):
             outcome = "stale"
             commit_refused(self.scope, exc)
         else:
             outcome = "error"
-        self.telemetry.commit_check_duration.record(took, {**self.attrs, OUTCOME: outcome})
-        span = self.span
+        tel, span = self.tel, self.span
+        tel.telemetry.commit_check_duration.record(took, {**tel.attrs, OUTCOME: outcome})
         if exc is not None:
             span.set_attribute(OUTCOME, outcome)
             _error_status(span, exc)
@@ -812,7 +725,7 @@ def commit_check(scope: Mapping[tuple[str, int], LeaseView]) -> CommitCheck | No
     return CommitCheck(scope, tel, span)
 
 
-def commit_refused(scope: Mapping[tuple[str, int], LeaseView], exc: StaleTokenError) -> None:
+def commit_refused(scope: Mapping[tuple[str, int], LeaseView], exc: errors.StaleTokenError) -> None:
     """Lease scope refused a COMMIT: count it under the lease found stale."""
     named = [lease for (name, _), lease in scope.items() if name == exc.lease_name]
     stale_refused(named[0] if named else next(iter(scope.values())), LEASE_SCOPE, exc)

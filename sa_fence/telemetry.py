@@ -1,14 +1,7 @@
-"""Where a fencer's OpenTelemetry metrics and spans go.
+"""Where a fencer's OpenTelemetry metrics and spans go (docs/observability.md lists them)::
 
-Fencers report to the global providers until told otherwise; a
-:class:`Telemetry` names others, or how lease names are shortened::
-
-    from sa_fence.telemetry import Telemetry
-
-    telemetry = Telemetry(meter_provider=meters, tracer_provider=tracers)
-    fencer = sa_fence.Fencer(redis_client, engine, telemetry=telemetry)
-
-docs/observability.md lists every metric, span and log field.
+telemetry = sa_fence.telemetry.Telemetry(meter_provider=meters, tracer_provider=tracers)
+fencer = sa_fence.Fencer(redis_client, engine, telemetry=telemetry)
 """
 
 from ._telemetry import Telemetry, default_name_pattern

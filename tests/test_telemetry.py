@@ -496,7 +496,7 @@ def test_inside_a_sampled_span_a_histogram_keeps_its_exemplar(
     with otel.tracer.start_as_current_span("caller") as caller:
         tfencer.acquire("job:1", ttl=5).release()
     pending = _telemetry._providers[otel.meters].pending
-    assert len(pending.items) == 2  # acquire and hold duration: not recorded yet
+    assert len(pending) == 2  # acquire and hold duration: not recorded yet
     point = _histogram(otel, "sa_fence.lease.acquire.duration")
     assert [e.trace_id for e in point.exemplars] == [caller.get_span_context().trace_id]
     assert [e.value for e in point.exemplars] == [point.sum]
@@ -546,7 +546,7 @@ def test_pending_measurements_are_bounded_when_no_reader_collects(
     longest = 0
     for _ in range(20):  # 40 measurements
         fencer.acquire("job:1", ttl=5).release()
-        longest = max(longest, len(pending.items))
+        longest = max(longest, len(pending))
     assert longest < 8
     assert _histogram(otel, "sa_fence.lease.hold.duration").count == 20
     assert _histogram(otel, "sa_fence.lease.acquire.duration").count == 20
@@ -563,7 +563,7 @@ def test_pending_measurements_do_not_keep_a_dropped_provider_alive() -> None:
         telemetry = sa_fence.telemetry.Telemetry(meter_provider=meters)
         for _ in range(3):
             telemetry.hold_duration.record(0.1, {PATTERN: "job:{n}"})
-        assert len(_telemetry._providers[meters].pending.items) == 3
+        assert len(_telemetry._providers[meters].pending) == 3
         return weakref.ref(meters)
 
     ref = dropped()
@@ -578,13 +578,13 @@ def test_a_forked_child_drops_its_parents_pending_measurements(
     """The parent reports what it measured; a child reporting it too would count it twice."""
     tfencer.acquire("job:1", ttl=5).release()
     pending = _telemetry._providers[otel.meters].pending
-    assert len(pending.items) == 2
+    assert len(pending) == 2
     pid = os.fork()
     if pid == 0:  # the child: report and leave at once, no test machinery
-        os._exit(len(pending.items))
+        os._exit(len(pending))
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert len(pending.items) == 2  # the parent's are still there
+    assert len(pending) == 2  # the parent's are still there
     assert _histogram(otel, "sa_fence.lease.hold.duration").count == 1
 
 
@@ -834,7 +834,7 @@ telemetry = fencer._telemetry
 make_session = sa_fence.install(sessionmaker(fencer.engine))
 # a caller's trace from elsewhere (a propagated parent): a valid span context
 parent = trace.NonRecordingSpan(trace.SpanContext(1, 2, is_remote=True))
-pending = _telemetry._providers[_telemetry._GLOBAL].pending.items
+pending = _telemetry._providers[_telemetry._GLOBAL].pending
 with trace.use_span(parent):
     assert telemetry.start_span("x", {{}}) is _telemetry._NOOP
     old = fencer.acquire("job:1", ttl=5)

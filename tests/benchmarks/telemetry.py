@@ -338,8 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sdk, sdk_meters, shutdown_sdk = with_sdk()
             metrics, metrics_meters, shutdown_metrics = with_sdk(traces=False)
             settle = {
-                "metrics": _telemetry._providers[metrics_meters].pending.drain,
-                "sdk": _telemetry._providers[sdk_meters].pending.drain,
+                "metrics": _telemetry._providers[metrics_meters].drain,
+                "sdk": _telemetry._providers[sdk_meters].drain,
             }
             _, hand_meters, shutdown_hand = with_sdk(traces=False)
             shutdowns += [shutdown_sdk, shutdown_metrics, shutdown_hand]
