@@ -332,7 +332,7 @@ class HandWritten:
 
     def __init__(
         self,
-        client: redis_lib.Redis,
+        client: redis_lib.Redis | redis_lib.RedisCluster,
         conninfo: str,
         sequence: str,
         key: str,
@@ -346,6 +346,14 @@ class HandWritten:
         self.params = grant_params(sequence, name, lock_timeout_ms)
         self.confirm = client.register_script(_FLOOR_CONFIRM)
         self.release = client.register_script(_FLOOR_RELEASE)
+
+    @classmethod
+    def beside(cls, fencer: Fencer, url: sa.URL, key: str) -> HandWritten:
+        """The floor of ``fencer``'s own cycle: its Redis client, its sequence and its
+        grant's bound on the lock wait, on a psycopg connection of its own to ``url``."""
+        lock_timeout_ms = fencer.token_source.lock_timeout_ms
+        conninfo = psycopg_conninfo(url)
+        return cls(fencer.redis, conninfo, fencer.sequence, key, lock_timeout_ms=lock_timeout_ms)
 
     def cycle(self, ttl_ms: int = 30_000) -> int:
         owner = secrets.token_hex(16)
@@ -567,13 +575,7 @@ def lease_section(
     label: str = "lease cycle",
 ) -> dict[str, Timing]:
     """Lease cycles: sa-fence, the hand-written floor, and any ``extra`` contenders."""
-    floor = HandWritten(
-        client,
-        psycopg_conninfo(url),
-        schema.sequence,
-        f"{schema.prefix}:floor",
-        lock_timeout_ms=fencer.token_source.lock_timeout_ms,
-    )
+    floor = HandWritten.beside(fencer, url, f"{schema.prefix}:floor")
     try:
         ops = {
             "sa-fence": Op(sa_fence_cycle(fencer, "cycle")),

@@ -39,7 +39,6 @@ from sa_fence.tools.bench import (
     Op,
     Progress,
     Schema,
-    psycopg_conninfo,
     sa_fence_cycle,
 )
 
@@ -222,13 +221,7 @@ def run(
     ``config.rows`` seeded rows already."""
     engine = sa.create_engine(url)
     fencer = sa_fence.Fencer(client, engine, sequence=schema.sequence, key_prefix=key_prefix)
-    floor = HandWritten(
-        client,
-        psycopg_conninfo(url),
-        schema.sequence,
-        f"{key_prefix}calls-floor",
-        lock_timeout_ms=fencer.token_source.lock_timeout_ms,
-    )
+    floor = HandWritten.beside(fencer, url, f"{key_prefix}calls-floor")
     try:
         with fencer.lease("calls-flush", ttl=3600) as lease:
             result = _run(FlushBench(engine, schema, lease, config.rows), fencer, config, progress)

@@ -169,13 +169,7 @@ def run(
     """
     conninfo = psycopg_conninfo(url)
     ops, notes, pg = peers(client, conninfo, f"{fencer.key_prefix}peer")
-    floor = HandWritten(
-        client,
-        conninfo,
-        schema.sequence,
-        f"{fencer.key_prefix}floor",
-        lock_timeout_ms=fencer._tokens.lock_timeout_ms,
-    )
+    floor = HandWritten.beside(fencer, url, f"{fencer.key_prefix}floor")
     contenders = {"sa-fence": Op(sa_fence_cycle(fencer, "cycle")), **ops}
     pairs: dict[str, tuple[Timing, Timing]] = {}
     try:
