@@ -182,6 +182,29 @@ def test_every_error_survives_pickling_with_its_class_attributes_and_message(
         assert repr(copy.cause) == repr(error.cause)
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        sa_fence.StaleTokenError(token=5, lease_name="job:1", statement="COMMIT", newest_token=7),
+        sa_fence.LeaseBackendError(
+            backend="redis", operation="acquire", name="job:1", cause=ConnectionError("down")
+        ),
+        sa_fence.LeaseLostError("gone"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_a_pickled_error_keeps_its_notes_and_what_a_handler_set_on_it(error: Exception) -> None:
+    """A task framework's handler adds a note or an attribute before the error crosses
+    to the caller's process: both arrive."""
+    import pickle
+
+    error.add_note("while processing job 1")
+    error.retry_after = 30  # type: ignore[attr-defined]
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy.__notes__ == ["while processing job 1"]
+    assert copy.retry_after == 30  # type: ignore[attr-defined]
+
+
 def stale_commit_through(
     fencer: sa_fence.Fencer, url: sa.URL, engine: sa.Engine
 ) -> sa_fence.StaleTokenError | None:
