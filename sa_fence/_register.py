@@ -4,7 +4,7 @@ The row fence refuses a stale write only to a row a newer holder has already
 written; the register closes the rest (INSERTs, other tables, cascades): a
 transaction of a session bound to a lease commits only while the register
 still holds that lease's token (docs/architecture.md, "The tables";
-docs/guarantees.md; docs/lease-scope.md).  :meth:`Register.grant_sql` draws
+docs/guarantees.md; docs/lease-scope.md).  :attr:`Register.grant_sql` draws
 and registers a token in one statement, :meth:`Register.withdraw_sql` gives
 back a token lost before its confirm, and :func:`check_function_sql` makes the
 deferred trigger that refuses a stale COMMIT (:data:`LEASE_STALE_SQLSTATE`).
@@ -91,16 +91,9 @@ class Register:
     def scope_display(self) -> str:
         return f"{self.schema}.{SCOPE_TABLE}" if self.schema else SCOPE_TABLE
 
+    @cached_property  # built once per register: a grant is on the lease cycle's hot path
     def grant_sql(self) -> str:
         """The draw-and-register statement (psycopg pyformat: ``%(name)s``)."""
-        return self._grant_sql
-
-    def grant_text(self) -> Any:
-        """:meth:`grant_sql` as a SQLAlchemy ``text()`` (``:name`` binds)."""
-        return self._grant_text
-
-    @cached_property  # built once per register: a grant is on the lease cycle's hot path
-    def _grant_sql(self) -> str:
         return _GRANT_SQL.format(
             register=self.table_sql,
             sequence_fit=SEQUENCE_FIT_SQL,
@@ -108,8 +101,9 @@ class Register:
         )
 
     @cached_property
-    def _grant_text(self) -> Any:
-        return text(re.sub(r"%\((\w+)\)s", r":\1", self._grant_sql))
+    def grant_text(self) -> Any:
+        """:attr:`grant_sql` as a SQLAlchemy ``text()`` (``:name`` binds)."""
+        return text(re.sub(r"%\((\w+)\)s", r":\1", self.grant_sql))
 
     def withdraw_sql(self) -> Any:
         return text(
@@ -211,9 +205,8 @@ SCOPE_FUNCTION = "sa_fence_scope_check"
 #: (quoted), so no name is ever found through search_path.
 _S = "@sa_fence_schema@"
 
-# The register check of the commit check function and the scope trigger.  Every table,
-# function, type and operator is schema-qualified, so the caller's search_path finds none
-# of them (a `SET search_path` clause would do the same at ~20 us per COMMIT).
+# The register check of the commit check function and the scope trigger: every name in it is
+# qualified, operators and types too (a `SET search_path` clause costs ~20 us per COMMIT).
 _CHECK_BODY = """\
     SELECT r.token, r.granted_at INTO newest, granted
       FROM @sa_fence_schema@.sa_fence_leases r
@@ -268,17 +261,12 @@ BEGIN
 END
 $sa_fence$"""
 
-# No index and no column but the arm's: each row lives from the arm to its own trigger, which
-# deletes it by ctid (a transaction id column and its index cost every fenced commit ~10 us).
+# No index: each row lives from the arm to its own trigger, which deletes it by ctid.
 _SCOPE_TABLE = """\
 CREATE UNLOGGED TABLE IF NOT EXISTS @sa_fence_schema@.sa_fence_scope (
     name text NOT NULL,
     token bigint NOT NULL
 )"""
-
-# The first scope table had an indexed transaction id column for its clean-up, now
-# dropped (with its index) where it is still there: the trigger deletes by ctid.
-_DROP_XACT = "ALTER TABLE @sa_fence_schema@.sa_fence_scope DROP COLUMN xact"
 
 _SCOPE_TRIGGER = """\
 CREATE CONSTRAINT TRIGGER sa_fence_scope_check
@@ -324,7 +312,8 @@ def check_function_sql(register: Register) -> str:
     return _DO_BLOCK.format(
         schema=quote_literal(register.schema) if register.schema else "NULL",
         run="\n".join(f"    {_execute(sql)}" for sql in run),
-        drop_xact=_execute(_DROP_XACT),
+        # the first scope table's indexed xact column, which the clean-up no longer reads
+        drop_xact=_execute("ALTER TABLE @sa_fence_schema@.sa_fence_scope DROP COLUMN xact"),
         trigger=_execute(_SCOPE_TRIGGER),
     )
 
@@ -439,7 +428,9 @@ _SCOPE_STATE_SQL = text(
     SELECT c.oid IS NOT NULL AS has_table,
            pg_catalog.quote_ident(n.nspname) || '.{SCOPE_TABLE}' AS scope,
            t.oid IS NOT NULL AS has_trigger, t.tgenabled AS enabled,
-           t.tgdeferrable AS deferrable, t.tginitdeferred AS deferred
+           t.tgdeferrable AS deferrable, t.tginitdeferred AS deferred,
+           EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid
+                      AND a.attname = 'xact' AND NOT a.attisdropped) AS outdated
       FROM pg_catalog.pg_class r
       JOIN pg_catalog.pg_namespace n ON n.oid = r.relnamespace
       LEFT JOIN pg_catalog.pg_class c
@@ -448,6 +439,12 @@ _SCOPE_STATE_SQL = text(
      WHERE r.oid = pg_catalog.to_regclass(:register)
     """
 )
+
+
+def scope_table_outdated(conn: Any, register: Register) -> bool:
+    """Whether the scope table still has the first form's indexed ``xact`` column."""
+    row = conn.execute(_SCOPE_STATE_SQL, {"register": register.table_sql}).one_or_none()
+    return row is not None and bool(row.outdated)
 
 
 def scope_trigger_problem(conn: Any, register: Register) -> str | None:

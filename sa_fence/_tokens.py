@@ -263,7 +263,7 @@ class TokenSource:
         """The grant statement through a pooled ``Connection`` in autocommit."""
         with self.engine.connect() as conn:  # closed even if setting autocommit fails
             conn.execution_options(isolation_level="AUTOCOMMIT")
-            return conn.execute(self.register.grant_text(), params).one_or_none()
+            return conn.execute(self.register.grant_text, params).one_or_none()
 
     def _redraw(
         self, draw: Callable[[dict[str, Any]], Any], params: dict[str, Any], sent_before: int = 0
@@ -394,7 +394,7 @@ class TokenSource:
 
     def _draw(self, dbapi_conn: Any, params: dict[str, Any]) -> Any:
         with dbapi_conn.cursor() as cursor:
-            cursor.execute(self.register.grant_sql(), params)
+            cursor.execute(self.register.grant_sql, params)
             return cursor.fetchone()
 
     def _reraise(
@@ -406,7 +406,7 @@ class TokenSource:
         if not isinstance(exc, dialect.loaded_dbapi.Error):
             raise exc
         raise DBAPIError.instance(
-            self.register.grant_sql() if params else None,
+            self.register.grant_sql if params else None,
             params,
             exc,
             dialect.loaded_dbapi.Error,

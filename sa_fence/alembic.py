@@ -50,6 +50,7 @@ from ._register import (
     Register,
     create_register_sql,
     drop_register_sql,
+    scope_table_outdated,
     scope_trigger_problem,
     split_name,
 )
@@ -734,9 +735,11 @@ def _head_ops(
     exists = sa.text("SELECT to_regclass(:register) IS NOT NULL")
     if not conn.execute(exists, {"register": register.table_sql}).scalar_one():
         yield CreateFenceRegisterOp(register.sequence)
-    elif not conn.execute(
-        CHECK_FUNCTION_SQL, {"function": register.function_sql}
-    ).scalar_one() or scope_trigger_problem(conn, register):
+    elif (
+        not conn.execute(CHECK_FUNCTION_SQL, {"function": register.function_sql}).scalar_one()
+        or scope_trigger_problem(conn, register)
+        or scope_table_outdated(conn, register)
+    ):
         yield CreateFenceRegisterOp(register.sequence, function_only=True)
 
 

@@ -425,6 +425,36 @@ def test_autogenerate_recreates_a_missing_scope_trigger_and_keeps_the_register(
     assert register_rows(db) == rows
 
 
+def test_autogenerate_brings_a_scope_table_of_the_first_form_up_to_date(
+    db: sa.Engine, project: Path
+) -> None:
+    """The first lease-scope release's table had an indexed ``xact`` column: autogenerate
+    writes the idempotent register op (never Alembic's own drop_column or drop_index,
+    which would leave that release's trigger function reading a column that is gone),
+    the upgrade drops both, and nothing is left to do."""
+    Base.metadata.create_all(db)
+    with db.begin() as conn:
+        for table in ("jobs", "cells"):
+            for statement in _guard.create_guard_sql(table):
+                conn.execute(sa.text(statement))
+        conn.execute(
+            sa.text(
+                "ALTER TABLE sa_fence_scope ADD COLUMN xact bigint NOT NULL "
+                "DEFAULT pg_catalog.pg_current_xact_id()::text::bigint"
+            )
+        )
+        conn.execute(sa.text("CREATE INDEX sa_fence_scope_xact ON sa_fence_scope (xact)"))
+    script = run(db, project, command.revision, message="scope table", autogenerate=True)
+    text = Path(script.path).read_text(encoding="utf-8")
+    assert "op.create_fence_register()" in body(text, "upgrade")
+    assert "xact" not in text
+    run(db, project, command.upgrade, "head")
+    inspector = sa.inspect(db)
+    assert [c["name"] for c in inspector.get_columns("sa_fence_scope")] == ["name", "token"]
+    assert inspector.get_indexes("sa_fence_scope") == []
+    run(db, project, command.check)
+
+
 def test_autogenerate_never_drops_a_register_the_metadata_does_not_declare(
     db: sa.Engine, project: Path
 ) -> None:

@@ -156,7 +156,7 @@ def test_the_floor_grants_with_sa_fences_own_statement_and_parameters(
         source = TokenSource(engine, "some_schema.some_seq", lock_timeout_ms=2500)
         floor_params = _bench.grant_params(source.sequence, "floor", source.lock_timeout_ms)
         assert floor_params == source.params("floor")
-        assert Register("some_schema.some_seq").grant_sql() == source.register.grant_sql()
+        assert Register("some_schema.some_seq").grant_sql == source.register.grant_sql
     finally:
         engine.dispose()
 

@@ -147,7 +147,7 @@ def test_fencer_check_and_sa_fence_check_give_the_same_rules_hint(
 
 
 def test_the_grant_statement_holds_every_sequence_rule() -> None:
-    grant = _register.Register("sa_fence_token_seq").grant_sql()
+    grant = _register.Register("sa_fence_token_seq").grant_sql
     assert _fitness.SEQUENCE_FIT_SQL in grant
     for rule in _fitness.SEQUENCE_RULES:
         assert rule.sql in grant

@@ -294,7 +294,7 @@ FITNESS = [
 
 def without_default_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """The grant without its test that the sequence is the register's own."""
-    grant = _register.Register(SEQUENCE).grant_sql()
+    grant = _register.Register(SEQUENCE).grant_sql
     assert (
         "s.seqrelid IN " + _fitness.token_sequences_sql("CAST(%(register)s AS pg_catalog.regclass)")
         in grant
@@ -305,7 +305,7 @@ def without_default_check(monkeypatch: pytest.MonkeyPatch) -> None:
 def without_rule(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
     """The grant without one rule of sa_fence._fitness.SEQUENCE_RULES (the one
     statement of it that the grant, Fencer.check() and sa-fence check read)."""
-    assert _fitness.SEQUENCE_FIT_SQL in _register.Register(SEQUENCE).grant_sql()
+    assert _fitness.SEQUENCE_FIT_SQL in _register.Register(SEQUENCE).grant_sql
     kept = [rule.sql for rule in _fitness.SEQUENCE_RULES if rule.key != key]
     assert len(kept) == len(_fitness.SEQUENCE_RULES) - 1, f"no sequence rule {key!r}"
     monkeypatch.setattr(_register, "SEQUENCE_FIT_SQL", " AND ".join(kept))

@@ -194,7 +194,7 @@ def test_the_crash_rounds_see_tokens_handed_out_again_when_the_draw_is_never_com
             # an earlier grant in this open transaction may have set
             # synchronous_commit off for it (its flush skipped): not the server's
             cursor.execute("SELECT set_config('synchronous_commit', 'on', true)")
-            cursor.execute(self.register.grant_sql(), params)
+            cursor.execute(self.register.grant_sql, params)
             return cursor.fetchone()
 
     monkeypatch.setattr(TokenSource, "_draw", draw_uncommitted)

@@ -323,7 +323,7 @@ class HandWritten:
 
     ``SET NX PX`` with a random owner; the token drawn and the lease register
     advanced by the one statement sa-fence sends
-    (``Register(sequence).grant_sql()``, same parameters), on an autocommit
+    (``Register(sequence).grant_sql``, same parameters), on an autocommit
     psycopg connection, committed (its commit waits for the WAL flush unless
     the token's WAL record is already flushed); an owner-checked CONFIRM that records
     the token; an owner-checked RELEASE.  No retries, no withdrawal, no
@@ -342,7 +342,7 @@ class HandWritten:
         self.client = client
         self.conn = psycopg.connect(conninfo, autocommit=True)
         self.key = key
-        self.grant_sql = Register(sequence).grant_sql()
+        self.grant_sql = Register(sequence).grant_sql
         self.params = grant_params(sequence, name, lock_timeout_ms)
         self.confirm = client.register_script(_FLOOR_CONFIRM)
         self.release = client.register_script(_FLOOR_RELEASE)

@@ -133,7 +133,7 @@ def token_statements(
     conninfo: str, schema: Schema, config: Config, progress: Progress
 ) -> dict[str, Timing]:
     """``SELECT 1``, the old ``nextval`` statement and the grant, raw psycopg, interleaved."""
-    grant = schema.register.grant_sql()
+    grant = schema.register.grant_sql
     params = grant_params(schema.sequence, "statements")
     old = {"name": schema.register.sequence_sql}
     with psycopg.connect(conninfo, autocommit=True) as conn:
