@@ -327,7 +327,8 @@ class HandWritten:
     psycopg connection, committed (its commit waits for the WAL flush unless
     the token's WAL record is already flushed); an owner-checked CONFIRM that records
     the token; an owner-checked RELEASE.  No retries, no withdrawal, no
-    validation beyond the statement's own, no objects.
+    validation beyond the statement's own, no objects.  ``grant_sql`` puts another
+    statement of the same parameters in the grant's place (the benchmark's bare floor).
     """
 
     def __init__(
@@ -338,22 +339,32 @@ class HandWritten:
         key: str,
         name: str = "floor",
         lock_timeout_ms: int = DEFAULT_GRANT_LOCK_TIMEOUT_MS,
+        grant_sql: str | None = None,
     ) -> None:
         self.client = client
         self.conn = psycopg.connect(conninfo, autocommit=True)
         self.key = key
-        self.grant_sql = Register(sequence).grant_sql
+        self.grant_sql = Register(sequence).grant_sql if grant_sql is None else grant_sql
         self.params = grant_params(sequence, name, lock_timeout_ms)
         self.confirm = client.register_script(_FLOOR_CONFIRM)
         self.release = client.register_script(_FLOOR_RELEASE)
 
     @classmethod
-    def beside(cls, fencer: Fencer, url: sa.URL, key: str) -> HandWritten:
+    def beside(
+        cls, fencer: Fencer, url: sa.URL, key: str, grant_sql: str | None = None
+    ) -> HandWritten:
         """The floor of ``fencer``'s own cycle: its Redis client, its sequence and its
         grant's bound on the lock wait, on a psycopg connection of its own to ``url``."""
         lock_timeout_ms = fencer.token_source.lock_timeout_ms
         conninfo = psycopg_conninfo(url)
-        return cls(fencer.redis, conninfo, fencer.sequence, key, lock_timeout_ms=lock_timeout_ms)
+        return cls(
+            fencer.redis,
+            conninfo,
+            fencer.sequence,
+            key,
+            lock_timeout_ms=lock_timeout_ms,
+            grant_sql=grant_sql,
+        )
 
     def cycle(self, ttl_ms: int = 30_000) -> int:
         owner = secrets.token_hex(16)

@@ -136,10 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             schema = make_schema()
             with bench_objects(engine, client, schema) as fencer:
                 if "lease" in args.sections:
-                    pairs, notes, statements = lease.run(
-                        fencer, client, url, schema, config, progress
+                    targets += lease.report(
+                        *lease.run(fencer, client, url, schema, config, progress)
                     )
-                    targets += lease.report(pairs, notes, statements)
                 # before the flush section, whose dead rows autovacuum cleans up
                 # afterwards, competing for the two cores
                 if "memory" in args.sections:
