@@ -72,23 +72,14 @@ NEXTVAL = "SELECT nextval(...), txid_current() (before)"
 BARE = "a bare register upsert (no checks)"
 GRANT = "the grant: checks + draw + register"
 #: The bare floor's grant: the token drawn and the register advanced as the grant does, and
-#: committed as it is (no WAL flush while the WAL is flushed past the draw), with none of its
-#: checks: the sequence's settings, the register's token default, the lock wait bound.
+#: committed as it is (``{commit_mode}``: the grant's own clause, no WAL flush while the WAL is
+#: flushed past the draw), with none of its checks: the sequence's settings, the register's
+#: token default, the lock wait bound.
 BARE_GRANT_SQL = """\
 WITH drawn AS (
     SELECT pg_catalog.nextval(CAST(%(sequence)s AS pg_catalog.regclass)) AS token,
            pg_catalog.current_setting('synchronous_commit') AS synchronous_commit
-), commit_mode AS (
-    SELECT drawn.token,
-           CASE WHEN CAST(%(skip_flush)s AS boolean)
-                 AND drawn.synchronous_commit <> 'off'
-                 AND pg_catalog.current_setting('synchronous_standby_names') = ''
-                 AND pg_catalog.pg_current_wal_flush_lsn()
-                     >= pg_catalog.pg_current_wal_insert_lsn()
-                THEN pg_catalog.set_config('synchronous_commit', 'off', true) IS NULL
-                ELSE true END AS flushed
-      FROM drawn
-)
+{commit_mode})
 INSERT INTO {register} AS r (name, token, granted_at)
 SELECT %(name)s, m.token, pg_catalog.clock_timestamp() FROM commit_mode m
 ON CONFLICT (name) DO UPDATE
@@ -164,8 +155,11 @@ def peers(
 
 
 def bare_grant_sql(schema: Schema) -> str:
-    """:data:`BARE_GRANT_SQL` for the benchmark's register (same parameters as the grant)."""
-    return BARE_GRANT_SQL.format(register=schema.register.table_sql)
+    """:data:`BARE_GRANT_SQL` for the benchmark's register (same parameters as the grant),
+    with the grant's own ``commit_mode`` clause."""
+    grant = schema.register.grant_sql
+    commit_mode = grant[grant.index("), commit_mode AS (") : grant.index("), granted AS (")]
+    return BARE_GRANT_SQL.format(register=schema.register.table_sql, commit_mode=commit_mode)
 
 
 def token_statements(
