@@ -93,8 +93,8 @@ WHY_LEASE = (
     "The rest is spread over the four server calls, each a few us heavier than the floor's "
     "(timed per phase: ACQUIRE, a Lua script that answers 'already ours' on a resend, +3-9 us "
     "over a bare SET NX PX; CONFIRM +3 us; the grant +13-18 us, with the token path's lock, "
-    "fork and recycle checks and the grant's SQL text rebuilt per call, ~4 us of it). The "
-    "grant's WAL flush, paid by both, moves by tens of us from cycle to cycle"
+    "fork and recycle checks; its SQL text is built once per register). The grant's WAL "
+    "flush, when its commit waits for one, moves by tens of us from cycle to cycle"
 )
 
 
