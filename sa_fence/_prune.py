@@ -12,7 +12,6 @@ without a newer grant, hence the required ``longest_lease``.  docs/operations.md
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -75,24 +74,11 @@ def check_ages(older_than: object, longest_lease: object) -> float:
     return age
 
 
-_UNITS = {"w": 604800, "d": 86400, "h": 3600, "m": 60, "s": 1}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-
-
-def parse_duration(text: str) -> float:
-    """``"90"`` / ``"90s"``, ``"15m"``, ``"12h"``, ``"30d"``, ``"2w"`` -> seconds."""
-    match = _DURATION.match(text.lower())
-    if match is None:
-        raise ValueError(
-            f"not a duration: {text!r}; use a number with a unit: 90s, 15m, 12h, 30d, 2w "
-            "(no unit: seconds)"
-        )
-    number, unit = match.groups()
-    return float(number) * _UNITS[unit or "s"]
+UNITS = {"w": 604800, "d": 86400, "h": 3600, "m": 60, "s": 1}
 
 
 def format_duration(value: float) -> str:
-    for unit, size in _UNITS.items():
+    for unit, size in UNITS.items():
         if size > 1 and value >= size and value % size == 0:
             return f"{int(value // size)}{unit}"
     return f"{value:g}s"

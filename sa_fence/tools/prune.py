@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, TextIO
 
 import redis as redis_lib
 
 from .._failures import cause_text
-from .._prune import PruneResult, check_ages, format_duration, parse_duration, prune_on, redis_held
+from .._prune import UNITS, PruneResult, check_ages, format_duration, prune_on, redis_held
 from ._redact import redact_url
 from .check import EXIT_FINDINGS, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, with_connection
 
@@ -15,6 +16,21 @@ if TYPE_CHECKING:
     import sqlalchemy as sa
 
 __all__ = ["describe", "parse_duration", "run"]
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """``"90"`` / ``"90s"``, ``"15m"``, ``"12h"``, ``"30d"``, ``"2w"`` -> seconds."""
+    match = _DURATION.match(text.lower())
+    if match is None:
+        raise ValueError(
+            f"not a duration: {text!r}; use a number with a unit: 90s, 15m, 12h, 30d, 2w "
+            "(no unit: seconds)"
+        )
+    number, unit = match.groups()
+    return float(number) * UNITS[unit or "s"]
 
 
 def describe(result: PruneResult) -> str:
