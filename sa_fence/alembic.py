@@ -91,6 +91,7 @@ class _FenceOp(MigrateOperation):
     op_name: ClassVar[str] = ""
     _fields: ClassVar[tuple[str, ...]]  # the arguments; its reverse is made with the same
     _shown: ClassVar[tuple[str, ...]] = ()  # what a revision shows, in order, if not _fields
+    _diff: ClassVar[tuple[str, ...]]  # what ``alembic check`` reports, after the op's name
 
     def __init_subclass__(cls, opposite: type[_FenceOp] | None = None) -> None:
         """Name and dispatch a public op class; ``opposite``: the op its reverse is."""
@@ -109,6 +110,9 @@ class _FenceOp(MigrateOperation):
 
     def reverse(self) -> _FenceOp:
         return _OPPOSITE[type(self)](**self._arguments())
+
+    def to_diff_tuple(self) -> tuple[Any, ...]:
+        return (self.op_name, *(getattr(self, name) for name in self._diff))
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
         """What to execute, after any online check (nothing is sent when one fails)."""
@@ -136,6 +140,7 @@ class _FenceOp(MigrateOperation):
 
 class _SequenceOp(_FenceOp):
     _fields = ("name", "schema")
+    _diff: ClassVar[tuple[str, ...]] = ("schema", "name")
     _ddl: ClassVar[type[CreateSequence] | type[DropSequence]]
 
     def __init__(self, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None) -> None:
@@ -147,9 +152,6 @@ class _SequenceOp(_FenceOp):
         cls, operations: Operations, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None
     ) -> None:
         operations.invoke(cls(name, schema=schema))
-
-    def to_diff_tuple(self) -> tuple[Any, ...]:
-        return (self.op_name, self.schema, self.name)
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
         return [self._ddl(fence_sequence(None, self.name, schema=self.schema))]
@@ -232,6 +234,7 @@ class AlterFenceSequenceOp(_SequenceOp):
     """
 
     _shown = ("name", "existing_cache", "existing_cycle", "schema")
+    _diff = ("schema", "name", "existing_cache", "cache")
 
     def __init__(
         self,
@@ -263,9 +266,6 @@ class AlterFenceSequenceOp(_SequenceOp):
         operations.invoke(
             cls(name, existing_cache=existing_cache, existing_cycle=existing_cycle, schema=schema)
         )
-
-    def to_diff_tuple(self) -> tuple[Any, ...]:
-        return (*super().to_diff_tuple(), self.existing_cache, self.cache)
 
     def reverse(self) -> AlterFenceSequenceOp:
         was: dict[str, Any] = {"cache": self.existing_cache, "cycle": self.existing_cycle}
@@ -347,6 +347,7 @@ class DropFenceRegisterOp(_RegisterOp, opposite=CreateFenceRegisterOp):
 
 class _TableOp(_FenceOp):
     _fields: ClassVar[tuple[str, ...]] = ("table_name", "column", "schema")
+    _diff = ("schema", "table_name", "column")
 
     def __init__(self, table_name: str, column: str = "fence", *, schema: str | None = None):
         self.table_name = check_name("table", table_name)
@@ -363,9 +364,6 @@ class _TableOp(_FenceOp):
         schema: str | None = None,
     ) -> None:
         operations.invoke(cls(table_name, column, schema=schema))
-
-    def to_diff_tuple(self) -> tuple[Any, ...]:  # what ``alembic check`` reports
-        return (self.op_name, self.schema, self.table_name, self.column)
 
 
 @Operations.register_operation("add_fence_column", "_column_op")
@@ -694,15 +692,13 @@ def _head_ops(
     conn: sa.Connection, register: Register, included: bool
 ) -> Iterator[MigrateOperation]:
     """The sequence's op, then the register's: what goes first in the upgrade."""
-    schema, seq_name = split_name(register.sequence)
+    schema, name = split_name(register.sequence)
     row = conn.execute(SEQUENCE_SQL, {"name": register.sequence_sql}).one_or_none()
     if row is None:
-        yield CreateFenceSequenceOp(seq_name, schema=schema)
+        yield CreateFenceSequenceOp(name, schema=schema)
     elif not (row.is_cache_1 and row.is_no_cycle):  # the rules AlterFenceSequenceOp fixes
         cache, cycle = int(row.seqcache), bool(row.seqcycle)
-        yield AlterFenceSequenceOp(
-            seq_name, existing_cache=cache, existing_cycle=cycle, schema=schema
-        )
+        yield AlterFenceSequenceOp(name, existing_cache=cache, existing_cycle=cycle, schema=schema)
     if not included:
         return
     exists = sa.text("SELECT to_regclass(:register) IS NOT NULL")
