@@ -60,9 +60,8 @@ def _begin(bind: object, what: str) -> AbstractContextManager[sa.Connection]:
         # importing sqlalchemy.ext.asyncio, which fails without greenlet.
         if hasattr(bind, "sync_engine") or hasattr(bind, "sync_connection"):
             raise TypeError(
-                f"{what} is synchronous: with an AsyncEngine run it as "
-                f"`async with engine.begin() as conn: await conn.run_sync(sa_fence.{what}, "
-                "'jobs')`"
+                f"{what} is synchronous: with an AsyncEngine run it as `async with engine.begin()"
+                f" as conn: await conn.run_sync(sa_fence.{what}, 'jobs')`"
             )
         raise TypeError(f"{what} needs a sqlalchemy Engine or Connection, got {bind!r}")
     if bind.dialect.name != "postgresql":

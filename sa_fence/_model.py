@@ -145,8 +145,7 @@ def fence_key_of(mapper: Mapper[Any]) -> str | None:
 
 @event.listens_for(Fenced, "mapper_configured", propagate=True)
 def _fenced_mapper_configured(mapper: Mapper[Any], cls: type) -> None:
-    """A :class:`Fenced` class gets its fence property before any merge (one built with
-    :func:`fence_column` when sa-fence first meets its mapper)."""
+    """A :class:`Fenced` class gets its fence property before any merge."""
     fence_key_of(mapper)
 
 

@@ -208,12 +208,10 @@ class DropFenceSequenceOp(_SequenceOp, opposite=CreateFenceSequenceOp):
             users = operations.get_bind().execute(_SEQUENCE_USERS_SQL, params).all()
             if users:
                 shown = shown_table(self.name, self.schema)
-                first = (
-                    "drop the lease register first: "
-                    f"op.drop_fence_register({register_op_args(shown)})"
-                    if any(u.is_register for u in users)
-                    else "drop those defaults (or their tables) first"
-                )
+                first = "drop those defaults (or their tables) first"
+                if any(u.is_register for u in users):
+                    args = register_op_args(shown)
+                    first = f"drop the lease register first: op.drop_fence_register({args})"
                 raise ValueError(
                     f"drop_fence_sequence: sequence {shown!r} is still the default of "
                     + ", ".join(f"{u.table_name}.{u.column_name}" for u in users)
@@ -544,12 +542,8 @@ class ReplaceFenceGuardOp(_GuardOp):
                 "was before is unknown (autogenerate records it; a hand-written revision "
                 "can pass previous=[...] in its downgrade)"
             )
-        return ReplaceFenceGuardOp(
-            **self._arguments(),
-            previous=self.replaced,
-            replaced=self.previous,
-            reasons=self.reasons,
-        )
+        swapped: dict[str, Any] = {"previous": self.replaced, "replaced": self.previous}
+        return ReplaceFenceGuardOp(**self._arguments(), **swapped, reasons=self.reasons)
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
         if self.previous is None:
@@ -569,14 +563,12 @@ class ReplaceFenceGuardOp(_GuardOp):
         return f"{super()._render_args()}, previous={previous}"
 
     def _notes(self) -> list[str]:
+        table = self.table_name
         if self.previous is not None:
-            return [
-                f"# sa-fence: puts back the guard of {self.table_name!r} as it was before "
-                "the upgrade"
-            ]
+            return [f"# sa-fence: puts back the guard of {table!r} as it was before the upgrade"]
         wrapper = textwrap.TextWrapper(86, initial_indent="#   ", subsequent_indent="#     ")
         return [
-            f"# sa-fence: the guard of {self.table_name!r} is not the one this sa-fence creates:",
+            f"# sa-fence: the guard of {table!r} is not the one this sa-fence creates:",
             *(line for reason in self.reasons for line in wrapper.wrap(reason)),
             "# remade as it was made (same on_missing_token and sequence); the downgrade puts the",
             "# old one back.",
@@ -688,9 +680,7 @@ def _table_ops(
         )
 
 
-def _head_ops(
-    conn: sa.Connection, register: Register, included: bool
-) -> Iterator[MigrateOperation]:
+def _head_ops(conn: sa.Connection, register: Register, included: bool) -> Iterator[_FenceOp]:
     """The sequence's op, then the register's: what goes first in the upgrade."""
     schema, name = split_name(register.sequence)
     row = conn.execute(SEQUENCE_SQL, {"name": register.sequence_sql}).one_or_none()
