@@ -19,10 +19,9 @@ from ._register import Register
 
 #: Whether ``:table`` exists and the type of its ``:column`` (NULL: no such column).
 _COLUMN_SQL = sa.text(
-    "SELECT to_regclass(:table) IS NOT NULL AS present, "
-    "(SELECT format_type(a.atttypid, NULL) FROM pg_catalog.pg_attribute a "
-    " WHERE a.attrelid = to_regclass(:table) AND a.attname = :column "
-    "   AND a.attnum > 0 AND NOT a.attisdropped) AS data_type"
+    "SELECT to_regclass(:table) IS NOT NULL AS present, (SELECT format_type(a.atttypid, NULL)"
+    " FROM pg_catalog.pg_attribute a WHERE a.attrelid = to_regclass(:table) AND a.attname = :column"
+    " AND a.attnum > 0 AND NOT a.attisdropped) AS data_type"
 )
 
 

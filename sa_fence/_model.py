@@ -112,21 +112,11 @@ class _FenceProperty(ColumnProperty[int]):
         dest_state: InstanceState[Any],
         dest_dict: dict[str, Any],
         load: bool,
-        _recursive: dict[Any, object],
-        _resolve_conflict_map: dict[Any, object],
+        *maps: dict[Any, object],  # _recursive, _resolve_conflict_map: passed on as they are
     ) -> None:
         if load and self.key in source_dict and self.key not in source_state.committed_state:
             return  # loaded, never assigned: not a value to write
-        super().merge(
-            session,
-            source_state,
-            source_dict,
-            dest_state,
-            dest_dict,
-            load,
-            _recursive,
-            _resolve_conflict_map,
-        )
+        super().merge(session, source_state, source_dict, dest_state, dest_dict, load, *maps)
 
 
 def fence_key_of(mapper: Mapper[Any]) -> str | None:

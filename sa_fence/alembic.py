@@ -1,9 +1,7 @@
 """Alembic operations and autogenerate support for sa-fence.
 
-Importing this module registers the operations on Alembic's ``op`` (import
-it in ``env.py``)::
+Importing this module (in ``env.py``) registers the operations on Alembic's ``op``::
 
-    # env.py
     import sa_fence.alembic  # noqa: F401  (registers op.create_fence_sequence & co.)
 
     # a revision's upgrade(); its downgrade() drops in the reverse order
@@ -12,8 +10,8 @@ it in ``env.py``)::
     op.add_fence_column("jobs")             # BIGINT NOT NULL DEFAULT 0, no rewrite
     op.create_fence_guard("jobs")           # trigger refusing stale writers
 
-Every operation has a ``reverse()``, and ``alembic revision --autogenerate``
-adds what fenced models and a declared register lack: docs/migrations.md.
+Every operation has a ``reverse()``; ``alembic revision --autogenerate`` adds what fenced models
+and a declared register lack: docs/migrations.md.
 """
 
 from __future__ import annotations
