@@ -75,7 +75,6 @@ _mapper_fences: weakref.WeakKeyDictionary[Mapper[Any], str | None] = weakref.Wea
 
 
 def fence_column_of(table: FromClause) -> Column[Any] | None:
-    """The column marked as ``table``'s fence, or None if the table is not fenced."""
     try:
         return _table_fences[table]
     except KeyError:
@@ -143,7 +142,6 @@ _fenced_classes: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictiona
 
 
 def is_fenced_class(cls: type) -> bool:
-    """True when instances of mapped class ``cls`` live in a fenced table."""
     fenced = _fenced_classes.get(cls)
     if fenced is not None:
         return fenced
