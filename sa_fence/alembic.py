@@ -264,9 +264,14 @@ class AlterFenceSequenceOp(_SequenceOp):
         )
 
     def reverse(self) -> AlterFenceSequenceOp:
-        was: dict[str, Any] = {"cache": self.existing_cache, "cycle": self.existing_cycle}
-        now: dict[str, Any] = {"existing_cache": self.cache, "existing_cycle": self.cycle}
-        return AlterFenceSequenceOp(self.name, schema=self.schema, **was, **now)
+        return AlterFenceSequenceOp(
+            self.name,
+            cache=self.existing_cache,
+            cycle=self.existing_cycle,
+            existing_cache=self.cache,
+            existing_cycle=self.cycle,
+            schema=self.schema,
+        )
 
     def _cycle(self) -> str:
         return "CYCLE" if self.cycle else "NO CYCLE"
