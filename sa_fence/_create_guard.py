@@ -1,11 +1,8 @@
 """The guard trigger without Alembic: :func:`create_fence_guard`, :func:`drop_fence_guard`.
 
-A database made the quickstart way (``Base.metadata.create_all(engine)``)
-has no migrations to run ``op.create_fence_guard()`` in.  These calls run the
-very statements that op runs (:func:`sa_fence._guard.create_guard_sql`), after
-the same checks, so a guard made either way is the same guard (``sa-fence
-check`` and autogenerate find it current).  ``sa-fence create-guard`` is the
-command-line form.  Every check runs before the first statement, and the
+For a database made with ``Base.metadata.create_all(engine)``, with no migrations to run
+``op.create_fence_guard()`` in: the same checks and statements, so the same guard (``sa-fence
+create-guard`` is the command-line form).  Every check runs before the first statement, and the
 statements run in one transaction: bad input writes nothing.
 """
 
@@ -22,10 +19,9 @@ from ._register import Register
 
 #: Whether ``:table`` exists and the type of its ``:column`` (NULL: no such column).
 _COLUMN_SQL = sa.text(
-    "SELECT to_regclass(:table) IS NOT NULL AS present, "
-    "(SELECT format_type(a.atttypid, NULL) FROM pg_catalog.pg_attribute a "
-    " WHERE a.attrelid = to_regclass(:table) AND a.attname = :column "
-    "   AND a.attnum > 0 AND NOT a.attisdropped) AS data_type"
+    "SELECT to_regclass(:table) IS NOT NULL AS present, (SELECT format_type(a.atttypid, NULL)"
+    " FROM pg_catalog.pg_attribute a WHERE a.attrelid = to_regclass(:table) AND a.attname = :column"
+    " AND a.attnum > 0 AND NOT a.attisdropped) AS data_type"
 )
 
 
@@ -63,9 +59,8 @@ def _begin(bind: object, what: str) -> AbstractContextManager[sa.Connection]:
         # importing sqlalchemy.ext.asyncio, which fails without greenlet.
         if hasattr(bind, "sync_engine") or hasattr(bind, "sync_connection"):
             raise TypeError(
-                f"{what} is synchronous: with an AsyncEngine run it as "
-                f"`async with engine.begin() as conn: await conn.run_sync(sa_fence.{what}, "
-                "'jobs')`"
+                f"{what} is synchronous: with an AsyncEngine run it as `async with engine.begin()"
+                f" as conn: await conn.run_sync(sa_fence.{what}, 'jobs')`"
             )
         raise TypeError(f"{what} needs a sqlalchemy Engine or Connection, got {bind!r}")
     if bind.dialect.name != "postgresql":
@@ -77,12 +72,7 @@ def _begin(bind: object, what: str) -> AbstractContextManager[sa.Connection]:
 
 
 def check_column(
-    conn: sa.Connection,
-    table: str,
-    column: str,
-    schema: str | None,
-    create_hint: str,
-    column_hint: str,
+    conn: sa.Connection, table: str, column: str, schema: str | None, create_hint: str, hint: str
 ) -> None:
     """Refuse a guard on a missing ``table`` or one without the bigint ``column``."""
     shown = shown_table(table, schema)
@@ -91,9 +81,7 @@ def check_column(
         problem = f"table {shown!r} does not exist; create it first {create_hint}"
     elif found.data_type != "bigint":
         what = "has no column" if found.data_type is None else f"has a {found.data_type} column"
-        problem = (
-            f"table {shown!r} {what} {column!r}; the guard needs the bigint fence {column_hint}"
-        )
+        problem = f"table {shown!r} {what} {column!r}; the guard needs the bigint fence {hint}"
     else:
         return
     raise ValueError(f"create_fence_guard: {problem}")
@@ -110,28 +98,25 @@ def create_fence_guard(
 ) -> None:
     """Create (or replace) the guard trigger on ``table``, without Alembic.
 
-    The same trigger as ``op.create_fence_guard()`` in a migration: it
-    refuses UPDATEs and DELETEs with a stale token and any write, INSERT
-    included, of a fence no lease was granted, from every writer (raw SQL,
-    ``psql``, other services).  Run it after
+    The same trigger as ``op.create_fence_guard()`` in a migration: it refuses UPDATEs and
+    DELETEs with a stale token and any write, INSERT included, of a fence no lease was granted,
+    from every writer (raw SQL, ``psql``, other services).  Run it after
     ``Base.metadata.create_all(engine)``::
 
         sa_fence.fence_sequence(Base.metadata)
         Base.metadata.create_all(engine)
         sa_fence.create_fence_guard(engine, "jobs")   # or Job.__table__
 
-    ``bind``: an ``Engine`` (the statements run in a transaction of their
-    own and commit) or a ``Connection`` (they run in its transaction, begun
-    if none is open; commit it yourself, as with ``create_all``).  ``table``:
-    a table name, or a ``Table``, whose schema and fence column are then
-    used.  ``column`` defaults to the ``Table``'s fence column, else
-    ``"fence"``.  ``on_missing_token``: ``"reject"`` (default) refuses
-    UPDATEs and DELETEs that present no token; ``"unchanged"`` lets an UPDATE
-    that leaves the fence as it is through.  ``sequence``: the Fencers'
-    token sequence.  Running it again replaces the guard (idempotent).
+    ``bind``: an ``Engine`` (the statements run in a transaction of their own and commit) or a
+    ``Connection`` (they run in its transaction, begun if none is open; commit it yourself, as
+    with ``create_all``).  ``table``: a table name, or a ``Table``, whose schema and fence column
+    are then used.  ``column`` defaults to the ``Table``'s fence column, else ``"fence"``.
+    ``on_missing_token``: ``"reject"`` (default) refuses UPDATEs and DELETEs that present no
+    token; ``"unchanged"`` lets an UPDATE that leaves the fence as it is through.  ``sequence``:
+    the Fencers' token sequence.  Running it again replaces the guard (idempotent).
 
-    Raises ``ValueError``, with nothing written, when the table, its bigint
-    fence column or the sequence does not exist, or an argument is invalid.
+    Raises ``ValueError``, with nothing written, when the table, its bigint fence column or the
+    sequence does not exist, or an argument is invalid.
     """
     begin = _begin(bind, "create_fence_guard")
     name, col, schema = _target(table, column, schema)
@@ -139,15 +124,10 @@ def create_fence_guard(
         name, col, schema=schema, on_missing_token=on_missing_token, sequence=sequence
     )
     with begin as conn:
-        check_column(
-            conn,
-            name,
-            col,
-            schema,
-            "(Base.metadata.create_all(engine)), then the guard",
-            f"column (ALTER TABLE {qualified(name, schema)} ADD COLUMN {qualified(col, None)} "
-            "bigint NOT NULL DEFAULT 0, or op.add_fence_column() in a migration)",
-        )
+        create = "(Base.metadata.create_all(engine)), then the guard"
+        add = f"ALTER TABLE {qualified(name, schema)} ADD COLUMN {qualified(col, None)}"
+        hint = f"column ({add} bigint NOT NULL DEFAULT 0, or op.add_fence_column() in a migration)"
+        check_column(conn, name, col, schema, create, hint)
         # looked up as the guard will: on the writer's search_path when unqualified
         found = conn.execute(SEQUENCE_SQL, {"name": Register(sequence).sequence_sql})
         if found.one_or_none() is None:
@@ -166,8 +146,7 @@ def drop_fence_guard(
 ) -> None:
     """Drop the guard trigger of ``table`` and its function (nothing if there is none).
 
-    ``bind`` as for :func:`create_fence_guard`.
-    """
+    ``bind`` as for :func:`create_fence_guard`."""
     begin = _begin(bind, "drop_fence_guard")
     name, _, schema = _target(table, "fence", schema)
     statements = drop_guard_sql(name, schema=schema)

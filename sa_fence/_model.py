@@ -1,9 +1,6 @@
-"""The :class:`Fenced` mixin and the fence column marker.
-
-How sa-fence finds a mapped class's or a table's fence column (cached per table, mapper and
-class), the ORM index the flush hook reads, and the PostgreSQL error of a fence column the models
-declare but the table lacks.
-"""
+"""The :class:`Fenced` mixin and the fence column marker; how sa-fence finds a table's or a
+mapper's fence column (cached), the ORM index the flush hook reads, and the PostgreSQL error of
+a fence column the models declare but the table lacks."""
 
 from __future__ import annotations
 
@@ -78,20 +75,18 @@ _mapper_fences: weakref.WeakKeyDictionary[Mapper[Any], str | None] = weakref.Wea
 
 
 def fence_column_of(table: FromClause) -> Column[Any] | None:
-    """The column marked as ``table``'s fence, or None if the table is not fenced."""
     try:
         return _table_fences[table]
     except KeyError:
-        col = _table_fences[table] = _scan(table)
-        return col
+        return _table_fences.setdefault(table, _scan(table))
     except TypeError:  # not weak-referenceable: compute without caching
         return _scan(table)
 
 
 def carries_fence(col: object) -> bool:
-    """Whether ``col`` is a real table ``Column`` marked as its table's fence (a mapper's
-    ``columns`` also hold expression properties' SQL expressions and a subquery's derived
-    columns: no table to fence, and no ``info``: a ``Label`` raises ``AttributeError`` for it)."""
+    """Whether ``col`` is a table ``Column`` marked as its table's fence (a mapper's ``columns``
+    also hold SQL expressions and derived columns: nothing to fence, and a ``Label`` has no
+    ``info``)."""
     return isinstance(col, Column) and bool(col.info.get(FENCE_INFO_KEY))
 
 
@@ -104,9 +99,7 @@ class _FenceProperty(ColumnProperty[int]):
 
     ``merge()`` copies a detached object's loaded attributes as if assigned, and a loaded fence,
     usually older than its row's now, would be refused at flush; an *assigned* one is copied (and
-    refused).  sa-fence switches the fence's ``ColumnProperty`` to this class when it first meets
-    the mapper.
-    """
+    refused).  :func:`fence_key_of` gives a fence's ``ColumnProperty`` this class."""
 
     __slots__ = ()
 
@@ -118,21 +111,11 @@ class _FenceProperty(ColumnProperty[int]):
         dest_state: InstanceState[Any],
         dest_dict: dict[str, Any],
         load: bool,
-        _recursive: dict[Any, object],
-        _resolve_conflict_map: dict[Any, object],
+        *maps: dict[Any, object],  # _recursive, _resolve_conflict_map: passed on as they are
     ) -> None:
         if load and self.key in source_dict and self.key not in source_state.committed_state:
             return  # loaded, never assigned: not a value to write
-        super().merge(
-            session,
-            source_state,
-            source_dict,
-            dest_state,
-            dest_dict,
-            load,
-            _recursive,
-            _resolve_conflict_map,
-        )
+        super().merge(session, source_state, source_dict, dest_state, dest_dict, load, *maps)
 
 
 def fence_key_of(mapper: Mapper[Any]) -> str | None:
@@ -141,22 +124,17 @@ def fence_key_of(mapper: Mapper[Any]) -> str | None:
         return _mapper_fences[mapper]
     except KeyError:
         pass
-    key = None
-    for col in mapper.columns:
-        if carries_fence(col):
-            prop = mapper.get_property_by_column(col)
-            if type(prop) is ColumnProperty:
-                prop.__class__ = _FenceProperty
-            key = prop.key
-            break
-    _mapper_fences[mapper] = key
+    found = (mapper.get_property_by_column(col) for col in mapper.columns if carries_fence(col))
+    prop = next(found, None)
+    if type(prop) is ColumnProperty:
+        prop.__class__ = _FenceProperty
+    key = _mapper_fences[mapper] = None if prop is None else prop.key
     return key
 
 
 @event.listens_for(Fenced, "mapper_configured", propagate=True)
 def _fenced_mapper_configured(mapper: Mapper[Any], cls: type) -> None:
-    """A :class:`Fenced` class gets its fence property before any merge (one built
-    with :func:`fence_column` when sa-fence first meets its mapper)."""
+    """A :class:`Fenced` class gets its fence property before any merge."""
     fence_key_of(mapper)
 
 
@@ -164,11 +142,9 @@ _fenced_classes: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictiona
 
 
 def is_fenced_class(cls: type) -> bool:
-    """True when instances of mapped class ``cls`` live in a fenced table."""
-    try:
-        return _fenced_classes[cls]
-    except KeyError:
-        pass
+    fenced = _fenced_classes.get(cls)
+    if fenced is not None:
+        return fenced
     try:
         fenced = fence_key_of(class_mapper(cls)) is not None
     except (UnmappedClassError, NoInspectionAvailable):
@@ -181,14 +157,11 @@ def is_fenced_class(cls: type) -> bool:
 class OrmIndex:
     """What the flush hook needs to know about all mapped classes, computed once.
 
-    * ``association_tables``: ``secondary`` tables of relationships with a fenced class on
-      either side: writing their rows needs a bound lease.
-    * ``bump_keys``: joined-inheritance subclasses of a fenced class whose own table has no fence
-      column, with the fence key: a change to the subclass table alone still compares and bumps
-      the base table's fence.
-
-    Recomputed after a class is mapped (``_generation``), not per flush (about 20 calls each); a
-    disposed registry's classes stay until then, harmlessly.
+    ``association_tables``: ``secondary`` tables of relationships with a fenced class on either
+    side (writing their rows needs a bound lease).  ``bump_keys``: joined-inheritance subclasses
+    of a fenced class whose own table has no fence column, with the fence key (a change to the
+    subclass table alone still bumps the base table's fence).  Recomputed after a class is
+    mapped (``_generation``), not per flush; a disposed registry's classes stay until then.
     """
 
     generation: int
@@ -232,7 +205,6 @@ def orm_index() -> OrmIndex:
 
 
 def _mappers() -> list[Mapper[Any]]:
-    """Every mapper of every registry."""
     return [
         mapper for registry in list(mapperlib._mapper_registries) for mapper in registry.mappers
     ]
@@ -257,10 +229,9 @@ def _unquoted(name: str | None) -> str | None:
 def missing_fence_column(
     orig: BaseException, statement: Any = None
 ) -> tuple[str | None, str, str] | None:
-    """(schema, table, fence column) when ``orig`` is PostgreSQL saying a fenced table's fence
-    column does not exist (a table made before its model was fenced: ``create_all`` adds no
-    columns); else None.  The tables considered are the fenced ones ``statement`` names and
-    every mapped fenced table."""
+    """(schema, table, fence column) when ``orig`` says a fenced table's fence column does not
+    exist (``create_all`` adds no columns to a table made before its model was fenced), else
+    None; from the fenced tables ``statement`` names and every mapped fenced table."""
     if getattr(orig, "sqlstate", None) != "42703":  # undefined_column
         return None
     diag = getattr(orig, "diag", None)
@@ -281,11 +252,7 @@ def missing_fence_column(
     in_statement = [t for t in tables if fenced_by(t)]
     mapped = [t for mapper in _mappers() for t in mapper.tables if fenced_by(t)]
     # the relation PostgreSQL names; else (an alias such as jobs_1) the statement's own
-    named = [
-        t
-        for t in [*in_statement, *mapped]
-        if relation is None or relation == getattr(t, "name", None)
-    ]
+    named = [t for t in [*in_statement, *mapped] if relation in (None, getattr(t, "name", None))]
     for table in named or in_statement:
         return getattr(table, "schema", None), str(getattr(table, "name", None)), column
     return None

@@ -1,9 +1,7 @@
 """Alembic operations and autogenerate support for sa-fence.
 
-Importing this module registers the operations on Alembic's ``op`` (import
-it in ``env.py``)::
+Importing this module (in ``env.py``) registers the operations on Alembic's ``op``::
 
-    # env.py
     import sa_fence.alembic  # noqa: F401  (registers op.create_fence_sequence & co.)
 
     # a revision's upgrade(); its downgrade() drops in the reverse order
@@ -12,8 +10,8 @@ it in ``env.py``)::
     op.add_fence_column("jobs")             # BIGINT NOT NULL DEFAULT 0, no rewrite
     op.create_fence_guard("jobs")           # trigger refusing stale writers
 
-Every operation has a ``reverse()``, and ``alembic revision --autogenerate``
-adds what fenced models and a declared register lack: docs/migrations.md.
+Every operation has a ``reverse()``; ``alembic revision --autogenerate`` adds what fenced models
+and a declared register lack: docs/migrations.md.
 """
 
 from __future__ import annotations
@@ -73,9 +71,8 @@ __all__ = [
 ]
 
 
-#: A rendered op leaves an argument out at this value and writes any other one; an
-#: argument not named here is always written (``on_missing_token``: which writers the
-#: guard refuses is a decision for whoever reads the revision, not a default to overlook).
+#: A rendered op leaves an argument out at this value; one not named here is always written
+#: (``on_missing_token``: which writers the guard refuses is the revision reader's decision).
 _DEFAULTS = dict(name=DEFAULT_SEQUENCE, sequence=DEFAULT_SEQUENCE, column="fence", schema=None)
 #: The arguments a rendered op writes without their keyword.
 _POSITIONAL = ("name", "table_name", "column")
@@ -90,10 +87,9 @@ class _FenceOp(MigrateOperation):
     """What every sa-fence op has: a name, the SQL it runs, and its arguments as source."""
 
     op_name: ClassVar[str] = ""
-    #: The arguments the op is made with; its reverse is made with the same.
-    _fields: ClassVar[tuple[str, ...]]
-    #: The arguments a revision shows, in order, when not ``_fields``.
-    _shown: ClassVar[tuple[str, ...]] = ()
+    _fields: ClassVar[tuple[str, ...]]  # the arguments; its reverse is made with the same
+    _shown: ClassVar[tuple[str, ...]] = ()  # what a revision shows, in order, if not _fields
+    _diff: ClassVar[tuple[str, ...]]  # what ``alembic check`` reports, after the op's name
 
     def __init_subclass__(cls, opposite: type[_FenceOp] | None = None) -> None:
         """Name and dispatch a public op class; ``opposite``: the op its reverse is."""
@@ -113,6 +109,9 @@ class _FenceOp(MigrateOperation):
     def reverse(self) -> _FenceOp:
         return _OPPOSITE[type(self)](**self._arguments())
 
+    def to_diff_tuple(self) -> tuple[Any, ...]:
+        return (self.op_name, *(getattr(self, name) for name in self._diff))
+
     def _statements(self, operations: Operations) -> Iterable[Any]:
         """What to execute, after any online check (nothing is sent when one fails)."""
         raise NotImplementedError
@@ -128,8 +127,7 @@ class _FenceOp(MigrateOperation):
         positional = [repr(shown.pop(f)) for f in _POSITIONAL if f in shown]
         return ", ".join([*positional, *(f"{k}={v!r}" for k, v in shown.items())])
 
-    def _notes(self) -> list[str]:
-        """The comment lines above the op in a revision."""
+    def _notes(self) -> list[str]:  # the comment lines above the op in a revision
         return []
 
     def _render(self, autogen_context: AutogenContext) -> list[str]:
@@ -140,6 +138,7 @@ class _FenceOp(MigrateOperation):
 
 class _SequenceOp(_FenceOp):
     _fields = ("name", "schema")
+    _diff: ClassVar[tuple[str, ...]] = ("schema", "name")
     _ddl: ClassVar[type[CreateSequence] | type[DropSequence]]
 
     def __init__(self, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None) -> None:
@@ -152,9 +151,6 @@ class _SequenceOp(_FenceOp):
     ) -> None:
         operations.invoke(cls(name, schema=schema))
 
-    def to_diff_tuple(self) -> tuple[Any, ...]:
-        return (self.op_name, self.schema, self.name)
-
     def _statements(self, operations: Operations) -> Iterable[Any]:
         return [self._ddl(fence_sequence(None, self.name, schema=self.schema))]
 
@@ -163,8 +159,8 @@ class _SequenceOp(_FenceOp):
 class CreateFenceSequenceOp(_SequenceOp):
     """``op.create_fence_sequence(name="sa_fence_token_seq", *, schema=None)``.
 
-    Creates the token sequence: ``AS bigint INCREMENT BY 1 START WITH 1
-    CACHE 1 NO CYCLE``.  The reverse drops it, which resets the tokens.
+    Creates the token sequence: ``AS bigint INCREMENT BY 1 START WITH 1 CACHE 1 NO CYCLE``.
+    The reverse drops it, which resets the tokens.
     """
 
     _ddl = CreateSequence
@@ -180,18 +176,15 @@ DROP_SEQUENCE_WARNING = [
 
 #: Column defaults that draw from a sequence (``nextval``), e.g. the register's token.
 _SEQUENCE_USERS_SQL = sa.text(
-    """
-    SELECT d.adrelid::regclass::text AS table_name, a.attname AS column_name,
+    """SELECT d.adrelid::regclass::text AS table_name, a.attname AS column_name,
            c.relname = :register AS is_register
       FROM pg_catalog.pg_depend p
       JOIN pg_catalog.pg_attrdef d
         ON p.classid = 'pg_catalog.pg_attrdef'::regclass AND p.objid = d.oid
       JOIN pg_catalog.pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
       JOIN pg_catalog.pg_class c ON c.oid = d.adrelid
-     WHERE p.refclassid = 'pg_catalog.pg_class'::regclass
-       AND p.refobjid = to_regclass(:sequence)
-     ORDER BY 1, 2
-    """
+     WHERE p.refclassid = 'pg_catalog.pg_class'::regclass AND p.refobjid = to_regclass(:sequence)
+     ORDER BY 1, 2"""
 )
 
 
@@ -199,11 +192,10 @@ _SEQUENCE_USERS_SQL = sa.text(
 class DropFenceSequenceOp(_SequenceOp, opposite=CreateFenceSequenceOp):
     """``op.drop_fence_sequence(name="sa_fence_token_seq", *, schema=None)``.
 
-    Never run this on a live database: the next sequence starts at 1 again,
-    below the fences already on the rows, and every writer is refused.  The
-    lease register's token default depends on the sequence: drop the
-    register first (``op.drop_fence_register()``); online, this op says so
-    before sending anything.
+    Never run this on a live database: the next sequence starts at 1 again, below the fences
+    already on the rows, and every writer is refused.  The lease register's token default
+    depends on the sequence: drop the register first (``op.drop_fence_register()``); online,
+    this op says so before sending anything.
     """
 
     _ddl = DropSequence
@@ -214,12 +206,10 @@ class DropFenceSequenceOp(_SequenceOp, opposite=CreateFenceSequenceOp):
             users = operations.get_bind().execute(_SEQUENCE_USERS_SQL, params).all()
             if users:
                 shown = shown_table(self.name, self.schema)
-                first = (
-                    "drop the lease register first: "
-                    f"op.drop_fence_register({register_op_args(shown)})"
-                    if any(u.is_register for u in users)
-                    else "drop those defaults (or their tables) first"
-                )
+                first = "drop those defaults (or their tables) first"
+                if any(u.is_register for u in users):
+                    args = register_op_args(shown)
+                    first = f"drop the lease register first: op.drop_fence_register({args})"
                 raise ValueError(
                     f"drop_fence_sequence: sequence {shown!r} is still the default of "
                     + ", ".join(f"{u.table_name}.{u.column_name}" for u in users)
@@ -235,11 +225,12 @@ class DropFenceSequenceOp(_SequenceOp, opposite=CreateFenceSequenceOp):
 class AlterFenceSequenceOp(_SequenceOp):
     """``op.alter_fence_sequence(name, *, existing_cache=1, existing_cycle=False, schema=None)``.
 
-    Makes an existing sequence fit for tokens: ``AS bigint CACHE 1 NO
-    CYCLE``.  ``existing_*`` record what it was, for the reverse.
+    Makes an existing sequence fit for tokens: ``AS bigint CACHE 1 NO CYCLE``.
+    ``existing_*`` record what it was, for the reverse.
     """
 
     _shown = ("name", "existing_cache", "existing_cycle", "schema")
+    _diff = ("schema", "name", "existing_cache", "cache")
 
     def __init__(
         self,
@@ -271,9 +262,6 @@ class AlterFenceSequenceOp(_SequenceOp):
         operations.invoke(
             cls(name, existing_cache=existing_cache, existing_cycle=existing_cycle, schema=schema)
         )
-
-    def to_diff_tuple(self) -> tuple[Any, ...]:
-        return (*super().to_diff_tuple(), self.existing_cache, self.cache)
 
     def reverse(self) -> AlterFenceSequenceOp:
         return AlterFenceSequenceOp(
@@ -307,8 +295,7 @@ class _RegisterOp(_FenceOp):
 
     def __init__(self, sequence: str = DEFAULT_SEQUENCE, *, function_only: bool = False) -> None:
         self.sequence = check_name("sequence", sequence)
-        # Set by autogenerate when only the check function was missing: the
-        # reverse then drops the function alone, never the register's rows.
+        # set by autogenerate for a repair: the reverse drops the function, never the rows
         self.function_only = bool(function_only)
 
     @classmethod
@@ -324,10 +311,10 @@ class _RegisterOp(_FenceOp):
 class CreateFenceRegisterOp(_RegisterOp):
     """``op.create_fence_register(sequence="sa_fence_token_seq")``.
 
-    Creates the lease register ``sa_fence_leases`` (in the sequence's
-    schema; its ``token`` default draws from ``sequence``, which must exist)
-    and the commit check function ``sa_fence_check_lease(text, bigint)``.
-    Idempotent: an existing register is kept and the function is replaced.
+    Creates the lease register ``sa_fence_leases`` (in the sequence's schema; its ``token``
+    default draws from ``sequence``, which must exist) and the commit check function
+    ``sa_fence_check_lease(text, bigint)``.  Idempotent: an existing register is kept and the
+    function is replaced.
     """
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
@@ -338,10 +325,10 @@ class CreateFenceRegisterOp(_RegisterOp):
 class DropFenceRegisterOp(_RegisterOp, opposite=CreateFenceRegisterOp):
     """``op.drop_fence_register(sequence="sa_fence_token_seq")``.
 
-    Drops the commit check function and the lease register.  Never on a live
-    database: every Fencer refuses to grant without the register, and the
-    newest token of every lease name is forgotten.  Comes before
-    ``op.drop_fence_sequence()``, whose sequence the register's default uses.
+    Drops the commit check function and the lease register.  Never on a live database: every
+    Fencer refuses to grant without the register, and the newest token of every lease name is
+    forgotten.  Comes before ``op.drop_fence_sequence()``, whose sequence the register's
+    default uses.
     """
 
     def _function_sql(self) -> str:
@@ -361,6 +348,7 @@ class DropFenceRegisterOp(_RegisterOp, opposite=CreateFenceRegisterOp):
 
 class _TableOp(_FenceOp):
     _fields: ClassVar[tuple[str, ...]] = ("table_name", "column", "schema")
+    _diff = ("schema", "table_name", "column")
 
     def __init__(self, table_name: str, column: str = "fence", *, schema: str | None = None):
         self.table_name = check_name("table", table_name)
@@ -378,19 +366,14 @@ class _TableOp(_FenceOp):
     ) -> None:
         operations.invoke(cls(table_name, column, schema=schema))
 
-    def to_diff_tuple(self) -> tuple[Any, ...]:
-        """What ``alembic check`` reports."""
-        return (self.op_name, self.schema, self.table_name, self.column)
-
 
 @Operations.register_operation("add_fence_column", "_column_op")
 class AddFenceColumnOp(_TableOp):
     """``op.add_fence_column(table, column="fence", *, schema=None)``.
 
-    Adds ``BIGINT NOT NULL DEFAULT 0``.  On PostgreSQL >= 11 a constant
-    default is stored in the catalog: existing rows are not rewritten, so
-    this is instant on a large table (it takes a brief ACCESS EXCLUSIVE
-    lock; set ``lock_timeout`` so it cannot queue behind long queries).
+    Adds ``BIGINT NOT NULL DEFAULT 0``.  On PostgreSQL >= 11 a constant default is stored in
+    the catalog: existing rows are not rewritten, so this is instant on a large table (it takes
+    a brief ACCESS EXCLUSIVE lock; set ``lock_timeout`` so it cannot queue behind long queries).
     """
 
     def _run(self, operations: Operations) -> None:
@@ -400,10 +383,7 @@ class AddFenceColumnOp(_TableOp):
 
 @Operations.register_operation("drop_fence_column", "_column_op")
 class DropFenceColumnOp(_TableOp, opposite=AddFenceColumnOp):
-    """``op.drop_fence_column(table, column="fence", *, schema=None)``.
-
-    Drops the fence column from ``table``.
-    """
+    """``op.drop_fence_column(table, column="fence", *, schema=None)``: drops the fence column."""
 
     def _run(self, operations: Operations) -> None:
         operations.drop_column(self.table_name, self.column, schema=self.schema)
@@ -440,18 +420,15 @@ class _GuardOp(_TableOp):
         operations.invoke(cls(table_name, column, schema=schema, **policy))
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
-        # Online, a missing table or column is refused before anything is written
-        # (PL/pgSQL would accept the function and fail at the first write).
+        # Online, a missing table or column is refused before anything is written (PL/pgSQL
+        # would accept the function and fail at the first write).
         if not operations.get_context().as_sql:
-            add_column = AddFenceColumnOp(self.table_name, self.column)
-            check_column(
-                operations.get_bind(),
-                self.table_name,
-                self.column,
-                self.schema,
+            add_column = AddFenceColumnOp(self.table_name, self.column)._render_args()
+            hints = (
                 "(the guard goes after op.create_table in the same revision)",
-                f"column: op.add_fence_column({add_column._render_args()}) first",
+                f"column: op.add_fence_column({add_column}) first",
             )
+            check_column(operations.get_bind(), self.table_name, self.column, self.schema, *hints)
         arguments = self._arguments()
         return create_guard_sql(arguments.pop("table_name"), **arguments)
 
@@ -478,12 +455,11 @@ class CreateFenceGuardOp(_GuardOp):
     """``op.create_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
     sequence="sa_fence_token_seq")``.
 
-    Creates (or replaces) the PL/pgSQL function ``sa_fence_guard_<table>``
-    and the ``BEFORE INSERT OR UPDATE OR DELETE`` trigger ``sa_fence_guard``
-    that refuses writes lowering the fence, carrying a stale token, or (INSERTs
-    included) carrying a token or fence past the last value of ``sequence`` (see
-    :mod:`sa_fence._guard` and docs/migrations.md).  ``on_missing_token``:
-    ``"reject"`` refuses writers that present no token; ``"unchanged"``
+    Creates (or replaces) the PL/pgSQL function ``sa_fence_guard_<table>`` and the ``BEFORE
+    INSERT OR UPDATE OR DELETE`` trigger ``sa_fence_guard`` that refuses writes lowering the
+    fence, carrying a stale token, or (INSERTs included) carrying a token or fence past the last
+    value of ``sequence`` (see :mod:`sa_fence._guard` and docs/migrations.md).
+    ``on_missing_token``: ``"reject"`` refuses writers that present no token; ``"unchanged"``
     lets their UPDATEs through when the fence is left as it is.
     """
 
@@ -496,8 +472,8 @@ class DropFenceGuardOp(_GuardOp, opposite=CreateFenceGuardOp):
     """``op.drop_fence_guard(table, column="fence", *, schema=None, on_missing_token="reject",
     sequence="sa_fence_token_seq")``.
 
-    Drops the trigger and its function; ``column``, ``on_missing_token``
-    and ``sequence`` only tell the reverse how to recreate them.
+    Drops the trigger and its function; ``column``, ``on_missing_token`` and ``sequence`` only
+    tell the reverse how to recreate them.
     """
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
@@ -510,13 +486,11 @@ class ReplaceFenceGuardOp(_GuardOp):
     sequence="sa_fence_token_seq", previous=None)``.
 
     Remakes an existing guard as this sa-fence creates it (the statements of
-    ``create_fence_guard``).  With ``previous`` (the function's and the
-    trigger's DDL as they were, which autogenerate writes into the
-    downgrade), puts that guard back instead: its trigger is dropped, then
-    ``previous`` runs as written.  Autogenerate emits it for a guard that is
-    not the one this sa-fence creates: a trigger that does not fire on
-    INSERT, UPDATE and DELETE, or a function another version made or someone
-    edited.
+    ``create_fence_guard``).  With ``previous`` (the function's and the trigger's DDL as they
+    were, which autogenerate writes into the downgrade), puts that guard back instead: its
+    trigger is dropped, then ``previous`` runs as written.  Autogenerate emits it for a guard
+    that is not the one this sa-fence creates: a trigger that does not fire on INSERT, UPDATE
+    and DELETE, or a function another version made or someone edited.
     """
 
     def __init__(
@@ -542,11 +516,11 @@ class ReplaceFenceGuardOp(_GuardOp):
                 "replace_fence_guard: previous must be a list of SQL statements (the guard "
                 f"function's and trigger's DDL, as autogenerate writes them), got {previous!r}"
             )
-        #: what to put back instead of remaking the guard (a downgrade)
+        # previous: what to put back instead of remaking the guard (a downgrade); replaced:
+        # what the database had before this op remade it (reverse() puts it back); reasons:
+        # why autogenerate found the guard outdated (a comment in the revision)
         self.previous = tuple(previous) if previous is not None else None
-        #: what the database had before this op remade it (so reverse() can put it back)
         self.replaced = tuple(replaced) if replaced is not None else None
-        #: why autogenerate found the guard outdated (a comment in the revision)
         self.reasons = tuple(reasons)
 
     @classmethod
@@ -571,12 +545,8 @@ class ReplaceFenceGuardOp(_GuardOp):
                 "was before is unknown (autogenerate records it; a hand-written revision "
                 "can pass previous=[...] in its downgrade)"
             )
-        return ReplaceFenceGuardOp(
-            **self._arguments(),
-            previous=self.replaced,
-            replaced=self.previous,
-            reasons=self.reasons,
-        )
+        swapped: dict[str, Any] = {"previous": self.replaced, "replaced": self.previous}
+        return ReplaceFenceGuardOp(**self._arguments(), **swapped, reasons=self.reasons)
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
         if self.previous is None:
@@ -596,22 +566,20 @@ class ReplaceFenceGuardOp(_GuardOp):
         return f"{super()._render_args()}, previous={previous}"
 
     def _notes(self) -> list[str]:
+        table = self.table_name
         if self.previous is not None:
-            return [
-                f"# sa-fence: puts back the guard of {self.table_name!r} as it was before "
-                "the upgrade"
-            ]
+            return [f"# sa-fence: puts back the guard of {table!r} as it was before the upgrade"]
         wrapper = textwrap.TextWrapper(86, initial_indent="#   ", subsequent_indent="#     ")
         return [
-            f"# sa-fence: the guard of {self.table_name!r} is not the one this sa-fence creates:",
+            f"# sa-fence: the guard of {table!r} is not the one this sa-fence creates:",
             *(line for reason in self.reasons for line in wrapper.wrap(reason)),
             "# remade as it was made (same on_missing_token and sequence); the downgrade puts the",
             "# old one back.",
         ]
 
 
-# help(op.create_fence_guard) & co.: ops of a kind share one entry point, so it
-# gets the op class's docstring, which spells out the call.
+# help(op.create_fence_guard) & co.: ops of a kind share one entry point, so each gets its op
+# class's docstring, which spells out the call.
 for _op_class in _OP_CLASSES:
     getattr(Operations, _op_class.op_name).__doc__ = _op_class.__doc__
 
@@ -619,7 +587,7 @@ for _op_class in _OP_CLASSES:
 def _replacement(
     conn: sa.Connection, table: sa.Table, column: str, guard: Any, sequence: str
 ) -> Iterator[ReplaceFenceGuardOp]:
-    """The op that remakes ``table``'s existing guard, when it is not current."""
+    """The op that remakes ``table``'s existing guard, if it is not current."""
     reasons = outdated(
         guard.source,
         guard.complete,
@@ -631,8 +599,8 @@ def _replacement(
     )
     if not reasons:
         return
-    # remade as it was made; a guard sa-fence never made gets the lenient policy
-    # (its writers are unknown) and the configured sequence
+    # remade as it was made; one sa-fence never made gets the lenient policy (its writers are
+    # unknown) and the configured sequence
     policy, made_sequence = guard_made_with(guard.source) or ("unchanged", sequence)
     yield ReplaceFenceGuardOp(
         table.name,
@@ -653,9 +621,8 @@ def _included(autogen_context: AutogenContext, table: sa.Table) -> bool:
 
 
 def _take_builtin_register_ops(upgrade_ops: alembic_ops.UpgradeOps, register: Register) -> None:
-    """Remove Alembic's own create_table / drop_table of the register and its scope
-    table (with its index): create_fence_register makes them with the commit check,
-    and autogenerate never drops the register (docs/migrations.md)."""
+    """Drop Alembic's own create/drop of the register and scope tables (and index): the register
+    op makes them, and autogenerate never drops the register (docs/migrations.md)."""
     table_ops = alembic_ops.CreateTableOp, alembic_ops.DropTableOp
     scope_ops = alembic_ops.ModifyTableOps, alembic_ops.DropIndexOp
     upgrade_ops.ops = [
@@ -696,9 +663,8 @@ def _table_ops(
     conn, inspector = autogen_context.connection, autogen_context.inspector
     assert conn is not None
     for table, column in tables:
-        # A table that already exists may have writers that know nothing of
-        # sa-fence: its guard starts lenient ("unchanged"), as the migrations
-        # guide advises; a table created by this revision has none yet.
+        # An existing table may have writers that know nothing of sa-fence: its guard starts
+        # lenient ("unchanged"), as the migrations guide advises; a new table has none yet.
         policy = "reject"
         if inspector.has_table(table.name, schema=table.schema):
             policy = "unchanged"
@@ -717,19 +683,15 @@ def _table_ops(
         )
 
 
-def _head_ops(
-    conn: sa.Connection, register: Register, included: bool
-) -> Iterator[MigrateOperation]:
+def _head_ops(conn: sa.Connection, register: Register, included: bool) -> Iterator[_FenceOp]:
     """The sequence's op, then the register's: what goes first in the upgrade."""
-    schema, seq_name = split_name(register.sequence)
+    schema, name = split_name(register.sequence)
     row = conn.execute(SEQUENCE_SQL, {"name": register.sequence_sql}).one_or_none()
     if row is None:
-        yield CreateFenceSequenceOp(seq_name, schema=schema)
+        yield CreateFenceSequenceOp(name, schema=schema)
     elif not (row.is_cache_1 and row.is_no_cycle):  # the rules AlterFenceSequenceOp fixes
         cache, cycle = int(row.seqcache), bool(row.seqcycle)
-        yield AlterFenceSequenceOp(
-            seq_name, existing_cache=cache, existing_cycle=cycle, schema=schema
-        )
+        yield AlterFenceSequenceOp(name, existing_cache=cache, existing_cycle=cycle, schema=schema)
     if not included:
         return
     exists = sa.text("SELECT to_regclass(:register) IS NOT NULL")
@@ -743,17 +705,16 @@ def _head_ops(
         yield CreateFenceRegisterOp(register.sequence, function_only=True)
 
 
-# LAST: Alembic's own table comparators (MEDIUM) have run by then, so their
-# add_column of the fence column can be replaced, and a new table's
-# create_table comes before its guard.
+# LAST: Alembic's own table comparators (MEDIUM) have run by then, so their add_column of the
+# fence column can be replaced, and a new table's create_table comes before its guard.
 @comparators.dispatch_for("schema", priority=DispatchPriority.LAST)
 def _compare_fencing(
     autogen_context: AutogenContext,
     upgrade_ops: alembic_ops.UpgradeOps,
     schemas: Sequence[str | None],
 ) -> PriorityDispatchResult:
-    """Fenced tables without column or guard; a missing or cached token sequence;
-    a missing lease register or commit check function."""
+    """Fenced tables without column or guard; a missing or cached token sequence; a missing
+    lease register or commit check function."""
     conn = autogen_context.connection
     if conn is None or conn.dialect.name != "postgresql":
         return PriorityDispatchResult.CONTINUE
@@ -782,8 +743,8 @@ def _compare_fencing(
     if not tables and not (declared is not None and included):
         return PriorityDispatchResult.CONTINUE
     new_ops = list(_table_ops(autogen_context, upgrade_ops, tables, sequence))
-    # The sequence first, then the register whose default draws from it (so
-    # the downgrade drops the register before the sequence), then the rest.
+    # The sequence first, then the register whose default draws from it (so the downgrade
+    # drops the register before the sequence), then the rest.
     upgrade_ops.ops[0:0] = _head_ops(conn, register, included)
     upgrade_ops.ops.extend(new_ops)
     return PriorityDispatchResult.CONTINUE
