@@ -287,10 +287,6 @@ def _hook_connection(connection: Connection) -> None:
         dialect.__dict__[_GUARD_ERRORS] = True
 
 
-def is_hooked(connection: object) -> bool:
-    return isinstance(connection, _FencedConnection)
-
-
 def _attach(connection: Connection, state: SessionState) -> None:
     """Route ``connection``'s statements through the hook for ``state`` (not a Mock's)."""
     connection.__dict__[_ACTIVE] = state
@@ -346,7 +342,6 @@ def _refuse_missing_fence_column(context: Any) -> None:
 
 def _scope_rights_error(orig: BaseException) -> FencingConfigError | None:
     """The role may not write the scope table: a set-up mistake."""
-
     if getattr(orig, "sqlstate", None) != "42501" or SCOPE_TABLE not in str(orig):
         return None
     return FencingConfigError(
@@ -737,7 +732,6 @@ def _before_execute(
         return elem, params, None
     token = lease.token
     # a fence in the parameters (bulk mappings, row dicts, the bump) is never taken
-
     params = [{**(_without(p, key) if key in p else p), TOKEN_BIND: token} for p in params] or [
         {TOKEN_BIND: token}
     ]
@@ -921,7 +915,6 @@ def _really_writes_fenced(session: Session) -> bool:
 def _refuse_assigned_fences(session: Session) -> None:
     """Refuse, before any SQL, a fence assigned on a new or loaded object (the hook would
     drop it silently); bulk mappings carry it as data and have it dropped (docs/statements.md)."""
-
     # Session._new and identity_map._modified read directly: building the
     # Session.new and .dirty IdentitySets cost 5x this loop on every flush.
     keys: dict[Any, str | None] = {}
@@ -1147,43 +1140,31 @@ _EVENTS = (
 )
 
 
-def _async_target(target: object) -> Any:
-    """An AsyncSession's sync session, an async_sessionmaker itself, else None
+def _inner_target(target: object) -> tuple[Any, Any]:
+    """(the ``session_factory`` of a scoped_session or async_scoped_session, or an
+    AsyncSession's sync session; an async_sessionmaker), else (None, None)
     (sqlalchemy.ext.asyncio is read only if imported: sync users need no greenlet)."""
+    if isinstance(target, scoped_session):
+        return target.session_factory, None
     ext = sys.modules.get("sqlalchemy.ext.asyncio")
     if ext is None:
-        return None
+        return None, None
+    if isinstance(target, ext.async_scoped_session):
+        return target.session_factory, None
     if isinstance(target, ext.AsyncSession):
-        return target.sync_session
+        return target.sync_session, None
     if isinstance(target, ext.async_sessionmaker):
-        return target
+        return None, target
     if isinstance(target, type) and issubclass(target, ext.AsyncSession):
         raise TypeError(
             f"install()/uninstall() cannot take the AsyncSession class {target.__name__}: "
             "its events run on its sync_session_class. Install on your async_sessionmaker, "
             "on one AsyncSession, or on a Session subclass you pass as sync_session_class."
         )
-    return None
+    return None, None
 
 
 _SYNC_CLASS = "_sa_fence_private_sync_class"
-
-
-def _scoped_factory(target: object) -> Any:
-    """The ``session_factory`` of a scoped_session / async_scoped_session, else None."""
-    if isinstance(target, scoped_session):
-        return target.session_factory
-    ext = sys.modules.get("sqlalchemy.ext.asyncio")
-    if ext is not None and isinstance(target, ext.async_scoped_session):
-        return target.session_factory
-    return None
-
-
-def _inner_target(target: object) -> tuple[Any, Any]:
-    """(what a scoped session or an AsyncSession is fenced through, an async_sessionmaker)."""
-    factory = _scoped_factory(target)
-    inner = factory if factory is not None else _async_target(target)
-    return (None, inner) if inner is target else (inner, None)
 
 
 def _fenced_sync_class(maker: Any) -> type[Session]:
@@ -1239,7 +1220,13 @@ def install(target: T) -> T:
         )
         holder = _hook_holder(plain)
         if not vars(holder).get(_INSTALLED):
-            listeners = _listeners_for(plain)
+            # a session gets listeners of its own: SQLAlchemy keeps dead targets'
+            # ``id(listener)`` keys, so shared ones could clash
+            listeners = (
+                tuple((name, _own_listener(fn)) for name, fn in _EVENTS)
+                if isinstance(plain, Session)
+                else _EVENTS
+            )
             for name, fn in listeners:
                 event.listen(target, name, fn)
             setattr(holder, _INSTALLED, listeners)  # what uninstall() removes
@@ -1254,7 +1241,6 @@ def uninstall(target: T) -> T:
         if current is not None and vars(current).get(_SYNC_CLASS):
             uninstall(current)
             maker.configure(sync_session_class=vars(current)[_SYNC_CLASS])
-
     elif inner is not None:
         uninstall(inner)
     else:
@@ -1269,14 +1255,6 @@ def uninstall(target: T) -> T:
 
 
 _INSTALLED = "_sa_fence_hook_installed"
-
-
-def _listeners_for(target: Target) -> tuple[tuple[str, Callable[..., Any]], ...]:
-    """The (event, listener) pairs :func:`install` registers on ``target``; a session gets
-    its own (SQLAlchemy keeps dead targets' ``id(listener)`` keys: shared ones could clash)."""
-    if not isinstance(target, Session):
-        return _EVENTS
-    return tuple((name, _own_listener(fn)) for name, fn in _EVENTS)
 
 
 def _own_listener(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -1307,11 +1285,12 @@ def is_installed(session: Session) -> bool:
 
 def _session_of(target: Any) -> Session:
     """The Session that ``bind()`` fences for a scoped session or an AsyncSession."""
-    if _scoped_factory(target) is not None:  # a scoped_session: its current session
-        target = target()
-    sync_session = _async_target(target)
-    if isinstance(sync_session, Session):  # an AsyncSession: fenced through its sync session
-        target = sync_session
+    inner, _ = _inner_target(target)
+    if inner is not None and not isinstance(inner, Session):  # a scoped session's factory
+        target = target()  # its current session
+        inner, _ = _inner_target(target)
+    if isinstance(inner, Session):  # an AsyncSession: fenced through its sync session
+        target = inner
     if not isinstance(target, Session):
         raise TypeError(
             f"bind() takes a sqlalchemy Session or AsyncSession, got {type(target).__name__}"

@@ -140,7 +140,7 @@ def test_a_connection_subclass_of_the_users_is_fenced_and_keeps_its_class(
         maker = sa_fence.install(sessionmaker(own))
         newer, session = stale_write(fencer, maker, own)
         conn = session.connection()
-        assert _flush.is_hooked(conn)
+        assert isinstance(conn, _flush._FencedConnection)
         assert isinstance(conn, AuditedConnection)
         assert conn.audited() == "audited"
         with pytest.raises(sa_fence.StaleTokenError):
@@ -158,8 +158,8 @@ def test_the_user_engines_connections_of_other_sessions_are_not_routed(
 ) -> None:
     with make_session() as fenced, Session(engine) as plain:
         fenced_conn, plain_conn = fenced.connection(), plain.connection()
-        assert _flush.is_hooked(fenced_conn)
-        assert not _flush.is_hooked(plain_conn)
+        assert isinstance(fenced_conn, _flush._FencedConnection)
+        assert not isinstance(plain_conn, _flush._FencedConnection)
         assert not sa.event.contains(engine, "commit", _flush._check_scope_and_commit)
         plain.add(Job(id=5, result="a plain session is not fenced"))
         plain.commit()  # the documented limit: no hook, written as is
@@ -189,7 +189,7 @@ def test_a_listener_added_to_the_engine_after_the_session_began_fires_too(
         seen.append(type(clauseelement).__name__)
 
     with fencer.lease("job:6", 5) as lease, lease.bind(make_session()) as session:
-        assert _flush.is_hooked(session.connection())
+        assert isinstance(session.connection(), _flush._FencedConnection)
         sa.event.listen(engine, "before_execute", before_execute)
         try:
             session.add(Job(id=6, result="seen"))
@@ -438,7 +438,7 @@ def test_an_engine_made_per_request_is_collected_after_its_fenced_sessions(
     for _ in range(3):
         per_request = engine.execution_options(isolation_level="REPEATABLE READ")
         with sa_fence.install(Session(bind=per_request)) as session:
-            assert _flush.is_hooked(session.connection())
+            assert isinstance(session.connection(), _flush._FencedConnection)
             assert session.get_bind() is per_request
         made.append(weakref.ref(per_request))
         del per_request, session
