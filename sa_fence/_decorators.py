@@ -235,8 +235,7 @@ class _Options:
                 "on_busy='wait' to wait for a busy lease, or drop timeout"
             )
         proto.check_timeout(self.on_busy == "wait", self.timeout, ttl_ms / 1000)
-        if not isinstance(self.renew, bool):
-            raise TypeError(f"renew must be True or False, got {self.renew!r}")
+        proto.check_lease_options(self.renew, self.on_lost, self.fail_fast)
         if self.max_hold is not None:
             proto.ttl_to_ms(self.max_hold, "max_hold")
             if not self.renew:
@@ -250,11 +249,10 @@ class _Options:
                     "would count as lost before it was ever renewed; use a shorter ttl or a "
                     "longer max_hold"
                 )
-        if self.on_lost is not None and not callable(self.on_lost):
-            raise TypeError(f"on_lost must be a callable taking the lease, got {self.on_lost!r}")
-        for flag, value in (("fail_fast", self.fail_fast), ("cancel_on_lost", self.cancel_on_lost)):
-            if value is not None and not isinstance(value, bool):
-                raise TypeError(f"{flag} must be True, False or None, got {value!r}")
+        if self.cancel_on_lost is not None and not isinstance(self.cancel_on_lost, bool):
+            raise TypeError(
+                f"cancel_on_lost must be True, False or None, got {self.cancel_on_lost!r}"
+            )
         sides = [i for i, family in enumerate(_families()) if isinstance(self.fencer, family[0])]
         if not sides and not (isinstance(self.fencer, str) and self.fencer.isidentifier()):
             raise TypeError(
