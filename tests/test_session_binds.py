@@ -241,6 +241,30 @@ async def test_an_async_scoped_session_finds_its_bind(
     assert row(engine, 9) == ("scoped", lease.token)
 
 
+async def test_binding_an_async_scoped_session_fences_the_current_tasks_session(
+    afencer: sa_fence.AsyncFencer, async_engine: AsyncEngine, engine: sa.Engine
+) -> None:
+    """``lease.bind(registry)`` unwraps twice: the registry's current AsyncSession, then
+    its sync session; anything else that is not a session is refused by name."""
+    scoped = sa_fence.install(
+        async_scoped_session(
+            async_sessionmaker(async_engine, expire_on_commit=False),
+            scopefunc=asyncio.current_task,
+        )
+    )
+    try:
+        async with afencer.lease("job:10", 5) as lease:
+            assert lease.bind(scoped) is scoped
+            assert _flush.bound_lease(scoped().sync_session) is lease
+            scoped.add(Job(id=10, result="scoped"))
+            await scoped.commit()
+    finally:
+        await scoped.remove()
+    assert row(engine, 10) == ("scoped", lease.token)
+    with pytest.raises(TypeError, match="takes a sqlalchemy Session or AsyncSession, got async_"):
+        lease.bind(async_sessionmaker(async_engine))  # type: ignore[arg-type]
+
+
 # ------------------------------------------------- several sessions, one Connection
 
 
