@@ -192,6 +192,9 @@ def test_an_unfenced_write_through_the_same_repository_is_still_refused(
         ("job:{job_id}", {"on_busy": "wait", "timeout": -1}, ValueError, "timeout must be"),
         ("job:{job_id}", {"fencer": 3}, TypeError, "fencer must be a Fencer or the name"),
         ("job:{job_id}", {"session": "not a name"}, TypeError, "session must be a Session"),
+        ("job:{job_id}", {"renew": 1}, TypeError, "renew must be True or False"),
+        ("job:{job_id}", {"on_lost": "print"}, TypeError, "on_lost must be a callable"),
+        ("job:{job_id}", {"fail_fast": "no"}, TypeError, "fail_fast must be True, False or None"),
     ],
 )
 def test_bad_decorator_arguments_are_refused_at_decoration_time(
