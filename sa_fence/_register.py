@@ -393,23 +393,6 @@ def register_table(metadata: MetaData, sequence: Sequence) -> Table:
     return table
 
 
-#: The rights the current role needs on the register (SELECT, INSERT, UPDATE) and on the scope
-#: table (INSERT: the arm; SELECT, DELETE: the trigger's clean-up, run as the committing role).
-REGISTER_RIGHTS_SQL = text(
-    """
-    SELECT has_table_privilege(to_regclass(:register), 'SELECT') AS can_select,
-           has_table_privilege(to_regclass(:register), 'INSERT') AS can_insert,
-           has_table_privilege(to_regclass(:register), 'UPDATE') AS can_update,
-           has_sequence_privilege(to_regclass(:sequence), 'USAGE') AS can_draw,
-           has_function_privilege(to_regprocedure(:function || '(text, bigint)'), 'EXECUTE')
-               AS can_check,
-           has_table_privilege(to_regclass(:scope), 'INSERT') AS can_arm,
-           has_table_privilege(to_regclass(:scope), 'SELECT') AS can_read_scope,
-           has_table_privilege(to_regclass(:scope), 'DELETE') AS can_disarm
-    """
-)
-
-
 #: The quoted schema of the scope table an unqualified register uses: the first schema on the
 #: search path holding one, never the session's temporary schema (a TEMP TABLE cannot stand in).
 SCOPE_SCHEMA_SQL = f"""\

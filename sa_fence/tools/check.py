@@ -75,7 +75,6 @@ from .._guard import (
 )
 from .._model import fence_column_of
 from .._register import (
-    REGISTER_RIGHTS_SQL,
     REGISTER_TABLE,
     Register,
     pinned_register,
@@ -189,6 +188,23 @@ def load_metadata(spec: str, app_dir: str = ".") -> sa.MetaData:
     return metadata
 
 
+#: The rights the current role needs on the register (SELECT, INSERT, UPDATE) and on the scope
+#: table (INSERT: the arm; SELECT, DELETE: the trigger's clean-up, run as the committing role).
+_REGISTER_RIGHTS_SQL = sa.text(
+    """
+    SELECT has_table_privilege(to_regclass(:register), 'SELECT') AS can_select,
+           has_table_privilege(to_regclass(:register), 'INSERT') AS can_insert,
+           has_table_privilege(to_regclass(:register), 'UPDATE') AS can_update,
+           has_sequence_privilege(to_regclass(:sequence), 'USAGE') AS can_draw,
+           has_function_privilege(to_regprocedure(:function || '(text, bigint)'), 'EXECUTE')
+               AS can_check,
+           has_table_privilege(to_regclass(:scope), 'INSERT') AS can_arm,
+           has_table_privilege(to_regclass(:scope), 'SELECT') AS can_read_scope,
+           has_table_privilege(to_regclass(:scope), 'DELETE') AS can_disarm
+    """
+)
+
+
 _DISCOVER_SQL = sa.text(
     """
     SELECT n.nspname AS schema, c.relname AS name
@@ -300,7 +316,7 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
     if not columns:
         return  # no register: nothing more to read
     rights = conn.execute(
-        REGISTER_RIGHTS_SQL,
+        _REGISTER_RIGHTS_SQL,
         {
             "register": register.table_sql,
             "sequence": register.sequence_sql,
@@ -341,7 +357,7 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
 
 
 def _lacking_rights(rights: Any, shown: Register, role: str) -> list[tuple[str, str, str]]:
-    """The rights (a row of ``REGISTER_RIGHTS_SQL``) ``role`` lacks: (right, what fails, GRANT)."""
+    """The rights (a row of ``_REGISTER_RIGHTS_SQL``) ``role`` lacks: (right, what fails, GRANT)."""
     table, scope = shown.table_display, shown.scope_display
     sequence, function = f"sequence {shown.sequence}", f"{shown.function_sql}(text, bigint)"
     grants, transactions, commits = (
