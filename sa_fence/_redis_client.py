@@ -36,31 +36,44 @@ def client_socket_timeout(client: object) -> object:
     return _UNKNOWN_TIMEOUT
 
 
-def client_call_bound(client: object) -> tuple[float | None, str] | None:
-    """The longest one call of a plain or Sentinel client can last (None: unbounded),
-    and how; None when it cannot be read (a cluster client, a custom class).
+#: How long redis-py's cluster clients pause after CLUSTERDOWN before they refresh their slot map.
+_CLUSTER_DOWN_PAUSE = 0.25
 
-    redis-py connects with up to ``retries`` retries (each up to ``socket_connect_timeout``, with
-    waits up to its backoff's cap), waits up to ``socket_timeout`` for the reply, and on a failure
-    does it all again up to ``retries`` times.
+
+def client_call_bound(client: object) -> tuple[float | None, str] | None:
+    """The longest one call of a plain, Sentinel or cluster client can last (None: unbounded),
+    and how; None when it cannot be read (a custom class).
+
+    A plain client connects with up to ``retries`` retries (each up to ``socket_connect_timeout``,
+    with waits up to its backoff's cap), waits up to ``socket_timeout`` for the reply, and on a
+    failure does it all again up to ``retries`` times.  A cluster client makes up to ``retries``
+    more attempts, after a backoff wait each (redis-py 8.2+), and an attempt that meets
+    CLUSTERDOWN pauses and refreshes its slot map (a second round trip).
     """
-    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    nodes = getattr(client, "nodes_manager", None)
+    pool = nodes if nodes is not None else getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
     if not isinstance(kwargs, dict):
         return None
     read = kwargs.get("socket_timeout")
     connect = kwargs.get("socket_connect_timeout") or read
-    retry = kwargs.get("retry")
+    retry = getattr(client, "retry", None) if nodes is not None else kwargs.get("retry")
     retries = retry.get_retries() if retry is not None else 0
+    retries = getattr(client, "cluster_error_retry_attempts", None) or retries  # redis-py < 6
     backoff = getattr(retry, "_backoff", None)
     cap = 0.0 if backoff is None else getattr(backoff, "_cap", getattr(backoff, "_backoff", None))
+    per_down = f", a {_CLUSTER_DOWN_PAUSE} s pause and a slot-map refresh per CLUSTERDOWN"
     how = (
         f"socket_timeout={read}, socket_connect_timeout={connect}, {retries} retries of "
-        f"its own with waits of up to {cap} s"
+        f"its own with waits of up to {cap} s{per_down if nodes is not None else ''}"
     )
     if read is None or connect is None or retries < 0:
         return None, how
     if not isinstance(cap, int | float):
         return None
+    if nodes is not None:
+        attempt = 2 * (float(connect) + float(read)) + _CLUSTER_DOWN_PAUSE
+        return (retries + 1) * attempt + retries * float(cap), how
     connecting = (retries + 1) * float(connect) + retries * float(cap)
     return connecting + float(read) + retries * (connecting + float(read) + float(cap)), how
 
@@ -84,19 +97,21 @@ def check_budget(client: object, timeout: float | None, owner: str) -> float:
             "long an operation may spend on a failing Redis or PostgreSQL before it gives up"
         )
     budget = float(timeout)
-    found = client_call_bound(client)
-    bound = found[0] if found else None  # None too without a socket timeout
-    if client_socket_timeout(client) is None or (found and (bound is None or bound > budget)):
+    found = client_call_bound(client)  # (None, how) too without a socket timeout
+    if found and (found[0] is None or found[0] > budget):
+        bound, how = found
         longest = "unbounded" if bound is None else f"up to {bound:.3g} s"
-        how = f" ({found[1]})" if found else ""
-        third = budget / 3
+        cluster = getattr(client, "nodes_manager", None) is not None  # 2 round trips, a pause
+        each = max((budget - _CLUSTER_DOWN_PAUSE) / 5 if cluster else budget / 3, 0.01)
+        module = "redis.asyncio" if type(client).__module__.startswith("redis.asyncio") else "redis"
         raise FencingConfigError(
             f"{owner}(timeout={timeout!r}) cannot keep its budget: one call of this Redis "
-            f"client can last {longest}{how}, and a call in progress cannot be cut short. "
+            f"client can last {longest} ({how}), and a call in progress cannot be cut short. "
             "Create the client with socket timeouts well below the budget and few retries "
             "of its own (sa-fence resends what is safe to resend, within the budget), e.g. "
-            f"redis.Redis(..., socket_timeout={third:.3g}, socket_connect_timeout="
-            f"{third:.3g}, retry=Retry(NoBackoff(), 0)); see docs/topologies.md#timeouts."
+            f"{module}.{'RedisCluster' if cluster else 'Redis'}(..., socket_timeout={each:.3g}, "
+            f"socket_connect_timeout={each:.3g}, retry=Retry(NoBackoff(), 0)); see "
+            "docs/topologies.md#timeouts."
         )
     return budget
 

@@ -21,6 +21,7 @@ import redis
 import redis.asyncio as aioredis
 import redis.asyncio.sentinel as asentinel
 import sqlalchemy as sa
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel
@@ -44,8 +45,8 @@ from tests.topologies._servers import (
 
 pytestmark = pytest.mark.slow
 
-#: Client settings of the docs' examples: bounded calls (the Sentinel client with
-#: no retries of redis-py's own: sa-fence resends what is safe, within its budget).
+#: Client settings of the docs' examples: bounded calls (the Sentinel and cluster clients
+#: with no retries of redis-py's own: sa-fence resends what is safe, within its budget).
 CLIENT: dict[str, Any] = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
 
 
@@ -68,7 +69,9 @@ def sentinels() -> Iterator[SentinelTopology]:
 
 def cluster_client(cluster: Cluster) -> redis.RedisCluster:
     # the from_url form; RedisCluster(host=..., port=...) is the same client
-    return redis.RedisCluster.from_url(f"redis://{HOST}:{cluster.ports[0]}", **CLIENT)
+    return redis.RedisCluster.from_url(
+        f"redis://{HOST}:{cluster.ports[0]}", retry=Retry(NoBackoff(), 0), **CLIENT
+    )
 
 
 def sentinel_client(topology: SentinelTopology) -> redis.Redis:
@@ -236,11 +239,55 @@ def test_the_lease_contract_holds_through_sentinel(
 
 @pytest_asyncio.fixture
 async def async_cluster_client(cluster: Cluster) -> AsyncIterator[aioredis.RedisCluster]:
-    client = aioredis.RedisCluster.from_url(f"redis://{HOST}:{cluster.ports[0]}", **CLIENT)
+    client = aioredis.RedisCluster.from_url(
+        f"redis://{HOST}:{cluster.ports[0]}", retry=AsyncRetry(NoBackoff(), 0), **CLIENT
+    )
     try:
         yield client
     finally:
         await client.aclose()
+
+
+def test_an_explicit_budget_a_cluster_clients_own_retries_could_outlast_is_refused(
+    cluster: Cluster, engine: sa.Engine
+) -> None:
+    """redis-py's cluster client resends CLUSTERDOWN and connection errors itself (10
+    times by default; from 8.2 after a backoff wait of up to 1 s each), so one of its
+    calls can outlast an explicit budget: refused at construction, naming the client's
+    retries and a client that fits.  The default budget is not checked, and a client
+    without retries of its own keeps an explicit one."""
+    url = f"redis://{HOST}:{cluster.ports[0]}"
+    retrying = redis.RedisCluster.from_url(url, **CLIENT)
+    try:
+        with pytest.raises(sa_fence.FencingConfigError, match="10 retries of its own") as refused:
+            sa_fence.Fencer(retrying, engine, sequence=SEQUENCE, timeout=3)
+        message = str(refused.value)
+        assert "per CLUSTERDOWN" in message, message
+        assert "redis.RedisCluster(..., socket_timeout=0.55, socket_connect_timeout=0.55, " in (
+            message
+        )
+        assert sa_fence.Fencer(retrying, engine, sequence=SEQUENCE).timeout == 5.0
+    finally:
+        retrying.close()
+    fitting = cluster_client(cluster)
+    try:
+        assert sa_fence.Fencer(fitting, engine, sequence=SEQUENCE, timeout=3).timeout == 3.0
+    finally:
+        fitting.close()
+
+
+async def test_an_async_cluster_client_that_could_outlast_an_explicit_budget_is_refused(
+    cluster: Cluster, async_engine: AsyncEngine, async_cluster_client: aioredis.RedisCluster
+) -> None:
+    retrying = aioredis.RedisCluster.from_url(f"redis://{HOST}:{cluster.ports[0]}", **CLIENT)
+    try:
+        with pytest.raises(sa_fence.FencingConfigError, match="10 retries of its own") as refused:
+            sa_fence.AsyncFencer(retrying, async_engine, sequence=SEQUENCE, timeout=3)
+        assert "redis.asyncio.RedisCluster(..., socket_timeout=0.55" in str(refused.value)
+    finally:
+        await retrying.aclose()
+    fencer = sa_fence.AsyncFencer(async_cluster_client, async_engine, sequence=SEQUENCE, timeout=3)
+    assert fencer.timeout == 3.0
 
 
 async def test_the_async_lease_contract_holds_on_a_three_master_cluster(
@@ -259,7 +306,7 @@ async def test_the_async_lease_contract_holds_through_sentinel(
     key_prefix: str,
 ) -> None:
     sentinel = asentinel.Sentinel(sentinels.sentinels, sentinel_kwargs=CLIENT, **CLIENT)
-    client = sentinel.master_for(MASTER_NAME, retry=Retry(NoBackoff(), 0), **CLIENT)
+    client = sentinel.master_for(MASTER_NAME, retry=AsyncRetry(NoBackoff(), 0), **CLIENT)
     try:
         await async_lease_contract(client, async_engine, make_async_session, key_prefix)
     finally:
