@@ -156,13 +156,14 @@ _FAILOVER_TEXTS = ("previous master is now a slave", "readonly")
 
 
 def classify_redis(exc: BaseException, *, speaks: str | None = None, tls: bool = False) -> Failure:
-    """What a failed Redis call means.
+    """What a failed Redis call means (a cluster no node of which answered: what its cause means).
 
     ``speaks`` is what a probe of the server found when the connection itself failed: ``"tls"``,
     ``"plain"`` or None (not probed / no answer); ``tls`` is whether the client uses TLS.  A client
     and server that disagree about TLS fail as timeouts or closed connections, so only the probe
     tells that set-up mistake from an outage.
     """
+    exc = exc.__cause__ or exc if type(exc).__name__ == "RedisClusterUnreachableError" else exc
     cause, lowered = cause_text(exc), str(exc).lower()
     for types, pattern, problem in _REDIS_SETUP:  # noqa: B007 (read after the break)
         if isinstance(exc, types) or re.search(pattern, lowered, re.DOTALL):

@@ -44,11 +44,10 @@ def client_call_bound(client: object) -> tuple[float | None, str] | None:
     """The longest one call of a plain, Sentinel or cluster client can last (None: unbounded),
     and how; None when it cannot be read (a custom class).
 
-    A plain client connects with up to ``retries`` retries (each up to ``socket_connect_timeout``,
-    with waits up to its backoff's cap), waits up to ``socket_timeout`` for the reply, and on a
-    failure does it all again up to ``retries`` times.  A cluster client makes up to ``retries``
-    more attempts, after a backoff wait each (redis-py 8.2+), and an attempt that meets
-    CLUSTERDOWN pauses and refreshes its slot map (a second round trip).
+    A plain client connects with up to ``retries`` retries, each after a backoff wait, then waits
+    for the reply, and on a failure does it all again up to ``retries`` times.  A cluster client
+    makes up to ``retries`` more attempts after a backoff wait each (redis-py 8.2+); one that
+    meets CLUSTERDOWN pauses and refreshes its slot map (a second round trip).
     """
     nodes = getattr(client, "nodes_manager", None)
     pool = nodes if nodes is not None else getattr(client, "connection_pool", None)

@@ -99,6 +99,15 @@ def test_set_up_mistakes_and_refusals_are_never_resent() -> None:
         assert budget.on_failure(Failure(kind, False, "x"), sent_at=0, now=0, rand=0) is None
 
 
+def unreachable(cause: Exception) -> Exception:
+    """What redis-py 8.2's cluster client raises for ``cause`` once a slot-map refresh reached no
+    node (its own class where it has one; the cause decides the outcome either way)."""
+    kind = getattr(redis.exceptions, "RedisClusterUnreachableError", None)
+    error = kind("no node of the cluster could be reached") if kind else cause
+    error.__cause__ = cause if kind else None
+    return error
+
+
 @pytest.mark.parametrize(
     ("error", "kind", "may_have_set"),
     [
@@ -121,6 +130,12 @@ def test_set_up_mistakes_and_refusals_are_never_resent() -> None:
         (redis.exceptions.ClusterDownError("The cluster is down"), "failover", False),
         (redis.exceptions.SlotNotCoveredError("slot 42 not covered"), "failover", False),
         (redis.exceptions.OutOfMemoryError("OOM command not allowed"), "refused", False),
+        (unreachable(redis.exceptions.TimeoutError("Timeout reading")), "outage", True),
+        (
+            unreachable(redis.exceptions.ConnectionError("Error 111 connecting to h:1.")),
+            "outage",
+            False,
+        ),
     ],
 )
 def test_each_redis_failure_is_told_apart(error: Exception, kind: str, may_have_set: bool) -> None:

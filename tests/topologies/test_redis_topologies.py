@@ -9,6 +9,7 @@ the way docs/topologies.md tells users to build them.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 import uuid
 import weakref
@@ -246,6 +247,35 @@ async def async_cluster_client(cluster: Cluster) -> AsyncIterator[aioredis.Redis
         yield client
     finally:
         await client.aclose()
+
+
+def test_a_cluster_no_node_of_which_answers_is_reported_unreachable_not_failing_over(
+    engine: sa.Engine, key_prefix: str
+) -> None:
+    """Every node is gone.  redis-py 8.2's cluster client, once a slot-map refresh reached no
+    node, raises RedisClusterUnreachableError (a cluster error) in place of the connection
+    error: sa-fence reports what that cause says (could not be reached, nothing set), not
+    a failover."""
+    with redis_cluster() as cluster:
+        paced = "topology_refresh_min_interval" in inspect.signature(redis.RedisCluster).parameters
+        client = redis.RedisCluster.from_url(
+            f"redis://{HOST}:{cluster.ports[0]}",
+            retry=Retry(NoBackoff(), 2),  # its own retries run the refresh that reaches no node
+            **({"topology_refresh_min_interval": 0} if paced else {}),
+            **CLIENT,
+        )
+        try:
+            fencer = sa_fence.Fencer(client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
+            for proc in cluster.group.procs:
+                proc.kill()
+            with pytest.raises(sa_fence.LeaseBackendError) as refused:
+                fencer.acquire("job:1", 5)
+            error = str(refused.value)
+            assert "Redis could not be reached" in error, error
+            assert "failover" not in error, error
+            assert "nothing was changed" in error.lower(), error
+        finally:
+            client.close()
 
 
 def test_an_explicit_budget_a_cluster_clients_own_retries_could_outlast_is_refused(
