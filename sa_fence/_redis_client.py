@@ -109,7 +109,7 @@ def check_budget(client: object, timeout: float | None, owner: str) -> float:
             "Create the client with socket timeouts well below the budget and few retries "
             "of its own (sa-fence resends what is safe to resend, within the budget), e.g. "
             f"{module}.{'RedisCluster' if cluster else 'Redis'}(..., socket_timeout={each:.3g}, "
-            f"socket_connect_timeout={each:.3g}, retry=Retry(NoBackoff(), 0)); see "
+            f"socket_connect_timeout={each:.3g}, retry={module}.retry.Retry(NoBackoff(), 0)); see "
             "docs/topologies.md#timeouts."
         )
     return budget

@@ -347,9 +347,14 @@ def test_an_explicit_budget_that_one_client_call_could_outlast_is_refused_with_t
         sa_fence.Fencer(redis.Redis(socket_timeout=None), engine, timeout=2)
     with pytest.raises(sa_fence.FencingConfigError, match=r"10 retries of its own") as refused:
         sa_fence.Fencer(redis.Redis(socket_timeout=1), engine, timeout=2)
-    assert "retry=Retry(NoBackoff(), 0)" in str(refused.value)
-    with pytest.raises(sa_fence.FencingConfigError, match="cannot keep its budget"):
+    assert "redis.Redis(..., socket_timeout=0.667, socket_connect_timeout=0.667, " in (
+        str(refused.value)
+    )
+    assert "retry=redis.retry.Retry(NoBackoff(), 0)" in str(refused.value)
+    with pytest.raises(sa_fence.FencingConfigError, match="cannot keep its budget") as refused:
         sa_fence.AsyncFencer(aioredis.Redis(socket_timeout=1), async_engine, timeout=2)
+    assert "redis.asyncio.Redis(..., " in str(refused.value)
+    assert "retry=redis.asyncio.retry.Retry(NoBackoff(), 0)" in str(refused.value)
     assert sa_fence.Fencer(redis.Redis(**RECOMMENDED), engine, timeout=1).timeout == 1.0
     with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
         sa_fence.Fencer(redis.Redis(**RECOMMENDED), engine, timeout=0)

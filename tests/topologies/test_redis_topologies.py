@@ -314,6 +314,7 @@ async def test_an_async_cluster_client_that_could_outlast_an_explicit_budget_is_
         with pytest.raises(sa_fence.FencingConfigError, match="10 retries of its own") as refused:
             sa_fence.AsyncFencer(retrying, async_engine, sequence=SEQUENCE, timeout=3)
         assert "redis.asyncio.RedisCluster(..., socket_timeout=0.55" in str(refused.value)
+        assert "retry=redis.asyncio.retry.Retry(NoBackoff(), 0)" in str(refused.value)
     finally:
         await retrying.aclose()
     fencer = sa_fence.AsyncFencer(async_cluster_client, async_engine, sequence=SEQUENCE, timeout=3)
