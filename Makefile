@@ -14,7 +14,7 @@ DEMO_STAMP := $(VENV)/.sa-fence-demo-installed
 # The exact versions the tests ran with (the extras give ranges only).
 CONSTRAINTS := constraints/test.txt
 
-.PHONY: demo test lint typecheck bench dashboard chaos services topology-tools docs-tools docs dist clean sqlalchemy-suite
+.PHONY: demo test test-floors lint typecheck bench dashboard chaos services topology-tools docs-tools docs dist clean sqlalchemy-suite
 
 # Fast on purpose (`make demo` from a fresh clone in about 15 s on a busy
 # 2-core machine): the demo needs the package's dependencies and its source,
@@ -69,7 +69,28 @@ typecheck: $(STAMP)
 # PYTEST_ARGS: e.g. -m "not slow" for the fast subset.
 test: lint typecheck services topology-tools docs-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-floors
 	$(PY) -m tests.sqlalchemy_suite
+
+# The suites that exercise SQLAlchemy, psycopg, redis-py and Alembic, run
+# again with the lowest versions pyproject.toml allows (constraints/floors.txt),
+# in a venv of their own, without the test extra's frameworks: about 90 s.
+FLOORS_VENV := .venv-floors
+FLOORS_STAMP := $(FLOORS_VENV)/.sa-fence-installed
+FLOORS := constraints/floors.txt
+FLOOR_TESTS := $(addprefix tests/test_,$(addsuffix .py,fenced_flush scope_trigger session_binds \
+	upsert lease_scope guard lifecycle async timeouts token_connection decorator_sessions \
+	register grant_checks fitness alembic confirm_withdraw expression_properties \
+	fence_assignment call_cache create_guard async_tasks side_effects))
+
+$(FLOORS_STAMP): pyproject.toml $(FLOORS)
+	$(PYTHON) -m venv $(FLOORS_VENV)
+	$(FLOORS_VENV)/bin/python -m pip install --quiet -c $(FLOORS) -e '.[asyncio,otel,side-effects]' \
+	  greenlet opentelemetry-sdk pytest pytest-asyncio pytest-timeout hypothesis
+	@touch $(FLOORS_STAMP)
+
+test-floors: $(FLOORS_STAMP) services
+	$(FLOORS_VENV)/bin/python -m pytest -m "not slow" -p no:cacheprovider $(FLOOR_TESTS)
 
 # SQLAlchemy's own tests (from the sdist of the installed version, downloaded
 # once into .venv/sqlalchemy-suite), run plain and with sa-fence installed on
@@ -125,4 +146,4 @@ chaos: $(STAMP)
 	$(PY) -m tests.chaos $(CHAOS_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site .cache
+	rm -rf $(VENV) $(FLOORS_VENV) .pytest_cache .mypy_cache .ruff_cache site .cache

@@ -58,7 +58,6 @@ def client_call_bound(client: object) -> tuple[float | None, str] | None:
     connect = kwargs.get("socket_connect_timeout") or read
     retry = getattr(client, "retry", None) if nodes is not None else kwargs.get("retry")
     retries = retry.get_retries() if retry is not None else 0
-    retries = getattr(client, "cluster_error_retry_attempts", None) or retries  # redis-py < 6
     backoff = getattr(retry, "_backoff", None)
     cap = 0.0 if backoff is None else getattr(backoff, "_cap", getattr(backoff, "_backoff", None))
     per_down = f", a {_CLUSTER_DOWN_PAUSE} s pause and a slot-map refresh per CLUSTERDOWN"

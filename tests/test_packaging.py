@@ -88,6 +88,21 @@ def test_the_extras_give_ranges_and_the_constraints_pin_each_of_them() -> None:
         assert req.specifier.contains(pins[req.name.lower()], prereleases=True), line
 
 
+def test_the_floors_the_dependencies_name_are_the_versions_make_test_floors_runs() -> None:
+    """Each ``>=`` bound of a dependency is pinned exactly in constraints/floors.txt (an
+    extra of it, psycopg[binary], at the same version), so the floors are tested."""
+    floors = pinned(ROOT / "constraints" / "floors.txt")
+    for line in PYPROJECT["project"]["dependencies"]:
+        req = Requirement(line)
+        (bound,) = [s.version for s in req.specifier if s.operator == ">="]
+        for name in [req.name, *(f"{req.name}-{extra}" for extra in req.extras)]:
+            assert floors.get(name.lower()) == bound, (
+                f"{line!r}: constraints/floors.txt must pin {name}=={bound} (`make test-floors`)"
+            )
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert re.search(r"^\t\$\(MAKE\) .*test-floors$", makefile, flags=re.MULTILINE)
+
+
 def test_the_makefile_installs_the_test_extra_with_the_constraints_and_the_demo_without() -> None:
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     installs = re.findall(r"^\t.*pip install.*$", makefile, flags=re.MULTILINE)
