@@ -146,7 +146,7 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: The core's size: every line of sa_fence/ outside sa_fence/tools/. Issue 20's
 #: target is 7,000 lines with every feature kept; this ratchet only ever goes
 #: down (lower it when the core shrinks; never raise it).
-CORE_LINES_AT_MOST = 8808
+CORE_LINES_AT_MOST = 8807
 
 
 def test_the_core_stays_within_its_line_budget() -> None:
