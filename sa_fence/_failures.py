@@ -146,24 +146,26 @@ _REDIS_SETUP: tuple[tuple[tuple[type[BaseException], ...], str, str], ...] = (
 #: send to (a cluster reply refused it) sets nothing; a lost connection or a timeout may have,
 #: unless it came while connecting.
 _NO_MASTER = (rx.ClusterError, rx.TryAgainError, rx.RedisClusterException, rx.ReadOnlyError)
+_NO_ANSWER = (rx.ConnectionError, rx.TimeoutError)
 _REDIS_KINDS: tuple[tuple[tuple[type[BaseException], ...], str, bool], ...] = (
     (_NO_MASTER, FAILOVER, False),
     ((rx.BusyLoadingError,), OUTAGE, False),
-    ((rx.ConnectionError, rx.TimeoutError), OUTAGE, True),
+    (_NO_ANSWER, OUTAGE, True),
     ((rx.ResponseError,), REFUSED, False),
 )
 _FAILOVER_TEXTS = ("previous master is now a slave", "readonly")
 
 
 def classify_redis(exc: BaseException, *, speaks: str | None = None, tls: bool = False) -> Failure:
-    """What a failed Redis call means (a cluster no node of which answered: what its cause means).
+    """What a failed Redis call means.
 
     ``speaks`` is what a probe of the server found when the connection itself failed: ``"tls"``,
     ``"plain"`` or None (not probed / no answer); ``tls`` is whether the client uses TLS.  A client
     and server that disagree about TLS fail as timeouts or closed connections, so only the probe
     tells that set-up mistake from an outage.
     """
-    exc = exc.__cause__ or exc if type(exc).__name__ == "RedisClusterUnreachableError" else exc
+    if isinstance(exc, rx.RedisClusterException) and isinstance(exc.__cause__, _NO_ANSWER):
+        exc = exc.__cause__  # a cluster none of whose nodes answered: what the connection did
     cause, lowered = cause_text(exc), str(exc).lower()
     for types, pattern, problem in _REDIS_SETUP:  # noqa: B007 (read after the break)
         if isinstance(exc, types) or re.search(pattern, lowered, re.DOTALL):

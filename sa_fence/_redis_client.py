@@ -61,10 +61,8 @@ def client_call_bound(client: object) -> tuple[float | None, str] | None:
     backoff = getattr(retry, "_backoff", None)
     cap = 0.0 if backoff is None else getattr(backoff, "_cap", getattr(backoff, "_backoff", None))
     per_down = f", a {_CLUSTER_DOWN_PAUSE} s pause and a slot-map refresh per CLUSTERDOWN"
-    how = (
-        f"socket_timeout={read}, socket_connect_timeout={connect}, {retries} retries of "
-        f"its own with waits of up to {cap} s{per_down if nodes is not None else ''}"
-    )
+    how = f"socket_timeout={read}, socket_connect_timeout={connect}, {retries} retries of its own"
+    how += f" with waits of up to {cap} s" + ("" if nodes is None else per_down)
     if read is None or connect is None or retries < 0:
         return None, how
     if not isinstance(cap, int | float):

@@ -99,12 +99,13 @@ def test_set_up_mistakes_and_refusals_are_never_resent() -> None:
         assert budget.on_failure(Failure(kind, False, "x"), sent_at=0, now=0, rand=0) is None
 
 
-def unreachable(cause: Exception) -> Exception:
-    """What redis-py 8.2's cluster client raises for ``cause`` once a slot-map refresh reached no
-    node (its own class where it has one; the cause decides the outcome either way)."""
-    kind = getattr(redis.exceptions, "RedisClusterUnreachableError", None)
-    error = kind("no node of the cluster could be reached") if kind else cause
-    error.__cause__ = cause if kind else None
+def unreachable(cause: Exception, *, named: bool = False) -> Exception:
+    """What redis-py's cluster client raises once no node answers: a RedisClusterException
+    (redis-py 8.2+, with ``named``: its RedisClusterUnreachableError) from the connection
+    error; the cause decides the outcome."""
+    kind = getattr(redis.exceptions, "RedisClusterUnreachableError", None) if named else None
+    error = (kind or redis.exceptions.RedisClusterException)("Redis Cluster cannot be connected")
+    error.__cause__ = cause
     return error
 
 
@@ -131,6 +132,11 @@ def unreachable(cause: Exception) -> Exception:
         (redis.exceptions.SlotNotCoveredError("slot 42 not covered"), "failover", False),
         (redis.exceptions.OutOfMemoryError("OOM command not allowed"), "refused", False),
         (unreachable(redis.exceptions.TimeoutError("Timeout reading")), "outage", True),
+        (
+            unreachable(redis.exceptions.TimeoutError("Timeout reading"), named=True),
+            "outage",
+            True,
+        ),
         (
             unreachable(redis.exceptions.ConnectionError("Error 111 connecting to h:1.")),
             "outage",
