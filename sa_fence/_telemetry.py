@@ -202,10 +202,8 @@ class _Provider:
                 histogram, amount, attributes, context = items.popleft()
             except IndexError:  # another thread took the rest
                 break
-            if _RECORD_TAKES_CONTEXT:
-                histogram.record(amount, attributes, context=context)
-            else:
-                histogram.record(amount, attributes)
+            context_kw = {"context": context} if _RECORD_TAKES_CONTEXT else {}
+            histogram.record(amount, attributes, **context_kw)
         return ()
 
 
@@ -216,8 +214,10 @@ class _Histogram:
     __slots__ = ("histogram", "provider", "proxy")
 
     def __init__(self, meter: Any, name: str, description: str, provider: _Provider) -> None:
+        takes = inspect.signature(meter.create_histogram).parameters  # bucket advice: API 1.30+
+        advice = {k: BUCKETS for k in takes if k == "explicit_bucket_boundaries_advisory"}
         self.histogram = histogram = meter.create_histogram(
-            name, unit="s", description=description, explicit_bucket_boundaries_advisory=BUCKETS
+            name, unit="s", description=description, **advice
         )
         self.provider = provider
         # The API's proxy (_ProxyHistogram: no meter provider set yet)? It drops

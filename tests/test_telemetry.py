@@ -487,6 +487,43 @@ def test_histograms_outside_a_trace_reach_the_next_collection_with_their_values(
     assert _histogram(otel, "sa_fence.lease.hold.duration").count == 2  # cumulative
 
 
+def test_an_api_without_bucket_advice_gets_the_sdks_default_buckets_and_no_error(
+    redis_client: redis.Redis, engine: sa.Engine, key_prefix: str
+) -> None:
+    """OpenTelemetry's API before 1.30 (brought in by another package: sa-fence does not depend
+    on it) has no ``explicit_bucket_boundaries_advisory``: sa-fence's histograms get the SDK's
+    default buckets there, where passing the advice raised TypeError at every Fencer."""
+    reader = InMemoryMetricReader()
+    meters = MeterProvider(metric_readers=[reader])
+
+    class OldMeter:  # create_histogram as the API had it before 1.30
+        def __init__(self, meter: Any) -> None:
+            self.meter = meter
+
+        def create_histogram(self, name: str, unit: str = "", description: str = "") -> Any:
+            return self.meter.create_histogram(name, unit=unit, description=description)
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(self.meter, attr)
+
+    class OldMeters:
+        def get_meter(self, *args: Any, **kwargs: Any) -> OldMeter:
+            return OldMeter(meters.get_meter(*args, **kwargs))
+
+    try:
+        telemetry = sa_fence.telemetry.Telemetry(meter_provider=OldMeters())
+        fencer = sa_fence.Fencer(
+            redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=telemetry
+        )
+        fencer.acquire("job:1", ttl=5).release()
+        otel = Otel(reader, InMemorySpanExporter(), telemetry, None)
+        held = _histogram(otel, "sa_fence.lease.hold.duration")
+        assert held.count == 1
+        assert held.explicit_bounds != _telemetry.BUCKETS  # the SDK's own
+    finally:
+        meters.shutdown()
+
+
 def test_inside_a_sampled_span_a_histogram_keeps_its_exemplar(
     otel: Otel, tfencer: sa_fence.Fencer
 ) -> None:
