@@ -92,7 +92,10 @@ def test_the_floors_the_dependencies_name_are_the_versions_make_test_floors_runs
     """Each ``>=`` bound of a dependency is pinned exactly in constraints/floors.txt (an
     extra of it, psycopg[binary], at the same version), so the floors are tested."""
     floors = pinned(ROOT / "constraints" / "floors.txt")
-    for line in PYPROJECT["project"]["dependencies"]:
+    for line in [
+        *PYPROJECT["project"]["dependencies"],
+        *PYPROJECT["project"]["optional-dependencies"]["otel"],
+    ]:
         req = Requirement(line)
         (bound,) = [s.version for s in req.specifier if s.operator == ">="]
         for name in [req.name, *(f"{req.name}-{extra}" for extra in req.extras)]:
