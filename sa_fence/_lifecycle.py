@@ -26,7 +26,7 @@ from ._lease_view import FencerView
 from ._redis_client import (
     REDIS_ERRORS,
     check_budget,
-    client_socket_timeout,
+    has_no_socket_timeout,
     probe_target,
     redis_error,
 )
@@ -359,7 +359,7 @@ class FencerCore(Generic[R, E, LeaseT]):
         return self.key_prefix + proto.check_name(name)
 
     def _warn_if_unbounded(self) -> None:
-        if not self._warned_no_timeout and client_socket_timeout(self.redis) is None:
+        if not self._warned_no_timeout and has_no_socket_timeout(self.redis):
             self._warned_no_timeout = True
             self._log.warning(
                 "renewed leases on a Redis client without socket_timeout: a Redis that "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import socket
+from typing import Any
 
 import redis as redis_lib
 
@@ -19,21 +20,19 @@ from .errors import FenceError, FencingConfigError, LeaseBackendError
 #: such as SlotNotCoveredError are not RedisErrors).
 REDIS_ERRORS = (redis_lib.exceptions.RedisError, redis_lib.exceptions.RedisClusterException)
 
-#: Marks "this client's socket_timeout could not be read" (e.g. a custom client class).
-_UNKNOWN_TIMEOUT = object()
+
+def connection_kwargs(client: object) -> dict[str, Any] | None:
+    """A (sync or asyncio) Redis or RedisCluster client's connection settings, or None."""
+    nodes = getattr(client, "nodes_manager", None)
+    pool = nodes if nodes is not None else getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    return kwargs if isinstance(kwargs, dict) else None
 
 
-def client_socket_timeout(client: object) -> object:
-    """The ``socket_timeout`` a (sync or asyncio) Redis or RedisCluster client's
-    connections use: a number, None (no bound), or ``_UNKNOWN_TIMEOUT``."""
-    for holder in (
-        getattr(getattr(client, "connection_pool", None), "connection_kwargs", None),
-        getattr(getattr(client, "nodes_manager", None), "connection_kwargs", None),
-        getattr(client, "connection_kwargs", None),
-    ):
-        if isinstance(holder, dict):
-            return holder.get("socket_timeout")
-    return _UNKNOWN_TIMEOUT
+def has_no_socket_timeout(client: object) -> bool:
+    """Whether the client waits for a reply without bound (its ``socket_timeout`` is None)."""
+    kwargs = connection_kwargs(client)
+    return kwargs is not None and kwargs.get("socket_timeout") is None
 
 
 #: How long redis-py's cluster clients pause after CLUSTERDOWN before they refresh their slot map.
@@ -49,11 +48,10 @@ def client_call_bound(client: object) -> tuple[float | None, str] | None:
     makes up to ``retries`` more attempts after a backoff wait each (redis-py 8.2+); one that
     meets CLUSTERDOWN pauses and refreshes its slot map (a second round trip).
     """
-    nodes = getattr(client, "nodes_manager", None)
-    pool = nodes if nodes is not None else getattr(client, "connection_pool", None)
-    kwargs = getattr(pool, "connection_kwargs", None)
-    if not isinstance(kwargs, dict):
+    kwargs = connection_kwargs(client)
+    if kwargs is None:
         return None
+    nodes = getattr(client, "nodes_manager", None)
     read = kwargs.get("socket_timeout")
     connect = kwargs.get("socket_connect_timeout") or read
     retry = getattr(client, "retry", None) if nodes is not None else kwargs.get("retry")

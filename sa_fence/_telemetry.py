@@ -159,6 +159,7 @@ class _Tally:
 
 #: Pending measurements past which the thread adding one records them all itself.
 PENDING_LIMIT = 512
+_ADVICE = "explicit_bucket_boundaries_advisory"  # create_histogram's bucket advice (API 1.30+)
 
 
 try:  # does Histogram.record accept context= (OpenTelemetry API 1.26+)?
@@ -202,8 +203,10 @@ class _Provider:
                 histogram, amount, attributes, context = items.popleft()
             except IndexError:  # another thread took the rest
                 break
-            context_kw = {"context": context} if _RECORD_TAKES_CONTEXT else {}
-            histogram.record(amount, attributes, **context_kw)
+            if _RECORD_TAKES_CONTEXT:
+                histogram.record(amount, attributes, context=context)
+            else:
+                histogram.record(amount, attributes)
         return ()
 
 
@@ -214,11 +217,10 @@ class _Histogram:
     __slots__ = ("histogram", "provider", "proxy")
 
     def __init__(self, meter: Any, name: str, description: str, provider: _Provider) -> None:
-        takes = inspect.signature(meter.create_histogram).parameters  # bucket advice: API 1.30+
-        advice = {k: BUCKETS for k in takes if k == "explicit_bucket_boundaries_advisory"}
-        self.histogram = histogram = meter.create_histogram(
-            name, unit="s", description=description, **advice
-        )
+        takes = inspect.signature(meter.create_histogram).parameters
+        advice = {_ADVICE: BUCKETS} if _ADVICE in takes else {}  # else the SDK's default buckets
+        histogram = meter.create_histogram(name, unit="s", description=description, **advice)
+        self.histogram = histogram
         self.provider = provider
         # The API's proxy (_ProxyHistogram: no meter provider set yet)? It drops
         # measurements until one is set: sa-fence then takes none (nor their context).
