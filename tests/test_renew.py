@@ -26,6 +26,7 @@ from sa_fence.testing import expire
 from tests._async_fixtures import expire as end
 from tests._async_fixtures import no_renewal_tasks_left, renewal_tasks
 from tests._fronts import entered, front, io, is_async
+from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE, Job
 
 __all__ = ["front"]  # the fixture, imported for the tests below
@@ -305,3 +306,26 @@ def test_a_thousand_renewed_leases_share_one_thread_and_leave_none_behind(
     assert wait_for_no_renewer() == []
     assert threading.active_count() == before
     assert list(redis_client.scan_iter(match=key_prefix + "*")) == []
+
+
+def test_renewing_on_a_client_without_socket_timeout_warns_once_and_a_bounded_client_not(
+    engine: sa.Engine, key_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A renewer on a client whose calls wait without bound runs on_lost late when Redis stops
+    answering: the first renewed acquire says so (once per Fencer); one with a socket_timeout,
+    or a lease that is not renewed, logs nothing."""
+    unbounded = redis.Redis.from_url(REDIS_URL)  # socket_timeout None: redis-py's default
+    bounded = redis.Redis.from_url(REDIS_URL, socket_timeout=1)
+    try:
+        with caplog.at_level("WARNING", logger="sa_fence"):
+            for client, renews in ((bounded, True), (unbounded, False)):
+                fencer = sa_fence.Fencer(client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
+                fencer.acquire("job:1", 5, renew=renews).release()
+            assert "without socket_timeout" not in caplog.text
+            fencer = sa_fence.Fencer(unbounded, engine, sequence=SEQUENCE, key_prefix=key_prefix)
+            for _ in range(2):
+                fencer.acquire("job:1", 5, renew=True).release()
+        assert caplog.text.count("renewed leases on a Redis client without socket_timeout") == 1
+    finally:
+        unbounded.close()
+        bounded.close()
