@@ -21,7 +21,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import re
 import sys
 import types
 import typing
@@ -48,6 +47,7 @@ from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check, quo
 from ._model import fence_column_of, fence_key_of, is_fenced_class, missing_fence_column, orm_index
 from ._register import DATABASE_ID_SQL, SCOPE_SCHEMA_SQL, SCOPE_TABLE
 from ._rewrite import TOKEN_BIND, FencedStatement, rewrite, rewritten
+from ._transaction_sql import MIGHT_LEAVE_SCOPE, leaves_scope, rolls_back_to_savepoint
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -186,6 +186,8 @@ _ACTIVE = "_sa_fence_active"
 _SHARING = "_sa_fence_sharing"
 #: {(name, token): lease} its transaction's COMMIT checks; dropped when the transaction ends
 _SCOPE = "_sa_fence_scope"
+#: its transaction's arm was a statement of its own (not in BEGIN): a savepoint may hold it
+_ARMED_APART = "_sa_fence_armed_apart"
 
 
 class _FencedConnection(Connection):
@@ -209,11 +211,22 @@ class _FencedConnection(Connection):
             _after_execute(self, state, pending, result)
         return result
 
-    def exec_driver_sql(self, statement: str, *args: Any, **kwargs: Any) -> Any:
+    def _exec_single_context(
+        self, dialect: Any, context: Any, statement: Any, parameters: Any
+    ) -> Any:
         attrs = self.__dict__  # (`in` and [], not get(): no call)
-        if _ACTIVE in attrs and attrs[_ACTIVE] is not None and attrs[_ACTIVE].lease is not None:
-            _refuse_chain(statement)  # driver SQL is not seen as text(): refuse it here too
-        return super().exec_driver_sql(statement, *args, **kwargs)
+        if (
+            _ACTIVE in attrs
+            and attrs[_ACTIVE] is not None
+            and attrs[_ACTIVE].lease is not None
+            and MIGHT_LEAVE_SCOPE.search(context.statement) is not None  # (rare)
+            and _refuse_leaving_scope(context.statement)  # the SQL as sent, whatever built it
+            and _ARMED_APART in attrs
+        ):  # a ROLLBACK TO may undo an arm sent after BEGIN: send it again
+            result = super()._exec_single_context(dialect, context, statement, parameters)
+            _send_arms(self, attrs[_SCOPE])
+            return result
+        return super()._exec_single_context(dialect, context, statement, parameters)
 
     def _execute_default(self, *args: Any, **kwargs: Any) -> Any:
         _scope_on_begin(self)
@@ -232,6 +245,7 @@ class _FencedConnection(Connection):
         super()._commit_impl()
 
     def _rollback_impl(self) -> None:
+        self.__dict__.pop(_ARMED_APART, None)
         if self.__dict__.pop(_SCOPE, None) is not None:
             _disarm(self)  # (arms are only ever set in scope)
         super()._rollback_impl()
@@ -242,7 +256,7 @@ def check_connection_api(cls: type) -> None:
     an override never called would leave writes unfenced without a word."""
     wanted = {
         "_execute_clauseelement": ["self", "elem", "distilled_parameters", "execution_options"],
-        "exec_driver_sql": ["self", "statement", "parameters", "execution_options"],
+        "_exec_single_context": ["self", "dialect", "context", "statement", "parameters"],
         "_execute_default": None,
         "_execute_ddl": None,
         "_begin_impl": ["self", "transaction"],
@@ -508,6 +522,7 @@ def _arm(conn: Connection, lease: Lease) -> None:
             driver._start_query = types.MethodType(_start_query_armed, driver)
         if driver.pgconn.transaction_status == _IDLE:
             return  # not begun: it travels in this transaction's BEGIN
+    conn.__dict__[_ARMED_APART] = True
     _run(conn, _arm_sql(table, [row]))
 
 
@@ -537,8 +552,13 @@ def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> No
     if info is None or getattr(driver, "autocommit", False):
         return
     if info.transaction_status == TransactionStatus.IDLE:
-        for lease in scope.values():
-            _run(conn, _arm_sql(_scope_table(conn, lease), [_arm_row(lease.name, lease.token)]))
+        _send_arms(conn, scope)
+
+
+def _send_arms(conn: Connection, scope: dict[tuple[str, int], Lease]) -> None:
+    conn.__dict__[_ARMED_APART] = True
+    for lease in scope.values():
+        _run(conn, _arm_sql(_scope_table(conn, lease), [_arm_row(lease.name, lease.token)]))
 
 
 def _read_only_error() -> FencingConfigError:
@@ -606,19 +626,21 @@ def _start_query_armed(self: Any) -> Any:
     return None
 
 
-_CHAIN = re.compile(r"\b(COMMIT|END|ROLLBACK|ABORT)\b[^;]*\bAND\s+CHAIN\b", re.IGNORECASE)
-
-
-def _refuse_chain(sql: str) -> None:
-    """Refuse ``COMMIT AND CHAIN`` (and the like): no BEGIN would arm the chained transaction."""
-    if "chain" in sql.lower() and _CHAIN.search(sql):
+def _refuse_leaving_scope(sql: str) -> bool:
+    """Refuse SQL that ends the transaction and goes on (``COMMIT; BEGIN``, ``COMMIT AND
+    CHAIN``): no BEGIN of sa-fence's would arm what runs after the end.  Returns whether
+    it rolls back to a savepoint."""
+    if leaves_scope(sql):
         raise FencingConfigError(
-            "this statement ends the transaction AND CHAIN: PostgreSQL would begin the "
-            "next transaction itself, outside lease scope, so a stale holder's later "
-            "writes could commit unchecked. Send a plain COMMIT (or call "
-            "session.commit() / connection.commit()); the next statement begins a new "
-            "transaction in lease scope. Nothing was sent."
+            f"this SQL ends its transaction and goes on ({sql[:60] + '...' * (len(sql) > 60)!r}): "
+            "a statement after COMMIT, END, ROLLBACK, ROLLBACK TO, ABORT or PREPARE "
+            "TRANSACTION, or AND CHAIN. PostgreSQL would run what follows in a transaction "
+            "outside lease scope, so a stale holder's later writes could commit unchecked. "
+            "Send the COMMIT (or ROLLBACK TO) as a statement of its own, last, without AND "
+            "CHAIN (or call session.commit() / connection.commit()); the next statement begins "
+            "a new transaction in lease scope. Nothing was sent."
         )
+    return rolls_back_to_savepoint(sql)
 
 
 def _scope_on_begin(conn: Connection) -> None:
@@ -632,6 +654,8 @@ def _scope_on_begin(conn: Connection) -> None:
 def _check_scope_and_commit(conn: Connection) -> None:
     """Commit ``conn``'s transaction, mapping the scope trigger's refusal to StaleTokenError;
     an interruption invalidates the connection (docs/guarantees.md)."""
+    if _ARMED_APART in conn.__dict__:  # (`in` and del, not pop(): no call)
+        del conn.__dict__[_ARMED_APART]
     scope: dict[tuple[str, int], Lease] | None = conn.__dict__.pop(_SCOPE, None)
     if scope is None:
         return
@@ -700,8 +724,6 @@ def _before_execute(
         _enter_scope(conn, lease)
     if not (elem.is_dml and isinstance(elem, Update | Delete | Insert)):  # (a SELECT: no call)
         if isinstance(elem, TextClause):
-            if lease is not None:
-                _refuse_chain(elem.text)
             state.present_for_raw_sql(conn)
         return elem, params, None
     if lease is not None and not lease._wrote:

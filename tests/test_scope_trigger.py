@@ -141,73 +141,166 @@ def test_the_arm_never_reaches_the_next_user_of_a_pooled_connection(
         engine.dispose()
 
 
-def test_commit_and_chain_is_refused_before_anything_is_sent(
-    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+#: SQL that ends the transaction and goes on in one that no BEGIN of sa-fence's arms.
+LEAVING_SCOPE = [
+    "COMMIT AND CHAIN",
+    "end and  chain",
+    "ROLLBACK AND CHAIN",
+    "COMMIT; BEGIN",
+    "END; START TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+    "ROLLBACK; BEGIN",
+    "commit /* done */; insert into outbox (id, message) values (9, 'after')",
+    "SAVEPOINT s; ROLLBACK TO SAVEPOINT s; INSERT INTO outbox (id, message) VALUES (9, 'x')",
+]
+
+#: Every way SQLAlchemy sends SQL text a user wrote.
+SQL_SENDS: dict[str, Callable[[Any, str], Any]] = {
+    "text": lambda c, sql: c.execute(sa.text(sql)),
+    "text().columns()": lambda c, sql: c.execute(sa.text(sql).columns()),
+    "exec_driver_sql": lambda c, sql: c.exec_driver_sql(sql),
+    "DDL": lambda c, sql: c.execute(sa.DDL(sql)),
+    "a text() clause": lambda c, sql: c.execute(
+        sa.select(sa.literal_column("1")).where(sa.text(f"true; {sql}"))
+    ),
+}
+
+
+@pytest.mark.parametrize("send", SQL_SENDS)
+@pytest.mark.parametrize("sql", LEAVING_SCOPE)
+def test_sql_that_ends_the_transaction_and_goes_on_is_refused_before_anything_is_sent(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    sql: str,
+    send: str,
 ) -> None:
-    """PostgreSQL would begin the chained transaction itself, without the arm."""
+    """PostgreSQL would run what follows the end (or the chained transaction) unarmed."""
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
-    session = a.bind(make_session())
-    session.add(Outbox(id=1, message="A"))
-    session.flush()
-    for sql in ("COMMIT AND CHAIN", "end and  chain", "ROLLBACK AND CHAIN"):
-        with pytest.raises(sa_fence.FencingConfigError, match="AND CHAIN"):
-            session.execute(sa.text(sql))
-        with pytest.raises(sa_fence.FencingConfigError, match="AND CHAIN"):
-            session.connection().exec_driver_sql(sql)
-    session.rollback()  # the refusal poisons the session: nothing of it commits
-    session.close()
-    assert outbox(scope_engine) == []
+    with make_session() as session:  # closed even if an assertion fails
+        a.bind(session)
+        session.add(Outbox(id=1, message="A"))
+        session.flush()
+        with pytest.raises(sa_fence.FencingConfigError, match="Nothing was sent") as refused:
+            SQL_SENDS[send](session.connection(), sql)
+        session.rollback()
+    if send != "a text() clause":  # the message shows the SQL (its start)
+        assert f"goes on ({sql[:40]!r}"[:-1] in str(refused.value)
+    assert outbox(scope_engine) == []  # a COMMIT sent would have committed "A"
     a.release()
 
 
+def test_sql_that_ends_its_transaction_last_or_not_at_all_is_sent(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """No refusal where nothing runs after the end: statements before a last COMMIT,
+    several statements, savepoints, an end inside quotes or comments."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        session.execute(sa.text("SELECT 1; SAVEPOINT s; ROLLBACK TO SAVEPOINT s"))
+        session.execute(sa.text("SELECT 'COMMIT; BEGIN' /* ; END; */; SELECT $$;ABORT;$$"))
+        session.connection().exec_driver_sql(
+            "INSERT INTO outbox (id, message) VALUES (1, 'first'); COMMIT AND NO CHAIN;"
+        )
+        assert outbox(scope_engine) == ["first"]
+        session.add(Outbox(id=2, message="second"))  # the next transaction is armed
+        session.flush()
+        assert expire(a)
+        b = fencer.acquire(a.name, 5)
+        with pytest.raises(sa_fence.StaleTokenError):
+            session.commit()
+        session.rollback()
+    assert outbox(scope_engine) == ["first"]
+    b.release()
+
+
+def _savepoint_rolled_back_after_bind(session: Session, lease: sa_fence.Lease, how: str) -> None:
+    """Bind ``lease`` in the middle of a transaction, inside a savepoint (so its arm is a
+    statement inside it), then roll the savepoint back."""
+    session.execute(sa.text("SELECT 1"))  # the transaction begins before the lease is bound
+    if how == "begin_nested()":
+        nested = session.begin_nested()
+        session.execute(sa.text("SELECT 1"))  # (the SAVEPOINT is sent now)
+        lease.bind(session)
+        nested.rollback()
+    else:
+        sql = SQL_SENDS[how]
+        sql(session.connection(), "SAVEPOINT s")
+        lease.bind(session)
+        sql(session.connection(), "ROLLBACK TO SAVEPOINT s")
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["sent-again", "guard-removed"])
+@pytest.mark.parametrize("how", ["begin_nested()", "text", "exec_driver_sql"])
+def test_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rolled_back(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+    guarded: bool,
+) -> None:
+    """The arm of a lease bound mid-transaction is a statement of its own: a ROLLBACK TO
+    the savepoint it was sent in undoes it, so it is sent again after one.  The pair:
+    without that, the stale holder's commit goes through."""
+    if not guarded:
+        monkeypatch.setattr(_flush, "rolls_back_to_savepoint", lambda sql: False)
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        _savepoint_rolled_back_after_bind(session, a, how)
+        session.add(Outbox(id=1, message="stale"))
+        session.flush()
+        assert expire(a)
+        b = fencer.acquire(a.name, 5)
+        if guarded:
+            with pytest.raises(sa_fence.StaleTokenError):
+                session.commit()
+            session.rollback()
+        else:
+            session.commit()
+    assert outbox(scope_engine) == ([] if guarded else ["stale"])
+    b.release()
+
+
+@pytest.mark.parametrize("sql", ["COMMIT AND CHAIN", "COMMIT; BEGIN"])
 @pytest.mark.parametrize("send", ["text", "exec_driver_sql"])
-def test_without_the_chain_refusal_a_chained_transaction_commits_a_stale_holders_rows(
+def test_without_the_refusal_sql_that_goes_on_commits_a_stale_holders_rows(
     fencer: sa_fence.Fencer,
     make_session: sessionmaker[Session],
     scope_engine: sa.Engine,
     monkeypatch: pytest.MonkeyPatch,
     send: str,
+    sql: str,
 ) -> None:
-    """Guard-removal pair: the chained transaction carries no arm (either way sent)."""
-    monkeypatch.setattr(_flush, "_refuse_chain", lambda sql: None)
+    """Guard-removal pair: the transaction begun after the end carries no arm."""
+    monkeypatch.setattr(_flush, "_refuse_leaving_scope", lambda sql: None)
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with make_session() as session:
-
-        def sql(statement: str) -> None:
-            if send == "text":
-                session.execute(sa.text(statement))
-            else:
-                session.connection().exec_driver_sql(statement)
-
         a.bind(session)
         session.add(Outbox(id=1, message="current"))
         session.flush()
-        sql("COMMIT AND CHAIN")
+        SQL_SENDS[send](session.connection(), sql)
         assert expire(a)
         b = fencer.acquire(a.name, 5)
         session.add(Outbox(id=2, message="stale"))
         session.flush()
-        sql("COMMIT")
+        SQL_SENDS[send](session.connection(), "COMMIT")
     assert outbox(scope_engine) == ["current", "stale"]  # the outcome the refusal prevents
     b.release()
 
 
+@pytest.mark.parametrize("sql", ["COMMIT AND CHAIN", "COMMIT; BEGIN"])
 @pytest.mark.parametrize("send", ["text", "exec_driver_sql"])
-def test_a_chained_transaction_is_refused_on_a_fenced_connection(
-    fencer: sa_fence.Fencer, scope_engine: sa.Engine, send: str
+def test_sql_that_goes_on_is_refused_on_a_fenced_connection(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine, send: str, sql: str
 ) -> None:
-    """fence_connection(): COMMIT AND CHAIN is refused however SQLAlchemy sends it,
-    and nothing the transaction wrote commits."""
+    """fence_connection(): refused however SQLAlchemy sends it, and nothing the
+    transaction wrote commits."""
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
         conn.execute(sa.text("INSERT INTO outbox (id, message) VALUES (1, 'A')"))
-        chain = (
-            (lambda: conn.execute(sa.text("COMMIT AND CHAIN")))
-            if send == "text"
-            else (lambda: conn.exec_driver_sql("COMMIT AND CHAIN"))
-        )
         with pytest.raises(sa_fence.FencingConfigError, match="Nothing was sent"):
-            chain()
+            SQL_SENDS[send](conn, sql)
         conn.rollback()
     assert outbox(scope_engine) == []
     a.release()

@@ -1,0 +1,126 @@
+"""Which SQL would take a bound transaction out of lease scope.
+
+PostgreSQL runs the statements of one message in turn: in ``COMMIT; BEGIN`` the
+COMMIT is checked, but the BEGIN starts a transaction no arm reached, and in
+``COMMIT; INSERT ...`` the INSERT commits on its own; ``COMMIT AND CHAIN`` begins an
+unarmed transaction too, and a ROLLBACK TO undoes an arm sent inside its savepoint.
+:func:`leaves_scope` finds them, splitting statements as the server does: quotes,
+dollar quotes, nested comments, parentheses and (psql's rule) ``BEGIN ATOMIC`` bodies
+hold no boundary.  Not sqlparse: it does not nest comments, so ``/* /* */ */ COMMIT;
+BEGIN`` would hide its COMMIT from it.  tests/test_transaction_sql.py holds this split
+to the server's own."""
+
+from __future__ import annotations
+
+import re
+from itertools import pairwise
+
+#: The first look, at each statement a bound connection sends (none: nothing to see)
+MIGHT_LEAVE_SCOPE = re.compile(r";|\b(?:chain|rollback)\b", re.IGNORECASE)
+
+_TOKEN = re.compile(
+    r"""(?P<space>\s+)
+    | (?P<comment>--[^\n]*)
+    | (?P<block>/\*)
+    | (?P<escaped>[eE]')
+    | (?P<quote>')
+    | (?P<ident>")
+    | (?P<dollar>\$(?:[^\W\d]\w*)?\$)
+    | (?P<word>[^\W\d]\w*(?:\$\w*)*)
+    | (?P<other>.)""",
+    re.VERBOSE | re.DOTALL,
+)
+_STRING_END = {True: re.compile(r"(?:[^'\\]|''|\\.)*'", re.S), False: re.compile(r"(?:[^']|'')*'")}
+_IDENT_END = re.compile(r'(?:[^"]|"")*"')
+_BLOCK_PART = re.compile(r"/\*|\*/")
+
+_ENDS = frozenset({"COMMIT", "END", "ROLLBACK", "ABORT"})
+
+
+def statements(sql: str, backslash_quotes: bool = False) -> list[list[str]]:
+    """``sql``'s statements as token lists (words upper-cased, quoted text as ``'``;
+    ``[]`` if empty); ``backslash_quotes``: ``standard_conforming_strings`` is off."""
+    found: list[list[str]] = [[]]
+    depth = atomic = 0  # parentheses; BEGIN ATOMIC ... END of a function body
+    pos, size = 0, len(sql)
+    while pos < size:
+        match = _TOKEN.match(sql, pos)
+        assert match is not None  # (`other` matches any character)
+        kind, pos, text, current = match.lastgroup, match.end(), match.group(), found[-1]
+        if kind in ("space", "comment"):
+            continue
+        if kind == "block":
+            nested = 1
+            while nested and (part := _BLOCK_PART.search(sql, pos)) is not None:
+                nested += 1 if part.group() == "/*" else -1
+                pos = part.end()
+            pos = pos if nested == 0 else size
+            continue
+        if kind in ("escaped", "quote", "ident", "dollar"):
+            if kind == "dollar":
+                end = sql.find(text, pos)
+                pos = size if end < 0 else end + len(text)
+            else:
+                pattern = (
+                    _IDENT_END
+                    if kind == "ident"
+                    else _STRING_END[kind == "escaped" or backslash_quotes]
+                )
+                closed = pattern.match(sql, pos)
+                pos = size if closed is None else closed.end()
+            current.append("'")
+            continue
+        if kind == "word":
+            word = text.upper()
+            if _in_routine(current):  # psql's rule for BEGIN ATOMIC bodies
+                atomic += word in ("BEGIN", "CASE")
+                atomic -= word == "END" and atomic > 0
+            current.append(word)
+        elif text == ";" and depth == 0 and atomic == 0:
+            found.append([])
+        else:
+            depth += (text == "(") - (text == ")" and depth > 0)
+            current.append(text)
+    return found
+
+
+def _in_routine(tokens: list[str]) -> bool:
+    """``CREATE [OR REPLACE] FUNCTION|PROCEDURE`` so far."""
+    head = tokens[:4]
+    return head[:1] == ["CREATE"] and bool({"FUNCTION", "PROCEDURE"} & set(head[1:]))
+
+
+def _kind(tokens: list[str]) -> str | None:
+    """``"end"``: COMMIT, END, ROLLBACK, ABORT (not ``COMMIT PREPARED``) or PREPARE
+    TRANSACTION; ``"savepoint"``: ROLLBACK TO, which undoes an arm sent in the savepoint."""
+    if tokens[:2] == ["PREPARE", "TRANSACTION"]:
+        return "end"
+    if not tokens or tokens[0] not in _ENDS:
+        return None
+    rest = tokens[2:] if tokens[1:2] in (["WORK"], ["TRANSACTION"]) else tokens[1:]
+    return None if rest[:1] == ["PREPARED"] else "savepoint" if rest[:1] == ["TO"] else "end"
+
+
+def _leaves(found: list[list[str]]) -> bool:
+    found = [tokens for tokens in found if tokens]
+    return any(
+        (kind := _kind(tokens)) is not None
+        and (index < len(found) - 1 or (kind == "end" and ("AND", "CHAIN") in pairwise(tokens)))
+        for index, tokens in enumerate(found)
+    )
+
+
+def leaves_scope(sql: str, backslash_quotes: bool | None = None) -> bool:
+    """Whether ``sql`` ends its transaction, or rolls back to a savepoint, and goes on (a
+    statement after a COMMIT, END, ROLLBACK [TO], ABORT or PREPARE TRANSACTION; ``AND
+    CHAIN``).  With ``backslash_quotes=None`` (the server's setting unknown), either
+    reading of a backslash before a quote finding it is enough."""
+    if backslash_quotes is not None:
+        return _leaves(statements(sql, backslash_quotes))
+    return _leaves(statements(sql)) or ("\\" in sql and _leaves(statements(sql, True)))
+
+
+def rolls_back_to_savepoint(sql: str) -> bool:
+    """Whether ``sql`` holds a ROLLBACK TO (either reading of a backslash)."""
+    readings = [False, True] if "\\" in sql else [False]
+    return any(_kind(t) == "savepoint" for bq in readings for t in statements(sql, bq))
