@@ -35,7 +35,7 @@ import sqlalchemy
 from psycopg import errors, generators
 from psycopg.pq import ExecStatus, TransactionStatus
 from sqlalchemy import Connection, Engine, TextClause, event, func, literal, select, true
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, MissingGreenlet
 from sqlalchemy.orm import NO_VALUE, Session, scoped_session, sessionmaker
 from sqlalchemy.orm.attributes import flag_modified, set_committed_value
 from sqlalchemy.sql.dml import Delete, Insert, Update
@@ -414,8 +414,8 @@ def _enter_scope(conn: Connection, lease: Lease) -> None:
         return  # another database: outside lease scope (documented)
     if scope is None:
         scope = attrs[_SCOPE] = {}
-    scope[(lease.name, lease.token)] = lease
     _arm(conn, lease)
+    scope[(lease.name, lease.token)] = lease  # (after the arm: a failed one is tried again)
 
 
 # ------------------------------------------- arming: lease scope in PostgreSQL
@@ -1335,11 +1335,22 @@ def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
     for conn in state.connections:  # a session sharing its connection has another lease
         check_dialect(conn.dialect)
         _refuse_confusable(conn, state, lease)
-    state.lease = lease
-    lease._bound = True
-    for conn in state.connections:  # bound mid-transaction: the COMMIT checks it too
         _refuse_unscoped(session, conn)
-        _enter_scope(conn, lease)
+    previous, state.lease = state.lease, lease
+    try:
+        for conn in state.connections:  # bound mid-transaction: the COMMIT checks it too
+            _enter_scope(conn, lease)
+    except BaseException as exc:
+        state.lease = previous  # a bind that failed leaves the session as it was
+        if isinstance(exc, MissingGreenlet):
+            raise FencingConfigError(
+                "this AsyncSession is in the middle of a transaction, so binding the lease "
+                "must send its arm now, which needs the event loop. Bind the lease before "
+                "the session's first statement, or from inside it: await "
+                "session.run_sync(lambda s: lease.bind(s)). The session is not bound."
+            ) from None
+        raise
+    lease._bound = True
 
 
 def _refuse_unscoped(session: Session, conn: Connection) -> None:

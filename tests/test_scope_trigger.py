@@ -402,15 +402,25 @@ def test_a_stale_notify_is_not_delivered_and_the_current_holders_is(
 
 
 def test_a_read_only_transaction_of_a_bound_session_is_refused_before_anything_is_sent(
-    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
 ) -> None:
-    """A READ ONLY transaction could not take the arm (and may still NOTIFY)."""
-    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
-    with make_session() as session:
-        a.bind(session)
-        with pytest.raises(sa_fence.FencingConfigError, match=r"READ ONLY.*Nothing was sent"):
-            session.connection(execution_options={"postgresql_readonly": True})
-    a.release()
+    """A READ ONLY transaction could not take the arm (and may still NOTIFY). A caller who
+    catches the refusal and goes on is refused again: the failed arm is never taken for
+    done (it used to be, and a stale holder's NOTIFY then committed unchecked)."""
+    channel = f"sa_fence_{uuid.uuid4().hex[:8]}"
+    dsn = scope_engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute(f"LISTEN {channel}")
+        a, b = stale_pair(fencer)
+        with make_session() as session:
+            a.bind(session)
+            with pytest.raises(sa_fence.FencingConfigError, match=r"READ ONLY.*Nothing was sent"):
+                session.connection(execution_options={"postgresql_readonly": True})
+            with pytest.raises(sa_fence.FencingConfigError, match=r"READ ONLY.*Nothing was sent"):
+                session.execute(sa.text(f"NOTIFY {channel}, 'stale'"))
+            session.rollback()
+        assert [n.payload for n in listener.notifies(timeout=0.5)] == []
+    b.release()
 
 
 # ---------------------------------------------- the guards, and their pairs
@@ -926,6 +936,43 @@ async def test_async_a_joined_outer_transaction_is_checked_when_it_commits(
             with pytest.raises(sa_fence.StaleTokenError):
                 await outer.commit()
             await session.close()
+        assert outbox(scope_engine) == []
+        await b.release()
+    finally:
+        await client.aclose()
+        await aengine.dispose()
+
+
+async def test_async_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rolled_back(
+    scope_engine: sa.Engine, key_prefix: str
+) -> None:
+    """asyncio: AsyncSession.begin_nested() rolled back after the bind leaves the arm."""
+    import redis.asyncio as aioredis
+
+    from tests.conftest import REDIS_URL
+
+    aengine = create_async_engine(scope_engine.url.set(drivername="postgresql+psycopg_async"))
+    client = aioredis.Redis.from_url(REDIS_URL)
+    fencer = sa_fence.AsyncFencer(client, aengine, key_prefix=key_prefix)
+    make = sa_fence.install(async_sessionmaker(aengine, expire_on_commit=False))
+    try:
+        a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        async with make() as session:
+            await session.execute(sa.text("SELECT 1"))
+            nested = await session.begin_nested()
+            await session.execute(sa.text("SELECT 1"))
+            with pytest.raises(sa_fence.FencingConfigError, match="run_sync"):
+                a.bind(session)  # the arm needs the event loop now: nothing changes
+            assert _flush.state_for(session.sync_session).lease is None
+            await session.run_sync(lambda s: a.bind(s))
+            await nested.rollback()
+            session.add(Outbox(id=1, message="stale"))
+            await session.flush()
+            assert await client.eval("return redis.call('del', KEYS[1])", 1, a.key)
+            b = await fencer.acquire(a.name, 5)
+            with pytest.raises(sa_fence.StaleTokenError):
+                await session.commit()
+            await session.rollback()
         assert outbox(scope_engine) == []
         await b.release()
     finally:
