@@ -19,7 +19,7 @@ import inspect
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -378,13 +378,20 @@ def test_the_arm_travels_in_psycopgs_begin_message(
     a.release()
 
 
+@contextlib.contextmanager
+def _listening(engine: sa.Engine) -> Iterator[tuple[psycopg.Connection[Any], str]]:
+    """A connection of its own LISTENing on a fresh channel."""
+    channel = f"sa_fence_{uuid.uuid4().hex[:8]}"
+    dsn = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute(f"LISTEN {channel}")
+        yield listener, channel
+
+
 def test_a_stale_notify_is_not_delivered_and_the_current_holders_is(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
 ) -> None:
-    channel = f"sa_fence_{uuid.uuid4().hex[:8]}"
-    dsn = scope_engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-    with psycopg.connect(dsn, autocommit=True) as listener:
-        listener.execute(f"LISTEN {channel}")
+    with _listening(scope_engine) as (listener, channel):
         a, b = stale_pair(fencer)
         with make_session() as session:
             a.bind(session)
@@ -407,10 +414,7 @@ def test_a_read_only_transaction_of_a_bound_session_is_refused_before_anything_i
     """A READ ONLY transaction could not take the arm (and may still NOTIFY). A caller who
     catches the refusal and goes on is refused again: the failed arm is never taken for
     done (it used to be, and a stale holder's NOTIFY then committed unchecked)."""
-    channel = f"sa_fence_{uuid.uuid4().hex[:8]}"
-    dsn = scope_engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-    with psycopg.connect(dsn, autocommit=True) as listener:
-        listener.execute(f"LISTEN {channel}")
+    with _listening(scope_engine) as (listener, channel):
         a, b = stale_pair(fencer)
         with make_session() as session:
             a.bind(session)
@@ -822,6 +826,28 @@ ASYNC_PATHS = [
 ]
 
 
+@contextlib.asynccontextmanager
+async def _async_scope(
+    scope_engine: sa.Engine, key_prefix: str, **engine_options: Any
+) -> AsyncIterator[tuple[Any, Any, sa_fence.AsyncFencer, Any]]:
+    """An asyncio engine on the scope database, a redis.asyncio client, an AsyncFencer and
+    an installed async_sessionmaker; closed afterwards, even when the test fails."""
+    import redis.asyncio as aioredis
+
+    from tests.conftest import REDIS_URL
+
+    url = scope_engine.url.set(drivername="postgresql+psycopg_async")
+    aengine = create_async_engine(url, **engine_options)
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        fencer = sa_fence.AsyncFencer(client, aengine, key_prefix=key_prefix)
+        make = sa_fence.install(async_sessionmaker(aengine, expire_on_commit=False))
+        yield aengine, client, fencer, make
+    finally:
+        await client.aclose()
+        await aengine.dispose()
+
+
 async def _async_commit(session: AsyncSession, path: str) -> None:
     if path == "AsyncSession.commit":
         await session.commit()
@@ -838,15 +864,7 @@ async def _async_commit(session: AsyncSession, path: str) -> None:
 async def test_async_a_stale_holder_commits_nothing_and_the_current_holder_commits(
     path: str, scope_engine: sa.Engine, key_prefix: str
 ) -> None:
-    import redis.asyncio as aioredis
-
-    from tests.conftest import REDIS_URL
-
-    aengine = create_async_engine(scope_engine.url.set(drivername="postgresql+psycopg_async"))
-    client = aioredis.Redis.from_url(REDIS_URL)
-    fencer = sa_fence.AsyncFencer(client, aengine, key_prefix=key_prefix)
-    make = sa_fence.install(async_sessionmaker(aengine, expire_on_commit=False))
-    try:
+    async with _async_scope(scope_engine, key_prefix) as (_aengine, client, fencer, make):
         a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
         async with make() as session:
             a.bind(session)
@@ -867,25 +885,17 @@ async def test_async_a_stale_holder_commits_nothing_and_the_current_holder_commi
             await session.rollback()
         assert outbox(scope_engine) == ["current"]
         await b.release()
-    finally:
-        await client.aclose()
-        await aengine.dispose()
 
 
 async def test_async_a_cancelled_commit_never_hands_the_pool_a_broken_connection(
     scope_engine: sa.Engine, key_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import redis.asyncio as aioredis
-
-    from tests.conftest import REDIS_URL
-
-    aengine = create_async_engine(
-        scope_engine.url.set(drivername="postgresql+psycopg_async"), pool_size=1, max_overflow=0
-    )
-    client = aioredis.Redis.from_url(REDIS_URL)
-    fencer = sa_fence.AsyncFencer(client, aengine, key_prefix=key_prefix)
-    make = sa_fence.install(async_sessionmaker(aengine, expire_on_commit=False))
-    try:
+    async with _async_scope(scope_engine, key_prefix, pool_size=1, max_overflow=0) as (
+        aengine,
+        _client,
+        fencer,
+        make,
+    ):
         a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 30)
         send_commit = _flush._send_commit
         monkeypatch.setattr(_flush, "_send_commit", slow_commit)
@@ -906,23 +916,12 @@ async def test_async_a_cancelled_commit_never_hands_the_pool_a_broken_connection
             await other.commit()
         assert outbox(scope_engine) == []
         await a.release()
-    finally:
-        await client.aclose()
-        await aengine.dispose()
 
 
 async def test_async_a_joined_outer_transaction_is_checked_when_it_commits(
     scope_engine: sa.Engine, key_prefix: str
 ) -> None:
-    import redis.asyncio as aioredis
-
-    from tests.conftest import REDIS_URL
-
-    aengine = create_async_engine(scope_engine.url.set(drivername="postgresql+psycopg_async"))
-    client = aioredis.Redis.from_url(REDIS_URL)
-    fencer = sa_fence.AsyncFencer(client, aengine, key_prefix=key_prefix)
-    make = sa_fence.install(async_sessionmaker(aengine, expire_on_commit=False))
-    try:
+    async with _async_scope(scope_engine, key_prefix) as (aengine, client, fencer, make):
         a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
         assert await client.eval("return redis.call('del', KEYS[1])", 1, a.key)
         b = await fencer.acquire(a.name, 5)
@@ -938,24 +937,13 @@ async def test_async_a_joined_outer_transaction_is_checked_when_it_commits(
             await session.close()
         assert outbox(scope_engine) == []
         await b.release()
-    finally:
-        await client.aclose()
-        await aengine.dispose()
 
 
 async def test_async_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rolled_back(
     scope_engine: sa.Engine, key_prefix: str
 ) -> None:
     """asyncio: AsyncSession.begin_nested() rolled back after the bind leaves the arm."""
-    import redis.asyncio as aioredis
-
-    from tests.conftest import REDIS_URL
-
-    aengine = create_async_engine(scope_engine.url.set(drivername="postgresql+psycopg_async"))
-    client = aioredis.Redis.from_url(REDIS_URL)
-    fencer = sa_fence.AsyncFencer(client, aengine, key_prefix=key_prefix)
-    make = sa_fence.install(async_sessionmaker(aengine, expire_on_commit=False))
-    try:
+    async with _async_scope(scope_engine, key_prefix) as (_aengine, client, fencer, make):
         a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
         async with make() as session:
             await session.execute(sa.text("SELECT 1"))
@@ -975,6 +963,3 @@ async def test_async_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rol
             await session.rollback()
         assert outbox(scope_engine) == []
         await b.release()
-    finally:
-        await client.aclose()
-        await aengine.dispose()
