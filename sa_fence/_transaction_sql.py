@@ -61,19 +61,17 @@ def statements(sql: str, backslash_quotes: bool = False) -> list[list[str]]:
                 end = sql.find(text, pos)
                 pos = size if end < 0 else end + len(text)
             else:
-                pattern = (
-                    _IDENT_END
-                    if kind == "ident"
-                    else _STRING_END[kind == "escaped" or backslash_quotes]
-                )
-                closed = pattern.match(sql, pos)
+                escapes = kind == "escaped" or backslash_quotes
+                closed = (_IDENT_END if kind == "ident" else _STRING_END[escapes]).match(sql, pos)
                 pos = size if closed is None else closed.end()
             current.append("'")
             continue
         if kind == "word":
             word = text.upper()
-            if _in_routine(current):  # psql's rule for BEGIN ATOMIC bodies
-                atomic += word in ("BEGIN", "CASE")
+            if depth == 0 and _in_routine(current):  # a BEGIN ATOMIC body, as psql reads it
+                atomic += (word == "ATOMIC" and current[-1:] == ["BEGIN"]) or (
+                    word == "CASE" and atomic > 0
+                )
                 atomic -= word == "END" and atomic > 0
             current.append(word)
         elif text == ";" and depth == 0 and atomic == 0:

@@ -67,6 +67,7 @@ STATEMENTS = [
     "ROLLBACK AND CHAIN",
     "SAVEPOINT s; ROLLBACK TO SAVEPOINT s",
     "SAVEPOINT s; RELEASE s",
+    "CREATE OR REPLACE FUNCTION pg_temp.sa_fence_b(begin int) RETURNS int LANGUAGE sql RETURN 1",
     "CREATE OR REPLACE FUNCTION pg_temp.sa_fence_probe() RETURNS int LANGUAGE sql "
     "BEGIN ATOMIC SELECT 1; SELECT CASE WHEN true THEN 2 END; END",
     "",
@@ -162,6 +163,13 @@ def test_the_split_agrees_with_postgresql(
         ("COMMIT AND NO CHAIN", False),
         ("SELECT 'COMMIT; BEGIN", False),  # unterminated: the server refuses it whole
         ("SELECT 1 /* COMMIT; BEGIN", False),
+        # BEGIN ATOMIC bodies: a parameter or a function named "begin" opens none
+        ("CREATE FUNCTION f(begin int) RETURNS int RETURN 1; COMMIT; SELECT 1", True),
+        ("CREATE FUNCTION begin() RETURNS int RETURN 1; COMMIT; SELECT 1", True),
+        (
+            "CREATE PROCEDURE p() BEGIN ATOMIC SELECT CASE WHEN true THEN 1 END; END; SELECT 1",
+            False,
+        ),
     ],
 )
 def test_examples(sql: str, expected: bool) -> None:
