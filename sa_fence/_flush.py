@@ -471,8 +471,9 @@ def _run(conn: Connection, sql: str, *, fetch: bool = False) -> Any:
         if rights is not None:
             raise rights from exc
         raise
-    except BaseException:
-        _invalidate(conn)
+    except BaseException as exc:  # (outside an asyncio greenlet: nothing was sent)
+        if not isinstance(exc, MissingGreenlet):
+            _invalidate(conn)
         raise
     finally:
         with contextlib.suppress(Exception):

@@ -952,6 +952,7 @@ async def test_async_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rol
             with pytest.raises(sa_fence.FencingConfigError, match="run_sync"):
                 a.bind(session)  # the arm needs the event loop now: nothing changes
             assert _flush.state_for(session.sync_session).lease is None
+            assert not (await session.connection()).invalidated  # and nothing was sent
             await session.run_sync(lambda s: a.bind(s))
             await nested.rollback()
             session.add(Outbox(id=1, message="stale"))
