@@ -427,6 +427,22 @@ def test_a_read_only_transaction_of_a_bound_session_is_refused_before_anything_i
     b.release()
 
 
+def test_a_bind_refused_mid_transaction_leaves_the_session_as_it_was(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """The arm of a lease bound to a READ ONLY transaction cannot be sent: the bind raises
+    and the session stays unbound (it used to stay bound, its transaction unarmed)."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        session.connection(execution_options={"postgresql_readonly": True})
+        session.execute(sa.text("SELECT 1"))  # begun, read only, with no lease
+        with pytest.raises(sa_fence.FencingConfigError, match="READ ONLY"):
+            a.bind(session)
+        assert _flush.state_for(session).lease is None
+        assert session.execute(sa.text("SELECT 1")).scalar_one() == 1
+    a.release()
+
+
 # ---------------------------------------------- the guards, and their pairs
 
 
