@@ -47,7 +47,7 @@ from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check, quo
 from ._model import fence_column_of, fence_key_of, is_fenced_class, missing_fence_column, orm_index
 from ._register import DATABASE_ID_SQL, SCOPE_SCHEMA_SQL, SCOPE_TABLE
 from ._rewrite import TOKEN_BIND, FencedStatement, rewrite, rewritten
-from ._transaction_sql import MIGHT_LEAVE_SCOPE, leaves_scope, rolls_back_to_savepoint
+from ._transaction_sql import MIGHT_LEAVE_SCOPE, scope_effect
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -631,7 +631,8 @@ def _refuse_leaving_scope(sql: str) -> bool:
     """Refuse SQL that ends the transaction and goes on (``COMMIT; BEGIN``, ``COMMIT AND
     CHAIN``): no BEGIN of sa-fence's would arm what runs after the end.  Returns whether
     it rolls back to a savepoint."""
-    if leaves_scope(sql):
+    leaves, rolls_back = scope_effect(sql)  # (one split of the SQL for both)
+    if leaves:
         raise FencingConfigError(
             f"this SQL ends its transaction and goes on ({sql[:60] + '...' * (len(sql) > 60)!r}): "
             "a statement after COMMIT, END, ROLLBACK, ROLLBACK TO, ABORT or PREPARE "
@@ -641,7 +642,7 @@ def _refuse_leaving_scope(sql: str) -> bool:
             "CHAIN (or call session.commit() / connection.commit()); the next statement begins "
             "a new transaction in lease scope. Nothing was sent."
         )
-    return rolls_back_to_savepoint(sql)
+    return rolls_back
 
 
 def _scope_on_begin(conn: Connection) -> None:

@@ -4,7 +4,7 @@ PostgreSQL runs the statements of one message in turn: in ``COMMIT; BEGIN`` the
 COMMIT is checked, but the BEGIN starts a transaction no arm reached, and in
 ``COMMIT; INSERT ...`` the INSERT commits on its own; ``COMMIT AND CHAIN`` begins an
 unarmed transaction too, and a ROLLBACK TO undoes an arm sent inside its savepoint.
-:func:`leaves_scope` finds them, splitting statements as the server does: quotes,
+:func:`scope_effect` finds them, splitting statements as the server does: quotes,
 dollar quotes, nested comments, parentheses and (psql's rule) ``BEGIN ATOMIC`` bodies
 hold no boundary.  Not sqlparse: it does not nest comments, so ``/* /* */ */ COMMIT;
 BEGIN`` would hide its COMMIT from it.  tests/test_transaction_sql.py holds this split
@@ -100,7 +100,6 @@ def _kind(tokens: list[str]) -> str | None:
 
 
 def _leaves(found: list[list[str]]) -> bool:
-    found = [tokens for tokens in found if tokens]
     return any(
         (kind := _kind(tokens)) is not None
         and (index < len(found) - 1 or (kind == "end" and ("AND", "CHAIN") in pairwise(tokens)))
@@ -108,17 +107,14 @@ def _leaves(found: list[list[str]]) -> bool:
     )
 
 
-def leaves_scope(sql: str, backslash_quotes: bool | None = None) -> bool:
+def scope_effect(sql: str, backslash_quotes: bool | None = None) -> tuple[bool, bool]:
     """Whether ``sql`` ends its transaction, or rolls back to a savepoint, and goes on (a
     statement after a COMMIT, END, ROLLBACK [TO], ABORT or PREPARE TRANSACTION; ``AND
-    CHAIN``).  With ``backslash_quotes=None`` (the server's setting unknown), either
-    reading of a backslash before a quote finding it is enough."""
-    if backslash_quotes is not None:
-        return _leaves(statements(sql, backslash_quotes))
-    return _leaves(statements(sql)) or ("\\" in sql and _leaves(statements(sql, True)))
-
-
-def rolls_back_to_savepoint(sql: str) -> bool:
-    """Whether ``sql`` holds a ROLLBACK TO (either reading of a backslash)."""
-    readings = [False, True] if "\\" in sql else [False]
-    return any(_kind(t) == "savepoint" for bq in readings for t in statements(sql, bq))
+    CHAIN``), and whether it rolls back to a savepoint at all.  With
+    ``backslash_quotes=None`` (the server's setting unknown), either reading of a
+    backslash before a quote finding one is enough."""
+    readings = (
+        [False, True] if backslash_quotes is None and "\\" in sql else [bool(backslash_quotes)]
+    )
+    splits = [[tokens for tokens in statements(sql, reading) if tokens] for reading in readings]
+    return any(map(_leaves, splits)), any(_kind(t) == "savepoint" for f in splits for t in f)

@@ -145,10 +145,10 @@ def physical_lines(root: Path, *, without: Path) -> int:
 
 #: The core's size: every line of sa_fence/ outside sa_fence/tools/. Issue 20's
 #: target is 7,000 lines with every feature kept; this ratchet goes down (lower it
-#: when the core shrinks). It went up once, by 158 lines, to close holes in lease
+#: when the core shrinks). It went up once, by 155 lines, to close holes in lease
 #: scope: SQL that ends its transaction and goes on (_transaction_sql), a rolled-back
 #: savepoint holding a lease's arm, and a failed arm taken for done.
-CORE_LINES_AT_MOST = 8965
+CORE_LINES_AT_MOST = 8962
 
 
 def test_the_core_stays_within_its_line_budget() -> None:

@@ -244,7 +244,8 @@ def test_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rolled_back(
     the savepoint it was sent in undoes it, so it is sent again after one.  The pair:
     without that, the stale holder's commit goes through."""
     if not guarded:
-        monkeypatch.setattr(_flush, "rolls_back_to_savepoint", lambda sql: False)
+        effect = _flush.scope_effect  # the SQL is still refused; no ROLLBACK TO is seen
+        monkeypatch.setattr(_flush, "scope_effect", lambda sql: (effect(sql)[0], False))
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with make_session() as session:
         _savepoint_rolled_back_after_bind(session, a, how)

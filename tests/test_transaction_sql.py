@@ -22,8 +22,7 @@ from psycopg.pq import ExecStatus, TransactionStatus
 
 from sa_fence._transaction_sql import (
     MIGHT_LEAVE_SCOPE,
-    leaves_scope,
-    rolls_back_to_savepoint,
+    scope_effect,
     statements,
 )
 
@@ -137,11 +136,11 @@ messages = st.builds(
 def test_the_split_agrees_with_postgresql(
     raw: psycopg.Connection, sql: str, standard_strings: bool
 ) -> None:
-    if leaves_scope(sql) or rolls_back_to_savepoint(sql):  # the first look never hides one
+    if any(scope_effect(sql)):  # the first look never hides what the split finds
         assert MIGHT_LEAVE_SCOPE.search(sql) is not None, sql
     server = server_leaves(raw, sql, standard_strings=standard_strings)
     assume(server is not None)
-    assert leaves_scope(sql, backslash_quotes=not standard_strings) is server, sql
+    assert scope_effect(sql, backslash_quotes=not standard_strings)[0] is server, sql
 
 
 @pytest.mark.parametrize(
@@ -173,7 +172,7 @@ def test_the_split_agrees_with_postgresql(
     ],
 )
 def test_examples(sql: str, expected: bool) -> None:
-    assert leaves_scope(sql) is expected
+    assert scope_effect(sql)[0] is expected
 
 
 @pytest.mark.parametrize(
@@ -189,7 +188,7 @@ def test_examples(sql: str, expected: bool) -> None:
     ],
 )
 def test_a_rollback_to_a_savepoint_is_found(sql: str, expected: bool) -> None:
-    assert rolls_back_to_savepoint(sql) is expected
+    assert scope_effect(sql)[1] is expected
 
 
 def test_a_backslash_read_either_way_is_refused_when_the_setting_is_unknown() -> None:
@@ -198,12 +197,12 @@ def test_a_backslash_read_either_way_is_refused_when_the_setting_is_unknown() ->
     by a statement is enough."""
     on = "SELECT '\\'; COMMIT; SELECT 1 --'"  # on: three statements; off: one
     off = "SELECT 'a\\''; COMMIT; SELECT ''"  # off: three statements; on: one
-    assert leaves_scope(on, backslash_quotes=False)
-    assert not leaves_scope(on, backslash_quotes=True)
-    assert leaves_scope(off, backslash_quotes=True)
-    assert not leaves_scope(off, backslash_quotes=False)
-    assert leaves_scope(on)
-    assert leaves_scope(off)
+    assert scope_effect(on, backslash_quotes=False)[0]
+    assert not scope_effect(on, backslash_quotes=True)[0]
+    assert scope_effect(off, backslash_quotes=True)[0]
+    assert not scope_effect(off, backslash_quotes=False)[0]
+    assert scope_effect(on)[0]
+    assert scope_effect(off)[0]
 
 
 def test_statements_are_split_at_top_level_semicolons_only() -> None:
