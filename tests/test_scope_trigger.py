@@ -149,6 +149,7 @@ LEAVING_SCOPE = [
     "COMMIT; BEGIN",
     "END; START TRANSACTION ISOLATION LEVEL SERIALIZABLE",
     "ROLLBACK; BEGIN",
+    "PREPARE TRANSACTION 'sa_fence_x'; BEGIN",
     "commit /* done */; insert into outbox (id, message) values (9, 'after')",
     "SAVEPOINT s; ROLLBACK TO SAVEPOINT s; INSERT INTO outbox (id, message) VALUES (9, 'x')",
 ]

@@ -307,6 +307,23 @@ def test_sessions_sharing_a_connection_with_the_same_lease_are_fenced(
     assert row(engine, 2) == ("s2", lease.token)
 
 
+def test_sql_that_goes_on_is_refused_from_either_session_sharing_a_connection(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """The refusal of SQL that ends the transaction and goes on holds on a shared
+    connection too, whichever of its sessions sends it (lease-scope.md)."""
+    with fencer.lease("job:1", 5) as lease, lease.bind(make_session()) as s1:
+        s1.add(Job(id=1, result="s1"))
+        s1.flush()
+        s2 = lease.bind(make_session(bind=s1.connection()))
+        for session in (s2, s1):
+            with pytest.raises(sa_fence.FencingConfigError, match="Nothing was sent"):
+                session.execute(sa.text("COMMIT; BEGIN"))
+        s2.close()
+        s1.rollback()
+    assert row(engine, 1) is None  # a COMMIT sent would have committed it
+
+
 @pytest.mark.parametrize("second", ["no lease", "another lease"])
 def test_a_second_session_on_a_bound_sessions_connection_with_another_token_is_refused(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine, second: str
