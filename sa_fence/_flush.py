@@ -245,8 +245,8 @@ class _FencedConnection(Connection):
         super()._commit_impl()
 
     def _rollback_impl(self) -> None:
-        self.__dict__.pop(_ARMED_APART, None)
         if self.__dict__.pop(_SCOPE, None) is not None:
+            self.__dict__.pop(_ARMED_APART, None)  # (set only in scope, as the arms are)
             _disarm(self)  # (arms are only ever set in scope)
         super()._rollback_impl()
 
