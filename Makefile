@@ -66,15 +66,22 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# PYTEST_ARGS: e.g. -m "not slow" for the fast subset.
+# PYTEST_ARGS: e.g. -m "not slow" for the fast subset.  The suite runs on
+# PYTEST_WORKERS processes (pytest-xdist; each creates and drops a database of
+# its own), a test file to a worker: most of a test's time is spent waiting
+# for the servers, so two workers on two cores take half the time of one.
+# PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= 2
+XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 test: lint typecheck services topology-tools docs-tools
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-floors
 	$(PY) -m tests.sqlalchemy_suite
 
 # The suites that exercise SQLAlchemy, psycopg, redis-py and Alembic, run
 # again with the lowest versions pyproject.toml allows (constraints/floors.txt),
-# in a venv of their own, without the test extra's frameworks: about 2 minutes.
+# in a venv of their own, without the test extra's frameworks, on PYTEST_WORKERS
+# processes: about a minute and a half.
 FLOORS_VENV := .venv-floors
 FLOORS_STAMP := $(FLOORS_VENV)/.sa-fence-installed
 FLOORS := constraints/floors.txt
@@ -86,13 +93,13 @@ FLOOR_TESTS := $(addprefix tests/test_,$(addsuffix .py,fenced_flush scope_trigge
 $(FLOORS_STAMP): pyproject.toml $(FLOORS)
 	$(PYTHON) -m venv $(FLOORS_VENV)
 	$(FLOORS_VENV)/bin/python -m pip install --quiet -c $(FLOORS) -e '.[asyncio,otel,side-effects]' \
-	  greenlet opentelemetry-sdk pytest pytest-asyncio pytest-timeout hypothesis
+	  greenlet opentelemetry-sdk pytest pytest-asyncio pytest-timeout pytest-xdist hypothesis
 	@touch $(FLOORS_STAMP)
 
 # (redis-py's Cluster and Sentinel clients change most between releases: their
 # topology tests run there too, on private servers, in about 45 s.)
 test-floors: $(FLOORS_STAMP) services topology-tools
-	$(FLOORS_VENV)/bin/python -m pytest -m "not slow" -p no:cacheprovider $(FLOOR_TESTS)
+	$(FLOORS_VENV)/bin/python -m pytest $(XDIST) -m "not slow" -p no:cacheprovider $(FLOOR_TESTS)
 	$(FLOORS_VENV)/bin/python -m pytest -p no:cacheprovider tests/topologies/test_redis_topologies.py
 
 # SQLAlchemy's own tests (from the sdist of the installed version, downloaded
