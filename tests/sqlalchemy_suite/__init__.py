@@ -1,7 +1,8 @@
 """SQLAlchemy's own test suite, run plain and with sa-fence installed on every Session.
 
 ``python -m tests.sqlalchemy_suite`` (``make sqlalchemy-suite``; ``make test``
-runs it after pytest) checks "nothing changes until a lease is bound"
+runs it after pytest, then again in ``.venv-floors`` with the lowest
+SQLAlchemy allowed) checks "nothing changes until a lease is bound"
 against tests nobody here wrote (issue 18):
 
 1. downloads the sdist of the *installed* SQLAlchemy version with ``pip
