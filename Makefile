@@ -86,7 +86,7 @@ test: lint typecheck services topology-tools docs-tools
 FLOORS_VENV := .venv-floors
 FLOORS_STAMP := $(FLOORS_VENV)/.sa-fence-installed
 FLOORS := constraints/floors.txt
-FLOOR_TESTS := $(addprefix tests/test_,$(addsuffix .py,fenced_flush scope_trigger session_binds \
+FLOOR_TESTS := $(addprefix tests/test_,$(addsuffix .py,fenced_flush scope_trigger scope_fallback session_binds \
 	upsert lease_scope guard lifecycle async timeouts token_connection decorator_sessions \
 	register grant_checks fitness alembic confirm_withdraw expression_properties \
 	fence_assignment call_cache create_guard async_tasks side_effects telemetry))

@@ -215,17 +215,17 @@ class _FencedConnection(Connection):
         self, dialect: Any, context: Any, statement: Any, parameters: Any
     ) -> Any:
         attrs = self.__dict__  # (`in` and [], not get(): no call)
-        if (
-            _ACTIVE in attrs
-            and attrs[_ACTIVE] is not None
-            and attrs[_ACTIVE].lease is not None
-            and MIGHT_LEAVE_SCOPE.search(context.statement) is not None  # (rare)
-            and _refuse_leaving_scope(context.statement)  # the SQL as sent, whatever built it
-            and _ARMED_APART in attrs
-        ):  # a ROLLBACK TO may undo an arm sent after BEGIN: send it again
-            result = super()._exec_single_context(dialect, context, statement, parameters)
-            _send_arms(self, attrs[_SCOPE])
-            return result
+        if _ACTIVE in attrs and attrs[_ACTIVE] is not None and attrs[_ACTIVE].lease is not None:
+            if not _PSYCOPG_BEGIN_HOOK:  # no BEGIN carries the arm: re-arm after a COMMIT
+                _enter_scope(self, attrs[_ACTIVE].lease)  # sent as SQL, whatever runs next
+            if (
+                MIGHT_LEAVE_SCOPE.search(context.statement) is not None  # (rare)
+                and _refuse_leaving_scope(context.statement)  # the SQL as sent
+                and _ARMED_APART in attrs
+            ):  # a ROLLBACK TO may undo an arm sent after BEGIN: send it again
+                result = super()._exec_single_context(dialect, context, statement, parameters)
+                _send_arms(self, attrs[_SCOPE])
+                return result
         return super()._exec_single_context(dialect, context, statement, parameters)
 
     def _execute_default(self, *args: Any, **kwargs: Any) -> Any:
@@ -719,9 +719,7 @@ def _before_execute(
     :func:`_after_execute` checks."""
     lease, attrs = state.lease, conn.__dict__
     if lease is not None and (
-        _SCOPE not in attrs
-        or (lease.name, lease.token) not in attrs[_SCOPE]
-        or not _PSYCOPG_BEGIN_HOOK
+        _SCOPE not in attrs or (lease.name, lease.token) not in attrs[_SCOPE]
     ):
         _enter_scope(conn, lease)
     if not (elem.is_dml and isinstance(elem, Update | Delete | Insert)):  # (a SELECT: no call)

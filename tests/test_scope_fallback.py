@@ -1,0 +1,103 @@
+"""Lease scope without psycopg's BEGIN hook: every test of test_scope_trigger.py again.
+
+sa-fence writes a transaction's arm in psycopg's own BEGIN message, through
+psycopg internals it checks at import (``_flush._PSYCOPG_BEGIN_HOOK``).  A
+psycopg release that changes them turns the hook off, and every arm becomes
+a statement of its own, sent when the transaction enters lease scope and
+again first thing in a transaction begun after a COMMIT sent as SQL.  That
+path would otherwise meet users untested: here the whole lease-scope suite
+runs on it, with two tests swapped for their fallback versions.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+import sa_fence
+from sa_fence import _flush
+from sa_fence.testing import expire
+from tests import _scope_fixtures
+from tests.models_scope import OWN_ARMS, Outbox
+from tests.test_scope_trigger import *  # noqa: F403 (the suite, collected again here)
+from tests.test_scope_trigger import (
+    outbox,
+    test_the_arm_travels_in_psycopgs_begin_message,
+    test_without_the_arm_a_raw_commit_of_a_stale_holder_goes_through,
+)
+
+_empty_tables = _scope_fixtures.empty_tables  # (autouse, and private: not in the star)
+
+# They pin the hook itself: the fallback versions are below.
+del test_the_arm_travels_in_psycopgs_begin_message
+del test_without_the_arm_a_raw_commit_of_a_stale_holder_goes_through
+
+
+@pytest.fixture(autouse=True)
+def _without_the_begin_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_flush, "_PSYCOPG_BEGIN_HOOK", False)
+
+
+def test_every_arm_is_a_statement_of_its_own(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    a = fencer.acquire("job:fallback", 5)
+    try:
+        with make_session() as session:
+            a.bind(session)
+            session.execute(sa.text("SELECT 1"))
+            driver = session.connection().connection.driver_connection
+            assert "_start_query" not in vars(driver)  # psycopg's BEGIN, as it is
+            sent = session.execute(sa.text(f"SELECT name, token FROM {OWN_ARMS}")).all()
+            assert [tuple(r) for r in sent] == [(a.name, a.token)]
+    finally:
+        a.release()
+
+
+#: Ways a stale holder's write after ``text("COMMIT")`` can be sent.
+LATER_WRITES = {
+    "orm flush": lambda session: session.add(Outbox(id=1, message="stale")),
+    "text": lambda session: session.execute(
+        sa.text("INSERT INTO outbox (id, message) VALUES (1, 'stale')")
+    ),
+    "driver sql": lambda session: session.connection().exec_driver_sql(
+        "INSERT INTO outbox (id, message) VALUES (1, 'stale')"
+    ),
+}
+
+
+@pytest.mark.parametrize("write", LATER_WRITES.values(), ids=LATER_WRITES.keys())
+@pytest.mark.parametrize("rearm", [True, False], ids=["rearmed", "guard-removed"])
+def test_a_transaction_begun_after_a_commit_sent_as_sql_is_armed_again(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    write: Callable[[Session], object],
+    rearm: bool,
+) -> None:
+    """The holder commits with ``text("COMMIT")`` while current (SQLAlchemy does not
+    see it end), then its lease runs out; its next write begins a new transaction,
+    which the fallback arms again first: the commit is refused.  Without the re-arm
+    the stale write commits (the pair's other half)."""
+    if not rearm:
+        monkeypatch.setattr(_flush, "_rearm_if_ended", lambda conn, scope: None)
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        session.execute(sa.text("SELECT 1"))
+        session.execute(sa.text("COMMIT"))  # current: committed
+        assert expire(a)
+        b = fencer.acquire(a.name, 5)
+        write(session)
+        if rearm:
+            with pytest.raises(sa_fence.StaleTokenError):
+                session.commit()
+        else:
+            session.commit()
+    assert outbox(scope_engine) == ([] if rearm else ["stale"])
+    b.release()
