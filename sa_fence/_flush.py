@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy
 from psycopg import errors, generators
 from psycopg.pq import ExecStatus, TransactionStatus
+from psycopg.sql import Composable
 from sqlalchemy import Connection, Engine, TextClause, event, func, literal, select, true
 from sqlalchemy.exc import DBAPIError, MissingGreenlet
 from sqlalchemy.orm import NO_VALUE, Session, scoped_session, sessionmaker
@@ -218,9 +219,10 @@ class _FencedConnection(Connection):
         if _ACTIVE in attrs and attrs[_ACTIVE] is not None and attrs[_ACTIVE].lease is not None:
             if not _PSYCOPG_BEGIN_HOOK:  # no BEGIN carries the arm: re-arm after a COMMIT
                 _enter_scope(self, attrs[_ACTIVE].lease)  # sent as SQL, whatever runs next
+            sql = s if (s := context.statement).__class__ is str else _sql_text(self, s)
             if (
-                MIGHT_LEAVE_SCOPE.search(context.statement) is not None  # (rare)
-                and _refuse_leaving_scope(context.statement)  # the SQL as sent
+                MIGHT_LEAVE_SCOPE.search(sql) is not None  # (rare)
+                and _refuse_leaving_scope(sql)  # the SQL as sent
                 and _ARMED_APART in attrs
             ):  # a ROLLBACK TO may undo an arm sent after BEGIN: send it again
                 result = super()._exec_single_context(dialect, context, statement, parameters)
@@ -548,11 +550,8 @@ def _arm_inserts(arms: Arms) -> tuple[bytes, ...]:
 
 def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> None:
     """Without the BEGIN hook: re-arm, first, a transaction begun after a COMMIT sent as SQL."""
-    driver: Any = conn.connection.driver_connection
-    info = getattr(driver, "info", None)
-    if info is None or getattr(driver, "autocommit", False):
-        return
-    if info.transaction_status == TransactionStatus.IDLE:
+    driver: Any = conn.connection.driver_connection  # (psycopg 3: check_dialect)
+    if not driver.autocommit and driver.info.transaction_status == _IDLE:
         _send_arms(conn, scope)
 
 
@@ -625,6 +624,19 @@ def _start_query_armed(self: Any) -> Any:
         if result.status == ExecStatus.FATAL_ERROR:
             raise errors.error_from_result(result, encoding=self.pgconn._encoding)
     return None
+
+
+def _sql_text(conn: Connection, sql: object) -> str:
+    """Driver SQL given as bytes or as a psycopg ``sql`` object, as psycopg sends it."""
+    driver: Any = conn.connection.driver_connection
+    if isinstance(sql, bytes | bytearray | memoryview):  # (invalid bytes: the server refuses)
+        return bytes(sql).decode(driver.info.encoding, errors="replace")
+    if isinstance(sql, Composable):
+        return sql.as_string(driver)
+    raise FencingConfigError(
+        f"sa-fence cannot read SQL given as {type(sql).__name__}, as it must with a lease bound"
+        ": pass str, bytes or a psycopg sql.SQL or sql.Composed. Nothing was sent."
+    )
 
 
 def _refuse_leaving_scope(sql: str) -> bool:

@@ -18,17 +18,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from sqlalchemy import (
-    DDL,
-    BigInteger,
-    Column,
-    MetaData,
-    Sequence,
-    Table,
-    Text,
-    event,
-    text,
-)
+from sqlalchemy import DDL, BigInteger, Column, MetaData, Sequence, Table, Text, event, text
 from sqlalchemy.dialects.postgresql import TIMESTAMP
 
 from ._fitness import SEQUENCE_FIT_SQL, token_sequences_sql

@@ -177,7 +177,7 @@ async def test_an_async_session_without_a_lease_may_not_write_fenced_rows(
 
 
 @pytest.mark.parametrize("sql", ["COMMIT AND CHAIN", "COMMIT; BEGIN"])
-@pytest.mark.parametrize("send", ["text", "exec_driver_sql"])
+@pytest.mark.parametrize("send", ["text", "exec_driver_sql", "exec_driver_sql(bytes)"])
 async def test_an_async_session_refuses_sql_that_ends_the_transaction_and_goes_on(
     afencer: sa_fence.AsyncFencer,
     make_async_session: async_sessionmaker[AsyncSession],
@@ -192,7 +192,11 @@ async def test_an_async_session_refuses_sql_that_ends_the_transaction_and_goes_o
         session.add(Job(id=3, result="chained"))
         await session.flush()
         conn = await session.connection()
-        sent = conn.execute(sa.text(sql)) if send == "text" else conn.exec_driver_sql(sql)
+        sent = (
+            conn.execute(sa.text(sql))
+            if send == "text"
+            else conn.exec_driver_sql(sql.encode() if "bytes" in send else sql)
+        )
         with pytest.raises(sa_fence.FencingConfigError, match="Nothing was sent"):
             await sent
         await session.rollback()

@@ -159,6 +159,10 @@ SQL_SENDS: dict[str, Callable[[Any, str], Any]] = {
     "text": lambda c, sql: c.execute(sa.text(sql)),
     "text().columns()": lambda c, sql: c.execute(sa.text(sql).columns()),
     "exec_driver_sql": lambda c, sql: c.exec_driver_sql(sql),
+    "exec_driver_sql(bytes)": lambda c, sql: c.exec_driver_sql(sql.encode()),
+    "exec_driver_sql(psycopg sql)": lambda c, sql: c.exec_driver_sql(
+        psycopg.sql.Composed([psycopg.sql.SQL(part) for part in sql.partition(";")])
+    ),
     "DDL": lambda c, sql: c.execute(sa.DDL(sql)),
     "a text() clause": lambda c, sql: c.execute(
         sa.select(sa.literal_column("1")).where(sa.text(f"true; {sql}"))
@@ -213,6 +217,39 @@ def test_sql_that_ends_its_transaction_last_or_not_at_all_is_sent(
         session.rollback()
     assert outbox(scope_engine) == ["first"]
     b.release()
+
+
+@pytest.mark.parametrize("send", [s for s in SQL_SENDS if s.startswith("exec_driver_sql(")])
+def test_driver_sql_as_bytes_or_a_psycopg_sql_object_runs_as_without_a_lease(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine, send: str
+) -> None:
+    """SQLAlchemy passes them to psycopg as they are; sa-fence reads their text (as psycopg
+    will send it) to look for an end of the transaction, and sends them unchanged."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        rows = SQL_SENDS[send](session.connection(), "SELECT 'é;' || 1; SELECT 2").all()
+        assert rows == [("é;1",)]  # (psycopg shows the first statement's rows)
+        SQL_SENDS[send](session.connection(), "INSERT INTO outbox (id, message) VALUES (1, 'a')")
+        session.commit()
+    assert outbox(scope_engine) == ["a"]
+    a.release()
+
+
+def test_driver_sql_sa_fence_cannot_read_is_refused_with_the_types_to_use(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    class Opaque:
+        pass
+
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        with pytest.raises(
+            sa_fence.FencingConfigError, match=r"SQL given as Opaque.*str, bytes or a psycopg"
+        ):
+            session.connection().exec_driver_sql(Opaque())  # type: ignore[arg-type]
+    a.release()
 
 
 def _savepoint_rolled_back_after_bind(session: Session, lease: sa_fence.Lease, how: str) -> None:
