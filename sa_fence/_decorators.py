@@ -279,10 +279,9 @@ def _first_or_parameter(what: str, locator: str, bound: inspect.BoundArguments) 
     first = next(iter(bound.arguments.values()), None)
     if first is None or not hasattr(first, locator):
         raise TypeError(
-            f"@fenced could not find the {what}: the call has no parameter "
-            f"{locator!r} and its first argument ({type(first).__name__}) has no "
-            f"attribute {locator!r}. Pass {what}=<name of the parameter or attribute>, "
-            f"or {what}=<the object> to fenced()"
+            f"@fenced could not find the {what}: the call has no parameter {locator!r} and its "
+            f"first argument ({type(first).__name__}) has no attribute {locator!r}. Pass "
+            f"{what}=<name of the parameter or attribute>, or {what}=<the object> to fenced()"
         )
     return getattr(first, locator)
 
@@ -297,9 +296,8 @@ def _open(how: str, source: Any, is_async: bool) -> Any:
         if how == _FACTORY and callable(close) and not inspect.iscoroutinefunction(close):
             close()
         raise TypeError(
-            f"@fenced's session {'factory' if how == _FACTORY else 'registry'} {source!r} "
-            f"returned a {type(session).__name__}, not "
-            f"{'an AsyncSession' if is_async else 'a Session'}"
+            f"@fenced's session {'factory' if how == _FACTORY else 'registry'} {source!r} returned "
+            f"a {type(session).__name__}, not {'an AsyncSession' if is_async else 'a Session'}"
         )
     return session
 

@@ -215,20 +215,23 @@ class _FencedConnection(Connection):
     def _exec_single_context(
         self, dialect: Any, context: Any, statement: Any, parameters: Any
     ) -> Any:
-        attrs = self.__dict__  # (`in` and [], not get(): no call)
-        if _ACTIVE in attrs and attrs[_ACTIVE] is not None and attrs[_ACTIVE].lease is not None:
-            if not _PSYCOPG_BEGIN_HOOK:  # no BEGIN carries the arm: re-arm after a COMMIT
-                _enter_scope(self, attrs[_ACTIVE].lease)  # sent as SQL, whatever runs next
-            sql = s if (s := context.statement).__class__ is str else _sql_text(self, s)
-            if (
-                MIGHT_LEAVE_SCOPE.search(sql) is not None  # (rare)
-                and _refuse_leaving_scope(sql)  # the SQL as sent
-                and _ARMED_APART in attrs
-            ):  # a ROLLBACK TO may undo an arm sent after BEGIN: send it again
-                result = super()._exec_single_context(dialect, context, statement, parameters)
-                _send_arms(self, attrs[_SCOPE])
-                return result
-        return super()._exec_single_context(dialect, context, statement, parameters)
+        attrs, sql = self.__dict__, context.statement  # (`in` and [], not get(): no call)
+        state: SessionState | None = attrs[_ACTIVE] if _ACTIVE in attrs else None  # noqa: SIM401
+        if state is None or state.lease is None:
+            return super()._exec_single_context(dialect, context, statement, parameters)
+        if _PSYCOPG_BEGIN_HOOK and sql.__class__ is str and MIGHT_LEAVE_SCOPE.search(sql) is None:
+            return super()._exec_single_context(dialect, context, statement, parameters)  # (most)
+        rolls_back = _before_bound_sql(self, state.lease, sql)
+        result = super()._exec_single_context(dialect, context, statement, parameters)
+        if rolls_back:  # a ROLLBACK TO may undo an arm sent after BEGIN: send it again
+            _send_arms(self, attrs[_SCOPE])
+        return result
+
+    def _exec_insertmany_context(self, dialect: Any, context: Any) -> Any:
+        state: SessionState | None = self.__dict__.get(_ACTIVE)
+        if state is not None and state.lease is not None:
+            _before_bound_sql(self, state.lease, context.statement)  # (an INSERT: no ROLLBACK TO)
+        return super()._exec_insertmany_context(dialect, context)
 
     def _execute_default(self, *args: Any, **kwargs: Any) -> Any:
         _scope_on_begin(self)
@@ -259,6 +262,7 @@ def check_connection_api(cls: type) -> None:
     wanted = {
         "_execute_clauseelement": ["self", "elem", "distilled_parameters", "execution_options"],
         "_exec_single_context": ["self", "dialect", "context", "statement", "parameters"],
+        "_exec_insertmany_context": ["self", "dialect", "context"],
         "_execute_default": None,
         "_execute_ddl": None,
         "_begin_impl": ["self", "transaction"],
@@ -626,17 +630,23 @@ def _start_query_armed(self: Any) -> Any:
     return None
 
 
-def _sql_text(conn: Connection, sql: object) -> str:
-    """Driver SQL given as bytes or as a psycopg ``sql`` object, as psycopg sends it."""
+def _before_bound_sql(conn: Connection, lease: Lease, sql: Any) -> bool:
+    """Before SQL on a bound connection: re-arm, without the BEGIN hook, after a COMMIT sent as
+    SQL; refuse SQL that leaves lease scope.  Whether it rolls back an arm sent apart."""
+    if not _PSYCOPG_BEGIN_HOOK:
+        _enter_scope(conn, lease)
     driver: Any = conn.connection.driver_connection
-    if isinstance(sql, bytes | bytearray | memoryview):  # (invalid bytes: the server refuses)
-        return bytes(sql).decode(driver.info.encoding, errors="replace")
-    if isinstance(sql, Composable):
-        return sql.as_string(driver)
-    raise FencingConfigError(
-        f"sa-fence cannot read SQL given as {type(sql).__name__}, as it must with a lease bound"
-        ": pass str, bytes or a psycopg sql.SQL or sql.Composed. Nothing was sent."
-    )
+    if isinstance(sql, bytes | bytearray | memoryview):  # driver SQL (invalid: the server refuses)
+        sql = bytes(sql).decode(driver.info.encoding, errors="replace")
+    elif isinstance(sql, Composable):  # driver SQL as a psycopg sql object, as psycopg renders it
+        sql = sql.as_string(driver)
+    elif not isinstance(sql, str):
+        raise FencingConfigError(
+            f"sa-fence cannot read SQL given as {type(sql).__name__}, as it must with a lease "
+            "bound: pass str, bytes or a psycopg sql.SQL or sql.Composed. Nothing was sent."
+        )
+    leaves = MIGHT_LEAVE_SCOPE.search(sql) is not None and _refuse_leaving_scope(sql)
+    return leaves and _ARMED_APART in conn.__dict__
 
 
 def _refuse_leaving_scope(sql: str) -> bool:

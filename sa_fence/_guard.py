@@ -398,10 +398,9 @@ def error_from_guard(
     message = str(getattr(diag, "message_primary", None) or orig).strip()
     if sqlstate == NO_TOKEN_SQLSTATE:
         return UnfencedWriteError(
-            f"{message}. The table's guard refuses writes that present no token: bind a "
-            "lease to the session, wrap a Core connection in "
-            "sa_fence.fence_connection(conn, lease), or run "
-            "SELECT set_config('sa_fence.token', '<token>', true) in the transaction."
+            f"{message}. The table's guard refuses writes that present no token: bind a lease to "
+            "the session, wrap a Core connection in sa_fence.fence_connection(conn, lease), or "
+            "run SELECT set_config('sa_fence.token', '<token>', true) in the transaction."
         )
     detail = _detail(diag)
     if detail.get("reason") == "not_issued":

@@ -374,10 +374,9 @@ def check_lease_options(renew: object, on_lost: object, fail_fast: object) -> No
 
 def overtaken_grant_message(name: str, drawn: int) -> str:
     return (
-        f"lease {name!r} was not granted: a newer grant of that name committed while "
-        f"this one (token {drawn}) was in flight, so this acquire's lease "
-        "expired or was taken over before its token could be recorded; the token was "
-        "thrown away. Use a longer ttl if this repeats."
+        f"lease {name!r} was not granted: a newer grant of that name committed while this one "
+        f"(token {drawn}) was in flight, so this acquire's lease expired or was taken over before "
+        "its token could be recorded; the token was thrown away. Use a longer ttl if this repeats."
     )
 
 

@@ -88,10 +88,9 @@ def _check_task(task: object, kwargs: dict[str, Any]) -> None:
         for p in params
     ):
         raise TypeError(
-            f"task {task.name!r} has no {KEY_ARGUMENT!r} parameter: add "
-            f"`{KEY_ARGUMENT}: str` to it and send it with the effect (an Idempotency-Key "
-            "header, a Message-ID) so the receiver can deduplicate retries. Nothing was "
-            "enqueued."
+            f"task {task.name!r} has no {KEY_ARGUMENT!r} parameter: add `{KEY_ARGUMENT}: str` to "
+            "it and send it with the effect (an Idempotency-Key header, a Message-ID) so the "
+            "receiver can deduplicate retries. Nothing was enqueued."
         )
 
 
@@ -100,10 +99,9 @@ def _require_scope(conn: Connection, lease: Lease) -> None:
     if not _flush.in_scope(conn, lease):
         raise FencingConfigError(
             f"this session's transaction is not lease-scoped for {lease.name!r} (it writes to "
-            "another database than the lease register's), so its COMMIT would not check the "
-            "lease and a stale holder's job would be delivered. Enqueue side effects in the "
-            "database that holds the lease register and the queue's tables. Nothing was "
-            "enqueued."
+            "another database than the lease register's), so its COMMIT would not check the lease "
+            "and a stale holder's job would be delivered. Enqueue side effects in the database "
+            "that holds the lease register and the queue's tables. Nothing was enqueued."
         )
 
 

@@ -106,13 +106,12 @@ def pooler_problem(conn: Connection) -> str | None:
     if not behind_pooler(conn):
         return None  # connected to the server itself
     return (
-        "the engine connects through a connection pooler (PgBouncer?): its connections "
-        "do not reach the server they started with. psycopg prepares statements it runs "
-        "often, and a pooler that pools by transaction (PgBouncer pool_mode = "
-        "transaction before 1.21, or with max_prepared_statements = 0) mixes them up "
-        "between clients ('prepared statement \"_pg3_0\" already exists'). Create the "
-        "engine with connect_args={'prepare_threshold': None} (see "
-        f"{_failures.POOLER_DOC})."
+        "the engine connects through a connection pooler (PgBouncer?): its connections do not "
+        "reach the server they started with. psycopg prepares statements it runs often, and a "
+        "pooler that pools by transaction (PgBouncer pool_mode = transaction before 1.21, or with "
+        "max_prepared_statements = 0) mixes them up between clients ('prepared statement "
+        "\"_pg3_0\" already exists'). Create the engine with connect_args={'prepare_threshold': "
+        f"None}} (see {_failures.POOLER_DOC})."
     )
 
 
@@ -170,10 +169,9 @@ def token_error(
 
 def _sync_commit_error(value: str) -> FencingConfigError:
     return FencingConfigError(
-        f"synchronous_commit is {value!r} on the token connection: a token could be "
-        "handed out twice after a crash. Set it to 'on' (ALTER DATABASE <db> SET "
-        "synchronous_commit = on, or remove the override from the engine's "
-        "connect_args / postgresql.conf)."
+        f"synchronous_commit is {value!r} on the token connection: a token could be handed out "
+        "twice after a crash. Set it to 'on' (ALTER DATABASE <db> SET synchronous_commit = on, or "
+        "remove the override from the engine's connect_args / postgresql.conf)."
     )
 
 

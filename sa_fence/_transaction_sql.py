@@ -1,14 +1,12 @@
 """Which SQL would take a bound transaction out of lease scope.
 
-PostgreSQL runs the statements of one message in turn: in ``COMMIT; BEGIN`` the
-COMMIT is checked, but the BEGIN starts a transaction no arm reached, and in
-``COMMIT; INSERT ...`` the INSERT commits on its own; ``COMMIT AND CHAIN`` begins an
-unarmed transaction too, and a ROLLBACK TO undoes an arm sent inside its savepoint.
-:func:`scope_effect` finds them, splitting statements as the server does: quotes,
-dollar quotes, nested comments, parentheses and (psql's rule) ``BEGIN ATOMIC`` bodies
-hold no boundary.  Not sqlparse: it does not nest comments, so ``/* /* */ */ COMMIT;
-BEGIN`` would hide its COMMIT from it.  tests/test_transaction_sql.py holds this split
-to the server's own."""
+PostgreSQL runs the statements of one message in turn: in ``COMMIT; BEGIN`` the COMMIT is checked,
+but the BEGIN starts a transaction no arm reached, and in ``COMMIT; INSERT ...`` the INSERT commits
+on its own; ``COMMIT AND CHAIN`` begins an unarmed transaction too, and a ROLLBACK TO undoes an arm
+sent inside its savepoint. :func:`scope_effect` finds them, splitting statements as the server
+does: quotes, dollar quotes, nested comments, parentheses and (psql's rule) ``BEGIN ATOMIC`` bodies
+hold no boundary. Not sqlparse: it does not nest comments, so ``/* /* */ */ COMMIT; BEGIN`` would
+hide its COMMIT from it. tests/test_transaction_sql.py holds this split to the server's own."""
 
 from __future__ import annotations
 
