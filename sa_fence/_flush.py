@@ -76,8 +76,6 @@ T = TypeVar("T", bound=Target | scoped_session[Any])
 
 
 # ---------------------------------------------------------------- per session
-
-
 @dataclass(slots=True)
 class _Pending:
     """A primary-key targeted statement whose row count after_execute checks."""
@@ -373,8 +371,6 @@ def _scope_rights_error(orig: BaseException) -> FencingConfigError | None:
 
 
 # ------------------------------------------------- lease scope (at COMMIT)
-
-
 def in_scope(conn: Connection, lease: Lease) -> bool:
     """Whether ``conn``'s transaction checks ``lease`` at COMMIT."""
     scope = conn.__dict__.get(_SCOPE)
@@ -740,8 +736,10 @@ def _before_execute(
     sets to send instead and, when its row count tells a stale write apart, what
     :func:`_after_execute` checks."""
     lease, attrs = state.lease, conn.__dict__
-    if lease is not None and (
-        _SCOPE not in attrs or (lease.name, lease.token) not in attrs[_SCOPE]
+    if lease is not None and (  # no BEGIN hook: re-arm before SQLAlchemy draws any default
+        not _PSYCOPG_BEGIN_HOOK
+        or _SCOPE not in attrs
+        or (lease.name, lease.token) not in attrs[_SCOPE]
     ):
         _enter_scope(conn, lease)
     if not (elem.is_dml and isinstance(elem, Update | Delete | Insert)):  # (a SELECT: no call)
@@ -937,8 +935,6 @@ def _named_values(values: Any) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------- session events
-
-
 def _writes_fenced(session: Session) -> bool:
     return any(
         is_fenced_class(type(obj)) for obj in chain(session.new, session.dirty, session.deleted)

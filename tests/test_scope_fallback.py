@@ -58,8 +58,26 @@ def test_every_arm_is_a_statement_of_its_own(
         a.release()
 
 
+#: The outbox table with a key SQLAlchemy draws before the INSERT (a pre-executed default:
+#: ``SELECT nextval(...)`` runs before the INSERT's own statement is sent).
+_preexecuted = sa.Table(
+    "outbox",
+    sa.MetaData(),
+    sa.Column("id", sa.Integer, sa.Sequence("outbox_fallback_id"), primary_key=True),
+    sa.Column("message", sa.String),
+    implicit_returning=False,
+)
+
+
+def _with_a_preexecuted_key(session: Session) -> None:
+    with session.get_bind().begin() as other:  # (a connection of its own)
+        other.execute(sa.text("CREATE SEQUENCE IF NOT EXISTS outbox_fallback_id"))
+    session.execute(sa.insert(_preexecuted).values(message="stale"))
+
+
 #: Ways a stale holder's write after ``text("COMMIT")`` can be sent.
 LATER_WRITES = {
+    "pre-executed default": _with_a_preexecuted_key,
     "orm flush": lambda session: session.add(Outbox(id=1, message="stale")),
     "orm flush, two rows": lambda session: session.add_all(
         [Outbox(id=1, message="stale"), Outbox(id=2, message="stale")]
