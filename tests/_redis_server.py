@@ -6,6 +6,7 @@ free loopback port, with persistence off, and stops it afterwards.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -21,10 +22,19 @@ from redis.retry import Retry
 from tests._tools import missing
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free loopback port, and one no other pytest-xdist worker of this run is given: the
+    kernel may hand two workers the same free port before either starts its server on it, so
+    each worker takes only its share of them (by half the port: Linux hands out odd ones)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if (port >> 1) % workers == index % workers:
+            return port
+    raise RuntimeError(f"no free port for pytest-xdist worker {index} of {workers}")
 
 
 class RedisServer:

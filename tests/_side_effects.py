@@ -22,7 +22,6 @@ import contextlib
 import hashlib
 import json
 import smtplib
-import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ from sa_fence.tools.demo_side_effects import (
     retry_stalled,
     work_until_empty,
 )
+from tests._redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 #: A worker imports procrastinate, psycopg and asyncio before it works.
@@ -235,12 +235,6 @@ class HttpSink(LoopbackApi):
         self.keep_open()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class SmtpSink:
     """An SMTP receiver on loopback (aiosmtpd) that deduplicates on ``Message-ID``."""
 
@@ -261,7 +255,7 @@ class SmtpSink:
                 )
                 return "250 OK"
 
-        self.port = _free_port()
+        self.port = free_port()
         self._controller = Controller(Handler(), hostname="127.0.0.1", port=self.port)
         self._controller.start()
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import redis
 
+from tests._redis_server import free_port as any_free_port
 from tests._tcp_proxy import TcpProxy
 from tests._tools import missing
 
@@ -57,9 +58,7 @@ def binary(name: str) -> str:
 def free_port(*, bus: bool = False) -> int:
     """A free loopback port; with ``bus``, port + 10000 is free too (the cluster bus)."""
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind((HOST, 0))
-            port = int(s.getsockname()[1])
+        port = any_free_port(HOST)  # (this pytest-xdist worker's own)
         if not bus:
             return port
         if port + 10000 < 65536:
