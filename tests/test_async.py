@@ -12,6 +12,7 @@ import inspect
 import types
 from typing import Any
 
+import psycopg
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -177,7 +178,9 @@ async def test_an_async_session_without_a_lease_may_not_write_fenced_rows(
 
 
 @pytest.mark.parametrize("sql", ["COMMIT AND CHAIN", "COMMIT; BEGIN"])
-@pytest.mark.parametrize("send", ["text", "exec_driver_sql", "exec_driver_sql(bytes)"])
+@pytest.mark.parametrize(
+    "send", ["text", "exec_driver_sql", "exec_driver_sql(bytes)", "exec_driver_sql(psycopg sql)"]
+)
 async def test_an_async_session_refuses_sql_that_ends_the_transaction_and_goes_on(
     afencer: sa_fence.AsyncFencer,
     make_async_session: async_sessionmaker[AsyncSession],
@@ -195,7 +198,13 @@ async def test_an_async_session_refuses_sql_that_ends_the_transaction_and_goes_o
         sent = (
             conn.execute(sa.text(sql))
             if send == "text"
-            else conn.exec_driver_sql(sql.encode() if "bytes" in send else sql)
+            else conn.exec_driver_sql(
+                sql.encode()
+                if "bytes" in send
+                else psycopg.sql.SQL(sql)
+                if "psycopg" in send
+                else sql
+            )
         )
         with pytest.raises(sa_fence.FencingConfigError, match="Nothing was sent"):
             await sent
