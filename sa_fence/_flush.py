@@ -509,13 +509,13 @@ def _driver(conn: Connection, fairy: Any = None) -> Any:
 def _arm(conn: Connection, lease: Lease) -> None:
     """Arm ``conn``'s transaction (now or in its BEGIN) for ``lease``."""
     driver: Any = _driver(conn)
-    hook = _PSYCOPG_BEGIN_HOOK and hasattr(driver, "_get_tx_start_command")  # psycopg 3
-    if driver.read_only if hook else getattr(driver, "read_only", None):
+    psycopg3 = hasattr(driver, "_get_tx_start_command")  # (else: no dialect check, in a test)
+    if driver.read_only if psycopg3 else getattr(driver, "read_only", None):
         raise _read_only_error()
     known = lease._scoped
     table = known[1] if known is not None and known[0] is conn.engine else _scope_table(conn, lease)
     row = _arm_row(lease.name, lease.token)
-    if hook:
+    if _PSYCOPG_BEGIN_HOOK and psycopg3:
         attrs = driver.__dict__  # (`in` and [], not get(): no calls)
         owner = attrs[_ARMS_OWNER] if _ARMS_OWNER in attrs else None  # noqa: SIM401
         if owner is None or owner() is not conn:
@@ -525,6 +525,8 @@ def _arm(conn: Connection, lease: Lease) -> None:
             driver._start_query = types.MethodType(_start_query_armed, driver)
         if driver.pgconn.transaction_status == _IDLE:
             return  # not begun: it travels in this transaction's BEGIN
+    elif psycopg3 and not driver.autocommit and driver.info.transaction_status == _IDLE:
+        return  # not begun: sent before its first statement (_rearm_if_ended)
     conn.__dict__[_ARMED_APART] = True
     _run(conn, _arm_sql(table, [row]))
 

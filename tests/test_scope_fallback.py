@@ -25,6 +25,7 @@ from tests import _scope_fixtures
 from tests.models_scope import OWN_ARMS, Outbox
 from tests.test_scope_trigger import *  # noqa: F403 (the suite, collected again here)
 from tests.test_scope_trigger import (
+    _async_scope,
     outbox,
     test_the_arm_travels_in_psycopgs_begin_message,
     test_without_the_arm_a_raw_commit_of_a_stale_holder_goes_through,
@@ -130,3 +131,25 @@ def test_a_transaction_begun_after_a_commit_sent_as_sql_is_armed_again(
     assert outbox(scope_engine) == ([] if rearm else ["stale"] * len(outbox(scope_engine)))
     assert rearm or outbox(scope_engine)
     b.release()
+
+
+async def test_async_a_lease_bound_before_the_first_statement_needs_no_event_loop(
+    scope_engine: sa.Engine, key_prefix: str
+) -> None:
+    """As with the hook: bound after ``await session.connection()`` (begun, nothing sent), the
+    arm waits for the first statement instead of needing the event loop in ``bind()``; the
+    transaction is armed all the same."""
+    async with _async_scope(scope_engine, key_prefix) as (_aengine, client, fencer, make):
+        a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        async with make() as session:
+            await session.connection()
+            a.bind(session)  # (no FencingConfigError: nothing to send yet)
+            session.add(Outbox(id=1, message="stale"))
+            await session.flush()
+            assert await client.eval("return redis.call('del', KEYS[1])", 1, a.key)
+            b = await fencer.acquire(a.name, 5)
+            with pytest.raises(sa_fence.StaleTokenError):
+                await session.commit()
+            await session.rollback()
+        assert outbox(scope_engine) == []
+        await b.release()
