@@ -26,6 +26,7 @@ from tests.models_scope import OWN_ARMS, Outbox
 from tests.test_scope_trigger import *  # noqa: F403 (the suite, collected again here)
 from tests.test_scope_trigger import (
     _async_scope,
+    _async_write_then_superseded_is_refused,
     outbox,
     test_the_arm_travels_in_psycopgs_begin_message,
     test_without_the_arm_a_raw_commit_of_a_stale_holder_goes_through,
@@ -144,12 +145,6 @@ async def test_async_a_lease_bound_before_the_first_statement_needs_no_event_loo
         async with make() as session:
             await session.connection()
             a.bind(session)  # (no FencingConfigError: nothing to send yet)
-            session.add(Outbox(id=1, message="stale"))
-            await session.flush()
-            assert await client.eval("return redis.call('del', KEYS[1])", 1, a.key)
-            b = await fencer.acquire(a.name, 5)
-            with pytest.raises(sa_fence.StaleTokenError):
-                await session.commit()
-            await session.rollback()
+            b = await _async_write_then_superseded_is_refused(session, client, fencer, a)
         assert outbox(scope_engine) == []
         await b.release()

@@ -1010,12 +1010,21 @@ async def test_async_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rol
             assert not (await session.connection()).invalidated  # and nothing was sent
             await session.run_sync(lambda s: a.bind(s))
             await nested.rollback()
-            session.add(Outbox(id=1, message="stale"))
-            await session.flush()
-            assert await client.eval("return redis.call('del', KEYS[1])", 1, a.key)
-            b = await fencer.acquire(a.name, 5)
-            with pytest.raises(sa_fence.StaleTokenError):
-                await session.commit()
-            await session.rollback()
+            b = await _async_write_then_superseded_is_refused(session, client, fencer, a)
         assert outbox(scope_engine) == []
         await b.release()
+
+
+async def _async_write_then_superseded_is_refused(
+    session: AsyncSession, client: Any, fencer: sa_fence.AsyncFencer, a: sa_fence.AsyncLease
+) -> sa_fence.AsyncLease:
+    """A's session writes, A's lease runs out behind its back and B is granted the name: A's
+    commit is refused (and rolled back).  Returns B."""
+    session.add(Outbox(id=1, message="stale"))
+    await session.flush()
+    assert await client.eval("return redis.call('del', KEYS[1])", 1, a.key)
+    b = await fencer.acquire(a.name, 5)
+    with pytest.raises(sa_fence.StaleTokenError):
+        await session.commit()
+    await session.rollback()
+    return b
