@@ -224,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for uri in uris.values():
             conn.execute(f'CREATE DATABASE "{uri.database}"')
     try:
+        for uri in uris.values():  # the schemas SQLAlchemy's README.unittests.rst asks for
+            database = uri.set(drivername="postgresql").render_as_string(hide_password=False)
+            with psycopg.connect(database, autocommit=True) as conn:
+                conn.execute("CREATE SCHEMA test_schema; CREATE SCHEMA test_schema_2")
         print(
             f"SQLAlchemy {version}'s own tests ({len(files)} files), plain and with sa-fence "
             f"installed on every Session; logs and JUnit XML in {logs}"
