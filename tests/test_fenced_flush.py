@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
 from sa_fence import _flush, _rewrite
+from sa_fence.testing import expire
 from tests._sql import recorded_statements, seed
 from tests.models import Audit, Cell, Job
 
@@ -613,3 +614,39 @@ def test_a_class_mapped_after_the_orm_index_was_built_is_in_it() -> None:
         assert links in _model.orm_index().association_tables
     finally:
         LateBase.registry.dispose()
+
+
+def test_a_schema_per_tenant_through_schema_translate_map_is_fenced_in_the_tenants_schema(
+    engine: sa.Engine, fencer: sa_fence.Fencer
+) -> None:
+    """Multi-tenant apps map the models' schema to a tenant's with schema_translate_map: the
+    token-compared UPDATE goes to the tenant's table, and a stale holder is refused there."""
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP SCHEMA IF EXISTS tenant_a CASCADE; CREATE SCHEMA tenant_a"))
+    tenant = engine.execution_options(schema_translate_map={None: "tenant_a"})
+    try:
+        Job.metadata.create_all(tenant, tables=[Job.__table__])
+        maker = sa_fence.install(sessionmaker(tenant))
+        a = fencer.acquire("job:tenant", 5)
+        with maker() as session:
+            a.bind(session)
+            session.add(Job(id=1, result="a"))
+            session.commit()
+        assert expire(a)
+        with fencer.lease("job:tenant", 5) as b, maker() as session:
+            b.bind(session)
+            session.get_one(Job, 1).result = "b"
+            session.commit()
+            with maker() as stale:
+                a.bind(stale)
+                stale.get_one(Job, 1).result = "stale"
+                with pytest.raises(sa_fence.StaleTokenError) as refused:
+                    stale.commit()
+        assert refused.value.table == "jobs"
+        assert refused.value.current_fences == (b.token,)
+        with tenant.connect() as conn:
+            assert conn.execute(sa.select(Job.result, Job.fence)).all() == [("b", b.token)]
+            assert conn.execute(sa.text("SELECT count(*) FROM public.jobs")).scalar() == 0
+    finally:
+        with engine.begin() as conn:
+            conn.execute(sa.text("DROP SCHEMA tenant_a CASCADE"))
