@@ -631,8 +631,6 @@ def _start_query_armed(self: Any) -> Any:
 def _before_bound_sql(conn: Connection, lease: Lease, sql: Any) -> bool:
     """Before SQL on a bound connection: re-arm, without the BEGIN hook, after a COMMIT sent as
     SQL; refuse SQL that leaves lease scope.  Whether it rolls back an arm sent apart."""
-    if not _PSYCOPG_BEGIN_HOOK:
-        _enter_scope(conn, lease)
     driver: Any = conn.connection.driver_connection
     if isinstance(sql, bytes | bytearray | memoryview):  # driver SQL (invalid: the server refuses)
         sql = bytes(sql).decode(driver.info.encoding, errors="replace")
@@ -644,6 +642,8 @@ def _before_bound_sql(conn: Connection, lease: Lease, sql: Any) -> bool:
             "bound: pass str, bytes or a psycopg sql.SQL or sql.Composed. Nothing was sent."
         )
     leaves = MIGHT_LEAVE_SCOPE.search(sql) is not None and _refuse_leaving_scope(sql)
+    if not _PSYCOPG_BEGIN_HOOK:  # (after a refusal: nothing is sent, not even an arm)
+        _enter_scope(conn, lease)
     return leaves and _ARMED_APART in conn.__dict__
 
 

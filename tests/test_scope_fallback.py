@@ -14,6 +14,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
@@ -148,3 +149,21 @@ async def test_async_a_lease_bound_before_the_first_statement_needs_no_event_loo
             b = await _async_write_then_superseded_is_refused(session, client, fencer, a)
         assert outbox(scope_engine) == []
         await b.release()
+
+
+def test_driver_sql_that_leaves_scope_is_refused_before_even_an_arm_is_sent(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """On this path the arm of a transaction not yet begun goes before its first statement;
+    refused driver SQL sends neither (its error says nothing was sent).  (A ``text()`` is
+    armed for before SQLAlchemy compiles it, so its transaction may begin, armed.)"""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        session.execute(sa.text("SELECT 1"))
+        session.execute(sa.text("COMMIT"))  # the next statement would begin a transaction
+        driver = session.connection().connection.driver_connection
+        with pytest.raises(sa_fence.FencingConfigError, match="Nothing was sent"):
+            session.connection().exec_driver_sql("COMMIT; BEGIN")
+        assert driver.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    a.release()
