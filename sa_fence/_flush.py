@@ -631,11 +631,10 @@ def _start_query_armed(self: Any) -> Any:
 def _before_bound_sql(conn: Connection, lease: Lease, sql: Any) -> bool:
     """Before SQL on a bound connection: re-arm, without the BEGIN hook, after a COMMIT sent as
     SQL; refuse SQL that leaves lease scope.  Whether it rolls back an arm sent apart."""
-    driver: Any = conn.connection.driver_connection
-    if isinstance(sql, bytes | bytearray | memoryview):  # driver SQL (invalid: the server refuses)
-        sql = bytes(sql).decode(driver.info.encoding, errors="replace")
+    if isinstance(sql, bytes | bytearray | memoryview):  # driver SQL (invalid: server refuses)
+        sql = bytes(sql).decode(_driver(conn).info.encoding, errors="replace")
     elif isinstance(sql, Composable):  # driver SQL as a psycopg sql object, as psycopg renders it
-        sql = sql.as_string(driver)
+        sql = sql.as_string(_driver(conn))
     elif not isinstance(sql, str):
         raise FencingConfigError(
             f"sa-fence cannot read SQL given as {type(sql).__name__}, as it must with a lease "
