@@ -177,10 +177,16 @@ async def test_an_async_session_without_a_lease_may_not_write_fenced_rows(
     assert row(engine, 2) is None
 
 
+#: Driver SQL as a str, as bytes and as a psycopg sql object.
+DRIVER_SQL: dict[str, Any] = {
+    "exec_driver_sql": str,
+    "exec_driver_sql(bytes)": str.encode,
+    "exec_driver_sql(psycopg sql)": psycopg.sql.SQL,
+}
+
+
 @pytest.mark.parametrize("sql", ["COMMIT AND CHAIN", "COMMIT; BEGIN"])
-@pytest.mark.parametrize(
-    "send", ["text", "exec_driver_sql", "exec_driver_sql(bytes)", "exec_driver_sql(psycopg sql)"]
-)
+@pytest.mark.parametrize("send", ["text", *DRIVER_SQL])
 async def test_an_async_session_refuses_sql_that_ends_the_transaction_and_goes_on(
     afencer: sa_fence.AsyncFencer,
     make_async_session: async_sessionmaker[AsyncSession],
@@ -198,13 +204,7 @@ async def test_an_async_session_refuses_sql_that_ends_the_transaction_and_goes_o
         sent = (
             conn.execute(sa.text(sql))
             if send == "text"
-            else conn.exec_driver_sql(
-                sql.encode()
-                if "bytes" in send
-                else psycopg.sql.SQL(sql)
-                if "psycopg" in send
-                else sql
-            )
+            else conn.exec_driver_sql(DRIVER_SQL[send](sql))
         )
         with pytest.raises(sa_fence.FencingConfigError, match="Nothing was sent"):
             await sent
