@@ -46,7 +46,7 @@ from . import _guard, _telemetry
 from ._dialect import check_dialect
 from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check, quote_ident
 from ._model import fence_column_of, fence_key_of, is_fenced_class, missing_fence_column, orm_index
-from ._register import DATABASE_ID_SQL, SCOPE_SCHEMA_SQL, SCOPE_TABLE
+from ._register import DATABASE_ID_SQL, SCOPE_TABLE
 from ._rewrite import TOKEN_BIND, FencedStatement, rewrite, rewritten
 from ._transaction_sql import MIGHT_LEAVE_SCOPE, scope_effect
 from .errors import (
@@ -235,10 +235,6 @@ class _FencedConnection(Connection):
         _scope_on_begin(self)
         return super()._execute_default(*args, **kwargs)
 
-    def _execute_ddl(self, *args: Any, **kwargs: Any) -> Any:
-        _scope_on_begin(self)
-        return super()._execute_ddl(*args, **kwargs)
-
     def _begin_impl(self, transaction: Any) -> None:
         _scope_on_begin(self)
         super()._begin_impl(transaction)
@@ -262,7 +258,6 @@ def check_connection_api(cls: type) -> None:
         "_exec_single_context": ["self", "dialect", "context", "statement", "parameters"],
         "_exec_insertmany_context": ["self", "dialect", "context"],
         "_execute_default": None,
-        "_execute_ddl": None,
         "_begin_impl": ["self", "transaction"],
         "_commit_impl": ["self"],
         "_rollback_impl": ["self"],
@@ -326,7 +321,7 @@ def _map_guard_error(context: Any) -> None:
     if error is None and lease is not None:
         # a COMMIT the client sent itself (text("COMMIT"), PREPARE TRANSACTION) refused
         scope = {(lease.name, lease.token): lease}
-        error = lease_error_from_check(orig, scope) or _scope_rights_error(orig)
+        error = lease_error_from_check(orig, scope) or _scope_setup_error(orig)
     if error is None:
         return
     if isinstance(error, UnfencedWriteError):
@@ -358,10 +353,19 @@ def _refuse_missing_fence_column(context: Any) -> None:
     ) from context.original_exception
 
 
-def _scope_rights_error(orig: BaseException) -> FencingConfigError | None:
-    """The role may not write the scope table: a set-up mistake."""
-    if getattr(orig, "sqlstate", None) != "42501" or SCOPE_TABLE not in str(orig):
+def _scope_setup_error(orig: BaseException) -> FencingConfigError | None:
+    """The scope table is missing, or the role may not write it: a set-up mistake."""
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate not in ("42501", "42P01") or SCOPE_TABLE not in str(orig):
         return None
+    if sqlstate == "42P01":
+        return FencingConfigError(
+            f"the lease scope table {SCOPE_TABLE} is missing in this database ({orig}), so "
+            "PostgreSQL cannot hold this transaction to its lease at COMMIT. Create it with "
+            "op.create_fence_register() in a migration (or sa_fence.fence_sequence(metadata) "
+            "and metadata.create_all()); `sa-fence check` lists what else is missing. Nothing "
+            "was committed."
+        )
     return FencingConfigError(
         f"this role may not write the lease scope table {SCOPE_TABLE} ({orig}), so its "
         "transactions cannot be held to their lease at COMMIT. Grant it: GRANT SELECT, "
@@ -434,28 +438,13 @@ _ARMED_START = "_start_query"
 #: outlive its scope, e.g. into another pool user)
 _ARMS_OWNER = "_sa_fence_arms_owner"
 
-#: Engine attribute: {Register: the scope table's schema-qualified name there}
-_SCOPE_TABLES = "_sa_fence_scope_tables"
-
 
 def _scope_table(conn: Connection, lease: Lease) -> str:
-    """The scope table of ``lease``'s register, schema-qualified (without a schema: the
-    search path's, looked up once per engine, never ``pg_temp``, which could swallow the arm).
-    """
+    """The scope table of ``lease``'s register, schema-qualified: the fencer's check, run
+    before its first grant, pinned the schema (never ``pg_temp``, which could swallow the arm)."""
     register = lease.fencer.token_source.register
-    tables: dict[Any, str] = conn.engine.__dict__.setdefault(_SCOPE_TABLES, {})
-    table = str(register.scope_sql) if register.schema is not None else tables.get(register)
-    if table is None:
-        row = _run(conn, SCOPE_SCHEMA_SQL, fetch=True)
-        if row is None or row[0] is None:
-            raise FencingConfigError(
-                f"the lease scope table {SCOPE_TABLE} (and its commit trigger) is missing in "
-                "this database, so PostgreSQL could not hold this transaction to its lease "
-                "at COMMIT. Create it with op.create_fence_register() in a migration (or "
-                "sa_fence.fence_sequence(metadata) and metadata.create_all()); `sa-fence "
-                "check` lists what else is missing."
-            )
-        table = tables[register] = f"{row[0]}.{quote_ident(SCOPE_TABLE)}"
+    assert register.schema is not None, "a lease is granted only after Fencer.check()"
+    table = register.scope_sql
     lease._scoped = (conn.engine, table)
     return table
 
@@ -469,9 +458,9 @@ def _run(conn: Connection, sql: str, *, fetch: bool = False) -> Any:
         cursor.execute(sql)
         return cursor.fetchone() if fetch else None
     except conn.dialect.loaded_dbapi.Error as exc:
-        rights = _scope_rights_error(exc)
-        if rights is not None:
-            raise rights from exc
+        setup = _scope_setup_error(exc)
+        if setup is not None:
+            raise setup from exc
         raise
     except BaseException as exc:  # (outside an asyncio greenlet: nothing was sent)
         if not isinstance(exc, MissingGreenlet):
@@ -665,8 +654,8 @@ def _refuse_leaving_scope(sql: str) -> bool:
 
 
 def _scope_on_begin(conn: Connection) -> None:
-    """A transaction begins (or driver SQL, a DDL or a default runs) on a fenced
-    connection: scope it now (else driver SQL after a commit would commit unchecked)."""
+    """A transaction begins, or a default runs past the statement steps (``scalar(Sequence)``,
+    maybe first after a COMMIT sent as SQL), on a fenced connection: scope it now."""
     state: SessionState | None = getattr(conn, _ACTIVE, None)
     if state is not None and state.lease is not None:
         _enter_scope(conn, state.lease)

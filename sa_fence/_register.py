@@ -383,18 +383,6 @@ def register_table(metadata: MetaData, sequence: Sequence) -> Table:
     return table
 
 
-#: The quoted schema of the scope table an unqualified register uses: the first schema on the
-#: search path holding one, never the session's temporary schema (a TEMP TABLE cannot stand in).
-SCOPE_SCHEMA_SQL = f"""\
-SELECT pg_catalog.quote_ident(n.nspname)
-  FROM pg_catalog.unnest(pg_catalog.current_schemas(false)) WITH ORDINALITY AS p(nsp, i)
-  JOIN pg_catalog.pg_namespace n ON n.nspname = p.nsp
-  JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid
- WHERE c.relname = '{SCOPE_TABLE}' AND c.relkind = 'r'
-   AND n.oid <> pg_catalog.pg_my_temp_schema()
- ORDER BY p.i LIMIT 1"""
-
-
 #: The scope table beside the register and its trigger, as the catalog has them.
 _SCOPE_STATE_SQL = text(
     f"""

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _flush
+from sa_fence import Lease, _flush
 from sa_fence.testing import expire
 from tests import _scope_fixtures
 from tests.models_scope import OWN_ARMS, Outbox
@@ -78,6 +78,26 @@ def _with_a_preexecuted_key(session: Session) -> None:
     session.execute(sa.insert(_preexecuted).values(message="stale"))
 
 
+def _superseded_after_a_commit_sent_as_sql(fencer: sa_fence.Fencer, session: Session) -> Lease:
+    """Bind a lease to ``session``, commit with ``text("COMMIT")`` while it is current
+    (SQLAlchemy does not see that transaction end), then let it run out: the newer lease
+    of its name, returned, makes the session's later writes stale."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    a.bind(session)
+    session.execute(sa.text("SELECT 1"))
+    session.execute(sa.text("COMMIT"))  # current: committed
+    assert expire(a)
+    return fencer.acquire(a.name, 5)
+
+
+def _commit(session: Session, *, refused: bool) -> None:
+    if refused:
+        with pytest.raises(sa_fence.StaleTokenError):
+            session.commit()
+    else:
+        session.commit()
+
+
 #: Ways a stale holder's write after ``text("COMMIT")`` can be sent.
 LATER_WRITES = {
     "pre-executed default": _with_a_preexecuted_key,
@@ -117,25 +137,44 @@ def test_a_transaction_begun_after_a_commit_sent_as_sql_is_armed_again(
     the stale write commits (the pair's other half)."""
     if not rearm:
         monkeypatch.setattr(_flush, "_rearm_if_ended", lambda conn, scope: None)
-    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with make_session() as session:
-        a.bind(session)
-        session.execute(sa.text("SELECT 1"))
-        session.execute(sa.text("COMMIT"))  # current: committed
-        assert expire(a)
-        b = fencer.acquire(a.name, 5)
+        b = _superseded_after_a_commit_sent_as_sql(fencer, session)
         write(session)
-        if rearm:
-            with pytest.raises(sa_fence.StaleTokenError):
-                session.commit()
-        else:
-            session.commit()
+        _commit(session, refused=rearm)
     rows = outbox(scope_engine)
     if rearm:
         assert rows == []
     else:
         assert rows
         assert set(rows) == {"stale"}
+    b.release()
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["rearmed", "guard-removed"])
+def test_a_transaction_begun_by_a_sequence_after_a_commit_sent_as_sql_is_armed(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    kept: bool,
+) -> None:
+    """``session.scalar(Sequence(...))`` runs through the Connection's own step for
+    defaults, which sends its ``nextval`` on a cursor, past the statement steps; sa-fence
+    re-arms there too.  Without it the sequence begins the transaction unarmed, the
+    later write finds it begun (nothing to re-arm), and the stale holder's row commits
+    (the pair's other half)."""
+    if not kept:  # SQLAlchemy's own step instead of sa-fence's override
+        monkeypatch.setattr(
+            _flush._FencedConnection, "_execute_default", sa.Connection._execute_default
+        )
+    with scope_engine.begin() as conn:
+        conn.execute(sa.text("CREATE SEQUENCE IF NOT EXISTS outbox_fallback_id"))
+    with make_session() as session:
+        b = _superseded_after_a_commit_sent_as_sql(fencer, session)
+        assert session.scalar(sa.Sequence("outbox_fallback_id")) is not None
+        session.add(Outbox(id=1, message="stale"))
+        _commit(session, refused=kept)
+    assert outbox(scope_engine) == ([] if kept else ["stale"])
     b.release()
 
 

@@ -542,6 +542,30 @@ def test_a_missing_scope_trigger_is_a_config_error_with_the_fix(
     fencer.check()
 
 
+def test_a_scope_table_missing_at_the_arm_is_a_config_error_with_the_fix(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """Dropped after the fencer's check (a migration rolled back under running workers):
+    the arm fails, and the error says how to create the table; nothing commits."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with scope_engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE sa_fence_scope RENAME TO sa_fence_scope_away"))
+    try:
+        with make_session() as session:
+            a.bind(session)
+            session.add(Outbox(id=1, message="unarmed"))
+            with pytest.raises(
+                sa_fence.FencingConfigError,
+                match=r"(?s)scope table sa_fence_scope is missing.*op\.create_fence_register\(\)",
+            ):
+                session.commit()
+    finally:
+        with scope_engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE sa_fence_scope_away RENAME TO sa_fence_scope"))
+    assert outbox(scope_engine) == []
+    a.release()
+
+
 def _arms_left(engine: sa.Engine) -> int:
     with engine.connect() as conn:
         return int(conn.execute(sa.text("SELECT count(*) FROM sa_fence_scope")).scalar_one())
