@@ -310,3 +310,32 @@ def test_bulk_save_objects_skips_the_flush_so_a_fence_it_carries_is_dropped_as_d
         session.bulk_save_objects([Job(id=1, result="bulk", fence=2**63 - 1)])
         session.commit()
     assert row(engine, 1) == ("bulk", lease.token)
+
+
+#: Bulk mappings of ``unfenced()`` writes that carry the fence as data.
+UNFENCED_BULK = {"insert": sa.insert(Job), "update by primary key": sa.update(Job)}
+
+
+@pytest.mark.parametrize("write", UNFENCED_BULK.values(), ids=UNFENCED_BULK.keys())
+@pytest.mark.parametrize("dropped", [True, False], ids=["dropped", "guard-removed"])
+def test_the_unfenced_opt_out_drops_a_fence_carried_by_bulk_mappings(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    write: sa.Insert | sa.Update,
+    dropped: bool,
+) -> None:
+    """Bulk mappings skip the flush's refusal; inside ``unfenced()`` the statement hook
+    drops their fence as it does under a lease, so an admin script cannot lock every later
+    holder out with a high fence.  Without the drop it lands (the pair's other half)."""
+    if not dropped:
+        monkeypatch.setattr(_flush, "_without", lambda params, key: params)
+    if isinstance(write, sa.Update):
+        seed(fencer, make_session, Job(id=1, result="initial"))
+    before = row(engine, 1)
+    with make_session() as session, sa_fence.unfenced(session):
+        session.execute(write, [{"id": 1, "result": "admin", "fence": 2**63 - 1}])
+        session.commit()
+    kept = before[1] if before is not None else 0  # the seed's token, or the column default
+    assert row(engine, 1) == ("admin", kept if dropped else 2**63 - 1)

@@ -179,6 +179,64 @@ def test_the_unfenced_opt_out_lets_an_admin_script_write_without_a_lease(
             session.commit()
 
 
+def test_unbind_detaches_the_lease_and_later_fenced_writes_need_a_new_one(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    statements: list[str],
+) -> None:
+    with make_session() as session:
+        with fencer.lease("job:1", 5) as first:
+            first.bind(session)
+            session.add(Job(id=1, result="first"))
+            session.commit()
+            sa_fence.unbind(session)
+        session.get_one(Job, 1).result = "unbound"
+        statements.clear()
+        with pytest.raises(sa_fence.UnfencedWriteError, match="no lease bound"):
+            session.flush()
+        assert not [s for s in statements if s.lstrip().upper().startswith("UPDATE")]
+        session.rollback()
+        session.add(Audit(id=1, message="an unfenced table is free, as without a lease"))
+        session.commit()
+        with fencer.lease("job:1", 5) as second:
+            second.bind(session)
+            session.get_one(Job, 1).result = "second"
+            session.commit()
+    assert row(engine, 1) == ("second", second.token)
+
+
+def test_unbind_inside_a_transaction_leaves_it_held_to_the_lease_at_commit(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """What the transaction wrote under the lease stays in its scope: unbinding is no way out
+    of the COMMIT check once a newer holder has the name."""
+    a = fencer.acquire("job:1", 5)
+    with make_session() as session:
+        a.bind(session)
+        session.add(Job(id=1, result="A"))
+        session.flush()
+        sa_fence.unbind(session)
+        assert expire(a)
+        with fencer.lease("job:1", 5), pytest.raises(sa_fence.StaleTokenError):
+            session.commit()
+    assert row(engine, 1) is None
+
+
+def test_unbind_of_a_session_never_bound_or_not_installed_changes_nothing(
+    make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with make_session() as fenced, Session(engine) as plain:
+        sa_fence.unbind(fenced)
+        sa_fence.unbind(plain)
+        plain.add(Job(id=2, result="plain"))
+        plain.commit()
+        fenced.add(Job(id=3, result="fenced"))
+        with pytest.raises(sa_fence.UnfencedWriteError):
+            fenced.commit()
+    assert row(engine, 2) == ("plain", 0)
+
+
 def test_a_released_lease_no_longer_fences_its_session(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:

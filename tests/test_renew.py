@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import threading
 import time
@@ -22,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
 from sa_fence._lease import Deadlines
+from sa_fence._lifecycle import add_loss_hook
 from sa_fence.testing import expire
 from tests._async_fixtures import expire as end
 from tests._async_fixtures import no_renewal_tasks_left, renewal_tasks
@@ -122,6 +124,35 @@ async def test_renewal_that_finds_another_owner_marks_the_lease_lost_and_tells_o
     await io(other.release())
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM jobs")).scalar_one() == 0
+
+
+async def test_an_on_lost_callback_or_loss_hook_that_raises_is_logged_and_the_rest_still_run(
+    front: Any, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``on_lost`` and the loss hooks after it (``@fenced``'s cancel) are code of their own:
+    one that raises is logged, the others still run, and the caller gets the LeaseLostError,
+    not their exception."""
+    ran: list[str] = []
+
+    def callback(lease: Any) -> None:
+        ran.append("on_lost")
+        raise RuntimeError("the user's callback failed")
+
+    def failing_hook() -> None:
+        ran.append("failing hook")
+        raise RuntimeError("a hook failed")
+
+    lease = await io(front.acquire("job:1", 30, on_lost=callback))
+    add_loss_hook(lease, failing_hook)
+    add_loss_hook(lease, lambda: ran.append("next hook"))
+    gone(front, redis_client, lease)
+    with caplog.at_level(logging.ERROR), pytest.raises(sa_fence.LeaseLostError):
+        await io(lease.extend())
+    assert lease.lost
+    assert ran == ["on_lost", "failing hook", "next hook"]
+    assert "on_lost callback of lease 'job:1' raised" in caplog.text
+    assert "loss hook of lease 'job:1' raised" in caplog.text
+    assert "the user's callback failed" in caplog.text  # the traceback is logged
 
 
 async def test_without_the_lost_check_the_flush_of_a_lost_lease_writes(

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 import subprocess
 import sys
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -564,6 +566,37 @@ def test_a_scope_table_missing_at_the_arm_is_a_config_error_with_the_fix(
             conn.execute(sa.text("ALTER TABLE sa_fence_scope_away RENAME TO sa_fence_scope"))
     assert outbox(scope_engine) == []
     a.release()
+
+
+def test_arms_of_a_connection_dropped_unclosed_do_not_reach_the_next_pool_user(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    """A fenced Connection dropped in its transaction, never closed: the pool rolls its DBAPI
+    connection back and hands it out again, with the arms still on it (they are only dropped
+    by SQLAlchemy's own rollback and commit).  The next user's BEGIN finds their owner gone
+    and carries none: its plain commit is not held to that lease.  (Without that check it
+    was: the commit was refused as stale.)"""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    engine = sa.create_engine(scope_engine.url, pool_size=1, max_overflow=0)  # one to hand out
+    try:
+        conn = engine.connect()
+        with sa_fence.fence_connection(conn, a):
+            conn.execute(sa.insert(Outbox).values(id=1, message="rolled back by the pool"))
+        driver = conn.connection.driver_connection
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sa.exc.SAWarning)  # "garbage collector ... connection"
+            del conn
+            gc.collect()
+        assert expire(a)
+        b = fencer.acquire(a.name, 5)
+        with engine.connect() as plain:
+            assert plain.connection.driver_connection is driver
+            plain.execute(sa.insert(Outbox).values(id=2, message="plain"))
+            plain.commit()
+    finally:
+        engine.dispose()
+    assert outbox(scope_engine) == ["plain"]
+    b.release()
 
 
 def _arms_left(engine: sa.Engine) -> int:
