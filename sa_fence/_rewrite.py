@@ -172,8 +172,10 @@ def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
     given |= _keys(k for k, _ in getattr(elem, "_ordered_values", None) or ())
     if isinstance(elem, Insert) and elem.select is not None:
         given |= _keys(elem._select_names)
-    for rows in getattr(elem, "_multi_values", ()) or ():
-        given |= _keys(k for row in rows if isinstance(row, dict) for k in row)
+    for rows in getattr(elem, "_multi_values", ()) or ():  # dicts, or tuples in column order
+        given |= _keys(
+            k for r in rows for k in (r if isinstance(r, dict) else elem.table.c[: len(r)])
+        )
     upsert = _upsert_clause(elem)
     if upsert is not None and _keys(dict(upsert.update_values_to_set)) & names:
         what = "this upsert's on_conflict_do_update(set_=...)"

@@ -579,7 +579,33 @@ def test_a_fence_in_insert_parameters_is_never_written(
     }
 
 
-@pytest.mark.parametrize("kind", ["core-update", "core-insert", "orm-update"])
+@pytest.mark.parametrize(
+    "rows", [[{"id": 1, "result": "a"}, {"id": 2, "result": "b"}], [(1, "a"), (2, "b", "x")]]
+)
+def test_a_multi_row_insert_writes_the_lease_token_as_every_rows_fence(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine, rows: list[Any]
+) -> None:
+    """``INSERT ... VALUES (...), (...)`` from dicts or from tuples in column order."""
+    with (
+        fencer.lease("job:1", 5) as lease,
+        scope_engine.connect() as conn,
+        sa_fence.fence_connection(conn, lease),
+    ):
+        conn.execute(jobs.insert().values(rows))
+        conn.commit()
+    assert job_rows(scope_engine) == {1: ("a", lease.token), 2: ("b", lease.token)}
+
+
+#: Core statements that set the fence themselves, in every form values() takes.
+SETS_THE_FENCE = {
+    "core-update": jobs.update().where(jobs.c.id == 1).values(result="x", fence=2**63 - 1),
+    "core-insert": jobs.insert().values(id=2, result="x", fence=0),
+    "core-insert-rows": jobs.insert().values([{"id": 2, "fence": 0}, {"id": 3}]),
+    "core-insert-tuples": jobs.insert().values([(2, "x", "k", 0), (3, "y", "k", 2**63 - 1)]),
+}
+
+
+@pytest.mark.parametrize("kind", [*SETS_THE_FENCE, "orm-update"])
 def test_a_statement_that_sets_the_fence_in_values_is_refused_and_nothing_is_written(
     fencer: sa_fence.Fencer,
     make_session: sessionmaker[Session],
@@ -598,10 +624,7 @@ def test_a_statement_that_sets_the_fence_in_values_is_refused_and_nothing_is_wri
                     session.execute(stmt)
                 session.rollback()
         else:
-            if kind == "core-update":
-                stmt = jobs.update().where(jobs.c.id == 1).values(result="x", fence=2**63 - 1)
-            else:
-                stmt = jobs.insert().values(id=2, result="x", fence=0)
+            stmt = SETS_THE_FENCE[kind]
             with scope_engine.connect() as conn, sa_fence.fence_connection(conn, lease):
                 with pytest.raises(sa_fence.FencingConfigError, match=r"sets jobs\.fence itself"):
                     conn.execute(stmt)
