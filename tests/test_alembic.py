@@ -620,13 +620,16 @@ def test_every_op_reverses_to_its_opposite_and_back() -> None:
         assert vars(back) == vars(op)
 
 
-def test_a_bad_policy_is_refused_before_any_sql_is_sent(db: sa.Engine) -> None:
+def test_bad_op_arguments_are_refused_before_any_sql_is_sent(db: sa.Engine) -> None:
     sent: list[str] = []
     sa.event.listen(db, "before_cursor_execute", lambda *a: sent.append(a[2]))
     with db.begin() as conn, pytest.raises(ValueError, match="'reject' or 'unchanged'"):
         ops_on(conn).create_fence_guard("jobs", on_missing_token="sometimes")
     with db.begin() as conn, pytest.raises(ValueError, match="previous must be a list of SQL"):
         ops_on(conn).replace_fence_guard("jobs", previous="CREATE TRIGGER ...")
+    for cache in (0, True, 2.5):  # (repairing a sequence to a CACHE of 1 is what the op is for)
+        with db.begin() as conn, pytest.raises(ValueError, match="cache must be a positive int"):
+            ops_on(conn).alter_fence_sequence(existing_cache=cache)
     assert sent == []
     with pytest.raises(ValueError, match=r"no reverse.*previous=\[\.\.\.\]"):
         fence_ops.ReplaceFenceGuardOp("jobs").reverse()

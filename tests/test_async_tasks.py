@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 import sa_fence
-from sa_fence import _async
+from sa_fence import _async, _decorators, _lifecycle
 from tests._async_fixtures import expire, keys, no_renewal_tasks_left, row
 from tests.models import Audit, Job
 
@@ -107,6 +107,34 @@ async def test_a_lost_lease_cancels_the_running_body_and_nothing_is_committed(
         await asyncio.wait_for(call, 4 * TTL)  # renewal notices within TTL/3
     assert reached == []
     assert row(engine, 23) is None
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["cancelled", "guard-removed"])
+async def test_a_loss_noticed_before_the_hook_is_added_still_cancels_the_body(
+    repo: AsyncJobRepository,
+    engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    checked: bool,
+) -> None:
+    """The lease can be found lost between the acquire and the cancel hook's registration
+    (its renewal runs meanwhile): the hook would never fire, so the loss already there
+    cancels the body before it runs.  Without that check the body runs to its end (the
+    commit is still refused: the pair's other half shows only the body running on)."""
+    add = _decorators.add_loss_hook
+
+    def lost_first(lease: Any, hook: Callable[[], object]) -> None:
+        _lifecycle.lose(lease, f"lease {lease.name!r} was lost before its body started.")
+        add(lease, hook)
+
+    monkeypatch.setattr(_decorators, "add_loss_hook", lost_first)
+    if not checked:
+        monkeypatch.setattr(_async.AsyncLease, "lost_reason", None)
+    release, reached = asyncio.Event(), []
+    release.set()  # nothing holds the body back
+    with pytest.raises(sa_fence.LeaseLostError):
+        await repo.work_until(24, release, reached)
+    assert reached == ([] if checked else ["end of body"])
+    assert row(engine, 24) is None
 
 
 async def test_with_cancel_on_lost_off_the_body_runs_on_and_only_the_flush_refuses(

@@ -228,3 +228,45 @@ def test_a_missing_fencer_or_a_name_that_does_not_fit_fails_before_anything_is_w
     with pytest.raises(ValueError, match="exclude names"):
         sa_fence.fenced_methods("job:{job_id}", ttl=30, exclude=["nope"])(JobRepository)
     assert list(redis_client.scan_iter(match=key_prefix + "*")) == []
+
+
+def test_a_fencer_session_or_name_found_wrong_at_the_call_fails_before_anything_is_written(
+    make_session: sessionmaker[Session],
+    fencer: sa_fence.Fencer,
+    engine: sa.Engine,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """What the decorator can only find at the call (an attribute, a parameter, what a factory
+    returns) is checked before the acquire, with an error naming it; a factory's wrong-kind
+    result that can be closed is closed."""
+
+    @dataclass
+    class Repository:
+        session: Any
+        fencer: Any
+
+        @sa_fence.fenced("job:{job.id}", ttl=30)
+        def by_job(self, job: Any) -> None:
+            self.session.merge(Job(id=job.id, result="written"))
+
+    opened: list[sa.Connection] = []
+
+    @sa_fence.fenced("job:{job_id}", ttl=30, fencer=fencer, session=lambda: opened[-1])
+    def from_a_factory(job_id: int) -> None: ...
+
+    with make_session() as session:
+        with pytest.raises(
+            ValueError, match=r"could not fill lease name template 'job:\{job\.id\}' from .*by_job"
+        ):
+            Repository(session, fencer).by_job(None)
+        with pytest.raises(TypeError, match="found fencer 'fencer' but it is a str, not a Fencer"):
+            Repository(session, "not a fencer").by_job(Job(id=1))
+        with pytest.raises(TypeError, match="found session 'session' but it is a int, not a Sess"):
+            Repository(42, fencer).by_job(Job(id=1))
+    opened.append(engine.connect())  # a Connection where a Session was due
+    with pytest.raises(TypeError, match=r"session factory .* returned a Connection, not a Sess"):
+        from_a_factory(1)
+    assert opened[-1].closed
+    assert list(redis_client.scan_iter(match=key_prefix + "*")) == []
+    assert job(engine, 1) is None

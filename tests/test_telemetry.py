@@ -673,6 +673,48 @@ def test_a_custom_normaliser_is_used_and_patterns_are_capped(
     assert "distinct lease name patterns" in caplog.text
 
 
+def test_a_normaliser_that_raises_or_returns_no_str_reports_other_and_the_lease_works(
+    redis_client: redis.Redis, engine: sa.Engine, key_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``name_pattern`` is the user's code: it never breaks an acquire."""
+
+    def pattern(name: str) -> Any:
+        if name.startswith("raise"):
+            raise RuntimeError("the normaliser failed")
+        return None if name.startswith("none") else name.split(":", 1)[0]
+
+    reader = InMemoryMetricReader()
+    telemetry = sa_fence.telemetry.Telemetry(
+        meter_provider=MeterProvider(metric_readers=[reader]), name_pattern=pattern
+    )
+    fencer = sa_fence.Fencer(
+        redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=telemetry
+    )
+    with caplog.at_level(logging.ERROR, logger="sa_fence"):
+        for name in ("raise:1", "none:1", "ok:1"):
+            fencer.acquire(name, ttl=5).release()
+    otel = Otel(reader, InMemorySpanExporter(), telemetry, None)
+    assert otel.count("sa_fence.lease.acquires", pattern="other", outcome="granted") == 2
+    assert otel.count("sa_fence.lease.acquires", pattern="ok", outcome="granted") == 1
+    assert "name_pattern('raise:1') raised" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"name_pattern": "job:{n}"}, TypeError, "name_pattern must be a callable str -> str"),
+        ({"max_patterns": 0}, ValueError, "max_patterns must be a whole number >= 1"),
+        ({"max_patterns": True}, ValueError, "max_patterns must be a whole number >= 1"),
+        ({"root_spans": "yes"}, TypeError, "root_spans must be True or False"),
+    ],
+)
+def test_bad_telemetry_arguments_are_refused(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        sa_fence.telemetry.Telemetry(**kwargs)
+
+
 # ------------------------------------------------------------ asyncio
 
 
