@@ -15,6 +15,7 @@ live holder's; without the withdrawal the live holder's commits are refused.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
+from sa_fence import _register
 from tests._fronts import front, io
 from tests.models import Job
 
@@ -169,4 +171,30 @@ async def test_without_the_confirm_the_lost_holder_gets_a_larger_token_than_the_
     b = seam.b
     assert b is not None
     assert a.token > b.token  # A would now fence out the real holder B
+    b.release()
+
+
+async def test_a_withdrawal_that_fails_is_logged_and_the_acquire_still_reports_the_loss(
+    front: Any,
+    other: Callable[[], sa_fence.Fencer],
+    redis_client: redis.Redis,
+    engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The withdrawal is the failure path's best effort: its own error never replaces the
+    LeaseLostError, and the warning says what it leaves (the live holder fenced out until
+    the name is granted again)."""
+    seam = LostBeforeConfirm(front, other(), redis_client, taken_over=True, monkeypatch=monkeypatch)
+    monkeypatch.setattr(_register.Register, "withdraw_sql", lambda self: sa.text("SELECT 1/0"))
+    with (
+        caplog.at_level(logging.WARNING, logger="sa_fence"),
+        pytest.raises(sa_fence.LeaseLostError, match="thrown away"),
+    ):
+        await io(front.acquire("job:1", 5))
+    assert "could not withdraw the unused token" in caplog.text
+    assert "division by zero" in caplog.text  # the cause, in the logged traceback
+    b = seam.b
+    assert b is not None
+    assert register_token(engine, "job:1") != b.token  # as the warning says
     b.release()
