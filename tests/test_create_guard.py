@@ -97,6 +97,39 @@ def test_the_guard_made_without_alembic_refuses_a_raw_stale_write(created: sa.En
         assert conn.execute(sa.text("SELECT result FROM jobs")).scalar_one() is None
 
 
+def test_tables_whose_long_names_share_a_prefix_get_a_guard_each(
+    created: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Past 63 bytes PostgreSQL would cut the guard function's name, so two such tables would
+    share one function (the second replacing the first's body).  Long names get a hash."""
+    stem = "t" * 40
+    tables = [f"{stem}_invoices_2026", f"{stem}_invoices_2027"]
+    with created.begin() as conn:
+        for table in tables:
+            conn.execute(sa.text(f"CREATE TABLE {table} (id int PRIMARY KEY, fence bigint)"))
+            sa_fence.create_fence_guard(conn, table)
+        conn.execute(sa.text("SELECT setval('sa_fence_token_seq', 9)"))
+        for table in tables:
+            conn.execute(sa.text(f"INSERT INTO {table} (id, fence) VALUES (1, 9)"))
+    with created.connect() as conn:
+        functions = conn.execute(
+            sa.text("SELECT proname FROM pg_proc WHERE proname LIKE 'sa_fence_guard_t%'")
+        ).scalars()
+        assert sorted(len(name.encode()) <= 63 for name in functions) == [True, True]
+    assert triggers(created) == set(tables)
+    for table in tables:
+        with created.connect() as conn:
+            conn.execute(sa.text("SELECT set_config('sa_fence.token', '5', true)"))
+            with pytest.raises(sa.exc.DBAPIError, match=f"UPDATE on table.*{table}"):
+                conn.execute(sa.text(f"UPDATE {table} SET fence = 5 WHERE id = 1"))
+            conn.rollback()
+    _, out, _ = run_cli("check", "--url", url_of(created), capsys=capsys)
+    for table in tables:  # current, each (cells and jobs, made by create_all, have none)
+        assert f"ok table {table}: column fence, guard sa_fence_guard" in out
+    sa_fence.drop_fence_guard(created, tables[0])
+    assert triggers(created) == {tables[1]}
+
+
 @pytest.mark.parametrize(
     ("ddl", "table", "message"),
     [
