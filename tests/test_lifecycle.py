@@ -283,6 +283,25 @@ def test_a_renew_fraction_out_of_range_is_refused_saying_what_it_means(
         sa_fence.Fencer(redis_client, engine, renew_fraction=fraction)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"renew_fraction": "0.5"}, TypeError, "renew_fraction must be a number"),
+        ({"renew_fraction": True}, TypeError, "renew_fraction must be a number"),
+        ({"key_prefix": 3}, TypeError, "key_prefix must be a str, got int"),
+    ],
+)
+def test_bad_fencer_arguments_are_refused_by_type(
+    redis_client: redis.Redis,
+    engine: sa.Engine,
+    kwargs: dict[str, Any],
+    error: type[Exception],
+    match: str,
+) -> None:
+    with pytest.raises(error, match=match):
+        sa_fence.Fencer(redis_client, engine, **kwargs)
+
+
 # ------------------------------------------------------ contention vs failure
 
 
