@@ -444,9 +444,8 @@ def _scope_table(conn: Connection, lease: Lease) -> str:
     before its first grant, pinned the schema (never ``pg_temp``, which could swallow the arm)."""
     register = lease.fencer.token_source.register
     assert register.schema is not None, "a lease is granted only after Fencer.check()"
-    table = register.scope_sql
-    lease._scoped = (conn.engine, table)
-    return table
+    lease._scoped = (conn.engine, register.scope_sql)
+    return register.scope_sql
 
 
 def _run(conn: Connection, sql: str, *, fetch: bool = False) -> Any:

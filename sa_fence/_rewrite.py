@@ -172,10 +172,8 @@ def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
     given |= _keys(k for k, _ in getattr(elem, "_ordered_values", None) or ())
     if isinstance(elem, Insert) and elem.select is not None:
         given |= _keys(elem._select_names)
-    for rows in getattr(elem, "_multi_values", ()) or ():  # dicts, or tuples in column order
-        given |= _keys(
-            k for r in rows for k in (r if isinstance(r, dict) else elem.table.c[: len(r)])
-        )
+    for row in (r for rows in getattr(elem, "_multi_values", ()) or () for r in rows):
+        given |= _keys(row if isinstance(row, dict) else elem.table.c[: len(row)])  # (by position)
     upsert = _upsert_clause(elem)
     if upsert is not None and _keys(dict(upsert.update_values_to_set)) & names:
         what = "this upsert's on_conflict_do_update(set_=...)"
