@@ -184,6 +184,7 @@ def test_a_fenced_commit_after_the_register_moved_is_refused_in_the_bench(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["--url", "::not a url::"], "not a database URL: '::not a url::'"),
         (["--url", "sqlite://"], "needs PostgreSQL"),
         (["--url", "postgresql://u@h"], "names no database"),
         (["--url", "postgresql+asyncpg://u@h/db"], "use postgresql+psycopg"),

@@ -228,10 +228,17 @@ def test_check_refuses_bad_arguments_and_names_an_unreachable_database(
     )
     assert status == 3
     assert "cannot connect to postgresql+psycopg://postgres@127.0.0.1:1/db" in err
-    with pytest.raises(SystemExit) as usage:
-        cli.main(["repair-sequence", "--url", "postgresql://x/y", "--margin", "-5"])
-    assert usage.value.code == 2
-    assert "must be >= 0" in capsys.readouterr().err
+    for argv, message in [
+        (["repair-sequence", "--url", "postgresql://x/y", "--margin", "-5"], "must be >= 0"),
+        (["repair-sequence", "--url", "postgresql://x/y", "--margin", "5%"], "not a whole number"),
+        (["demo", "--ttl", "soon"], "--ttl: not a number of seconds: 'soon'"),
+        (["demo", "--ttl", "600"], "--ttl: must be between 0.1 and 60 seconds, got 600"),
+        (["status", "--url", "postgresql://x/y", "--limit", "0"], "must be between 1 and"),
+    ]:
+        with pytest.raises(SystemExit) as usage:
+            cli.main(argv)
+        assert usage.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 # ------------------------------------------------------------ the lease register
