@@ -542,6 +542,8 @@ def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> No
     """Without the BEGIN hook: re-arm, first, a transaction begun after a COMMIT sent as SQL."""
     driver: Any = conn.connection.driver_connection  # (psycopg 3: check_dialect)
     if not driver.autocommit and driver.info.transaction_status == _IDLE:
+        if driver.read_only:  # (set since the arm was due, as the BEGIN hook checks)
+            raise _read_only_error()
         _send_arms(conn, scope)
 
 

@@ -1,7 +1,9 @@
 """Interrupt a bound session's COMMIT with a signal handler's exception, in a process of its own.
 
 Run by tests/test_scope_trigger.py (``python -m tests._interrupt_commit URL
-PREFIX EXCEPTION [--no-invalidate]``): the exception a handler raises mid-COMMIT
+PREFIX EXCEPTION [--no-invalidate] [--arm]``; ``--arm``: interrupt instead the arm of a
+lease bound mid-transaction, a statement of its own that waits on a lock of the scope
+table another connection holds): the exception a handler raises mid-COMMIT
 leaves CPython 3.11's AST recursion counter off for the rest of the process
 (``SystemError: AST constructor recursion depth mismatch`` at pytest's exit),
 so the interruption happens here, not in the test run.  Prints ``next session
@@ -39,7 +41,7 @@ def slow_commit(dbapi_conn: Any) -> None:
         cursor.close()
 
 
-def main(url: str, prefix: str, kind: str, invalidate: bool) -> None:
+def main(url: str, prefix: str, kind: str, invalidate: bool, arm: bool) -> None:
     raise_: type[BaseException] = (
         KeyboardInterrupt if kind == "KeyboardInterrupt" else SoftTimeLimit
     )
@@ -55,18 +57,27 @@ def main(url: str, prefix: str, kind: str, invalidate: bool) -> None:
 
     signal.signal(signal.SIGALRM, handler)
     lease = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 30)
-    session = lease.bind(sa_fence.install(sessionmaker(engine))())
-    session.add(Outbox(id=1, message="interrupted"))
-    session.flush()
+    session = sa_fence.install(sessionmaker(engine))()
+    blocker = sa.create_engine(url, poolclass=sa.pool.NullPool).connect()
+    if arm:
+        session.execute(sa.text("SELECT 1"))  # begun: the bind's arm is a statement of its own
+        blocker.execute(sa.text("LOCK TABLE sa_fence_scope IN ACCESS EXCLUSIVE MODE"))
+        interrupted = lambda: lease.bind(session)  # noqa: E731
+    else:
+        lease.bind(session)
+        session.add(Outbox(id=1, message="interrupted"))
+        session.flush()
+        interrupted = session.commit
     signal.setitimer(signal.ITIMER_REAL, 0.3)
     try:
-        session.commit()
-        print("commit was not interrupted")
+        interrupted()
+        print("not interrupted")
         return
     except raise_:
         pass
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        blocker.close()
     _flush._send_commit = send_commit  # type: ignore[assignment]
     with contextlib.suppress(Exception):
         session.close()
@@ -81,4 +92,10 @@ def main(url: str, prefix: str, kind: str, invalidate: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], "--no-invalidate" not in sys.argv)
+    main(
+        sys.argv[1],
+        sys.argv[2],
+        sys.argv[3],
+        invalidate="--no-invalidate" not in sys.argv,
+        arm="--arm" in sys.argv,
+    )

@@ -428,6 +428,28 @@ def test_an_orm_bulk_update_by_primary_key_refuses_a_newer_row(
     assert row(engine, 3) == ("B", b_token)
 
 
+def test_after_a_refused_bulk_update_the_next_orm_write_is_refused_before_it_is_sent(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    statements: list[str],
+) -> None:
+    """A refusal outside a flush leaves SQLAlchemy's transaction open: the session is
+    poisoned, so a later ORM statement is refused at once, not only its commit."""
+    a, _ = newer_rows(fencer, make_session)
+    with make_session() as session:
+        a.bind(session)
+        with pytest.raises(sa_fence.StaleTokenError):
+            session.execute(update(Job), [{"id": 3, "result": "A"}])
+        statements.clear()
+        with pytest.raises(sa_fence.FenceError, match=r"write refused.*session\.rollback") as later:
+            session.execute(update(Job), [{"id": 1, "result": "A"}])
+        assert isinstance(later.value.__cause__, sa_fence.StaleTokenError)
+        assert not [s for s in statements if s.lstrip().upper().startswith("UPDATE")]
+        session.rollback()
+    assert row(engine, 1) == ("initial", row(engine, 2)[1])  # type: ignore[index]
+
+
 def test_a_core_update_sent_through_a_bound_session_is_fenced_too(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:

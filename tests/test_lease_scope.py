@@ -554,6 +554,28 @@ def test_a_fence_in_core_update_parameters_is_never_written(
     assert job_rows(scope_engine) == {1: ("core", lease.token)}
 
 
+@pytest.mark.parametrize("statement", [jobs.update().values(result="late"), jobs.delete()])
+def test_a_core_write_after_the_lease_is_released_inside_fence_connection_is_refused(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    statements: list[str],
+    statement: Any,
+) -> None:
+    """The token is still the register's newest, so neither the row fence nor the COMMIT
+    would refuse: the lease's own check does, before the statement is sent."""
+    seed_token = seed(fencer, make_session, Job(id=1, result="initial"))
+    lease = fencer.acquire("job:1", 5)
+    with scope_engine.connect() as conn, sa_fence.fence_connection(conn, lease):
+        lease.release()
+        statements.clear()
+        with pytest.raises(sa_fence.LeaseLostError, match="released"):
+            conn.execute(statement.where(jobs.c.id == 1))
+        conn.rollback()
+    assert not [s for s in statements if s.lstrip().startswith(("UPDATE jobs", "DELETE FROM"))]
+    assert job_rows(scope_engine) == {1: ("initial", seed_token)}
+
+
 @pytest.mark.parametrize("given", FENCES_A_CALLER_MIGHT_SEND)
 def test_a_fence_in_insert_parameters_is_never_written(
     fencer: sa_fence.Fencer, scope_engine: sa.Engine, given: int

@@ -492,6 +492,48 @@ def test_a_bind_refused_mid_transaction_leaves_the_session_as_it_was(
     a.release()
 
 
+@pytest.mark.parametrize("end", ["commit", "rollback"])
+def test_a_transaction_after_an_end_is_held_to_the_lease_fenced_now_and_no_other(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine, end: str
+) -> None:
+    """A commit or a rollback drops the arms that psycopg's BEGIN carried.  Were they kept,
+    the next transaction's arm would be added to them: a Connection fenced with lease B
+    after A would still be held to A, and refused once A's name has a newer holder."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    b = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with scope_engine.connect() as conn:
+        with sa_fence.fence_connection(conn, a):
+            conn.execute(sa.insert(Outbox).values(id=1, message="under A"))
+            getattr(conn, end)()
+        assert expire(a)
+        c = fencer.acquire(a.name, 5)  # A is stale now; B is current
+        with sa_fence.fence_connection(conn, b):
+            conn.execute(sa.insert(Outbox).values(id=2, message="under B"))
+            armed = conn.execute(sa.text(f"SELECT name FROM {OWN_ARMS}")).scalars().all()
+            conn.commit()
+    assert armed == [b.name]
+    assert outbox(scope_engine) == (["under A", "under B"] if end == "commit" else ["under B"])
+    b.release()
+    c.release()
+
+
+def test_a_connection_made_read_only_after_the_arm_is_refused_before_anything_is_sent(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """Bound, then set read-only before its first statement: the BEGIN that would carry the
+    arm refuses with the fix (the server would fail the arm's INSERT with its own error)."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        driver = session.connection().connection.driver_connection  # (nothing sent yet)
+        driver.read_only = True
+        with pytest.raises(sa_fence.FencingConfigError, match=r"READ ONLY.*Nothing was sent"):
+            session.execute(sa.text("SELECT 1"))
+        session.rollback()
+        driver.read_only = False
+    a.release()
+
+
 # ---------------------------------------------- the guards, and their pairs
 
 
@@ -932,6 +974,21 @@ def test_without_the_invalidation_an_interrupted_commit_poisons_the_pool(
     """Guard-removal pair: the next, unrelated session gets the broken connection."""
     result = _interrupt_commit(scope_engine, key_prefix, "SoftTimeLimit", "--no-invalidate")
     assert result.startswith("next session failed")
+
+
+@pytest.mark.parametrize("invalidate", [True, False], ids=["invalidated", "guard-removed"])
+def test_an_interrupted_arm_never_hands_the_pool_a_broken_connection(
+    scope_engine: sa.Engine, key_prefix: str, invalidate: bool
+) -> None:
+    """The arm of a lease bound mid-transaction is a statement of its own; interrupted while
+    it waits (here on a lock of the scope table), its connection is invalidated.  Without
+    that, the next, unrelated session gets the connection with the arm still in flight."""
+    extra = ("--arm",) if invalidate else ("--arm", "--no-invalidate")
+    result = _interrupt_commit(scope_engine, key_prefix, "SoftTimeLimit", *extra)
+    if invalidate:
+        assert result == "next session ok"
+    else:
+        assert result.startswith("next session failed")
 
 
 # --------------------------------------------------------------- asyncio
