@@ -695,15 +695,7 @@ def _commit_in_scope(conn: Connection, dbapi_conn: Any, scope: dict[Any, Lease])
     dialect = conn.dialect
     try:
         _send_commit(dbapi_conn)
-    except dialect.loaded_dbapi.Error as exc:
-        # SQLAlchemy will not roll back a transaction whose commit failed
-        try:
-            dbapi_conn.rollback()
-        except Exception:  # a lost connection: SQLAlchemy sees the
-            pass  # disconnect in the error raised below and invalidates it
-        except BaseException:  # interrupted while rolling back
-            _invalidate(conn)
-            raise
+    except dialect.loaded_dbapi.Error as exc:  # (the server ended the transaction: no rollback)
         stale = lease_error_from_check(exc, scope)
         if stale is not None:
             raise stale from None

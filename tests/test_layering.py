@@ -148,7 +148,7 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: when the core shrinks). It went up once, by 155 lines, to close holes in lease
 #: scope: SQL that ends its transaction and goes on (_transaction_sql), a rolled-back
 #: savepoint holding a lease's arm, and a failed arm taken for done.
-CORE_LINES_AT_MOST = 8936
+CORE_LINES_AT_MOST = 8928
 
 
 def test_the_core_stays_within_its_line_budget() -> None:
