@@ -624,6 +624,9 @@ SETS_THE_FENCE = {
     "core-insert": jobs.insert().values(id=2, result="x", fence=0),
     "core-insert-rows": jobs.insert().values([{"id": 2, "fence": 0}, {"id": 3}]),
     "core-insert-tuples": jobs.insert().values([(2, "x", "k", 0), (3, "y", "k", 2**63 - 1)]),
+    "core-update-ordered": jobs.update()
+    .where(jobs.c.id == 1)
+    .ordered_values((jobs.c.result, "x"), (jobs.c.fence, 0)),
 }
 
 
@@ -868,14 +871,49 @@ def test_a_core_executemany_update_by_custom_bind_names_names_the_stale_row(
     b.release()
 
 
+#: A fenced table with a composite key (never created: the refusals below send nothing).
+_cells = sa.Table(
+    "cells",
+    sa.MetaData(),
+    sa.Column("sheet", sa.String, primary_key=True),
+    sa.Column("pos", sa.Integer, primary_key=True),
+    sa.Column("result", sa.String),
+    sa_fence.fence_column(),
+)
+
+#: Executemany UPDATEs whose WHERE clause does not pin every primary key column to a bind.
+NOT_PINNED = {
+    "another column": (
+        jobs,
+        jobs.c.result == bindparam("old"),
+        [{"old": "a", "new": "x"}, {"old": "b", "new": "y"}],
+    ),
+    "keys ORed": (
+        jobs,
+        sa.or_(jobs.c.id == bindparam("a"), jobs.c.id == bindparam("b")),
+        [{"a": 1, "b": 2, "new": "x"}, {"a": 1, "b": 2, "new": "y"}],
+    ),
+    "part of a composite key": (
+        _cells,
+        _cells.c.sheet == bindparam("s"),
+        [{"s": "a", "new": "x"}, {"s": "b", "new": "y"}],
+    ),
+}
+
+
+@pytest.mark.parametrize(("table", "where", "params"), NOT_PINNED.values(), ids=NOT_PINNED.keys())
 def test_an_executemany_update_whose_where_does_not_pin_the_primary_key_is_refused(
     fencer: sa_fence.Fencer,
     make_session: sessionmaker[Session],
     scope_engine: sa.Engine,
     statements: list[str],
+    table: sa.Table,
+    where: Any,
+    params: list[dict[str, Any]],
 ) -> None:
+    """Its row count could not tell a stale row skipped from a row not matched."""
     seed_token = seed(fencer, make_session, Job(id=1, result="a"), Job(id=2, result="b"))
-    stmt = update(jobs).where(jobs.c.result == bindparam("old")).values(result=bindparam("new"))
+    stmt = update(table).where(where).values(result=bindparam("new"))
     statements.clear()
     with (
         fencer.lease("batch", 5) as lease,
@@ -883,10 +921,27 @@ def test_an_executemany_update_whose_where_does_not_pin_the_primary_key_is_refus
         sa_fence.fence_connection(conn, lease),
     ):
         with pytest.raises(sa_fence.FencingConfigError, match="does not pin every primary key"):
-            conn.execute(stmt, [{"old": "a", "new": "x"}, {"old": "b", "new": "y"}])
+            conn.execute(stmt, params)
         conn.rollback()
     assert not [s for s in statements if s.lstrip().startswith("UPDATE")]
     assert job_rows(scope_engine) == {1: ("a", seed_token), 2: ("b", seed_token)}
+
+
+def test_a_single_update_whose_keys_are_ored_is_a_criteria_update(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """Not targeted by key: both rows are written, no row count compared (an AND of the keys
+    alone pins them)."""
+    seed(fencer, make_session, Job(id=1, result="a"), Job(id=2, result="b"))
+    where = sa.or_(jobs.c.id == bindparam("a"), jobs.c.id == bindparam("b"))
+    with (
+        fencer.lease("batch", 5) as lease,
+        scope_engine.connect() as conn,
+        sa_fence.fence_connection(conn, lease),
+    ):
+        conn.execute(update(jobs).where(where).values(result="x"), {"a": 1, "b": 2})
+        conn.commit()
+    assert job_rows(scope_engine) == {1: ("x", lease.token), 2: ("x", lease.token)}
 
 
 # ---------------------------------------- the current holder is never refused
