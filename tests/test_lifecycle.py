@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import sa_fence
 from sa_fence import _lease, _lifecycle
 from sa_fence import _protocol as proto
-from sa_fence._failures import Backoff
+from sa_fence._failures import OUTAGE, Backoff, Failure
 from tests._fronts import front, io, is_async
 from tests._redis_server import free_port
 from tests._tcp_proxy import TcpProxy
@@ -191,6 +191,42 @@ def test_a_released_lease_is_never_marked_lost() -> None:
     state.released = True
     assert state.mark_lost("gone") is False
     assert state.problem(0.0, for_write=True) is not None
+
+
+def test_after_a_lost_acquire_reply_validity_counts_from_the_first_send_that_may_have_set_it() -> (
+    None
+):
+    """A timed-out ACQUIRE may have set the key: the lease then runs from that send, not
+    from the resend that was answered; a HELD answer in between proves it set nothing."""
+    lost = Failure(OUTAGE, may_have_set=True, text="timeout")
+    attempts = proto.AcquireAttempts(deadline=10.0)
+    assert attempts.on_failure(lost, sent_at=1.0, now=3.0, rand=0.0) is not None
+    assert attempts.on_failure(lost, sent_at=3.1, now=4.0, rand=0.0) is not None
+    assert attempts.sent(4.5) == 1.0  # the first send that may have set it
+    attempts.on_held(4.6, 0.0)  # another owner holds it: nothing of ours was set
+    assert attempts.sent(5.0) == 5.0
+    refused = Failure(OUTAGE, may_have_set=False, text="connection refused")
+    attempts = proto.AcquireAttempts(deadline=10.0)
+    attempts.on_failure(refused, sent_at=1.0, now=1.1, rand=0.0)
+    assert attempts.sent(2.0) == 2.0  # a connection never made set nothing
+
+
+@pytest.mark.parametrize(
+    ("first_sent", "now", "deleted"),
+    [
+        (1.0, 5.0, True),  # sent and found gone within the validity: only our delete
+        (1.0, 10.5, False),  # found gone after the validity ran out: it may have expired
+        (10.5, 11.0, False),  # sent after the validity ran out
+    ],
+)
+def test_a_release_resent_after_a_lost_reply_counts_a_gone_key_only_within_the_validity(
+    first_sent: float, now: float, deleted: bool
+) -> None:
+    state = _state(valid_until=10.0)
+    kw: dict[str, Any] = {"first_sent": first_sent, "now": now}
+    assert proto.release_deleted(state, deleted=False, resent=True, **kw) is deleted
+    assert proto.release_deleted(state, deleted=False, resent=False, **kw) is False
+    assert proto.release_deleted(state, deleted=True, resent=True, **kw) is True
 
 
 # -------------------------------------------------------- blocking acquire
