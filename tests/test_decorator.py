@@ -81,6 +81,8 @@ def test_a_fenced_method_that_raises_is_rolled_back_and_its_lease_released(
 ) -> None:
     with pytest.raises(RuntimeError, match="the job failed"):
         repo.fail_midway(job_id=8)
+    assert not repo.session.in_transaction()  # nothing of the call left to commit
+    repo.session.commit()  # the caller's next commit: the half-done row is not in it
     assert job(engine, 8) is None
     assert list(redis_client.scan_iter(match=key_prefix + "*")) == []
 

@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 import sa_fence
+from sa_fence import _decorators
 from tests._async_fixtures import row as job
 from tests.models import Job
 
@@ -283,6 +284,11 @@ def test_a_nested_call_on_a_lost_lease_raises_before_its_body_runs(
             ran.append("outer")
             return 0, self.record(job_id, "must not run")
 
+        @sa_fence.fenced("job:{job_id}", ttl=30)
+        def record(self, job_id: int, result: str) -> int:
+            ran.append("nested")  # (a side effect of its own: an e-mail, a file)
+            return 0
+
     with make_session() as session, pytest.raises(sa_fence.LeaseLostError, match="lost for"):
         Lossy(session, fencer).finish(11)
     assert ran == ["outer"]
@@ -369,6 +375,40 @@ def test_max_hold_stops_renewal_and_the_call_rolls_back_with_lease_lost(
     assert len(lost) == 1
     assert job(engine, 14) is None  # rolled back, not committed
     assert "max_hold" in caplog.text
+
+
+async def test_a_max_hold_timer_ends_with_its_call(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    make_async_session: async_sessionmaker[AsyncSession],
+    afencer: sa_fence.AsyncFencer,
+) -> None:
+    """A call that returns before its max_hold cancels the timer: a worker making many
+    calls with an hour's cap does not pile up an hour of timers (or the lease objects
+    they keep alive)."""
+
+    @sa_fence.fenced(
+        "job:{job_id}", ttl=30, renew=True, max_hold=3600, fencer=fencer, session=make_session
+    )
+    def quick(job_id: int) -> None: ...
+
+    @sa_fence.fenced(
+        "job:{job_id}",
+        ttl=30,
+        renew=True,
+        max_hold=3600,
+        fencer=afencer,
+        session=make_async_session,
+    )
+    async def quick_async(job_id: int) -> None: ...
+
+    pending = _decorators._hold_limits._live
+    before, timers = len(pending), len(asyncio.get_running_loop()._scheduled)  # type: ignore[attr-defined]
+    for job_id in range(3):
+        quick(job_id)
+        await quick_async(job_id)
+    assert len(pending) == before
+    assert len(asyncio.get_running_loop()._scheduled) <= timers  # type: ignore[attr-defined]
 
 
 def test_without_max_hold_the_same_hung_call_is_renewed_and_commits(
