@@ -13,9 +13,11 @@ ok`` or ``next session failed: ...`` for the one-connection pool's next session.
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import sys
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -58,11 +60,12 @@ def main(url: str, prefix: str, kind: str, invalidate: bool, arm: bool) -> None:
     signal.signal(signal.SIGALRM, handler)
     lease = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 30)
     session = sa_fence.install(sessionmaker(engine))()
-    blocker = sa.create_engine(url, poolclass=sa.pool.NullPool).connect()
-    if arm:
+    blocker = sa.create_engine(url, poolclass=sa.pool.NullPool).connect() if arm else None
+    interrupted: Callable[[], object]
+    if blocker is not None:
         session.execute(sa.text("SELECT 1"))  # begun: the bind's arm is a statement of its own
         blocker.execute(sa.text("LOCK TABLE sa_fence_scope IN ACCESS EXCLUSIVE MODE"))
-        interrupted = lambda: lease.bind(session)  # noqa: E731
+        interrupted = functools.partial(lease.bind, session)
     else:
         lease.bind(session)
         session.add(Outbox(id=1, message="interrupted"))
@@ -77,7 +80,8 @@ def main(url: str, prefix: str, kind: str, invalidate: bool, arm: bool) -> None:
         pass
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        blocker.close()
+        if blocker is not None:
+            blocker.close()
     _flush._send_commit = send_commit  # type: ignore[assignment]
     with contextlib.suppress(Exception):
         session.close()
