@@ -160,11 +160,22 @@ def test_the_split_agrees_with_postgresql(
         ("SAVEPOINT s; RELEASE SAVEPOINT s; SELECT 1", False),
         ("COMMIT PREPARED 'x'; SELECT 1", False),  # not this transaction's end
         ("COMMIT AND NO CHAIN", False),
-        ("SELECT 'COMMIT; BEGIN", False),  # unterminated: the server refuses it whole
+        # unterminated: the server refuses the message whole, so what follows never runs
+        ("SELECT 'COMMIT; BEGIN", False),
         ("SELECT 1 /* COMMIT; BEGIN", False),
+        ("SELECT 'a; COMMIT; BEGIN", False),
+        ("SELECT E'a\\'; COMMIT; BEGIN", False),
+        ('SELECT 1 AS "a; COMMIT; BEGIN', False),
+        ("SELECT 1 /* a; COMMIT; BEGIN", False),
+        ("SELECT 1 /* /* */ a; COMMIT; BEGIN", False),
+        ("SELECT $$a; COMMIT; BEGIN", False),
+        ("SELECT $q$a; COMMIT; BEGIN $$", False),
         # BEGIN ATOMIC bodies: a parameter or a function named "begin" opens none
         ("CREATE FUNCTION f(begin int) RETURNS int RETURN 1; COMMIT; SELECT 1", True),
         ("CREATE FUNCTION begin() RETURNS int RETURN 1; COMMIT; SELECT 1", True),
+        # ... nor a parameter "begin" of a type named "atomic" (CREATE DOMAIN atomic ...)
+        ("CREATE FUNCTION f(begin atomic) RETURNS int RETURN 1; COMMIT; SELECT 1", True),
+        ("SELECT 1); COMMIT; BEGIN", True),  # a stray ")" hides no boundary
         (
             "CREATE PROCEDURE p() BEGIN ATOMIC SELECT CASE WHEN true THEN 1 END; END; SELECT 1",
             False,
