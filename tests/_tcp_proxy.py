@@ -14,9 +14,9 @@ connections pass through it.  Faults, set from any thread:
   (closed at once) until :meth:`heal`;
 * :meth:`heal`: back to passing traffic;
 * :meth:`drop_reply_to`: the next request containing a marker (e.g. a lease
-  key) reaches the server and is executed, but its reply is thrown away and
-  the client's connection closed: exactly what a connection lost after the
-  command was sent looks like.
+  key), or every one (``times=None``), reaches the server and is executed, but
+  its reply is thrown away and the client's connection closed: exactly what a
+  connection lost after the command was sent looks like.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class TcpProxy:
         self.connections = 0  # accepted so far
         self.dropped = 0  # replies thrown away (drop_reply_to)
         self._drop_marker: bytes | None = None
+        self._drops_left: int | None = None  # None: every request with the marker
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -64,7 +65,8 @@ class TcpProxy:
         self.mode = CUT
         self._call(self._close_all)
 
-    def drop_reply_to(self, marker: bytes) -> None:
+    def drop_reply_to(self, marker: bytes, times: int | None = 1) -> None:
+        self._drops_left = times
         self._drop_marker = marker
 
     def heal(self) -> None:
@@ -177,7 +179,10 @@ class TcpProxy:
                     break
                 marker = self._drop_marker
                 if marks is not None and marker is not None and marker in data:
-                    self._drop_marker = None
+                    if self._drops_left is not None:
+                        self._drops_left -= 1
+                        if self._drops_left <= 0:
+                            self._drop_marker = None
                     marks.set()
                 if loses is not None and loses.is_set():
                     self.dropped += 1

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import sa_fence
 from sa_fence import _lease, _lifecycle
 from sa_fence import _protocol as proto
-from sa_fence._failures import OUTAGE, Backoff, Failure
+from sa_fence._failures import BACKEND_ATTEMPTS, OUTAGE, Backoff, Failure
 from tests._fronts import front, io, is_async
 from tests._redis_server import free_port
 from tests._tcp_proxy import TcpProxy
@@ -465,6 +465,39 @@ async def test_without_the_owner_check_a_lost_acquire_reply_turns_into_false_con
     stranded = redis_client.get(key_prefix + "job:1")
     assert stranded is not None  # our own lease blocks everyone until it expires
     redis_client.delete(key_prefix + "job:1")
+
+
+@pytest.mark.parametrize("clean_up", [True, False], ids=["cleaned-up", "without-clean-up"])
+async def test_an_acquire_given_up_after_lost_replies_removes_what_it_set(
+    clean_up: bool,
+    front: Any,
+    proxied: Callable[[], Any],
+    proxy: TcpProxy,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    """Every ACQUIRE runs and every reply is lost: the acquire gives up with a
+    LeaseBackendError, and the lease Redis granted it (it cannot know) is released
+    by owner before the error is raised, so the name is free at once.  The pair
+    (``without-clean-up``): the key stays, and nobody gets the name for the TTL."""
+    fencer = proxied()
+    if not clean_up:
+
+        async def nothing() -> None:
+            return None
+
+        fencer._release_quietly = lambda key, values: nothing() if is_async(front) else None
+    proxy.drop_reply_to(fencer._acquire.sha.encode(), times=None)  # only ACQUIRE's EVALSHA
+    with pytest.raises(sa_fence.LeaseBackendError, match="acquire"):
+        await io(fencer.acquire("job:1", 30))
+    assert proxy.dropped >= BACKEND_ATTEMPTS  # (redis-py may resend within a call too)
+    left = redis_client.get(key_prefix + "job:1")
+    if clean_up:
+        assert left is None
+    else:
+        assert left is not None
+        assert ":" not in left.decode()  # the owner alone: granted, never confirmed
+        redis_client.delete(key_prefix + "job:1")
 
 
 async def test_a_confirm_whose_reply_was_lost_is_retried_and_still_succeeds(

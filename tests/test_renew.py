@@ -360,3 +360,33 @@ def test_renewing_on_a_client_without_socket_timeout_warns_once_and_a_bounded_cl
     finally:
         unbounded.close()
         bounded.close()
+
+
+@pytest.mark.parametrize("release_first", [True, False], ids=["release-first", "extend-first"])
+def test_a_renewal_answered_after_the_release_neither_loses_nor_renews_the_lease(
+    fencer: sa_fence.Fencer, monkeypatch: pytest.MonkeyPatch, release_first: bool
+) -> None:
+    """The release lands while a renewal EXTEND is on its way.  Redis ran the release
+    first: the EXTEND finds the key gone ("not ours"); or the EXTEND first: it extended a
+    key the release then deleted.  Either answer is about a lease the holder already gave
+    back, so it is ignored: no ``on_lost``, no loss logged, no next renewal scheduled."""
+    from sa_fence import _lifecycle
+
+    lost: list[Any] = []
+    lease = fencer.acquire("job:1", 30, on_lost=lost.append)
+    lease._state.renewing = True  # as renew=True sets it, with no renewer thread to race
+    extend = fencer._extend
+
+    def release_meanwhile(*, keys: list[str], args: list[Any]) -> Any:
+        if release_first:
+            assert lease.release()
+        reply = extend(keys=keys, args=args)
+        if not release_first:
+            assert lease.release()
+        return reply
+
+    monkeypatch.setattr(fencer, "_extend", release_meanwhile)
+    assert _lifecycle.renew(lease) is None  # None: no next renewal
+    assert lost == []
+    assert lease.released
+    assert not lease.lost
