@@ -98,19 +98,24 @@ def test_a_fencer_naming_another_sequence_than_its_registers_is_refused(
 
 
 def test_synchronous_commit_off_is_refused_before_any_lease_is_written(
-    database_url: sa.URL, redis_client: redis.Redis, key_prefix: str
+    database_url: sa.URL, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
+    """(``engine`` creates the sequence and the register: the refusal is about the setting.)"""
     unsafe = sa.create_engine(database_url, connect_args={"options": "-c synchronous_commit=off"})
+    name = f"{key_prefix}job:1"  # the register is shared: a name no other test grants
+    registered = sa.text("SELECT count(*) FROM sa_fence_leases WHERE name = :name")
     try:
         fencer = sa_fence.Fencer(redis_client, unsafe, key_prefix=key_prefix)
         with pytest.raises(sa_fence.FencingConfigError, match="synchronous_commit"):
-            fencer.acquire("job:1", 5)
+            fencer.acquire(name, 5)
         assert keys(redis_client, key_prefix) == []
+        with unsafe.connect() as conn:  # the check refused it before the grant was sent
+            assert conn.execute(registered, {"name": name}).scalar_one() == 0
         # Even past the one-time check, every token re-reads the setting and the
         # lease taken for it is given back.
         fencer._tokens.checked = True
         with pytest.raises(sa_fence.FencingConfigError, match="synchronous_commit"):
-            fencer.acquire("job:1", 5)
+            fencer.acquire(name, 5)
         assert keys(redis_client, key_prefix) == []
     finally:
         unsafe.dispose()

@@ -287,6 +287,9 @@ def test_a_dead_postgresql_is_reported_at_once_as_an_outage(
     with pytest.raises(sa_fence.LeaseBackendError) as failed:
         fencer.acquire("job:1", 30)
     assert failed.value.operation == "token"
+    # refused at connect: no statement left, so nothing can have been drawn
+    assert "PostgreSQL could not be reached" in str(failed.value)
+    assert "nothing was changed" in str(failed.value)
     assert list(redis_client.scan_iter(match=key_prefix + "*")) == []  # given back
 
 
