@@ -200,6 +200,26 @@ def test_a_writer_presenting_no_token_is_refused_by_a_reject_guard(guarded: sa.E
     assert "set_config('sa_fence.token'" in (refused.value.diag.message_hint or "")
 
 
+@pytest.mark.parametrize("presented", ["3x", "-3", " 3", "12345678901234567890"])
+def test_a_setting_that_is_not_a_token_is_refused_with_the_fix(
+    guarded: sa.Engine, presented: str
+) -> None:
+    """What a writer presents is read as a token only when it is one (digits, at most
+    19 of them): anything else is a no-token refusal that shows the value and says how
+    to present a token, never a cast error (or a bigint overflow) from inside the guard."""
+    insert_rows(guarded, fence=5)
+    script = f"BEGIN; SELECT set_config('sa_fence.token', '{presented}', true); " + (
+        "UPDATE job_steps SET output = 'x'"
+    )
+    with psql(guarded) as conn, pytest.raises(psycopg.Error) as refused:
+        run_script(conn, script)
+    assert refused.value.sqlstate == _guard.NO_TOKEN_SQLSTATE
+    assert f"sa_fence.token = {presented} is not a token" in str(refused.value)
+    assert "set_config('sa_fence.token', '<token>', true)" in (
+        refused.value.diag.message_hint or ""
+    )
+
+
 def test_an_unchanged_guard_lets_a_tokenless_update_through_but_not_a_delete(
     guarded: sa.Engine,
 ) -> None:
