@@ -233,6 +233,34 @@ def test_a_grant_overtaken_by_a_newer_grant_of_its_name_is_a_lost_lease_not_a_se
     assert keys(redis_client, key_prefix) == []
 
 
+def test_a_first_grant_of_a_name_overtaken_before_the_name_had_a_row_is_a_lost_lease(
+    make_fencer: Any, db: sa.Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The same race on a name the register has no row for yet: the newer grant's
+    INSERT is in flight when this grant draws, so this grant's snapshot has no row
+    (nothing held) and its INSERT waits, then finds the newer, larger token."""
+    fencer = make_fencer()
+    fencer.check()
+    outcome: list[BaseException | sa_fence.Lease] = []
+    with db.connect() as blocker:
+        blocker.execute(sa.text("INSERT INTO sa_fence_leases (name, token) VALUES ('job:2', 0)"))
+        thread = threading.Thread(target=lambda: outcome.append(_acquire(fencer, "job:2")))
+        thread.start()
+        wait_for(lambda: _waiting_grants(db) > 0, 10, "the grant waiting on the register row")
+        blocker.execute(
+            sa.text(
+                f"UPDATE sa_fence_leases SET token = nextval('{SEQUENCE}') WHERE name = 'job:2'"
+            )
+        )
+        blocker.commit()
+        thread.join(10)
+    (error,) = outcome
+    assert isinstance(error, sa_fence.LeaseLostError), error
+    drawn = register_row(db, "job:2").token - 1
+    assert f"(token {drawn}) was in flight" in str(error)
+    assert keys(redis_client, key_prefix) == []
+
+
 def _acquire(fencer: sa_fence.Fencer, name: str) -> BaseException | sa_fence.Lease:
     try:
         return fencer.acquire(name, 30)
