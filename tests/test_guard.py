@@ -372,6 +372,19 @@ def test_an_update_leaving_a_never_fenced_null_fence_null_is_not_lowering(
     assert "would lower the fence from 5 to NULL" in str(refused)
 
 
+def test_a_tokenless_insert_of_a_never_fenced_row_is_let_in_under_either_policy(
+    guarded: sa.Engine, legacy: str
+) -> None:
+    """A row inserted with a NULL fence and no token has no holder to lose to and no
+    fence to forge: let in as it is, by a "reject" guard too (writers that know
+    nothing of sa-fence keep adding rows; the first fenced write sets the fence)."""
+    with psql(guarded) as conn:
+        run_script(conn, "INSERT INTO legacy VALUES (3, 'new', NULL)")
+        recreate_guard(guarded, "legacy", on_missing_token="reject")
+        run_script(conn, "INSERT INTO legacy VALUES (4, 'new', NULL)")
+    assert legacy_rows(guarded)[2:] == [(3, "new", None), (4, "new", None)]
+
+
 def test_a_token_write_to_a_never_fenced_row_records_its_token(
     guarded: sa.Engine, legacy: str
 ) -> None:
