@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import sqlalchemy as sa
 
 import sa_fence
@@ -98,6 +101,41 @@ def test_fencer_close_ends_the_held_server_connection_and_the_fencer_stays_usabl
 
         wait_for(backend_gone, 10, "the held connection's server backend to exit after close()")
         fencer.acquire("job:1", 30).release()  # a new connection is opened on demand
+    finally:
+        fencer.close()
+        own.dispose()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_draws_on_a_connection_of_its_own_and_leaves_the_parents_alone(
+    engine: sa.Engine, redis_client, key_prefix: str
+) -> None:
+    """The held connection's socket is shared with a forked child: the child must
+    neither draw on it (the two processes' messages would interleave) nor close it
+    (closing ends the parent's server session); it opens one of its own."""
+    own = sa.create_engine(engine.url)
+    try:
+        fencer = sa_fence.Fencer(redis_client, own, sequence=SEQUENCE, key_prefix=key_prefix)
+        fencer.acquire("job:1", 30).release()
+        held = fencer._tokens._held
+        assert held is not None
+        parent_backend = held.info.backend_pid
+        pid = os.fork()
+        if pid == 0:  # the child: report by exit status, no test machinery
+            code = 3
+            try:
+                own.dispose(close=False)  # as SQLAlchemy asks of a forked child
+                fencer.acquire("job:2", 30).release()
+                mine = fencer._tokens._held
+                code = 0 if mine is not held and mine.info.backend_pid != parent_backend else 1
+                fencer.close()  # drops the inherited connection too, without closing it
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        fencer.acquire("job:1", 30).release()
+        assert fencer._tokens._held is held  # still open: the child never closed it
+        assert held.info.backend_pid == parent_backend
     finally:
         fencer.close()
         own.dispose()
