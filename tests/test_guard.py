@@ -339,6 +339,38 @@ def test_a_guard_names_the_sequence_it_reads_and_refuses_a_name_that_breaks_its_
         _guard.create_guard_sql("jobs", sequence="x$sa_fence$y")
 
 
+@pytest.mark.parametrize(
+    ("made_with", "read_with"),
+    [
+        ({}, {"schema": "public"}),  # made unqualified, the table declared in public
+        ({"schema": "public"}, {"schema": None}),  # made qualified, declared without
+        ({"sequence": "app.tokens"}, {"schema": None}),  # made for another sequence
+        ({"on_missing_token": "unchanged"}, {"schema": None}),
+    ],
+)
+def test_a_guard_made_by_this_sa_fence_is_current_however_its_names_were_given(
+    made_with: dict[str, Any], read_with: dict[str, Any]
+) -> None:
+    """``outdated`` (autogenerate's and ``sa-fence check``'s test) compares the source with
+    what this sa-fence makes for the same table, with the schema named as given, not at
+    all, or as the default schema, and with the policy and sequence the header names."""
+    source = _guard.function_source(_guard.create_guard_sql("jobs", **made_with))
+    reasons = _guard.outdated(
+        source,
+        True,
+        "jobs",
+        "fence",
+        default_schema="public",
+        sequence=_guard.DEFAULT_SEQUENCE,
+        **read_with,
+    )
+    assert reasons == []
+    edited = source.replace("RETURN OLD;", "RETURN NULL;")
+    assert _guard.outdated(
+        edited, True, "jobs", "fence", default_schema="public", sequence="x", **read_with
+    ) == ["its function differs (made by another sa-fence version, or edited by hand)"]
+
+
 # ----------------------------------------------------------- never fenced rows
 
 
