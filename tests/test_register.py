@@ -61,11 +61,15 @@ def test_a_grant_waits_a_bounded_time_for_a_committing_holder_and_says_what_it_w
     key_prefix: str,
 ) -> None:
     fencer._tokens.lock_timeout_ms = 300
+    held = fencer._tokens._held
+    assert held is not None  # the fixture's grant opened the held token connection
     time.sleep(0.4)  # the holder's lease (TTL 200 ms) runs out in Redis
     started = time.monotonic()
     with pytest.raises(sa_fence.LeaseBackendError, match="waited 300 ms for the lease register"):
         fencer.acquire("job:1", 5)
     assert time.monotonic() - started < 3
+    # refused, not lost: the statement is not sent again elsewhere, the connection is kept
+    assert fencer._tokens._held is held
     assert keys(redis_client, key_prefix) == []  # nothing left behind in Redis
     committing_holder.rollback()  # the holder's commit ends
     fencer.acquire("job:1", 5).release()  # and the name can be granted again

@@ -139,3 +139,57 @@ def test_a_forked_child_draws_on_a_connection_of_its_own_and_leaves_the_parents_
     finally:
         fencer.close()
         own.dispose()
+
+
+def test_a_draw_interrupted_on_the_held_connection_drops_it(
+    engine: sa.Engine, redis_client, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt (KeyboardInterrupt, a timeout signal's exception) as the grant's
+    reply comes in leaves the held connection in an unknown state: it is closed and
+    never used again; the next grant opens a new one."""
+    own = sa.create_engine(engine.url)
+    try:
+        fencer = sa_fence.Fencer(redis_client, own, sequence=SEQUENCE, key_prefix=key_prefix)
+        fencer.acquire("job:1", 30).release()
+        held = fencer._tokens._held
+        assert held is not None
+        draw = fencer._tokens._draw
+
+        def interrupted(dbapi_conn: object, params: dict[str, object]) -> object:
+            draw(dbapi_conn, params)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(fencer._tokens, "_draw", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            fencer.acquire("job:1", 30)
+        assert fencer._tokens._held is None
+        assert held.closed
+        monkeypatch.undo()
+        fencer.acquire("job:1", 30).release()
+        assert fencer._tokens._held is not None
+        assert fencer._tokens._held is not held
+    finally:
+        fencer.close()
+        own.dispose()
+
+
+def test_the_held_connection_is_replaced_after_the_engines_pool_recycle(
+    engine: sa.Engine, redis_client, key_prefix: str
+) -> None:
+    """``pool_recycle`` (connections older than it are replaced, e.g. before a firewall's
+    idle cut) holds for the held token connection too; the clock seam is its birth time."""
+    own = sa.create_engine(engine.url, pool_recycle=60)
+    try:
+        fencer = sa_fence.Fencer(redis_client, own, sequence=SEQUENCE, key_prefix=key_prefix)
+        fencer.acquire("job:1", 30).release()
+        held = fencer._tokens._held
+        assert held is not None
+        fencer.acquire("job:1", 30).release()
+        assert fencer._tokens._held is held  # younger than pool_recycle: kept
+        fencer._tokens._held_since -= 61  # opened 61 s earlier
+        fencer.acquire("job:1", 30).release()
+        assert fencer._tokens._held is not held
+        assert held.closed
+    finally:
+        fencer.close()
+        own.dispose()
