@@ -129,6 +129,27 @@ async def test_a_lease_gone_before_its_confirm_is_lost_and_leaves_nothing_in_red
     assert list(redis_client.scan_iter(match=key_prefix + "*")) == []
 
 
+async def test_a_first_grant_of_a_name_lost_before_its_confirm_keeps_its_register_row(
+    front: Any,
+    other: Callable[[], sa_fence.Fencer],
+    redis_client: redis.Redis,
+    engine: sa.Engine,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A name's first grant has no token before it to go back to: the withdrawal leaves
+    the row as it is (no holder's commit can be refused by a token nobody holds), and
+    fails at nothing (it would write a NULL token otherwise, and log its failure)."""
+    name = f"first:{key_prefix}"  # never granted before in this database
+    LostBeforeConfirm(front, other(), redis_client, taken_over=False, monkeypatch=monkeypatch)
+    with pytest.raises(sa_fence.LeaseLostError, match="thrown away") as lost:
+        await io(front.acquire(name, 5))
+    assert register_token(engine, name) is not None
+    assert f"token {register_token(engine, name)}" in str(lost.value)
+    assert "could not withdraw" not in caplog.text
+
+
 async def test_without_the_withdrawal_the_live_holder_is_fenced_out_by_the_lost_token(
     front: Any,
     other: Callable[[], sa_fence.Fencer],
