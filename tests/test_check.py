@@ -275,12 +275,14 @@ def test_check_names_a_lease_register_of_the_wrong_shape(
         migrated,
         "ALTER TABLE sa_fence_leases DROP COLUMN previous",
         "ALTER TABLE sa_fence_leases ALTER COLUMN granted_at DROP NOT NULL",
+        "ALTER TABLE sa_fence_leases ALTER COLUMN granted_at TYPE timestamp",
     )
     status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
     assert status == 1
     assert (
-        "PROBLEM lease register sa_fence_leases has the wrong shape: column 'granted_at' allows "
-        "NULL (need NOT NULL); has no column 'previous' (bigint)" in out
+        "PROBLEM lease register sa_fence_leases has the wrong shape: column 'granted_at' is "
+        "timestamp without time zone (need timestamp with time zone); column 'granted_at' "
+        "allows NULL (need NOT NULL); has no column 'previous' (bigint)" in " ".join(out.split())
     )
     assert "op.drop_fence_register() and op.create_fence_register()" in out
 

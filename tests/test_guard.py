@@ -337,6 +337,13 @@ def test_a_guard_names_the_sequence_it_reads_and_refuses_a_name_that_breaks_its_
     assert _guard.DEFAULT_SEQUENCE == _tokens.DEFAULT_SEQUENCE
     with pytest.raises(ValueError, match="cannot contain"):
         _guard.create_guard_sql("jobs", sequence="x$sa_fence$y")
+    for empty in (
+        {"table": ""},
+        {"table": "jobs", "column": ""},
+        {"table": "jobs", "sequence": ""},
+    ):
+        with pytest.raises(ValueError, match="must be a non-empty string, got ''"):
+            _guard.create_guard_sql(**empty)
 
 
 @pytest.mark.parametrize(
