@@ -47,8 +47,8 @@ def commit_a_job(lease: sa_fence.Lease, make_session: sessionmaker[Session]) -> 
 
 
 class LostBeforeConfirm:
-    """Patches the front end's token draw: before drawing, the lease key ends
-    (``taken_over``: and the sync ``other`` fencer is granted the name)."""
+    """Patches the front end's token draw: before drawing (``after_draw``: after), the
+    lease key ends (``taken_over``: and the sync ``other`` fencer is granted the name)."""
 
     def __init__(
         self,
@@ -58,6 +58,7 @@ class LostBeforeConfirm:
         *,
         taken_over: bool,
         monkeypatch: pytest.MonkeyPatch,
+        after_draw: bool = False,
     ) -> None:
         self.b: sa_fence.Lease | None = None
         self.other = other
@@ -67,8 +68,11 @@ class LostBeforeConfirm:
             original_async = front._next_token
 
             async def next_token_async(name: str) -> int:
-                self.end(front.key(name), name)
+                if not after_draw:
+                    self.end(front.key(name), name)
                 token: int = await original_async(name)
+                if after_draw:
+                    self.end(front.key(name), name)
                 return token
 
             monkeypatch.setattr(front, "_next_token", next_token_async)
@@ -76,8 +80,12 @@ class LostBeforeConfirm:
             original = front._tokens.next_token
 
             def next_token(name: str) -> int:
-                self.end(front.key(name), name)
-                return original(name)
+                if not after_draw:
+                    self.end(front.key(name), name)
+                token = original(name)
+                if after_draw:
+                    self.end(front.key(name), name)
+                return token
 
             monkeypatch.setattr(front._tokens, "next_token", next_token)
 
@@ -114,6 +122,30 @@ async def test_a_lease_taken_over_before_its_confirm_is_lost_and_its_token_withd
     assert register_token(engine, "job:1") == b.token  # A's token withdrawn
     commit_a_job(b, make_session)  # the live holder is not fenced out
     b.release()
+
+
+async def test_a_withdrawal_never_undoes_a_grant_made_after_the_lost_token(
+    front: Any,
+    other: Callable[[], sa_fence.Fencer],
+    redis_client: redis.Redis,
+    engine: sa.Engine,
+    make_session: sessionmaker[Session],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A's lease ends after its draw, and C is granted the name (a larger token) before
+    A's confirm: A's withdrawal finds the register holding C's token, not its own, and
+    leaves it; C commits."""
+    seam = LostBeforeConfirm(
+        front, other(), redis_client, taken_over=True, monkeypatch=monkeypatch, after_draw=True
+    )
+    with pytest.raises(sa_fence.LeaseLostError, match="thrown away") as lost:
+        await io(front.acquire("job:1", 5))
+    c = seam.b
+    assert c is not None
+    assert f"token {c.token - 1} " in str(lost.value)  # A drew just before C
+    assert register_token(engine, "job:1") == c.token
+    commit_a_job(c, make_session)
+    c.release()
 
 
 async def test_a_lease_gone_before_its_confirm_is_lost_and_leaves_nothing_in_redis(
