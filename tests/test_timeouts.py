@@ -93,6 +93,23 @@ def test_a_failure_is_resent_only_while_the_next_attempt_ends_within_the_budget(
     assert quick.on_failure(outage, sent_at=0.2, now=0.21, rand=0.5) is None  # 3 sends at most
 
 
+def test_what_is_left_of_the_budget_counts_from_the_first_failed_send() -> None:
+    """``remaining`` sizes the TLS probe after a failure; ``fits_another`` decides whether
+    a given-up acquire's clean-up call still ends within the budget."""
+    outage = Failure(OUTAGE, True, "TimeoutError")
+    budget = FailureBudget(1.5)
+    assert budget.remaining(100.0) == 1.5  # no failure yet: all of it
+    assert budget.fits_another(100.0)
+    assert budget.on_failure(outage, sent_at=10.0, now=11.0, rand=0.5) is None  # took 1 s
+    assert budget.remaining(11.2) == pytest.approx(0.3)
+    assert budget.remaining(12.0) == 0.0
+    assert not budget.fits_another(11.0)  # another 1 s call would end at 12.0 > 11.5
+    quick = FailureBudget(1.5)
+    quick.on_failure(outage, sent_at=10.0, now=10.1, rand=0.5)  # took 0.1 s
+    assert quick.fits_another(11.3)
+    assert not quick.fits_another(11.45)
+
+
 def test_set_up_mistakes_and_refusals_are_never_resent() -> None:
     for kind in (SETUP, REFUSED):
         budget = FailureBudget(60)
@@ -131,6 +148,12 @@ def unreachable(cause: Exception, *, named: bool = False) -> Exception:
         (redis.exceptions.ClusterDownError("The cluster is down"), "failover", False),
         (redis.exceptions.SlotNotCoveredError("slot 42 not covered"), "failover", False),
         (redis.exceptions.OutOfMemoryError("OOM command not allowed"), "refused", False),
+        # (a ConnectionError subclass: loading, the server ran nothing)
+        (redis.exceptions.BusyLoadingError("LOADING Redis is loading"), "outage", False),
+        # the reply's text, whatever class redis-py gave it
+        (redis.exceptions.ResponseError("READONLY You can't write"), "failover", False),
+        (redis.exceptions.ResponseError("unknown command 'EVALSHA'"), "setup", False),
+        (redis.exceptions.RedisError("something new"), "refused", True),  # unknown: may have run
         (unreachable(redis.exceptions.TimeoutError("Timeout reading")), "outage", True),
         (
             unreachable(redis.exceptions.TimeoutError("Timeout reading"), named=True),
@@ -147,6 +170,22 @@ def unreachable(cause: Exception, *, named: bool = False) -> Exception:
 def test_each_redis_failure_is_told_apart(error: Exception, kind: str, may_have_set: bool) -> None:
     failure = classify_redis(error)
     assert (failure.kind, failure.may_have_set) == (kind, may_have_set)
+
+
+@pytest.mark.parametrize(("speaks", "tls", "kind"), [
+    ("tls", False, "setup"),  # a TLS server, a plain client
+    ("plain", True, "setup"),  # the reverse
+    ("plain", False, "outage"),  # both plain: a real outage
+    ("tls", True, "outage"),
+    (None, False, "outage"),  # not probed, or no answer to the probe
+])  # fmt: skip
+def test_a_connection_lost_on_a_tls_mismatch_is_a_set_up_mistake(
+    speaks: str | None, tls: bool, kind: str
+) -> None:
+    """A client and server that disagree about TLS fail as a closed connection; only the
+    probe of what the server speaks tells that apart from an outage."""
+    error = redis.exceptions.ConnectionError("Connection closed by server.")
+    assert classify_redis(error, speaks=speaks, tls=tls).kind == kind
 
 
 @pytest.mark.parametrize(
