@@ -329,6 +329,28 @@ def test_check_names_a_missing_commit_check_function(
     )
 
 
+@pytest.mark.parametrize(
+    ("broken", "said"),
+    [
+        ("DROP TABLE sa_fence_scope", "the lease scope table public.sa_fence_scope is missing"),
+        (
+            "DROP TRIGGER sa_fence_scope_check ON sa_fence_scope",
+            "the lease scope trigger sa_fence_scope_check on public.sa_fence_scope is missing",
+        ),
+    ],
+    ids=["table", "trigger"],
+)
+def test_check_names_a_missing_scope_table_or_trigger_with_the_fix(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str], broken: str, said: str
+) -> None:
+    execute(migrated, broken)
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert status == 1
+    out = " ".join(out.split())
+    assert f"{said}, so a COMMIT the client sends itself would not be checked" in out
+    assert "Recreate it with op.create_fence_register()" in out
+
+
 def test_check_names_a_disabled_scope_trigger_with_the_fix(
     migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -443,6 +443,31 @@ def test_a_table_named_like_the_register_on_the_search_path_changes_nothing_the_
         engine.dispose()
 
 
+def test_a_temp_sequence_named_like_the_token_sequence_is_never_the_one_pinned(
+    make_fencer: Any, db: sa.Engine
+) -> None:
+    """With pg_temp named on the search_path (before public), a temporary sequence of the
+    token sequence's name is found first by name; the pinning skips the session's own
+    temporary schema, where any role can create a stand-in."""
+    engine = sa.create_engine(db.url, connect_args={"options": "-c search_path=pg_temp,public"})
+
+    @sa.event.listens_for(engine, "connect")
+    def _stand_in(dbapi_conn: Any, record: Any) -> None:
+        with dbapi_conn.cursor() as cursor:
+            cursor.execute(f"CREATE TEMP SEQUENCE {SEQUENCE} CACHE 1")
+        dbapi_conn.commit()
+
+    try:
+        fencer = make_fencer(engine)
+        lease = fencer.acquire("job:1", 5)
+        assert fencer.token_source.register.schema == "public"
+        assert register_row(db, "job:1").token == lease.token
+        lease.release()
+        fencer.close()
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "unpinned (pair)"])
 def test_a_temp_table_named_like_the_register_changes_nothing_fencer_check_reports(
     make_fencer: Any, db: sa.Engine, monkeypatch: pytest.MonkeyPatch, pinned: bool
