@@ -372,12 +372,22 @@ def test_bad_tasks_and_arguments_are_refused(app, conninfo, fencer, make_session
     def keyless(url: str) -> None:
         pass
 
+    @app.task(name="positional_key")
+    def positional_key(idempotency_key: str, /, url: str) -> None:
+        pass
+
+    @app.task(name="catch_all")
+    def catch_all(**kwargs: Any) -> None:
+        pass
+
     with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
         lease.bind(session)
         with pytest.raises(TypeError, match="procrastinate task"):
             sa_fence.side_effect(session, keyless.func, url="u")  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="no 'idempotency_key' parameter"):
             sa_fence.side_effect(session, keyless, url="u")
+        with pytest.raises(TypeError, match="no 'idempotency_key' parameter"):
+            sa_fence.side_effect(session, positional_key, url="u")  # cannot take it by name
         with pytest.raises(ValueError, match="do not pass idempotency_key"):
             sa_fence.side_effect(
                 session, app.tasks["send_webhook"], url="u", body={}, idempotency_key="k"
@@ -386,6 +396,10 @@ def test_bad_tasks_and_arguments_are_refused(app, conninfo, fencer, make_session
             sa_fence.side_effect(object(), app.tasks["send_webhook"])  # type: ignore[arg-type]
         session.commit()
     _no_jobs(conninfo)
+    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+        lease.bind(session)  # a task taking **kwargs takes the key too
+        assert sa_fence.side_effect(session, catch_all, url="u").idempotency_key
+        session.rollback()
 
 
 def test_without_procrastinate_sa_fence_imports_and_side_effect_says_what_to_install():
