@@ -892,3 +892,21 @@ def test_every_registered_op_class_and_op_function_has_a_docstring() -> None:
         if not (getattr(Operations, op_name).__doc__ or "").strip():
             missing.append(f"op.{op_name}")
     assert missing == [], f"no docstring: {missing}"
+
+
+def test_autogenerate_on_a_database_that_is_not_postgresql_adds_no_fencing_ops() -> None:
+    """A project migrating a second, non-PostgreSQL database with the same models: the
+    fencing comparator stays out (its catalog queries and ops are PostgreSQL's)."""
+    from alembic.autogenerate import produce_migrations
+
+    engine = sa.create_engine("sqlite://")
+    try:
+        with engine.connect() as conn:
+            migrations = produce_migrations(MigrationContext.configure(conn), Base.metadata)
+        ops = migrations.upgrade_ops
+        assert ops is not None
+        kinds = {type(op).__module__ for op in ops.ops}
+        assert kinds == {"alembic.operations.ops"}  # Alembic's own create_table ops only
+        assert not any(isinstance(op, fence_ops.CreateFenceGuardOp) for op in ops.ops)
+    finally:
+        engine.dispose()
