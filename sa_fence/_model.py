@@ -158,10 +158,11 @@ class OrmIndex:
     """What the flush hook needs to know about all mapped classes, computed once.
 
     ``association_tables``: ``secondary`` tables of relationships with a fenced class on either
-    side (writing their rows needs a bound lease).  ``bump_keys``: joined-inheritance subclasses
-    of a fenced class whose own table has no fence column, with the fence key (a change to the
-    subclass table alone still bumps the base table's fence).  Recomputed after a class is
-    mapped (``_generation``), not per flush; a disposed registry's classes stay until then.
+    side (writing their rows needs a bound lease).  ``bump_keys``: subclasses of a fenced class
+    whose local table (a joined subclass's own; a single-table subclass's parent's) has no fence
+    column, with the fence key (a change to that table alone still bumps the base table's
+    fence).  Recomputed after a class is mapped (``_generation``), not per flush; a disposed
+    registry's classes stay until then.
     """
 
     generation: int
@@ -192,7 +193,6 @@ def orm_index() -> OrmIndex:
             key is not None
             and mapper.inherits is not None
             and mapper.local_table is not mapper.columns[key].table
-            and mapper.local_table is not mapper.inherits.local_table
         ):
             bump_keys[mapper.class_] = key
         for prop in mapper.relationships:

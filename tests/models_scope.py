@@ -70,6 +70,12 @@ class SpecialJob(Job):
     __mapper_args__ = {"polymorphic_identity": "special"}  # noqa: RUF012
 
 
+class UrgentJob(SpecialJob):
+    """Single-table inheritance under the joined subclass: it writes special_jobs too."""
+
+    __mapper_args__ = {"polymorphic_identity": "urgent"}  # noqa: RUF012
+
+
 class Parent(sa_fence.Fenced, ScopeBase):
     __tablename__ = "parents"
 
