@@ -681,9 +681,17 @@ def test_a_class_mapped_after_the_orm_index_was_built_is_in_it() -> None:
         sa.Column("tag_id", sa.ForeignKey("late_tags.id"), primary_key=True),
     )
 
+    others = sa.Table(  # its relationship declared on the unfenced side only
+        "late_other_links",
+        LateBase.metadata,
+        sa.Column("owner_id", sa.ForeignKey("late_owners.id"), primary_key=True),
+        sa.Column("tag_id", sa.ForeignKey("late_tags.id"), primary_key=True),
+    )
+
     class LateTag(LateBase):
         __tablename__ = "late_tags"
         id = sa.Column(sa.Integer, primary_key=True)
+        owners = relationship("LateOwner", secondary=others)
 
     class LateOwner(sa_fence.Fenced, LateBase):
         __tablename__ = "late_owners"
@@ -691,7 +699,7 @@ def test_a_class_mapped_after_the_orm_index_was_built_is_in_it() -> None:
         tags = relationship(LateTag, secondary=links)
 
     try:
-        assert links in _model.orm_index().association_tables
+        assert {links, others} <= _model.orm_index().association_tables
     finally:
         LateBase.registry.dispose()
 
