@@ -259,6 +259,25 @@ def test_without_the_translation_the_raw_undefined_column_error_comes_through(
     assert "column jobs.fence does not exist" in str(caught.value)
 
 
+@pytest.mark.parametrize("through", ["an alias", "a join with a table that has its fence"])
+def test_the_table_without_its_fence_column_is_named_whatever_the_query_calls_it(
+    no_fence_column: sa.Engine, through: str
+) -> None:
+    """PostgreSQL names the relation as the query does: an alias (``jobs_1``) is none of
+    the tables, so the statement's own fenced table is named; beside a table that has its
+    fence column (cells), the one PostgreSQL names is."""
+    alias = sa.orm.aliased(Job)
+    query = (
+        sa.select(alias)
+        if through == "an alias"
+        else sa.select(Cell, Job).join(Job, Job.result == Cell.value)
+    )
+    with fenced_session(no_fence_column)() as s:
+        with pytest.raises(sa_fence.FencingConfigError, match=MISSING):
+            s.execute(query).all()
+        s.rollback()
+
+
 def test_another_missing_column_is_not_taken_for_the_fence(created: sa.Engine) -> None:
     with created.begin() as conn:
         conn.execute(sa.text("ALTER TABLE jobs DROP COLUMN status"))
