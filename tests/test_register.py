@@ -306,3 +306,12 @@ async def test_a_stale_async_sessions_insert_into_an_unfenced_table_is_refused_a
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM audit")).scalar_one() == 0
     await b.release()
+
+
+def test_fence_sequence_given_the_same_metadata_twice_declares_the_register_once() -> None:
+    """Two model modules that each call ``fence_sequence(Base.metadata)`` share one register
+    (and one scope table): the second call finds them instead of declaring them again."""
+    metadata = sa.MetaData()
+    sa_fence.fence_sequence(metadata)
+    sa_fence.fence_sequence(metadata)
+    assert sorted(metadata.tables) == ["sa_fence_leases", "sa_fence_scope"]
