@@ -105,6 +105,7 @@ def other(
     return lambda: sa_fence.Fencer(redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
 
 
+@pytest.mark.parametrize("after_draw", [False, True], ids=["before-its-draw", "after-its-draw"])
 async def test_a_lease_taken_over_before_its_confirm_is_lost_and_its_token_withdrawn(
     front: Any,
     other: Callable[[], sa_fence.Fencer],
@@ -112,40 +113,30 @@ async def test_a_lease_taken_over_before_its_confirm_is_lost_and_its_token_withd
     engine: sa.Engine,
     make_session: sessionmaker[Session],
     monkeypatch: pytest.MonkeyPatch,
+    after_draw: bool,
 ) -> None:
-    seam = LostBeforeConfirm(front, other(), redis_client, taken_over=True, monkeypatch=monkeypatch)
-    with pytest.raises(sa_fence.LeaseLostError, match="thrown away"):
-        await io(front.acquire("job:1", 5))
-    b = seam.b
-    assert b is not None
-    assert redis_client.get(b.key) == f"{b.owner}:{b.token}".encode()  # B's, untouched
-    assert register_token(engine, "job:1") == b.token  # A's token withdrawn
-    commit_a_job(b, make_session)  # the live holder is not fenced out
-    b.release()
-
-
-async def test_a_withdrawal_never_undoes_a_grant_made_after_the_lost_token(
-    front: Any,
-    other: Callable[[], sa_fence.Fencer],
-    redis_client: redis.Redis,
-    engine: sa.Engine,
-    make_session: sessionmaker[Session],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A's lease ends after its draw, and C is granted the name (a larger token) before
-    A's confirm: A's withdrawal finds the register holding C's token, not its own, and
-    leaves it; C commits."""
+    """A's lease ends and B is granted the name before A's confirm.  B drew first: A's
+    larger token is withdrawn.  B drew after A (``after-its-draw``): the register holds
+    B's larger token, not A's, so A's withdrawal leaves it; it never undoes a newer grant.
+    Either way B's key is untouched and B commits."""
     seam = LostBeforeConfirm(
-        front, other(), redis_client, taken_over=True, monkeypatch=monkeypatch, after_draw=True
+        front,
+        other(),
+        redis_client,
+        taken_over=True,
+        monkeypatch=monkeypatch,
+        after_draw=after_draw,
     )
     with pytest.raises(sa_fence.LeaseLostError, match="thrown away") as lost:
         await io(front.acquire("job:1", 5))
-    c = seam.b
-    assert c is not None
-    assert f"token {c.token - 1} " in str(lost.value)  # A drew just before C
-    assert register_token(engine, "job:1") == c.token
-    commit_a_job(c, make_session)
-    c.release()
+    b = seam.b
+    assert b is not None
+    a_token = b.token - 1 if after_draw else b.token + 1  # the draws came one after the other
+    assert f"token {a_token} " in str(lost.value)
+    assert redis_client.get(b.key) == f"{b.owner}:{b.token}".encode()  # B's, untouched
+    assert register_token(engine, "job:1") == b.token  # A's token withdrawn, or never there
+    commit_a_job(b, make_session)  # the live holder is not fenced out
+    b.release()
 
 
 async def test_a_lease_gone_before_its_confirm_is_lost_and_leaves_nothing_in_redis(

@@ -196,20 +196,27 @@ def test_check_reads_a_sequence_set_back_with_is_called_false_exactly(
     assert f"is behind the rows: its last value is {token}" in out
 
 
+@pytest.mark.parametrize("had_a_row", [True, False], ids=["granted-before", "first-grant"])
 def test_a_grant_overtaken_by_a_newer_grant_of_its_name_is_a_lost_lease_not_a_set_back_sequence(
-    make_fencer: Any, db: sa.Engine, redis_client: redis.Redis, key_prefix: str
+    make_fencer: Any, db: sa.Engine, redis_client: redis.Redis, key_prefix: str, had_a_row: bool
 ) -> None:
     """A grant that drew its token, then waited on the register row while a newer
     grant of the name (drawn later, so larger) committed: its Redis lease had
     expired.  LeaseLostError, not the "sequence is behind" advice to stop the
     workers and repair the sequence (the pair: without the distinction the
-    refusal is that FencingConfigError)."""
+    refusal is that FencingConfigError).  ``first-grant``: the newer grant's INSERT
+    of the name's first row is in flight, so this grant's snapshot holds no row."""
     fencer = make_fencer()
-    fencer.acquire("job:1", 5).release()
+    if had_a_row:
+        fencer.acquire("job:1", 5).release()
+    else:
+        fencer.check()  # (the grant below is then the name's first)
     outcome: list[BaseException | sa_fence.Lease] = []
     with db.connect() as blocker:
         blocker.execute(
             sa.text("SELECT token FROM sa_fence_leases WHERE name = 'job:1' FOR UPDATE")
+            if had_a_row
+            else sa.text("INSERT INTO sa_fence_leases (name, token) VALUES ('job:1', 0)")
         )
         thread = threading.Thread(target=lambda: outcome.append(_acquire(fencer, "job:1")))
         thread.start()
@@ -230,34 +237,6 @@ def test_a_grant_overtaken_by_a_newer_grant_of_its_name_is_a_lost_lease_not_a_se
         in str(error)
     )
     assert "repair-sequence" not in str(error)
-    assert keys(redis_client, key_prefix) == []
-
-
-def test_a_first_grant_of_a_name_overtaken_before_the_name_had_a_row_is_a_lost_lease(
-    make_fencer: Any, db: sa.Engine, redis_client: redis.Redis, key_prefix: str
-) -> None:
-    """The same race on a name the register has no row for yet: the newer grant's
-    INSERT is in flight when this grant draws, so this grant's snapshot has no row
-    (nothing held) and its INSERT waits, then finds the newer, larger token."""
-    fencer = make_fencer()
-    fencer.check()
-    outcome: list[BaseException | sa_fence.Lease] = []
-    with db.connect() as blocker:
-        blocker.execute(sa.text("INSERT INTO sa_fence_leases (name, token) VALUES ('job:2', 0)"))
-        thread = threading.Thread(target=lambda: outcome.append(_acquire(fencer, "job:2")))
-        thread.start()
-        wait_for(lambda: _waiting_grants(db) > 0, 10, "the grant waiting on the register row")
-        blocker.execute(
-            sa.text(
-                f"UPDATE sa_fence_leases SET token = nextval('{SEQUENCE}') WHERE name = 'job:2'"
-            )
-        )
-        blocker.commit()
-        thread.join(10)
-    (error,) = outcome
-    assert isinstance(error, sa_fence.LeaseLostError), error
-    drawn = register_row(db, "job:2").token - 1
-    assert f"(token {drawn}) was in flight" in str(error)
     assert keys(redis_client, key_prefix) == []
 
 
