@@ -13,7 +13,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
 from sa_fence.testing import expire
-from tests.models import SEQUENCE, Audit, Job
+from tests.models import Audit, Job
+from tests.test_token_connection import held_fencer
 
 
 def register_row(engine: sa.Engine, name: str) -> Any:
@@ -60,14 +61,8 @@ def test_a_grant_waits_a_bounded_time_for_a_committing_holder_and_says_what_it_w
     redis_client: redis.Redis,
     key_prefix: str,
 ) -> None:
-    # an engine no test adds listeners to, so that grants use the held token connection
-    own = sa.create_engine(engine.url)
-    waiting = sa_fence.Fencer(redis_client, own, sequence=SEQUENCE, key_prefix=key_prefix)
-    try:
+    with held_fencer(engine, redis_client, key_prefix) as (waiting, held):
         waiting._tokens.lock_timeout_ms = 300
-        waiting.acquire("job:warm", 5).release()
-        held = waiting._tokens._held
-        assert held is not None
         time.sleep(0.4)  # the holder's lease (TTL 200 ms) runs out in Redis
         started = time.monotonic()
         with pytest.raises(sa_fence.LeaseBackendError, match="waited 300 ms for the lease reg"):
@@ -78,9 +73,6 @@ def test_a_grant_waits_a_bounded_time_for_a_committing_holder_and_says_what_it_w
         assert keys(redis_client, key_prefix) == []  # nothing left behind in Redis
         committing_holder.rollback()  # the holder's commit ends
         waiting.acquire("job:1", 5).release()  # and the name can be granted again
-    finally:
-        waiting.close()
-        own.dispose()
 
 
 def test_a_paused_holders_open_transaction_does_not_hold_back_a_newer_grant(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -106,6 +109,25 @@ def test_fencer_close_ends_the_held_server_connection_and_the_fencer_stays_usabl
         own.dispose()
 
 
+@contextmanager
+def held_fencer(
+    engine: sa.Engine, redis_client: Any, key_prefix: str, **engine_options: Any
+) -> Iterator[tuple[sa_fence.Fencer, Any]]:
+    """A Fencer on an engine of its own after one grant, and its held token connection.
+    (An engine some test has listened on keeps the pooled path for good: SQLAlchemy never
+    resets ``_has_events``.)  Closed and disposed afterwards."""
+    own = sa.create_engine(engine.url, **engine_options)
+    fencer = sa_fence.Fencer(redis_client, own, sequence=SEQUENCE, key_prefix=key_prefix)
+    try:
+        fencer.acquire("job:warm", 30).release()
+        held = fencer._tokens._held
+        assert held is not None  # the grant took the held connection's path
+        yield fencer, held
+    finally:
+        fencer.close()
+        own.dispose()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_draws_on_a_connection_of_its_own_and_leaves_the_parents_alone(
     engine: sa.Engine, redis_client, key_prefix: str
@@ -113,18 +135,13 @@ def test_a_forked_child_draws_on_a_connection_of_its_own_and_leaves_the_parents_
     """The held connection's socket is shared with a forked child: the child must
     neither draw on it (the two processes' messages would interleave) nor close it
     (closing ends the parent's server session); it opens one of its own."""
-    own = sa.create_engine(engine.url)
-    try:
-        fencer = sa_fence.Fencer(redis_client, own, sequence=SEQUENCE, key_prefix=key_prefix)
-        fencer.acquire("job:1", 30).release()
-        held = fencer._tokens._held
-        assert held is not None
+    with held_fencer(engine, redis_client, key_prefix) as (fencer, held):
         parent_backend = held.info.backend_pid
         pid = os.fork()
         if pid == 0:  # the child: report by exit status, no test machinery
             code = 3
             try:
-                own.dispose(close=False)  # as SQLAlchemy asks of a forked child
+                fencer.token_source.engine.dispose(close=False)  # as SQLAlchemy asks of a child
                 fencer.acquire("job:2", 30).release()
                 mine = fencer._tokens._held
                 code = 0 if mine is not held and mine.info.backend_pid != parent_backend else 1
@@ -136,9 +153,6 @@ def test_a_forked_child_draws_on_a_connection_of_its_own_and_leaves_the_parents_
         fencer.acquire("job:1", 30).release()
         assert fencer._tokens._held is held  # still open: the child never closed it
         assert held.info.backend_pid == parent_backend
-    finally:
-        fencer.close()
-        own.dispose()
 
 
 def test_a_draw_interrupted_on_the_held_connection_drops_it(
@@ -147,12 +161,7 @@ def test_a_draw_interrupted_on_the_held_connection_drops_it(
     """An interrupt (KeyboardInterrupt, a timeout signal's exception) as the grant's
     reply comes in leaves the held connection in an unknown state: it is closed and
     never used again; the next grant opens a new one."""
-    own = sa.create_engine(engine.url)
-    try:
-        fencer = sa_fence.Fencer(redis_client, own, sequence=SEQUENCE, key_prefix=key_prefix)
-        fencer.acquire("job:1", 30).release()
-        held = fencer._tokens._held
-        assert held is not None
+    with held_fencer(engine, redis_client, key_prefix) as (fencer, held):
         draw = fencer._tokens._draw
 
         def interrupted(dbapi_conn: object, params: dict[str, object]) -> object:
@@ -168,9 +177,6 @@ def test_a_draw_interrupted_on_the_held_connection_drops_it(
         fencer.acquire("job:1", 30).release()
         assert fencer._tokens._held is not None
         assert fencer._tokens._held is not held
-    finally:
-        fencer.close()
-        own.dispose()
 
 
 def test_the_held_connection_is_replaced_after_the_engines_pool_recycle(
@@ -178,18 +184,10 @@ def test_the_held_connection_is_replaced_after_the_engines_pool_recycle(
 ) -> None:
     """``pool_recycle`` (connections older than it are replaced, e.g. before a firewall's
     idle cut) holds for the held token connection too; the clock seam is its birth time."""
-    own = sa.create_engine(engine.url, pool_recycle=60)
-    try:
-        fencer = sa_fence.Fencer(redis_client, own, sequence=SEQUENCE, key_prefix=key_prefix)
-        fencer.acquire("job:1", 30).release()
-        held = fencer._tokens._held
-        assert held is not None
+    with held_fencer(engine, redis_client, key_prefix, pool_recycle=60) as (fencer, held):
         fencer.acquire("job:1", 30).release()
         assert fencer._tokens._held is held  # younger than pool_recycle: kept
         fencer._tokens._held_since -= 61  # opened 61 s earlier
         fencer.acquire("job:1", 30).release()
         assert fencer._tokens._held is not held
         assert held.closed
-    finally:
-        fencer.close()
-        own.dispose()
