@@ -800,6 +800,8 @@ def _before_unfenced_table(
     first compares and advances its base rows' fence (the flush does that itself)."""
     index, lease = orm_index(), state.lease
     covered = index.covered.get(table)
+    if covered is None and "parententity" in (marks := elem.table._annotations):
+        covered = index.covered.get((marks["parententity"], table))  # the ORM entity's table
     try:
         if lease is None:
             if covered is not None or table in index.association_tables:
@@ -813,19 +815,25 @@ def _before_unfenced_table(
 def _fence_base_rows(
     conn: Connection, elem: Any, table: Any, covered: Covered, params: Sequence[Any]
 ) -> None:
-    """Before ``elem`` writes rows of a joined subclass's own table by primary key, compare the
-    fence of their base rows and advance it to the token (a fenced UPDATE of the base table:
-    a stale row raises StaleTokenError and nothing of ``elem`` is sent)."""
+    """Before ``elem`` writes, by primary key, rows of a table of a fenced joined-inheritance
+    class that has no fence column, compare the fence of the same rows in the fence's table and
+    advance it (a fenced UPDATE: a stale row raises StaleTokenError before ``elem`` is sent)."""
     pk_cols, pk_names = key_binds(elem, table)
-    if pk_cols is None or pk_names is None or any(n not in params[0] for n in pk_names):
+    if (
+        pk_cols is None
+        or pk_names is None
+        or covered.bump is None
+        or any(n not in params[0] for n in pk_names)
+    ):
         verb, fence = "an UPDATE" if isinstance(elem, Update) else "a DELETE", covered.fence_col
         raise FencingConfigError(
-            f"{verb} of table {table.name!r}, a joined subclass's own table whose rows are "
-            f"fenced by {fence.table.name}.{fence.name}, whose WHERE clause does not pin "
-            "every primary key column with `column == bindparam(...)`: the base rows it writes "
-            "could not be compared with the token. Target the rows by primary key "
-            "(session.execute(update(Entity), [{'id': ..., ...}])), or load the objects and "
-            "change them. Nothing was sent."
+            f"{verb} of table {table.name!r} outside a flush: its rows are fenced by "
+            f"{fence.table.name}.{fence.name} (joined-table inheritance), whose rows sa-fence "
+            "compares first, so the statement must pin every primary key column with "
+            "`column == bindparam(...)`"
+            + ("" if covered.bump is not None else " and the inheritance condition equate the keys")
+            + ". Target the rows by primary key (session.execute(update(Entity), "
+            "[{'id': ..., ...}])), or load the objects and change them. Nothing was sent."
         )
     name_of = dict(zip(pk_cols, pk_names, strict=True))
     names = [name_of[col] for col, _ in covered.pk_pairs]
@@ -1057,8 +1065,8 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
 
 
 def _bump_base_fences(session: Session, state: SessionState, bump_keys: dict[type, str]) -> None:
-    """Joined inheritance: flag the fence so a subclass-only change also updates (and fences)
-    the base table (the flagged value itself is never written)."""
+    """Joined inheritance: flag the fence so a change to a table without it also updates (and
+    fences) the fence's table (the flagged value itself is never written)."""
     for obj in session.dirty:
         key = bump_keys.get(type(obj))
         if key is not None and session.is_modified(obj, include_collections=False):

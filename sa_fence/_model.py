@@ -15,7 +15,6 @@ from sqlalchemy import (
     Column,
     FetchedValue,
     FromClause,
-    Table,
     bindparam,
     event,
     text,
@@ -164,13 +163,13 @@ def is_fenced_class(cls: type) -> bool:
 
 
 class Covered(NamedTuple):
-    """A joined subclass's own table, fenced by its base row: the base table's fence column,
-    (subclass table column, base table column) for each key column of the base table, and the
-    UPDATE of base rows by key that the statement hook fences."""
+    """A table of a fenced joined-inheritance class without the fence column: the fence column,
+    (this table's column, the fence table's column) for each key column of the fence's table,
+    and the UPDATE of the fence's rows by key that the statement hook fences."""
 
     fence_col: Column[Any]
     pk_pairs: tuple[tuple[Column[Any], Column[Any]], ...]
-    bump: Any  # UPDATE base SET (the fence, added by the rewrite) WHERE key = :sa_fence_key_<i>
+    bump: Any  # UPDATE <fence's table> WHERE key = :sa_fence_key_<i> (the rewrite adds the SET)
 
 
 @dataclass(slots=True)
@@ -178,12 +177,13 @@ class OrmIndex:
     """What the flush hook needs to know about all mapped classes, computed once.
 
     ``association_tables``: ``secondary`` tables of relationships with a fenced class on either
-    side (writing their rows needs a bound lease).  ``bump_keys``: subclasses of a fenced class
-    whose local table (a joined subclass's own; a single-table subclass's parent's) has no fence
-    column, with the fence key (a change to that table alone still bumps the base table's
-    fence).  ``covered``: those joined subclasses' own tables, for the statements that write them
-    outside a flush.  Recomputed after a class is mapped (``_generation``), not per flush; a
-    disposed registry's classes stay until then.
+    side (writing their rows needs a bound lease).  ``bump_keys``: fenced classes of a joined
+    hierarchy with a table that has no fence column (a subclass's own below the fence's table,
+    or an unfenced base above it), with the fence key: a change to that table alone still
+    bumps the fence.  ``covered``: those tables by ``(mapper, table)`` for the ORM's statements,
+    and a subclass's own table by itself (all its rows are fenced), for the statements that
+    write them outside a flush.  Recomputed after a class is mapped (``_generation``), not per
+    flush; a disposed registry's classes stay until then.
     """
 
     generation: int
@@ -208,19 +208,19 @@ def orm_index() -> OrmIndex:
     if _index.generation == _generation:
         return _index
     bump_keys: dict[type, str] = {}
-    covered: dict[Any, Covered] = {}
+    covered: dict[Any, Covered] = {}  # by table, and by (mapper, table)
     association: set[Any] = set()
     for mapper in _mappers():
         key = fence_key_of(mapper)
-        if (
-            key is not None
-            and mapper.inherits is not None
-            and mapper.local_table is not mapper.columns[key].table
-        ):
-            bump_keys[mapper.class_] = key
-            covered_table = _covered(mapper, mapper.columns[key])
-            if covered_table is not None:
-                covered[mapper.local_table] = covered_table
+        if key is not None and mapper.inherits is not None:
+            fence_col = mapper.columns[key]
+            for table in mapper.tables:
+                if table is fence_col.table:
+                    continue
+                bump_keys[mapper.class_] = key
+                covered[mapper, table] = _covered(mapper, fence_col, table)
+                if table is mapper.local_table:  # below the fence's table: only fenced rows
+                    covered[table] = covered[mapper, table]
         for prop in mapper.relationships:
             if prop.secondary is not None and (
                 key is not None or fence_key_of(prop.mapper) is not None
@@ -230,20 +230,33 @@ def orm_index() -> OrmIndex:
     return _index
 
 
-def _covered(mapper: Mapper[Any], fence_col: Column[Any]) -> Covered | None:
-    """The joined subclass table ``mapper`` writes, paired with the base table's key through the
-    mapper's key properties (a deeper hierarchy's too); None for a single-table subclass."""
-    table, base = mapper.local_table, fence_col.table
-    if not isinstance(table, Table) or table is base:
-        return None
+def _covered(mapper: Mapper[Any], fence_col: Column[Any], table: Any) -> Covered:
+    """``table`` of ``mapper``'s rows, paired with the key of the table that holds their fence
+    through the inheritance conditions (a deeper hierarchy's too); no pairs when the conditions
+    do not equate every key column once."""
     pairs = []
-    for base_col in base.primary_key.columns:
-        same = [c for c in mapper.get_property_by_column(base_col).columns if c.table is table]
+    for fence_key in fence_col.table.primary_key.columns:
+        same = [c for c in table.primary_key.columns if _equated(mapper, c, fence_key)]
         if len(same) != 1:
-            return None
-        pairs.append((same[0], base_col))
-    keys = [base_col == bindparam(f"sa_fence_key_{i}") for i, (_, base_col) in enumerate(pairs)]
-    return Covered(fence_col, tuple(pairs), update(base).where(*keys))
+            return Covered(fence_col, (), None)
+        pairs.append((same[0], fence_key))
+    keys = [col == bindparam(f"sa_fence_key_{i}") for i, (_, col) in enumerate(pairs)]
+    return Covered(fence_col, tuple(pairs), update(fence_col.table).where(*keys))
+
+
+def _equated(mapper: Mapper[Any], col: Column[Any], other: Column[Any]) -> bool:
+    """Whether ``mapper``'s inheritance conditions equate ``col`` with ``other``, directly or
+    through the tables between them."""
+    seen, todo = {col}, [col]
+    equivalents: dict[Any, set[Any]] = mapper._equivalent_columns
+    while todo:
+        for found in equivalents.get(todo.pop(), ()):
+            if found is other:
+                return True
+            if found not in seen:
+                seen.add(found)
+                todo.append(found)
+    return False
 
 
 def _mappers() -> list[Mapper[Any]]:

@@ -147,9 +147,9 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: target is 7,000 lines with every feature kept; this ratchet goes down (lower it
 #: when the core shrinks). It went up twice to close holes: by 155 lines in lease
 #: scope (SQL that ends its transaction and goes on, a rolled-back savepoint holding
-#: a lease's arm, a failed arm taken for done), and by 105 in the row fence (the
-#: ORM's bulk statements and Core writes of a joined subclass's own table).
-CORE_LINES_AT_MOST = 9033
+#: a lease's arm, a failed arm taken for done), and by 126 in the row fence (the
+#: ORM's bulk statements and Core writes of the tables of joined hierarchies).
+CORE_LINES_AT_MOST = 9054
 
 
 def test_the_core_stays_within_its_line_budget() -> None:
@@ -342,6 +342,7 @@ THIRD_PARTY_PRIVATE_READS: dict[tuple[str, str], str] = {
     ("sa_fence._flush", "_transaction"): "the flush's subtransaction (get_transaction: the root)",
     ("sa_fence._flush", "_annotations"): "the table an ORM bulk statement writes (no reader)",
     ("sa_fence._model", "_mapper_registries"): "SQLAlchemy's registries: every mapped class",
+    ("sa_fence._model", "_equivalent_columns"): "the columns inheritance conditions equate",
     ("sa_fence._rewrite", "_generate"): "SQLAlchemy's statement copy, to add the fence clauses",
     ("sa_fence._rewrite", "_clone"): "SQLAlchemy's clause copy (no public one)",
     ("sa_fence._rewrite", "_values"): "an UPDATE's or INSERT's SET values (no public reader)",

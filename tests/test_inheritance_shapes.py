@@ -1,0 +1,244 @@
+"""Joined-table inheritance shapes beyond tests/models_scope.py's, on the real server.
+
+The fence may sit on the base table of a hierarchy (``Doc``, three joined
+levels deep), on a composite key whose subclass columns have other names
+(``Pair``), or on a joined subclass of an unfenced base (``Dog`` under
+``Animal``, whose table other classes share).  Whichever table of a fenced
+object a write touches, the row's fence is compared and advanced: in the flush
+and in the ORM's bulk UPDATE by primary key, and for Core writes of a table
+that only fenced subclasses own.  Each shape here has a guard of its own in
+``sa_fence._model.orm_index`` and the statement hook; these tests fail when it
+is removed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import ForeignKey, ForeignKeyConstraint, String, update
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+import sa_fence
+from tests import _scope_fixtures
+from tests._fresh_db import fresh_database
+
+
+class ShapesBase(DeclarativeBase):
+    pass
+
+
+sa_fence.fence_sequence(ShapesBase.metadata, "sa_fence_token_seq")
+
+
+class Animal(ShapesBase):
+    """Not fenced: cats are not; dogs are, with the fence on their own table."""
+
+    __tablename__ = "animals"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(50))
+    kind: Mapped[str] = mapped_column(String(20))
+    __mapper_args__ = {"polymorphic_on": "kind", "polymorphic_identity": "animal"}  # noqa: RUF012
+
+
+class Dog(sa_fence.Fenced, Animal):
+    __tablename__ = "dogs"
+    id: Mapped[int] = mapped_column(ForeignKey("animals.id"), primary_key=True)
+    bark: Mapped[str] = mapped_column(String(50), default="")
+    __mapper_args__ = {"polymorphic_identity": "dog"}  # noqa: RUF012
+
+
+class Cat(Animal):
+    __tablename__ = "cats"
+    id: Mapped[int] = mapped_column(ForeignKey("animals.id"), primary_key=True)
+    __mapper_args__ = {"polymorphic_identity": "cat"}  # noqa: RUF012
+
+
+class Doc(sa_fence.Fenced, ShapesBase):
+    __tablename__ = "docs"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    title: Mapped[str] = mapped_column(String(50))
+    kind: Mapped[str] = mapped_column(String(20))
+    __mapper_args__ = {"polymorphic_on": "kind", "polymorphic_identity": "doc"}  # noqa: RUF012
+
+
+class Report(Doc):
+    __tablename__ = "reports"
+    id: Mapped[int] = mapped_column(ForeignKey("docs.id"), primary_key=True)
+    summary: Mapped[str] = mapped_column(String(50), default="")
+    __mapper_args__ = {"polymorphic_identity": "report"}  # noqa: RUF012
+
+
+class Audit(Report):
+    """Three joined levels: audits.id is equated with docs.id only through reports.id."""
+
+    __tablename__ = "audits"
+    id: Mapped[int] = mapped_column(ForeignKey("reports.id"), primary_key=True)
+    finding: Mapped[str] = mapped_column(String(50), default="")
+    __mapper_args__ = {"polymorphic_identity": "audit"}  # noqa: RUF012
+
+
+class Pair(sa_fence.Fenced, ShapesBase):
+    __tablename__ = "pairs"
+    a: Mapped[int] = mapped_column(primary_key=True)
+    b: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[str] = mapped_column(String(20))
+    __mapper_args__ = {"polymorphic_on": "kind", "polymorphic_identity": "pair"}  # noqa: RUF012
+
+
+class SubPair(Pair):
+    """A composite key whose columns have other names, in another order."""
+
+    __tablename__ = "subpairs"
+    b2: Mapped[int] = mapped_column(primary_key=True)
+    a2: Mapped[int] = mapped_column(primary_key=True)
+    note: Mapped[str] = mapped_column(String(50), default="")
+    __table_args__ = (ForeignKeyConstraint(["a2", "b2"], ["pairs.a", "pairs.b"]),)
+    __mapper_args__ = {"polymorphic_identity": "sub"}  # noqa: RUF012
+
+
+subpairs = SubPair.__table__
+
+
+@pytest.fixture(scope="module")
+def scope_engine() -> Iterator[sa.Engine]:
+    """A database of this module's own, with the shapes above (named as the lease-scope
+    fixtures expect it)."""
+    with fresh_database("shapes") as engine:
+        ShapesBase.metadata.create_all(engine)
+        yield engine
+
+
+fencer = _scope_fixtures.fencer
+make_session = _scope_fixtures.make_session
+
+
+@pytest.fixture(autouse=True)
+def _empty_tables(scope_engine: sa.Engine) -> Iterator[None]:
+    yield
+    with scope_engine.begin() as conn:
+        conn.execute(sa.text("TRUNCATE animals, docs, pairs CASCADE"))
+
+
+def rows(engine: sa.Engine) -> dict[str, tuple[Any, ...]]:
+    """Each object's row, fence included, as the database holds it."""
+    queries = {
+        "dog": "SELECT name, bark, fence FROM animals JOIN dogs USING (id)",
+        "audit": "SELECT title, summary, finding, fence FROM docs JOIN reports USING (id) "
+        "JOIN audits USING (id)",
+        "pair": "SELECT note, fence FROM pairs JOIN subpairs ON (a2, b2) = (a, b)",
+    }
+    with engine.connect() as conn:
+        return {key: tuple(conn.execute(sa.text(sql)).one()) for key, sql in queries.items()}
+
+
+#: One write of each shape, by which table it touches, as change(session, value).
+WRITES: dict[str, tuple[str, Callable[[Session, str], Any]]] = {
+    "unfenced base column, flush": ("dog", lambda s, v: setattr(s.get(Dog, 1), "name", v)),
+    "unfenced base column, orm bulk by key": (
+        "dog",
+        lambda s, v: s.execute(update(Dog), [{"id": 1, "name": v}]),
+    ),
+    "third level, flush": ("audit", lambda s, v: setattr(s.get(Audit, 1), "finding", v)),
+    "third level, orm bulk by key": (
+        "audit",
+        lambda s, v: s.execute(update(Audit), [{"id": 1, "finding": v}]),
+    ),
+    "second level of three, orm bulk by key": (
+        "audit",
+        lambda s, v: s.execute(update(Audit), [{"id": 1, "summary": v}]),
+    ),
+    "composite key, flush": ("pair", lambda s, v: setattr(s.get(SubPair, (1, 2)), "note", v)),
+    "composite key, core executemany": (
+        "pair",
+        lambda s, v: s.execute(
+            subpairs.update()
+            .where(subpairs.c.a2 == sa.bindparam("x"), subpairs.c.b2 == sa.bindparam("y"))
+            .values(note=sa.bindparam("v")),
+            [{"x": 1, "y": 2, "v": v}],
+        ),
+    ),
+}
+
+
+def seed(fencer: sa_fence.Fencer, make_session: sessionmaker[Session]) -> None:
+    with fencer.lease("seed", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add_all(
+            [
+                Dog(id=1, name="initial", bark="initial"),
+                Cat(id=2, name="cat"),
+                Audit(id=1, title="initial", summary="initial", finding="initial"),
+                SubPair(a=1, b=2, note="initial"),
+            ]
+        )
+        session.commit()
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+def test_a_stale_write_to_any_table_of_a_fenced_object_is_refused_by_its_fence(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    write: str,
+) -> None:
+    """A holder of another name wrote every object after A's grant: A's write is refused
+    whichever table it touches, and the rows keep B's values and fence."""
+    seed(fencer, make_session)
+    a = fencer.acquire("a", 5)
+    with fencer.lease("b", 5) as b, make_session() as session:
+        b.bind(session)
+        session.get(Dog, 1).bark = "B"
+        session.get(Audit, 1).title = "B"
+        session.get(SubPair, (1, 2)).note = "B"
+        session.commit()
+    before = rows(scope_engine)
+    _, change = WRITES[write]
+
+    def write_and_flush(session: Session) -> None:
+        change(session, "A")
+        session.flush()
+
+    with make_session() as session:
+        a.bind(session)
+        with pytest.raises(sa_fence.StaleTokenError) as refused:
+            write_and_flush(session)
+    assert refused.value.token == a.token
+    assert refused.value.current_fences == (b.token,)
+    assert rows(scope_engine) == before
+    a.release()
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+def test_a_write_to_any_table_of_a_fenced_object_advances_its_fence(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    write: str,
+) -> None:
+    seed(fencer, make_session)
+    shape, change = WRITES[write]
+    with fencer.lease("a", 5) as lease, make_session() as session:
+        lease.bind(session)
+        change(session, "mine")
+        session.commit()
+    row = rows(scope_engine)[shape]
+    assert "mine" in row
+    assert row[-1] == lease.token
+
+
+def test_an_unfenced_sibling_sharing_the_base_table_is_written_as_without_sa_fence(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """Cat shares `animals` with the fenced Dog: its writes need no lease and send no fence."""
+    seed(fencer, make_session)
+    with make_session() as session:
+        session.get(Cat, 2).name = "flushed"
+        session.commit()
+        session.execute(update(Cat), [{"id": 2, "name": "in bulk"}])
+        session.execute(sa.update(Animal.__table__).where(Animal.id == 2).values(name="core"))
+        session.commit()
+    with scope_engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT name FROM animals WHERE id = 2")).scalar() == "core"
