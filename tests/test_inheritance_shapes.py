@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import ForeignKey, ForeignKeyConstraint, String, update
+from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 import sa_fence
@@ -242,3 +243,30 @@ def test_an_unfenced_sibling_sharing_the_base_table_is_written_as_without_sa_fen
         session.commit()
     with scope_engine.connect() as conn:
         assert conn.execute(sa.text("SELECT name FROM animals WHERE id = 2")).scalar() == "core"
+
+
+async def test_a_stale_orm_bulk_write_through_an_async_session_is_refused_by_the_fence(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """AsyncSession runs the same statement hook (through SQLAlchemy's greenlet bridge)."""
+    seed(fencer, make_session)
+    a = fencer.acquire("a", 5)
+    with fencer.lease("b", 5) as b, make_session() as session:
+        b.bind(session)
+        session.get(Dog, 1).bark = "B"
+        session.get(Audit, 1).title = "B"
+        session.commit()
+    before = rows(scope_engine)
+    engine = create_async_engine(scope_engine.url.set(drivername="postgresql+psycopg_async"))
+    try:
+        make_async = sa_fence.install(async_sessionmaker(engine))
+        for statement, params in [(update(Dog), {"name": "A"}), (update(Audit), {"finding": "A"})]:
+            async with make_async() as session:
+                a.bind(session)
+                with pytest.raises(sa_fence.StaleTokenError) as refused:
+                    await session.execute(statement, [{"id": 1, **params}])
+            assert refused.value.current_fences == (b.token,)
+    finally:
+        await engine.dispose()
+    assert rows(scope_engine) == before
+    a.release()

@@ -419,17 +419,29 @@ def test_an_unkeyed_write_of_a_joined_subclass_table_is_refused_before_it_is_sen
     assert subclass_row(scope_engine) == [("initial", "initial", seed_token)]
 
 
-def test_an_orm_bulk_insert_of_a_joined_subclass_writes_the_token_as_the_base_rows_fence(
-    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+NEW_SPECIAL_JOB = {"id": 1, "result": "r", "detail": "d"}
+
+
+@pytest.mark.parametrize(
+    "insert",
+    [
+        lambda s: s.execute(sa.insert(SpecialJob), [NEW_SPECIAL_JOB]),
+        lambda s: s.scalars(sa.insert(SpecialJob).returning(SpecialJob), [NEW_SPECIAL_JOB]).all(),
+        lambda s: s.bulk_insert_mappings(SpecialJob, [NEW_SPECIAL_JOB]),
+        lambda s: s.bulk_save_objects([SpecialJob(**NEW_SPECIAL_JOB)]),
+    ],
+    ids=["orm insert", "orm insert returning", "bulk_insert_mappings", "bulk_save_objects"],
+)
+def test_a_bulk_insert_of_a_joined_subclass_writes_the_token_as_the_base_rows_fence(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    insert: Callable[[Session], Any],
 ) -> None:
     """The ORM's bulk INSERT writes each table of the hierarchy with the entity's statement:
     the base table's row gets the token, not the column's default."""
     with fencer.lease("job:1", 5) as lease:
-        write_as(
-            lease,
-            make_session,
-            lambda s: s.execute(sa.insert(SpecialJob), [{"id": 1, "result": "r", "detail": "d"}]),
-        )
+        write_as(lease, make_session, insert)
     assert subclass_row(scope_engine) == [("r", "d", lease.token)]
 
 
