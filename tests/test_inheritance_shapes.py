@@ -178,6 +178,22 @@ def seed(fencer: sa_fence.Fencer, make_session: sessionmaker[Session]) -> None:
         session.commit()
 
 
+def stale_and_newer(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> tuple[sa_fence.Lease, sa_fence.Lease]:
+    """The seeded objects; A's lease, then B's (another name), which writes every object:
+    each row's fence is then newer than A's token.  B is released; A is held."""
+    seed(fencer, make_session)
+    a = fencer.acquire("a", 5)
+    with fencer.lease("b", 5) as b, make_session() as session:
+        b.bind(session)
+        session.get(Dog, 1).bark = "B"
+        session.get(Audit, 1).title = "B"
+        session.get(SubPair, (1, 2)).note = "B"
+        session.commit()
+    return a, b
+
+
 @pytest.mark.parametrize("write", list(WRITES))
 def test_a_stale_write_to_any_table_of_a_fenced_object_is_refused_by_its_fence(
     fencer: sa_fence.Fencer,
@@ -187,14 +203,7 @@ def test_a_stale_write_to_any_table_of_a_fenced_object_is_refused_by_its_fence(
 ) -> None:
     """A holder of another name wrote every object after A's grant: A's write is refused
     whichever table it touches, and the rows keep B's values and fence."""
-    seed(fencer, make_session)
-    a = fencer.acquire("a", 5)
-    with fencer.lease("b", 5) as b, make_session() as session:
-        b.bind(session)
-        session.get(Dog, 1).bark = "B"
-        session.get(Audit, 1).title = "B"
-        session.get(SubPair, (1, 2)).note = "B"
-        session.commit()
+    a, b = stale_and_newer(fencer, make_session)
     before = rows(scope_engine)
     _, change = WRITES[write]
 
@@ -249,13 +258,7 @@ async def test_a_stale_orm_bulk_write_through_an_async_session_is_refused_by_the
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
 ) -> None:
     """AsyncSession runs the same statement hook (through SQLAlchemy's greenlet bridge)."""
-    seed(fencer, make_session)
-    a = fencer.acquire("a", 5)
-    with fencer.lease("b", 5) as b, make_session() as session:
-        b.bind(session)
-        session.get(Dog, 1).bark = "B"
-        session.get(Audit, 1).title = "B"
-        session.commit()
+    a, b = stale_and_newer(fencer, make_session)
     before = rows(scope_engine)
     engine = create_async_engine(scope_engine.url.set(drivername="postgresql+psycopg_async"))
     try:
