@@ -819,12 +819,7 @@ def _fence_base_rows(
     class that has no fence column, compare the fence of the same rows in the fence's table and
     advance it (a fenced UPDATE: a stale row raises StaleTokenError before ``elem`` is sent)."""
     pk_cols, pk_names = key_binds(elem, table)
-    if (
-        pk_cols is None
-        or pk_names is None
-        or covered.bump is None
-        or any(n not in params[0] for n in pk_names)
-    ):
+    if pk_cols is None or pk_names is None or covered.bump is None:
         verb, fence = "an UPDATE" if isinstance(elem, Update) else "a DELETE", covered.fence_col
         raise FencingConfigError(
             f"{verb} of table {table.name!r} outside a flush: its rows are fenced by "
@@ -835,6 +830,8 @@ def _fence_base_rows(
             + ". Target the rows by primary key (session.execute(update(Entity), "
             "[{'id': ..., ...}])), or load the objects and change them. Nothing was sent."
         )
+    if any(n not in p for p in params for n in pk_names):
+        return  # SQLAlchemy refuses the statement itself: a value is required for each bind
     name_of = dict(zip(pk_cols, pk_names, strict=True))
     names = [name_of[col] for col, _ in covered.pk_pairs]
     conn.execute(

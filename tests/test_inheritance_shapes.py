@@ -81,6 +81,20 @@ class Audit(Report):
     __mapper_args__ = {"polymorphic_identity": "audit"}  # noqa: RUF012
 
 
+class Memo(Doc):
+    """Its table's key is not the fence table's: the inheritance condition equates another
+    column with docs.id, so a row of memos cannot be matched to its fence by key."""
+
+    __tablename__ = "memos"
+    memo_id: Mapped[int] = mapped_column(primary_key=True)
+    doc_id: Mapped[int] = mapped_column(ForeignKey("docs.id"))
+    body: Mapped[str] = mapped_column(String(50), default="")
+    __mapper_args__ = {  # noqa: RUF012
+        "polymorphic_identity": "memo",
+        "inherit_condition": doc_id == Doc.id,
+    }
+
+
 class Pair(sa_fence.Fenced, ShapesBase):
     __tablename__ = "pairs"
     a: Mapped[int] = mapped_column(primary_key=True)
@@ -273,3 +287,28 @@ async def test_a_stale_orm_bulk_write_through_an_async_session_is_refused_by_the
         await engine.dispose()
     assert rows(scope_engine) == before
     a.release()
+
+
+def test_a_table_whose_key_is_not_the_fence_tables_is_refused_outside_a_flush(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """Which fence row a memos row belongs to is not in its key: a keyed write of it outside a
+    flush is refused, saying why; the flush (which compares docs.fence itself) works."""
+    memos = Memo.__table__
+    with fencer.lease("a", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add(Memo(id=9, memo_id=7, title="memo", body="initial"))
+        session.commit()
+        with pytest.raises(sa_fence.FencingConfigError) as refused:
+            session.execute(
+                memos.update().where(memos.c.memo_id == sa.bindparam("k")).values(body="core"),
+                [{"k": 7}],
+            )
+        session.rollback()
+        session.get(Memo, 9).body = "flushed"
+        session.commit()
+    assert "'memos'" in str(refused.value)
+    assert "inheritance condition equate the keys" in str(refused.value)
+    with scope_engine.connect() as conn:
+        found = conn.execute(sa.text("SELECT body, fence FROM memos JOIN docs ON doc_id = id"))
+        assert found.one() == ("flushed", lease.token)

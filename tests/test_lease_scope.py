@@ -419,6 +419,25 @@ def test_an_unkeyed_write_of_a_joined_subclass_table_is_refused_before_it_is_sen
     assert subclass_row(scope_engine) == [("initial", "initial", seed_token)]
 
 
+def test_a_keyed_core_write_missing_a_key_value_is_refused_by_sqlalchemy_before_anything(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    statements: list[str],
+) -> None:
+    """A parameter set without the key's value: SQLAlchemy's own error, and nothing is sent
+    (neither the base rows' UPDATE nor the statement)."""
+    seed_token = seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
+    statements.clear()
+    keyed = special_jobs.update().where(special_jobs.c.id == bindparam("key")).values(detail="A")
+    with fencer.lease("job:1", 5) as lease, make_session() as session:
+        lease.bind(session)
+        with pytest.raises(sa.exc.StatementError, match="A value is required for bind parameter"):
+            session.execute(keyed, [{"key": 1}, {"other": 2}])
+    assert not [s for s in statements if s.startswith(("UPDATE", "DELETE"))]
+    assert subclass_row(scope_engine) == [("initial", "initial", seed_token)]
+
+
 NEW_SPECIAL_JOB = {"id": 1, "result": "r", "detail": "d"}
 
 
