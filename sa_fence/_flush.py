@@ -88,6 +88,7 @@ class _Pending:
     pk_names: list[str]
     param_sets: Sequence[Mapping[str, Any]]
     lease_name: str
+    only_keys: bool = True  # nothing but the key in its WHERE clause: only the fence skips rows
     expected: int | None = None  # the row count due; None: one row per parameter set
     counted: int = 0  # rows an upsert's cursor executions reported
 
@@ -780,6 +781,7 @@ def _before_execute(
             return fenced.statement, params, None
     table = fence_col.table
     pending = _Pending(fenced.statement, table, token, fenced.pk_cols, pk_names, params, lease.name)
+    pending.only_keys = fenced.only_keys
     return fenced.statement, params, pending
 
 
@@ -818,7 +820,7 @@ def _fence_base_rows(
     """Before ``elem`` writes, by primary key, rows of a table of a fenced joined-inheritance
     class that has no fence column, compare the fence of the same rows in the fence's table and
     advance it (a fenced UPDATE: a stale row raises StaleTokenError before ``elem`` is sent)."""
-    pk_cols, pk_names = key_binds(elem, table)
+    pk_cols, pk_names, _ = key_binds(elem, table)
     if pk_cols is None or pk_names is None or covered.bump is None:
         verb, fence = "an UPDATE" if isinstance(elem, Update) else "a DELETE", covered.fence_col
         raise FencingConfigError(
@@ -892,6 +894,8 @@ def _after_execute(conn: Connection, state: SessionState, pending: _Pending, res
         if pending.counted == pending.expected:
             return
     error = _stale_error(conn, pending)
+    if error is None:  # rows its own WHERE clause skipped, none of them newer
+        return
     _telemetry.stale_refused(state.lease, _telemetry.ROW_FENCE, error)
     raise state.fail(error)
 
@@ -914,7 +918,7 @@ def _count_upserted_rows(
         pending.counted += max(cursor.rowcount, 0)
 
 
-def _stale_error(conn: Connection, p: _Pending) -> StaleTokenError:
+def _stale_error(conn: Connection, p: _Pending) -> StaleTokenError | None:
     """Find which targeted rows carry a newer fence (failure path only); an upsert's keys
     come from its parameters and VALUES (a key the server generates is unknown)."""
     if p.expected is None:
@@ -940,7 +944,10 @@ def _stale_error(conn: Connection, p: _Pending) -> StaleTokenError:
             for pk in pks
             if (found.get(pk) is not None and found[pk] > p.token)
             or (found.get(pk) is None and not is_delete)
-        ] or pks
+        ]
+        if not stale and not p.only_keys:
+            return None  # its own WHERE clause skipped them (SQLAlchemy counts no rows then)
+        stale = stale or pks
     return StaleTokenError(
         table=p.table.fullname,
         statement=statement,

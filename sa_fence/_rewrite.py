@@ -63,6 +63,7 @@ class FencedStatement:
     statement: Any
     pk_cols: list[Column[Any]] | None  # None: not targeted by primary key
     pk_names: list[str] | None  # the bind names that target pk_cols
+    only_keys: bool = False  # its WHERE clause holds nothing but pk_cols = bind
     upsert_rows: int | None = None  # the rows one execution of a checked upsert proposes
     fence_col: Any = None  # the fence column it compares and writes
 
@@ -81,7 +82,7 @@ def rewrite(elem: Any, fence_col: Column[Any]) -> FencedStatement:
     _refuse_caller_fence(elem, fence_col)
     if isinstance(elem, Insert):
         stmt, upsert_rows = _fence_upsert(_with_value(elem, fence_col, _TOKEN_WRITTEN), fence_col)
-        fenced = FencedStatement(stmt, None, None, upsert_rows)
+        fenced = FencedStatement(stmt, None, None, upsert_rows=upsert_rows)
     else:
         stmt = elem.where(fence_predicate(fence_col, _TOKEN))
         if isinstance(elem, Update):
@@ -192,33 +193,39 @@ def _refuse_caller_fence(elem: Any, fence_col: Column[Any]) -> None:
 
 def key_binds(
     elem: Update | Delete, written: Any
-) -> tuple[list[Column[Any]] | None, list[str] | None]:
+) -> tuple[list[Column[Any]] | None, list[str] | None, bool]:
     """The primary key columns of table ``written`` and the binds the WHERE clause pins them to
-    with ``=``; ``(None, None)`` unless every primary key column is pinned to a bind."""
+    with ``=``, ``(None, None, False)`` unless every primary key column is pinned to a bind; and
+    whether the clause holds nothing else (then only the fence can skip a targeted row)."""
 
     table: Any = written._deannotate()  # the ORM's statements carry an AnnotatedTable
     pk_cols: list[Column[Any]] = list(table.primary_key.columns)
     by_column: dict[Any, str] = {}
+    only_keys = True
     for criterion in getattr(elem, "_where_criteria", ()):
-        for eq in _equalities(criterion):
-            for col, other in ((eq.left, eq.right), (eq.right, eq.left)):
-                if (
-                    isinstance(col, Column)
-                    and col.table is table
-                    and isinstance(other, BindParameter)
-                    and other.callable is None
-                    and other.value is None
-                ):
-                    by_column.setdefault(col, str(other.key))
+        for leaf in _conjuncts(criterion):
+            pinned = False
+            if isinstance(leaf, BinaryExpression) and leaf.operator is operators.eq:
+                for col, other in ((leaf.left, leaf.right), (leaf.right, leaf.left)):
+                    if (
+                        isinstance(col, Column)
+                        and col.table is table
+                        and isinstance(other, BindParameter)
+                        and other.callable is None
+                        and other.value is None
+                    ):
+                        by_column.setdefault(col, str(other.key))
+                        pinned = pinned or col in pk_cols
+            only_keys = only_keys and pinned
     if not pk_cols or any(c not in by_column for c in pk_cols):
-        return None, None
-    return pk_cols, [by_column[c] for c in pk_cols]
+        return None, None, False
+    return pk_cols, [by_column[c] for c in pk_cols], only_keys
 
 
-def _equalities(clause: Any) -> Iterator[Any]:
-    """The ``a = b`` comparisons ANDed together in ``clause``."""
+def _conjuncts(clause: Any) -> Iterator[Any]:
+    """The conditions ANDed together in ``clause``."""
     if isinstance(clause, BooleanClauseList) and clause.operator is operators.and_:
         for sub in clause.clauses:
-            yield from _equalities(sub)
-    elif isinstance(clause, BinaryExpression) and clause.operator is operators.eq:
+            yield from _conjuncts(sub)
+    else:
         yield clause

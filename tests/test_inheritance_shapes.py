@@ -114,6 +114,16 @@ class SubPair(Pair):
     __mapper_args__ = {"polymorphic_identity": "sub"}  # noqa: RUF012
 
 
+class Versioned(sa_fence.Fenced, ShapesBase):
+    """Not an inheritance shape: a mapper whose UPDATE carries a version condition too."""
+
+    __tablename__ = "versioned"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    value: Mapped[str] = mapped_column(String(50))
+    version: Mapped[int] = mapped_column(default=1)
+    __mapper_args__ = {"version_id_col": version}  # noqa: RUF012
+
+
 subpairs = SubPair.__table__
 
 
@@ -134,7 +144,7 @@ make_session = _scope_fixtures.make_session
 def _empty_tables(scope_engine: sa.Engine) -> Iterator[None]:
     yield
     with scope_engine.begin() as conn:
-        conn.execute(sa.text("TRUNCATE animals, docs, pairs CASCADE"))
+        conn.execute(sa.text("TRUNCATE animals, docs, pairs, versioned CASCADE"))
 
 
 def rows(engine: sa.Engine) -> dict[str, tuple[Any, ...]]:
@@ -312,3 +322,25 @@ def test_a_table_whose_key_is_not_the_fence_tables_is_refused_outside_a_flush(
     with scope_engine.connect() as conn:
         found = conn.execute(sa.text("SELECT body, fence FROM memos JOIN docs ON doc_id = id"))
         assert found.one() == ("flushed", lease.token)
+
+
+def test_a_version_mismatch_is_sqlalchemys_stale_data_error_not_a_stale_token(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """The UPDATE's version condition skipped the row, not its fence (which holds this very
+    token): SQLAlchemy's own error, which names the row count, not a StaleTokenError."""
+    with fencer.lease("a", 5) as lease, make_session() as first, make_session() as second:
+        lease.bind(first)
+        lease.bind(second)
+        first.add(Versioned(id=1, value="initial"))
+        first.commit()
+        loaded = first.get(Versioned, 1)
+        second.get(Versioned, 1).value = "second"
+        second.commit()
+        loaded.value = "first"
+        with pytest.raises(sa.orm.exc.StaleDataError) as refused:
+            first.flush()
+    assert not isinstance(refused.value, sa_fence.StaleTokenError)
+    with scope_engine.connect() as conn:
+        row = conn.execute(sa.text("SELECT value, version, fence FROM versioned")).one()
+    assert tuple(row) == ("second", 2, lease.token)

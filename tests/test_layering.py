@@ -147,9 +147,10 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: target is 7,000 lines with every feature kept; this ratchet goes down (lower it
 #: when the core shrinks). It went up twice to close holes: by 155 lines in lease
 #: scope (SQL that ends its transaction and goes on, a rolled-back savepoint holding
-#: a lease's arm, a failed arm taken for done), and by 123 in the row fence (the
-#: ORM's bulk statements and Core writes of the tables of joined hierarchies).
-CORE_LINES_AT_MOST = 9051
+#: a lease's arm, a failed arm taken for done), and by 137 in the row fence (the
+#: ORM's bulk statements and Core writes of the tables of joined hierarchies, and
+#: keyed statements whose own conditions skip rows, which were refused as stale).
+CORE_LINES_AT_MOST = 9065
 
 
 def test_the_core_stays_within_its_line_budget() -> None:

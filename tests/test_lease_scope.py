@@ -419,6 +419,58 @@ def test_an_unkeyed_write_of_a_joined_subclass_table_is_refused_before_it_is_sen
     assert subclass_row(scope_engine) == [("initial", "initial", seed_token)]
 
 
+#: A keyed UPDATE of jobs 1 and 2 with a condition of its own (result is one of ...), as
+#: send(session, results): the ORM's bulk UPDATE by primary key with WHERE criteria, and Core.
+KEYED_WITH_CRITERIA: dict[str, Callable[[Session, list[str]], Any]] = {
+    "orm bulk by key": lambda s, results: s.execute(
+        update(Job)
+        .where(sa.or_(*(Job.result == r for r in results)))
+        .execution_options(synchronize_session=None),
+        [{"id": 1, "result": "x"}, {"id": 2, "result": "y"}],
+    ),
+    "core executemany": lambda s, results: s.execute(
+        jobs.update()
+        .where(jobs.c.id == bindparam("key"), sa.or_(*(jobs.c.result == r for r in results)))
+        .values(result=bindparam("value")),
+        [{"key": 1, "value": "x"}, {"key": 2, "value": "y"}],
+    ),
+}
+
+
+@pytest.mark.parametrize("send", list(KEYED_WITH_CRITERIA))
+def test_a_keyed_update_whose_own_criteria_skip_a_row_is_not_refused(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    send: str,
+) -> None:
+    """Its WHERE clause skips job 2 (SQLAlchemy counts no rows then): not a stale row."""
+    seed_token = seed(fencer, make_session, Job(id=1, result="initial"), Job(id=2, result="2"))
+    with fencer.lease("job:1", 5) as lease:
+        write_as(lease, make_session, lambda s: KEYED_WITH_CRITERIA[send](s, ["initial"]))
+    assert job_rows(scope_engine) == {1: ("x", lease.token), 2: ("2", seed_token)}
+
+
+@pytest.mark.parametrize("send", list(KEYED_WITH_CRITERIA))
+def test_a_keyed_update_with_criteria_of_its_own_still_refuses_a_stale_row(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    send: str,
+) -> None:
+    seed(fencer, make_session, Job(id=1, result="initial"), Job(id=2, result="2"))
+    a = fencer.acquire("job:1", 5)
+    with fencer.lease("job:2", 5) as b:
+        write_as(b, make_session, lambda s: setattr(s.get(Job, 2), "result", "B"))
+    with make_session() as session:
+        a.bind(session)
+        with pytest.raises(sa_fence.StaleTokenError) as refused:
+            KEYED_WITH_CRITERIA[send](session, ["initial", "B"])
+    assert refused.value.primary_keys == ((2,),)
+    assert refused.value.current_fences == (b.token,)
+    a.release()
+
+
 def test_a_keyed_core_write_missing_a_key_value_is_refused_by_sqlalchemy_before_anything(
     fencer: sa_fence.Fencer,
     make_session: sessionmaker[Session],
