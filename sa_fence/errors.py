@@ -136,8 +136,8 @@ class StaleTokenError(FenceError, StaleDataError):
             message = (
                 f"{statement} on table {table!r} refused: token {token}{lease} is stale "
                 f"for row(s) {rows or '<unknown>'}. A newer lease holder has written "
-                "these rows since this lease was granted; nothing of this flush was "
-                "written. Roll back and re-read the rows."
+                "these rows since this lease was granted; this transaction may not commit. "
+                "Roll back and re-read the rows."
             )
         values = (token, table, statement, pks, fences, lease_name, newest_token)
         self._init(message, dict(zip(self._fields, values, strict=True)))
