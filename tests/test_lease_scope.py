@@ -314,6 +314,25 @@ def test_a_stale_keyed_write_of_a_joined_subclass_outside_a_flush_is_refused_by_
     a.release()
 
 
+def test_inside_fence_connection_a_keyed_write_of_a_joined_subclass_table_is_compared(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """A Core connection has no session (no flush to tell apart): the base rows are compared."""
+    seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
+    a = fencer.acquire("job:1", 5)
+    with fencer.lease("job:1:report", 5) as b:
+        write_as(b, make_session, lambda s: setattr(s.get(SpecialJob, 1), "detail", "B"))
+    keyed = special_jobs.update().where(special_jobs.c.id == bindparam("key")).values(detail="A")
+    with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
+        with pytest.raises(sa_fence.StaleTokenError) as refused:
+            conn.execute(keyed, [{"key": 1}])
+        conn.rollback()
+    assert refused.value.table == "jobs"
+    assert refused.value.current_fences == (b.token,)
+    assert subclass_row(scope_engine) == [("initial", "B", b.token)]
+    a.release()
+
+
 @pytest.mark.parametrize("write", list(KEYED_SUBCLASS_WRITES))
 def test_a_keyed_write_of_a_joined_subclass_outside_a_flush_advances_the_base_rows_fence(
     fencer: sa_fence.Fencer,
