@@ -106,6 +106,20 @@ def write_as(lease: sa_fence.Lease, make_session: sessionmaker[Session], change:
         session.commit()
 
 
+def written_since_by_another_name(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    change: Callable[[Session], Any],
+    name: str = "job:1:report",
+) -> tuple[sa_fence.Lease, sa_fence.Lease]:
+    """A takes job:1, then a holder of another name makes ``change`` and releases: every row it
+    wrote carries a fence newer than A's token (the row fence's case, not lease scope's)."""
+    a = fencer.acquire("job:1", 5)
+    with fencer.lease(name, 5) as b:
+        write_as(b, make_session, change)
+    return a, b
+
+
 def fetch(engine: sa.Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
     with engine.connect() as conn:
         return [tuple(r) for r in conn.execute(sa.text(sql), params).all()]
@@ -300,9 +314,9 @@ def test_a_stale_keyed_write_of_a_joined_subclass_outside_a_flush_is_refused_by_
     monkeypatch.setattr(_flush, "_enter_scope", lambda conn, lease: None)
     cls = UrgentJob if "single-table" in write else SpecialJob
     seed(fencer, make_session, cls(id=1, result="initial", detail="initial"))
-    a = fencer.acquire("job:1", 5)
-    with fencer.lease("job:1:report", 5) as b:
-        write_as(b, make_session, lambda s: setattr(s.get(cls, 1), "detail", "B"))
+    a, b = written_since_by_another_name(
+        fencer, make_session, lambda s: setattr(s.get(cls, 1), "detail", "B")
+    )
     with make_session() as session:
         a.bind(session)
         with pytest.raises(sa_fence.StaleTokenError) as refused:
@@ -319,9 +333,9 @@ def test_inside_fence_connection_a_keyed_write_of_a_joined_subclass_table_is_com
 ) -> None:
     """A Core connection has no session (no flush to tell apart): the base rows are compared."""
     seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
-    a = fencer.acquire("job:1", 5)
-    with fencer.lease("job:1:report", 5) as b:
-        write_as(b, make_session, lambda s: setattr(s.get(SpecialJob, 1), "detail", "B"))
+    a, b = written_since_by_another_name(
+        fencer, make_session, lambda s: setattr(s.get(SpecialJob, 1), "detail", "B")
+    )
     keyed = special_jobs.update().where(special_jobs.c.id == bindparam("key")).values(detail="A")
     with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
         with pytest.raises(sa_fence.StaleTokenError) as refused:
@@ -355,9 +369,9 @@ def test_a_bulk_method_after_a_flush_whose_context_is_kept_still_compares_the_ba
     """A bulk method sets the session's ``_flushing`` as the unit of work does; only the flush
     whose transaction is running skips the base bump, not one a listener kept a reference to."""
     seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
-    a = fencer.acquire("job:1", 5)
-    with fencer.lease("job:1:report", 5) as b:
-        write_as(b, make_session, lambda s: setattr(s.get(SpecialJob, 1), "detail", "B"))
+    a, b = written_since_by_another_name(
+        fencer, make_session, lambda s: setattr(s.get(SpecialJob, 1), "detail", "B")
+    )
     kept: list[Any] = []
     with make_session() as session:
         a.bind(session)
@@ -478,9 +492,9 @@ def test_a_keyed_update_with_criteria_of_its_own_still_refuses_a_stale_row(
     send: str,
 ) -> None:
     seed(fencer, make_session, Job(id=1, result="initial"), Job(id=2, result="2"))
-    a = fencer.acquire("job:1", 5)
-    with fencer.lease("job:2", 5) as b:
-        write_as(b, make_session, lambda s: setattr(s.get(Job, 2), "result", "B"))
+    a, b = written_since_by_another_name(
+        fencer, make_session, lambda s: setattr(s.get(Job, 2), "result", "B"), "job:2"
+    )
     with make_session() as session:
         a.bind(session)
         with pytest.raises(sa_fence.StaleTokenError) as refused:
