@@ -798,8 +798,8 @@ def _before_unfenced_table(
     conn: Connection, state: SessionState, elem: Any, table: Any, params: Sequence[Any]
 ) -> None:
     """DML of a table without a fence column: an association table of a fenced entity needs a
-    lease, and so does a joined subclass's own table, whose UPDATE or DELETE outside a flush
-    first compares and advances its base rows' fence (the flush does that itself)."""
+    lease; so does a table of a fenced joined-inheritance class, whose UPDATE or DELETE outside
+    a flush first compares and advances the same rows' fence (the flush does that itself)."""
     index, lease = orm_index(), state.lease
     covered = index.covered.get(table)
     if covered is None and "parententity" in (marks := elem.table._annotations):
@@ -809,12 +809,12 @@ def _before_unfenced_table(
             if covered is not None or table in index.association_tables:
                 state.require_lease()  # (None in an unfenced() block)
         elif covered is not None and not isinstance(elem, Insert) and not state.flushing():
-            _fence_base_rows(conn, elem, table, covered, params)
+            _fence_rows_first(conn, elem, table, covered, params)
     except FenceError as exc:
         raise state.fail(exc) from None
 
 
-def _fence_base_rows(
+def _fence_rows_first(
     conn: Connection, elem: Any, table: Any, covered: Covered, params: Sequence[Any]
 ) -> None:
     """Before ``elem`` writes, by primary key, rows of a table of a fenced joined-inheritance
@@ -1050,8 +1050,8 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
             raise state.fail(exc) from None
         bump_keys = orm_index().bump_keys
         if bump_keys:
-            state.flush = weakref.ref(flush_context)  # its own statements need no base bump
-            _bump_base_fences(session, state, bump_keys)
+            state.flush = weakref.ref(flush_context)  # its own statements need no fence bump first
+            _flag_fences(session, state, bump_keys)
         if state.flush_span is not None:  # a flush that found nothing to write
             _telemetry.flush_ended(state.flush_span)
         state.flush_span = _telemetry.flush_started(state.lease)
@@ -1068,7 +1068,7 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
         log.warning("flushing fenced objects without a lease (sa_fence.unfenced)")
 
 
-def _bump_base_fences(session: Session, state: SessionState, bump_keys: dict[type, str]) -> None:
+def _flag_fences(session: Session, state: SessionState, bump_keys: dict[type, str]) -> None:
     """Joined inheritance: flag the fence so a change to a table without it also updates (and
     fences) the fence's table (the flagged value itself is never written)."""
     for obj in session.dirty:
