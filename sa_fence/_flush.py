@@ -108,11 +108,13 @@ class SessionState:
     session: Callable[[], Session | None] = lambda: None  # a weak reference (none: a connection)
     flush: Callable[[], UOWTransaction | None] = lambda: None  # a weak reference: the last flush
 
-    def flushing(self) -> bool:
-        """Whether the unit of work is writing now (a bulk method sets ``_flushing`` too; the
-        flush writes in the transaction its context holds)."""
-        session, flush = self.session(), self.flush()
-        return session is not None and getattr(flush, "transaction", 0) is session._transaction
+    def flush_sent(self, options: Mapping[str, Any], covered: Covered) -> bool:
+        """Whether the running flush sent a statement: with the hierarchy's compiled cache (a
+        listener's has none; a bulk method's has it, but no flush holds the transaction)."""
+        session, flush, cache = self.session(), self.flush(), options.get("compiled_cache")
+        if session is None or cache is None or cache is not covered.base_mapper._compiled_cache:
+            return False
+        return getattr(flush, "transaction", 0) is session._transaction
 
     def require_lease(self) -> Lease | None:
         """The lease to fence with; None when the caller opted out explicitly."""
@@ -213,7 +215,7 @@ class _FencedConnection(Connection):
         if state is None:
             return super()._execute_clauseelement(elem, distilled_parameters, execution_options)
         elem, distilled_parameters, pending = _before_execute(
-            self, state, elem, distilled_parameters
+            self, state, elem, distilled_parameters, execution_options
         )
         result = super()._execute_clauseelement(elem, distilled_parameters, execution_options)
         if pending is not None:
@@ -723,7 +725,7 @@ def _send_commit(dbapi_conn: Any) -> None:
 
 
 def _before_execute(
-    conn: Connection, state: SessionState, elem: Any, params: Sequence[Mapping[str, Any]]
+    conn: Connection, state: SessionState, elem: Any, params: Sequence[Any], options: Any
 ) -> tuple[Any, Sequence[Mapping[str, Any]], _Pending | None]:
     """A statement on a fenced connection, before it is sent: the statement and parameter
     sets to send instead and, when its row count tells a stale write apart, what
@@ -747,7 +749,7 @@ def _before_execute(
         table = _written_table(elem)
         fence_col = fence_column_of(table)
         if fence_col is None:
-            _before_unfenced_table(conn, state, elem, table, params)
+            _before_unfenced_table(conn, state, elem, table, params, options)
             return elem, params, None
     else:
         fence_col = fenced.fence_col
@@ -795,11 +797,11 @@ def _written_table(elem: Any) -> Any:
 
 
 def _before_unfenced_table(
-    conn: Connection, state: SessionState, elem: Any, table: Any, params: Sequence[Any]
+    conn: Connection, state: SessionState, elem: Any, table: Any, params: Any, options: Any
 ) -> None:
     """DML of a table without a fence column: an association table of a fenced entity needs a
-    lease; so does a table of a fenced joined-inheritance class, whose UPDATE or DELETE outside
-    a flush first compares and advances the same rows' fence (the flush does that itself)."""
+    lease; so does a table of a fenced joined-inheritance class, whose UPDATE or DELETE first
+    compares and advances the same rows' fence (the flush's own: the flush does that itself)."""
     index, lease = orm_index(), state.lease
     covered = index.covered.get(table)
     if covered is None and "parententity" in (marks := elem.table._annotations):
@@ -808,7 +810,7 @@ def _before_unfenced_table(
         if lease is None:
             if covered is not None or table in index.association_tables:
                 state.require_lease()  # (None in an unfenced() block)
-        elif covered is not None and not isinstance(elem, Insert) and not state.flushing():
+        elif covered and not isinstance(elem, Insert) and not state.flush_sent(options, covered):
             _fence_rows_first(conn, elem, table, covered, params)
     except FenceError as exc:
         raise state.fail(exc) from None

@@ -1,16 +1,15 @@
 """The database-side guard: a PL/pgSQL trigger that fences every writer.
 
-The ORM hook fences writes that go through a fenced session; the guard fences
-the table itself, so raw SQL, Core, another service or a ``psql`` session
-cannot overwrite or delete a row a newer lease holder has written.  A writer
-presents its token in the transaction-local setting ``sa_fence.token`` (the
-fenced flush sets it inside its own UPDATE, :func:`sa_fence.fence_connection`
-for a Core connection), or, in an UPDATE that raises the fence, as the new
-fence.  The rules the trigger applies, and why: docs/migrations.md, "What the
-guard refuses".  Refusals raise SQLSTATE :data:`STALE_SQLSTATE` (stale or
-lowering) or :data:`NO_TOKEN_SQLSTATE` (no token presented) with a JSON
-``DETAIL`` that :func:`error_from_guard` turns into
-:class:`~sa_fence.StaleTokenError` / :class:`~sa_fence.UnfencedWriteError`.
+The ORM hook fences writes that go through a fenced session; the guard fences the table itself,
+so raw SQL, Core, another service or a ``psql`` session cannot overwrite or delete a row a newer
+lease holder has written.  A writer presents its token in the transaction-local setting
+``sa_fence.token`` (the fenced flush sets it inside its own UPDATE,
+:func:`sa_fence.fence_connection` for a Core connection), or, in an UPDATE that raises the
+fence, as the new fence.  The rules the trigger applies, and why: docs/migrations.md, "What the
+guard refuses".  Refusals raise SQLSTATE :data:`STALE_SQLSTATE` (stale or lowering) or
+:data:`NO_TOKEN_SQLSTATE` (no token presented) with a JSON ``DETAIL`` that
+:func:`error_from_guard` turns into :class:`~sa_fence.StaleTokenError` /
+:class:`~sa_fence.UnfencedWriteError`.
 """
 
 from __future__ import annotations
@@ -385,11 +384,10 @@ def error_from_guard(
 ) -> FenceError | None:
     """The sa-fence error for a guard refusal raised by the driver, else None.
 
-    ``lease_token`` stands in for the token when the writer presented none
-    that the trigger could report (an UPDATE lowering the fence).  A token or
-    fence past any the sequence issued is no stale write but a mistake (a fence
-    set by hand, or a guard reading another sequence than the Fencer's):
-    :class:`~sa_fence.FencingConfigError`.
+    ``lease_token`` stands in for the token when the writer presented none that the trigger
+    could report (an UPDATE lowering the fence).  A token or fence past any the sequence issued
+    is no stale write but a mistake (a fence set by hand, or a guard reading another sequence
+    than the Fencer's): :class:`~sa_fence.FencingConfigError`.
     """
     sqlstate = getattr(orig, "sqlstate", None)
     if sqlstate not in (STALE_SQLSTATE, NO_TOKEN_SQLSTATE):

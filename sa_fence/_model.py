@@ -165,11 +165,13 @@ def is_fenced_class(cls: type) -> bool:
 class Covered(NamedTuple):
     """A table of a fenced joined-inheritance class without the fence column: the fence column,
     (this table's column, the fence table's column) for each key column of the fence's table,
-    and the UPDATE of the fence's rows by key that the statement hook fences."""
+    the UPDATE of the fence's rows by key that the statement hook fences, and the hierarchy's
+    base mapper (the unit of work sends its statements with that mapper's compiled cache)."""
 
     fence_col: Column[Any]
     pk_pairs: tuple[tuple[Column[Any], Column[Any]], ...]
     bump: Any  # UPDATE <fence's table> WHERE key = :sa_fence_key_<i> (the rewrite adds the SET)
+    base_mapper: Mapper[Any]
 
 
 @dataclass(slots=True)
@@ -182,7 +184,7 @@ class OrmIndex:
     or an unfenced base above it), with the fence key: a change to that table alone still
     bumps the fence.  ``covered``: those tables by ``(mapper, table)`` for the ORM's statements,
     and a subclass's own table by itself (all its rows are fenced), for the statements that
-    write them outside a flush.  Recomputed after a class is mapped (``_generation``), not per
+    write them, not the flush's own.  Recomputed after a class is mapped (``_generation``), not per
     flush; a disposed registry's classes stay until then.
     """
 
@@ -234,14 +236,14 @@ def _covered(mapper: Mapper[Any], fence_col: Column[Any], table: Any) -> Covered
     """``table`` of ``mapper``'s rows, paired with the key of the table that holds their fence
     through the inheritance conditions (a deeper hierarchy's too); no pairs when the conditions
     do not equate every key column once."""
-    pairs = []
+    pairs, base = [], mapper.base_mapper
     for fence_key in fence_col.table.primary_key.columns:
         same = [c for c in table.primary_key.columns if _equated(mapper, c, fence_key)]
         if len(same) != 1:
-            return Covered(fence_col, (), None)
+            return Covered(fence_col, (), None, base)
         pairs.append((same[0], fence_key))
     keys = [col == bindparam(f"sa_fence_key_{i}") for i, (_, col) in enumerate(pairs)]
-    return Covered(fence_col, tuple(pairs), update(fence_col.table).where(*keys))
+    return Covered(fence_col, tuple(pairs), update(fence_col.table).where(*keys), base)
 
 
 def _equated(mapper: Mapper[Any], col: Column[Any], other: Column[Any]) -> bool:

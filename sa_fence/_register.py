@@ -1,14 +1,12 @@
 """The lease register: the database's memory of the newest token per lease name.
 
-The row fence refuses a stale write only to a row a newer holder has already
-written; the register closes the rest (INSERTs, other tables, cascades): a
-transaction of a session bound to a lease commits only while the register
-still holds that lease's token (docs/architecture.md, "The tables";
-docs/guarantees.md; docs/lease-scope.md).  :attr:`Register.grant_sql` draws
-and registers a token in one statement, :meth:`Register.withdraw_sql` gives
-back a token lost before its confirm, and :func:`check_function_sql` makes the
-deferred trigger that refuses a stale COMMIT (:data:`LEASE_STALE_SQLSTATE`).
-Everything is schema-qualified, types and operators included.
+The row fence refuses a stale write only to a row a newer holder has already written; the
+register closes the rest (INSERTs, other tables, cascades): a transaction of a session bound to
+a lease commits only while the register still holds that lease's token (docs/architecture.md,
+"The tables"; docs/guarantees.md; docs/lease-scope.md).  :attr:`Register.grant_sql` draws and
+registers a token in one statement, :meth:`Register.withdraw_sql` gives back a token lost before
+its confirm, and :func:`check_function_sql` makes the deferred trigger that refuses a stale
+COMMIT (:data:`LEASE_STALE_SQLSTATE`).  Every name is schema-qualified, types and operators too.
 """
 
 from __future__ import annotations

@@ -342,6 +342,7 @@ THIRD_PARTY_PRIVATE_READS: dict[tuple[str, str], str] = {
     ("sa_fence._flush", "_encoding"): "psycopg PGconn's encoding, for error_from_result",
     ("sa_fence._flush", "_transaction"): "the flush's subtransaction (get_transaction: the root)",
     ("sa_fence._flush", "_annotations"): "the table an ORM bulk statement writes (no reader)",
+    ("sa_fence._flush", "_compiled_cache"): "the cache the unit of work sends its statements with",
     ("sa_fence._model", "_mapper_registries"): "SQLAlchemy's registries: every mapped class",
     ("sa_fence._model", "_equivalent_columns"): "the columns inheritance conditions equate",
     ("sa_fence._rewrite", "_generate"): "SQLAlchemy's statement copy, to add the fence clauses",

@@ -385,6 +385,57 @@ def test_a_bulk_method_after_a_flush_whose_context_is_kept_still_compares_the_ba
     a.release()
 
 
+def _keyed_subclass_write(connection: sa.Connection) -> None:
+    keyed = special_jobs.update().where(special_jobs.c.id == bindparam("key")).values(detail="A")
+    connection.execute(keyed, [{"key": 1}])
+
+
+def _write_after_flush(session: Session, context: Any) -> None:
+    _keyed_subclass_write(session.connection())
+
+
+def _write_after_insert(mapper: Any, connection: sa.Connection, target: Any) -> None:
+    _keyed_subclass_write(connection)
+
+
+#: Listeners that send a keyed write of special_jobs while a flush of an Outbox row runs:
+#: (what listens, given the session; the event; the listener).
+DURING_A_FLUSH: dict[str, tuple[Callable[[Session], Any], str, Callable[..., None]]] = {
+    "after_flush": (lambda session: session, "after_flush", _write_after_flush),
+    "mapper after_insert": (lambda session: Outbox, "after_insert", _write_after_insert),
+}
+
+
+@pytest.mark.parametrize("listener", list(DURING_A_FLUSH))
+def test_a_keyed_write_a_listener_sends_during_a_flush_compares_the_base_rows(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    listener: str,
+) -> None:
+    """A statement a flush event or a mapper event sends while the flush runs is not one of the
+    flush's own, whose rows the unit of work compares itself: its base rows are compared first."""
+    seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
+    a, b = written_since_by_another_name(
+        fencer, make_session, lambda s: setattr(s.get(SpecialJob, 1), "detail", "B")
+    )
+    target_of, event_name, listen = DURING_A_FLUSH[listener]
+    with make_session() as session:
+        a.bind(session)
+        target = target_of(session)
+        sa.event.listen(target, event_name, listen)
+        try:
+            session.add(Outbox(id=1, message="a flush of its own"))
+            with pytest.raises(sa_fence.StaleTokenError) as refused:
+                session.flush()
+        finally:
+            sa.event.remove(target, event_name, listen)
+    assert refused.value.table == "jobs"
+    assert refused.value.current_fences == (b.token,)
+    assert subclass_row(scope_engine) == [("initial", "B", b.token)]
+    a.release()
+
+
 @pytest.mark.parametrize(
     "change",
     [
