@@ -436,6 +436,84 @@ def test_a_keyed_write_a_listener_sends_during_a_flush_compares_the_base_rows(
     a.release()
 
 
+def _detached_special_job(make_session: sessionmaker[Session]) -> SpecialJob:
+    with make_session() as reader:
+        detached = reader.get(SpecialJob, 1)
+        assert detached is not None
+    detached.detail = "merged"  # only special_jobs changes
+    return detached
+
+
+def test_merge_of_a_detached_joined_subclass_by_a_stale_holder_is_refused_by_the_base_fence(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """merge() copies the change onto the persistent object: the flush bumps its base row."""
+    seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
+    detached = _detached_special_job(make_session)
+    a, b = written_since_by_another_name(
+        fencer, make_session, lambda s: setattr(s.get(SpecialJob, 1), "detail", "B")
+    )
+    with make_session() as session:
+        a.bind(session)
+        session.merge(detached)
+        with pytest.raises(sa_fence.StaleTokenError) as refused:
+            session.flush()
+    assert refused.value.table == "jobs"
+    assert subclass_row(scope_engine) == [("initial", "B", b.token)]
+    a.release()
+
+
+def test_merge_of_a_detached_joined_subclass_by_the_current_holder_advances_the_base_fence(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    seed_token = seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
+    detached = _detached_special_job(make_session)
+    with fencer.lease("job:1", 5) as lease:
+        write_as(lease, make_session, lambda s: s.merge(detached))
+    assert lease.token > seed_token
+    assert subclass_row(scope_engine) == [("initial", "merged", lease.token)]
+
+
+def test_a_keyed_subclass_write_in_a_savepoint_rolls_back_with_its_base_rows_fence(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """The base rows' fenced UPDATE is sent in the savepoint the write is in: rolling the
+    savepoint back undoes both, and the rest of the transaction commits."""
+    seed_token = seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
+    with fencer.lease("job:1", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add(Outbox(id=1, message="kept"))
+        savepoint = session.begin_nested()
+        KEYED_SUBCLASS_WRITES["core executemany"](session, "undone")
+        savepoint.rollback()
+        session.commit()
+    assert subclass_row(scope_engine) == [("initial", "initial", seed_token)]
+    assert outbox(scope_engine) == ["kept"]
+
+
+def test_a_stale_keyed_subclass_write_in_a_savepoint_leaves_the_session_unable_to_commit(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """Rolling back the savepoint a stale write was refused in does not make the transaction
+    fit to commit: a stale holder's other writes are refused too."""
+    seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
+    a, b = written_since_by_another_name(
+        fencer, make_session, lambda s: setattr(s.get(SpecialJob, 1), "detail", "B")
+    )
+    with make_session() as session:
+        a.bind(session)
+        session.add(Outbox(id=1, message="from the stale holder"))
+        savepoint = session.begin_nested()
+        with pytest.raises(sa_fence.StaleTokenError):
+            KEYED_SUBCLASS_WRITES["core executemany"](session, "A")
+        savepoint.rollback()
+        with pytest.raises(sa_fence.FenceError, match="may not commit any part"):
+            session.commit()
+    assert subclass_row(scope_engine) == [("initial", "B", b.token)]
+    assert outbox(scope_engine) == []
+    a.release()
+
+
 @pytest.mark.parametrize(
     "change",
     [
