@@ -113,10 +113,9 @@ def _innermost(function: str) -> _Frame:
 def current_lease() -> Any:
     """The lease of the innermost :func:`fenced` call running in this context.
 
-    A :class:`~sa_fence.Lease` (an :class:`~sa_fence.AsyncLease` in an ``async
-    def``): ``current_lease().token`` for an idempotency key, or
-    ``current_lease().check()`` between steps of long work.  Raises
-    ``LookupError`` outside a fenced call.
+    A :class:`~sa_fence.Lease` (an :class:`~sa_fence.AsyncLease` in an ``async def``):
+    ``current_lease().token`` for an idempotency key, or ``current_lease().check()`` between
+    steps of long work. Raises ``LookupError`` outside a fenced call.
     """
     return _innermost("current_lease").lease
 
@@ -124,9 +123,8 @@ def current_lease() -> Any:
 def current_session() -> Any:
     """The session of the innermost :func:`fenced` call running in this context.
 
-    The ``Session`` (or ``AsyncSession``) the call opened or found, bound to
-    its lease and committed when it returns.  Raises ``LookupError`` outside a
-    fenced call.
+    The ``Session`` (or ``AsyncSession``) the call opened or found, bound to its lease and
+    committed when it returns. Raises ``LookupError`` outside a fenced call.
     """
     return _innermost("current_session").session
 

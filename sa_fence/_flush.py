@@ -108,13 +108,15 @@ class SessionState:
     session: Callable[[], Session | None] = lambda: None  # a weak reference (none: a connection)
     flush: Callable[[], UOWTransaction | None] = lambda: None  # a weak reference: the last flush
 
-    def flush_sent(self, options: Mapping[str, Any], covered: Covered) -> bool:
-        """Whether the running flush sent a statement: with the hierarchy's compiled cache (a
-        listener's has none; a bulk method's has it, but no flush holds the transaction)."""
+    def in_flush(self, elem: Any, options: Mapping[str, Any], covered: Covered) -> bool:
+        """Whether ``elem`` is one of the running flush's statements: sent with the hierarchy's
+        compiled cache (a listener's Core statement has none), not an ORM bulk statement (those
+        are annotated), in the transaction the flush holds (a bulk method begins its own)."""
         session, flush, cache = self.session(), self.flush(), options.get("compiled_cache")
-        if session is None or cache is None or cache is not covered.base_mapper._compiled_cache:
+        if session is None or cache is not covered.base_mapper._compiled_cache:
             return False
-        return getattr(flush, "transaction", 0) is session._transaction
+        bulk = "_emit_update_table" in elem._annotations
+        return not bulk and getattr(flush, "transaction", 0) is session._transaction
 
     def require_lease(self) -> Lease | None:
         """The lease to fence with; None when the caller opted out explicitly."""
@@ -810,7 +812,7 @@ def _before_unfenced_table(
         if lease is None:
             if covered is not None or table in index.association_tables:
                 state.require_lease()  # (None in an unfenced() block)
-        elif covered and not isinstance(elem, Insert) and not state.flush_sent(options, covered):
+        elif covered and not elem.is_insert and not state.in_flush(elem, options, covered):
             _fence_rows_first(conn, elem, table, covered, params)
     except FenceError as exc:
         raise state.fail(exc) from None

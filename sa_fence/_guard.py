@@ -241,10 +241,9 @@ def create_guard_sql(
 ) -> list[str]:
     """The statements that create (or replace) the guard function and trigger.
 
-    ``sequence`` (``"name"`` or ``"schema.name"``) is the token sequence of
-    the Fencers writing this table: a token or fence past its last value is
-    refused.  An unqualified name is looked up on the writer's
-    ``search_path``, like the lease register's.
+    ``sequence`` (``"name"`` or ``"schema.name"``) is the token sequence of the Fencers writing
+    this table: a token or fence past its last value is refused. An unqualified name is looked
+    up on the writer's ``search_path``, like the lease register's.
     """
     policy = check_policy(on_missing_token)
     names = {"table": table, "column": column, "schema": schema or "", "sequence": sequence}
@@ -333,10 +332,9 @@ def outdated(
 ) -> list[str]:
     """Why an existing guard is not the one this sa-fence creates (empty: it is).
 
-    ``source``: its function's ``prosrc``; ``complete``: its trigger fires on
-    all three events.  The function may be made with the policy and sequence
-    its header names (or ``sequence``), with the schema named as given, not at
-    all, or as ``default_schema``.
+    ``source``: its function's ``prosrc``; ``complete``: its trigger fires on all three events.
+    The function may be made with the policy and sequence its header names (or ``sequence``),
+    with the schema named as given, not at all, or as ``default_schema``.
     """
     why = []
     if not complete:

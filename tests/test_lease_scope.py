@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -398,11 +399,23 @@ def _write_after_insert(mapper: Any, connection: sa.Connection, target: Any) -> 
     _keyed_subclass_write(connection)
 
 
+def _orm_bulk_after_flush(session: Session, context: Any) -> None:
+    with warnings.catch_warnings():  # SQLAlchemy warns of Session.execute() inside a flush
+        warnings.simplefilter("ignore", sa.exc.SAWarning)
+        session.execute(update(SpecialJob), [{"id": 1, "detail": "A"}])
+
+
+def _bulk_mappings_after_flush(session: Session, context: Any) -> None:
+    session.bulk_update_mappings(SpecialJob, [{"id": 1, "detail": "A"}])
+
+
 #: Listeners that send a keyed write of special_jobs while a flush of an Outbox row runs:
 #: (what listens, given the session; the event; the listener).
 DURING_A_FLUSH: dict[str, tuple[Callable[[Session], Any], str, Callable[..., None]]] = {
     "after_flush": (lambda session: session, "after_flush", _write_after_flush),
     "mapper after_insert": (lambda session: Outbox, "after_insert", _write_after_insert),
+    "orm bulk by key": (lambda session: session, "after_flush", _orm_bulk_after_flush),
+    "bulk_update_mappings": (lambda session: session, "after_flush", _bulk_mappings_after_flush),
 }
 
 
