@@ -536,29 +536,26 @@ def fenced(
 ) -> Callable[[Callable[P, R]], Callable[P, Any]]:
     """Run the decorated function under lease ``name`` with its session fenced.
 
-    ``name`` is a ``str.format`` template filled from the call's arguments by
-    parameter name (``"job:{job_id}"``, ``"sheet:{sheet.id}"``).  ``fencer``: a
-    :class:`~sa_fence.Fencer`, or (the default) a name looked up among the
-    call's parameters, then on its first argument (``self.fencer``).
-    ``session``: a ``Session``, a ``scoped_session`` (its current session), a
-    session factory (a session is opened and closed per call), or a name
-    looked up like ``fencer``; :func:`current_session` returns it in the body.
+    ``name`` is a ``str.format`` template filled from the call's arguments by parameter name
+    (``"job:{job_id}"``, ``"sheet:{sheet.id}"``).  ``fencer``: a :class:`~sa_fence.Fencer`, or
+    (the default) a name looked up among the call's parameters, then on its first argument
+    (``self.fencer``). ``session``: a ``Session``, a ``scoped_session`` (its current session), a
+    session factory (a session is opened and closed per call), or a name looked up like
+    ``fencer``; :func:`current_session` returns it in the body.
 
     ``on_busy`` when another owner holds the lease: ``"raise"``
     :class:`~sa_fence.LeaseNotAcquiredError`, ``"skip"`` the body and return
-    :data:`~sa_fence.SKIPPED`, or ``"wait"`` up to ``timeout`` seconds (default
-    ``ttl``).  ``ttl``, ``renew``, ``on_lost`` and ``fail_fast`` go to
-    :meth:`Fencer.acquire`; ``max_hold`` (with ``renew=True``) caps renewal, after
-    which the lease counts as lost.
+    :data:`~sa_fence.SKIPPED`, or ``"wait"`` up to ``timeout`` seconds (default ``ttl``).
+    ``ttl``, ``renew``, ``on_lost`` and ``fail_fast`` go to :meth:`Fencer.acquire`; ``max_hold``
+    (with ``renew=True``) caps renewal, after which the lease counts as lost.
 
-    On return the session is committed, or rolled back with
-    :class:`~sa_fence.LeaseLostError` if the lease was lost meanwhile; if the
-    body raises, it is rolled back.  A nested call on the same name and Fencer
-    reuses the held lease.  On an ``async def``: an
-    :class:`~sa_fence.AsyncFencer` and the asyncio sessions, and
-    ``cancel_on_lost`` (default True) cancels the body when the lease is lost.
-    Bad arguments raise ``TypeError``/``ValueError`` at decoration time.  The
-    wrapper keeps the function's signature.  docs/decorators.md has the details.
+    On return the session is committed, or rolled back with :class:`~sa_fence.LeaseLostError` if
+    the lease was lost meanwhile; if the body raises, it is rolled back.  A nested call on the
+    same name and Fencer reuses the held lease.  On an ``async def``: an
+    :class:`~sa_fence.AsyncFencer` and the asyncio sessions, and ``cancel_on_lost`` (default
+    True) cancels the body when the lease is lost. Bad arguments raise
+    ``TypeError``/``ValueError`` at decoration time.  The wrapper keeps the function's
+    signature.  docs/decorators.md has the details.
     """
     return functools.partial(_decorate, _Options(**locals()))  # every parameter, by name
 

@@ -38,7 +38,7 @@ from psycopg.sql import Composable
 from sqlalchemy import Connection, Engine, TextClause, event, func, literal, select, true
 from sqlalchemy.exc import DBAPIError, MissingGreenlet
 from sqlalchemy.orm import NO_VALUE, Session, scoped_session, sessionmaker
-from sqlalchemy.orm.attributes import flag_modified, set_committed_value
+from sqlalchemy.orm.attributes import flag_modified, instance_state, set_committed_value
 from sqlalchemy.sql.dml import Delete, Insert, Update
 from sqlalchemy.sql.elements import BindParameter, ColumnElement
 
@@ -814,16 +814,21 @@ def _before_unfenced_table(
                 state.require_lease()  # (None in an unfenced() block)
         elif covered and not elem.is_insert and not state.in_flush(elem, options, covered):
             _fence_rows_first(conn, elem, table, covered, params)
+        elif covered and elem.is_update and covered.bump is not None:  # the flush's UPDATE
+            flagged = {instance_state(obj).identity for obj in state.bumped}
+            _fence_rows_first(conn, elem, table, covered, params, flagged)
     except FenceError as exc:
         raise state.fail(exc) from None
 
 
 def _fence_rows_first(
-    conn: Connection, elem: Any, table: Any, covered: Covered, params: Sequence[Any]
+    conn: Connection, elem: Any, table: Any, covered: Covered, params: Any, flagged: Any = None
 ) -> None:
     """Before ``elem`` writes, by primary key, rows of a table of a fenced joined-inheritance
     class that has no fence column, compare the fence of the same rows in the fence's table and
-    advance it (a fenced UPDATE: a stale row raises StaleTokenError before ``elem`` is sent)."""
+    advance it (a fenced UPDATE: a stale row raises StaleTokenError before ``elem`` is sent).
+    In a flush, only the rows of objects whose fence it did not flag (``flagged``: identities):
+    a foreign key the unit of work set, a post-update."""
     pk_cols, pk_names, _ = key_binds(elem, table)
     if pk_cols is None or pk_names is None or covered.bump is None:
         verb, fence = "an UPDATE" if isinstance(elem, Update) else "a DELETE", covered.fence_col
@@ -840,9 +845,11 @@ def _fence_rows_first(
         return  # SQLAlchemy refuses the statement itself: a value is required for each bind
     name_of = dict(zip(pk_cols, pk_names, strict=True))
     names = [name_of[col] for col, _ in covered.pk_pairs]
-    conn.execute(
-        covered.bump, [{f"sa_fence_key_{i}": p[n] for i, n in enumerate(names)} for p in params]
-    )
+    if flagged:  # a flush's: it compares the rows of the objects it flagged itself
+        params = [p for p in params if tuple(p[n] for n in names) not in flagged]
+    if params:
+        keys = [{f"sa_fence_key_{i}": p[n] for i, n in enumerate(names)} for p in params]
+        conn.execute(covered.bump, keys)
 
 
 def _unkeyed_pending(
@@ -1296,13 +1303,12 @@ def _check_target(target: object) -> None:
 def install(target: T) -> T:
     """Install the fenced-flush hook on a Session subclass, a sessionmaker, or one session.
 
-    Its sessions refuse to write fenced entities unless a lease is bound
-    (:meth:`Lease.bind`) and compare the lease's token on every UPDATE/DELETE of
-    a fenced row. Idempotent; the Mapper, the Engine and the bind stay yours. An
-    ``async_sessionmaker`` or ``AsyncSession`` is fenced through its sync session,
-    a ``scoped_session`` (Flask-SQLAlchemy's ``db.session``) or
-    ``async_scoped_session`` through its ``session_factory``. An Engine bind that
-    cannot fence (not PostgreSQL with psycopg) is refused here. Returns ``target``.
+    Its sessions refuse to write fenced entities unless a lease is bound (:meth:`Lease.bind`)
+    and compare the lease's token on every UPDATE/DELETE of a fenced row. Idempotent; the
+    Mapper, the Engine and the bind stay yours. An ``async_sessionmaker`` or ``AsyncSession`` is
+    fenced through its sync session, a ``scoped_session`` (Flask-SQLAlchemy's ``db.session``) or
+    ``async_scoped_session`` through its ``session_factory``. An Engine bind that cannot fence
+    (not PostgreSQL with psycopg) is refused here. Returns ``target``.
     """
     inner, maker = _inner_target(target)
     if maker is not None:
@@ -1466,14 +1472,13 @@ def unbind(session: Session) -> None:
 def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
     """Fence a Core ``Connection``'s writes with ``lease`` inside the block.
 
-    Core UPDATE/DELETE/INSERT of fenced tables on ``conn`` are rewritten as in
-    a bound session (a stale write by primary key raises :class:`StaleTokenError`),
-    and every transaction of ``conn`` in the block commits only while ``lease`` is
-    its name's newest grant. The token is presented to guards now and once per
-    later transaction before raw ``text()`` SQL (not before ``exec_driver_sql``:
-    send ``text()`` first); a guard's refusal raises StaleTokenError or
-    UnfencedWriteError. Presenting it on entry begins a transaction if none is
-    open: call ``conn.begin()`` first, or commit as you go (``conn.commit()``).
+    Core UPDATE/DELETE/INSERT of fenced tables on ``conn`` are rewritten as in a bound session
+    (a stale write by primary key raises :class:`StaleTokenError`), and every transaction of
+    ``conn`` in the block commits only while ``lease`` is its name's newest grant. The token is
+    presented to guards now and once per later transaction before raw ``text()`` SQL (not before
+    ``exec_driver_sql``: send ``text()`` first); a guard's refusal raises StaleTokenError or
+    UnfencedWriteError. Presenting it on entry begins a transaction if none is open: call
+    ``conn.begin()`` first, or commit as you go (``conn.commit()``).
     """
     if not isinstance(conn, Connection):
         raise TypeError(
@@ -1505,10 +1510,9 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
 def unfenced(session: Session) -> Iterator[Session]:
     """Let ``session`` write fenced entities without a lease (admin scripts only).
 
-    Inside the block, a session with no lease bound writes fenced rows with
-    plain, uncompared statements: UPDATEs leave ``fence`` as it is and
-    INSERTs get ``fence = 0``.  A bound lease still fences as usual.  Each
-    such flush logs a warning on the ``sa_fence`` logger.
+    Inside the block, a session with no lease bound writes fenced rows with plain, uncompared
+    statements: UPDATEs leave ``fence`` as it is and INSERTs get ``fence = 0``.  A bound lease
+    still fences as usual.  Each such flush logs a warning on the ``sa_fence`` logger.
     """
     state = state_for(session)
     state.unfenced += 1

@@ -165,8 +165,9 @@ def is_fenced_class(cls: type) -> bool:
 class Covered(NamedTuple):
     """A table of a fenced joined-inheritance class without the fence column: the fence column,
     (this table's column, the fence table's column) for each key column of the fence's table,
-    the UPDATE of the fence's rows by key that the statement hook fences, and the hierarchy's
-    base mapper (the unit of work sends its statements with that mapper's compiled cache)."""
+    in the order of an object's identity, the UPDATE of the fence's rows by key that the
+    statement hook fences, and the hierarchy's base mapper (the unit of work sends its
+    statements with that mapper's compiled cache)."""
 
     fence_col: Column[Any]
     pk_pairs: tuple[tuple[Column[Any], Column[Any]], ...]
@@ -234,21 +235,24 @@ def orm_index() -> OrmIndex:
 
 def _covered(mapper: Mapper[Any], fence_col: Column[Any], table: Any) -> Covered:
     """``table`` of ``mapper``'s rows, paired with the key of the table that holds their fence
-    through the inheritance conditions (a deeper hierarchy's too); no pairs when the conditions
-    do not equate every key column once."""
-    pairs, base = [], mapper.base_mapper
-    for fence_key in fence_col.table.primary_key.columns:
-        same = [c for c in table.primary_key.columns if _equated(mapper, c, fence_key)]
-        if len(same) != 1:
+    through the inheritance conditions (a deeper hierarchy's too), in the order of an object's
+    identity; no pairs when the conditions do not equate every key column once."""
+    pairs, base, fence_keys = [], mapper.base_mapper, fence_col.table.primary_key.columns
+    for ident in base.primary_key:
+        found = [k for k in fence_keys if _equated(mapper, ident, k)]
+        same = [c for c in table.primary_key.columns for k in found if _equated(mapper, c, k)]
+        if len(found) != 1 or len(same) != 1 or len(base.primary_key) != len(fence_keys):
             return Covered(fence_col, (), None, base)
-        pairs.append((same[0], fence_key))
+        pairs.append((same[0], found[0]))
     keys = [col == bindparam(f"sa_fence_key_{i}") for i, (_, col) in enumerate(pairs)]
     return Covered(fence_col, tuple(pairs), update(fence_col.table).where(*keys), base)
 
 
-def _equated(mapper: Mapper[Any], col: Column[Any], other: Column[Any]) -> bool:
-    """Whether ``mapper``'s inheritance conditions equate ``col`` with ``other``, directly or
-    through the tables between them."""
+def _equated(mapper: Mapper[Any], col: Any, other: Any) -> bool:
+    """Whether ``col`` is ``other`` or ``mapper``'s inheritance conditions equate them, directly
+    or through the tables between them."""
+    if col is other:
+        return True
     seen, todo = {col}, [col]
     equivalents: dict[Any, set[Any]] = mapper._equivalent_columns
     while todo:

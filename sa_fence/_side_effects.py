@@ -166,19 +166,17 @@ def side_effect(
 ) -> SideEffect:
     """Enqueue ``task(**task_kwargs)`` in ``session``'s transaction, fenced by its lease.
 
-    The job row is written on the session's own connection, inside its
-    current transaction, so lease scope covers it: it commits with the
-    session's other writes or not at all, and a stale holder's ``COMMIT`` is
-    refused (:class:`~sa_fence.StaleTokenError`) with the job in it.  The
-    task receives one more argument, ``idempotency_key``, unique to this
-    effect and the same on every delivery attempt.
+    The job row is written on the session's own connection, inside its current transaction, so
+    lease scope covers it: it commits with the session's other writes or not at all, and a stale
+    holder's ``COMMIT`` is refused (:class:`~sa_fence.StaleTokenError`) with the job in it.  The
+    task receives one more argument, ``idempotency_key``, unique to this effect and the same on
+    every delivery attempt.
 
     Raises :class:`~sa_fence.UnfencedWriteError` when no lease is bound,
-    :class:`~sa_fence.LeaseLostError` when the bound lease is released or
-    known lost, :class:`~sa_fence.FencingConfigError` when the transaction is
-    not lease-scoped (another database), ``TypeError``/``ValueError`` for a
-    task that is not a procrastinate task or cannot take the key; in each
-    case nothing is enqueued.  For an ``AsyncSession`` use
+    :class:`~sa_fence.LeaseLostError` when the bound lease is released or known lost,
+    :class:`~sa_fence.FencingConfigError` when the transaction is not lease-scoped (another
+    database), ``TypeError``/``ValueError`` for a task that is not a procrastinate task or
+    cannot take the key; in each case nothing is enqueued.  For an ``AsyncSession`` use
     :func:`side_effect_async`.
     """
     _check_task(task, task_kwargs)

@@ -316,16 +316,15 @@ _HISTOGRAMS = {
 class Telemetry:
     """Where sa-fence reports: a meter and a tracer, and how lease names are shortened.
 
-    ``meter_provider`` / ``tracer_provider``: an OpenTelemetry SDK's providers;
-    None (the default) uses the global ones, also when they are set after this
-    object was made.  ``name_pattern(name) -> str`` turns a lease name into the
-    ``sa_fence.lease.pattern`` attribute for leases not taken by ``@fenced``
-    (whose template is used): it must map the names to few values.  At most
-    ``max_patterns`` distinct patterns are reported; the rest count as ``"other"``.
-    ``root_spans``: False (the default) starts spans only inside a trace the
-    caller started; True makes an acquire, release or commit outside any trace
-    a trace of its own (metrics are recorded either way).  Pass it to
-    :class:`sa_fence.Fencer` / :class:`sa_fence.AsyncFencer` (``telemetry=``).
+    ``meter_provider`` / ``tracer_provider``: an OpenTelemetry SDK's providers; None (the
+    default) uses the global ones, also when they are set after this object was made.
+    ``name_pattern(name) -> str`` turns a lease name into the ``sa_fence.lease.pattern``
+    attribute for leases not taken by ``@fenced`` (whose template is used): it must map the
+    names to few values.  At most ``max_patterns`` distinct patterns are reported; the rest
+    count as ``"other"``. ``root_spans``: False (the default) starts spans only inside a trace
+    the caller started; True makes an acquire, release or commit outside any trace a trace of
+    its own (metrics are recorded either way).  Pass it to :class:`sa_fence.Fencer` /
+    :class:`sa_fence.AsyncFencer` (``telemetry=``).
     """
 
     #: False when the OpenTelemetry API is not installed (everything is a no-op then)

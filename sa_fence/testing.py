@@ -41,10 +41,9 @@ __all__ = ["expire", "pause", "resume"]
 def expire(lease: Lease) -> bool:
     """End ``lease`` in Redis now, as if its TTL had run out.
 
-    Owner-checked like :meth:`Lease.release` (it never removes another
-    owner's lease), but the ``Lease`` object is left believing it still holds
-    the lease, exactly like a paused worker.  Returns True when the key was
-    removed, False when it had already expired or been taken over.
+    Owner-checked like :meth:`Lease.release` (it never removes another owner's lease), but the
+    ``Lease`` object is left believing it still holds the lease, exactly like a paused worker.
+    Returns True when the key was removed, False when it had already expired or been taken over.
     """
     return bool(int(steps.expire(lease)))
 

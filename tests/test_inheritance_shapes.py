@@ -20,7 +20,14 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import ForeignKey, ForeignKeyConstraint, String, update
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import (
+    DeclarativeBase,
+    Mapped,
+    Session,
+    mapped_column,
+    relationship,
+    sessionmaker,
+)
 
 import sa_fence
 from tests import _scope_fixtures
@@ -69,7 +76,22 @@ class Report(Doc):
     __tablename__ = "reports"
     id: Mapped[int] = mapped_column(ForeignKey("docs.id"), primary_key=True)
     summary: Mapped[str] = mapped_column(String(50), default="")
+    folder_id: Mapped[int | None] = mapped_column(ForeignKey("folders.id"))
+    pin_folder_id: Mapped[int | None] = mapped_column(ForeignKey("folders.id"))
     __mapper_args__ = {"polymorphic_identity": "report"}  # noqa: RUF012
+
+
+class Folder(ShapesBase):
+    """Not fenced.  Its collections set foreign keys in reports (a joined table of the fenced
+    Doc) with no change to the Report objects themselves: no backref; ``pinned`` writes them
+    in the flush's post-update pass."""
+
+    __tablename__ = "folders"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    reports: Mapped[list[Report]] = relationship(foreign_keys=[Report.folder_id])
+    pinned: Mapped[list[Report]] = relationship(
+        foreign_keys=[Report.pin_folder_id], post_update=True
+    )
 
 
 class Audit(Report):
@@ -144,7 +166,7 @@ make_session = _scope_fixtures.make_session
 def _empty_tables(scope_engine: sa.Engine) -> Iterator[None]:
     yield
     with scope_engine.begin() as conn:
-        conn.execute(sa.text("TRUNCATE animals, docs, pairs, versioned CASCADE"))
+        conn.execute(sa.text("TRUNCATE animals, docs, pairs, versioned, folders CASCADE"))
 
 
 def rows(engine: sa.Engine) -> dict[str, tuple[Any, ...]]:
@@ -344,3 +366,77 @@ def test_a_version_mismatch_is_sqlalchemys_stale_data_error_not_a_stale_token(
     with scope_engine.connect() as conn:
         row = conn.execute(sa.text("SELECT value, version, fence FROM versioned")).one()
     assert tuple(row) == ("second", 2, lease.token)
+
+
+#: A report moved into or out of a folder's collection: the unit of work writes reports
+#: (through the foreign key it sets, or in its post-update pass) for a Report that was not
+#: changed itself.  (A report removed from a post-update collection is not written at all.)
+MOVES = {
+    "removed from a collection": ("reports", "remove"),
+    "added to a collection": ("reports", "append"),
+    "added, post-update": ("pinned", "append"),
+}
+
+
+def seed_folder(fencer: sa_fence.Fencer, make_session: sessionmaker[Session], move: str) -> None:
+    relation, how = MOVES[move]
+    with fencer.lease("seed", 5) as lease, make_session() as session:
+        lease.bind(session)
+        folder, report = Folder(id=1), Report(id=5, title="initial", summary="initial")
+        if how == "remove":
+            getattr(folder, relation).append(report)
+        session.add_all([folder, report])
+        session.commit()
+
+
+def move_report(session: Session, move: str) -> None:
+    relation, how = MOVES[move]
+    folder, report = session.get(Folder, 1), session.get(Report, 5)
+    getattr(getattr(folder, relation), how)(report)
+    assert report not in session.dirty  # the flush writes its row all the same
+
+
+def report_row(engine: sa.Engine) -> tuple[Any, ...]:
+    sql = "SELECT summary, folder_id, pin_folder_id, fence FROM docs JOIN reports USING (id)"
+    with engine.connect() as conn:
+        return tuple(conn.execute(sa.text(sql)).one())
+
+
+@pytest.mark.parametrize("move", list(MOVES))
+def test_a_stale_flush_writing_a_joined_table_of_an_unchanged_object_is_refused_by_its_fence(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine, move: str
+) -> None:
+    """The flush compares the fence of the objects it was asked to change; a row of reports it
+    writes for another object's relationship is compared and advanced first, as outside a
+    flush."""
+    seed_folder(fencer, make_session, move)
+    a = fencer.acquire("a", 5)
+    with fencer.lease("b", 5) as b, make_session() as session:
+        b.bind(session)
+        session.get(Report, 5).summary = "B"
+        session.commit()
+    before = report_row(scope_engine)
+    with make_session() as session:
+        a.bind(session)
+        move_report(session, move)
+        with pytest.raises(sa_fence.StaleTokenError) as refused:
+            session.flush()
+    assert refused.value.table == "docs"
+    assert refused.value.current_fences == (b.token,)
+    assert report_row(scope_engine) == before
+    a.release()
+
+
+@pytest.mark.parametrize("move", list(MOVES))
+def test_a_flush_writing_a_joined_table_of_an_unchanged_object_advances_its_fence(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine, move: str
+) -> None:
+    seed_folder(fencer, make_session, move)
+    relation, how = MOVES[move]
+    with fencer.lease("a", 5) as lease, make_session() as session:
+        lease.bind(session)
+        move_report(session, move)
+        session.commit()
+    summary, folder_id, pin_folder_id, fence = report_row(scope_engine)
+    moved = folder_id if relation == "reports" else pin_folder_id
+    assert (summary, moved, fence) == ("initial", 1 if how == "append" else None, lease.token)
