@@ -817,6 +817,8 @@ def _before_unfenced_table(
         elif covered and elem.is_update and covered.bump is not None:  # the flush's UPDATE
             flagged = {instance_state(obj).identity for obj in state.bumped}
             _fence_rows_first(conn, elem, table, covered, params, flagged)
+        elif table in index.shared and state.in_flush(elem, options, index.shared[table]):
+            _fence_shared_rows(conn, state, elem, table, index.shared[table], params)
     except FenceError as exc:
         raise state.fail(exc) from None
 
@@ -850,6 +852,29 @@ def _fence_rows_first(
     if params:
         keys = [{f"sa_fence_key_{i}": p[n] for i, n in enumerate(names)} for p in params]
         conn.execute(covered.bump, keys)
+
+
+def _fence_shared_rows(
+    conn: Connection, state: SessionState, elem: Any, table: Any, shared: Covered, params: Any
+) -> None:
+    """A flush's UPDATE of an unfenced table that fenced joined subclasses share with unfenced
+    classes (``animals`` under ``Dog``): the rows of fenced objects it did not flag (a foreign
+    key it set) get their fence compared and advanced first, found in the identity map."""
+    pk_cols, pk_names, _ = key_binds(elem, table)
+    session = state.session()
+    if pk_cols is None or pk_names is None or shared.bump is None or session is None:
+        return
+    name_of, flagged = dict(zip(pk_cols, pk_names, strict=True)), set(map(id, state.bumped))
+    names = [name_of[col] for col, _ in shared.pk_pairs]
+    groups: dict[int, tuple[Covered, list[Any]]] = {}  # by covered entry (the object's class)
+    for p in params:
+        key = shared.base_mapper.identity_key_from_primary_key(tuple(p[n] for n in names))
+        obj = session.identity_map.get(key)
+        covered = orm_index().covered.get((instance_state(obj).mapper, table)) if obj else None
+        if covered is not None and id(obj) not in flagged:
+            groups.setdefault(id(covered), (covered, []))[1].append(p)
+    for covered, rows in groups.values():
+        _fence_rows_first(conn, elem, table, covered, rows)
 
 
 def _unkeyed_pending(

@@ -185,14 +185,16 @@ class OrmIndex:
     or an unfenced base above it), with the fence key: a change to that table alone still
     bumps the fence.  ``covered``: those tables by ``(mapper, table)`` for the ORM's statements,
     and a subclass's own table by itself (all its rows are fenced), for the statements that
-    write them, not the flush's own.  Recomputed after a class is mapped (``_generation``), not per
-    flush; a disposed registry's classes stay until then.
+    write them, not the flush's own.  ``shared``: an unfenced table above the fence's (whose
+    rows other classes share), with one of its ``covered`` entries.  Recomputed after a class
+    is mapped (``_generation``), not per flush; a disposed registry's classes stay until then.
     """
 
     generation: int
     association_tables: frozenset[Any] = frozenset()
     bump_keys: dict[type, str] = field(default_factory=dict)
     covered: dict[Any, Covered] = field(default_factory=dict)
+    shared: dict[Any, Covered] = field(default_factory=dict)
 
 
 _index = OrmIndex(-1)
@@ -212,6 +214,7 @@ def orm_index() -> OrmIndex:
         return _index
     bump_keys: dict[type, str] = {}
     covered: dict[Any, Covered] = {}  # by table, and by (mapper, table)
+    shared: dict[Any, Covered] = {}
     association: set[Any] = set()
     for mapper in _mappers():
         key = fence_key_of(mapper)
@@ -224,12 +227,14 @@ def orm_index() -> OrmIndex:
                 covered[mapper, table] = _covered(mapper, fence_col, table)
                 if table is mapper.local_table:  # below the fence's table: only fenced rows
                     covered[table] = covered[mapper, table]
+                else:
+                    shared.setdefault(table, covered[mapper, table])
         for prop in mapper.relationships:
             if prop.secondary is not None and (
                 key is not None or fence_key_of(prop.mapper) is not None
             ):
                 association.add(prop.secondary)
-    _index = OrmIndex(_generation, frozenset(association), bump_keys, covered)
+    _index = OrmIndex(_generation, frozenset(association), bump_keys, covered, shared)
     return _index
 
 

@@ -48,6 +48,7 @@ class Animal(ShapesBase):
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(50))
     kind: Mapped[str] = mapped_column(String(20))
+    kennel_id: Mapped[int | None] = mapped_column(ForeignKey("kennels.id"))
     __mapper_args__ = {"polymorphic_on": "kind", "polymorphic_identity": "animal"}  # noqa: RUF012
 
 
@@ -62,6 +63,15 @@ class Cat(Animal):
     __tablename__ = "cats"
     id: Mapped[int] = mapped_column(ForeignKey("animals.id"), primary_key=True)
     __mapper_args__ = {"polymorphic_identity": "cat"}  # noqa: RUF012
+
+
+class Kennel(ShapesBase):
+    """Not fenced.  Its collection sets a foreign key in animals, the table the fenced Dog
+    shares with the unfenced Cat, with no change to the Dog itself (no backref)."""
+
+    __tablename__ = "kennels"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    animals: Mapped[list[Animal]] = relationship()
 
 
 class Doc(sa_fence.Fenced, ShapesBase):
@@ -166,7 +176,7 @@ make_session = _scope_fixtures.make_session
 def _empty_tables(scope_engine: sa.Engine) -> Iterator[None]:
     yield
     with scope_engine.begin() as conn:
-        conn.execute(sa.text("TRUNCATE animals, docs, pairs, versioned, folders CASCADE"))
+        conn.execute(sa.text("TRUNCATE animals, docs, pairs, versioned, folders, kennels CASCADE"))
 
 
 def rows(engine: sa.Engine) -> dict[str, tuple[Any, ...]]:
@@ -224,20 +234,31 @@ def seed(fencer: sa_fence.Fencer, make_session: sessionmaker[Session]) -> None:
         session.commit()
 
 
-def stale_and_newer(
-    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+def written_by_b_after_as_grant(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], change: Callable[[Session], Any]
 ) -> tuple[sa_fence.Lease, sa_fence.Lease]:
-    """The seeded objects; A's lease, then B's (another name), which writes every object:
-    each row's fence is then newer than A's token.  B is released; A is held."""
-    seed(fencer, make_session)
+    """A's lease, then B's (another name), which makes ``change`` and commits: each row it
+    wrote carries a fence newer than A's token.  B is released; A is held."""
     a = fencer.acquire("a", 5)
     with fencer.lease("b", 5) as b, make_session() as session:
         b.bind(session)
-        session.get(Dog, 1).bark = "B"
-        session.get(Audit, 1).title = "B"
-        session.get(SubPair, (1, 2)).note = "B"
+        change(session)
         session.commit()
     return a, b
+
+
+def _write_every_object(session: Session) -> None:
+    session.get(Dog, 1).bark = "B"
+    session.get(Audit, 1).title = "B"
+    session.get(SubPair, (1, 2)).note = "B"
+
+
+def stale_and_newer(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> tuple[sa_fence.Lease, sa_fence.Lease]:
+    """The seeded objects, every one written by B after A's grant."""
+    seed(fencer, make_session)
+    return written_by_b_after_as_grant(fencer, make_session, _write_every_object)
 
 
 @pytest.mark.parametrize("write", list(WRITES))
@@ -410,11 +431,9 @@ def test_a_stale_flush_writing_a_joined_table_of_an_unchanged_object_is_refused_
     writes for another object's relationship is compared and advanced first, as outside a
     flush."""
     seed_folder(fencer, make_session, move)
-    a = fencer.acquire("a", 5)
-    with fencer.lease("b", 5) as b, make_session() as session:
-        b.bind(session)
-        session.get(Report, 5).summary = "B"
-        session.commit()
+    a, b = written_by_b_after_as_grant(
+        fencer, make_session, lambda s: setattr(s.get(Report, 5), "summary", "B")
+    )
     before = report_row(scope_engine)
     with make_session() as session:
         a.bind(session)
@@ -440,3 +459,70 @@ def test_a_flush_writing_a_joined_table_of_an_unchanged_object_advances_its_fenc
     summary, folder_id, pin_folder_id, fence = report_row(scope_engine)
     moved = folder_id if relation == "reports" else pin_folder_id
     assert (summary, moved, fence) == ("initial", 1 if how == "append" else None, lease.token)
+
+
+@pytest.mark.parametrize("how", ["append", "remove"])
+def test_a_stale_flush_writing_the_shared_base_table_of_an_unchanged_dog_is_refused(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine, how: str
+) -> None:
+    """animals is shared with the unfenced Cat: the flush's UPDATE of it for a Dog it did not
+    flag finds the Dog in the identity map and compares dogs.fence first; the Cat's row in the
+    same statement is written as without sa-fence."""
+    seed(fencer, make_session)
+    with fencer.lease("seed", 5) as lease, make_session() as session:
+        lease.bind(session)
+        kennel = Kennel(id=1)
+        if how == "remove":
+            kennel.animals.extend([session.get(Dog, 1), session.get(Cat, 2)])
+        session.add(kennel)
+        session.commit()
+    a, b = written_by_b_after_as_grant(
+        fencer, make_session, lambda s: setattr(s.get(Dog, 1), "bark", "B")
+    )
+    before = rows(scope_engine)
+    with make_session() as session:
+        a.bind(session)
+        kennel = session.get(Kennel, 1)
+        for animal in (session.get(Cat, 2), session.get(Dog, 1)):
+            getattr(kennel.animals, how)(animal)
+        with pytest.raises(sa_fence.StaleTokenError) as refused:
+            session.flush()
+    assert refused.value.table == "dogs"
+    assert refused.value.current_fences == (b.token,)
+    assert rows(scope_engine) == before
+    a.release()
+
+
+def test_a_flush_writing_the_shared_base_table_advances_only_the_dogs_fence(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    seed(fencer, make_session)
+    with fencer.lease("a", 5) as lease, make_session() as session:
+        lease.bind(session)
+        kennel = Kennel(id=1)
+        kennel.animals.extend([session.get(Dog, 1), session.get(Cat, 2)])
+        session.add(kennel)
+        session.commit()
+    with scope_engine.connect() as conn:
+        found = conn.execute(sa.text("SELECT kind, kennel_id FROM animals ORDER BY id")).all()
+    assert [tuple(row) for row in found] == [("dog", 1), ("cat", 1)]
+    assert rows(scope_engine)["dog"][-1] == lease.token
+
+
+def test_a_flush_of_a_changed_dog_sends_one_write_of_dogs(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """The flush flagged the changed Dog's fence itself: its UPDATE of animals sends no fenced
+    UPDATE of dogs besides the flush's own."""
+    seed(fencer, make_session)
+    sent: list[str] = []
+    with fencer.lease("a", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.get(Dog, 1).name = "mine"
+        sa.event.listen(
+            session.connection(),
+            "before_cursor_execute",
+            lambda conn, cursor, statement, *_: sent.append(statement),
+        )
+        session.commit()
+    assert len([s for s in sent if s.startswith("UPDATE dogs")]) == 1, sent

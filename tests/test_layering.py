@@ -145,12 +145,14 @@ def physical_lines(root: Path, *, without: Path) -> int:
 
 #: The core's size: every line of sa_fence/ outside sa_fence/tools/. Issue 20's
 #: target is 7,000 lines with every feature kept; this ratchet goes down (lower it
-#: when the core shrinks). It went up twice to close holes: by 155 lines in lease
+#: when the core shrinks). It went up three times to close holes: by 155 lines in lease
 #: scope (SQL that ends its transaction and goes on, a rolled-back savepoint holding
-#: a lease's arm, a failed arm taken for done), and by 137 in the row fence (the
-#: ORM's bulk statements and Core writes of the tables of joined hierarchies, and
-#: keyed statements whose own conditions skip rows, which were refused as stale).
-CORE_LINES_AT_MOST = 9064
+#: a lease's arm, a failed arm taken for done), by 137 in the row fence (the ORM's
+#: bulk statements and Core writes of the tables of joined hierarchies, and keyed
+#: statements whose own conditions skip rows, which were refused as stale), and by 30
+#: for the rows of a table an unfenced class shares with a fenced joined subclass that
+#: a flush writes for an object it did not flag (a foreign key set through a collection).
+CORE_LINES_AT_MOST = 9094
 
 
 def test_the_core_stays_within_its_line_budget() -> None:
