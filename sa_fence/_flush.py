@@ -808,17 +808,19 @@ def _before_unfenced_table(
     covered = index.covered.get(table)
     if covered is None and "parententity" in (marks := elem.table._annotations):
         covered = index.covered.get((marks["parententity"], table))  # the ORM entity's table
+    shared = index.shared[table] if table in index.shared else None  # noqa: SIM401
+    owned = _rows_of_fenced(state, elem, table, shared, params, options) if shared else []
     try:
         if lease is None:
-            if covered is not None or table in index.association_tables:
+            if covered is not None or table in index.association_tables or owned:
                 state.require_lease()  # (None in an unfenced() block)
         elif covered and not elem.is_insert and not state.in_flush(elem, options, covered):
             _fence_rows_first(conn, elem, table, covered, params)
         elif covered and elem.is_update and covered.bump is not None:  # the flush's UPDATE
             flagged = {instance_state(obj).identity for obj in state.bumped}
             _fence_rows_first(conn, elem, table, covered, params, flagged)
-        elif table in index.shared and state.in_flush(elem, options, index.shared[table]):
-            _fence_shared_rows(conn, state, elem, table, index.shared[table], params)
+        for fenced_rows, rows in owned if lease is not None else ():
+            _fence_rows_first(conn, elem, table, fenced_rows, rows)
     except FenceError as exc:
         raise state.fail(exc) from None
 
@@ -854,16 +856,19 @@ def _fence_rows_first(
         conn.execute(covered.bump, keys)
 
 
-def _fence_shared_rows(
-    conn: Connection, state: SessionState, elem: Any, table: Any, shared: Covered, params: Any
-) -> None:
+def _rows_of_fenced(
+    state: SessionState, elem: Any, table: Any, shared: Covered, params: Any, options: Any
+) -> list[tuple[Covered, list[Any]]]:
     """A flush's UPDATE of an unfenced table that fenced joined subclasses share with unfenced
-    classes (``animals`` under ``Dog``): the rows of fenced objects it did not flag (a foreign
-    key it set) get their fence compared and advanced first, found in the identity map."""
+    classes (``animals`` under ``Dog``): its rows of fenced objects the flush did not flag (a
+    foreign key it set), found in the identity map, by the ``Covered`` of the object's class.
+    (Its DELETE of a Dog's row follows that of the dogs row, which compares the fence.)"""
+    if not (elem.is_update and state.in_flush(elem, options, shared)):
+        return []
     pk_cols, pk_names, _ = key_binds(elem, table)
     session = state.session()
     if pk_cols is None or pk_names is None or shared.bump is None or session is None:
-        return
+        return []
     name_of, flagged = dict(zip(pk_cols, pk_names, strict=True)), set(map(id, state.bumped))
     names = [name_of[col] for col, _ in shared.pk_pairs]
     groups: dict[int, tuple[Covered, list[Any]]] = {}  # by covered entry (the object's class)
@@ -873,8 +878,7 @@ def _fence_shared_rows(
         covered = orm_index().covered.get((instance_state(obj).mapper, table)) if obj else None
         if covered is not None and id(obj) not in flagged:
             groups.setdefault(id(covered), (covered, []))[1].append(p)
-    for covered, rows in groups.values():
-        _fence_rows_first(conn, elem, table, covered, rows)
+    return list(groups.values())
 
 
 def _unkeyed_pending(
@@ -1092,6 +1096,8 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
             _telemetry.flush_ended(state.flush_span)
         state.flush_span = _telemetry.flush_started(state.lease)
         return
+    if orm_index().shared:  # a write of a shared table may be an unchanged fenced object's
+        state.flush = weakref.ref(flush_context)
     if not (_writes_fenced(session) and (state.unfenced or _really_writes_fenced(session))):
         return
     try:

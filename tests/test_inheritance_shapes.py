@@ -526,3 +526,40 @@ def test_a_flush_of_a_changed_dog_sends_one_write_of_dogs(
         )
         session.commit()
     assert len([s for s in sent if s.startswith("UPDATE dogs")]) == 1, sent
+
+
+def test_without_a_lease_a_flush_writing_the_shared_base_table_for_a_dog_is_refused(
+    make_session: sessionmaker[Session], fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    """As for a flush of a changed Dog: the unbound session may not write its rows, a Cat's
+    are written as without sa-fence, and unfenced() lets the Dog's through."""
+    seed(fencer, make_session)
+    with make_session() as session:
+        kennel = Kennel(id=1, animals=[session.get(Cat, 2)])
+        session.add(kennel)
+        session.commit()
+        kennel.animals.append(session.get(Dog, 1))
+        with pytest.raises(sa_fence.UnfencedWriteError):
+            session.flush()
+        session.rollback()
+        with sa_fence.unfenced(session):
+            session.get(Kennel, 1).animals.append(session.get(Dog, 1))
+            session.commit()
+    with scope_engine.connect() as conn:
+        found = conn.execute(sa.text("SELECT kind, kennel_id FROM animals ORDER BY id")).all()
+    assert [tuple(row) for row in found] == [("dog", 1), ("cat", 1)]
+
+
+def test_the_current_holder_deletes_a_dog_and_its_shared_base_row(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """The flush deletes dogs (compared) before animals: the DELETE of the shared table's row
+    is not preceded by a fenced UPDATE of the dogs row already gone."""
+    seed(fencer, make_session)
+    with fencer.lease("a", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.delete(session.get(Dog, 1))
+        session.commit()
+    with scope_engine.connect() as conn:
+        kinds = conn.execute(sa.text("SELECT kind FROM animals")).scalars().all()
+    assert kinds == ["cat"]

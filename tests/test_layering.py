@@ -149,10 +149,11 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: scope (SQL that ends its transaction and goes on, a rolled-back savepoint holding
 #: a lease's arm, a failed arm taken for done), by 137 in the row fence (the ORM's
 #: bulk statements and Core writes of the tables of joined hierarchies, and keyed
-#: statements whose own conditions skip rows, which were refused as stale), and by 30
+#: statements whose own conditions skip rows, which were refused as stale), and by 36
 #: for the rows of a table an unfenced class shares with a fenced joined subclass that
-#: a flush writes for an object it did not flag (a foreign key set through a collection).
-CORE_LINES_AT_MOST = 9094
+#: a flush writes for an object it did not flag (a foreign key set through a collection),
+#: compared, or refused without a lease.
+CORE_LINES_AT_MOST = 9100
 
 
 def test_the_core_stays_within_its_line_budget() -> None:
