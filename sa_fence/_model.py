@@ -15,6 +15,7 @@ from sqlalchemy import (
     Column,
     FetchedValue,
     FromClause,
+    Table,
     bindparam,
     event,
     text,
@@ -32,6 +33,8 @@ from sqlalchemy.orm import (
 )
 from sqlalchemy.orm.exc import UnmappedClassError
 from sqlalchemy.sql.util import find_tables
+
+from .errors import FencingConfigError
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import InstanceState, Session
@@ -143,8 +146,14 @@ def fence_key_of(mapper: Mapper[Any]) -> str | None:
 
 @event.listens_for(Fenced, "mapper_configured", propagate=True)
 def _fenced_mapper_configured(mapper: Mapper[Any], cls: type) -> None:
-    """A :class:`Fenced` class gets its fence property before any merge."""
-    fence_key_of(mapper)
+    """A :class:`Fenced` class gets its fence property before any merge; one whose table has no
+    fence (a concrete subclass: the mixin's column is its parent's) is refused."""
+    if fence_key_of(mapper) is None and isinstance(mapper.local_table, Table):
+        raise FencingConfigError(
+            f"{cls.__name__} is a Fenced class, but its table {mapper.local_table.name!r} has no "
+            "fence column (concrete inheritance does not copy the mixin's), so its rows would be "
+            "written unfenced. Give it one in the class body: `fence = sa_fence.fence_column()`."
+        )
 
 
 _fenced_classes: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()

@@ -146,6 +146,23 @@ class SubPair(Pair):
     __mapper_args__ = {"polymorphic_identity": "sub"}  # noqa: RUF012
 
 
+class Staff(sa_fence.Fenced, ShapesBase):
+    __tablename__ = "staff"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(50))
+
+
+class Boss(Staff):
+    """Concrete table inheritance: its own table, which needs a fence column of its own."""
+
+    __tablename__ = "bosses"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(50))
+    budget: Mapped[int] = mapped_column(default=0)
+    fence = sa_fence.fence_column()
+    __mapper_args__ = {"concrete": True}  # noqa: RUF012
+
+
 class Versioned(sa_fence.Fenced, ShapesBase):
     """Not an inheritance shape: a mapper whose UPDATE carries a version condition too."""
 
@@ -176,7 +193,11 @@ make_session = _scope_fixtures.make_session
 def _empty_tables(scope_engine: sa.Engine) -> Iterator[None]:
     yield
     with scope_engine.begin() as conn:
-        conn.execute(sa.text("TRUNCATE animals, docs, pairs, versioned, folders, kennels CASCADE"))
+        conn.execute(
+            sa.text(
+                "TRUNCATE animals, docs, pairs, versioned, folders, kennels, staff, bosses CASCADE"
+            )
+        )
 
 
 def rows(engine: sa.Engine) -> dict[str, tuple[Any, ...]]:
@@ -563,3 +584,52 @@ def test_the_current_holder_deletes_a_dog_and_its_shared_base_row(
     with scope_engine.connect() as conn:
         kinds = conn.execute(sa.text("SELECT kind FROM animals")).scalars().all()
     assert kinds == ["cat"]
+
+
+def test_a_concrete_subclass_with_a_fence_of_its_own_is_fenced_on_its_table(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    with fencer.lease("seed", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add(Boss(id=1, name="initial"))
+        session.commit()
+    a, b = written_by_b_after_as_grant(
+        fencer, make_session, lambda s: setattr(s.get(Boss, 1), "budget", 2)
+    )
+    with make_session() as session:
+        a.bind(session)
+        session.get(Boss, 1).budget = 3
+        with pytest.raises(sa_fence.StaleTokenError) as refused:
+            session.flush()
+    assert refused.value.table == "bosses"
+    with scope_engine.connect() as conn:
+        row = conn.execute(sa.text("SELECT budget, fence FROM bosses")).one()
+    assert tuple(row) == (2, b.token)
+    a.release()
+
+
+def test_a_concrete_subclass_of_a_fenced_class_without_a_fence_is_refused_when_mapped() -> None:
+    """The mixin's column is the parent's: without a fence of its own, the subclass's table
+    would be written with no fencing at all."""
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Employee(sa_fence.Fenced, Base):
+        __tablename__ = "employees"
+        id: Mapped[int] = mapped_column(primary_key=True)
+
+    class Manager(Employee):
+        __tablename__ = "managers"
+        id: Mapped[int] = mapped_column(primary_key=True)
+        __mapper_args__ = {"concrete": True}  # noqa: RUF012
+
+    try:
+        with pytest.raises(sa_fence.FencingConfigError) as refused:
+            Base.registry.configure()
+    finally:
+        Base.registry.dispose()  # a failed mapper would fail every later configure_mappers()
+    assert "Manager" in str(refused.value)
+    assert "'managers' has no fence column" in str(refused.value)
+    assert "fence = sa_fence.fence_column()" in str(refused.value)
+    sa.orm.configure_mappers()  # the other registries configure as before

@@ -152,8 +152,9 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: statements whose own conditions skip rows, which were refused as stale), and by 36
 #: for the rows of a table an unfenced class shares with a fenced joined subclass that
 #: a flush writes for an object it did not flag (a foreign key set through a collection),
-#: compared, or refused without a lease.
-CORE_LINES_AT_MOST = 9100
+#: compared, or refused without a lease; and by 9 to refuse a concrete subclass of a
+#: Fenced class whose table has no fence (it was written with no fencing at all).
+CORE_LINES_AT_MOST = 9109
 
 
 def test_the_core_stays_within_its_line_budget() -> None:
