@@ -282,6 +282,23 @@ def stale_and_newer(
     return written_by_b_after_as_grant(fencer, make_session, _write_every_object)
 
 
+def refused_flush(
+    a: sa_fence.Lease, make_session: sessionmaker[Session], change: Callable[[Session], Any]
+) -> sa_fence.StaleTokenError:
+    """A's bound session makes ``change`` and flushes: the StaleTokenError that refuses either
+    (an ORM bulk UPDATE is refused as it is sent, a change to an object at the flush)."""
+
+    def change_and_flush(session: Session) -> None:
+        change(session)
+        session.flush()
+
+    with make_session() as session:
+        a.bind(session)
+        with pytest.raises(sa_fence.StaleTokenError) as refused:
+            change_and_flush(session)
+    return refused.value
+
+
 @pytest.mark.parametrize("write", list(WRITES))
 def test_a_stale_write_to_any_table_of_a_fenced_object_is_refused_by_its_fence(
     fencer: sa_fence.Fencer,
@@ -294,17 +311,9 @@ def test_a_stale_write_to_any_table_of_a_fenced_object_is_refused_by_its_fence(
     a, b = stale_and_newer(fencer, make_session)
     before = rows(scope_engine)
     _, change = WRITES[write]
-
-    def write_and_flush(session: Session) -> None:
-        change(session, "A")
-        session.flush()
-
-    with make_session() as session:
-        a.bind(session)
-        with pytest.raises(sa_fence.StaleTokenError) as refused:
-            write_and_flush(session)
-    assert refused.value.token == a.token
-    assert refused.value.current_fences == (b.token,)
+    refused = refused_flush(a, make_session, lambda session: change(session, "A"))
+    assert refused.token == a.token
+    assert refused.current_fences == (b.token,)
     assert rows(scope_engine) == before
     a.release()
 
@@ -456,13 +465,9 @@ def test_a_stale_flush_writing_a_joined_table_of_an_unchanged_object_is_refused_
         fencer, make_session, lambda s: setattr(s.get(Report, 5), "summary", "B")
     )
     before = report_row(scope_engine)
-    with make_session() as session:
-        a.bind(session)
-        move_report(session, move)
-        with pytest.raises(sa_fence.StaleTokenError) as refused:
-            session.flush()
-    assert refused.value.table == "docs"
-    assert refused.value.current_fences == (b.token,)
+    refused = refused_flush(a, make_session, lambda session: move_report(session, move))
+    assert refused.table == "docs"
+    assert refused.current_fences == (b.token,)
     assert report_row(scope_engine) == before
     a.release()
 
@@ -480,6 +485,13 @@ def test_a_flush_writing_a_joined_table_of_an_unchanged_object_advances_its_fenc
     summary, folder_id, pin_folder_id, fence = report_row(scope_engine)
     moved = folder_id if relation == "reports" else pin_folder_id
     assert (summary, moved, fence) == ("initial", 1 if how == "append" else None, lease.token)
+
+
+def move_animals(session: Session, how: str) -> None:
+    """The Cat and the Dog appended to or removed from kennel 1, neither changed itself."""
+    kennel = session.get(Kennel, 1)
+    for animal in (session.get(Cat, 2), session.get(Dog, 1)):
+        getattr(kennel.animals, how)(animal)
 
 
 @pytest.mark.parametrize("how", ["append", "remove"])
@@ -501,15 +513,9 @@ def test_a_stale_flush_writing_the_shared_base_table_of_an_unchanged_dog_is_refu
         fencer, make_session, lambda s: setattr(s.get(Dog, 1), "bark", "B")
     )
     before = rows(scope_engine)
-    with make_session() as session:
-        a.bind(session)
-        kennel = session.get(Kennel, 1)
-        for animal in (session.get(Cat, 2), session.get(Dog, 1)):
-            getattr(kennel.animals, how)(animal)
-        with pytest.raises(sa_fence.StaleTokenError) as refused:
-            session.flush()
-    assert refused.value.table == "dogs"
-    assert refused.value.current_fences == (b.token,)
+    refused = refused_flush(a, make_session, lambda session: move_animals(session, how))
+    assert refused.table == "dogs"
+    assert refused.current_fences == (b.token,)
     assert rows(scope_engine) == before
     a.release()
 
@@ -596,12 +602,10 @@ def test_a_concrete_subclass_with_a_fence_of_its_own_is_fenced_on_its_table(
     a, b = written_by_b_after_as_grant(
         fencer, make_session, lambda s: setattr(s.get(Boss, 1), "budget", 2)
     )
-    with make_session() as session:
-        a.bind(session)
-        session.get(Boss, 1).budget = 3
-        with pytest.raises(sa_fence.StaleTokenError) as refused:
-            session.flush()
-    assert refused.value.table == "bosses"
+    refused = refused_flush(
+        a, make_session, lambda session: setattr(session.get(Boss, 1), "budget", 3)
+    )
+    assert refused.table == "bosses"
     with scope_engine.connect() as conn:
         row = conn.execute(sa.text("SELECT budget, fence FROM bosses")).one()
     assert tuple(row) == (2, b.token)
