@@ -236,13 +236,13 @@ def orm_index() -> OrmIndex:
                 covered[mapper, table] = _covered(mapper, fence_col, table)
                 if table is mapper.local_table:  # below the fence's table: only fenced rows
                     covered[table] = covered[mapper, table]
-                else:
-                    shared.setdefault(table, covered[mapper, table])
+                shared.setdefault(table, covered[mapper, table])
         for prop in mapper.relationships:
             if prop.secondary is not None and (
                 key is not None or fence_key_of(prop.mapper) is not None
             ):
                 association.add(prop.secondary)
+    shared = {table: c for table, c in shared.items() if table not in covered}  # above the fence
     _index = OrmIndex(_generation, frozenset(association), bump_keys, covered, shared)
     return _index
 

@@ -478,10 +478,17 @@ def test_a_flush_writing_a_joined_table_of_an_unchanged_object_advances_its_fenc
 ) -> None:
     seed_folder(fencer, make_session, move)
     relation, how = MOVES[move]
+    sent: list[str] = []
     with fencer.lease("a", 5) as lease, make_session() as session:
         lease.bind(session)
+        sa.event.listen(
+            session.connection(),
+            "before_cursor_execute",
+            lambda conn, cursor, statement, *_: sent.append(statement),
+        )
         move_report(session, move)
         session.commit()
+    assert len([s for s in sent if s.startswith("UPDATE docs")]) == 1, sent  # compared once
     summary, folder_id, pin_folder_id, fence = report_row(scope_engine)
     moved = folder_id if relation == "reports" else pin_folder_id
     assert (summary, moved, fence) == ("initial", 1 if how == "append" else None, lease.token)
@@ -637,3 +644,49 @@ def test_a_concrete_subclass_of_a_fenced_class_without_a_fence_is_refused_when_m
     assert "'managers' has no fence column" in str(refused.value)
     assert "fence = sa_fence.fence_column()" in str(refused.value)
     sa.orm.configure_mappers()  # the other registries configure as before
+
+
+async def test_a_stale_async_flush_writing_joined_tables_of_unchanged_objects_is_refused(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """AsyncSession flushes through the same hook: the rows it writes for a Report and a Dog
+    it was not asked to change are compared first (``reports`` under ``docs``, and the shared
+    ``animals`` matched through the identity map)."""
+    seed(fencer, make_session)
+    seed_folder(fencer, make_session, "added to a collection")
+    with fencer.lease("seed", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add(Kennel(id=1))
+        session.commit()
+    a, b = written_by_b_after_as_grant(fencer, make_session, _write_report_and_dog)
+    engine = create_async_engine(scope_engine.url.set(drivername="postgresql+psycopg_async"))
+    try:
+        make_async = sa_fence.install(async_sessionmaker(engine))
+        for move, table in [(_add_report, "docs"), (_add_dog, "dogs")]:
+            async with make_async() as session:
+                a.bind(session)
+                await session.run_sync(move)
+                with pytest.raises(sa_fence.StaleTokenError) as refused:
+                    await session.flush()
+            assert (refused.value.table, refused.value.current_fences) == (table, (b.token,))
+    finally:
+        await engine.dispose()
+    sql = "SELECT r.folder_id, a.kennel_id, d.fence, g.fence FROM reports r, docs d, animals a, "
+    sql += "dogs g WHERE r.id = 5 AND d.id = 5 AND a.id = 1 AND g.id = 1"
+    with scope_engine.connect() as conn:
+        assert tuple(conn.execute(sa.text(sql)).one()) == (None, None, b.token, b.token)
+    a.release()
+
+
+def _write_report_and_dog(session: Session) -> None:
+    session.get(Report, 5).summary = "B"
+    session.get(Dog, 1).bark = "B"
+
+
+def _add_report(session: Session) -> None:
+    move_report(session, "added to a collection")
+
+
+def _add_dog(session: Session) -> None:
+    kennel = session.get(Kennel, 1)  # held: a collection event needs its parent alive
+    kennel.animals.append(session.get(Dog, 1))
