@@ -88,6 +88,7 @@ class Report(Doc):
     summary: Mapped[str] = mapped_column(String(50), default="")
     folder_id: Mapped[int | None] = mapped_column(ForeignKey("folders.id"))
     pin_folder_id: Mapped[int | None] = mapped_column(ForeignKey("folders.id"))
+    owner_folder_id: Mapped[int | None] = mapped_column(ForeignKey("folders.id"))
     __mapper_args__ = {"polymorphic_identity": "report"}  # noqa: RUF012
 
 
@@ -101,6 +102,9 @@ class Folder(ShapesBase):
     reports: Mapped[list[Report]] = relationship(foreign_keys=[Report.folder_id])
     pinned: Mapped[list[Report]] = relationship(
         foreign_keys=[Report.pin_folder_id], post_update=True
+    )
+    owned: Mapped[list[Report]] = relationship(
+        foreign_keys=[Report.owner_folder_id], cascade="all, delete-orphan"
     )
 
 
@@ -690,3 +694,36 @@ def _add_report(session: Session) -> None:
 def _add_dog(session: Session) -> None:
     kennel = session.get(Kennel, 1)  # held: a collection event needs its parent alive
     kennel.animals.append(session.get(Dog, 1))
+
+
+@pytest.mark.parametrize("stale", [True, False], ids=["stale holder", "current holder"])
+def test_a_cascade_delete_of_a_joined_subclass_compares_its_base_rows_fence(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    stale: bool,
+) -> None:
+    """Deleting a Folder deletes the Reports it owns (an ORM cascade): their docs rows are
+    deleted with the fence compared, as for session.delete()."""
+    with fencer.lease("seed", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.add(Folder(id=1, owned=[Report(id=5, title="initial", summary="initial")]))
+        session.commit()
+    a, b = written_by_b_after_as_grant(
+        fencer, make_session, lambda s: setattr(s.get(Report, 5), "summary", "B")
+    )
+    holder = a if stale else fencer.acquire("c", 5)
+    if stale:
+        refused = refused_flush(holder, make_session, lambda s: s.delete(s.get(Folder, 1)))
+        assert (refused.table, refused.current_fences) == ("docs", (b.token,))
+    else:
+        with make_session() as session:
+            holder.bind(session)
+            session.delete(session.get(Folder, 1))
+            session.commit()
+    with scope_engine.connect() as conn:
+        left = conn.execute(sa.text("SELECT count(*) FROM reports WHERE id = 5")).scalar()
+    assert left == (1 if stale else 0)
+    a.release()
+    if not stale:
+        holder.release()
