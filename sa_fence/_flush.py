@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy
@@ -38,7 +39,7 @@ from psycopg.sql import Composable
 from sqlalchemy import Connection, Engine, TextClause, event, func, literal, select, true
 from sqlalchemy.exc import DBAPIError, MissingGreenlet
 from sqlalchemy.orm import NO_VALUE, Session, scoped_session, sessionmaker
-from sqlalchemy.orm.attributes import flag_modified, instance_state, set_committed_value
+from sqlalchemy.orm.attributes import flag_modified, instance_dict, instance_state
 from sqlalchemy.sql.dml import Delete, Insert, Update
 from sqlalchemy.sql.elements import BindParameter, ColumnElement
 
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import ORMExecuteState, SessionTransaction, UOWTransaction
 
     from ._lease_view import LeaseView
-    from ._model import Covered
+    from ._model import Covered, Readback
 
     Lease: TypeAlias = LeaseView  # a Lease or an AsyncLease
 
@@ -91,6 +92,7 @@ class _Pending:
     only_keys: bool = True  # nothing but the key in its WHERE clause: only the fence skips rows
     expected: int | None = None  # the row count due; None: one row per parameter set
     counted: int = 0  # rows an upsert's cursor executions reported
+    readback: Readback | None = None  # a flush's UPDATE: its objects are shown the token
 
 
 @dataclass(slots=True, weakref_slot=True, eq=False)
@@ -108,12 +110,13 @@ class SessionState:
     session: Callable[[], Session | None] = lambda: None  # a weak reference (none: a connection)
     flush: Callable[[], UOWTransaction | None] = lambda: None  # a weak reference: the last flush
 
-    def in_flush(self, elem: Any, options: Mapping[str, Any], covered: Covered) -> bool:
-        """Whether ``elem`` is one of the running flush's statements: sent with the hierarchy's
-        compiled cache (a listener's Core statement has none), not an ORM bulk statement (those
-        are annotated), in the transaction the flush holds (a bulk method begins its own)."""
+    def in_flush(self, elem: Any, options: Mapping[str, Any], of: Covered | Readback) -> bool:
+        """Whether ``elem`` is one of the running flush's statements: sent with the compiled
+        cache of ``of``'s hierarchy (a listener's Core statement has none), not an ORM bulk
+        statement (those are annotated), in the transaction the flush holds (a bulk method
+        begins its own)."""
         session, flush, cache = self.session(), self.flush(), options.get("compiled_cache")
-        if session is None or cache is not covered.base_mapper._compiled_cache:
+        if session is None or cache is not of.base_mapper._compiled_cache:
             return False
         bulk = "_emit_update_table" in elem._annotations
         return not bulk and getattr(flush, "transaction", 0) is session._transaction
@@ -201,6 +204,8 @@ _SHARING = "_sa_fence_sharing"
 _SCOPE = "_sa_fence_scope"
 #: its transaction's arm was a statement of its own (not in BEGIN): a savepoint may hold it
 _ARMED_APART = "_sa_fence_armed_apart"
+#: a flush's states by (class, key), in ``UOWTransaction.attributes`` (see _show_token)
+_FLUSHED = "sa_fence.flushed"
 
 
 class _FencedConnection(Connection):
@@ -783,10 +788,43 @@ def _before_execute(
     for name in pk_names:
         if name not in params[0]:
             return fenced.statement, params, None
-    table = fence_col.table
-    pending = _Pending(fenced.statement, table, token, fenced.pk_cols, pk_names, params, lease.name)
-    pending.only_keys = fenced.only_keys
-    return fenced.statement, params, pending
+    table, statement, readback = fence_col.table, fenced.statement, None
+    if "compiled_cache" in options and elem.is_update:  # the ORM's: perhaps a flush's UPDATE
+        readback = _flush_readback(state, elem, options, table)
+        statement = statement if readback is None else fenced.bare
+    pending = _Pending(statement, table, token, fenced.pk_cols, pk_names, params, lease.name)
+    pending.only_keys, pending.readback = fenced.only_keys, readback
+    return statement, params, pending
+
+
+def _flush_readback(
+    state: SessionState, elem: Any, options: Mapping[str, Any], table: Any
+) -> Readback | None:
+    """How to show the objects of the flush's UPDATE ``elem`` of fence table ``table`` the token
+    it wrote (None: not a flush's statement, or no identity to find its objects by)."""
+    index = orm_index().readback
+    fenced = index[table] if table in index else []  # noqa: SIM401
+    return next((r for r in fenced if r.attr and state.in_flush(elem, options, r)), None)
+
+
+def _show_token(state: SessionState, p: _Pending, readback: Readback) -> None:
+    """A flush's UPDATE wrote every row it targeted: each object now shows its row's token, as
+    a refresh would (the ORM reads back no bare bind). The flush's states are found by class and
+    key (one dictionary per flush, built at its first such UPDATE: no call per row)."""
+    flush, token, cls, attr = state.flush(), p.token, readback.identity_class, readback.attr
+    if flush is None:
+        return
+    marks = flush.attributes
+    if _FLUSHED not in marks:
+        marks[_FLUSHED] = {s.key[:2]: s for s in flush.states if s.key is not None}
+    flushed, name_of = marks[_FLUSHED], dict(zip(p.pk_cols, p.pk_names, strict=True))
+    key_of, single = itemgetter(*[name_of[c] for c in readback.key_cols]), len(name_of) == 1
+    for params in p.param_sets:
+        found = cls, (key_of(params),) if single else key_of(params)
+        written = flushed[found] if found in flushed else None  # noqa: SIM401 (no call a row)
+        obj = None if written is None else written.obj()
+        if obj is not None:
+            instance_dict(obj)[attr] = token
 
 
 def _written_table(elem: Any) -> Any:
@@ -928,6 +966,8 @@ def _after_execute(conn: Connection, state: SessionState, pending: _Pending, res
     """A fenced statement targeted by primary key (or an upsert) ran: were rows skipped?"""
     if pending.expected is None:
         if result.rowcount == len(pending.param_sets):
+            if pending.readback is not None:
+                _show_token(state, pending, pending.readback)
             return
     else:
         state.pending = None
@@ -1058,7 +1098,7 @@ def _refuse_assigned_fences(session: Session) -> None:
         committed = obj_state.committed_state
         if not committed:
             continue
-        mapper = obj_state.mapper
+        mapper = obj_state.manager.mapper  # (memoized on the class: no call per object)
         key = keys[mapper] if mapper in keys else keys.setdefault(mapper, fence_key_of(mapper))
         if key is None or key not in committed or obj_state in deleted:
             continue
@@ -1088,9 +1128,9 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
             state.require_lease()
         except FenceError as exc:
             raise state.fail(exc) from None
+        state.flush = weakref.ref(flush_context)  # its own statements: no bump first, readback
         bump_keys = orm_index().bump_keys
         if bump_keys:
-            state.flush = weakref.ref(flush_context)  # its own statements need no fence bump first
             _flag_fences(session, state, bump_keys)
         if state.flush_span is not None:  # a flush that found nothing to write
             _telemetry.flush_ended(state.flush_span)
@@ -1126,13 +1166,8 @@ def _after_flush_postexec(session: Session, flush_context: UOWTransaction) -> No
     if state is not None and state.flush_span is not None:
         span, state.flush_span = state.flush_span, None
         _telemetry.flush_ended(span)
-    if state is None or not state.bumped:
-        return
-    lease = state.lease
-    bumped, state.bumped = state.bumped, []
-    if lease is not None:
-        for obj in bumped:  # the row now carries the token (the flagged value was not written)
-            set_committed_value(obj, orm_index().bump_keys[type(obj)], lease.token)
+    if state is not None and state.bumped:  # (their objects were shown the token: _show_token)
+        state.bumped = []
 
 
 def _do_orm_execute(orm_state: ORMExecuteState) -> None:

@@ -184,6 +184,17 @@ class Covered(NamedTuple):
     base_mapper: Mapper[Any]
 
 
+class Readback(NamedTuple):
+    """A hierarchy's fence table as its flush writes it: the key columns in the order of an
+    object's identity, the identity's class, the fence's attribute and the base mapper, so that
+    each object a flush's UPDATE wrote is shown its row's token."""
+
+    key_cols: tuple[Column[Any], ...]
+    identity_class: type
+    attr: str  # "" (not used): the classes name it differently
+    base_mapper: Mapper[Any]
+
+
 @dataclass(slots=True)
 class OrmIndex:
     """What the flush hook needs to know about all mapped classes, computed once.
@@ -197,6 +208,7 @@ class OrmIndex:
     write them, not the flush's own.  ``shared``: an unfenced table above the fence's (whose
     rows other classes share), with one of its ``covered`` entries.  Recomputed after a class
     is mapped (``_generation``), not per flush; a disposed registry's classes stay until then.
+    ``readback``: for a fence table, a :class:`Readback` of each hierarchy that writes it.
     """
 
     generation: int
@@ -204,6 +216,7 @@ class OrmIndex:
     bump_keys: dict[type, str] = field(default_factory=dict)
     covered: dict[Any, Covered] = field(default_factory=dict)
     shared: dict[Any, Covered] = field(default_factory=dict)
+    readback: dict[Any, list[Readback]] = field(default_factory=dict)
 
 
 _index = OrmIndex(-1)
@@ -225,8 +238,11 @@ def orm_index() -> OrmIndex:
     covered: dict[Any, Covered] = {}  # by table, and by (mapper, table)
     shared: dict[Any, Covered] = {}
     association: set[Any] = set()
+    readback: dict[Any, list[Readback]] = {}
     for mapper in _mappers():
         key = fence_key_of(mapper)
+        if key is not None:
+            _add_readback(readback, mapper, key)
         if key is not None and mapper.inherits is not None:
             fence_col = mapper.columns[key]
             for table in mapper.tables:
@@ -243,7 +259,7 @@ def orm_index() -> OrmIndex:
             ):
                 association.add(prop.secondary)
     shared = {table: c for table, c in shared.items() if table not in covered}  # above the fence
-    _index = OrmIndex(_generation, frozenset(association), bump_keys, covered, shared)
+    _index = OrmIndex(_generation, frozenset(association), bump_keys, covered, shared, readback)
     return _index
 
 
@@ -260,6 +276,21 @@ def _covered(mapper: Mapper[Any], fence_col: Column[Any], table: Any) -> Covered
         pairs.append((same[0], found[0]))
     keys = [col == bindparam(f"sa_fence_key_{i}") for i, (_, col) in enumerate(pairs)]
     return Covered(fence_col, tuple(pairs), update(fence_col.table).where(*keys), base)
+
+
+def _add_readback(found: dict[Any, Any], mapper: Mapper[Any], key: str) -> None:
+    fence_col = mapper.columns[key]
+    own = _covered(mapper, fence_col, fence_col.table)  # the fence table's key, paired with itself
+    if not own.pk_pairs:  # no object's identity to find: its flush sends the fence the ORM expires
+        return
+    base, hierarchies = own.base_mapper, found.setdefault(fence_col.table, [])
+    cls = base.identity_key_from_primary_key((None,) * len(own.pk_pairs))[0]
+    known = next((i for i, r in enumerate(hierarchies) if r.base_mapper is base), None)
+    if known is not None:  # another class of the hierarchy: if it names the fence otherwise,
+        if hierarchies[known].attr != key:  # the flush sends the fence the ORM expires
+            hierarchies[known] = Readback(hierarchies[known].key_cols, cls, "", base)
+        return
+    hierarchies.append(Readback(tuple(col for _, col in own.pk_pairs), cls, key, base))
 
 
 def _equated(mapper: Mapper[Any], col: Any, other: Any) -> bool:

@@ -6,7 +6,8 @@ statement sa-fence sends (cached per original statement; the token travels as th
 
 * UPDATE and DELETE get ``AND coalesce(fence, 0) <= :token`` (:func:`fence_predicate`, which
   also presents the token to a guard);
-* UPDATE and INSERT set ``fence = CAST(:token AS BIGINT)``;
+* UPDATE and INSERT set ``fence = CAST(:token AS BIGINT)`` (a flush's UPDATE ``fence = :token``,
+  ``FencedStatement.bare``: the statement hook shows the objects it wrote their token);
 * ``INSERT ... ON CONFLICT DO UPDATE`` compares and writes in its DO UPDATE too;
 * a statement that sets the fence itself is refused.
 
@@ -39,7 +40,9 @@ _rewritten: weakref.WeakKeyDictionary[Any, FencedStatement] = weakref.WeakKeyDic
 
 _TOKEN = bindparam(TOKEN_BIND, type_=BigInteger)
 #: An expression, not a bare bind: the ORM then expires ``obj.fence`` after the write, so it
-#: reads back the token (a bare bind would leave 0 or None with expire_on_commit=False).
+#: reads back the token (a bare bind would leave 0 or None with expire_on_commit=False). A
+#: flush's UPDATE sends the bare bind and the hook sets each object's fence instead (the ORM
+#: expiring it costs 11 calls a row).
 _TOKEN_WRITTEN = cast(_TOKEN, BigInteger)
 
 
@@ -66,6 +69,7 @@ class FencedStatement:
     only_keys: bool = False  # its WHERE clause holds nothing but pk_cols = bind
     upsert_rows: int | None = None  # the rows one execution of a checked upsert proposes
     fence_col: Any = None  # the fence column it compares and writes
+    bare: Any = None  # an UPDATE writing the fence as a bare bind (the ORM does not expire it)
 
 
 def rewritten(elem: Any) -> FencedStatement | None:
@@ -84,10 +88,11 @@ def rewrite(elem: Any, fence_col: Column[Any]) -> FencedStatement:
         stmt, upsert_rows = _fence_upsert(_with_value(elem, fence_col, _TOKEN_WRITTEN), fence_col)
         fenced = FencedStatement(stmt, None, None, upsert_rows=upsert_rows)
     else:
-        stmt = elem.where(fence_predicate(fence_col, _TOKEN))
+        stmt = bare = elem.where(fence_predicate(fence_col, _TOKEN))
         if isinstance(elem, Update):
+            bare = _with_value(stmt, fence_col, _TOKEN)
             stmt = _with_value(stmt, fence_col, _TOKEN_WRITTEN)
-        fenced = FencedStatement(stmt, *key_binds(elem, fence_col.table))
+        fenced = FencedStatement(stmt, *key_binds(elem, fence_col.table), bare=bare)
     fenced.fence_col = fence_col
     with contextlib.suppress(TypeError):  # not weak-referenceable: not cached
         _rewritten[elem] = fenced

@@ -24,6 +24,7 @@ from sqlalchemy.orm import (
     DeclarativeBase,
     Mapped,
     Session,
+    declared_attr,
     mapped_column,
     relationship,
     sessionmaker,
@@ -177,6 +178,19 @@ class Versioned(sa_fence.Fenced, ShapesBase):
     __mapper_args__ = {"version_id_col": version}  # noqa: RUF012
 
 
+class Swapped(sa_fence.Fenced, ShapesBase):
+    """Not an inheritance shape: a mapper whose identity lists the key in another order."""
+
+    __tablename__ = "swapped"
+    a: Mapped[int] = mapped_column(primary_key=True)
+    b: Mapped[int] = mapped_column(primary_key=True)
+    value: Mapped[str] = mapped_column(String(50))
+
+    @declared_attr.directive
+    def __mapper_args__(cls) -> dict[str, Any]:
+        return {"primary_key": [cls.__table__.c.b, cls.__table__.c.a]}
+
+
 subpairs = SubPair.__table__
 
 
@@ -199,7 +213,8 @@ def _empty_tables(scope_engine: sa.Engine) -> Iterator[None]:
     with scope_engine.begin() as conn:
         conn.execute(
             sa.text(
-                "TRUNCATE animals, docs, pairs, versioned, folders, kennels, staff, bosses CASCADE"
+                "TRUNCATE animals, docs, pairs, versioned, folders, kennels, staff, bosses, "
+                "swapped CASCADE"
             )
         )
 
@@ -254,6 +269,8 @@ def seed(fencer: sa_fence.Fencer, make_session: sessionmaker[Session]) -> None:
                 Cat(id=2, name="cat"),
                 Audit(id=1, title="initial", summary="initial", finding="initial"),
                 SubPair(a=1, b=2, note="initial"),
+                Swapped(a=1, b=2, value="initial"),
+                Versioned(id=1, value="initial"),
             ]
         )
         session.commit()
@@ -727,3 +744,75 @@ def test_a_cascade_delete_of_a_joined_subclass_compares_its_base_rows_fence(
     a.release()
     if not stale:
         holder.release()
+
+
+#: One change of each shape's object, returning the object: the fence on a joined subclass's
+#: table, on the base of three levels, on a composite key, in a mapper whose identity lists the
+#: key in another order than the table, beside a version condition.
+CHANGED: dict[str, Callable[[Session], Any]] = {
+    "fence on a subclass's table": lambda s: _changed(s.get(Dog, 1), name="mine"),
+    "third level": lambda s: _changed(s.get(Audit, 1), finding="mine"),
+    "composite key": lambda s: _changed(s.get(SubPair, (1, 2)), note="mine"),
+    "identity in another order": lambda s: _changed(s.get(Swapped, (2, 1)), value="mine"),
+    "version condition": lambda s: _changed(s.get(Versioned, 1), value="mine"),
+    "identity token": lambda s: _changed(s.get(Dog, 1, identity_token="shard"), bark="mine"),
+}
+
+
+def _changed(obj: Any, **values: str) -> Any:
+    for name, value in values.items():
+        setattr(obj, name, value)
+    return obj
+
+
+def _sent_by(session: Session) -> list[str]:
+    sent: list[str] = []
+    sa.event.listen(
+        session.connection(),
+        "before_cursor_execute",
+        lambda conn, cursor, statement, *_: sent.append(statement),
+    )
+    return sent
+
+
+@pytest.mark.parametrize("shape", list(CHANGED))
+def test_a_flushed_object_shows_its_rows_token_without_reading_it_back(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    shape: str,
+) -> None:
+    """The flush writes the fence as a bare parameter, which the ORM neither expires nor reads
+    back: sa-fence sets each written object's fence to the token itself, so reading it sends no
+    query and shows the row's value (not the old fence)."""
+    seed(fencer, make_session)
+    with fencer.lease("a", 5) as lease, make_session() as session:
+        lease.bind(session)
+        obj = CHANGED[shape](session)
+        session.flush()
+        sent = _sent_by(session)
+        assert obj.fence == lease.token
+        assert sent == []
+        session.commit()
+    table = sa.inspect(obj).mapper.columns["fence"].table.name
+    with scope_engine.connect() as conn:
+        fences = conn.execute(sa.text(f"SELECT fence FROM {table}")).scalars().all()
+    assert fences == [lease.token]
+
+
+def test_an_object_the_flush_did_not_write_keeps_its_fence(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """Only the objects whose rows the UPDATE wrote are shown the token, not every object the
+    flush looked at (one set to the value it had is dirty, and written by no statement)."""
+    seed(fencer, make_session)
+    with make_session() as session:
+        seeded = session.get(SubPair, (1, 2)).fence
+    with fencer.lease("a", 5) as lease, make_session() as session:
+        lease.bind(session)
+        untouched, changed = session.get(SubPair, (1, 2)), session.get(Dog, 1)
+        untouched.note = untouched.note
+        changed.bark = "mine"
+        assert untouched in session.dirty
+        session.flush()
+        assert (changed.fence, untouched.fence) == (lease.token, seeded)

@@ -153,8 +153,11 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: for the rows of a table an unfenced class shares with a fenced joined subclass that
 #: a flush writes for an object it did not flag (a foreign key set through a collection),
 #: compared, or refused without a lease; and by 9 to refuse a concrete subclass of a
-#: Fenced class whose table has no fence (it was written with no fencing at all).
-CORE_LINES_AT_MOST = 9109
+#: Fenced class whose table has no fence (it was written with no fencing at all). It went
+#: up once for speed, by 71 (issue 21's 1000-row target): a flush's UPDATE writes the fence
+#: as a bare parameter and sa-fence shows each object it wrote the token, instead of the
+#: ORM expiring obj.fence (11 calls a row, 3.4 us of Python a row before, 1.6 after).
+CORE_LINES_AT_MOST = 9180
 
 
 def test_the_core_stays_within_its_line_budget() -> None:
