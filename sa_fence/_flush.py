@@ -204,8 +204,6 @@ _SHARING = "_sa_fence_sharing"
 _SCOPE = "_sa_fence_scope"
 #: its transaction's arm was a statement of its own (not in BEGIN): a savepoint may hold it
 _ARMED_APART = "_sa_fence_armed_apart"
-#: a flush's states by (class, key), in ``UOWTransaction.attributes`` (see _show_token)
-_FLUSHED = "sa_fence.flushed"
 
 
 class _FencedConnection(Connection):
@@ -774,12 +772,17 @@ def _before_execute(
         if params and key in params[0]:
             params = [_without(p, key) for p in params]
         return elem, params, None
-    token = lease.token
-    # a fence in the parameters (bulk mappings, row dicts, the bump) is never taken
-    params = [{**(_without(p, key) if key in p else p), TOKEN_BIND: token} for p in params] or [
-        {TOKEN_BIND: token}
-    ]
-    pk_names = fenced.pk_names
+    token, pk_names, readback = lease.token, fenced.pk_names, None
+    if "compiled_cache" in options and elem.is_update and pk_names:  # the ORM's: a flush's?
+        readback = _flush_readback(state, elem, options, fence_col.table)
+    if readback is not None:  # the unit of work's own parameter sets, made for this statement
+        for p in params:
+            p[TOKEN_BIND] = token
+            if key in p:  # a flagged fence
+                del p[key]
+    else:  # a fence in the parameters (bulk mappings, row dicts, the bump) is never taken
+        params = [{**(_without(p, key) if key in p else p), TOKEN_BIND: token} for p in params]
+        params = params or [{TOKEN_BIND: token}]
     if pk_names is None or fenced.pk_cols is None:
         if fenced.upsert_rows is None and (len(params) == 1 or isinstance(elem, Insert)):
             return fenced.statement, params, None
@@ -788,10 +791,7 @@ def _before_execute(
     for name in pk_names:
         if name not in params[0]:
             return fenced.statement, params, None
-    table, statement, readback = fence_col.table, fenced.statement, None
-    if "compiled_cache" in options and elem.is_update:  # the ORM's: perhaps a flush's UPDATE
-        readback = _flush_readback(state, elem, options, table)
-        statement = statement if readback is None else fenced.bare
+    table, statement = fence_col.table, fenced.statement if readback is None else fenced.bare
     pending = _Pending(statement, table, token, fenced.pk_cols, pk_names, params, lease.name)
     pending.only_keys, pending.readback = fenced.only_keys, readback
     return statement, params, pending
@@ -809,20 +809,25 @@ def _flush_readback(
 
 def _show_token(state: SessionState, p: _Pending, readback: Readback) -> None:
     """A flush's UPDATE wrote every row it targeted: each object now shows its row's token, as
-    a refresh would (the ORM reads back no bare bind). The flush's states are found by class and
-    key (one dictionary per flush, built at its first such UPDATE: no call per row)."""
-    flush, token, cls, attr = state.flush(), p.token, readback.identity_class, readback.attr
-    if flush is None:
+    a refresh would (the ORM reads back no bare bind). Objects are found in the identity map's
+    own dictionary (no call a row); one with an identity token among the flush's states."""
+    session, token, cls, attr = state.session(), p.token, readback.identity_class, readback.attr
+    if session is None:
         return
-    marks = flush.attributes
-    if _FLUSHED not in marks:
-        marks[_FLUSHED] = {s.key[:2]: s for s in flush.states if s.key is not None}
-    flushed, name_of = marks[_FLUSHED], dict(zip(p.pk_cols, p.pk_names, strict=True))
+    states, missed = session.identity_map._dict, []
+    name_of = dict(zip(p.pk_cols, p.pk_names, strict=True))
     key_of, single = itemgetter(*[name_of[c] for c in readback.key_cols]), len(name_of) == 1
     for params in p.param_sets:
-        found = cls, (key_of(params),) if single else key_of(params)
-        written = flushed[found] if found in flushed else None  # noqa: SIM401 (no call a row)
+        found = cls, (key_of(params),) if single else key_of(params), None
+        written = states[found] if found in states else None  # noqa: SIM401 (no call a row)
         obj = None if written is None else written.obj()
+        if obj is None:
+            missed.append(found[:2])
+        else:
+            instance_dict(obj)[attr] = token
+    flush = state.flush() if missed else None
+    mine = {s.key[:2]: s for s in flush.states if s.key is not None} if flush else {}
+    for obj in (mine[m].obj() for m in missed if m in mine):
         if obj is not None:
             instance_dict(obj)[attr] = token
 

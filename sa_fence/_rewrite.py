@@ -39,6 +39,7 @@ TOKEN_BIND = "sa_fence_token"
 _rewritten: weakref.WeakKeyDictionary[Any, FencedStatement] = weakref.WeakKeyDictionary()
 
 _TOKEN = bindparam(TOKEN_BIND, type_=BigInteger)
+_ZERO = literal_column("0", BigInteger)
 #: An expression, not a bare bind: the ORM then expires ``obj.fence`` after the write, so it
 #: reads back the token (a bare bind would leave 0 or None with expire_on_commit=False). A
 #: flush's UPDATE sends the bare bind and the hook sets each object's fence instead (the ORM
@@ -55,8 +56,9 @@ def fence_predicate(fence_col: Column[Any], token: Any) -> ColumnElement[bool]:
     """
     setting: ColumnElement[str] = literal_column(f"'{TOKEN_SETTING}'")  # rendered inline
     presented = func.set_config(setting, cast(token, Text), true())
-    # coalesce: a NULL fence (a legacy row never written under a lease) is writable
-    return func.coalesce(fence_col, 0) <= cast(presented, BigInteger)
+    # coalesce: a NULL fence (a legacy row never written under a lease) is writable; its 0 is
+    # written inline (a bind would be one more parameter a row for SQLAlchemy and the driver)
+    return func.coalesce(fence_col, _ZERO) <= cast(presented, BigInteger)
 
 
 @dataclass(slots=True)
