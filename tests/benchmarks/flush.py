@@ -75,9 +75,14 @@ WHY_HOOKS = (
 #: Above this much fenced Python per flushed row (seconds), the account names its cause.
 PER_ROW_NOTICE = 1e-6
 WHY_PER_ROW = (
-    "profiled, SQLAlchemy expires obj.fence on every flushed object (_expire_attributes, "
-    "_postfetch), because the fence is written as an expression, CAST(:token AS BIGINT), so "
-    "that objects show the row's token"
+    "profiled, sa-fence's steps for each row (the check that no fence was assigned, over the "
+    "flushed objects; the token put in each parameter set; each written object shown its "
+    "token) and SQLAlchemy and psycopg carrying one more parameter a row (0.1 calls a row "
+    "over plain, calls section)"
+)
+WHY_SERVER_ROW = (
+    "each row's fenced condition, coalesce(fence, 0) <= the token, which set_config() "
+    "presents to a guard in the same statement (a GUC set per row)"
 )
 WHY_CHECK = (
     "the transaction's BEGIN message carries the arm, `BEGIN; INSERT INTO sa_fence_scope "
@@ -105,6 +110,9 @@ class Breakdown:
     sql: dict[str, Timing]  # raw psycopg: COMMIT / SELECT 1; COMMIT / check; COMMIT
     rows: int = 0  # rows changed per flush in the CPU measurement
     cpu: dict[str, list[float]] = field(default_factory=dict)  # plain / fenced: flush CPU s
+    #: plain / fenced: the server backend's CPU during the same flushes (seconds); empty when
+    #: the server does not run on this machine
+    flush_server: dict[str, list[float]] = field(default_factory=dict)
     #: plain / fenced: this process's CPU time per 1-row update + commit (seconds)
     txn_cpu: dict[str, list[float]] = field(default_factory=dict)
     #: the raw SQL lines' median server backend CPU per transaction (seconds); None when
@@ -119,6 +127,13 @@ class Breakdown:
     def per_row(self) -> tuple[float, float, float]:
         """Median flush CPU time, plain and fenced, and the fenced extra per row (seconds)."""
         plain, fenced = (statistics.median(self.cpu[v]) for v in ("plain", "fenced"))
+        return plain, fenced, (fenced - plain) / max(self.rows, 1)
+
+    def server_per_row(self) -> tuple[float, float, float] | None:
+        """The same for the server backend's CPU during those flushes; None if unmeasured."""
+        if not self.flush_server.get("plain"):
+            return None
+        plain, fenced = (statistics.median(self.flush_server[v]) for v in ("plain", "fenced"))
         return plain, fenced, (fenced - plain) / max(self.rows, 1)
 
     def extra(self) -> tuple[float, float, float, float]:
@@ -250,14 +265,8 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
             label="flush: the register check in SQL",
         )
         sql_server = server_cpu(raw, config.rounds * per_round)
-    return Breakdown(
-        op,
-        sql,
-        bench.rows,
-        flush_cpu(bench, config, progress),
-        transaction_cpu(bench, config),
-        sql_server,
-    )
+    cpu, server = flush_cpu(bench, config, progress)
+    return Breakdown(op, sql, bench.rows, cpu, server, transaction_cpu(bench, config), sql_server)
 
 
 class _ScopeOwner:
@@ -354,16 +363,20 @@ def transaction_cpu(bench: FlushBench, config: Config) -> dict[str, list[float]]
     return cpu
 
 
-def flush_cpu(bench: FlushBench, config: Config, progress: Progress) -> dict[str, list[float]]:
-    """This process's CPU time for one flush of ``bench.rows`` changed rows, plain and fenced.
+def flush_cpu(
+    bench: FlushBench, config: Config, progress: Progress
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """This process's CPU time for one flush of ``bench.rows`` changed rows, plain and fenced,
+    and the server backend's during the same flush (none when the server runs elsewhere).
 
-    CPU time, not wall time: it leaves out the server and the wait for it, so
-    sa-fence's per-row Python shows even on a loaded machine.  Alternated
-    plain / fenced, the order swapped every round, garbage collection off
-    while a flush runs.
+    CPU time, not wall time: it leaves out the wait, so sa-fence's per-row Python and the
+    server's per-row work for the fenced statement show even on a loaded machine.
+    Alternated plain / fenced, the order swapped every round, garbage collection off while a
+    flush runs.
     """
     rounds, per = (1, 1) if config.quick else (config.rounds, 3)
     cpu: dict[str, list[float]] = {"plain": [], "fenced": []}
+    server: dict[str, list[float]] = {"plain": [], "fenced": []}
     progress.start(f"flush: CPU time of a {bench.rows}-row flush", rounds)
     for r in range(rounds):
         for _ in range(per):
@@ -374,18 +387,22 @@ def flush_cpu(bench: FlushBench, config: Config, progress: Progress) -> dict[str
                     items = session.scalars(sa.select(model).where(model.id <= bench.rows)).all()
                     for item in items:
                         item.payload = f"cpu {bench.serial}"
+                    pid = session.connection().connection.dbapi_connection.info.backend_pid
                     gc.collect()
                     gc.disable()
                     try:
-                        started = time.process_time()
+                        backend, started = backend_cpu(pid), time.process_time()
                         session.flush()
                         cpu[variant].append(time.process_time() - started)
+                        after = backend_cpu(pid)
                     finally:
                         gc.enable()
+                    if backend is not None and after is not None:
+                        server[variant].append(after - backend)
                     session.commit()
         progress.step()
     progress.finish()
-    return cpu
+    return cpu, server
 
 
 def per_round(n: int, config: Config) -> int:
@@ -464,7 +481,21 @@ def why_missed(
         f"(flush CPU time {cpu_fenced * 1e3:.1f} ms against {cpu_plain * 1e3:.1f} ms: "
         f"{grows:.1f}% of this op)"
         + (f": {WHY_PER_ROW}" if per_row > PER_ROW_NOTICE else "")
+        + server_row_account(b, plain)
         + ". Whatever is left over is noise: see the per-round range"
+    )
+
+
+def server_row_account(b: Breakdown, plain: float) -> str:
+    """The server's share of the per-row difference, from its backend's CPU; "" if unmeasured."""
+    rows = b.server_per_row()
+    if rows is None:
+        return ""
+    server_plain, server_fenced, per_row = rows
+    return (
+        f"; the server's work {per_row * 1e6:.1f} us more per row (backend CPU "
+        f"{server_fenced * 1e3:.1f} ms against {server_plain * 1e3:.1f} ms: "
+        f"{(server_fenced - server_plain) / plain * 100:.1f}% of this op): {WHY_SERVER_ROW}"
     )
 
 
@@ -568,6 +599,12 @@ def report_breakdown(b: Breakdown) -> None:
     print(f"flush CPU time of this process, {b.rows} changed rows, median of {n} each")
     print(f"  {'plain':<48}{fmt_time(cpu_plain):>11}")
     print(f"  {'fenced':<48}{fmt_time(cpu_fenced):>11}  {per_row * 1e6:+7.2f} us per row")
+    server_rows = b.server_per_row()
+    if server_rows is not None:
+        plain_server, fenced_server, server_row = server_rows
+        print(f"the same flushes, server backend CPU (schedstat), median of {n} each")
+        print(f"  {'plain':<48}{fmt_time(plain_server):>11}")
+        print(f"  {'fenced':<48}{fmt_time(fenced_server):>11}  {server_row * 1e6:+7.2f} us per row")
     n = len(b.txn_cpu["plain"])
     plain_txn = statistics.median(b.txn_cpu["plain"])
     print(f"CPU time of this process per 1-row update + commit, median of {n} each")
