@@ -49,7 +49,7 @@ from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check, quo
 from ._model import fence_column_of, fence_key_of, is_fenced_class, missing_fence_column, orm_index
 from ._register import DATABASE_ID_SQL, SCOPE_TABLE
 from ._rewrite import TOKEN_BIND, FencedStatement, key_binds, rewrite, rewritten
-from ._transaction_sql import MIGHT_LEAVE_SCOPE, scope_effect
+from ._transaction_sql import might_leave_scope, scope_effect
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -234,7 +234,7 @@ class _FencedConnection(Connection):
         state: SessionState | None = attrs[_ACTIVE] if _ACTIVE in attrs else None  # noqa: SIM401
         if state is None or state.lease is None:
             return super()._exec_single_context(dialect, context, statement, parameters)
-        if _PSYCOPG_BEGIN_HOOK and sql.__class__ is str and MIGHT_LEAVE_SCOPE.search(sql) is None:
+        if _PSYCOPG_BEGIN_HOOK and sql.__class__ is str and not might_leave_scope(sql):
             return super()._exec_single_context(dialect, context, statement, parameters)  # (most)
         rolls_back = _before_bound_sql(self, state.lease, sql)
         result = super()._exec_single_context(dialect, context, statement, parameters)
@@ -647,7 +647,7 @@ def _before_bound_sql(conn: Connection, lease: Lease, sql: Any) -> bool:
             f"sa-fence cannot read SQL given as {type(sql).__name__}, as it must with a lease "
             "bound: pass str, bytes or a psycopg sql.SQL or sql.Composed. Nothing was sent."
         )
-    leaves = MIGHT_LEAVE_SCOPE.search(sql) is not None and _refuse_leaving_scope(sql)
+    leaves = might_leave_scope(sql) and _refuse_leaving_scope(sql)
     if not _PSYCOPG_BEGIN_HOOK:  # (after a refusal: nothing is sent, not even an arm)
         _enter_scope(conn, lease)
     return leaves and _ARMED_APART in conn.__dict__

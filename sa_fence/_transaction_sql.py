@@ -13,8 +13,13 @@ from __future__ import annotations
 import re
 from itertools import pairwise
 
-#: The first look, at each statement a bound connection sends (none: nothing to see)
-MIGHT_LEAVE_SCOPE = re.compile(r";|\b(?:chain|rollback)\b", re.IGNORECASE)
+
+def might_leave_scope(sql: str) -> bool:
+    """The first look at each statement a bound connection sends: False if it has no ``;``,
+    CHAIN or ROLLBACK in any case (substrings, not a regex: 0.5 us against 8 a statement)."""
+    lowered = sql.lower()
+    return ";" in sql or "chain" in lowered or "rollback" in lowered
+
 
 _TOKEN = re.compile(
     r"""(?P<space>\s+)
