@@ -81,8 +81,10 @@ WHY_PER_ROW = (
     "over plain, calls section)"
 )
 WHY_SERVER_ROW = (
-    "each row's fenced condition, coalesce(fence, 0) <= the token, which set_config() "
-    "presents to a guard in the same statement (a GUC set per row)"
+    "writing each row's fence, its fenced condition, coalesce(fence, 0) <= the token, and the "
+    "set_config() that presents the token to a guard in the same statement (a GUC set per "
+    "row); in raw SQL on this server, each of the fence write and the set_config is about a "
+    "quarter of it (docs/benchmarks.md)"
 )
 WHY_CHECK = (
     "the transaction's BEGIN message carries the arm, `BEGIN; INSERT INTO sa_fence_scope "
