@@ -320,6 +320,35 @@ def refused_flush(
     return refused.value
 
 
+def sent_by(session: Session) -> list[str]:
+    """The SQL ``session``'s connection sends from now on (the list grows as it does)."""
+    sent: list[str] = []
+    sa.event.listen(
+        session.connection(),
+        "before_cursor_execute",
+        lambda conn, cursor, statement, *_: sent.append(statement),
+    )
+    return sent
+
+
+def refused_and_unchanged(
+    a: sa_fence.Lease,
+    b: sa_fence.Lease,
+    make_session: sessionmaker[Session],
+    change: Callable[[Session], Any],
+    table: str,
+    read: Callable[[], Any],
+) -> None:
+    """A's flush of ``change`` is refused by the fence of ``table`` that B wrote, and what
+    ``read`` reads is as it was; A is released."""
+    before = read()
+    refused = refused_flush(a, make_session, change)
+    assert refused.table == table
+    assert refused.current_fences == (b.token,)
+    assert read() == before
+    a.release()
+
+
 @pytest.mark.parametrize("write", list(WRITES))
 def test_a_stale_write_to_any_table_of_a_fenced_object_is_refused_by_its_fence(
     fencer: sa_fence.Fencer,
@@ -485,12 +514,9 @@ def test_a_stale_flush_writing_a_joined_table_of_an_unchanged_object_is_refused_
     a, b = written_by_b_after_as_grant(
         fencer, make_session, lambda s: setattr(s.get(Report, 5), "summary", "B")
     )
-    before = report_row(scope_engine)
-    refused = refused_flush(a, make_session, lambda session: move_report(session, move))
-    assert refused.table == "docs"
-    assert refused.current_fences == (b.token,)
-    assert report_row(scope_engine) == before
-    a.release()
+    refused_and_unchanged(
+        a, b, make_session, lambda s: move_report(s, move), "docs", lambda: report_row(scope_engine)
+    )
 
 
 @pytest.mark.parametrize("move", list(MOVES))
@@ -499,14 +525,9 @@ def test_a_flush_writing_a_joined_table_of_an_unchanged_object_advances_its_fenc
 ) -> None:
     seed_folder(fencer, make_session, move)
     relation, how = MOVES[move]
-    sent: list[str] = []
     with fencer.lease("a", 5) as lease, make_session() as session:
         lease.bind(session)
-        sa.event.listen(
-            session.connection(),
-            "before_cursor_execute",
-            lambda conn, cursor, statement, *_: sent.append(statement),
-        )
+        sent = sent_by(session)
         move_report(session, move)
         session.commit()
     assert len([s for s in sent if s.startswith("UPDATE docs")]) == 1, sent  # compared once
@@ -540,12 +561,9 @@ def test_a_stale_flush_writing_the_shared_base_table_of_an_unchanged_dog_is_refu
     a, b = written_by_b_after_as_grant(
         fencer, make_session, lambda s: setattr(s.get(Dog, 1), "bark", "B")
     )
-    before = rows(scope_engine)
-    refused = refused_flush(a, make_session, lambda session: move_animals(session, how))
-    assert refused.table == "dogs"
-    assert refused.current_fences == (b.token,)
-    assert rows(scope_engine) == before
-    a.release()
+    refused_and_unchanged(
+        a, b, make_session, lambda s: move_animals(s, how), "dogs", lambda: rows(scope_engine)
+    )
 
 
 def test_a_flush_writing_the_shared_base_table_advances_only_the_dogs_fence(
@@ -570,15 +588,10 @@ def test_a_flush_of_a_changed_dog_sends_one_write_of_dogs(
     """The flush flagged the changed Dog's fence itself: its UPDATE of animals sends no fenced
     UPDATE of dogs besides the flush's own."""
     seed(fencer, make_session)
-    sent: list[str] = []
     with fencer.lease("a", 5) as lease, make_session() as session:
         lease.bind(session)
         session.get(Dog, 1).name = "mine"
-        sa.event.listen(
-            session.connection(),
-            "before_cursor_execute",
-            lambda conn, cursor, statement, *_: sent.append(statement),
-        )
+        sent = sent_by(session)
         session.commit()
     assert len([s for s in sent if s.startswith("UPDATE dogs")]) == 1, sent
 
@@ -765,16 +778,6 @@ def _changed(obj: Any, **values: str) -> Any:
     return obj
 
 
-def _sent_by(session: Session) -> list[str]:
-    sent: list[str] = []
-    sa.event.listen(
-        session.connection(),
-        "before_cursor_execute",
-        lambda conn, cursor, statement, *_: sent.append(statement),
-    )
-    return sent
-
-
 @pytest.mark.parametrize("shape", list(CHANGED))
 def test_a_flushed_object_shows_its_rows_token_without_reading_it_back(
     fencer: sa_fence.Fencer,
@@ -790,7 +793,7 @@ def test_a_flushed_object_shows_its_rows_token_without_reading_it_back(
         lease.bind(session)
         obj = CHANGED[shape](session)
         session.flush()
-        sent = _sent_by(session)
+        sent = sent_by(session)
         assert obj.fence == lease.token
         assert sent == []
         session.commit()
