@@ -29,6 +29,7 @@ from sqlalchemy.orm import (
     relationship,
     sessionmaker,
 )
+from sqlalchemy.orm.attributes import flag_modified
 
 import sa_fence
 from tests import _scope_fixtures
@@ -191,6 +192,26 @@ class Swapped(sa_fence.Fenced, ShapesBase):
         return {"primary_key": [cls.__table__.c.b, cls.__table__.c.a]}
 
 
+class Ticket(sa_fence.Fenced, ShapesBase):
+    __tablename__ = "tickets"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[str] = mapped_column(String(20))
+    __mapper_args__ = {"polymorphic_on": "kind", "polymorphic_identity": "ticket"}  # noqa: RUF012
+
+
+class RenamedTicket(Ticket):
+    """A joined subclass that maps the fence under another attribute name."""
+
+    __tablename__ = "renamed_tickets"
+    id: Mapped[int] = mapped_column(ForeignKey("tickets.id"), primary_key=True)
+    note: Mapped[str] = mapped_column(String(50), default="")
+    __mapper_args__ = {  # noqa: RUF012
+        "polymorphic_identity": "renamed",
+        "exclude_properties": ["fence"],
+        "properties": {"seen_fence": Ticket.__table__.c.fence},
+    }
+
+
 subpairs = SubPair.__table__
 
 
@@ -214,7 +235,7 @@ def _empty_tables(scope_engine: sa.Engine) -> Iterator[None]:
         conn.execute(
             sa.text(
                 "TRUNCATE animals, docs, pairs, versioned, folders, kennels, staff, bosses, "
-                "swapped CASCADE"
+                "swapped, tickets CASCADE"
             )
         )
 
@@ -819,3 +840,23 @@ def test_an_object_the_flush_did_not_write_keeps_its_fence(
         assert untouched in session.dirty
         session.flush()
         assert (changed.fence, untouched.fence) == (lease.token, seeded)
+
+
+def test_a_hierarchy_naming_its_fence_twice_has_the_fence_read_back(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """The hook shows a written object its token under the fence's one attribute name; where a
+    subclass names it otherwise, the flush writes the fence as before, and the ORM expires it:
+    each object still reads its row's token."""
+    with fencer.lease("seed", 5) as seeded, make_session() as session:
+        seeded.bind(session)
+        session.add_all([Ticket(id=1), RenamedTicket(id=2, note="initial")])
+        session.commit()
+    with fencer.lease("a", 5) as lease, make_session() as session:
+        lease.bind(session)
+        ticket, renamed = session.get(Ticket, 1), session.get(RenamedTicket, 2)
+        assert (ticket.fence, renamed.seen_fence) == (seeded.token, seeded.token)
+        ticket.kind, renamed.note = "ticket", "mine"
+        flag_modified(ticket, "kind")
+        session.flush()
+        assert (ticket.fence, renamed.seen_fence) == (lease.token, lease.token)
