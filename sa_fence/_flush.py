@@ -809,27 +809,27 @@ def _flush_readback(
 
 def _show_token(state: SessionState, p: _Pending, readback: Readback) -> None:
     """A flush's UPDATE wrote every row it targeted: each object now shows its row's token, as
-    a refresh would (the ORM reads back no bare bind). Objects are found in the identity map's
-    own dictionary (no call a row); one with an identity token among the flush's states."""
-    session, token, cls, attr = state.session(), p.token, readback.identity_class, readback.attr
-    if session is None:
-        return
-    states, missed = session.identity_map._dict, []
-    name_of = dict(zip(p.pk_cols, p.pk_names, strict=True))
-    key_of, single = itemgetter(*[name_of[c] for c in readback.key_cols]), len(name_of) == 1
-    for params in p.param_sets:
-        found = cls, (key_of(params),) if single else key_of(params), None
-        written = states[found] if found in states else None  # noqa: SIM401 (no call a row)
-        obj = None if written is None else written.obj()
-        if obj is None:
-            missed.append(found[:2])
-        else:
-            instance_dict(obj)[attr] = token
-    flush = state.flush() if missed else None
-    mine = {s.key[:2]: s for s in flush.states if s.key is not None} if flush else {}
-    for obj in (mine[m].obj() for m in missed if m in mine):
+    a refresh would (the ORM reads back no bare bind)."""
+    cols, names, key_cols = p.pk_cols, p.pk_names, readback.key_cols
+    order = names if key_cols == cols else [names[cols.index(c)] for c in key_cols]
+    key_of, sets = itemgetter(*order), p.param_sets
+    keys = [key_of(q) for q in sets] if order[1:] else [(key_of(q),) for q in sets]
+    for obj in _flush_objects(state, readback.base_mapper.class_, keys):
         if obj is not None:
-            instance_dict(obj)[attr] = token
+            instance_dict(obj)[readback.attr] = p.token
+
+
+def _flush_objects(state: SessionState, cls: type, keys: list[Any]) -> list[Any]:
+    """The objects of ``cls``'s hierarchy (its base class) with these primary keys that the
+    running flush writes (None where it has none): from the identity map's own dictionary (no
+    call a key), else, for an object loaded with an identity token, from the flush's states."""
+    session = state.session()
+    states = {} if session is None else session.identity_map._dict
+    found = [states[cls, k, None].obj() if (cls, k, None) in states else None for k in keys]
+    if None in found and (flush := state.flush()) is not None:  # an identity token?
+        mine = {s.key[:2]: s.obj() for s in flush.states if s.key is not None}
+        found = [mine.get((cls, k)) if o is None else o for k, o in zip(keys, found, strict=True)]
+    return found
 
 
 def _written_table(elem: Any) -> Any:
@@ -909,15 +909,13 @@ def _rows_of_fenced(
     if not (elem.is_update and state.in_flush(elem, options, shared)):
         return []
     pk_cols, pk_names, _ = key_binds(elem, table)
-    session = state.session()
-    if pk_cols is None or pk_names is None or shared.bump is None or session is None:
+    if pk_cols is None or pk_names is None or shared.bump is None:
         return []
     name_of, flagged = dict(zip(pk_cols, pk_names, strict=True)), set(map(id, state.bumped))
     names = [name_of[col] for col, _ in shared.pk_pairs]
+    keys, cls = [tuple(p[n] for n in names) for p in params], shared.base_mapper.class_
     groups: dict[int, tuple[Covered, list[Any]]] = {}  # by covered entry (the object's class)
-    for p in params:
-        key = shared.base_mapper.identity_key_from_primary_key(tuple(p[n] for n in names))
-        obj = session.identity_map.get(key)
+    for p, obj in zip(params, _flush_objects(state, cls, keys), strict=True):
         covered = orm_index().covered.get((instance_state(obj).mapper, table)) if obj else None
         if covered is not None and id(obj) not in flagged:
             groups.setdefault(id(covered), (covered, []))[1].append(p)

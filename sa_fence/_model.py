@@ -186,11 +186,10 @@ class Covered(NamedTuple):
 
 class Readback(NamedTuple):
     """A hierarchy's fence table as its flush writes it: the key columns in the order of an
-    object's identity, the identity's class, the fence's attribute and the base mapper, so that
-    each object a flush's UPDATE wrote is shown its row's token."""
+    object's identity, the fence's attribute and the base mapper (whose class is the identity's),
+    so that each object a flush's UPDATE wrote is shown its row's token."""
 
-    key_cols: tuple[Column[Any], ...]
-    identity_class: type
+    key_cols: list[Column[Any]]  # (a list: compared with a statement's key columns)
     attr: str  # "" (not used): the classes name it differently
     base_mapper: Mapper[Any]
 
@@ -284,13 +283,12 @@ def _add_readback(found: dict[Any, Any], mapper: Mapper[Any], key: str) -> None:
     if not own.pk_pairs:  # no object's identity to find: its flush sends the fence the ORM expires
         return
     base, hierarchies = own.base_mapper, found.setdefault(fence_col.table, [])
-    cls = base.identity_key_from_primary_key((None,) * len(own.pk_pairs))[0]
     known = next((i for i, r in enumerate(hierarchies) if r.base_mapper is base), None)
     if known is not None:  # another class of the hierarchy: if it names the fence otherwise,
         if hierarchies[known].attr != key:  # the flush sends the fence the ORM expires
-            hierarchies[known] = Readback(hierarchies[known].key_cols, cls, "", base)
+            hierarchies[known] = Readback(hierarchies[known].key_cols, "", base)
         return
-    hierarchies.append(Readback(tuple(col for _, col in own.pk_pairs), cls, key, base))
+    hierarchies.append(Readback([col for _, col in own.pk_pairs], key, base))
 
 
 def _equated(mapper: Mapper[Any], col: Any, other: Any) -> bool:

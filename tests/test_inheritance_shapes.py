@@ -587,6 +587,24 @@ def test_a_stale_flush_writing_the_shared_base_table_of_an_unchanged_dog_is_refu
     )
 
 
+def test_a_stale_flush_writing_the_shared_base_row_of_a_dog_loaded_with_an_identity_token(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """The Dog is found among the flush's states when the identity map holds it under an
+    identity token (it was missed, and the stale flush committed)."""
+    seed(fencer, make_session)
+    a, b = written_by_b_after_as_grant(
+        fencer, make_session, lambda s: setattr(s.get(Dog, 1), "bark", "B")
+    )
+
+    def move(session: Session) -> None:
+        kennel = Kennel(id=1)
+        session.add(kennel)
+        kennel.animals.append(session.get(Dog, 1, identity_token="shard"))
+
+    refused_and_unchanged(a, b, make_session, move, "dogs", lambda: rows(scope_engine))
+
+
 def test_a_flush_writing_the_shared_base_table_advances_only_the_dogs_fence(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
 ) -> None:
