@@ -878,3 +878,20 @@ def test_a_hierarchy_naming_its_fence_twice_has_the_fence_read_back(
         flag_modified(ticket, "kind")
         session.flush()
         assert (ticket.fence, renamed.seen_fence) == (lease.token, lease.token)
+
+
+def test_a_savepoint_rolled_back_after_the_flush_reads_the_old_fence_again(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """The token shown to a flushed object is undone with the savepoint, as the row is."""
+    seed(fencer, make_session)
+    with fencer.lease("a", 5) as lease, make_session() as session:
+        lease.bind(session)
+        dog = session.get(Dog, 1)
+        seeded = dog.fence
+        savepoint = session.begin_nested()
+        dog.bark = "mine"
+        session.flush()
+        assert dog.fence == lease.token
+        savepoint.rollback()
+        assert (dog.bark, dog.fence) == ("initial", seeded)
