@@ -192,6 +192,16 @@ class Swapped(sa_fence.Fenced, ShapesBase):
         return {"primary_key": [cls.__table__.c.b, cls.__table__.c.a]}
 
 
+class Stamped(sa_fence.Fenced, ShapesBase):
+    """Not an inheritance shape: a mapper that reads server values back in its UPDATE."""
+
+    __tablename__ = "stamped"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    value: Mapped[str] = mapped_column(String(50))
+    stamp: Mapped[int] = mapped_column(default=0, onupdate=sa.text("stamped.stamp + 1"))
+    __mapper_args__ = {"eager_defaults": True}  # noqa: RUF012
+
+
 class Ticket(sa_fence.Fenced, ShapesBase):
     __tablename__ = "tickets"
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -235,7 +245,7 @@ def _empty_tables(scope_engine: sa.Engine) -> Iterator[None]:
         conn.execute(
             sa.text(
                 "TRUNCATE animals, docs, pairs, versioned, folders, kennels, staff, bosses, "
-                "swapped, tickets CASCADE"
+                "swapped, stamped, tickets CASCADE"
             )
         )
 
@@ -292,6 +302,7 @@ def seed(fencer: sa_fence.Fencer, make_session: sessionmaker[Session]) -> None:
                 SubPair(a=1, b=2, note="initial"),
                 Swapped(a=1, b=2, value="initial"),
                 Versioned(id=1, value="initial"),
+                Stamped(id=1, value="initial"),
             ]
         )
         session.commit()
@@ -800,7 +811,8 @@ def test_a_cascade_delete_of_a_joined_subclass_compares_its_base_rows_fence(
 
 #: One change of each shape's object, returning the object: the fence on a joined subclass's
 #: table, on the base of three levels, on a composite key, in a mapper whose identity lists the
-#: key in another order than the table, beside a version condition.
+#: key in another order than the table, beside a version condition, with server values read
+#: back in the UPDATE (``eager_defaults``).
 CHANGED: dict[str, Callable[[Session], Any]] = {
     "fence on a subclass's table": lambda s: _changed(s.get(Dog, 1), name="mine"),
     "third level": lambda s: _changed(s.get(Audit, 1), finding="mine"),
@@ -808,6 +820,7 @@ CHANGED: dict[str, Callable[[Session], Any]] = {
     "identity in another order": lambda s: _changed(s.get(Swapped, (2, 1)), value="mine"),
     "version condition": lambda s: _changed(s.get(Versioned, 1), value="mine"),
     "identity token": lambda s: _changed(s.get(Dog, 1, identity_token="shard"), bark="mine"),
+    "eager defaults": lambda s: _changed(s.get(Stamped, 1), value="mine"),
 }
 
 
@@ -895,3 +908,46 @@ def test_a_savepoint_rolled_back_after_the_flush_reads_the_old_fence_again(
         assert dog.fence == lease.token
         savepoint.rollback()
         assert (dog.bark, dog.fence) == ("initial", seeded)
+
+
+def test_an_eager_defaults_flush_reads_its_server_values_in_the_one_update_it_sends(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """A mapper with ``eager_defaults`` reads the UPDATE's server-side values back with
+    RETURNING: the fenced UPDATE keeps that RETURNING, and showing the token adds no SELECT."""
+    seed(fencer, make_session)
+    with fencer.lease("a", 5) as lease, make_session() as session:
+        lease.bind(session)
+        stamped = session.get(Stamped, 1)
+        stamped.value = "mine"
+        sent = sent_by(session)
+        session.flush()
+        assert [s.split()[0] for s in sent] == ["UPDATE"]
+        assert "RETURNING stamped.stamp" in sent[0]
+        flushed = list(sent)
+        assert (stamped.stamp, stamped.fence) == (1, lease.token)
+        assert sent == flushed
+
+
+async def test_an_async_flush_shows_the_token_without_an_await(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """In an AsyncSession a flushed object's fence reads without ``awaitable_attrs``: it holds
+    the token, not an expired attribute whose load would need the event loop."""
+    seed(fencer, make_session)
+    engine = create_async_engine(scope_engine.url.set(drivername="postgresql+psycopg_async"))
+    try:
+        make_async = sa_fence.install(async_sessionmaker(engine))
+        with fencer.lease("a", 5) as lease:
+            async with make_async() as session:
+                lease.bind(session)
+                dog = await session.get(Dog, 1)
+                assert dog is not None
+                dog.bark = "mine"
+                await session.flush()
+                assert dog.fence == lease.token  # an expired attribute raises MissingGreenlet
+                await session.commit()
+    finally:
+        await engine.dispose()
+    with scope_engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT fence FROM dogs")).scalar_one() == lease.token
