@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, repeat
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -812,11 +812,13 @@ def _show_token(state: SessionState, p: _Pending, readback: Readback) -> None:
     a refresh would (the ORM reads back no bare bind)."""
     cols, names, key_cols = p.pk_cols, p.pk_names, readback.key_cols
     order = names if key_cols == cols else [names[cols.index(c)] for c in key_cols]
-    key_of, sets = itemgetter(*order), p.param_sets
-    keys = [key_of(q) for q in sets] if order[1:] else [(key_of(q),) for q in sets]
+    # each parameter set's key, as the identity map holds it (a tuple, even of one value)
+    by_key = map(itemgetter(*order), p.param_sets)
+    keys = list(by_key if order[1:] else zip(by_key))
+    attr, token = readback.attr, p.token
     for obj in _flush_objects(state, readback.base_mapper.class_, keys):
         if obj is not None:
-            instance_dict(obj)[readback.attr] = p.token
+            instance_dict(obj)[attr] = token
 
 
 def _flush_objects(state: SessionState, cls: type, keys: list[Any]) -> list[Any]:
@@ -825,7 +827,9 @@ def _flush_objects(state: SessionState, cls: type, keys: list[Any]) -> list[Any]
     call a key), else, for an object loaded with an identity token, from the flush's states."""
     session = state.session()
     states = {} if session is None else session.identity_map._dict
-    found = [states[cls, k, None].obj() if (cls, k, None) in states else None for k in keys]
+    # (built and looked up in C: one hash a key, and no Python call a row)
+    held = map(states.get, zip(repeat(cls), keys, repeat(None)))
+    found = [None if s is None else s.obj() for s in held]
     if None in found and (flush := state.flush()) is not None:  # an identity token?
         mine = {s.key[:2]: s.obj() for s in flush.states if s.key is not None}
         found = [mine.get((cls, k)) if o is None else o for k, o in zip(keys, found, strict=True)]
