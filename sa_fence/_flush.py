@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from typing import TypeAlias
 
     from sqlalchemy import Column, Table
-    from sqlalchemy.orm import ORMExecuteState, SessionTransaction, UOWTransaction
+    from sqlalchemy.orm import InstanceState, ORMExecuteState, SessionTransaction, UOWTransaction
 
     from ._lease_view import LeaseView
     from ._model import Covered, Readback
@@ -807,7 +807,7 @@ def _flush_readback(
     return next((r for r in fenced if r.attr and state.in_flush(elem, options, r)), None)
 
 
-def _show_token(state: SessionState, p: _Pending, readback: Readback) -> None:
+def _show_token(conn: Connection, state: SessionState, p: _Pending, readback: Readback) -> None:
     """A flush's UPDATE wrote every row it targeted: each object now shows its row's token, as
     a refresh would (the ORM reads back no bare bind)."""
     cols, names, key_cols = p.pk_cols, p.pk_names, readback.key_cols
@@ -816,24 +816,39 @@ def _show_token(state: SessionState, p: _Pending, readback: Readback) -> None:
     by_key = map(itemgetter(*order), p.param_sets)
     keys = list(by_key if order[1:] else zip(by_key))
     attr, token = readback.attr, p.token
-    for obj in _flush_objects(state, readback.base_mapper.class_, keys):
+    for obj in _flush_objects(conn, state, readback.base_mapper.class_, keys):
         if obj is not None:
             instance_dict(obj)[attr] = token
 
 
-def _flush_objects(state: SessionState, cls: type, keys: list[Any]) -> list[Any]:
+def _flush_objects(conn: Connection, state: SessionState, cls: type, keys: list[Any]) -> list[Any]:
     """The objects of ``cls``'s hierarchy (its base class) with these primary keys that the
-    running flush writes (None where it has none): from the identity map's own dictionary (no
-    call a key), else, for an object loaded with an identity token, from the flush's states."""
+    running flush writes through ``conn`` (None where it has none): from the identity map's own
+    dictionary (no call a key), else, for an object loaded with an identity token, from the
+    flush's states (:func:`_written_through`)."""
     session = state.session()
     states = {} if session is None else session.identity_map._dict
     # (built and looked up in C: one hash a key, and no Python call a row)
     held = map(states.get, zip(repeat(cls), keys, repeat(None)))
     found = [None if s is None else s.obj() for s in held]
     if None in found and (flush := state.flush()) is not None:  # an identity token?
-        mine = {s.key[:2]: s.obj() for s in flush.states if s.key is not None}
-        found = [mine.get((cls, k)) if o is None else o for k, o in zip(keys, found, strict=True)]
+        mine: dict[Any, list[InstanceState[Any]]] = {}  # (by key without its identity token)
+        for s in flush.states:
+            mine.setdefault(s.key and s.key[:2], []).append(s)
+        through = [_written_through(conn, session, mine.get((cls, k))) for k in keys]
+        found = [t if o is None else o for o, t in zip(found, through, strict=True)]
     return found
+
+
+def _written_through(conn: Connection, session: Any, states: list[Any] | None) -> Any:
+    """Of the flush's objects of one key under several identity tokens (a ShardedSession's),
+    the one the flush writes through ``conn`` (``Session.connection_callable``). Else the first:
+    a Dog taken for a Cat is compared (loud), a Cat for a Dog not (a stale write, silent)."""
+    pick: Any = getattr(session, "connection_callable", None)  # (None unless a subclass sets it)
+    for s in states if states and states[1:] and pick is not None else ():
+        if (obj := s.obj()) is not None and pick(s.mapper, obj) is conn:
+            return obj
+    return states[0].obj() if states else None
 
 
 def _written_table(elem: Any) -> Any:
@@ -856,7 +871,7 @@ def _before_unfenced_table(
     if covered is None and "parententity" in (marks := elem.table._annotations):
         covered = index.covered.get((marks["parententity"], table))  # the ORM entity's table
     shared = index.shared[table] if table in index.shared else None  # noqa: SIM401
-    owned = _rows_of_fenced(state, elem, table, shared, params, options) if shared else []
+    owned = _rows_of_fenced(conn, state, elem, table, shared, params, options) if shared else []
     try:
         if lease is None:
             if covered is not None or table in index.association_tables or owned:
@@ -904,7 +919,13 @@ def _fence_rows_first(
 
 
 def _rows_of_fenced(
-    state: SessionState, elem: Any, table: Any, shared: Covered, params: Any, options: Any
+    conn: Connection,
+    state: SessionState,
+    elem: Any,
+    table: Any,
+    shared: Covered,
+    params: Any,
+    options: Any,
 ) -> list[tuple[Covered, list[Any]]]:
     """A flush's UPDATE of an unfenced table that fenced joined subclasses share with unfenced
     classes (``animals`` under ``Dog``): its rows of fenced objects the flush did not flag (a
@@ -919,7 +940,7 @@ def _rows_of_fenced(
     names = [name_of[col] for col, _ in shared.pk_pairs]
     keys, cls = [tuple(p[n] for n in names) for p in params], shared.base_mapper.class_
     groups: dict[int, tuple[Covered, list[Any]]] = {}  # by covered entry (the object's class)
-    for p, obj in zip(params, _flush_objects(state, cls, keys), strict=True):
+    for p, obj in zip(params, _flush_objects(conn, state, cls, keys), strict=True):
         covered = orm_index().covered.get((instance_state(obj).mapper, table)) if obj else None
         if covered is not None and id(obj) not in flagged:
             groups.setdefault(id(covered), (covered, []))[1].append(p)
@@ -974,7 +995,7 @@ def _after_execute(conn: Connection, state: SessionState, pending: _Pending, res
     if pending.expected is None:
         if result.rowcount == len(pending.param_sets):
             if pending.readback is not None:
-                _show_token(state, pending, pending.readback)
+                _show_token(conn, state, pending, pending.readback)
             return
     else:
         state.pending = None

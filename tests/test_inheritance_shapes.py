@@ -20,6 +20,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import ForeignKey, ForeignKeyConstraint, String, update
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+from sqlalchemy.ext.horizontal_shard import ShardedSession
 from sqlalchemy.orm import (
     DeclarativeBase,
     Mapped,
@@ -951,3 +952,124 @@ async def test_an_async_flush_shows_the_token_without_an_await(
         await engine.dispose()
     with scope_engine.connect() as conn:
         assert conn.execute(sa.text("SELECT fence FROM dogs")).scalar_one() == lease.token
+
+
+@pytest.fixture
+def sharded(scope_engine: sa.Engine) -> Iterator[sessionmaker[Session]]:
+    """A ShardedSession over two shards that are schemas of the module's database (the same
+    tables, the same primary keys): its objects carry the shard as their identity token."""
+    engines = {s: scope_engine.execution_options(schema_translate_map={None: s}) for s in SHARDS}
+    with scope_engine.begin() as conn:
+        for shard in SHARDS:
+            conn.execute(sa.text(f"CREATE SCHEMA {shard}"))
+    try:
+        for engine in engines.values():
+            ShapesBase.metadata.create_all(engine)
+        yield sa_fence.install(
+            sessionmaker(
+                class_=ShardedSession,
+                shards=engines,
+                shard_chooser=lambda mapper, obj, clause=None: obj.shard,
+                identity_chooser=lambda *args, **kwargs: list(SHARDS),
+                execute_chooser=lambda context: list(SHARDS),
+            )
+        )
+    finally:
+        with scope_engine.begin() as conn:
+            conn.execute(sa.text(f"DROP SCHEMA {', '.join(SHARDS)} CASCADE"))
+
+
+SHARDS = ("shard_a", "shard_b")
+
+
+def in_shard(session: Session, cls: type[Any], key: Any, shard: str) -> Any:
+    obj = session.get(cls, key, identity_token=shard)
+    obj.shard = shard  # where shard_chooser sends it
+    return obj
+
+
+def seed_shards(fencer: sa_fence.Fencer, sharded: sessionmaker[Session], *objs: Any) -> None:
+    with fencer.lease("seed", 5) as lease, sharded() as session:
+        lease.bind(session)
+        session.add_all(objs)
+        session.commit()
+
+
+def sharded_obj(obj: Any, shard: str) -> Any:
+    obj.shard = shard
+    return obj
+
+
+@pytest.mark.parametrize("dog_last", [True, False], ids=["dog moved last", "dog moved first"])
+@pytest.mark.parametrize("stale", [True, False], ids=["stale holder", "current holder"])
+def test_a_shared_base_row_is_compared_by_the_object_in_its_own_shard(
+    fencer: sa_fence.Fencer,
+    sharded: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    dog_last: bool,
+    stale: bool,
+) -> None:
+    """Shard A holds Dog 1, shard B Cat 1: one primary key under two identity tokens. Moving
+    both into a kennel writes ``animals`` row 1 in each shard; each statement's row is matched
+    with the object the flush sends through that statement's connection. The Dog's is compared
+    with dogs.fence (a stale holder refused), the Cat's is not (a current holder commits; it was
+    taken for the Dog, the Dog for the Cat: a stale write went through, or a missing dogs row
+    in shard B refused the current holder)."""
+    seed_shards(
+        fencer,
+        sharded,
+        sharded_obj(Dog(id=1, name="dog", bark="initial"), "shard_a"),
+        sharded_obj(Cat(id=1, name="cat"), "shard_b"),
+        *(sharded_obj(Kennel(id=1), shard) for shard in SHARDS),
+    )
+    a = fencer.acquire("a", 30)
+    if stale:  # a newer holder of another name writes the Dog
+        b = fencer.acquire("b", 30)
+        with sharded() as session:
+            b.bind(session)
+            in_shard(session, Dog, 1, "shard_a").bark = "B"
+            session.commit()
+    with sharded() as session:
+        a.bind(session)
+        dog, cat = in_shard(session, Dog, 1, "shard_a"), in_shard(session, Cat, 1, "shard_b")
+        moves = [
+            (in_shard(session, Kennel, 1, s), animal)
+            for s, animal in zip(SHARDS, (dog, cat), strict=True)
+        ]
+        for kennel, _ in moves:
+            assert kennel.animals == []  # loaded now: no autoflush between the moves
+        for kennel, animal in reversed(moves) if dog_last else moves:
+            kennel.animals.append(animal)
+        if stale:
+            with pytest.raises(sa_fence.StaleTokenError) as refused:
+                session.commit()
+            assert (refused.value.table, refused.value.current_fences) == ("dogs", (b.token,))
+        else:
+            session.commit()
+    sql = "SELECT a.kennel_id, d.fence FROM shard_a.animals a JOIN shard_a.dogs d USING (id)"
+    with scope_engine.connect() as conn:
+        assert tuple(conn.execute(sa.text(sql)).one()) == (
+            (None, b.token) if stale else (1, a.token)
+        )
+
+
+@pytest.mark.parametrize("changed_shard", SHARDS)
+def test_a_flushed_object_is_shown_the_token_in_its_own_shard_only(
+    fencer: sa_fence.Fencer, sharded: sessionmaker[Session], changed_shard: str
+) -> None:
+    """Dog 2 in both shards, both in the flush, only one changed: it shows the token, the
+    other (set to the value it had: dirty, and written by no statement) keeps the fence it was
+    loaded with."""
+    seed_shards(
+        fencer, sharded, *(sharded_obj(Dog(id=2, name="dog", bark="initial"), s) for s in SHARDS)
+    )
+    with fencer.lease("a", 5) as lease, sharded() as session:
+        lease.bind(session)
+        dogs = {shard: in_shard(session, Dog, 2, shard) for shard in SHARDS}
+        changed = dogs.pop(changed_shard)
+        (untouched,) = dogs.values()
+        seeded = untouched.fence
+        untouched.bark, changed.bark = untouched.bark, "mine"
+        assert untouched in session.dirty
+        session.flush()
+        assert (changed.fence, untouched.fence) == (lease.token, seeded)
