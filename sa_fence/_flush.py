@@ -842,13 +842,19 @@ def _flush_objects(conn: Connection, state: SessionState, cls: type, keys: list[
 
 def _written_through(conn: Connection, session: Any, states: list[Any] | None) -> Any:
     """Of the flush's objects of one key under several identity tokens (a ShardedSession's),
-    the one the flush writes through ``conn`` (``Session.connection_callable``). Else the first:
-    a Dog taken for a Cat is compared (loud), a Cat for a Dog not (a stale write, silent)."""
-    pick: Any = getattr(session, "connection_callable", None)  # (None unless a subclass sets it)
-    for s in states if states and states[1:] and pick is not None else ():
-        if (obj := s.obj()) is not None and pick(s.mapper, obj) is conn:
+    the one it writes through ``conn``. Else the first: a Dog taken for a Cat is compared
+    (loud), a Cat for a Dog not (a stale write, silent)."""
+    for s in states if states and states[1:] else ():
+        if (obj := s.obj()) is not None and _sent_through(conn, session, obj):
             return obj
     return states[0].obj() if states else None
+
+
+def _sent_through(conn: Connection, session: Any, obj: Any) -> bool:
+    """Whether the flush writes ``obj``'s rows through ``conn``: always, unless the session
+    routes objects to connections of its own (a ShardedSession's ``connection_callable``)."""
+    pick: Any = getattr(session, "connection_callable", None)
+    return pick is None or pick(instance_state(obj).mapper, obj) is conn
 
 
 def _written_table(elem: Any) -> Any:
@@ -879,7 +885,8 @@ def _before_unfenced_table(
         elif covered and not elem.is_insert and not state.in_flush(elem, options, covered):
             _fence_rows_first(conn, elem, table, covered, params)
         elif covered and elem.is_update and covered.bump is not None:  # the flush's UPDATE
-            flagged = {instance_state(obj).identity for obj in state.bumped}
+            session, mine = state.session(), state.bumped  # (a shard's: the objects it writes)
+            flagged = {instance_state(o).identity for o in mine if _sent_through(conn, session, o)}
             _fence_rows_first(conn, elem, table, covered, params, flagged)
         for fenced_rows, rows in owned if lease is not None else ():
             _fence_rows_first(conn, elem, table, fenced_rows, rows)

@@ -1000,6 +1000,42 @@ def sharded_obj(obj: Any, shard: str) -> Any:
     return obj
 
 
+def refused_if_stale_in_shards(
+    fencer: sa_fence.Fencer,
+    sharded: sessionmaker[Session],
+    engine: sa.Engine,
+    stale: bool,
+    *,
+    newer: Callable[[Session], Any],
+    change: Callable[[Session], Any],
+    table: str,
+    moved: str,
+) -> None:
+    """A commits ``change`` (moving one object into a collection of its shard), refused by the
+    fence of ``table`` when B, of another name and granted after A, first wrote ``newer``.
+    ``moved`` reads the moved object's foreign key and fence: unchanged when refused, else
+    moved and fenced with A's token."""
+    a = fencer.acquire("a", 30)
+    b = fencer.acquire("b", 30) if stale else None
+    if b is not None:
+        with sharded() as session:
+            b.bind(session)
+            newer(session)
+            session.commit()
+    with sharded() as session:
+        a.bind(session)
+        change(session)
+        if b is not None:
+            with pytest.raises(sa_fence.StaleTokenError) as refused:
+                session.commit()
+            assert (refused.value.table, refused.value.current_fences) == (table, (b.token,))
+        else:
+            session.commit()
+    with engine.connect() as conn:
+        row = tuple(conn.execute(sa.text(moved)).one())
+    assert row == ((None, b.token) if b is not None else (1, a.token))
+
+
 @pytest.mark.parametrize("dog_last", [True, False], ids=["dog moved last", "dog moved first"])
 @pytest.mark.parametrize("stale", [True, False], ids=["stale holder", "current holder"])
 def test_a_shared_base_row_is_compared_by_the_object_in_its_own_shard(
@@ -1022,15 +1058,8 @@ def test_a_shared_base_row_is_compared_by_the_object_in_its_own_shard(
         sharded_obj(Cat(id=1, name="cat"), "shard_b"),
         *(sharded_obj(Kennel(id=1), shard) for shard in SHARDS),
     )
-    a = fencer.acquire("a", 30)
-    if stale:  # a newer holder of another name writes the Dog
-        b = fencer.acquire("b", 30)
-        with sharded() as session:
-            b.bind(session)
-            in_shard(session, Dog, 1, "shard_a").bark = "B"
-            session.commit()
-    with sharded() as session:
-        a.bind(session)
+
+    def move(session: Session) -> None:
         dog, cat = in_shard(session, Dog, 1, "shard_a"), in_shard(session, Cat, 1, "shard_b")
         moves = [
             (in_shard(session, Kennel, 1, s), animal)
@@ -1040,17 +1069,17 @@ def test_a_shared_base_row_is_compared_by_the_object_in_its_own_shard(
             assert kennel.animals == []  # loaded now: no autoflush between the moves
         for kennel, animal in reversed(moves) if dog_last else moves:
             kennel.animals.append(animal)
-        if stale:
-            with pytest.raises(sa_fence.StaleTokenError) as refused:
-                session.commit()
-            assert (refused.value.table, refused.value.current_fences) == ("dogs", (b.token,))
-        else:
-            session.commit()
-    sql = "SELECT a.kennel_id, d.fence FROM shard_a.animals a JOIN shard_a.dogs d USING (id)"
-    with scope_engine.connect() as conn:
-        assert tuple(conn.execute(sa.text(sql)).one()) == (
-            (None, b.token) if stale else (1, a.token)
-        )
+
+    refused_if_stale_in_shards(
+        fencer,
+        sharded,
+        scope_engine,
+        stale,
+        newer=lambda s: setattr(in_shard(s, Dog, 1, "shard_a"), "bark", "B"),
+        change=move,
+        table="dogs",
+        moved="SELECT a.kennel_id, d.fence FROM shard_a.animals a JOIN shard_a.dogs d USING (id)",
+    )
 
 
 @pytest.mark.parametrize("changed_shard", SHARDS)
@@ -1073,3 +1102,41 @@ def test_a_flushed_object_is_shown_the_token_in_its_own_shard_only(
         assert untouched in session.dirty
         session.flush()
         assert (changed.fence, untouched.fence) == (lease.token, seeded)
+
+
+@pytest.mark.parametrize("stale", [True, False], ids=["stale holder", "current holder"])
+def test_a_joined_row_is_compared_unless_its_own_shards_object_was_flagged(
+    fencer: sa_fence.Fencer,
+    sharded: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    stale: bool,
+) -> None:
+    """Report 5 in both shards: shard A's changed (the flush flags its fence and compares its
+    docs row itself), shard B's added to a folder (its reports row written, its fence not
+    flagged). Shard B's row is compared first: the flagged Report of shard A does not stand
+    for it."""
+    seed_shards(
+        fencer,
+        sharded,
+        *(sharded_obj(Report(id=5, title="initial", summary="initial"), s) for s in SHARDS),
+        sharded_obj(Folder(id=1), "shard_b"),
+    )
+
+    def change_and_move(session: Session) -> None:
+        folder = in_shard(session, Folder, 1, "shard_b")
+        moved = in_shard(session, Report, 5, "shard_b")
+        changed = in_shard(session, Report, 5, "shard_a")
+        assert folder.reports == []  # all loaded now: no autoflush between the changes
+        changed.summary = "A"
+        folder.reports.append(moved)
+
+    refused_if_stale_in_shards(
+        fencer,
+        sharded,
+        scope_engine,
+        stale,
+        newer=lambda s: setattr(in_shard(s, Report, 5, "shard_b"), "summary", "B"),
+        change=change_and_move,
+        table="docs",
+        moved="SELECT r.folder_id, d.fence FROM shard_b.reports r JOIN shard_b.docs d USING (id)",
+    )
