@@ -33,6 +33,7 @@ from sqlalchemy.orm import (
 from sqlalchemy.orm.attributes import flag_modified
 
 import sa_fence
+from sa_fence.testing import expire
 from tests import _scope_fixtures
 from tests._fresh_db import fresh_database
 
@@ -1140,3 +1141,26 @@ def test_a_joined_row_is_compared_unless_its_own_shards_object_was_flagged(
         table="docs",
         moved="SELECT r.folder_id, d.fence FROM shard_b.reports r JOIN shard_b.docs d USING (id)",
     )
+
+
+def test_a_stale_holders_writes_in_every_shard_of_the_registers_database_are_refused_at_commit(
+    fencer: sa_fence.Fencer, sharded: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """Lease scope in a ShardedSession: each shard's connection is armed, so A's transaction,
+    whose name was granted to B since, commits in no shard (both tables here are unfenced:
+    only lease scope refuses)."""
+    a = fencer.acquire("job", 5)
+    with sharded() as session:
+        a.bind(session)
+        assert expire(a)
+        b = fencer.acquire("job", 5)
+        session.add_all(
+            [sharded_obj(Kennel(id=7), "shard_a"), sharded_obj(Folder(id=7), "shard_b")]
+        )
+        with pytest.raises(sa_fence.StaleTokenError) as refused:
+            session.commit()
+    assert (refused.value.statement, refused.value.newest_token) == ("COMMIT", b.token)
+    sql = "SELECT (SELECT count(*) FROM shard_a.kennels) + (SELECT count(*) FROM shard_b.folders)"
+    with scope_engine.connect() as conn:
+        assert conn.execute(sa.text(sql)).scalar_one() == 0
+    b.release()
