@@ -13,6 +13,7 @@ is removed.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -955,15 +956,23 @@ async def test_an_async_flush_shows_the_token_without_an_await(
         assert conn.execute(sa.text("SELECT fence FROM dogs")).scalar_one() == lease.token
 
 
-@pytest.fixture
-def sharded(scope_engine: sa.Engine) -> Iterator[sessionmaker[Session]]:
-    """A ShardedSession over two shards that are schemas of the module's database (the same
-    tables, the same primary keys): its objects carry the shard as their identity token."""
-    engines = {s: scope_engine.execution_options(schema_translate_map={None: s}) for s in SHARDS}
-    with scope_engine.begin() as conn:
-        for shard in SHARDS:
-            conn.execute(sa.text(f"CREATE SCHEMA {shard}"))
-    try:
+@pytest.fixture(params=["schemas"])
+def sharded(
+    request: pytest.FixtureRequest, scope_engine: sa.Engine
+) -> Iterator[sessionmaker[Session]]:
+    """A ShardedSession over two shards, schemas of the module's database (the same tables, the
+    same primary keys; its objects carry the shard as their identity token); with the param
+    "databases", shard B's schema is in a database of its own, outside lease scope."""
+    with contextlib.ExitStack() as stack:
+        across = request.param == "databases"
+        hosts = {"shard_a": scope_engine, "shard_b": scope_engine}
+        if across:
+            hosts["shard_b"] = stack.enter_context(fresh_database("shard_b"))
+        for shard, host in hosts.items():
+            with host.begin() as conn:
+                conn.execute(sa.text(f"CREATE SCHEMA {shard}"))
+            stack.callback(_drop_schema, host, shard)
+        engines = {s: e.execution_options(schema_translate_map={None: s}) for s, e in hosts.items()}
         for engine in engines.values():
             ShapesBase.metadata.create_all(engine)
         yield sa_fence.install(
@@ -975,9 +984,11 @@ def sharded(scope_engine: sa.Engine) -> Iterator[sessionmaker[Session]]:
                 execute_chooser=lambda context: list(SHARDS),
             )
         )
-    finally:
-        with scope_engine.begin() as conn:
-            conn.execute(sa.text(f"DROP SCHEMA {', '.join(SHARDS)} CASCADE"))
+
+
+def _drop_schema(engine: sa.Engine, schema: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
 
 
 SHARDS = ("shard_a", "shard_b")
@@ -1037,6 +1048,7 @@ def refused_if_stale_in_shards(
     assert row == ((None, b.token) if b is not None else (1, a.token))
 
 
+@pytest.mark.parametrize("sharded", ["schemas", "databases"], indirect=True)
 @pytest.mark.parametrize("dog_last", [True, False], ids=["dog moved last", "dog moved first"])
 @pytest.mark.parametrize("stale", [True, False], ids=["stale holder", "current holder"])
 def test_a_shared_base_row_is_compared_by_the_object_in_its_own_shard(
@@ -1046,7 +1058,8 @@ def test_a_shared_base_row_is_compared_by_the_object_in_its_own_shard(
     dog_last: bool,
     stale: bool,
 ) -> None:
-    """Shard A holds Dog 1, shard B Cat 1: one primary key under two identity tokens. Moving
+    """Shard A holds Dog 1, shard B Cat 1: one primary key under two identity tokens (shard B
+    in the same database or in another, outside lease scope: the row fence alone). Moving
     both into a kennel writes ``animals`` row 1 in each shard; each statement's row is matched
     with the object the flush sends through that statement's connection. The Dog's is compared
     with dogs.fence (a stale holder refused), the Cat's is not (a current holder commits; it was
