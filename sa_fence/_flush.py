@@ -842,8 +842,8 @@ def _flush_objects(conn: Connection, state: SessionState, cls: type, keys: list[
 
 def _written_through(conn: Connection, session: Any, states: list[Any] | None) -> Any:
     """Of the flush's objects of one key under several identity tokens (a ShardedSession's),
-    the one it writes through ``conn``. Else the first: a Dog taken for a Cat is compared
-    (loud), a Cat for a Dog not (a stale write, silent)."""
+    the one it writes through ``conn`` (a Cat taken for the Dog would leave the Dog's row
+    uncompared); the first if none is (a session routing objects some other way)."""
     for s in states if states and states[1:] else ():
         if (obj := s.obj()) is not None and _sent_through(conn, session, obj):
             return obj
