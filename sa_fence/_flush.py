@@ -835,8 +835,8 @@ def _flush_objects(conn: Connection, state: SessionState, cls: type, keys: list[
         mine: dict[Any, list[InstanceState[Any]]] = {}  # (by key without its identity token)
         for s in flush.states:
             mine.setdefault(s.key and s.key[:2], []).append(s)
-        through = [_written_through(conn, session, mine.get((cls, k))) for k in keys]
-        found = [t if o is None else o for o, t in zip(found, through, strict=True)]
+        for i in [i for i, o in enumerate(found) if o is None]:  # (it may ask for a connection)
+            found[i] = _written_through(conn, session, mine.get((cls, keys[i])))
     return found
 
 
