@@ -262,12 +262,19 @@ AFTER INSERT ON @sa_fence_schema@.sa_fence_scope
 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
 EXECUTE FUNCTION @sa_fence_schema@.sa_fence_scope_check()"""
 
+# ALWAYS, or a session in replica mode (session_replication_role) commits unchecked; no
+# replication applies rows to an UNLOGGED table.  Sent only to a trigger not ALWAYS (or
+# disabled) yet, as ALTER TABLE waits for every armed transaction under way.
+_SCOPE_TRIGGER_ALWAYS = (
+    "ALTER TABLE @sa_fence_schema@.sa_fence_scope ENABLE ALWAYS TRIGGER sa_fence_scope_check"
+)
+
 # The schema is the register's or (unqualified) current_schema(), resolved once
 # inside PostgreSQL and written quoted into every statement.  One plain
 # statement, so Alembic's offline (--sql) mode can emit it too.
 _DO_BLOCK = """\
 DO $sa_fence_do$
-DECLARE s text := coalesce({schema}, pg_catalog.current_schema());
+DECLARE s text := coalesce({schema}, pg_catalog.current_schema()); e "char";
 BEGIN
 {run}
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
@@ -276,12 +283,10 @@ BEGIN
                   AND attname = 'xact' AND NOT attisdropped) THEN
         {drop_xact}
     END IF;
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger
-                    WHERE tgrelid = pg_catalog.to_regclass(
-                          pg_catalog.quote_ident(s) || '.sa_fence_scope')
-                      AND tgname = 'sa_fence_scope_check') THEN
-        {trigger}
-    END IF;
+    SELECT tgenabled INTO e FROM pg_catalog.pg_trigger WHERE tgname = 'sa_fence_scope_check'
+       AND tgrelid = pg_catalog.to_regclass(pg_catalog.quote_ident(s) || '.sa_fence_scope');
+    IF e IS NULL THEN {trigger} END IF;
+    IF e IS DISTINCT FROM 'A' THEN {always} END IF;
 END
 $sa_fence_do$"""
 
@@ -303,6 +308,7 @@ def check_function_sql(register: Register) -> str:
         # the first scope table's indexed xact column, which the clean-up no longer reads
         drop_xact=_execute("ALTER TABLE @sa_fence_schema@.sa_fence_scope DROP COLUMN xact"),
         trigger=_execute(_SCOPE_TRIGGER),
+        always=_execute(_SCOPE_TRIGGER_ALWAYS),
     )
 
 
@@ -425,14 +431,16 @@ def scope_trigger_problem(conn: Any, register: Register) -> str | None:
         return f"the lease scope table {row.scope} is missing, {why}. {fix}"
     if not row.has_trigger:
         return f"{trigger} is missing, {why}. {fix}"
+    always = f"Fix: ALTER TABLE {row.scope} ENABLE ALWAYS TRIGGER {SCOPE_TRIGGER}; or {fix}"
     if row.enabled == "D":
-        return (
-            f"{trigger} is disabled, {why}. "
-            f"Fix: ALTER TABLE {row.scope} ENABLE TRIGGER {SCOPE_TRIGGER};"
-        )
+        return f"{trigger} is disabled, {why}. {always}"
     if not (row.deferrable and row.deferred):
         return (
             f"{trigger} is not DEFERRABLE INITIALLY DEFERRED, so it would check at the first "
             f"write, not at COMMIT. Fix: DROP TRIGGER {SCOPE_TRIGGER} ON {row.scope}; then {fix}"
         )
-    return None
+    mode = {"O": "origin or local", "R": "replica"}.get(row.enabled)
+    return mode and (
+        f"{trigger} fires only while session_replication_role is {mode}, so a COMMIT "
+        f"of a session in another mode would not be checked against the register. {always}"
+    )

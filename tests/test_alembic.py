@@ -111,12 +111,12 @@ def schema_state(engine: sa.Engine) -> dict[str, Any]:
                 )
             ).scalar(),
             # the commit check function, and the scope table's trigger that
-            # PostgreSQL runs at COMMIT
+            # PostgreSQL runs at COMMIT, in every session_replication_role
             "check_function": conn.execute(
                 sa.text(
                     "SELECT to_regprocedure('sa_fence_check_lease(text, bigint)') IS NOT NULL "
                     "AND EXISTS (SELECT 1 FROM pg_trigger "
-                    "WHERE tgname = 'sa_fence_scope_check' "
+                    "WHERE tgname = 'sa_fence_scope_check' AND tgenabled = 'A' "
                     "AND tgrelid = to_regclass('public.sa_fence_scope'))"
                 )
             ).scalar_one(),
@@ -398,13 +398,17 @@ def test_autogenerate_recreates_a_missing_check_function_and_its_downgrade_keeps
     [
         "DROP TABLE sa_fence_scope",
         "DROP TRIGGER sa_fence_scope_check ON sa_fence_scope",
+        "ALTER TABLE sa_fence_scope DISABLE TRIGGER sa_fence_scope_check",
+        # a database made before the trigger fired in replica mode too
+        "ALTER TABLE sa_fence_scope ENABLE TRIGGER sa_fence_scope_check",
     ],
 )
 def test_autogenerate_recreates_a_missing_scope_trigger_and_keeps_the_register(
     db: sa.Engine, project: Path, drop: str
 ) -> None:
     """A database migrated before PostgreSQL held lease scope at COMMIT (or one
-    whose scope trigger was dropped): autogenerate writes the idempotent op."""
+    whose scope trigger was dropped, disabled, or enabled for origin sessions only):
+    autogenerate writes the idempotent op, which brings the trigger back, ALWAYS."""
     Base.metadata.create_all(db)
     with db.begin() as conn:
         for table in ("jobs", "cells"):

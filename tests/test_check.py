@@ -349,8 +349,19 @@ def test_check_names_a_missing_commit_check_function(
             "the lease scope trigger sa_fence_scope_check on public.sa_fence_scope is not "
             "DEFERRABLE INITIALLY DEFERRED, so it would check at the first write, not at COMMIT",
         ),
+        (
+            "ALTER TABLE sa_fence_scope ENABLE TRIGGER sa_fence_scope_check",
+            "the lease scope trigger sa_fence_scope_check on public.sa_fence_scope fires only "
+            "while session_replication_role is origin or local, so a COMMIT of a session in "
+            "another mode would not be checked against the register. Fix: ALTER TABLE "
+            "public.sa_fence_scope ENABLE ALWAYS TRIGGER sa_fence_scope_check;",
+        ),
+        (
+            "ALTER TABLE sa_fence_scope ENABLE REPLICA TRIGGER sa_fence_scope_check",
+            "fires only while session_replication_role is replica,",
+        ),
     ],
-    ids=["table", "trigger", "not deferred"],
+    ids=["table", "trigger", "not deferred", "origin only", "replica only"],
 )
 def test_check_names_a_missing_scope_table_or_trigger_with_the_fix(
     migrated: sa.Engine, capsys: pytest.CaptureFixture[str], broken: str, said: str
@@ -373,8 +384,8 @@ def test_check_names_a_disabled_scope_trigger_with_the_fix(
     assert (
         "the lease scope trigger sa_fence_scope_check on public.sa_fence_scope is disabled" in out
     )
-    assert "ALTER TABLE public.sa_fence_scope ENABLE TRIGGER sa_fence_scope_check;" in out
-    execute(migrated, "ALTER TABLE sa_fence_scope ENABLE TRIGGER sa_fence_scope_check")
+    assert "ALTER TABLE public.sa_fence_scope ENABLE ALWAYS TRIGGER sa_fence_scope_check;" in out
+    execute(migrated, "ALTER TABLE sa_fence_scope ENABLE ALWAYS TRIGGER sa_fence_scope_check")
     status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
     assert status == 0, out
 

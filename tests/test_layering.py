@@ -162,8 +162,10 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: identity tokens (a ShardedSession's shards in schemas of one database), a row of a
 #: shared base table is matched with the object the flush writes through that statement's
 #: connection (a Cat taken for a Dog let a stale write of the Dog's row through), and an
-#: object the flush flagged stands only for its own shard's joined rows.
-CORE_LINES_AT_MOST = 9220
+#: object the flush flagged stands only for its own shard's joined rows.  Then by 8 for a
+#: hole: the scope trigger is ENABLE ALWAYS (created so, and made so by the register's op),
+#: as a session in session_replication_role = replica committed unchecked.
+CORE_LINES_AT_MOST = 9228
 
 
 def test_the_core_stays_within_its_line_budget() -> None:

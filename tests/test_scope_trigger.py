@@ -546,7 +546,7 @@ def test_without_the_trigger_a_raw_commit_of_a_stale_holder_goes_through(
     with scope_engine.begin() as conn:
         conn.execute(sa.text("ALTER TABLE sa_fence_scope DISABLE TRIGGER sa_fence_scope_check"))
     try:
-        with pytest.raises(sa_fence.FencingConfigError, match=r"disabled.*ENABLE TRIGGER"):
+        with pytest.raises(sa_fence.FencingConfigError, match=r"disabled.*ENABLE ALWAYS TRIGGER"):
             fencer.check()
         with make_session() as session:
             a.bind(session)
@@ -556,7 +556,91 @@ def test_without_the_trigger_a_raw_commit_of_a_stale_holder_goes_through(
         assert outbox(scope_engine) == ["stale"]  # the bad outcome the trigger prevents
     finally:
         with scope_engine.begin() as conn:
-            conn.execute(sa.text("ALTER TABLE sa_fence_scope ENABLE TRIGGER sa_fence_scope_check"))
+            conn.execute(
+                sa.text("ALTER TABLE sa_fence_scope ENABLE ALWAYS TRIGGER sa_fence_scope_check")
+            )
+    b.release()
+
+
+def _trigger_fires(engine: sa.Engine) -> str:
+    """``pg_trigger.tgenabled`` of the scope trigger: A always, O origin and local, D never."""
+    with engine.connect() as conn:
+        return str(
+            conn.execute(
+                sa.text(
+                    "SELECT tgenabled FROM pg_trigger "
+                    "WHERE tgname = 'sa_fence_scope_check' AND NOT tgisinternal"
+                )
+            ).scalar_one()
+        )
+
+
+@contextlib.contextmanager
+def replica_sessions(engine: sa.Engine) -> Iterator[sessionmaker[Session]]:
+    """Sessions whose connections run with ``session_replication_role = replica`` from
+    the start (a superuser's bulk load skipping foreign keys and triggers), so their
+    arms are written in replica mode."""
+    replica = sa.create_engine(
+        engine.url,
+        poolclass=sa.pool.NullPool,
+        connect_args={"options": "-c session_replication_role=replica"},
+    )
+    try:
+        yield sa_fence.install(sessionmaker(replica))
+    finally:
+        replica.dispose()
+
+
+@pytest.mark.parametrize("holder", ["stale", "current"])
+def test_a_session_in_replica_mode_is_still_checked_at_commit(
+    holder: str, fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    """Replica mode switches off every trigger not marked ALWAYS: the scope trigger is,
+    so a stale holder still commits nothing and the current holder commits."""
+    assert _trigger_fires(scope_engine) == "A"
+    before = _arms_left(scope_engine)
+    a, b = stale_pair(fencer)
+    lease = a if holder == "stale" else b
+    with replica_sessions(scope_engine) as make_replica, make_replica() as session:
+        lease.bind(session)
+        assert session.execute(sa.text("SHOW session_replication_role")).scalar() == "replica"
+        session.add(Outbox(id=1, message=holder))
+        if holder == "stale":
+            with pytest.raises(sa_fence.StaleTokenError, match="is stale"):
+                session.commit()
+        else:
+            session.commit()
+    assert outbox(scope_engine) == ([] if holder == "stale" else ["current"])
+    assert _arms_left(scope_engine) == before  # the trigger ran, and cleaned up after itself
+    b.release()
+
+
+def test_without_always_a_stale_holder_in_replica_mode_commits(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    """Guard-removal pair: the trigger enabled the default way (ENABLE TRIGGER: it fires
+    in origin mode only), replica mode skips it and a stale holder's row commits;
+    Fencer.check() reports it with the fix, and the register's op repairs it."""
+    a, b = stale_pair(fencer)
+    with scope_engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE sa_fence_scope ENABLE TRIGGER sa_fence_scope_check"))
+    try:
+        with pytest.raises(
+            sa_fence.FencingConfigError, match=r"session_replication_role.*ENABLE ALWAYS TRIGGER"
+        ):
+            fencer.check()
+        with replica_sessions(scope_engine) as make_replica, make_replica() as session:
+            a.bind(session)
+            session.add(Outbox(id=1, message="stale"))
+            session.commit()
+        assert outbox(scope_engine) == ["stale"]  # the bad outcome ALWAYS prevents
+    finally:
+        with scope_engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM sa_fence_scope WHERE name = :n"), {"n": a.name})
+            for statement in _register.create_register_sql("sa_fence_token_seq"):
+                conn.execute(sa.text(statement))  # the op marks the trigger ALWAYS again
+    assert _trigger_fires(scope_engine) == "A"
+    fencer.check()
     b.release()
 
 
