@@ -262,9 +262,8 @@ AFTER INSERT ON @sa_fence_schema@.sa_fence_scope
 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
 EXECUTE FUNCTION @sa_fence_schema@.sa_fence_scope_check()"""
 
-# ALWAYS, or a session in replica mode (session_replication_role) commits unchecked; no
-# replication applies rows to an UNLOGGED table.  Sent only to a trigger not ALWAYS (or
-# disabled) yet, as ALTER TABLE waits for every armed transaction under way.
+# ALWAYS, or a session in replica mode commits unchecked (UNLOGGED: no replication applies
+# rows here).  Sent only when needed: ALTER TABLE waits for every armed transaction.
 _SCOPE_TRIGGER_ALWAYS = (
     "ALTER TABLE @sa_fence_schema@.sa_fence_scope ENABLE ALWAYS TRIGGER sa_fence_scope_check"
 )

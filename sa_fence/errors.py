@@ -116,10 +116,11 @@ class StaleTokenError(FenceError, StaleDataError):
         if table is None and newest_token is None:
             message = (
                 f"commit refused: lease {lease_name!r} (token {token}) is stale: the lease "
-                "register has no row for that name (pruned by sa-fence prune after the "
-                "lease ended, or never granted in this database), so no lease of it is "
-                "current. Nothing of this transaction was committed. Roll back; take the "
-                "lease again to write under it."
+                "register has no row for that name (pruned by sa-fence prune after the lease "
+                "ended, never granted in this database, or, under REPEATABLE READ or "
+                "SERIALIZABLE, granted after this transaction's snapshot: bind the lease before "
+                "its first statement). Nothing of this transaction was committed. Roll back; "
+                "take the lease again to write under it."
             )
         elif table is None:
             message = (

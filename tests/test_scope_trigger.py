@@ -993,6 +993,113 @@ def test_without_the_qualified_operators_a_shadow_operator_stands_in(
 
 
 @pytest.mark.slow
+# ------------------------------------------- REPEATABLE READ and SERIALIZABLE
+
+
+def _isolated(engine: sa.Engine, level: str) -> sessionmaker[Session]:
+    return sa_fence.install(sessionmaker(engine.execution_options(isolation_level=level)))
+
+
+def _serialization_failure(exc: BaseException) -> bool:
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) == "40001"
+
+
+@pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
+@pytest.mark.parametrize("granted", ["before the snapshot", "after the snapshot"])
+def test_under_snapshot_isolation_a_stale_holder_commits_nothing(
+    level: str, granted: str, fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    """The check reads the register in the transaction's snapshot, taken by the arm: a
+    newer grant it can see refuses it as stale; one committed after the snapshot makes
+    its share lock fail with a serialization failure (docs/statements.md). Either way,
+    nothing commits."""
+    name = f"job:{uuid.uuid4().hex[:8]}"
+    a = fencer.acquire(name, 5)
+    b = None
+    if granted == "before the snapshot":
+        assert expire(a)
+        b = fencer.acquire(name, 5)
+    with _isolated(scope_engine, level)() as session:
+        a.bind(session)
+        session.add(Outbox(id=1, message="stale"))
+        session.flush()  # BEGIN + arm: the snapshot
+        if b is None:
+            assert expire(a)
+            b = fencer.acquire(name, 5)
+        with pytest.raises((sa_fence.StaleTokenError, sa.exc.OperationalError)) as refused:
+            session.commit()
+    if granted == "before the snapshot":
+        assert isinstance(refused.value, sa_fence.StaleTokenError)
+    else:
+        assert _serialization_failure(refused.value), refused.value
+    assert outbox(scope_engine) == []
+    b.release()
+
+
+@pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_under_snapshot_isolation_the_current_holder_commits(
+    level: str, fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    name = f"job:{uuid.uuid4().hex[:8]}"
+    with fencer.lease(name, 5) as lease, _isolated(scope_engine, level)() as session:
+        lease.bind(session)
+        session.add(Outbox(id=1, message="current"))
+        session.commit()
+        session.add(Outbox(id=2, message="again"))
+        session.commit()
+    assert outbox(scope_engine) == ["current", "again"]
+
+
+@pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_under_snapshot_isolation_a_lease_granted_inside_the_transaction_cannot_commit_it(
+    level: str, fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    """Documented (docs/statements.md): the snapshot predates the grant, so the register
+    shows no token (a new name) or an older one; acquire and bind first."""
+    with _isolated(scope_engine, level)() as session:
+        session.execute(sa.text("SELECT 1"))  # the snapshot
+        with fencer.lease(f"job:{uuid.uuid4().hex[:8]}", 5) as lease:
+            lease.bind(session)
+            session.add(Outbox(id=1, message="late"))
+            with pytest.raises(
+                sa_fence.StaleTokenError,
+                match=r"(?s)no row.*granted after this transaction's snapshot",
+            ):
+                session.commit()
+    assert outbox(scope_engine) == []
+
+
+def test_without_the_share_lock_a_stale_holder_commits_under_repeatable_read(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    """Guard-removal pair: a check that reads the register without FOR SHARE sees, in a
+    snapshot taken before the newer grant, its own token as the newest, and commits."""
+    unlocked = _register._SCOPE_FUNCTION.format(
+        body=_register._CHECK_BODY.format(sqlstate="SF003").replace(" FOR SHARE;", ";")
+    )
+    assert unlocked != _register._SCOPE_FUNCTION.format(
+        body=_register._CHECK_BODY.format(sqlstate="SF003")
+    )
+    with scope_engine.begin() as conn:
+        conn.execute(sa.text(unlocked.replace("@sa_fence_schema@", "public")))
+    try:
+        name = f"job:{uuid.uuid4().hex[:8]}"
+        a = fencer.acquire(name, 5)
+        with _isolated(scope_engine, "REPEATABLE READ")() as session:
+            a.bind(session)
+            session.add(Outbox(id=1, message="stale"))
+            session.flush()
+            assert expire(a)
+            b = fencer.acquire(name, 5)
+            session.commit()
+        assert outbox(scope_engine) == ["stale"]  # the bad outcome the share lock prevents
+    finally:
+        with scope_engine.begin() as conn:
+            for statement in _register.create_register_sql("sa_fence_token_seq"):
+                conn.execute(sa.text(statement))
+    b.release()
+
+
 def test_prepare_transaction_is_checked_and_commit_prepared_commits_only_the_current_holders(
     redis_client: redis.Redis, key_prefix: str
 ) -> None:
