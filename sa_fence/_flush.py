@@ -558,7 +558,8 @@ def _arm_inserts(arms: Arms) -> tuple[bytes, ...]:
 def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> None:
     """Without the BEGIN hook: re-arm, first, a transaction begun after a COMMIT sent as SQL."""
     driver: Any = conn.connection.driver_connection  # (psycopg 3: check_dialect)
-    if not driver.autocommit and driver.info.transaction_status == _IDLE:
+    _refuse_armed_autocommit(driver.autocommit)  # (set on the driver since the bind)
+    if driver.info.transaction_status == _IDLE:
         if driver.read_only:  # (set since the arm was due, as the BEGIN hook checks)
             raise _read_only_error()
         _send_arms(conn, scope)
@@ -606,7 +607,7 @@ _IDLE = TransactionStatus.IDLE
 
 def _start_query_armed(self: Any) -> Any:
     """psycopg's ``_start_query`` (run before every statement) with the arm in BEGIN."""
-    if self._autocommit or self.pgconn.transaction_status != _IDLE:
+    if self.pgconn.transaction_status != _IDLE:
         return None  # as psycopg's step; in a transaction: armed when it began
     attrs = self.__dict__  # (`in` and [], not get(): no calls)
     arms: Arms | None = attrs[_ARMS] if _ARMS in attrs else None  # noqa: SIM401
@@ -616,6 +617,8 @@ def _start_query_armed(self: Any) -> Any:
         if conn is None or _SCOPE not in conn.__dict__:  # its lease scope has ended
             attrs.pop(_ARMS, None)
             arms = None
+    if self._autocommit:  # (as psycopg's step: no BEGIN)
+        return _refuse_armed_autocommit(bool(arms))
     if not arms:
         return (yield from type(self)._start_query(self))
     if self._read_only:  # (the read_only property's own attribute)
@@ -1552,13 +1555,19 @@ def _refuse_unscoped(session: Session, conn: Connection) -> None:
 
 def _refuse_autocommit(conn: Connection) -> None:
     """Lease scope needs a transaction to check at COMMIT: refuse autocommit connections."""
-    driver = _driver(conn)
-    if getattr(driver, "autocommit", False):
+    _refuse_armed_autocommit(getattr(_driver(conn), "autocommit", False))
+
+
+def _refuse_armed_autocommit(in_scope: bool) -> None:
+    """Refuse autocommit in lease scope: at the bind, or set on the driver since (no BEGIN)."""
+    if in_scope:
         raise FencingConfigError(
             "this connection is in AUTOCOMMIT mode: every statement commits on its own, so "
             "the lease could not be checked before its writes commit (lease-scoped "
             "fencing). Fence a connection in a transaction (the default isolation "
-            "level; conn.begin() or commit-as-you-go). Nothing was sent."
+            "level; conn.begin() or commit-as-you-go), and run what needs autocommit "
+            "(VACUUM, CREATE INDEX CONCURRENTLY) on a connection with no lease bound, not "
+            "by setting the driver's autocommit. Nothing was sent."
         )
 
 

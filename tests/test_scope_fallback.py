@@ -31,6 +31,7 @@ from tests.test_scope_trigger import (
     outbox,
     test_the_arm_travels_in_psycopgs_begin_message,
     test_without_the_arm_a_raw_commit_of_a_stale_holder_goes_through,
+    test_without_the_refusal_a_stale_holder_set_to_autocommit_commits,
 )
 
 _empty_tables = _scope_fixtures.empty_tables  # (autouse, and private: not in the star)
@@ -38,6 +39,10 @@ _empty_tables = _scope_fixtures.empty_tables  # (autouse, and private: not in th
 # They pin the hook itself: the fallback versions are below.
 del test_the_arm_travels_in_psycopgs_begin_message
 del test_without_the_arm_a_raw_commit_of_a_stale_holder_goes_through
+# Without the hook, each arm is a statement of its own: in autocommit it commits at once,
+# checked, before the write it precedes, so a stale holder's arm fails there; the pair
+# shows the hole of the hook, whose BEGIN carries the arm and autocommit sends none.
+del test_without_the_refusal_a_stale_holder_set_to_autocommit_commits
 
 
 @pytest.fixture(autouse=True)

@@ -534,6 +534,97 @@ def test_a_connection_made_read_only_after_the_arm_is_refused_before_anything_is
     a.release()
 
 
+@contextlib.contextmanager
+def _autocommit(driver: Any) -> Iterator[None]:
+    """``driver`` (a psycopg connection, idle) in autocommit inside the block; as it was
+    afterwards, whatever happened, so the pool's next user does not inherit it."""
+    driver.autocommit = True
+    try:
+        yield
+    finally:
+        driver.autocommit = False
+
+
+@contextlib.contextmanager
+def _autocommit_after_the_bind(session: Session, when: str) -> Iterator[None]:
+    """The driver of bound ``session``'s connection set to autocommit (before the
+    transaction's first statement, or after a commit): the bind's check has passed, and
+    no BEGIN would carry the arm."""
+    if when == "after a commit":
+        session.add(Outbox(id=9, message="first"))
+        session.commit()
+    with _autocommit(session.connection().connection.driver_connection):  # (nothing sent)
+        yield
+
+
+@pytest.mark.parametrize("when", ["before the first statement", "after a commit"])
+@pytest.mark.parametrize("write", ["flush", "text()"])
+def test_a_driver_set_to_autocommit_after_the_bind_is_refused_before_anything_is_sent(
+    when: str,
+    write: str,
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+) -> None:
+    """Each statement would commit on its own, unchecked (a raw connection set to autocommit
+    to run VACUUM, say): refused, with the fix, even for the current holder."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        with _autocommit_after_the_bind(session, when):
+            if write == "flush":
+                session.add(Outbox(id=1, message="autocommitted"))
+            send = (
+                session.flush
+                if write == "flush"
+                else lambda: session.execute(
+                    sa.text("INSERT INTO outbox VALUES (1, 'autocommitted')")
+                )
+            )
+            with pytest.raises(
+                sa_fence.FencingConfigError, match=r"(?s)AUTOCOMMIT.*not by setting the driver's"
+            ):
+                send()
+        session.rollback()
+    assert outbox(scope_engine) == ([] if when != "after a commit" else ["first"])
+    a.release()
+
+
+def test_a_fenced_connection_whose_driver_is_set_to_autocommit_is_refused(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
+        conn.commit()  # (entering presented the token: a transaction)
+        with (
+            _autocommit(conn.connection.driver_connection),
+            pytest.raises(sa_fence.FencingConfigError, match="AUTOCOMMIT"),
+        ):
+            conn.execute(sa.insert(Outbox).values(id=1, message="autocommitted"))
+        conn.rollback()
+    assert outbox(scope_engine) == []
+    a.release()
+
+
+def test_without_the_refusal_a_stale_holder_set_to_autocommit_commits(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guard-removal pair: no BEGIN, so no arm; the row commits as the INSERT runs."""
+    monkeypatch.setattr(_flush, "_refuse_armed_autocommit", lambda armed: None)
+    a, b = stale_pair(fencer)
+    with make_session() as session:
+        a.bind(session)
+        with _autocommit_after_the_bind(session, "before the first statement"):
+            session.add(Outbox(id=1, message="stale"))
+            session.flush()
+        session.rollback()  # too late: it committed on its own
+    assert outbox(scope_engine) == ["stale"]
+    b.release()
+
+
 # ---------------------------------------------- the guards, and their pairs
 
 
@@ -1253,6 +1344,27 @@ async def test_async_a_stale_holder_commits_nothing_and_the_current_holder_commi
             await session.rollback()
         assert outbox(scope_engine) == ["current"]
         await b.release()
+
+
+async def test_async_a_driver_set_to_autocommit_after_the_bind_is_refused(
+    scope_engine: sa.Engine, key_prefix: str
+) -> None:
+    async with _async_scope(scope_engine, key_prefix) as (_aengine, _client, fencer, make):
+        a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        async with make() as session:
+            a.bind(session)
+            raw = await (await session.connection()).get_raw_connection()
+            driver: Any = raw.driver_connection
+            await driver.set_autocommit(True)
+            try:
+                session.add(Outbox(id=1, message="autocommitted"))
+                with pytest.raises(sa_fence.FencingConfigError, match="AUTOCOMMIT"):
+                    await session.flush()
+            finally:
+                await driver.set_autocommit(False)
+            await session.rollback()
+        assert outbox(scope_engine) == []
+        await a.release()
 
 
 async def test_async_a_cancelled_commit_never_hands_the_pool_a_broken_connection(
