@@ -528,6 +528,8 @@ def _arm(conn: Connection, lease: Lease) -> None:
         attrs[_ARMS] = _with_arm(attrs[_ARMS] if _ARMS in attrs else (), table, row)  # noqa: SIM401
         if _ARMED_START not in attrs:
             driver._start_query = types.MethodType(_start_query_armed, driver)
+            for method in ("transaction", "tpc_begin"):
+                setattr(driver, method, types.MethodType(_guarded_own_begin(method), driver))
         if driver.pgconn.transaction_status == _IDLE:
             return  # not begun: it travels in this transaction's BEGIN
     elif psycopg3 and not driver.autocommit and driver.info.transaction_status == _IDLE:
@@ -603,6 +605,30 @@ def _psycopg_begin_hook() -> bool:
 
 _PSYCOPG_BEGIN_HOOK = _psycopg_begin_hook()
 _IDLE = TransactionStatus.IDLE
+
+
+def _guarded_own_begin(method: str) -> Any:
+    """psycopg's ``transaction()`` or ``tpc_begin()``, refused where its own BEGIN would
+    begin a transaction in lease scope (inside one, transaction() is a savepoint: allowed)."""
+
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _refuse_own_begin(self, method)
+        return getattr(type(self), method)(self, *args, **kwargs)
+
+    return guarded
+
+
+def _refuse_own_begin(driver: Any, method: str) -> None:
+    owner = driver.__dict__.get(_ARMS_OWNER) if driver.__dict__.get(_ARMS) else None
+    conn = owner() if owner is not None else None  # (armed, and its scope goes on)
+    if conn is not None and _SCOPE in conn.__dict__ and driver.pgconn.transaction_status == _IDLE:
+        raise FencingConfigError(
+            f"psycopg's {method}() would begin this transaction with a BEGIN of its own, on "
+            "a connection in lease scope: no arm travels in it, so its COMMIT would not be "
+            "checked against the register. Begin through SQLAlchemy (the session or "
+            "Connection; psycopg's transaction() inside it is a savepoint, which is fine), "
+            "or use a connection with no lease bound. Nothing was sent."
+        )
 
 
 def _start_query_armed(self: Any) -> Any:
@@ -1555,7 +1581,8 @@ def _refuse_unscoped(session: Session, conn: Connection) -> None:
 
 def _refuse_autocommit(conn: Connection) -> None:
     """Lease scope needs a transaction to check at COMMIT: refuse autocommit connections."""
-    _refuse_armed_autocommit(getattr(_driver(conn), "autocommit", False))
+    if getattr(_driver(conn), "autocommit", False):  # (a call only to refuse)
+        _refuse_armed_autocommit(True)
 
 
 def _refuse_armed_autocommit(in_scope: bool) -> None:

@@ -166,7 +166,9 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: hole: the scope trigger is ENABLE ALWAYS (created so, and made so by the register's op),
 #: as a session in session_replication_role = replica committed unchecked.  Then by 9:
 #: a driver set to autocommit after the bind's check committed each statement unchecked.
-CORE_LINES_AT_MOST = 9237
+#: Then by 27: psycopg's own transaction() and tpc_begin() began a transaction in lease
+#: scope with a BEGIN no arm rode, so its COMMIT went unchecked.
+CORE_LINES_AT_MOST = 9264
 
 
 def test_the_core_stays_within_its_line_budget() -> None:

@@ -625,6 +625,80 @@ def test_without_the_refusal_a_stale_holder_set_to_autocommit_commits(
     b.release()
 
 
+@pytest.mark.parametrize("holder", ["stale", "current"])
+@pytest.mark.parametrize("begin", ["transaction", "tpc_begin"])
+def test_psycopgs_own_begin_in_lease_scope_is_refused_and_the_session_goes_on(
+    holder: str,
+    begin: str,
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+) -> None:
+    """psycopg's transaction() and tpc_begin() send a BEGIN of their own, which no arm
+    rides: refused before anything is sent, leaving psycopg's state as it was."""
+    a, b = stale_pair(fencer)
+    with make_session() as session:
+        (a if holder == "stale" else b).bind(session)
+        driver = session.connection().connection.driver_connection  # (nothing sent yet)
+        start = (
+            driver.transaction
+            if begin == "transaction"
+            else lambda: driver.tpc_begin(driver.xid(1, "sa-fence", "own"))
+        )
+        with pytest.raises(sa_fence.FencingConfigError, match=rf"psycopg's {begin}\(\)"):
+            start()
+        session.add(Outbox(id=1, message=holder))
+        if holder == "stale":
+            with pytest.raises(sa_fence.StaleTokenError):
+                session.commit()
+        else:
+            session.commit()
+    assert outbox(scope_engine) == ([] if holder == "stale" else ["current"])
+    b.release()
+
+
+@pytest.mark.parametrize("holder", ["stale", "current"])
+def test_psycopgs_transaction_inside_a_bound_transaction_is_a_savepoint_checked_at_commit(
+    holder: str,
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+) -> None:
+    a, b = stale_pair(fencer)
+    with make_session() as session:
+        (a if holder == "stale" else b).bind(session)
+        session.execute(sa.text("SELECT 1"))  # begun, armed
+        driver = session.connection().connection.driver_connection
+        with driver.transaction():
+            driver.execute("INSERT INTO outbox VALUES (1, %s)", (holder,))
+        if holder == "stale":
+            with pytest.raises(sa_fence.StaleTokenError):
+                session.commit()
+        else:
+            session.commit()
+    assert outbox(scope_engine) == ([] if holder == "stale" else ["current"])
+    b.release()
+
+
+def test_without_the_refusal_psycopgs_own_transaction_commits_a_stale_holders_row(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guard-removal pair: psycopg's BEGIN carries no arm, and its COMMIT is not checked."""
+    monkeypatch.setattr(_flush, "_refuse_own_begin", lambda driver, method: None)
+    a, b = stale_pair(fencer)
+    with make_session() as session:
+        a.bind(session)
+        driver = session.connection().connection.driver_connection
+        with driver.transaction():
+            driver.execute("INSERT INTO outbox VALUES (1, 'stale')")
+        session.rollback()  # too late: psycopg committed it
+    assert outbox(scope_engine) == ["stale"]
+    b.release()
+
+
 # ---------------------------------------------- the guards, and their pairs
 
 
@@ -1364,6 +1438,23 @@ async def test_async_a_driver_set_to_autocommit_after_the_bind_is_refused(
                 await driver.set_autocommit(False)
             await session.rollback()
         assert outbox(scope_engine) == []
+        await a.release()
+
+
+async def test_async_psycopgs_own_transaction_in_lease_scope_is_refused(
+    scope_engine: sa.Engine, key_prefix: str
+) -> None:
+    async with _async_scope(scope_engine, key_prefix) as (_aengine, _client, fencer, make):
+        a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        async with make() as session:
+            a.bind(session)
+            raw = await (await session.connection()).get_raw_connection()
+            driver: Any = raw.driver_connection
+            with pytest.raises(sa_fence.FencingConfigError, match=r"psycopg's transaction\(\)"):
+                driver.transaction()
+            session.add(Outbox(id=1, message="current"))
+            await session.commit()
+        assert outbox(scope_engine) == ["current"]
         await a.release()
 
 
