@@ -618,10 +618,25 @@ def _guarded_own_begin(method: str) -> Any:
     return guarded
 
 
+def _arms_between(driver: Any, conn: Connection | None) -> Arms | None:
+    """The arm of a BEGIN that ``driver`` sends for itself (raw driver use) while ``conn``,
+    the Connection that last armed it, is fenced but has no transaction of SQLAlchemy's
+    open: with its lease, if its register's database is this one; else None."""
+    state: SessionState | None = conn.__dict__.get(_ACTIVE) if conn is not None else None
+    lease = state.lease if state is not None else None
+    known = lease._scoped if lease is not None else None
+    if conn is None or lease is None or known is None or known[0] is not conn.engine:
+        return None  # (not fenced, or its register is in another database: outside scope)
+    if conn.closed or conn.invalidated or conn.connection.driver_connection is not driver:
+        return None  # (its DBAPI connection is not this one any more)
+    return _with_arm((), known[1], _arm_row(lease.name, lease.token))
+
+
 def _refuse_own_begin(driver: Any, method: str) -> None:
-    owner = driver.__dict__.get(_ARMS_OWNER) if driver.__dict__.get(_ARMS) else None
-    conn = owner() if owner is not None else None  # (armed, and its scope goes on)
-    if conn is not None and _SCOPE in conn.__dict__ and driver.pgconn.transaction_status == _IDLE:
+    attrs = driver.__dict__
+    owner = attrs[_ARMS_OWNER]() if _ARMS_OWNER in attrs else None
+    in_scope = bool(attrs.get(_ARMS)) and owner is not None and _SCOPE in owner.__dict__
+    if driver.pgconn.transaction_status == _IDLE and (in_scope or _arms_between(driver, owner)):
         raise FencingConfigError(
             f"psycopg's {method}() would begin this transaction with a BEGIN of its own, on "
             "a connection in lease scope: no arm travels in it, so its COMMIT would not be "
@@ -643,8 +658,12 @@ def _start_query_armed(self: Any) -> Any:
         if conn is None or _SCOPE not in conn.__dict__:  # its lease scope has ended
             attrs.pop(_ARMS, None)
             arms = None
+    if not arms and _ARMS_OWNER in attrs:  # a fenced Connection between its transactions?
+        conn = attrs[_ARMS_OWNER]()
+        if conn is not None and _ACTIVE in conn.__dict__ and conn.__dict__[_ACTIVE] is not None:
+            arms = _arms_between(self, conn)
     if self._autocommit:  # (as psycopg's step: no BEGIN)
-        return _refuse_armed_autocommit(bool(arms))
+        return _refuse_armed_autocommit(True) if arms else None
     if not arms:
         return (yield from type(self)._start_query(self))
     if self._read_only:  # (the read_only property's own attribute)

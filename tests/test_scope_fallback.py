@@ -29,10 +29,13 @@ from tests.test_scope_trigger import (
     _async_scope,
     _async_write_then_superseded_is_refused,
     outbox,
+    test_a_raw_begin_of_its_own_between_a_fenced_connections_transactions_is_refused,
+    test_a_raw_driver_transaction_between_a_fenced_connections_transactions_is_armed,
     test_async_psycopgs_own_transaction_in_lease_scope_is_refused,
     test_psycopgs_own_begin_in_lease_scope_is_refused_and_the_session_goes_on,
     test_the_arm_travels_in_psycopgs_begin_message,
     test_without_the_arm_a_raw_commit_of_a_stale_holder_goes_through,
+    test_without_the_arm_between_transactions_a_stale_raw_commit_goes_through,
     test_without_the_refusal_a_stale_holder_set_to_autocommit_commits,
     test_without_the_refusal_psycopgs_own_transaction_commits_a_stale_holders_row,
 )
@@ -47,7 +50,12 @@ del test_without_the_arm_a_raw_commit_of_a_stale_holder_goes_through
 # shows the hole of the hook, whose BEGIN carries the arm and autocommit sends none.
 del test_without_the_refusal_a_stale_holder_set_to_autocommit_commits
 # The refusal of psycopg's own BEGIN (transaction(), tpc_begin()) is installed with the
-# hook; without it, a transaction psycopg begins below SQLAlchemy is not armed (documented).
+# hook, and so is the arm of a raw driver statement between a fenced Connection's
+# transactions; without it, a transaction psycopg begins below SQLAlchemy is not armed
+# (documented).
+del test_a_raw_begin_of_its_own_between_a_fenced_connections_transactions_is_refused
+del test_a_raw_driver_transaction_between_a_fenced_connections_transactions_is_armed
+del test_without_the_arm_between_transactions_a_stale_raw_commit_goes_through
 del test_async_psycopgs_own_transaction_in_lease_scope_is_refused
 del test_psycopgs_own_begin_in_lease_scope_is_refused_and_the_session_goes_on
 del test_without_the_refusal_psycopgs_own_transaction_commits_a_stale_holders_row

@@ -699,6 +699,117 @@ def test_without_the_refusal_psycopgs_own_transaction_commits_a_stale_holders_ro
     b.release()
 
 
+def _raw_insert(driver: Any, key: int, message: str) -> None:
+    driver.execute("INSERT INTO outbox VALUES (%s, %s)", (key, message))
+
+
+@pytest.mark.parametrize("holder", ["stale", "current"])
+def test_a_raw_driver_transaction_between_a_fenced_connections_transactions_is_armed(
+    holder: str, fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    """After the Connection's commit, before its next statement, SQLAlchemy has no
+    transaction open on it: a statement sent on the driver itself begins one, which
+    carries the arm of the Connection's lease all the same, so its COMMIT is checked."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
+        conn.execute(sa.insert(Outbox).values(id=1, message="through SQLAlchemy"))
+        conn.commit()
+        if holder == "stale":
+            assert expire(a)
+            b = fencer.acquire(a.name, 5)
+        driver = conn.connection.driver_connection
+        _raw_insert(driver, 2, "raw, between")
+        if holder == "stale":
+            with pytest.raises(psycopg.DatabaseError, match="is stale") as refused:
+                driver.commit()
+            assert refused.value.sqlstate == "SF003"
+            driver.rollback()
+        else:
+            driver.commit()
+        conn.execute(sa.insert(Outbox).values(id=3, message="through SQLAlchemy again"))
+        if holder == "stale":
+            with pytest.raises(sa_fence.StaleTokenError):
+                conn.commit()
+            conn.rollback()
+        else:
+            conn.commit()
+    expected = ["through SQLAlchemy"]
+    if holder == "current":
+        expected += ["raw, between", "through SQLAlchemy again"]
+    assert outbox(scope_engine) == expected
+    (b if holder == "stale" else a).release()
+
+
+@pytest.mark.parametrize("start", ["transaction", "autocommit"])
+def test_a_raw_begin_of_its_own_between_a_fenced_connections_transactions_is_refused(
+    start: str, fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
+        conn.execute(sa.insert(Outbox).values(id=1, message="through SQLAlchemy"))
+        conn.commit()
+        driver = conn.connection.driver_connection
+        if start == "transaction":
+            with pytest.raises(sa_fence.FencingConfigError, match=r"psycopg's transaction\(\)"):
+                driver.transaction()
+        else:
+            with (
+                _autocommit(driver),
+                pytest.raises(sa_fence.FencingConfigError, match="AUTOCOMMIT"),
+            ):
+                _raw_insert(driver, 2, "autocommitted")
+        conn.rollback()
+    assert outbox(scope_engine) == ["through SQLAlchemy"]
+    a.release()
+
+
+def test_after_the_block_or_on_the_pools_next_checkout_a_raw_transaction_is_not_armed(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    """The arm follows the fenced Connection, not its driver: once the block has ended, or
+    the Connection has closed and its driver serves the pool's next user, a raw
+    transaction commits as without sa-fence, even with the lease that armed it stale."""
+    engine = sa.create_engine(scope_engine.url, pool_size=1, max_overflow=0)
+    try:
+        a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        with engine.connect() as conn:
+            with sa_fence.fence_connection(conn, a):
+                conn.execute(sa.insert(Outbox).values(id=1, message="fenced"))
+                conn.commit()
+            assert expire(a)
+            b = fencer.acquire(a.name, 5)
+            driver = conn.connection.driver_connection
+            with driver.transaction():
+                _raw_insert(driver, 2, "after the block")
+        closed = conn  # (kept alive: its weak reference from the driver stays)
+        with engine.connect() as other:
+            assert other.connection.driver_connection is driver  # the pool's one connection
+            _raw_insert(driver, 3, "the next checkout")
+            driver.commit()
+        assert closed.closed
+    finally:
+        engine.dispose()
+    assert outbox(scope_engine) == ["fenced", "after the block", "the next checkout"]
+    b.release()
+
+
+def test_without_the_arm_between_transactions_a_stale_raw_commit_goes_through(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Guard-removal pair: the raw BEGIN carries no arm, and the driver's COMMIT lands."""
+    monkeypatch.setattr(_flush, "_arms_between", lambda driver, conn: None)
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
+        conn.commit()
+        assert expire(a)
+        b = fencer.acquire(a.name, 5)
+        driver = conn.connection.driver_connection
+        _raw_insert(driver, 1, "stale")
+        driver.commit()
+    assert outbox(scope_engine) == ["stale"]
+    b.release()
+
+
 # ---------------------------------------------- the guards, and their pairs
 
 
