@@ -33,7 +33,7 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy
-from psycopg import errors, generators
+from psycopg import AsyncCursor, errors, generators
 from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.sql import Composable
 from sqlalchemy import Connection, Engine, TextClause, event, func, literal, select, true
@@ -234,8 +234,9 @@ class _FencedConnection(Connection):
         state: SessionState | None = attrs[_ACTIVE] if _ACTIVE in attrs else None  # noqa: SIM401
         if state is None or state.lease is None:
             return super()._exec_single_context(dialect, context, statement, parameters)
-        if _PSYCOPG_BEGIN_HOOK and sql.__class__ is str and not might_leave_scope(sql):
-            return super()._exec_single_context(dialect, context, statement, parameters)  # (most)
+        if _PSYCOPG_BEGIN_HOOK and _SCOPE in attrs and attrs[_SCOPE]:  # (in scope: armed)
+            # the armed driver's cursor reads it (_checked_cursor), as it reads raw driver SQL
+            return super()._exec_single_context(dialect, context, statement, parameters)
         rolls_back = _before_bound_sql(self, state.lease, sql)
         result = super()._exec_single_context(dialect, context, statement, parameters)
         if rolls_back:  # a ROLLBACK TO may undo an arm sent after BEGIN: send it again
@@ -530,6 +531,9 @@ def _arm(conn: Connection, lease: Lease) -> None:
             driver._start_query = types.MethodType(_start_query_armed, driver)
             for method in ("transaction", "tpc_begin"):
                 setattr(driver, method, types.MethodType(_guarded_own_begin(method), driver))
+        cursors = driver.cursor_factory  # (per arm: a factory set since is checked too)
+        if cursors not in _checked_cursors or _checked_cursors[cursors] is not cursors:
+            driver.cursor_factory = _checked_cursor(cursors)
         if driver.pgconn.transaction_status == _IDLE:
             return  # not begun: it travels in this transaction's BEGIN
     elif psycopg3 and not driver.autocommit and driver.info.transaction_status == _IDLE:
@@ -683,18 +687,140 @@ def _start_query_armed(self: Any) -> Any:
     return None
 
 
-def _before_bound_sql(conn: Connection, lease: Lease, sql: Any) -> bool:
-    """Before SQL on a bound connection: re-arm, without the BEGIN hook, after a COMMIT sent as
-    SQL; refuse SQL that leaves lease scope.  Whether it rolls back an arm sent apart."""
+# -------------------------------------------- driver SQL: what an armed driver's cursors send
+#
+# SQL sent on a cursor of the driver connection (``dbapi_connection.cursor()``, psycopg's
+# ``Connection.execute()``) passes no step of SQLAlchemy's.  An armed driver's cursor class is
+# swapped for a subclass that reads each statement first while the driver is in lease scope
+# (or between a fenced Connection's transactions): SQL that leaves scope is refused, and a
+# ROLLBACK TO that may undo an arm sent apart is followed by the arm again.  SQLAlchemy's
+# statements reach the same cursors, so _exec_single_context leaves them to it in scope.
+
+#: The checked subclass of each cursor class met (each of those a key too, to itself).
+_checked_cursors: dict[type, type] = {}
+
+
+def _checked_cursor(base: type) -> type:
+    """``base``'s subclass whose execute, executemany, stream and copy read the SQL first."""
+    if base not in _checked_cursors:
+        is_async = issubclass(base, AsyncCursor)
+        methods = {
+            "execute": (_rearming_async if is_async else _checked_execute)(base.execute),  # type: ignore[attr-defined]
+            "executemany": (_rearming_async if is_async else _rearming)(base.executemany),  # type: ignore[attr-defined]
+            "stream": _read_first(base.stream),  # type: ignore[attr-defined]
+            "copy": _read_first(base.copy),  # type: ignore[attr-defined]
+        }
+        made = type(f"Checked{base.__name__}", (base,), {"__slots__": (), **methods})
+        _checked_cursors[base] = _checked_cursors[made] = made
+    return _checked_cursors[base]
+
+
+def _cursor_sql(driver: Any, sql: Any, *, rearm: bool = True) -> Connection | None:
+    """Before a cursor of ``driver`` sends ``sql``: refused if it leaves lease scope; the
+    Connection to send the arms of again after it (a ROLLBACK TO in a transaction armed
+    apart, when ``rearm``; else refused too), or None."""
+    if sql.__class__ is str and not might_leave_scope(sql):
+        return None
+    attrs = driver.__dict__
+    owner: Connection | None = attrs[_ARMS_OWNER]() if _ARMS_OWNER in attrs else None
+    armed = owner is not None and bool(attrs.get(_ARMS)) and _SCOPE in owner.__dict__
+    if owner is None or not (armed or _arms_between(driver, owner)):
+        return None  # out of lease scope (the pool's next user, say): sent as it is
+    text = _sql_text(driver, sql)
+    if not (might_leave_scope(text) and _refuse_leaving_scope(text)):
+        return None
+    if _ARMED_APART not in owner.__dict__ or _SCOPE not in owner.__dict__:
+        return None
+    if not rearm:
+        raise FencingConfigError(
+            f"this SQL rolls back to a savepoint ({text[:60]!r}) that may hold the arm of a "
+            "lease bound inside it, through stream() or copy(), after which sa-fence cannot "
+            "send the arm again. Send it with execute(), or roll the savepoint back through "
+            "SQLAlchemy. Nothing was sent."
+        )
+    return owner
+
+
+def _checked_execute(execute: Any) -> Any:
+    def checked(self: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        if query.__class__ is str:  # might_leave_scope(), inlined: no call per statement
+            lowered = query.lower()
+            if ";" not in query and "chain" not in lowered and "rollback" not in lowered:
+                return execute(self, query, params, **kwargs)
+        return rearming(self, query, params, **kwargs)
+
+    rearming = _rearming(execute)
+    return checked
+
+
+def _rearming(method: Any) -> Any:
+    def checked(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        owner = _cursor_sql(self._conn, query)
+        result = method(self, query, *args, **kwargs)
+        if owner is not None:
+            _send_arms(owner, owner.__dict__[_SCOPE])
+        return result
+
+    return checked
+
+
+def _rearming_async(method: Any) -> Any:
+    async def checked(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        owner = _cursor_sql(self._conn, query)
+        result = await method(self, query, *args, **kwargs)
+        if owner is not None:
+            await _send_arms_async(self._conn, owner)
+        return result
+
+    return checked
+
+
+def _read_first(method: Any) -> Any:
+    def checked(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        _cursor_sql(self._conn, query, rearm=False)  # (sync or async: it returns an object)
+        return method(self, query, *args, **kwargs)
+
+    return checked
+
+
+async def _send_arms_async(driver: Any, conn: Connection) -> None:
+    """:func:`_send_arms` on an async driver, from its cursor (no greenlet there).  An
+    interruption closes the driver connection: a transaction whose arm was undone must
+    never commit (PostgreSQL rolls it back)."""
+    conn.__dict__[_ARMED_APART] = True
+    try:
+        for lease in conn.__dict__[_SCOPE].values():
+            await driver.execute(
+                _arm_sql(_scope_table(conn, lease), [_arm_row(lease.name, lease.token)])
+            )
+    except errors.Error as exc:  # (the server refused it: the transaction is aborted)
+        setup = _scope_setup_error(exc)
+        if setup is None:
+            raise
+        raise setup from exc
+    except BaseException:
+        driver.pgconn.finish()
+        raise
+
+
+def _sql_text(driver: Any, sql: Any) -> str:
+    """SQL given to ``driver`` (a psycopg connection) as the text it sends; other types refused."""
     if isinstance(sql, bytes | bytearray | memoryview):  # driver SQL (invalid: server refuses)
-        sql = bytes(sql).decode(_driver(conn).info.encoding, errors="replace")
-    elif isinstance(sql, Composable):  # driver SQL as a psycopg sql object, as psycopg renders it
-        sql = sql.as_string(_driver(conn))
-    elif not isinstance(sql, str):
+        return bytes(sql).decode(driver.info.encoding, errors="replace")
+    if isinstance(sql, Composable):  # driver SQL as a psycopg sql object, as psycopg renders it
+        return sql.as_string(driver)
+    if not isinstance(sql, str):
         raise FencingConfigError(
             f"sa-fence cannot read SQL given as {type(sql).__name__}, as it must with a lease "
             "bound: pass str, bytes or a psycopg sql.SQL or sql.Composed. Nothing was sent."
         )
+    return sql
+
+
+def _before_bound_sql(conn: Connection, lease: Lease, sql: Any) -> bool:
+    """Before SQL on a bound connection: re-arm, without the BEGIN hook, after a COMMIT sent as
+    SQL; refuse SQL that leaves lease scope.  Whether it rolls back an arm sent apart."""
+    sql = sql if sql.__class__ is str else _sql_text(_driver(conn), sql)
     leaves = might_leave_scope(sql) and _refuse_leaving_scope(sql)
     if not _PSYCOPG_BEGIN_HOOK:  # (after a refusal: nothing is sent, not even an arm)
         _enter_scope(conn, lease)

@@ -168,8 +168,12 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: session_replication_role = replica skipped it); a statement is refused once the
 #: driver is set to autocommit after the bind's check; psycopg's own transaction() and
 #: tpc_begin(), whose BEGIN no arm rode, are refused in lease scope; and a raw driver
-#: statement between a fenced Connection's transactions carries its lease's arm.
-CORE_LINES_AT_MOST = 9283
+#: statement between a fenced Connection's transactions carries its lease's arm.  Then by
+#: 126 for one more: SQL sent on the driver connection's own cursors (COMMIT AND CHAIN,
+#: COMMIT; BEGIN) left the chained transaction unarmed; an armed driver's cursor class is
+#: swapped for one that reads each statement first (sync and asyncio, re-arming after a
+#: ROLLBACK TO), which reads SQLAlchemy's statements too, once.
+CORE_LINES_AT_MOST = 9409
 
 
 def test_the_core_stays_within_its_line_budget() -> None:

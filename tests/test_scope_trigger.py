@@ -75,6 +75,8 @@ COMMIT_PATHS: dict[str, Callable[[Session], Any]] = {
     'text("END")': lambda s: s.execute(sa.text("END")),
     'exec_driver_sql("COMMIT")': lambda s: s.connection().exec_driver_sql("COMMIT"),
     "DBAPI commit()": lambda s: _dbapi(s).commit(),
+    # (read by the driver's checked cursor: a COMMIT last in its SQL is sent)
+    'DBAPI execute("SELECT 1; COMMIT")': lambda s: _dbapi(s).execute("SELECT 1; COMMIT"),
 }
 
 
@@ -89,7 +91,7 @@ def test_a_stale_holder_commits_nothing_whichever_call_sends_the_commit(
     session.flush()
     with pytest.raises(Exception, match="is stale") as refused:
         COMMIT_PATHS[path](session)
-    if path != "DBAPI commit()":  # below SQLAlchemy: the driver's error, SQLSTATE SF003
+    if not path.startswith("DBAPI"):  # below SQLAlchemy: the driver's error, SQLSTATE SF003
         assert isinstance(refused.value, sa_fence.StaleTokenError)
     if isinstance(refused.value, sa_fence.StaleTokenError):
         assert refused.value.token == a.token
@@ -138,9 +140,15 @@ def test_the_arm_never_reaches_the_next_user_of_a_pooled_connection(
         with engine.connect() as conn:  # the same DBAPI connection, unfenced
             armed = conn.execute(sa.text(f"SELECT count(*) FROM {OWN_ARMS}")).scalar_one()
             assert armed == 0
+            # nor does the reading of its cursors: out of lease scope, SQL goes as it is
+            driver = conn.connection.driver_connection
+            driver.execute("INSERT INTO outbox VALUES (1, 'next user'); COMMIT AND CHAIN")
+            driver.execute("INSERT INTO outbox VALUES (2, 'chained')")
+            driver.commit()
         a.release()
     finally:
         engine.dispose()
+    assert outbox(scope_engine) == ["next user", "chained"]
 
 
 #: SQL that ends the transaction and goes on in one that no BEGIN of sa-fence's arms.
@@ -271,15 +279,15 @@ def _savepoint_rolled_back_after_bind(session: Session, lease: sa_fence.Lease, h
         session.execute(sa.text("SELECT 1"))  # (the SAVEPOINT is sent now)
         lease.bind(session)
         nested.rollback()
-    else:
-        sql = SQL_SENDS[how]
+    else:  # (through SQLAlchemy, or on a cursor of the driver connection itself)
+        sql = SQL_SENDS[how] if how in SQL_SENDS else DRIVER_SENDS[how]
         sql(session.connection(), "SAVEPOINT s")
         lease.bind(session)
         sql(session.connection(), "ROLLBACK TO SAVEPOINT s")
 
 
 @pytest.mark.parametrize("guarded", [True, False], ids=["sent-again", "guard-removed"])
-@pytest.mark.parametrize("how", ["begin_nested()", "text", "exec_driver_sql"])
+@pytest.mark.parametrize("how", ["begin_nested()", "text", "exec_driver_sql", "cursor().execute"])
 def test_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rolled_back(
     fencer: sa_fence.Fencer,
     make_session: sessionmaker[Session],
@@ -291,6 +299,8 @@ def test_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rolled_back(
     """The arm of a lease bound mid-transaction is a statement of its own: a ROLLBACK TO
     the savepoint it was sent in undoes it, so it is sent again after one.  The pair:
     without that, the stale holder's commit goes through."""
+    if how in DRIVER_SENDS and not _flush._PSYCOPG_BEGIN_HOOK:
+        pytest.skip("without the BEGIN hook, the driver's own cursors are not read (documented)")
     if not guarded:
         effect = _flush.scope_effect  # the SQL is still refused; no ROLLBACK TO is seen
         monkeypatch.setattr(_flush, "scope_effect", lambda sql: (effect(sql)[0], False))
@@ -312,7 +322,7 @@ def test_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rolled_back(
 
 
 @pytest.mark.parametrize("sql", ["COMMIT AND CHAIN", "COMMIT; BEGIN"])
-@pytest.mark.parametrize("send", ["text", "exec_driver_sql"])
+@pytest.mark.parametrize("send", ["text", "exec_driver_sql", "cursor().execute", "driver.execute"])
 def test_without_the_refusal_sql_that_goes_on_commits_a_stale_holders_rows(
     fencer: sa_fence.Fencer,
     make_session: sessionmaker[Session],
@@ -321,19 +331,24 @@ def test_without_the_refusal_sql_that_goes_on_commits_a_stale_holders_rows(
     send: str,
     sql: str,
 ) -> None:
-    """Guard-removal pair: the transaction begun after the end carries no arm."""
-    monkeypatch.setattr(_flush, "_refuse_leaving_scope", lambda sql: None)
+    """Guard-removal pair: the transaction begun after the end carries no arm.  (On the
+    driver connection's cursors, the guard removed is their checked class.)"""
+    if send in DRIVER_SENDS:
+        monkeypatch.setattr(_flush, "_checked_cursor", lambda base: base)
+    else:
+        monkeypatch.setattr(_flush, "_refuse_leaving_scope", lambda sql: None)
+    sends = {**SQL_SENDS, **DRIVER_SENDS}
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with make_session() as session:
         a.bind(session)
         session.add(Outbox(id=1, message="current"))
         session.flush()
-        SQL_SENDS[send](session.connection(), sql)
+        sends[send](session.connection(), sql)
         assert expire(a)
         b = fencer.acquire(a.name, 5)
         session.add(Outbox(id=2, message="stale"))
         session.flush()
-        SQL_SENDS[send](session.connection(), "COMMIT")
+        sends[send](session.connection(), "COMMIT")
     assert outbox(scope_engine) == ["current", "stale"]  # the outcome the refusal prevents
     b.release()
 
@@ -808,6 +823,150 @@ def test_without_the_arm_between_transactions_a_stale_raw_commit_goes_through(
         driver.commit()
     assert outbox(scope_engine) == ["stale"]
     b.release()
+
+
+# ------------------------------------ SQL sent on the driver connection's own cursors
+
+
+def _stream(c: Any, sql: Any) -> None:
+    with c.connection.driver_connection.cursor() as cur:
+        list(cur.stream(sql))
+
+
+def _copy(c: Any, sql: Any) -> None:
+    with c.connection.driver_connection.cursor() as cur, cur.copy(sql):
+        pass
+
+
+#: Every way to send SQL on the driver connection itself, below SQLAlchemy's steps.
+DRIVER_SENDS: dict[str, Callable[[Any, Any], Any]] = {
+    "cursor().execute": lambda c, sql: c.connection.driver_connection.cursor().execute(sql),
+    "driver.execute": lambda c, sql: c.connection.driver_connection.execute(sql),
+    "cursor().execute(bytes)": lambda c, sql: c.connection.driver_connection.cursor().execute(
+        sql.encode()
+    ),
+    "cursor().execute(psycopg sql)": lambda c, sql: c.connection.driver_connection.cursor().execute(
+        psycopg.sql.Composed([psycopg.sql.SQL(part) for part in sql.partition(";")])
+    ),
+    "cursor().executemany": lambda c, sql: c.connection.driver_connection.cursor().executemany(
+        sql, [()]
+    ),
+    "cursor().stream": _stream,
+    "cursor().copy": _copy,
+}
+DRIVER_LEAVING = ["COMMIT AND CHAIN", "ROLLBACK AND CHAIN", "COMMIT; BEGIN", "end; insert into x"]
+
+
+@pytest.mark.parametrize("sql", DRIVER_LEAVING)
+@pytest.mark.parametrize("send", DRIVER_SENDS)
+def test_driver_sql_that_ends_the_transaction_and_goes_on_is_refused_before_it_is_sent(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    send: str,
+    sql: str,
+) -> None:
+    """A cursor of the driver connection is read as SQLAlchemy's statements are: the
+    chained (or next) transaction would run unarmed, so nothing is sent."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        session.add(Outbox(id=1, message="A"))
+        session.flush()
+        with pytest.raises(sa_fence.FencingConfigError, match=r"goes on.*Nothing was sent"):
+            DRIVER_SENDS[send](session.connection(), sql)
+        session.rollback()
+    assert outbox(scope_engine) == []  # a COMMIT sent would have committed "A"
+    a.release()
+
+
+def test_a_cursor_class_set_on_the_driver_is_checked_too(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    """connect_args={"cursor_factory": psycopg.ClientCursor}: SQLAlchemy's statements and raw
+    SQL go through a checked subclass of it."""
+    engine = sa.create_engine(
+        scope_engine.url, connect_args={"cursor_factory": psycopg.ClientCursor}
+    )
+    try:
+        a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        with sa_fence.install(sessionmaker(engine))() as session:
+            a.bind(session)
+            session.add(Outbox(id=1, message="A"))
+            session.flush()
+            driver = session.connection().connection.driver_connection
+            cursor = driver.cursor()
+            assert isinstance(cursor, psycopg.ClientCursor)
+            with pytest.raises(sa_fence.FencingConfigError, match="Nothing was sent"):
+                cursor.execute("COMMIT AND CHAIN")
+            with pytest.raises(sa_fence.FencingConfigError, match="Nothing was sent"):
+                session.execute(sa.text("COMMIT; BEGIN"))
+            session.rollback()
+        a.release()
+    finally:
+        engine.dispose()
+    assert outbox(scope_engine) == []
+
+
+def test_driver_sql_that_goes_on_between_a_fenced_connections_transactions_is_refused(
+    fencer: sa_fence.Fencer, scope_engine: sa.Engine
+) -> None:
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
+        conn.execute(sa.insert(Outbox).values(id=1, message="fenced"))
+        conn.commit()
+        driver = conn.connection.driver_connection
+        with pytest.raises(sa_fence.FencingConfigError, match="Nothing was sent"):
+            driver.execute("INSERT INTO outbox VALUES (2, 'raw'); COMMIT AND CHAIN")
+        assert driver.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert outbox(scope_engine) == ["fenced"]
+    a.release()
+
+
+@pytest.mark.parametrize("send", ["stream", "copy"])
+def test_a_rollback_to_that_would_need_the_arm_again_is_refused_through_stream_or_copy(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], send: str
+) -> None:
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        session.execute(sa.text("SELECT 1"))
+        driver = session.connection().connection.driver_connection
+        driver.execute("SAVEPOINT s")
+        a.bind(session)
+        with pytest.raises(sa_fence.FencingConfigError, match="with execute"):
+            DRIVER_SENDS[f"cursor().{send}"](session.connection(), "ROLLBACK TO SAVEPOINT s")
+        # the arm (a statement inside the savepoint: its row has the savepoint's xid) stays
+        assert session.execute(sa.text("SELECT count(*) FROM sa_fence_scope")).scalar_one() == 1
+        session.rollback()
+    a.release()
+
+
+async def test_async_driver_sql_that_goes_on_is_refused_and_a_rollback_to_is_armed_again(
+    scope_engine: sa.Engine, key_prefix: str
+) -> None:
+    async with _async_scope(scope_engine, key_prefix) as (_aengine, client, fencer, make):
+        a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        async with make() as session:
+            a.bind(session)
+            session.add(Outbox(id=1, message="A"))
+            await session.flush()
+            driver = await _async_driver(session)
+            for sql in DRIVER_LEAVING:
+                with pytest.raises(sa_fence.FencingConfigError, match="Nothing was sent"):
+                    await driver.execute(sql)
+                with pytest.raises(sa_fence.FencingConfigError, match="Nothing was sent"):
+                    await driver.cursor().executemany(sql, [()])
+            await session.rollback()
+        assert outbox(scope_engine) == []
+        async with make() as session:
+            await session.execute(sa.text("SELECT 1"))
+            driver = await _async_driver(session)
+            await driver.execute("SAVEPOINT s")
+            await session.run_sync(lambda s: a.bind(s))
+            await driver.cursor().execute("ROLLBACK TO SAVEPOINT s")
+            b = await _async_write_then_superseded_is_refused(session, client, fencer, a)
+        assert outbox(scope_engine) == []
+        await b.release()
 
 
 # ---------------------------------------------- the guards, and their pairs
@@ -1492,6 +1651,11 @@ async def _async_scope(
         await aengine.dispose()
 
 
+async def _async_driver(session: AsyncSession) -> Any:
+    """The psycopg AsyncConnection under ``session``'s connection."""
+    return (await (await session.connection()).get_raw_connection()).driver_connection
+
+
 async def _async_commit(session: AsyncSession, path: str) -> None:
     if path == "AsyncSession.commit":
         await session.commit()
@@ -1500,8 +1664,7 @@ async def _async_commit(session: AsyncSession, path: str) -> None:
     elif path == 'exec_driver_sql("COMMIT")':
         await (await session.connection()).exec_driver_sql("COMMIT")
     else:
-        raw = await (await session.connection()).get_raw_connection()
-        await raw.driver_connection.commit()  # type: ignore[union-attr]
+        await (await _async_driver(session)).commit()
 
 
 @pytest.mark.parametrize("path", ASYNC_PATHS)
@@ -1538,8 +1701,7 @@ async def test_async_a_driver_set_to_autocommit_after_the_bind_is_refused(
         a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
         async with make() as session:
             a.bind(session)
-            raw = await (await session.connection()).get_raw_connection()
-            driver: Any = raw.driver_connection
+            driver = await _async_driver(session)
             await driver.set_autocommit(True)
             try:
                 session.add(Outbox(id=1, message="autocommitted"))
@@ -1559,8 +1721,7 @@ async def test_async_psycopgs_own_transaction_in_lease_scope_is_refused(
         a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
         async with make() as session:
             a.bind(session)
-            raw = await (await session.connection()).get_raw_connection()
-            driver: Any = raw.driver_connection
+            driver = await _async_driver(session)
             with pytest.raises(sa_fence.FencingConfigError, match=r"psycopg's transaction\(\)"):
                 driver.transaction()
             session.add(Outbox(id=1, message="current"))
