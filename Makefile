@@ -89,7 +89,8 @@ FLOORS := constraints/floors.txt
 FLOOR_TESTS := $(addprefix tests/test_,$(addsuffix .py,fenced_flush scope_trigger scope_fallback session_binds \
 	upsert lease_scope guard lifecycle async timeouts token_connection decorator_sessions \
 	register grant_checks fitness alembic confirm_withdraw expression_properties \
-	fence_assignment call_cache create_guard async_tasks side_effects telemetry inheritance_shapes))
+	fence_assignment call_cache create_guard async_tasks side_effects telemetry inheritance_shapes \
+	scope_between))
 
 $(FLOORS_STAMP): pyproject.toml $(FLOORS)
 	$(PYTHON) -m venv $(FLOORS_VENV)
