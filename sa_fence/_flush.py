@@ -234,8 +234,12 @@ class _FencedConnection(Connection):
         state: SessionState | None = attrs[_ACTIVE] if _ACTIVE in attrs else None  # noqa: SIM401
         if state is None or state.lease is None:
             return super()._exec_single_context(dialect, context, statement, parameters)
-        if _PSYCOPG_BEGIN_HOOK and _SCOPE in attrs and attrs[_SCOPE]:  # (in scope: armed)
-            # the armed driver's cursor reads it (_checked_cursor), as it reads raw driver SQL
+        # in scope, on a cursor that reads it as raw SQL (asyncio's is SQLAlchemy's adapter)
+        scoped = _PSYCOPG_BEGIN_HOOK and _SCOPE in attrs and attrs[_SCOPE]
+        cursor = context.cursor.__class__
+        if scoped and (
+            cursor in _reading_cursors or _driver(self).cursor_factory in _reading_cursors
+        ):
             return super()._exec_single_context(dialect, context, statement, parameters)
         rolls_back = _before_bound_sql(self, state.lease, sql)
         result = super()._exec_single_context(dialect, context, statement, parameters)
@@ -516,12 +520,14 @@ def _arm(conn: Connection, lease: Lease) -> None:
     """Arm ``conn``'s transaction (now or in its BEGIN) for ``lease``."""
     driver: Any = _driver(conn)
     psycopg3 = hasattr(driver, "_get_tx_start_command")  # (else: no dialect check, in a test)
-    if driver.read_only if psycopg3 else getattr(driver, "read_only", None):
+    hooked = _PSYCOPG_BEGIN_HOOK and psycopg3
+    read_only = driver.read_only if psycopg3 else getattr(driver, "read_only", None)
+    if read_only and not (hooked and driver.pgconn.transaction_status == _IDLE):
         raise _read_only_error()
     known = lease._scoped
     table = known[1] if known is not None and known[0] is conn.engine else _scope_table(conn, lease)
     row = _arm_row(lease.name, lease.token)
-    if _PSYCOPG_BEGIN_HOOK and psycopg3:
+    if hooked:
         attrs = driver.__dict__  # (`in` and [], not get(): no calls)
         owner = attrs[_ARMS_OWNER] if _ARMS_OWNER in attrs else None  # noqa: SIM401
         if owner is None or owner() is not conn:
@@ -535,6 +541,8 @@ def _arm(conn: Connection, lease: Lease) -> None:
         if cursors not in _checked_cursors or _checked_cursors[cursors] is not cursors:
             driver.cursor_factory = _checked_cursor(cursors)
         if driver.pgconn.transaction_status == _IDLE:
+            if read_only:  # (refused after the hooks: a BEGIN sent below SQLAlchemy refuses too)
+                raise _read_only_error()
             return  # not begun: it travels in this transaction's BEGIN
     elif psycopg3 and not driver.autocommit and driver.info.transaction_status == _IDLE:
         return  # not begun: sent before its first statement (_rearm_if_ended)
@@ -698,6 +706,8 @@ def _start_query_armed(self: Any) -> Any:
 
 #: The checked subclass of each cursor class met (each of those a key too, to itself).
 _checked_cursors: dict[type, type] = {}
+#: The checked subclasses.
+_reading_cursors: set[type] = set()
 
 
 def _checked_cursor(base: type) -> type:
@@ -712,6 +722,7 @@ def _checked_cursor(base: type) -> type:
         }
         made = type(f"Checked{base.__name__}", (base,), {"__slots__": (), **methods})
         _checked_cursors[base] = _checked_cursors[made] = made
+        _reading_cursors.add(made)
     return _checked_cursors[base]
 
 

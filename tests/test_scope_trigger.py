@@ -472,22 +472,57 @@ def test_a_stale_notify_is_not_delivered_and_the_current_holders_is(
     b.release()
 
 
+#: Ways to send a NOTIFY on a bound session's connection whose arm was refused.
+NOTIFY_SENDS: dict[str, Callable[[Session, str], Any]] = {
+    "text()": lambda s, sql: s.execute(sa.text(sql)),
+    "exec_driver_sql": lambda s, sql: s.connection().exec_driver_sql(sql),
+    "the driver": lambda s, sql: s.connection().connection.driver_connection.execute(sql),
+}
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["refused", "guard-removed"])
+@pytest.mark.parametrize("send", NOTIFY_SENDS)
 def test_a_read_only_transaction_of_a_bound_session_is_refused_before_anything_is_sent(
-    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    send: str,
+    guarded: bool,
 ) -> None:
     """A READ ONLY transaction could not take the arm (and may still NOTIFY). A caller who
-    catches the refusal and goes on is refused again: the failed arm is never taken for
-    done (it used to be, and a stale holder's NOTIFY then committed unchecked)."""
+    catches the refusal and goes on is refused again, however it sends: the failed arm is
+    never taken for done, and psycopg's BEGIN step, installed before the refusal, refuses
+    to begin the transaction.  The pair: with the refusal before the step is installed (as
+    it was), a NOTIFY sent with exec_driver_sql or on the driver is delivered."""
+    if send == "the driver" and not _flush._PSYCOPG_BEGIN_HOOK:
+        pytest.skip("without the BEGIN hook, psycopg's own BEGIN is not armed (documented)")
+    if not guarded:
+        if send == "text()" or not _flush._PSYCOPG_BEGIN_HOOK:
+            pytest.skip("the statement step tries the arm again: refused without the BEGIN step")
+        arm = _flush._arm
+
+        def refused_first(conn: sa.Connection, lease: sa_fence.Lease) -> None:
+            if conn.connection.driver_connection.read_only:
+                raise _flush._read_only_error()
+            arm(conn, lease)
+
+        monkeypatch.setattr(_flush, "_arm", refused_first)
     with _listening(scope_engine) as (listener, channel):
         a, b = stale_pair(fencer)
         with make_session() as session:
             a.bind(session)
             with pytest.raises(sa_fence.FencingConfigError, match=r"READ ONLY.*Nothing was sent"):
                 session.connection(execution_options={"postgresql_readonly": True})
-            with pytest.raises(sa_fence.FencingConfigError, match=r"READ ONLY.*Nothing was sent"):
-                session.execute(sa.text(f"NOTIFY {channel}, 'stale'"))
-            session.rollback()
-        assert [n.payload for n in listener.notifies(timeout=0.5)] == []
+            if guarded:
+                with pytest.raises(sa_fence.FencingConfigError, match=r"READ ONLY.*Nothing was"):
+                    NOTIFY_SENDS[send](session, f"NOTIFY {channel}, 'stale'")
+                session.rollback()
+            else:
+                NOTIFY_SENDS[send](session, f"NOTIFY {channel}, 'stale'")
+                session.commit()
+        delivered = [n.payload for n in listener.notifies(timeout=0.5)]
+    assert delivered == ([] if guarded else ["stale"])
     b.release()
 
 
@@ -938,6 +973,43 @@ def test_a_rollback_to_that_would_need_the_arm_again_is_refused_through_stream_o
         # the arm (a statement inside the savepoint: its row has the savepoint's xid) stays
         assert session.execute(sa.text("SELECT count(*) FROM sa_fence_scope")).scalar_one() == 1
         session.rollback()
+    a.release()
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["read", "guard-removed"])
+def test_sqlalchemys_sql_is_read_even_on_a_cursor_class_swapped_back_mid_transaction(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    guarded: bool,
+) -> None:
+    """The statement step leaves SQLAlchemy's SQL to the cursor only when the cursor reads
+    it; a driver given psycopg's own cursor class again after the arm (a helper setting
+    cursor_factory) is read by the statement step.  The pair: trusting any cursor, the
+    chained transaction commits a stale holder's row."""
+    if not guarded:
+        if not _flush._PSYCOPG_BEGIN_HOOK:
+            pytest.skip("without the BEGIN hook the statement step reads every statement")
+        monkeypatch.setattr(_flush, "_reading_cursors", _flush._reading_cursors | {psycopg.Cursor})
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        session.add(Outbox(id=1, message="current"))
+        session.flush()
+        session.connection().connection.driver_connection.cursor_factory = psycopg.Cursor
+        if guarded:
+            with pytest.raises(sa_fence.FencingConfigError, match="Nothing was sent"):
+                session.execute(sa.text("COMMIT AND CHAIN"))
+            session.rollback()
+        else:  # (A superseded in the chained transaction, which it commits as SQL)
+            session.execute(sa.text("COMMIT AND CHAIN"))
+            assert expire(a)
+            a = fencer.acquire(a.name, 5)
+            session.add(Outbox(id=2, message="stale"))
+            session.flush()
+            session.execute(sa.text("COMMIT"))
+    assert outbox(scope_engine) == ([] if guarded else ["current", "stale"])
     a.release()
 
 
