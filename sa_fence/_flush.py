@@ -546,6 +546,7 @@ def _arm(conn: Connection, lease: Lease) -> None:
             return  # not begun: it travels in this transaction's BEGIN
     elif psycopg3 and not driver.autocommit and driver.info.transaction_status == _IDLE:
         return  # not begun: sent before its first statement (_rearm_if_ended)
+    _refuse_armed_autocommit(psycopg3 and driver.autocommit)  # (it would commit at once)
     conn.__dict__[_ARMED_APART] = True
     _run(conn, _arm_sql(table, [row]))
 
@@ -1450,8 +1451,8 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
         check_dialect(connection.dialect)
         if session.twophase:  # (_refuse_unscoped(), inlined: it raises)
             _refuse_unscoped(session, connection)
+        _enter_scope(connection, state.lease)  # (first: psycopg's BEGIN step refuses it too)
         _refuse_autocommit(connection)
-        _enter_scope(connection, state.lease)
 
 
 def _lease_id(lease: Lease | None) -> tuple[str, int] | None:

@@ -472,50 +472,72 @@ def test_a_stale_notify_is_not_delivered_and_the_current_holders_is(
     b.release()
 
 
-#: Ways to send a NOTIFY on a bound session's connection whose arm was refused.
+#: Ways to send a NOTIFY on a bound session's connection whose transaction was refused.
 NOTIFY_SENDS: dict[str, Callable[[Session, str], Any]] = {
     "text()": lambda s, sql: s.execute(sa.text(sql)),
     "exec_driver_sql": lambda s, sql: s.connection().exec_driver_sql(sql),
     "the driver": lambda s, sql: s.connection().connection.driver_connection.execute(sql),
 }
+#: A bound session's connection whose transaction cannot be held to the lease: its options.
+UNSCOPABLE = {
+    "READ ONLY": {"postgresql_readonly": True},
+    "AUTOCOMMIT": {"isolation_level": "AUTOCOMMIT"},
+}
 
 
-@pytest.mark.parametrize("guarded", [True, False], ids=["refused", "guard-removed"])
-@pytest.mark.parametrize("send", NOTIFY_SENDS)
-def test_a_read_only_transaction_of_a_bound_session_is_refused_before_anything_is_sent(
-    fencer: sa_fence.Fencer,
-    make_session: sessionmaker[Session],
-    scope_engine: sa.Engine,
-    monkeypatch: pytest.MonkeyPatch,
-    send: str,
-    guarded: bool,
-) -> None:
-    """A READ ONLY transaction could not take the arm (and may still NOTIFY). A caller who
-    catches the refusal and goes on is refused again, however it sends: the failed arm is
-    never taken for done, and psycopg's BEGIN step, installed before the refusal, refuses
-    to begin the transaction.  The pair: with the refusal before the step is installed (as
-    it was), a NOTIFY sent with exec_driver_sql or on the driver is delivered."""
-    if send == "the driver" and not _flush._PSYCOPG_BEGIN_HOOK:
-        pytest.skip("without the BEGIN hook, psycopg's own BEGIN is not armed (documented)")
-    if not guarded:
-        if send == "text()" or not _flush._PSYCOPG_BEGIN_HOOK:
-            pytest.skip("the statement step tries the arm again: refused without the BEGIN step")
+def _refused_first(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """The order before the fix: the refusal came before psycopg's BEGIN step was installed."""
+    if kind == "READ ONLY":
         arm = _flush._arm
 
-        def refused_first(conn: sa.Connection, lease: sa_fence.Lease) -> None:
+        def arm_refused_first(conn: sa.Connection, lease: sa_fence.Lease) -> None:
             if conn.connection.driver_connection.read_only:
                 raise _flush._read_only_error()
             arm(conn, lease)
 
-        monkeypatch.setattr(_flush, "_arm", refused_first)
+        monkeypatch.setattr(_flush, "_arm", arm_refused_first)
+    else:
+        enter = _flush._enter_scope
+
+        def enter_refused_first(conn: sa.Connection, lease: sa_fence.Lease) -> None:
+            _flush._refuse_autocommit(conn)
+            enter(conn, lease)
+
+        monkeypatch.setattr(_flush, "_enter_scope", enter_refused_first)
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["refused", "guard-removed"])
+@pytest.mark.parametrize("send", NOTIFY_SENDS)
+@pytest.mark.parametrize("kind", UNSCOPABLE)
+def test_a_bound_sessions_transaction_that_cannot_be_armed_sends_nothing_however_sent(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    send: str,
+    guarded: bool,
+) -> None:
+    """A READ ONLY transaction could not take the arm (and may still NOTIFY); an AUTOCOMMIT
+    connection has no transaction to check.  A caller who catches the refusal and goes on
+    is refused again, however it sends: psycopg's BEGIN step is installed before the
+    refusal, and refuses too.  The pair: with the refusal first (as it was), a NOTIFY sent
+    with exec_driver_sql or on the driver began a transaction no arm rode, and a stale
+    holder's notification was delivered."""
+    if send == "the driver" and not _flush._PSYCOPG_BEGIN_HOOK:
+        pytest.skip("without the BEGIN hook, psycopg's own BEGIN is not armed (documented)")
+    if not guarded:
+        if send == "text()" or not _flush._PSYCOPG_BEGIN_HOOK:
+            pytest.skip("the statement step enters scope itself: refused without the BEGIN step")
+        _refused_first(monkeypatch, kind)
     with _listening(scope_engine) as (listener, channel):
         a, b = stale_pair(fencer)
         with make_session() as session:
             a.bind(session)
-            with pytest.raises(sa_fence.FencingConfigError, match=r"READ ONLY.*Nothing was sent"):
-                session.connection(execution_options={"postgresql_readonly": True})
+            with pytest.raises(sa_fence.FencingConfigError, match=f"{kind}.*Nothing was sent"):
+                session.connection(execution_options=UNSCOPABLE[kind])
             if guarded:
-                with pytest.raises(sa_fence.FencingConfigError, match=r"READ ONLY.*Nothing was"):
+                with pytest.raises(sa_fence.FencingConfigError, match=f"{kind}.*Nothing was"):
                     NOTIFY_SENDS[send](session, f"NOTIFY {channel}, 'stale'")
                 session.rollback()
             else:
