@@ -1435,24 +1435,27 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
     state = info[_STATE_KEY] if _STATE_KEY in info else state_for(session)
     sharing: list[SessionState] | None = attrs[_SHARING] if _SHARING in attrs else None  # noqa: SIM401
     active = attrs[_ACTIVE] if _ACTIVE in attrs else None  # noqa: SIM401
-    if sharing or (active is not None and active is not state):  # (else: its alone)
-        _refuse_confusable(connection, state, state.lease)
-    if sharing is None:
-        attrs[_SHARING] = [state]
-    elif state not in sharing:
-        sharing.append(state)
-    if type(connection) in _hooked_classes:  # (_attach, inlined: a class met before)
-        attrs[_ACTIVE] = state
-        _hook_connection(connection)
-    else:
-        _attach(connection, state)
-    state.connections.append(connection)
-    if state.lease is not None:
-        check_dialect(connection.dialect)
-        if session.twophase:  # (_refuse_unscoped(), inlined: it raises)
-            _refuse_unscoped(session, connection)
-        _enter_scope(connection, state.lease)  # (first: psycopg's BEGIN step refuses it too)
-        _refuse_autocommit(connection)
+    try:  # (a refusal sticks: the session may not flush or commit until rolled back)
+        if sharing or (active is not None and active is not state):  # (else: its alone)
+            _refuse_confusable(connection, state, state.lease)
+        if sharing is None:
+            attrs[_SHARING] = [state]
+        elif state not in sharing:
+            sharing.append(state)
+        if type(connection) in _hooked_classes:  # (_attach, inlined: a class met before)
+            attrs[_ACTIVE] = state
+            _hook_connection(connection)
+        else:
+            _attach(connection, state)
+        state.connections.append(connection)
+        if state.lease is not None:
+            check_dialect(connection.dialect)
+            if session.twophase:  # (_refuse_unscoped(), inlined: it raises)
+                _refuse_unscoped(session, connection)
+            _enter_scope(connection, state.lease)  # (first: psycopg's BEGIN step refuses too)
+            _refuse_autocommit(connection)
+    except FenceError as exc:
+        raise state.fail(exc) from None
 
 
 def _lease_id(lease: Lease | None) -> tuple[str, int] | None:

@@ -176,8 +176,9 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: statement step still reads them on a cursor class swapped back mid-transaction, and
 #: so that a READ ONLY or AUTOCOMMIT connection's refusal leaves psycopg's BEGIN step
 #: refusing (a stale holder's NOTIFY sent with exec_driver_sql or on the driver was
-#: delivered).
-CORE_LINES_AT_MOST = 9421
+#: delivered); and +3 so that such a refusal when a session begins on a connection
+#: sticks (a second session refused on a shared connection committed a stale row).
+CORE_LINES_AT_MOST = 9424
 
 
 def test_the_core_stays_within_its_line_budget() -> None:

@@ -540,9 +540,9 @@ def test_a_bound_sessions_transaction_that_cannot_be_armed_sends_nothing_however
                 with pytest.raises(sa_fence.FencingConfigError, match=f"{kind}.*Nothing was"):
                     NOTIFY_SENDS[send](session, f"NOTIFY {channel}, 'stale'")
                 session.rollback()
-            else:
+            else:  # (committed below the session, which the refusal poisoned)
                 NOTIFY_SENDS[send](session, f"NOTIFY {channel}, 'stale'")
-                session.commit()
+                _dbapi(session).commit()
         delivered = [n.payload for n in listener.notifies(timeout=0.5)]
     assert delivered == ([] if guarded else ["stale"])
     b.release()

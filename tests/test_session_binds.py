@@ -343,6 +343,42 @@ def test_a_second_session_on_a_bound_sessions_connection_with_another_token_is_r
     assert row(engine, 1) is None
 
 
+@pytest.mark.parametrize("guarded", [True, False], ids=["refused", "guard-removed"])
+def test_a_refused_second_session_may_not_flush_or_commit_what_it_goes_on_to_write(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    guarded: bool,
+) -> None:
+    """A caller who catches the refusal and goes on with the second session would write on
+    the first one's connection, with the first lease's token and scope: the refusal sticks,
+    so that session may not flush or commit until rolled back.  The pair: without that, a
+    stale holder's row commits with the first session's transaction."""
+    if not guarded:
+        monkeypatch.setattr(_flush.SessionState, "fail", lambda self, error: error)
+    a, b = fencer.acquire("job:1", 5), fencer.acquire("job:2", 5)
+    assert sa_fence.testing.expire(b)
+    c = fencer.acquire("job:2", 5)  # B is stale now
+    s1 = a.bind(make_session())
+    s1.execute(sa.text("SELECT 1"))
+    s2 = b.bind(make_session(bind=s1.connection()))
+    with pytest.raises(sa_fence.FencingConfigError, match="different leases bound"):
+        s2.connection()
+    s2.add(Job(id=2, result="B, stale"))
+    if guarded:
+        with pytest.raises(sa_fence.FenceError, match=r"commit refused.*different leases"):
+            s2.commit()
+    else:
+        s2.commit()  # (joined: the outer transaction, s1's, commits the row)
+    s1.commit()
+    s2.close()
+    s1.close()
+    assert (row(engine, 2) is None) is guarded
+    a.release()
+    c.release()
+
+
 def test_binding_a_lease_to_one_of_two_unbound_sessions_sharing_a_connection_is_refused(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
