@@ -33,6 +33,7 @@ from tests.test_scope_trigger import (
     test_a_raw_begin_of_its_own_between_a_fenced_connections_transactions_is_refused,
     test_a_raw_driver_transaction_between_a_fenced_connections_transactions_is_armed,
     test_a_rollback_to_that_would_need_the_arm_again_is_refused_through_stream_or_copy,
+    test_async_an_interrupted_arm_after_a_rollback_to_closes_the_driver_connection,
     test_async_driver_sql_that_goes_on_is_refused_and_a_rollback_to_is_armed_again,
     test_async_psycopgs_own_transaction_in_lease_scope_is_refused,
     test_driver_sql_that_ends_the_transaction_and_goes_on_is_refused_before_it_is_sent,
@@ -68,6 +69,7 @@ del test_without_the_refusal_psycopgs_own_transaction_commits_a_stale_holders_ro
 # it, SQL sent on a cursor of the driver connection is not read, and a transaction psycopg
 # begins after a COMMIT sent there is not armed (documented).
 del test_a_cursor_class_set_on_the_driver_is_checked_too
+del test_async_an_interrupted_arm_after_a_rollback_to_closes_the_driver_connection
 del test_a_rollback_to_that_would_need_the_arm_again_is_refused_through_stream_or_copy
 del test_async_driver_sql_that_goes_on_is_refused_and_a_rollback_to_is_armed_again
 del test_driver_sql_that_ends_the_transaction_and_goes_on_is_refused_before_it_is_sent

@@ -1063,6 +1063,36 @@ async def test_async_driver_sql_that_goes_on_is_refused_and_a_rollback_to_is_arm
         await b.release()
 
 
+async def test_async_an_interrupted_arm_after_a_rollback_to_closes_the_driver_connection(
+    scope_engine: sa.Engine, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ROLLBACK TO has undone the arm and sending it again is interrupted: the
+    transaction must never commit, so the driver connection is closed (PostgreSQL rolls
+    it back) rather than left open without its arm."""
+    async with _async_scope(scope_engine, key_prefix) as (_aengine, _client, fencer, make):
+        a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        async with make() as session:
+            await session.execute(sa.text("INSERT INTO outbox VALUES (1, 'before')"))
+            driver = await _async_driver(session)
+            await driver.execute("SAVEPOINT s")
+            await session.run_sync(lambda s: a.bind(s))
+
+            def interrupted(table: str, rows: Any) -> str:
+                raise KeyboardInterrupt
+
+            monkeypatch.setattr(_flush, "_arm_sql", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                await driver.cursor().execute("ROLLBACK TO SAVEPOINT s")
+            monkeypatch.undo()
+            assert driver.closed
+            with pytest.raises(Exception, match="closed"):
+                await driver.commit()
+            with contextlib.suppress(Exception):
+                await session.rollback()
+        assert outbox(scope_engine) == []
+        await a.release()
+
+
 # ---------------------------------------------- the guards, and their pairs
 
 
