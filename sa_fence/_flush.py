@@ -538,7 +538,7 @@ def _arm(conn: Connection, lease: Lease) -> None:
             for method in ("transaction", "tpc_begin"):
                 setattr(driver, method, types.MethodType(_guarded_own_begin(method), driver))
         cursors = driver.cursor_factory  # (per arm: a factory set since is checked too)
-        if cursors not in _checked_cursors or _checked_cursors[cursors] is not cursors:
+        if cursors not in _reading_cursors:
             driver.cursor_factory = _checked_cursor(cursors)
         if driver.pgconn.transaction_status == _IDLE:
             if read_only:  # (refused after the hooks: a BEGIN sent below SQLAlchemy refuses too)
@@ -581,9 +581,17 @@ def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> No
 
 
 def _send_arms(conn: Connection, scope: dict[tuple[str, int], Lease]) -> None:
+    for sql in _apart_arms(conn, scope):
+        _run(conn, sql)
+
+
+def _apart_arms(conn: Connection, scope: dict[tuple[str, int], Lease]) -> list[str]:
+    """The arms of ``conn``'s scope as statements of their own (a savepoint may hold them)."""
     conn.__dict__[_ARMED_APART] = True
-    for lease in scope.values():
-        _run(conn, _arm_sql(_scope_table(conn, lease), [_arm_row(lease.name, lease.token)]))
+    return [
+        _arm_sql(_scope_table(conn, lease), [_arm_row(lease.name, lease.token)])
+        for lease in scope.values()
+    ]
 
 
 def _read_only_error() -> FencingConfigError:
@@ -645,11 +653,16 @@ def _arms_between(driver: Any, conn: Connection | None) -> Arms | None:
     return _with_arm((), known[1], _arm_row(lease.name, lease.token))
 
 
-def _refuse_own_begin(driver: Any, method: str) -> None:
+def _scope_owner(driver: Any) -> Connection | None:
+    """The Connection whose lease scope ``driver`` is in (armed, or between its transactions)."""
     attrs = driver.__dict__
-    owner = attrs[_ARMS_OWNER]() if _ARMS_OWNER in attrs else None
-    in_scope = bool(attrs.get(_ARMS)) and owner is not None and _SCOPE in owner.__dict__
-    if driver.pgconn.transaction_status == _IDLE and (in_scope or _arms_between(driver, owner)):
+    owner: Connection | None = attrs[_ARMS_OWNER]() if _ARMS_OWNER in attrs else None
+    armed = owner is not None and bool(attrs.get(_ARMS)) and _SCOPE in owner.__dict__
+    return owner if armed or _arms_between(driver, owner) is not None else None
+
+
+def _refuse_own_begin(driver: Any, method: str) -> None:
+    if driver.pgconn.transaction_status == _IDLE and _scope_owner(driver) is not None:
         raise FencingConfigError(
             f"psycopg's {method}() would begin this transaction with a BEGIN of its own, on "
             "a connection in lease scope: no arm travels in it, so its COMMIT would not be "
@@ -698,33 +711,28 @@ def _start_query_armed(self: Any) -> Any:
 
 # -------------------------------------------- driver SQL: what an armed driver's cursors send
 #
-# SQL sent on a cursor of the driver connection (``dbapi_connection.cursor()``, psycopg's
-# ``Connection.execute()``) passes no step of SQLAlchemy's.  An armed driver's cursor class is
-# swapped for a subclass that reads each statement first while the driver is in lease scope
-# (or between a fenced Connection's transactions): SQL that leaves scope is refused, and a
-# ROLLBACK TO that may undo an arm sent apart is followed by the arm again.  SQLAlchemy's
-# statements reach the same cursors, so _exec_single_context leaves them to it in scope.
+# SQL sent on the driver's own cursors (``dbapi_connection.cursor()``, ``.execute()``) passes no
+# step of SQLAlchemy's: an armed driver's cursor class is swapped for a subclass that reads each
+# statement first in lease scope (refused if it leaves scope; a ROLLBACK TO that may undo an arm
+# sent apart is followed by it again).  _exec_single_context leaves SQLAlchemy's SQL to it.
 
-#: The checked subclass of each cursor class met (each of those a key too, to itself).
-_checked_cursors: dict[type, type] = {}
-#: The checked subclasses.
+#: The checked subclasses (:func:`_checked_cursor`'s results).
 _reading_cursors: set[type] = set()
 
 
+@functools.cache  # one subclass per cursor class
 def _checked_cursor(base: type) -> type:
     """``base``'s subclass whose execute, executemany, stream and copy read the SQL first."""
-    if base not in _checked_cursors:
-        is_async = issubclass(base, AsyncCursor)
-        methods = {
-            "execute": (_rearming_async if is_async else _checked_execute)(base.execute),  # type: ignore[attr-defined]
-            "executemany": (_rearming_async if is_async else _rearming)(base.executemany),  # type: ignore[attr-defined]
-            "stream": _read_first(base.stream),  # type: ignore[attr-defined]
-            "copy": _read_first(base.copy),  # type: ignore[attr-defined]
-        }
-        made = type(f"Checked{base.__name__}", (base,), {"__slots__": (), **methods})
-        _checked_cursors[base] = _checked_cursors[made] = made
-        _reading_cursors.add(made)
-    return _checked_cursors[base]
+    is_async = issubclass(base, AsyncCursor)
+    methods = {
+        "execute": (_rearming_async if is_async else _checked_execute)(base.execute),  # type: ignore[attr-defined]
+        "executemany": (_rearming_async if is_async else _rearming)(base.executemany),  # type: ignore[attr-defined]
+        "stream": _read_first(base.stream),  # type: ignore[attr-defined]
+        "copy": _read_first(base.copy),  # type: ignore[attr-defined]
+    }
+    made = type(f"Checked{base.__name__}", (base,), {"__slots__": (), **methods})
+    _reading_cursors.add(made)
+    return made
 
 
 def _cursor_sql(driver: Any, sql: Any, *, rearm: bool = True) -> Connection | None:
@@ -733,15 +741,11 @@ def _cursor_sql(driver: Any, sql: Any, *, rearm: bool = True) -> Connection | No
     apart, when ``rearm``; else refused too), or None."""
     if sql.__class__ is str and not might_leave_scope(sql):
         return None
-    attrs = driver.__dict__
-    owner: Connection | None = attrs[_ARMS_OWNER]() if _ARMS_OWNER in attrs else None
-    armed = owner is not None and bool(attrs.get(_ARMS)) and _SCOPE in owner.__dict__
-    if owner is None or not (armed or _arms_between(driver, owner)):
+    if (owner := _scope_owner(driver)) is None:
         return None  # out of lease scope (the pool's next user, say): sent as it is
     text = _sql_text(driver, sql)
-    if not (might_leave_scope(text) and _refuse_leaving_scope(text)):
-        return None
-    if _ARMED_APART not in owner.__dict__ or _SCOPE not in owner.__dict__:
+    rolls_back = might_leave_scope(text) and _refuse_leaving_scope(text)
+    if not rolls_back or _ARMED_APART not in owner.__dict__:  # (set only with the scope)
         return None
     if not rearm:
         raise FencingConfigError(
@@ -799,17 +803,13 @@ async def _send_arms_async(driver: Any, conn: Connection) -> None:
     """:func:`_send_arms` on an async driver, from its cursor (no greenlet there).  An
     interruption closes the driver connection: a transaction whose arm was undone must
     never commit (PostgreSQL rolls it back)."""
-    conn.__dict__[_ARMED_APART] = True
     try:
-        for lease in conn.__dict__[_SCOPE].values():
-            await driver.execute(
-                _arm_sql(_scope_table(conn, lease), [_arm_row(lease.name, lease.token)])
-            )
+        for sql in _apart_arms(conn, conn.__dict__[_SCOPE]):
+            await driver.execute(sql)
     except errors.Error as exc:  # (the server refused it: the transaction is aborted)
-        setup = _scope_setup_error(exc)
-        if setup is None:
-            raise
-        raise setup from exc
+        if (setup := _scope_setup_error(exc)) is not None:
+            raise setup from exc
+        raise
     except BaseException:
         driver.pgconn.finish()
         raise
