@@ -127,6 +127,61 @@ def test_the_current_holder_commits_through_every_path_and_its_next_transaction_
     b.release()
 
 
+#: Server-side code that ends its transaction and goes on, as a procedure may (PostgreSQL 11+).
+COMMITTING_CODE = {
+    "CALL": "CALL commit_midway(:message)",
+    "DO": "DO $$ BEGIN INSERT INTO outbox VALUES (100, 'do'); COMMIT;"
+    " INSERT INTO outbox VALUES (101, 'do, after'); END $$",
+}
+
+
+@pytest.fixture
+def commit_midway(scope_engine: sa.Engine) -> Iterator[None]:
+    with scope_engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "CREATE PROCEDURE commit_midway(message text) LANGUAGE plpgsql AS $$ BEGIN"
+                " INSERT INTO outbox VALUES (100, message); COMMIT;"
+                " INSERT INTO outbox VALUES (101, message || ', after'); END $$"
+            )
+        )
+    yield
+    with scope_engine.begin() as conn:
+        conn.execute(sa.text("DROP PROCEDURE commit_midway(text)"))
+
+
+@pytest.mark.usefixtures("commit_midway")
+@pytest.mark.parametrize("code", COMMITTING_CODE)
+@pytest.mark.parametrize("holder", ["stale", "current"])
+def test_a_procedure_or_do_block_that_commits_midway_is_refused_in_a_bound_transaction(
+    code: str,
+    holder: str,
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+) -> None:
+    """A COMMIT inside a procedure or DO block would end the armed transaction and run the
+    rest unarmed; PostgreSQL allows it only outside a transaction block, and a bound
+    session's statements always run inside one (autocommit is refused, and its pair is
+    test_without_the_refusal_a_stale_holder_set_to_autocommit_commits).  The contrast: on
+    an unbound autocommit connection, the same code commits both rows on its own."""
+    a, b = stale_pair(fencer) if holder == "stale" else (fencer.acquire("job:p", 5), None)
+    with make_session() as session:
+        a.bind(session)
+        session.add(Outbox(id=1, message=holder))
+        session.flush()
+        with pytest.raises(sa.exc.DBAPIError, match="invalid transaction termination"):
+            session.execute(sa.text(COMMITTING_CODE[code]), {"message": holder})
+        session.rollback()
+    assert outbox(scope_engine) == []
+    with scope_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sa.text(COMMITTING_CODE[code]), {"message": "unbound"})
+    assert len(outbox(scope_engine)) == 2
+    for lease in (a, b):
+        if lease is not None:
+            lease.release()
+
+
 def test_the_arm_never_reaches_the_next_user_of_a_pooled_connection(
     fencer: sa_fence.Fencer, scope_engine: sa.Engine
 ) -> None:

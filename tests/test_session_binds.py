@@ -13,6 +13,7 @@ import sqlite3
 from collections.abc import Iterator
 
 import pytest
+import redis
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -25,6 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import sa_fence
 import sa_fence.testing
 from sa_fence import _flush
+from tests._async_fixtures import expire
 from tests._sql import seed
 from tests.models import Audit, Job
 
@@ -377,6 +379,42 @@ def test_a_refused_second_session_may_not_flush_or_commit_what_it_goes_on_to_wri
     assert (row(engine, 2) is None) is guarded
     a.release()
     c.release()
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["refused", "guard-removed"])
+async def test_a_refused_second_async_session_may_not_flush_or_commit_either(
+    afencer: sa_fence.AsyncFencer,
+    make_async_session: async_sessionmaker[AsyncSession],
+    redis_client: redis.Redis,
+    engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    guarded: bool,
+) -> None:
+    """The same through AsyncSession, which runs the sync session's ``after_begin``: the
+    refusal raised on ``await s2.connection()`` sticks to that session.  The pair: without
+    it, the stale holder's row commits with the first session's transaction."""
+    if not guarded:
+        monkeypatch.setattr(_flush.SessionState, "fail", lambda self, error: error)
+    a, b = await afencer.acquire("job:1", 5), await afencer.acquire("job:2", 5)
+    assert expire(redis_client, b)
+    c = await afencer.acquire("job:2", 5)  # B is stale now
+    s1 = a.bind(make_async_session())
+    await s1.execute(sa.text("SELECT 1"))
+    s2 = b.bind(make_async_session(bind=await s1.connection()))
+    with pytest.raises(sa_fence.FencingConfigError, match="different leases bound"):
+        await s2.connection()
+    s2.add(Job(id=2, result="B, stale"))
+    if guarded:
+        with pytest.raises(sa_fence.FenceError, match=r"commit refused.*different leases"):
+            await s2.commit()
+    else:
+        await s2.commit()  # (joined: the outer transaction, s1's, commits the row)
+    await s1.commit()
+    await s2.close()
+    await s1.close()
+    assert (row(engine, 2) is None) is guarded
+    await a.release()
+    await c.release()
 
 
 def test_binding_a_lease_to_one_of_two_unbound_sessions_sharing_a_connection_is_refused(
