@@ -4,9 +4,8 @@
 2. When the session begins a transaction on a Connection, its class is swapped for
    :class:`_FencedConnection`, whose private execute, begin, commit and rollback
    steps run sa-fence's code first (no event listener is dispatched per statement).
-3. Lease scope: the transaction's BEGIN message also writes one row to
-   ``sa_fence_scope`` (:func:`_arm`), and a deferred trigger checks the lease
-   register at COMMIT, whatever sends it; a refusal becomes StaleTokenError.
+3. Lease scope (:mod:`sa_fence._scope`): PostgreSQL checks the lease register at COMMIT,
+   whatever sends it; the connection's begin and commit steps arm and check it.
 4. The row fence: ``before_flush`` refuses fenced writes without a lease, with
    a released lease or with a fence assigned by hand; every fenced UPDATE,
    DELETE and INSERT is rewritten (:mod:`sa_fence._rewrite`), and one targeted
@@ -17,12 +16,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
 import logging
 import sys
-import types
 import typing
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,23 +29,19 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy
-from psycopg import AsyncCursor, errors, generators
-from psycopg.pq import ExecStatus, TransactionStatus
-from psycopg.sql import Composable
 from sqlalchemy import Connection, Engine, TextClause, event, func, literal, select, true
-from sqlalchemy.exc import DBAPIError, MissingGreenlet
+from sqlalchemy.exc import MissingGreenlet
 from sqlalchemy.orm import NO_VALUE, Session, scoped_session, sessionmaker
 from sqlalchemy.orm.attributes import flag_modified, instance_dict, instance_state
 from sqlalchemy.sql.dml import Delete, Insert, Update
 from sqlalchemy.sql.elements import BindParameter, ColumnElement
 
-from . import _guard, _telemetry
+from . import _guard, _scope, _telemetry
 from ._dialect import check_dialect
 from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check, quote_ident
 from ._model import fence_column_of, fence_key_of, is_fenced_class, missing_fence_column, orm_index
-from ._register import DATABASE_ID_SQL, SCOPE_TABLE
 from ._rewrite import TOKEN_BIND, FencedStatement, key_binds, rewrite, rewritten
-from ._transaction_sql import might_leave_scope, scope_effect
+from ._scope import ACTIVE, ARMED_APART, SCOPE
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -168,15 +160,13 @@ def _state(session: Session) -> SessionState | None:
     return session.info.get(_STATE_KEY)
 
 
-class Marks:
+class Marks(_scope.ScopeMark):
     """The lease core inherits this: only the flush hook touches these."""
 
     #: Set once the lease is bound to a session or connection.
     _bound: bool = False
     #: Set at the first write statement under the lease (its timing, _telemetry.wrote).
     _wrote: bool = False
-    #: (engine, its scope table) of its last arm: _same_database, the table to write, no call
-    _scoped: Any = None
 
 
 def bound_lease(session: Session) -> Lease | None:
@@ -196,14 +186,8 @@ def state_for(session: Session) -> SessionState:
 # What sa-fence keeps per Connection lives in its own __dict__, read with `in` and [] (no call:
 # a get() is one, hence the SIM401 noqas on the hot path; a Mock would make up attributes).
 
-#: the fenced session (or fence_connection() block) whose transaction runs on it
-_ACTIVE = "_sa_fence_active"
 #: the installed sessions whose transactions run on it, oldest first (the newest is active)
 _SHARING = "_sa_fence_sharing"
-#: {(name, token): lease} its transaction's COMMIT checks; dropped when the transaction ends
-_SCOPE = "_sa_fence_scope"
-#: its transaction's arm was a statement of its own (not in BEGIN): a savepoint may hold it
-_ARMED_APART = "_sa_fence_armed_apart"
 
 
 class _FencedConnection(Connection):
@@ -216,7 +200,7 @@ class _FencedConnection(Connection):
         self, elem: Any, distilled_parameters: Any, execution_options: Any
     ) -> Any:
         attrs = self.__dict__  # (`in` and [], not get(): no call per statement)
-        state: SessionState | None = attrs[_ACTIVE] if _ACTIVE in attrs else None  # noqa: SIM401
+        state: SessionState | None = attrs[ACTIVE] if ACTIVE in attrs else None  # noqa: SIM401
         if state is None:
             return super()._execute_clauseelement(elem, distilled_parameters, execution_options)
         elem, distilled_parameters, pending = _before_execute(
@@ -231,44 +215,47 @@ class _FencedConnection(Connection):
         self, dialect: Any, context: Any, statement: Any, parameters: Any
     ) -> Any:
         attrs, sql = self.__dict__, context.statement  # (`in` and [], not get(): no call)
-        state: SessionState | None = attrs[_ACTIVE] if _ACTIVE in attrs else None  # noqa: SIM401
+        state: SessionState | None = attrs[ACTIVE] if ACTIVE in attrs else None  # noqa: SIM401
         if state is None or state.lease is None:
             return super()._exec_single_context(dialect, context, statement, parameters)
         # in scope, on a cursor that reads it as raw SQL (asyncio's is SQLAlchemy's adapter)
-        scoped = _PSYCOPG_BEGIN_HOOK and _SCOPE in attrs and attrs[_SCOPE]
+        scoped = _scope.PSYCOPG_BEGIN_HOOK and SCOPE in attrs and attrs[SCOPE]
         cursor = context.cursor.__class__
         if scoped and (
-            cursor in _reading_cursors or _driver(self).cursor_factory in _reading_cursors
+            cursor in _scope.reading_cursors
+            or _scope.driver_of(self).cursor_factory in _scope.reading_cursors
         ):
             return super()._exec_single_context(dialect, context, statement, parameters)
-        rolls_back = _before_bound_sql(self, state.lease, sql)
+        rolls_back = _scope.before_bound_sql(self, state.lease, sql)
         result = super()._exec_single_context(dialect, context, statement, parameters)
         if rolls_back:  # a ROLLBACK TO may undo an arm sent after BEGIN: send it again
-            _send_arms(self, attrs[_SCOPE])
+            _scope.send_arms(self, attrs[SCOPE])
         return result
 
     def _exec_insertmany_context(self, dialect: Any, context: Any) -> Any:
-        state: SessionState | None = self.__dict__.get(_ACTIVE)
+        state: SessionState | None = self.__dict__.get(ACTIVE)
         if state is not None and state.lease is not None:
-            _before_bound_sql(self, state.lease, context.statement)  # (an INSERT: no ROLLBACK TO)
+            _scope.before_bound_sql(
+                self, state.lease, context.statement
+            )  # (an INSERT: no ROLLBACK TO)
         return super()._exec_insertmany_context(dialect, context)
 
     def _execute_default(self, *args: Any, **kwargs: Any) -> Any:
-        _scope_on_begin(self)
+        _scope.scope_on_begin(self)
         return super()._execute_default(*args, **kwargs)
 
     def _begin_impl(self, transaction: Any) -> None:
-        _scope_on_begin(self)
+        _scope.scope_on_begin(self)
         super()._begin_impl(transaction)
 
     def _commit_impl(self) -> None:
-        _check_scope_and_commit(self)
+        _scope.check_scope_and_commit(self)
         super()._commit_impl()
 
     def _rollback_impl(self) -> None:
-        if self.__dict__.pop(_SCOPE, None) is not None:
-            self.__dict__.pop(_ARMED_APART, None)  # (set only in scope, as the arms are)
-            _disarm(self)  # (arms are only ever set in scope)
+        if self.__dict__.pop(SCOPE, None) is not None:
+            self.__dict__.pop(ARMED_APART, None)  # (set only in scope, as the arms are)
+            _scope.disarm(self)  # (arms are only ever set in scope)
         super()._rollback_impl()
 
 
@@ -324,14 +311,14 @@ def _hook_connection(connection: Connection) -> None:
 
 def _attach(connection: Connection, state: SessionState) -> None:
     """Route ``connection``'s statements through the hook for ``state`` (not a Mock's)."""
-    connection.__dict__[_ACTIVE] = state
+    connection.__dict__[ACTIVE] = state
     cls = type(connection)
     if not issubclass(cls, _FencedConnection) and issubclass(cls, Connection):
         _hook_connection(connection)
 
 
 def _map_guard_error(context: Any) -> None:
-    state: SessionState | None = getattr(context.connection, _ACTIVE, None)
+    state: SessionState | None = getattr(context.connection, ACTIVE, None)
     if state is None:
         return
     _refuse_missing_fence_column(context)
@@ -343,7 +330,7 @@ def _map_guard_error(context: Any) -> None:
     if error is None and lease is not None:
         # a COMMIT the client sent itself (text("COMMIT"), PREPARE TRANSACTION) refused
         scope = {(lease.name, lease.token): lease}
-        error = lease_error_from_check(orig, scope) or _scope_setup_error(orig)
+        error = lease_error_from_check(orig, scope) or _scope.scope_setup_error(orig)
     if error is None:
         return
     if isinstance(error, UnfencedWriteError):
@@ -375,546 +362,6 @@ def _refuse_missing_fence_column(context: Any) -> None:
     ) from context.original_exception
 
 
-def _scope_setup_error(orig: BaseException) -> FencingConfigError | None:
-    """The scope table is missing, or the role may not write it: a set-up mistake."""
-    sqlstate = getattr(orig, "sqlstate", None)
-    if sqlstate not in ("42501", "42P01") or SCOPE_TABLE not in str(orig):
-        return None
-    if sqlstate == "42P01":
-        return FencingConfigError(
-            f"the lease scope table {SCOPE_TABLE} is missing in this database ({orig}), so "
-            "PostgreSQL cannot hold this transaction to its lease at COMMIT. Create it with "
-            "op.create_fence_register() in a migration (or sa_fence.fence_sequence(metadata) "
-            "and metadata.create_all()); `sa-fence check` lists what else is missing. Nothing "
-            "was committed."
-        )
-    return FencingConfigError(
-        f"this role may not write the lease scope table {SCOPE_TABLE} ({orig}), so its "
-        "transactions cannot be held to their lease at COMMIT. Grant it: GRANT SELECT, "
-        f"INSERT, DELETE ON {SCOPE_TABLE} TO <your workers' role>; (`sa-fence check`, run "
-        "as that role, prints the exact GRANT)."
-    )
-
-
-# ------------------------------------------------- lease scope (at COMMIT)
-def in_scope(conn: Connection, lease: Lease) -> bool:
-    """Whether ``conn``'s transaction checks ``lease`` at COMMIT."""
-    scope = conn.__dict__.get(_SCOPE)
-    return scope is not None and (lease.name, lease.token) in scope
-
-
-#: Engine -> the (system identifier, database name) its connections reach.
-_database_ids: weakref.WeakKeyDictionary[Any, tuple[Any, ...] | None] = weakref.WeakKeyDictionary()
-
-
-def _same_database(conn: Connection, lease: Lease) -> bool:
-    """Whether ``conn`` writes to the database of ``lease``'s register: equal URLs, or the
-    same cluster id and database name (read once per engine); unknown: in scope."""
-    fencer_engine: Any = lease.fencer.engine
-    a, b = conn.engine.url, fencer_engine.url
-    if (a.host, a.port, a.database) == (b.host, b.port, b.database):
-        return True
-    theirs = lease.fencer.token_source.database_id
-    if conn.engine not in _database_ids:
-        _database_ids[conn.engine] = _read_database_id(conn)
-    ours = _database_ids[conn.engine]
-    return theirs is None or ours is None or ours == theirs
-
-
-def _read_database_id(conn: Connection) -> tuple[Any, ...] | None:
-    try:
-        row = _run(conn, DATABASE_ID_SQL, fetch=True)
-    except Exception:
-        return None
-    return None if row is None else tuple(row)
-
-
-def _enter_scope(conn: Connection, lease: Lease) -> None:
-    """Make ``conn``'s transaction commit only while ``lease`` is its name's newest grant."""
-    attrs = conn.__dict__
-    scope = attrs[_SCOPE] if _SCOPE in attrs else None  # noqa: SIM401
-    if scope is not None and (lease.name, lease.token) in scope:
-        if not _PSYCOPG_BEGIN_HOOK:
-            _rearm_if_ended(conn, scope)
-        return
-    known = lease._scoped
-    if (known is None or known[0] is not conn.engine) and not _same_database(conn, lease):
-        return  # another database: outside lease scope (documented)
-    if scope is None:
-        scope = attrs[_SCOPE] = {}
-    _arm(conn, lease)
-    scope[(lease.name, lease.token)] = lease  # (after the arm: a failed one is tried again)
-
-
-# ------------------------------------------- arming: lease scope in PostgreSQL
-#
-# A transaction in lease scope holds one row (name, token) in sa_fence_scope, written by
-# its BEGIN message (docs/how-it-works.md); when BEGIN was already sent or the driver is
-# not psycopg 3, the arm is a statement of its own.
-
-#: psycopg connection attribute: {scope table: [VALUES rows]} every BEGIN carries in scope
-_ARMS = "_sa_fence_arms"
-#: psycopg connection attribute: sa-fence's _start_query is installed
-_ARMED_START = "_start_query"
-#: psycopg connection attribute: weakref to the Connection the arms belong to (they never
-#: outlive its scope, e.g. into another pool user)
-_ARMS_OWNER = "_sa_fence_arms_owner"
-
-
-def _scope_table(conn: Connection, lease: Lease) -> str:
-    """The scope table of ``lease``'s register, schema-qualified: the fencer's check, run
-    before its first grant, pinned the schema (never ``pg_temp``, which could swallow the arm)."""
-    register = lease.fencer.token_source.register
-    assert register.schema is not None, "a lease is granted only after Fencer.check()"
-    lease._scoped = (conn.engine, register.scope_sql)
-    return register.scope_sql
-
-
-def _run(conn: Connection, sql: str, *, fetch: bool = False) -> Any:
-    """Send ``sql`` on ``conn``'s DBAPI connection (no events); the first row if ``fetch``.
-    An interruption leaves the connection's state unknown: it is invalidated."""
-    dbapi_conn: Any = conn.connection.dbapi_connection
-    cursor = dbapi_conn.cursor()
-    try:
-        cursor.execute(sql)
-        return cursor.fetchone() if fetch else None
-    except conn.dialect.loaded_dbapi.Error as exc:
-        setup = _scope_setup_error(exc)
-        if setup is not None:
-            raise setup from exc
-        raise
-    except BaseException as exc:  # (outside an asyncio greenlet: nothing was sent)
-        if not isinstance(exc, MissingGreenlet):
-            _invalidate(conn)
-        raise
-    finally:
-        with contextlib.suppress(Exception):
-            cursor.close()
-
-
-def _invalidate(conn: Connection) -> None:
-    with contextlib.suppress(Exception):
-        conn.invalidate()
-
-
-@functools.lru_cache(maxsize=256)  # every transaction of a lease sends the same row
-def _arm_row(name: str, token: int) -> str:
-    return f"({_guard.quote_literal(name)}, {int(token)})"
-
-
-#: Connection attribute: (DBAPI connection, its driver connection), read once per DBAPI connection
-_DRIVER = "_sa_fence_driver"
-
-
-def _driver(conn: Connection, fairy: Any = None) -> Any:
-    """``conn``'s driver connection, cached: a reconnect or a checkout is another DBAPI one."""
-    fairy = conn.connection if fairy is None else fairy
-    attrs, dbapi_conn = conn.__dict__, fairy.dbapi_connection
-    cached = attrs[_DRIVER] if _DRIVER in attrs else (None, None)  # noqa: SIM401
-    if cached[0] is not dbapi_conn:
-        cached = attrs[_DRIVER] = (dbapi_conn, fairy.driver_connection)
-    return cached[1]
-
-
-def _arm(conn: Connection, lease: Lease) -> None:
-    """Arm ``conn``'s transaction (now or in its BEGIN) for ``lease``."""
-    driver: Any = _driver(conn)
-    psycopg3 = hasattr(driver, "_get_tx_start_command")  # (else: no dialect check, in a test)
-    hooked = _PSYCOPG_BEGIN_HOOK and psycopg3
-    read_only = driver.read_only if psycopg3 else getattr(driver, "read_only", None)
-    if read_only and not (hooked and driver.pgconn.transaction_status == _IDLE):
-        raise _read_only_error()
-    known = lease._scoped
-    table = known[1] if known is not None and known[0] is conn.engine else _scope_table(conn, lease)
-    row = _arm_row(lease.name, lease.token)
-    if hooked:
-        attrs = driver.__dict__  # (`in` and [], not get(): no calls)
-        owner = attrs[_ARMS_OWNER] if _ARMS_OWNER in attrs else None  # noqa: SIM401
-        if owner is None or owner() is not conn:
-            attrs[_ARMS], attrs[_ARMS_OWNER] = (), weakref.ref(conn)
-        attrs[_ARMS] = _with_arm(attrs[_ARMS] if _ARMS in attrs else (), table, row)  # noqa: SIM401
-        if _ARMED_START not in attrs:
-            driver._start_query = types.MethodType(_start_query_armed, driver)
-            for method in ("transaction", "tpc_begin"):
-                setattr(driver, method, types.MethodType(_guarded_own_begin(method), driver))
-        cursors = driver.cursor_factory  # (per arm: a factory set since is checked too)
-        if cursors not in _reading_cursors:
-            driver.cursor_factory = _checked_cursor(cursors)
-        if driver.pgconn.transaction_status == _IDLE:
-            if read_only:  # (refused after the hooks: a BEGIN sent below SQLAlchemy refuses too)
-                raise _read_only_error()
-            return  # not begun: it travels in this transaction's BEGIN
-    elif psycopg3 and not driver.autocommit and driver.info.transaction_status == _IDLE:
-        return  # not begun: sent before its first statement (_rearm_if_ended)
-    _refuse_armed_autocommit(psycopg3 and driver.autocommit)  # (it would commit at once)
-    conn.__dict__[_ARMED_APART] = True
-    _run(conn, _arm_sql(table, [row]))
-
-
-def _arm_sql(table: str, rows: Sequence[str]) -> str:
-    return f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}"
-
-
-Arms = tuple[tuple[str, tuple[str, ...]], ...]  # ((scope table, its VALUES rows), ...)
-
-
-@functools.lru_cache(maxsize=256)  # (arms are immutable: no call when cached)
-def _with_arm(arms: Arms, table: str, row: str) -> Arms:
-    rows = dict(arms)
-    rows[table] = (*rows.get(table, ()), row)
-    return tuple(rows.items())
-
-
-@functools.lru_cache(maxsize=256)
-def _arm_inserts(arms: Arms) -> tuple[bytes, ...]:
-    return tuple(_arm_sql(table, rows).encode() for table, rows in arms)
-
-
-def _rearm_if_ended(conn: Connection, scope: dict[tuple[str, int], Lease]) -> None:
-    """Without the BEGIN hook: re-arm, first, a transaction begun after a COMMIT sent as SQL."""
-    driver: Any = conn.connection.driver_connection  # (psycopg 3: check_dialect)
-    _refuse_armed_autocommit(driver.autocommit)  # (set on the driver since the bind)
-    if driver.info.transaction_status == _IDLE:
-        if driver.read_only:  # (set since the arm was due, as the BEGIN hook checks)
-            raise _read_only_error()
-        _send_arms(conn, scope)
-
-
-def _send_arms(conn: Connection, scope: dict[tuple[str, int], Lease]) -> None:
-    for sql in _apart_arms(conn, scope):
-        _run(conn, sql)
-
-
-def _apart_arms(conn: Connection, scope: dict[tuple[str, int], Lease]) -> list[str]:
-    """The arms of ``conn``'s scope as statements of their own (a savepoint may hold them)."""
-    conn.__dict__[_ARMED_APART] = True
-    return [
-        _arm_sql(_scope_table(conn, lease), [_arm_row(lease.name, lease.token)])
-        for lease in scope.values()
-    ]
-
-
-def _read_only_error() -> FencingConfigError:
-    return FencingConfigError(
-        "this transaction is READ ONLY (postgresql_readonly / psycopg read_only), so it cannot "
-        "write the row that holds it to its lease at COMMIT, and a read-only transaction can still "
-        "send NOTIFY. Run a bound session's transactions read-write, or do read-only work in a "
-        "session with no lease bound. Nothing was sent."
-    )
-
-
-def _disarm(conn: Connection) -> None:
-    """The transaction ended: later BEGINs on this connection carry no arm."""
-    with contextlib.suppress(Exception):
-        driver: Any = conn.connection.driver_connection
-        if driver is not None:
-            driver.__dict__.pop(_ARMS, None)
-
-
-def _psycopg_begin_hook() -> bool:
-    """Whether psycopg has the internals :func:`_start_query_armed` uses (pinned by
-    tests/test_scope_trigger.py); without them every arm is its own statement."""
-    try:
-        from psycopg._connection_base import BaseConnection
-    except ImportError:
-        return False
-    return all(
-        callable(getattr(BaseConnection, name, None))
-        for name in ("_start_query", "_get_tx_start_command", "_exec_command")
-    )
-
-
-_PSYCOPG_BEGIN_HOOK = _psycopg_begin_hook()
-_IDLE = TransactionStatus.IDLE
-
-
-def _guarded_own_begin(method: str) -> Any:
-    """psycopg's ``transaction()`` or ``tpc_begin()``, refused where its own BEGIN would
-    begin a transaction in lease scope (inside one, transaction() is a savepoint: allowed)."""
-
-    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _refuse_own_begin(self, method)
-        return getattr(type(self), method)(self, *args, **kwargs)
-
-    return guarded
-
-
-def _arms_between(driver: Any, conn: Connection | None) -> Arms | None:
-    """The arm of a BEGIN that ``driver`` sends for itself (raw driver use) while ``conn``,
-    the Connection that last armed it, is fenced but has no transaction of SQLAlchemy's
-    open: with its lease, if its register's database is this one; else None."""
-    state: SessionState | None = conn.__dict__.get(_ACTIVE) if conn is not None else None
-    lease = state.lease if state is not None else None
-    known = lease._scoped if lease is not None else None
-    if conn is None or lease is None or known is None or known[0] is not conn.engine:
-        return None  # (not fenced, or its register is in another database: outside scope)
-    if conn.closed or conn.invalidated or conn.connection.driver_connection is not driver:
-        return None  # (its DBAPI connection is not this one any more)
-    return _with_arm((), known[1], _arm_row(lease.name, lease.token))
-
-
-def _scope_owner(driver: Any) -> Connection | None:
-    """The Connection whose lease scope ``driver`` is in (armed, or between its transactions)."""
-    attrs = driver.__dict__
-    owner: Connection | None = attrs[_ARMS_OWNER]() if _ARMS_OWNER in attrs else None
-    armed = owner is not None and bool(attrs.get(_ARMS)) and _SCOPE in owner.__dict__
-    return owner if armed or _arms_between(driver, owner) is not None else None
-
-
-def _refuse_own_begin(driver: Any, method: str) -> None:
-    if driver.pgconn.transaction_status == _IDLE and _scope_owner(driver) is not None:
-        raise FencingConfigError(
-            f"psycopg's {method}() would begin this transaction with a BEGIN of its own, on "
-            "a connection in lease scope: no arm travels in it, so its COMMIT would not be "
-            "checked against the register. Begin through SQLAlchemy (the session or "
-            "Connection; psycopg's transaction() inside it is a savepoint, which is fine), "
-            "or use a connection with no lease bound. Nothing was sent."
-        )
-
-
-def _start_query_armed(self: Any) -> Any:
-    """psycopg's ``_start_query`` (run before every statement) with the arm in BEGIN."""
-    if self.pgconn.transaction_status != _IDLE:
-        return None  # as psycopg's step; in a transaction: armed when it began
-    attrs = self.__dict__  # (`in` and [], not get(): no calls)
-    arms: Arms | None = attrs[_ARMS] if _ARMS in attrs else None  # noqa: SIM401
-    if arms:
-        owner = attrs[_ARMS_OWNER] if _ARMS_OWNER in attrs else None  # noqa: SIM401
-        conn = owner() if owner is not None else None
-        if conn is None or _SCOPE not in conn.__dict__:  # its lease scope has ended
-            attrs.pop(_ARMS, None)
-            arms = None
-    if not arms and _ARMS_OWNER in attrs:  # a fenced Connection between its transactions?
-        conn = attrs[_ARMS_OWNER]()
-        if conn is not None and _ACTIVE in conn.__dict__ and conn.__dict__[_ACTIVE] is not None:
-            arms = _arms_between(self, conn)
-    if self._autocommit:  # (as psycopg's step: no BEGIN)
-        return _refuse_armed_autocommit(True) if arms else None
-    if not arms:
-        return (yield from type(self)._start_query(self))
-    if self._read_only:  # (the read_only property's own attribute)
-        raise _read_only_error()
-    begin = self._get_tx_start_command()
-    if self._pipeline:
-        yield from self._exec_command(begin)
-        for insert in _arm_inserts(arms):
-            yield from self._exec_command(insert)
-        yield from self._pipeline._sync_gen()
-        return None
-    self.pgconn.send_query(b"; ".join([begin, *_arm_inserts(arms)]))
-    results = yield from generators.execute(self.pgconn)
-    for result in results:
-        if result.status == ExecStatus.FATAL_ERROR:
-            raise errors.error_from_result(result, encoding=self.pgconn._encoding)
-    return None
-
-
-# -------------------------------------------- driver SQL: what an armed driver's cursors send
-#
-# SQL sent on the driver's own cursors (``dbapi_connection.cursor()``, ``.execute()``) passes no
-# step of SQLAlchemy's: an armed driver's cursor class is swapped for a subclass that reads each
-# statement first in lease scope (refused if it leaves scope; a ROLLBACK TO that may undo an arm
-# sent apart is followed by it again).  _exec_single_context leaves SQLAlchemy's SQL to it.
-
-#: The checked subclasses (:func:`_checked_cursor`'s results).
-_reading_cursors: set[type] = set()
-
-
-@functools.cache  # one subclass per cursor class
-def _checked_cursor(base: type) -> type:
-    """``base``'s subclass whose execute, executemany, stream and copy read the SQL first."""
-    is_async = issubclass(base, AsyncCursor)
-    methods = {
-        "execute": (_rearming_async if is_async else _checked_execute)(base.execute),  # type: ignore[attr-defined]
-        "executemany": (_rearming_async if is_async else _rearming)(base.executemany),  # type: ignore[attr-defined]
-        "stream": _read_first(base.stream),  # type: ignore[attr-defined]
-        "copy": _read_first(base.copy),  # type: ignore[attr-defined]
-    }
-    made = type(f"Checked{base.__name__}", (base,), {"__slots__": (), **methods})
-    _reading_cursors.add(made)
-    return made
-
-
-def _cursor_sql(driver: Any, sql: Any, *, rearm: bool = True) -> Connection | None:
-    """Before a cursor of ``driver`` sends ``sql``: refused if it leaves lease scope; the
-    Connection to send the arms of again after it (a ROLLBACK TO in a transaction armed
-    apart, when ``rearm``; else refused too), or None."""
-    if sql.__class__ is str and not might_leave_scope(sql):
-        return None
-    if (owner := _scope_owner(driver)) is None:
-        return None  # out of lease scope (the pool's next user, say): sent as it is
-    text = _sql_text(driver, sql)
-    rolls_back = might_leave_scope(text) and _refuse_leaving_scope(text)
-    if not rolls_back or _ARMED_APART not in owner.__dict__:  # (set only with the scope)
-        return None
-    if not rearm:
-        raise FencingConfigError(
-            f"this SQL rolls back to a savepoint ({text[:60]!r}) that may hold the arm of a "
-            "lease bound inside it, through stream() or copy(), after which sa-fence cannot "
-            "send the arm again. Send it with execute(), or roll the savepoint back through "
-            "SQLAlchemy. Nothing was sent."
-        )
-    return owner
-
-
-def _checked_execute(execute: Any) -> Any:
-    def checked(self: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
-        if query.__class__ is str:  # might_leave_scope(), inlined: no call per statement
-            lowered = query.lower()
-            if ";" not in query and "chain" not in lowered and "rollback" not in lowered:
-                return execute(self, query, params, **kwargs)
-        return rearming(self, query, params, **kwargs)
-
-    rearming = _rearming(execute)
-    return checked
-
-
-def _rearming(method: Any) -> Any:
-    def checked(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
-        owner = _cursor_sql(self._conn, query)
-        result = method(self, query, *args, **kwargs)
-        if owner is not None:
-            _send_arms(owner, owner.__dict__[_SCOPE])
-        return result
-
-    return checked
-
-
-def _rearming_async(method: Any) -> Any:
-    async def checked(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
-        owner = _cursor_sql(self._conn, query)
-        result = await method(self, query, *args, **kwargs)
-        if owner is not None:
-            await _send_arms_async(self._conn, owner)
-        return result
-
-    return checked
-
-
-def _read_first(method: Any) -> Any:
-    def checked(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
-        _cursor_sql(self._conn, query, rearm=False)  # (sync or async: it returns an object)
-        return method(self, query, *args, **kwargs)
-
-    return checked
-
-
-async def _send_arms_async(driver: Any, conn: Connection) -> None:
-    """:func:`_send_arms` on an async driver, from its cursor (no greenlet there).  An
-    interruption closes the driver connection: a transaction whose arm was undone must
-    never commit (PostgreSQL rolls it back)."""
-    try:
-        for sql in _apart_arms(conn, conn.__dict__[_SCOPE]):
-            await driver.execute(sql)
-    except errors.Error as exc:  # (the server refused it: the transaction is aborted)
-        if (setup := _scope_setup_error(exc)) is not None:
-            raise setup from exc
-        raise
-    except BaseException:
-        driver.pgconn.finish()
-        raise
-
-
-def _sql_text(driver: Any, sql: Any) -> str:
-    """SQL given to ``driver`` (a psycopg connection) as the text it sends; other types refused."""
-    if isinstance(sql, bytes | bytearray | memoryview):  # driver SQL (invalid: server refuses)
-        return bytes(sql).decode(driver.info.encoding, errors="replace")
-    if isinstance(sql, Composable):  # driver SQL as a psycopg sql object, as psycopg renders it
-        return sql.as_string(driver)
-    if not isinstance(sql, str):
-        raise FencingConfigError(
-            f"sa-fence cannot read SQL given as {type(sql).__name__}, as it must with a lease "
-            "bound: pass str, bytes or a psycopg sql.SQL or sql.Composed. Nothing was sent."
-        )
-    return sql
-
-
-def _before_bound_sql(conn: Connection, lease: Lease, sql: Any) -> bool:
-    """Before SQL on a bound connection: re-arm, without the BEGIN hook, after a COMMIT sent as
-    SQL; refuse SQL that leaves lease scope.  Whether it rolls back an arm sent apart."""
-    sql = sql if sql.__class__ is str else _sql_text(_driver(conn), sql)
-    leaves = might_leave_scope(sql) and _refuse_leaving_scope(sql)
-    if not _PSYCOPG_BEGIN_HOOK:  # (after a refusal: nothing is sent, not even an arm)
-        _enter_scope(conn, lease)
-    return leaves and _ARMED_APART in conn.__dict__
-
-
-def _refuse_leaving_scope(sql: str) -> bool:
-    """Refuse SQL that ends the transaction and goes on (``COMMIT; BEGIN``, ``COMMIT AND
-    CHAIN``): no BEGIN of sa-fence's would arm what runs after the end.  Returns whether
-    it rolls back to a savepoint."""
-    leaves, rolls_back = scope_effect(sql)  # (one split of the SQL for both)
-    if leaves:
-        raise FencingConfigError(
-            f"this SQL ends its transaction and goes on ({sql[:60] + '...' * (len(sql) > 60)!r}): "
-            "a statement after COMMIT, END, ROLLBACK, ROLLBACK TO, ABORT or PREPARE "
-            "TRANSACTION, or AND CHAIN. PostgreSQL would run what follows in a transaction "
-            "outside lease scope, so a stale holder's later writes could commit unchecked. "
-            "Send the COMMIT (or ROLLBACK TO) as a statement of its own, last, without AND "
-            "CHAIN (or call session.commit() / connection.commit()); the next statement begins "
-            "a new transaction in lease scope. Nothing was sent."
-        )
-    return rolls_back
-
-
-def _scope_on_begin(conn: Connection) -> None:
-    """A transaction begins, or a default runs past the statement steps (``scalar(Sequence)``,
-    maybe first after a COMMIT sent as SQL), on a fenced connection: scope it now."""
-    state: SessionState | None = getattr(conn, _ACTIVE, None)
-    if state is not None and state.lease is not None:
-        _enter_scope(conn, state.lease)
-
-
-def _check_scope_and_commit(conn: Connection) -> None:
-    """Commit ``conn``'s transaction, mapping the scope trigger's refusal to StaleTokenError;
-    an interruption invalidates the connection (docs/guarantees.md)."""
-    if _ARMED_APART in conn.__dict__:  # (`in` and del, not pop(): no call)
-        del conn.__dict__[_ARMED_APART]
-    scope: dict[tuple[str, int], Lease] | None = conn.__dict__.pop(_SCOPE, None)
-    if scope is None:
-        return
-    if not scope:
-        _disarm(conn)
-        return
-    fairy = conn.connection
-    driver: Any = _driver(conn, fairy)
-    if driver is not None and _ARMS in driver.__dict__:
-        del driver.__dict__[_ARMS]  # later BEGINs carry no arm
-    dbapi_conn = fairy.dbapi_connection
-    assert dbapi_conn is not None
-    check = _telemetry.commit_check(scope)  # None: no span or latency to record
-    if check is None:
-        try:
-            _commit_in_scope(conn, dbapi_conn, scope)
-        except StaleTokenError as exc:
-            _telemetry.commit_refused(scope, exc)  # counted all the same
-            raise
-        return
-    with check:  # latency, span; a stale refusal is counted
-        _commit_in_scope(conn, dbapi_conn, scope)
-
-
-def _commit_in_scope(conn: Connection, dbapi_conn: Any, scope: dict[Any, Lease]) -> None:
-    dialect = conn.dialect
-    try:
-        _send_commit(dbapi_conn)
-    except dialect.loaded_dbapi.Error as exc:  # (the server ended the transaction: no rollback)
-        stale = lease_error_from_check(exc, scope)
-        if stale is not None:
-            raise stale from None
-        raise DBAPIError.instance(
-            "COMMIT", None, exc, dialect.loaded_dbapi.Error, dialect=dialect
-        ) from exc
-    except BaseException:
-        _invalidate(conn)
-        raise
-
-
-def _send_commit(dbapi_conn: Any) -> None:
-    """Send the COMMIT (a test seam); the driver's ``commit()``: 30 calls less than a cursor."""
-    dbapi_conn.commit()
-
-
 def _before_execute(
     conn: Connection, state: SessionState, elem: Any, params: Sequence[Any], options: Any
 ) -> tuple[Any, Sequence[Mapping[str, Any]], _Pending | None]:
@@ -923,11 +370,11 @@ def _before_execute(
     :func:`_after_execute` checks."""
     lease, attrs = state.lease, conn.__dict__
     if lease is not None and (  # no BEGIN hook: re-arm before SQLAlchemy draws any default
-        not _PSYCOPG_BEGIN_HOOK
-        or _SCOPE not in attrs
-        or (lease.name, lease.token) not in attrs[_SCOPE]
+        not _scope.PSYCOPG_BEGIN_HOOK
+        or SCOPE not in attrs
+        or (lease.name, lease.token) not in attrs[SCOPE]
     ):
-        _enter_scope(conn, lease)
+        _scope.enter_scope(conn, lease)
     if not (elem.is_dml and isinstance(elem, Update | Delete | Insert)):  # (a SELECT: no call)
         if isinstance(elem, TextClause):
             state.present_for_raw_sql(conn)
@@ -1206,7 +653,7 @@ def _count_upserted_rows(
 ) -> None:
     """Add up the rows a fenced upsert's cursor executions report (``result.rowcount`` is
     -1 for an INSERT, or with ``preserve_rowcount`` and insertmanyvalues the rows sent)."""
-    state: SessionState | None = getattr(conn, _ACTIVE, None)
+    state: SessionState | None = getattr(conn, ACTIVE, None)
     if state is None:
         return
     pending = state.pending
@@ -1434,7 +881,7 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
     info, attrs = session.info, connection.__dict__  # (`in` and [], not get(): no calls)
     state = info[_STATE_KEY] if _STATE_KEY in info else state_for(session)
     sharing: list[SessionState] | None = attrs[_SHARING] if _SHARING in attrs else None  # noqa: SIM401
-    active = attrs[_ACTIVE] if _ACTIVE in attrs else None  # noqa: SIM401
+    active = attrs[ACTIVE] if ACTIVE in attrs else None  # noqa: SIM401
     try:  # (a refusal sticks: the session may not flush or commit until rolled back)
         if sharing or (active is not None and active is not state):  # (else: its alone)
             _refuse_confusable(connection, state, state.lease)
@@ -1443,7 +890,7 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
         elif state not in sharing:
             sharing.append(state)
         if type(connection) in _hooked_classes:  # (_attach, inlined: a class met before)
-            attrs[_ACTIVE] = state
+            attrs[ACTIVE] = state
             _hook_connection(connection)
         else:
             _attach(connection, state)
@@ -1452,7 +899,7 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
             check_dialect(connection.dialect)
             if session.twophase:  # (_refuse_unscoped(), inlined: it raises)
                 _refuse_unscoped(session, connection)
-            _enter_scope(connection, state.lease)  # (first: psycopg's BEGIN step refuses too)
+            _scope.enter_scope(connection, state.lease)  # (first: psycopg's BEGIN step refuses too)
             _refuse_autocommit(connection)
     except FenceError as exc:
         raise state.fail(exc) from None
@@ -1466,7 +913,7 @@ def _refuse_confusable(connection: Connection, state: SessionState, lease: Lease
     """Refuse a second session (or fence_connection() block) on ``connection`` unless it
     has the same lease bound, or none: the hook finds the token by connection."""
     sharing: list[SessionState] | None = connection.__dict__.get(_SHARING)
-    active: SessionState | None = connection.__dict__.get(_ACTIVE)
+    active: SessionState | None = connection.__dict__.get(ACTIVE)
     if not sharing and (active is None or active is state):
         return  # the hot path: a connection of this session's alone
     others = [s for s in sharing or () if s is not state]
@@ -1521,8 +968,8 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
                 sharing.remove(state)
             if not sharing and _SHARING in attrs:
                 del attrs[_SHARING]
-            if _ACTIVE in attrs and attrs[_ACTIVE] is state:  # another session's may still run
-                attrs[_ACTIVE] = sharing[-1] if sharing else None
+            if ACTIVE in attrs and attrs[ACTIVE] is state:  # another session's may still run
+                attrs[ACTIVE] = sharing[-1] if sharing else None
         state.connections = []
 
 
@@ -1713,7 +1160,7 @@ def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
     previous, state.lease = state.lease, lease
     try:
         for conn in state.connections:  # bound mid-transaction: the COMMIT checks it too
-            _enter_scope(conn, lease)
+            _scope.enter_scope(conn, lease)
     except BaseException as exc:
         state.lease = previous  # a bind that failed leaves the session as it was
         if isinstance(exc, MissingGreenlet):
@@ -1741,21 +1188,8 @@ def _refuse_unscoped(session: Session, conn: Connection) -> None:
 
 def _refuse_autocommit(conn: Connection) -> None:
     """Lease scope needs a transaction to check at COMMIT: refuse autocommit connections."""
-    if getattr(_driver(conn), "autocommit", False):  # (a call only to refuse)
-        _refuse_armed_autocommit(True)
-
-
-def _refuse_armed_autocommit(in_scope: bool) -> None:
-    """Refuse autocommit in lease scope: at the bind, or set on the driver since (no BEGIN)."""
-    if in_scope:
-        raise FencingConfigError(
-            "this connection is in AUTOCOMMIT mode: every statement commits on its own, so "
-            "the lease could not be checked before its writes commit (lease-scoped "
-            "fencing). Fence a connection in a transaction (the default isolation "
-            "level; conn.begin() or commit-as-you-go), and run what needs autocommit "
-            "(VACUUM, CREATE INDEX CONCURRENTLY) on a connection with no lease bound, not "
-            "by setting the driver's autocommit. Nothing was sent."
-        )
+    if getattr(_scope.driver_of(conn), "autocommit", False):  # (a call only to refuse)
+        _scope.refuse_armed_autocommit(True)
 
 
 def unbind(session: Session) -> None:
@@ -1789,18 +1223,18 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
         )
     check_dialect(conn.dialect)
     _refuse_autocommit(conn)
-    previous: SessionState | None = vars(conn).get(_ACTIVE)
+    previous: SessionState | None = vars(conn).get(ACTIVE)
     state = SessionState()
     _refuse_confusable(conn, state, lease)  # a session on it with another lease, or none
     state.lease = lease
     lease._bound = True
     _attach(conn, state)
-    _enter_scope(conn, lease)
+    _scope.enter_scope(conn, lease)
     try:
         state.present_for_raw_sql(conn)
         yield conn
     finally:
-        vars(conn)[_ACTIVE] = previous
+        vars(conn)[ACTIVE] = previous
 
 
 @contextmanager

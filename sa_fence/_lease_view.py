@@ -41,7 +41,7 @@ class LeaseView(Protocol):
     # Declared here for typing; each is touched only by the module that owns it.
     _bound: bool  # _flush.Marks
     _wrote: bool  # _flush.Marks
-    _scoped: Any  # _flush.Marks
+    _scoped: Any  # _scope.ScopeMark
     _tel: Any  # _telemetry.Reported
 
     def check(self, *, for_write: bool = False) -> None:

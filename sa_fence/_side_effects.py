@@ -25,7 +25,7 @@ from urllib.parse import quote
 
 from sqlalchemy.orm import Session, scoped_session
 
-from . import _flush
+from . import _flush, _scope
 from ._decorators import await_steps, run_steps
 from .errors import FencingConfigError, UnfencedWriteError
 
@@ -96,7 +96,7 @@ def _check_task(task: object, kwargs: dict[str, Any]) -> None:
 
 def _require_scope(conn: Connection, lease: Lease) -> None:
     """The job row must be inside the transaction's lease scope, or it commits unchecked."""
-    if not _flush.in_scope(conn, lease):
+    if not _scope.in_scope(conn, lease):
         raise FencingConfigError(
             f"this session's transaction is not lease-scoped for {lease.name!r} (it writes to "
             "another database than the lease register's), so its COMMIT would not check the lease "

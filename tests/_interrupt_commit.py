@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _flush
+from sa_fence import _scope
 from tests.conftest import REDIS_URL
 from tests.models_scope import Outbox
 
@@ -50,9 +50,9 @@ def main(url: str, prefix: str, kind: str, invalidate: bool, arm: bool) -> None:
     engine = sa.create_engine(url, pool_size=1, max_overflow=0, pool_timeout=5)
     fencer = sa_fence.Fencer(redis.Redis.from_url(REDIS_URL), engine, key_prefix=prefix)
     if not invalidate:
-        _flush._invalidate = lambda conn: None  # type: ignore[assignment]
-    send_commit = _flush._send_commit
-    _flush._send_commit = slow_commit  # type: ignore[assignment]  # the test seam
+        _scope._invalidate = lambda conn: None  # type: ignore[assignment]
+    send_commit = _scope._send_commit
+    _scope._send_commit = slow_commit  # type: ignore[assignment]  # the test seam
 
     def handler(signum: int, frame: Any) -> None:
         raise raise_("interrupted")
@@ -82,7 +82,7 @@ def main(url: str, prefix: str, kind: str, invalidate: bool, arm: bool) -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         if blocker is not None:
             blocker.close()
-    _flush._send_commit = send_commit  # type: ignore[assignment]
+    _scope._send_commit = send_commit  # type: ignore[assignment]
     with contextlib.suppress(Exception):
         session.close()
     lease.release()

@@ -14,7 +14,7 @@ from sqlalchemy import delete, update
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _flush, _rewrite
+from sa_fence import _flush, _rewrite, _scope
 from sa_fence.testing import expire
 from tests._sql import recorded_statements, seed
 from tests.models import Audit, Cell, Job
@@ -77,7 +77,7 @@ def test_without_the_token_comparison_the_stale_write_overwrites_b(
     """The pair of the test above: remove the guard and the lost-lease double write comes back."""
     monkeypatch.setattr(_rewrite, "fence_predicate", lambda col, token: sa.true())
     monkeypatch.setattr(_rewrite, "_rewritten", weakref.WeakKeyDictionary())  # built anew
-    monkeypatch.setattr(_flush, "_enter_scope", lambda conn, lease: None)  # no lease scope
+    monkeypatch.setattr(_scope, "enter_scope", lambda conn, lease: None)  # no lease scope
     a, _b, session_a = run_seed_scenario(fencer, make_session)
     session_a.commit()  # goes through: this is the bug sa-fence exists to stop
     session_a.close()

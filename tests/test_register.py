@@ -246,9 +246,9 @@ def test_comparing_urls_alone_would_let_the_stale_commit_through(
     fencer: sa_fence.Fencer, engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The pair of the test above: without the database identity, scope is skipped."""
-    from sa_fence import _flush
+    from sa_fence import _scope
 
-    monkeypatch.setattr(_flush, "_read_database_id", lambda conn: ("elsewhere",))
+    monkeypatch.setattr(_scope, "_read_database_id", lambda conn: ("elsewhere",))
     fencer.check()  # the fencer knows its own database's identity
     assert stale_commit_through(fencer, engine.url.set(host="localhost"), engine) is None
 

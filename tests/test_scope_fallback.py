@@ -1,7 +1,7 @@
 """Lease scope without psycopg's BEGIN hook: every test of test_scope_trigger.py again.
 
 sa-fence writes a transaction's arm in psycopg's own BEGIN message, through
-psycopg internals it checks at import (``_flush._PSYCOPG_BEGIN_HOOK``).  A
+psycopg internals it checks at import (``_scope.PSYCOPG_BEGIN_HOOK``).  A
 psycopg release that changes them turns the hook off, and every arm becomes
 a statement of its own, sent when the transaction enters lease scope and
 again first thing in a transaction begun after a COMMIT sent as SQL.  That
@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import Lease, _flush
+from sa_fence import Lease, _flush, _scope
 from sa_fence.testing import expire
 from tests import _scope_fixtures
 from tests.models_scope import OWN_ARMS, Outbox
@@ -78,7 +78,7 @@ del test_driver_sql_that_goes_on_between_a_fenced_connections_transactions_is_re
 
 @pytest.fixture(autouse=True)
 def _without_the_begin_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_flush, "_PSYCOPG_BEGIN_HOOK", False)
+    monkeypatch.setattr(_scope, "PSYCOPG_BEGIN_HOOK", False)
 
 
 def test_every_arm_is_a_statement_of_its_own(
@@ -172,7 +172,7 @@ def test_a_transaction_begun_after_a_commit_sent_as_sql_is_armed_again(
     which the fallback arms again first: the commit is refused.  Without the re-arm
     the stale write commits (the pair's other half)."""
     if not rearm:
-        monkeypatch.setattr(_flush, "_rearm_if_ended", lambda conn, scope: None)
+        monkeypatch.setattr(_scope, "_rearm_if_ended", lambda conn, scope: None)
     with make_session() as session:
         b = _superseded_after_a_commit_sent_as_sql(fencer, session)
         write(session)

@@ -34,7 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_asyn
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _flush, _register
+from sa_fence import _flush, _register, _scope
 from sa_fence.testing import expire
 from tests import _scope_fixtures
 from tests._interrupt_commit import slow_commit
@@ -354,11 +354,11 @@ def test_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rolled_back(
     """The arm of a lease bound mid-transaction is a statement of its own: a ROLLBACK TO
     the savepoint it was sent in undoes it, so it is sent again after one.  The pair:
     without that, the stale holder's commit goes through."""
-    if how in DRIVER_SENDS and not _flush._PSYCOPG_BEGIN_HOOK:
+    if how in DRIVER_SENDS and not _scope.PSYCOPG_BEGIN_HOOK:
         pytest.skip("without the BEGIN hook, the driver's own cursors are not read (documented)")
     if not guarded:
-        effect = _flush.scope_effect  # the SQL is still refused; no ROLLBACK TO is seen
-        monkeypatch.setattr(_flush, "scope_effect", lambda sql: (effect(sql)[0], False))
+        effect = _scope.scope_effect  # the SQL is still refused; no ROLLBACK TO is seen
+        monkeypatch.setattr(_scope, "scope_effect", lambda sql: (effect(sql)[0], False))
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with make_session() as session:
         _savepoint_rolled_back_after_bind(session, a, how)
@@ -389,9 +389,9 @@ def test_without_the_refusal_sql_that_goes_on_commits_a_stale_holders_rows(
     """Guard-removal pair: the transaction begun after the end carries no arm.  (On the
     driver connection's cursors, the guard removed is their checked class.)"""
     if send in DRIVER_SENDS:
-        monkeypatch.setattr(_flush, "_checked_cursor", lambda base: base)
+        monkeypatch.setattr(_scope, "_checked_cursor", lambda base: base)
     else:
-        monkeypatch.setattr(_flush, "_refuse_leaving_scope", lambda sql: None)
+        monkeypatch.setattr(_scope, "_refuse_leaving_scope", lambda sql: None)
     sends = {**SQL_SENDS, **DRIVER_SENDS}
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with make_session() as session:
@@ -481,7 +481,7 @@ def test_the_arm_travels_in_psycopgs_begin_message(
     sends BEGIN, this fails (and sa-fence falls back to an arm statement)."""
     from psycopg._connection_base import BaseConnection
 
-    assert _flush._PSYCOPG_BEGIN_HOOK
+    assert _scope.PSYCOPG_BEGIN_HOOK
     source = inspect.getsource(BaseConnection._start_query)
     assert "transaction_status != IDLE" in source
     assert "self._get_tx_start_command()" in source
@@ -543,22 +543,22 @@ UNSCOPABLE = {
 def _refused_first(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """The order before the fix: the refusal came before psycopg's BEGIN step was installed."""
     if kind == "READ ONLY":
-        arm = _flush._arm
+        arm = _scope._arm
 
         def arm_refused_first(conn: sa.Connection, lease: sa_fence.Lease) -> None:
             if conn.connection.driver_connection.read_only:
-                raise _flush._read_only_error()
+                raise _scope._read_only_error()
             arm(conn, lease)
 
-        monkeypatch.setattr(_flush, "_arm", arm_refused_first)
+        monkeypatch.setattr(_scope, "_arm", arm_refused_first)
     else:
-        enter = _flush._enter_scope
+        enter = _scope.enter_scope
 
         def enter_refused_first(conn: sa.Connection, lease: sa_fence.Lease) -> None:
             _flush._refuse_autocommit(conn)
             enter(conn, lease)
 
-        monkeypatch.setattr(_flush, "_enter_scope", enter_refused_first)
+        monkeypatch.setattr(_scope, "enter_scope", enter_refused_first)
 
 
 @pytest.mark.parametrize("guarded", [True, False], ids=["refused", "guard-removed"])
@@ -579,10 +579,10 @@ def test_a_bound_sessions_transaction_that_cannot_be_armed_sends_nothing_however
     refusal, and refuses too.  The pair: with the refusal first (as it was), a NOTIFY sent
     with exec_driver_sql or on the driver began a transaction no arm rode, and a stale
     holder's notification was delivered."""
-    if send == "the driver" and not _flush._PSYCOPG_BEGIN_HOOK:
+    if send == "the driver" and not _scope.PSYCOPG_BEGIN_HOOK:
         pytest.skip("without the BEGIN hook, psycopg's own BEGIN is not armed (documented)")
     if not guarded:
-        if send == "text()" or not _flush._PSYCOPG_BEGIN_HOOK:
+        if send == "text()" or not _scope.PSYCOPG_BEGIN_HOOK:
             pytest.skip("the statement step enters scope itself: refused without the BEGIN step")
         _refused_first(monkeypatch, kind)
     with _listening(scope_engine) as (listener, channel):
@@ -740,7 +740,7 @@ def test_without_the_refusal_a_stale_holder_set_to_autocommit_commits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Guard-removal pair: no BEGIN, so no arm; the row commits as the INSERT runs."""
-    monkeypatch.setattr(_flush, "_refuse_armed_autocommit", lambda armed: None)
+    monkeypatch.setattr(_scope, "refuse_armed_autocommit", lambda armed: None)
     a, b = stale_pair(fencer)
     with make_session() as session:
         a.bind(session)
@@ -814,7 +814,7 @@ def test_without_the_refusal_psycopgs_own_transaction_commits_a_stale_holders_ro
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Guard-removal pair: psycopg's BEGIN carries no arm, and its COMMIT is not checked."""
-    monkeypatch.setattr(_flush, "_refuse_own_begin", lambda driver, method: None)
+    monkeypatch.setattr(_scope, "_refuse_own_begin", lambda driver, method: None)
     a, b = stale_pair(fencer)
     with make_session() as session:
         a.bind(session)
@@ -924,7 +924,7 @@ def test_without_the_arm_between_transactions_a_stale_raw_commit_goes_through(
     fencer: sa_fence.Fencer, scope_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Guard-removal pair: the raw BEGIN carries no arm, and the driver's COMMIT lands."""
-    monkeypatch.setattr(_flush, "_arms_between", lambda driver, conn: None)
+    monkeypatch.setattr(_scope, "_arms_between", lambda driver, conn: None)
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
         conn.commit()
@@ -1066,9 +1066,9 @@ def test_sqlalchemys_sql_is_read_even_on_a_cursor_class_swapped_back_mid_transac
     cursor_factory) is read by the statement step.  The pair: trusting any cursor, the
     chained transaction commits a stale holder's row."""
     if not guarded:
-        if not _flush._PSYCOPG_BEGIN_HOOK:
+        if not _scope.PSYCOPG_BEGIN_HOOK:
             pytest.skip("without the BEGIN hook the statement step reads every statement")
-        monkeypatch.setattr(_flush, "_reading_cursors", _flush._reading_cursors | {psycopg.Cursor})
+        monkeypatch.setattr(_scope, "reading_cursors", _scope.reading_cursors | {psycopg.Cursor})
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with make_session() as session:
         a.bind(session)
@@ -1135,7 +1135,7 @@ async def test_async_an_interrupted_arm_after_a_rollback_to_closes_the_driver_co
             def interrupted(table: str, rows: Any) -> str:
                 raise KeyboardInterrupt
 
-            monkeypatch.setattr(_flush, "_arm_sql", interrupted)
+            monkeypatch.setattr(_scope, "_arm_sql", interrupted)
             with pytest.raises(KeyboardInterrupt):
                 await driver.cursor().execute("ROLLBACK TO SAVEPOINT s")
             monkeypatch.undo()
@@ -1264,7 +1264,7 @@ def test_without_the_arm_a_raw_commit_of_a_stale_holder_goes_through(
     scope_engine: sa.Engine,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_flush, "_arm", lambda conn, lease: None)
+    monkeypatch.setattr(_scope, "_arm", lambda conn, lease: None)
     a, b = stale_pair(fencer)
     with make_session() as session:
         a.bind(session)
@@ -1919,8 +1919,8 @@ async def test_async_a_cancelled_commit_never_hands_the_pool_a_broken_connection
         make,
     ):
         a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 30)
-        send_commit = _flush._send_commit
-        monkeypatch.setattr(_flush, "_send_commit", slow_commit)
+        send_commit = _scope._send_commit
+        monkeypatch.setattr(_scope, "_send_commit", slow_commit)
         session = make()
         a.bind(session)
         session.add(Outbox(id=1, message="cancelled"))
@@ -1930,7 +1930,7 @@ async def test_async_a_cancelled_commit_never_hands_the_pool_a_broken_connection
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        monkeypatch.setattr(_flush, "_send_commit", send_commit)
+        monkeypatch.setattr(_scope, "_send_commit", send_commit)
         with contextlib.suppress(Exception):
             await session.close()
         async with AsyncSession(aengine) as other:

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
 import sa_fence.testing
-from sa_fence import _flush
+from sa_fence import _flush, _scope
 from tests._async_fixtures import expire
 from tests._sql import seed
 from tests.models import Audit, Job
@@ -101,7 +101,7 @@ def test_without_routing_the_connection_through_the_hook_the_stale_write_commits
     """
     seed(fencer, make_session, Job(id=1, result="initial"))
     monkeypatch.setattr(_flush, "_hook_connection", lambda connection: None)
-    monkeypatch.setattr(_flush, "_arm", lambda conn, lease: None)
+    monkeypatch.setattr(_scope, "_arm", lambda conn, lease: None)
     _newer, session = stale_write(fencer, make_session, engine)
     session.commit()  # nothing compared the token, nothing checked the register
     session.close()
@@ -162,7 +162,7 @@ def test_the_user_engines_connections_of_other_sessions_are_not_routed(
         fenced_conn, plain_conn = fenced.connection(), plain.connection()
         assert isinstance(fenced_conn, _flush._FencedConnection)
         assert not isinstance(plain_conn, _flush._FencedConnection)
-        assert not sa.event.contains(engine, "commit", _flush._check_scope_and_commit)
+        assert not sa.event.contains(engine, "commit", _scope.check_scope_and_commit)
         plain.add(Job(id=5, result="a plain session is not fenced"))
         plain.commit()  # the documented limit: no hook, written as is
     assert row(engine, 5) == ("a plain session is not fenced", 0)

@@ -47,7 +47,7 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from sa_fence import _flush, _guard
+from sa_fence import _guard, _scope
 from sa_fence.tools.bench import (
     FlushBench,
     Op,
@@ -230,10 +230,10 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
         # The arm goes out only while its owner (a Connection in lease scope) lives: a
         # stand-in owner in scope, kept alive for the block.
         owner = _ScopeOwner()
-        vars(owner)[_flush._SCOPE] = {(lease.name, lease.token): lease}
-        vars(armed)[_flush._ARMS] = ((str(scope_table), (arm_row,)),)
-        vars(armed)[_flush._ARMS_OWNER] = weakref.ref(owner)
-        armed._start_query = types.MethodType(_flush._start_query_armed, armed)  # type: ignore[method-assign]
+        vars(owner)[_scope.SCOPE] = {(lease.name, lease.token): lease}
+        vars(armed)[_scope._ARMS] = ((str(scope_table), (arm_row,)),)
+        vars(armed)[_scope._ARMS_OWNER] = weakref.ref(owner)
+        armed._start_query = types.MethodType(_scope._start_query_armed, armed)  # type: ignore[method-assign]
         # the first statement begins the transaction, whose BEGIN carries the arm's row
         scoped = armed.execute(f"SELECT count(*) FROM {scope_table}").fetchone()
         armed.rollback()
@@ -287,7 +287,7 @@ def _keep(session: Session) -> None:
 
 def _skip(session: Session) -> None:
     session.flush()
-    if session.connection().__dict__.pop(_flush._SCOPE, None) is None:  # scope ends
+    if session.connection().__dict__.pop(_scope.SCOPE, None) is None:  # scope ends
         raise RuntimeError("no lease scope to skip: the breakdown would measure nothing")
 
 
@@ -300,12 +300,12 @@ def run_variant(bench: FlushBench, variant: str) -> None:
     elif variant == "fenced":
         bench.update("fenced", 1, before_commit=_keep)
     else:
-        arm = _flush._arm
-        _flush._arm = lambda conn, lease: None  # type: ignore[assignment]
+        arm = _scope._arm
+        _scope._arm = lambda conn, lease: None  # type: ignore[assignment]
         try:
             bench.update("fenced", 1, before_commit=_skip)
         finally:
-            _flush._arm = arm  # type: ignore[assignment]
+            _scope._arm = arm  # type: ignore[assignment]
 
 
 def backend_cpu(pid: int) -> float | None:
