@@ -408,7 +408,7 @@ def _start_query_armed(self: Any) -> Any:
 # SQL sent on the driver's own cursors (``dbapi_connection.cursor()``, ``.execute()``) passes no
 # step of SQLAlchemy's: an armed driver's cursor class is swapped for a subclass that reads each
 # statement first in lease scope (refused if it leaves scope; a ROLLBACK TO that may undo an arm
-# sent apart is followed by it again).  _exec_single_context leaves SQLAlchemy's SQL to it.
+# sent apart is followed by it again).  _flush's _exec_single_context leaves SQLAlchemy's SQL to it.
 
 #: The checked subclasses (:func:`_checked_cursor`'s results).
 reading_cursors: set[type] = set()
