@@ -235,9 +235,8 @@ class _FencedConnection(Connection):
     def _exec_insertmany_context(self, dialect: Any, context: Any) -> Any:
         state: SessionState | None = self.__dict__.get(ACTIVE)
         if state is not None and state.lease is not None:
-            _scope.before_bound_sql(
-                self, state.lease, context.statement
-            )  # (an INSERT: no ROLLBACK TO)
+            # (an INSERT: no ROLLBACK TO)
+            _scope.before_bound_sql(self, state.lease, context.statement)
         return super()._exec_insertmany_context(dialect, context)
 
     def _execute_default(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,6 +1,6 @@
-"""What the flush hook and telemetry need of a lease, as typing Protocols: ``_flush`` and
-``_telemetry`` import these, not the leases, which import them (docs/architecture.md, "The
-lease interface")."""
+"""What the flush hook and telemetry need of a lease, as typing Protocols: ``_flush``,
+``_scope`` and ``_telemetry`` import these, not the leases, which import them
+(docs/architecture.md, "The lease interface")."""
 
 from __future__ import annotations
 

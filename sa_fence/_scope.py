@@ -288,6 +288,19 @@ def _apart_arms(conn: Connection, scope: dict[tuple[str, int], Lease]) -> list[s
     ]
 
 
+def refuse_armed_autocommit(in_scope: bool) -> None:
+    """Refuse autocommit in lease scope: at the bind, or set on the driver since (no BEGIN)."""
+    if in_scope:
+        raise FencingConfigError(
+            "this connection is in AUTOCOMMIT mode: every statement commits on its own, so "
+            "the lease could not be checked before its writes commit (lease-scoped "
+            "fencing). Fence a connection in a transaction (the default isolation "
+            "level; conn.begin() or commit-as-you-go), and run what needs autocommit "
+            "(VACUUM, CREATE INDEX CONCURRENTLY) on a connection with no lease bound, not "
+            "by setting the driver's autocommit. Nothing was sent."
+        )
+
+
 def _read_only_error() -> FencingConfigError:
     return FencingConfigError(
         "this transaction is READ ONLY (postgresql_readonly / psycopg read_only), so it cannot "
@@ -523,6 +536,7 @@ def _sql_text(driver: Any, sql: Any) -> str:
     return sql
 
 
+# ------------------------------- the Connection's steps: SQL, BEGIN, COMMIT (from _flush)
 def before_bound_sql(conn: Connection, lease: Lease, sql: Any) -> bool:
     """Before SQL on a bound connection: re-arm, without the BEGIN hook, after a COMMIT sent as
     SQL; refuse SQL that leaves lease scope.  Whether it rolls back an arm sent apart."""
@@ -607,16 +621,3 @@ def _commit_in_scope(conn: Connection, dbapi_conn: Any, scope: dict[Any, Lease])
 def _send_commit(dbapi_conn: Any) -> None:
     """Send the COMMIT (a test seam); the driver's ``commit()``: 30 calls less than a cursor."""
     dbapi_conn.commit()
-
-
-def refuse_armed_autocommit(in_scope: bool) -> None:
-    """Refuse autocommit in lease scope: at the bind, or set on the driver since (no BEGIN)."""
-    if in_scope:
-        raise FencingConfigError(
-            "this connection is in AUTOCOMMIT mode: every statement commits on its own, so "
-            "the lease could not be checked before its writes commit (lease-scoped "
-            "fencing). Fence a connection in a transaction (the default isolation "
-            "level; conn.begin() or commit-as-you-go), and run what needs autocommit "
-            "(VACUUM, CREATE INDEX CONCURRENTLY) on a connection with no lease bound, not "
-            "by setting the driver's autocommit. Nothing was sent."
-        )

@@ -5,7 +5,7 @@ what invalidates each of them.
   connection and kept with it: a reconnect after an invalidation, or another pool
   checkout, is another DBAPI connection, and the driver is read anew.
 * A lease remembers the engine it was last armed through and that engine's scope
-  table (``Marks._scoped``): another engine is checked again (another database is
+  table (``_scope.ScopeMark._scoped``): another engine is checked again (another database is
   outside lease scope).
 * A transaction's arms live on the driver as an immutable tuple, built by a cached
   function, and travel in its BEGIN.
