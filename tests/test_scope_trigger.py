@@ -165,7 +165,8 @@ def test_a_procedure_or_do_block_that_commits_midway_is_refused_in_a_bound_trans
     session's statements always run inside one (autocommit is refused, and its pair is
     test_without_the_refusal_a_stale_holder_set_to_autocommit_commits).  The contrast: on
     an unbound autocommit connection, the same code commits both rows on its own."""
-    a, b = stale_pair(fencer) if holder == "stale" else (fencer.acquire("job:p", 5), None)
+    fresh = (fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5), None)
+    a, b = stale_pair(fencer) if holder == "stale" else fresh
     with make_session() as session:
         a.bind(session)
         session.add(Outbox(id=1, message=holder))
@@ -177,9 +178,7 @@ def test_a_procedure_or_do_block_that_commits_midway_is_refused_in_a_bound_trans
     with scope_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(sa.text(COMMITTING_CODE[code]), {"message": "unbound"})
     assert len(outbox(scope_engine)) == 2
-    for lease in (a, b):
-        if lease is not None:
-            lease.release()
+    (b or a).release()
 
 
 def test_the_arm_never_reaches_the_next_user_of_a_pooled_connection(
