@@ -51,7 +51,7 @@ def test_every_benchmark_section_runs_and_prints_its_table(tmp_path: Path) -> No
         "the register check in SQL",
         "flush CPU time of this process",
         "the same, server backend CPU per transaction (schedstat)",
-        "CPU time of this process per 1-row update + commit",
+        "fenced over skipped: lease scope",
         "guard trigger (BEFORE INSERT OR UPDATE OR DELETE, policy reject) vs no trigger",
         "insert 20 rows",
         "contention:",

@@ -20,17 +20,17 @@ plain, ...), the order rotated every round:
 
 Then it counts the statements one flush of 1000 rows sends, and measures
 where the fenced 1-row update's extra time goes (:func:`run_breakdown`):
-the same op with lease scope skipped (no arm, no trigger: a diagnostic
-variant, never a setting), and the mechanism's SQL alone on raw psycopg
-connections after a 1-row UPDATE: COMMIT, ``SELECT 1; COMMIT``, the
+the op plain, fenced, and fenced with lease scope skipped (no arm, no
+trigger: a diagnostic variant, never a setting), alternated, each op's wall
+time split into this process's CPU (ours), the server backends' CPU and the
+waiting left over (:func:`op_costs`); the mechanism's SQL alone on raw
+psycopg connections after a 1-row UPDATE: COMMIT, ``SELECT 1; COMMIT``, the
 client-sent check of before issue 19 (``SELECT sa_fence_check_lease(...);
 COMMIT``) and today's arm in the BEGIN message with the deferred trigger at
-COMMIT, side by side; and this process's CPU time for one flush of
-all the changed rows, plain and fenced (:func:`flush_cpu`: what sa-fence adds
-per row, free of the server's noise), and for one whole 1-row update + commit
-(:func:`transaction_cpu`: the client's share of the 1-row difference, ours;
-the rest is the server's).  The accounts printed under a missed
-target are built from those numbers.
+COMMIT, side by side; and this process's and the server's CPU time for one
+flush of all the changed rows, plain and fenced (:func:`flush_cpu`: what
+sa-fence adds per row, free of the waiting).  The accounts printed under a
+missed target are built from those numbers.
 """
 
 from __future__ import annotations
@@ -108,23 +108,29 @@ class FlushResult:
 class Breakdown:
     """Where the fenced 1-row update's extra time goes (see run_breakdown)."""
 
-    op: dict[str, Timing]  # plain / fenced, check skipped / fenced
+    op: dict[str, OpCost]  # plain / fenced, lease scope skipped / fenced (see op_costs)
     sql: dict[str, Timing]  # raw psycopg: COMMIT / SELECT 1; COMMIT / check; COMMIT
     rows: int = 0  # rows changed per flush in the CPU measurement
     cpu: dict[str, list[float]] = field(default_factory=dict)  # plain / fenced: flush CPU s
     #: plain / fenced: the server backend's CPU during the same flushes (seconds); empty when
     #: the server does not run on this machine
     flush_server: dict[str, list[float]] = field(default_factory=dict)
-    #: plain / fenced: this process's CPU time per 1-row update + commit (seconds)
-    txn_cpu: dict[str, list[float]] = field(default_factory=dict)
     #: the raw SQL lines' median server backend CPU per transaction (seconds); None when
     #: the server does not run on this machine
     sql_server: dict[str, float] | None = None
 
     def ours(self) -> float:
         """The fenced 1-row transaction's extra CPU time in this process (seconds)."""
-        plain, fenced = (statistics.median(self.txn_cpu[v]) for v in ("plain", "fenced"))
-        return fenced - plain
+        return self.op["fenced"].median("cpu") - self.op["plain"].median("cpu")
+
+    def server_op(self) -> tuple[float, float] | None:
+        """The server backends' extra CPU inside the 1-row op (seconds): the row fence
+        (lease scope skipped over plain) and lease scope (fenced over skipped); None when
+        the server does not run on this machine."""
+        if not self.op["plain"].server:
+            return None
+        plain, skipped, fenced = (self.op[v].median("server") for v in OP_VARIANTS)
+        return skipped - plain, fenced - skipped
 
     def per_row(self) -> tuple[float, float, float]:
         """Median flush CPU time, plain and fenced, and the fenced extra per row (seconds)."""
@@ -140,13 +146,36 @@ class Breakdown:
 
     def extra(self) -> tuple[float, float, float, float]:
         """(hooks, register check in the op, second statement, the check itself), seconds."""
-        op = {k: t.median for k, t in self.op.items()}
+        op = {k: cost.median("wall") for k, cost in self.op.items()}
         sql = {k: t.median for k, t in self.sql.items()}
         return (
             op[SKIPPED] - op["plain"],
             op["fenced"] - op[SKIPPED],
             sql[SELECT_1] - sql[COMMIT],
             sql[CHECK] - sql[SELECT_1],
+        )
+
+
+@dataclass
+class OpCost:
+    """One variant of the 1-row update + commit, per op (seconds): wall time, this process's
+    CPU and the server backends' CPU (empty when the server runs elsewhere)."""
+
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    server: list[float] = field(default_factory=list)
+
+    def median(self, kind: str) -> float:
+        samples: list[float] = getattr(self, kind)
+        return statistics.median(samples)
+
+    def waiting(self) -> float | None:
+        """The median of what each op spent in neither CPU: the network, the WAL flush, other
+        processes on the machine; None when the server's CPU was not measured."""
+        if not self.server:
+            return None
+        return statistics.median(
+            w - c - s for w, c, s in zip(self.wall, self.cpu, self.server, strict=True)
         )
 
 
@@ -208,14 +237,7 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
     own; the fenced op runs the same flush and ``session.connection()`` call
     without dropping it.  Diagnostic only: a bound session always checks.
     """
-    per = 2 if config.quick else 40
-    op = interleave(
-        {v: Op(lambda v=v: run_variant(bench, v)) for v in OP_VARIANTS},  # type: ignore[misc]
-        rounds=config.rounds,
-        per_round=per,
-        progress=progress,
-        label="flush: where the 1-row time goes",
-    )
+    op = op_costs(bench, config, progress)
     lease = bench.lease
     check = bench.schema.register.check_call(lease.name, lease.token)
     table = bench.schema.models["plain"].__table__
@@ -268,7 +290,9 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
         )
         sql_server = server_cpu(raw, config.rounds * per_round)
     cpu, server = flush_cpu(bench, config, progress)
-    return Breakdown(op, sql, bench.rows, cpu, server, transaction_cpu(bench, config), sql_server)
+    return Breakdown(
+        op=op, sql=sql, rows=bench.rows, cpu=cpu, flush_server=server, sql_server=sql_server
+    )
 
 
 class _ScopeOwner:
@@ -343,26 +367,80 @@ def server_cpu(
     return {label: statistics.median(times) for label, times in cpu.items()}
 
 
-def transaction_cpu(bench: FlushBench, config: Config) -> dict[str, list[float]]:
-    """This process's CPU time per 1-row update + commit, plain and fenced, alternated.
+def client_backends(engine: sa.Engine) -> list[int]:
+    """The pids of the server backends serving the bench's database: the engine's pooled
+    connections (the bench's database is its own, so no one else's backend is among them)."""
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                sa.text(
+                    "SELECT pid FROM pg_catalog.pg_stat_activity"
+                    " WHERE datname = pg_catalog.current_database()"
+                    " AND backend_type = 'client backend'"
+                )
+            ).scalars()
+        )
 
-    The client's share of the op: what sa-fence's Python adds, apart from the
-    server's work and the wait for it, which a loaded machine makes noisy.
+
+def backends_cpu(pids: list[int]) -> float | None:
+    """The CPU seconds the backends ``pids`` have run, together; None when one of them does
+    not run on this machine."""
+    total = 0.0
+    for pid in pids:
+        cpu = backend_cpu(pid)
+        if cpu is None:
+            return None
+        total += cpu
+    return total
+
+
+def op_costs(bench: FlushBench, config: Config, progress: Progress) -> dict[str, OpCost]:
+    """The 1-row update + commit of each of :data:`OP_VARIANTS`, alternated op by op (the
+    order rotated every round, garbage collection between rounds only, one warm-up round):
+    per op, its wall time, this process's CPU time and the server backends' CPU time.
+
+    What is neither CPU is waiting: the network, the WAL flush, other processes on the
+    machine.  The server's CPU is read inside the ORM op itself, not from the same SQL sent
+    alone, because there it costs more: the client's Python runs on the same cores between
+    its statements.  Skipping lease scope (a diagnostic) parts the server's share in two:
+    the row fence (the fenced UPDATE) and lease scope (the arm and the trigger at COMMIT).
     """
     rounds, per = (1, 2) if config.quick else (config.rounds, 40)
-    cpu: dict[str, list[float]] = {"plain": [], "fenced": []}
-    for r in range(rounds):
+    costs = {v: OpCost() for v in OP_VARIANTS}
+    for v in OP_VARIANTS:  # the pool's connections exist before their backends are listed
+        run_variant(bench, v)
+    pids = client_backends(bench.engine)
+    on_server = True
+    progress.start("flush: where the 1-row time goes", rounds + 1)
+    for r in range(rounds + 1):  # round 0 warms up
+        k = r % len(OP_VARIANTS)
+        order = OP_VARIANTS[k:] + OP_VARIANTS[:k]
         gc.collect()
         gc.disable()
         try:
             for _ in range(per):
-                for variant in ("plain", "fenced") if r % 2 == 0 else ("fenced", "plain"):
-                    started = time.process_time()
-                    bench.update(variant, 1)
-                    cpu[variant].append(time.process_time() - started)
+                for v in order:
+                    server = backends_cpu(pids)
+                    cpu, wall = time.process_time(), time.perf_counter()
+                    run_variant(bench, v)
+                    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                    after = backends_cpu(pids)
+                    if server is None or after is None:
+                        on_server = False  # the server runs elsewhere (or a backend left)
+                    if r:
+                        costs[v].wall.append(wall)
+                        costs[v].cpu.append(cpu)
+                        costs[v].server.append(
+                            0.0 if server is None or after is None else after - server
+                        )
         finally:
             gc.enable()
-    return cpu
+        progress.step()
+    progress.finish()
+    if not on_server:
+        for cost in costs.values():
+            cost.server.clear()
+    return costs
 
 
 def flush_cpu(
@@ -447,7 +525,7 @@ def why_missed(
     if b is None:
         return ""
     hooks, check, second, body = b.extra()
-    base = b.op["plain"].median
+    base = b.op["plain"].median("wall")
     us = 1e6
     if n == 1:
         head = (
@@ -455,7 +533,7 @@ def why_missed(
             "round trip (the flush sends what plain sends; the BEGIN message carries the "
             "arm). "
         )
-        if b.sql_server is not None:
+        if b.server_op() is not None:
             return head + cpu_account(b, plain)
         return head + (
             f"This run's breakdown of the same op: the lease register check "
@@ -502,20 +580,31 @@ def server_row_account(b: Breakdown, plain: float) -> str:
 
 
 def cpu_account(b: Breakdown, plain: float) -> str:
-    """The 1-row account from CPU times: this process's, and the server backend's for
-    lease scope's SQL (the raw SQL lines), which another load leaves mostly alone."""
-    assert b.sql_server is not None
+    """The 1-row account from the breakdown's own ops: this process's CPU (ours), the server
+    backends' CPU (the row fence's and lease scope's) and the waiting left over."""
+    server = b.server_op()
+    assert server is not None
+    fence, scope = server
     us = 1e6
-    scope = b.sql_server[ARMED] - b.sql_server[COMMIT]
-    ours = b.ours()
+    over = b.op["fenced"].median("wall") - b.op["plain"].median("wall")
+    waits = [b.op[v].waiting() for v in ("plain", "fenced")]
+    waiting = (waits[1] or 0.0) - (waits[0] or 0.0)
+    alone = ""
+    if b.sql_server is not None:
+        raw = b.sql_server[ARMED] - b.sql_server[COMMIT]
+        alone = (
+            f" (the same SQL sent alone on a raw connection: {raw * us:+.0f} us; inside the op "
+            "the client's Python runs on the same cores between its statements)"
+        )
     return (
-        f"Of it, CPU: this process's (ours: the hooks, the row fence and lease scope's arm "
-        f"and COMMIT path) {ours * us:+.0f} us per transaction ({WHY_HOOKS}); the server's "
-        f"work for lease scope {scope * us:+.0f} us per transaction, measured on its backend in "
-        f"raw SQL ({WHY_CHECK}): {scope / plain * 100:.1f}% of a plain 1-row op by itself, "
-        f"against {b.sql_server[COMMIT] * us:.0f} us of server CPU for the plain transaction. "
-        "The rest of the difference is waiting (the network, the other processes on the "
-        "machine). See docs/benchmarks.md"
+        f"In this run's breakdown (the 1-row update alternated with plain, {over * us:+.0f} us "
+        f"over it): this process's CPU (ours) {b.ours() * us:+.0f} us per transaction "
+        f"({WHY_HOOKS}); the server's CPU {(fence + scope) * us:+.0f} us, of which the row "
+        f"fence {fence * us:+.0f} us (writing the fence, its condition and the set_config() "
+        f"that presents the token) and lease scope {scope * us:+.0f} us{alone}: {WHY_CHECK}. "
+        f"Lease scope's server work is {scope / plain * 100:.1f}% of a plain 1-row op by "
+        f"itself. Waiting (the network, the WAL flush, the other processes on the machine) "
+        f"{waiting * us:+.0f} us. See docs/benchmarks.md"
     )
 
 
@@ -564,17 +653,48 @@ def report(result: FlushResult, rows: int) -> list[Target]:
     return targets
 
 
+def _cells(values: tuple[float | None, ...], delta: bool) -> list[str]:
+    return [
+        "-" if v is None else (f"{v * 1e6:+.1f} us" if delta else fmt_time(v).strip())
+        for v in values
+    ]
+
+
 def report_breakdown(b: Breakdown) -> None:
-    hooks, check, second, body = b.extra()
-    n = len(b.op["plain"].samples)
-    print(f"\nwhere the fenced 1-row update's time goes (interleaved, median of {n} each)")
-    rows = (
-        ("plain session", b.op["plain"], ""),
-        (f"{SKIPPED} (diagnostic)", b.op[SKIPPED], f"{hooks * 1e6:+7.1f} us  sa-fence's hooks"),
-        ("fenced (lease scope on)", b.op["fenced"], f"{check * 1e6:+7.1f} us  register check"),
+    _, _, second, body = b.extra()
+    n = len(b.op["plain"].wall)
+    print(f"\nwhere the fenced 1-row update's time goes (alternated op by op, median of {n} each)")
+    print(
+        f"  {'':<46}{'wall':>11}{'this process':>14}{'server CPU':>13}{'waiting':>11}\n"
+        f"  {'':<46}{'':>11}{'CPU (ours)':>14}{'(schedstat)':>13}"
     )
-    for label, timing, note in rows:
-        print(f"  {label:<48}{fmt_time(timing.median):>11}  {note}".rstrip())
+    measured = bool(b.op["plain"].server)
+    medians = {
+        v: (
+            cost.median("wall"),
+            cost.median("cpu"),
+            cost.median("server") if measured else None,
+            cost.waiting(),
+        )
+        for v, cost in b.op.items()
+    }
+    rows: list[tuple[str, tuple[float | None, ...], bool]] = [
+        ("plain session", medians["plain"], False),
+        (f"{SKIPPED} (diagnostic)", medians[SKIPPED], False),
+        ("fenced (lease scope on)", medians["fenced"], False),
+    ]
+    for low, high, label in (
+        ("plain", SKIPPED, "skipped over plain: the hooks, the row fence"),
+        (SKIPPED, "fenced", "fenced over skipped: lease scope"),
+        ("plain", "fenced", "fenced over plain"),
+    ):
+        pairs = zip(medians[low], medians[high], strict=True)
+        rows.append(
+            (label, tuple(None if x is None or y is None else y - x for x, y in pairs), True)
+        )
+    for label, values, delta in rows:
+        wall, cpu, server, waiting = _cells(values, delta)
+        print(f"  {label:<46}{wall:>11}{cpu:>14}{server:>13}{waiting:>11}")
     n = len(b.sql[COMMIT].samples)
     print(f"the register check in SQL: raw psycopg, 1-row UPDATE then ..., median of {n} each")
     rows = (
@@ -607,14 +727,6 @@ def report_breakdown(b: Breakdown) -> None:
         print(f"the same flushes, server backend CPU (schedstat), median of {n} each")
         print(f"  {'plain':<48}{fmt_time(plain_server):>11}")
         print(f"  {'fenced':<48}{fmt_time(fenced_server):>11}  {server_row * 1e6:+7.2f} us per row")
-    n = len(b.txn_cpu["plain"])
-    plain_txn = statistics.median(b.txn_cpu["plain"])
-    print(f"CPU time of this process per 1-row update + commit, median of {n} each")
-    print(f"  {'plain':<48}{fmt_time(plain_txn):>11}")
-    print(
-        f"  {'fenced':<48}{fmt_time(plain_txn + b.ours()):>11}  "
-        f"{b.ours() * 1e6:+7.1f} us  ours (sa-fence's Python)"
-    )
 
 
 def curve(result: FlushResult) -> dict[str, list[tuple[int, float]]]:
