@@ -534,7 +534,7 @@ def why_missed(
             "arm). "
         )
         if b.server_op() is not None:
-            return head + cpu_account(b, plain)
+            return head + cpu_account(b)
         return head + (
             f"This run's breakdown of the same op: the lease register check "
             f"{check * us:.0f} us, {check / base * 100:.1f}% of a plain op by itself: "
@@ -579,14 +579,15 @@ def server_row_account(b: Breakdown, plain: float) -> str:
     )
 
 
-def cpu_account(b: Breakdown, plain: float) -> str:
+def cpu_account(b: Breakdown) -> str:
     """The 1-row account from the breakdown's own ops: this process's CPU (ours), the server
     backends' CPU (the row fence's and lease scope's) and the waiting left over."""
     server = b.server_op()
     assert server is not None
     fence, scope = server
     us = 1e6
-    over = b.op["fenced"].median("wall") - b.op["plain"].median("wall")
+    base = b.op["plain"].median("wall")
+    over = b.op["fenced"].median("wall") - base
     waits = [b.op[v].waiting() for v in ("plain", "fenced")]
     waiting = (waits[1] or 0.0) - (waits[0] or 0.0)
     alone = ""
@@ -602,9 +603,10 @@ def cpu_account(b: Breakdown, plain: float) -> str:
         f"({WHY_HOOKS}); the server's CPU {(fence + scope) * us:+.0f} us, of which the row "
         f"fence {fence * us:+.0f} us (writing the fence, its condition and the set_config() "
         f"that presents the token) and lease scope {scope * us:+.0f} us{alone}: {WHY_CHECK}. "
-        f"Lease scope's server work is {scope / plain * 100:.1f}% of a plain 1-row op by "
-        f"itself. Waiting (the network, the WAL flush, the other processes on the machine) "
-        f"{waiting * us:+.0f} us. See docs/benchmarks.md"
+        f"Lease scope's server work is {scope / base * 100:.1f}% of the plain op it was "
+        f"measured beside ({base * 1e3:.2f} ms) by itself. Waiting (the network, the WAL "
+        f"flush, the other processes on the machine) {waiting * us:+.0f} us. See "
+        "docs/benchmarks.md"
     )
 
 
