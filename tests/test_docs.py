@@ -15,11 +15,14 @@ import pytest
 import sa_fence
 from tests._fresh_db import fresh_database
 from tests._fresh_venv import Venv
+from tests._sql import recorded_statements, seed
 from tests.conftest import REDIS_URL
+from tests.models import Job
 
 if TYPE_CHECKING:
     import redis
     import sqlalchemy as sa
+    from sqlalchemy.orm import Session, sessionmaker
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -149,3 +152,27 @@ def test_a_page_shows_its_code_and_it_is_the_recipe_the_suite_runs(page: Path) -
             assert body == recipe.read_text(encoding="utf-8"), (
                 f"the {name} block of docs/{page.name} differs from docs/recipes/{name}"
             )
+
+
+def test_the_flush_update_how_it_works_shows_is_the_statement_a_flush_sends(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    """docs/how-it-works.md shows the UPDATE a fenced flush sends; it is that statement, but
+    for the parameters' types the page leaves out."""
+    page = (DOCS / "how-it-works.md").read_text()
+    shown = re.search(r"The flush UPDATE therefore looks like this.*?```sql\n(.*?)```", page, re.S)
+    assert shown is not None, "how-it-works.md no longer shows the flush UPDATE"
+    seed(fencer, make_session, Job(id=1, result="initial"))
+    with fencer.lease("job:1", 5) as lease, make_session() as session:
+        lease.bind(session)
+        session.get(Job, 1).result = "done"  # type: ignore[union-attr]
+        with recorded_statements(engine) as sent:
+            session.flush()
+        session.commit()
+    updates = [sql for sql in sent if sql.startswith("UPDATE")]
+    assert len(updates) == 1, sent
+
+    def normal(sql: str) -> str:  # no parameter types, one space between words
+        return " ".join(re.sub(r"::[A-Z]+(\(\d+\))?", "", sql).split())
+
+    assert normal(updates[0]) == normal(shown.group(1))
