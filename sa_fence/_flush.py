@@ -326,16 +326,16 @@ def _map_guard_error(context: Any) -> None:
     error: FenceError | None = error_from_guard(
         orig, lease.name if lease else None, lease.token if lease else None
     )
-    if error is None and lease is not None:
-        # a COMMIT the client sent itself (text("COMMIT"), PREPARE TRANSACTION) refused
+    if error is None and lease is not None:  # a COMMIT sent as SQL (or PREPARE), refused
         scope = {(lease.name, lease.token): lease}
         error = lease_error_from_check(orig, scope) or _scope.scope_setup_error(orig)
     if error is None:
         return
     if isinstance(error, UnfencedWriteError):
         _telemetry.unfenced_refused(_telemetry.GUARD)
-    elif isinstance(error, StaleTokenError):
-        _telemetry.stale_refused(lease, _telemetry.GUARD, error)
+    elif isinstance(error, StaleTokenError):  # (at COMMIT: lease scope's, as session.commit()'s)
+        via = _telemetry.LEASE_SCOPE if error.statement == "COMMIT" else _telemetry.GUARD
+        _telemetry.stale_refused(lease, via, error)
     raise state.fail(error) from orig
 
 

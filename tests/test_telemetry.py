@@ -349,6 +349,25 @@ def test_a_stale_commit_is_counted_as_refused_by_lease_scope(
     assert not check.status.is_ok
 
 
+@pytest.mark.parametrize("sent", ["COMMIT", "PREPARE TRANSACTION"])
+def test_a_stale_commit_sent_as_sql_is_counted_as_refused_by_lease_scope(
+    otel: Otel, tfencer: sa_fence.Fencer, make_session: sessionmaker[Session], sent: str
+) -> None:
+    """A ``COMMIT`` (or ``PREPARE TRANSACTION``) the caller sends as SQL, refused by lease
+    scope's trigger, counts as lease scope's refusal, as ``session.commit()``'s does; not as
+    a guard's (no guard trigger is involved)."""
+    old = tfencer.acquire("job:1", ttl=5)
+    with make_session() as session:
+        old.bind(session)
+        session.add(Audit(message="late"))
+        session.flush()
+        expire(old)
+        with tfencer.lease("job:1", ttl=5), pytest.raises(sa_fence.StaleTokenError):
+            session.execute(sa.text(f"{sent} 'sa_fence_test'" if "PREPARE" in sent else sent))
+    assert otel.count("sa_fence.write.stale_refused", check="lease_scope", pattern="job:{n}") == 1
+    assert otel.count("sa_fence.write.stale_refused", check="guard", pattern="job:{n}") == 0
+
+
 def test_a_stale_row_write_is_counted_as_refused_by_the_row_fence(
     otel: Otel, tfencer: sa_fence.Fencer, make_session: sessionmaker[Session]
 ) -> None:
