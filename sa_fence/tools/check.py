@@ -190,14 +190,14 @@ def load_metadata(spec: str, app_dir: str = ".") -> sa.MetaData:
 
 #: The rights the current role needs on the register (SELECT, INSERT, UPDATE) and on the scope
 #: table (INSERT: the arm; SELECT, DELETE: the trigger's clean-up, run as the committing role).
+#: Not EXECUTE on the check function: a bound session's COMMIT is checked by the scope trigger,
+#: which PostgreSQL runs without it; only a raw writer's hand-sent check calls the function.
 _REGISTER_RIGHTS_SQL = sa.text(
     """
     SELECT has_table_privilege(to_regclass(:register), 'SELECT') AS can_select,
            has_table_privilege(to_regclass(:register), 'INSERT') AS can_insert,
            has_table_privilege(to_regclass(:register), 'UPDATE') AS can_update,
            has_sequence_privilege(to_regclass(:sequence), 'USAGE') AS can_draw,
-           has_function_privilege(to_regprocedure(:function || '(text, bigint)'), 'EXECUTE')
-               AS can_check,
            has_table_privilege(to_regclass(:scope), 'INSERT') AS can_arm,
            has_table_privilege(to_regclass(:scope), 'SELECT') AS can_read_scope,
            has_table_privilege(to_regclass(:scope), 'DELETE') AS can_disarm
@@ -320,7 +320,6 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
         {
             "register": register.table_sql,
             "sequence": register.sequence_sql,
-            "function": register.function_sql,
             "scope": register.scope_sql,
         },
     ).one()
@@ -359,12 +358,8 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
 def _lacking_rights(rights: Any, shown: Register, role: str) -> list[tuple[str, str, str]]:
     """The rights (a row of ``_REGISTER_RIGHTS_SQL``) ``role`` lacks: (right, what fails, GRANT)."""
     table, scope = shown.table_display, shown.scope_display
-    sequence, function = f"sequence {shown.sequence}", f"{shown.function_sql}(text, bigint)"
-    grants, transactions, commits = (
-        "every grant",
-        "every transaction of a bound session",
-        "every commit of a bound session",
-    )
+    sequence = f"sequence {shown.sequence}"
+    grants, transactions = "every grant", "every transaction of a bound session"
     #: (has it, the right, on what as shown, what fails without it, on what in the GRANT)
     needed = (
         (rights.can_select, "SELECT", table, grants, shown.table_sql),
@@ -374,7 +369,6 @@ def _lacking_rights(rights: Any, shown: Register, role: str) -> list[tuple[str, 
         (rights.can_read_scope, "SELECT", scope, transactions, shown.scope_sql),
         (rights.can_disarm, "DELETE", scope, transactions, shown.scope_sql),
         (rights.can_draw, "USAGE", sequence, grants, f"SEQUENCE {shown.sequence_sql}"),
-        (rights.can_check, "EXECUTE", function, commits, f"FUNCTION {function}"),
     )
     return [
         (f"{right} on {on}", fails, f"GRANT {right} ON {target} TO {_ident(role)};")
