@@ -205,7 +205,7 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine", Le
 
     ``timeout``: the failure budget in seconds (default 5) of one acquire (apart from waiting for a
     busy lease), extend, release or token draw on a failing Redis or PostgreSQL, a grant's wait for
-    a committing holder included.  A failed call is resent at most three times, while the next one,
+    a committing holder included.  A failed call is sent at most three times, while the next one,
     as long as the last, ends within the budget: give the client a ``socket_timeout`` well below
     it.  Set-up mistakes (a wrong password or database index, TLS on one side only, a missing ACL
     right or register) are not resent: they raise :class:`~sa_fence.FencingConfigError`, with the

@@ -325,10 +325,10 @@ class CreateFenceRegisterOp(_RegisterOp):
 class DropFenceRegisterOp(_RegisterOp, opposite=CreateFenceRegisterOp):
     """``op.drop_fence_register(sequence="sa_fence_token_seq")``.
 
-    Drops the commit check function and the lease register.  Never on a live database: every
-    Fencer refuses to grant without the register, and the newest token of every lease name is
-    forgotten.  Comes before ``op.drop_fence_sequence()``, whose sequence the register's
-    default uses.
+    Drops the scope table and its trigger, both functions and the lease register.  Never on a
+    live database: every Fencer refuses to grant without the register, and the newest token of
+    every lease name is forgotten.  Comes before ``op.drop_fence_sequence()``, whose sequence
+    the register's default uses.
     """
 
     def _function_sql(self) -> str:
