@@ -14,7 +14,7 @@ restarts through crash recovery.  Points chosen:
   left uncommitted, and with ``synchronous_commit = off``: both hand tokens
   out again, so these tests fail if the draw stops committing durably;
 * mid-commit (the session's server process frozen with SIGSTOP while its
-  ``check; COMMIT`` is in flight): nothing of the unit of work is committed;
+  ``COMMIT``, which runs lease scope's check, is in flight): nothing of the unit of work is committed;
 * mid-acquire (the token connection's server process frozen while the grant
   statement is in flight): the acquire fails with LeaseBackendError and
   leaves nothing in Redis;
@@ -497,7 +497,7 @@ def test_a_crash_mid_commit_commits_nothing_of_the_unit_of_work(
     session.flush()
     backend = session.connection().exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
     _freeze(backend)
-    committing, failures = _in_thread(session.commit)  # sends "check; COMMIT", waits
+    committing, failures = _in_thread(session.commit)  # sends COMMIT (the trigger checks), waits
     time.sleep(0.2)
     assert committing.is_alive()
     _crash_with_frozen_backend(pg, backend)
