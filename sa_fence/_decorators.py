@@ -30,10 +30,10 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from . import _protocol as proto
 from . import _telemetry
-from ._flush import state_for
+from ._flush import is_installed, state_for
 from ._lease import Deadlines, Fencer, OnLost
 from ._lifecycle import BaseLease, add_loss_hook, lose, remove_loss_hook
-from .errors import LeaseLostError, LeaseNotAcquiredError
+from .errors import FencingConfigError, LeaseLostError, LeaseNotAcquiredError
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
@@ -353,35 +353,47 @@ class _Fenced:
         lease_name = proto.check_name(lease_name)
         fencer, how, source = self.locate(bound)
         body = functools.partial(self.fn, *args, **kwargs)
-        held = _held(fencer, lease_name)
-        if held is not None:  # this call stack holds the name: reuse the lease, never wait for it
-            held.lease.check(for_write=True)  # lost: stop here
-            return (yield from self.in_session(body, held, how, source))
+        # opened (no I/O) and checked before the lease: a session that could not be fenced
+        # fails before a token is drawn or anything is written
+        session = _open(how, source, self.is_async)
         try:
-            with _telemetry.naming(options.name):  # metrics name the template, not the name
-                lease = yield fencer.acquire(
-                    lease_name,
-                    options.ttl,
-                    on_lost=options.on_lost,
-                    blocking=options.on_busy == "wait",
-                    timeout=options.timeout,
-                    renew=options.renew,
-                    fail_fast=options.fail_fast,
+            if not is_installed(getattr(session, "sync_session", session)):
+                raise FencingConfigError(
+                    f"@fenced's session {source!r} does not have the sa-fence flush hook, so "
+                    "the lease would fence nothing. Call sa_fence.install() on it, its "
+                    "sessionmaker or its Session class first. Nothing was written."
                 )
-        except LeaseNotAcquiredError:
-            if options.on_busy != "skip":
-                raise
-            log.info("lease %r is busy; skipped %s()", lease_name, self.fn.__qualname__)
-            return SKIPPED
-        stop_limit = None if options.max_hold is None else self.hold_limit(lease, options.max_hold)
-        try:
-            return (
-                yield from self.in_session(body, _Frame(fencer, lease_name, lease), how, source)
-            )
+            held = _held(fencer, lease_name)
+            if held is not None:  # this call stack holds the name: reuse it, never wait for it
+                held.lease.check(for_write=True)  # lost: stop here
+                return (yield from self.in_session(body, held, how, session))
+            try:
+                with _telemetry.naming(options.name):  # metrics name the template, not the name
+                    lease = yield fencer.acquire(
+                        lease_name,
+                        options.ttl,
+                        on_lost=options.on_lost,
+                        blocking=options.on_busy == "wait",
+                        timeout=options.timeout,
+                        renew=options.renew,
+                        fail_fast=options.fail_fast,
+                    )
+            except LeaseNotAcquiredError:
+                if options.on_busy != "skip":
+                    raise
+                log.info("lease %r is busy; skipped %s()", lease_name, self.fn.__qualname__)
+                return SKIPPED
+            limit = None if options.max_hold is None else self.hold_limit(lease, options.max_hold)
+            try:
+                frame = _Frame(fencer, lease_name, lease)
+                return (yield from self.in_session(body, frame, how, session))
+            finally:
+                if limit is not None:
+                    limit()
+                yield (lease.__aexit__ if self.is_async else lease.__exit__)(None, None, None)
         finally:
-            if stop_limit is not None:
-                stop_limit()
-            yield (lease.__aexit__ if self.is_async else lease.__exit__)(None, None, None)
+            if how == _FACTORY:
+                yield session.close()
 
     def locate(self, bound: inspect.BoundArguments) -> tuple[Any, str, Any]:
         """The fencer, how to use the session, and its source: found without I/O, so a
@@ -422,35 +434,30 @@ class _Fenced:
         return functools.partial(_hold_limits.cancel, entry)
 
     def in_session(
-        self, body: Callable[[], Any], holder: _Frame, how: str, source: Any
+        self, body: Callable[[], Any], holder: _Frame, how: str, session: Any
     ) -> _Steps[Any]:
-        """Open the session, run the unit of work bound to ``holder.lease`` (cancelled by its
-        loss with ``cancel_on_lost``), restore the previous binding, close what it opened."""
-        session = _open(how, source, self.is_async)
+        """Run the unit of work on ``session`` bound to ``holder.lease`` (cancelled by its
+        loss with ``cancel_on_lost``), then restore the session's previous binding."""
+        frame = _Frame(holder.fencer, holder.name, holder.lease, session)
+        state = state_for(getattr(session, "sync_session", session))  # an AsyncSession's own
+        previous = state.lease
+        # a nested call on the session its outer call bound: the outer call commits it
+        joined = how != _FACTORY and previous is frame.lease
+        reset = _frames.set((*_frames.get(), frame))
         try:
-            frame = _Frame(holder.fencer, holder.name, holder.lease, session)
-            state = state_for(getattr(session, "sync_session", session))  # an AsyncSession's own
-            previous = state.lease
-            # a nested call on the session its outer call bound: the outer call commits it
-            joined = how != _FACTORY and previous is frame.lease
-            reset = _frames.set((*_frames.get(), frame))
-            try:
-                if joined:
-                    return (yield body())
-                frame.lease.bind(session)
-                if not self.is_async:
-                    return (yield run_steps(_unit_of_work(body, frame)))
-                work = await_steps(_unit_of_work(body, frame))
-                if self.options.cancel_on_lost is not False:
-                    work = _cancelled_on_loss(frame.lease, work)
-                return (yield work)
-            finally:
-                if not joined:
-                    state.lease = previous
-                _frames.reset(reset)
+            if joined:
+                return (yield body())
+            frame.lease.bind(session)
+            if not self.is_async:
+                return (yield run_steps(_unit_of_work(body, frame)))
+            work = await_steps(_unit_of_work(body, frame))
+            if self.options.cancel_on_lost is not False:
+                work = _cancelled_on_loss(frame.lease, work)
+            return (yield work)
         finally:
-            if how == _FACTORY:
-                yield session.close()
+            if not joined:
+                state.lease = previous
+            _frames.reset(reset)
 
 
 def _unit_of_work(body: Callable[[], Any], frame: _Frame) -> _Steps[Any]:

@@ -11,6 +11,7 @@ import logging
 import pickle
 import threading
 import time
+import uuid
 from typing import Any, ClassVar
 
 import pytest
@@ -22,7 +23,7 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 import sa_fence
 from sa_fence import _decorators
 from tests._async_fixtures import row as job
-from tests.models import Job
+from tests.models import SEQUENCE, Job
 
 
 class RecordingSession(Session):
@@ -98,27 +99,48 @@ def test_a_factory_without_the_hook_is_refused_naming_install_and_writes_nothing
     fencer: sa_fence.Fencer, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
     plain = sessionmaker(engine)  # no sa_fence.install()
+    name = f"unhooked:{uuid.uuid4().hex}"
 
-    @sa_fence.fenced("job:{job_id}", ttl=30, fencer=fencer, session=plain)
+    @sa_fence.fenced(name + ":{job_id}", ttl=30, fencer=fencer, session=plain)
     def finish(job_id: int) -> None:
         sa_fence.current_session().merge(Job(id=job_id, result="unfenced"))
 
+    drawn = last_token(engine)
     with pytest.raises(sa_fence.FencingConfigError, match=r"sa_fence\.install\(\)"):
         finish(4)
     assert job(engine, 4) is None
     assert keys(redis_client, key_prefix) == []
+    # refused before the lease: no token drawn, no register row
+    assert (last_token(engine), registered(engine, name)) == (drawn, [])
 
 
 def test_a_plain_callable_factory_is_checked_to_return_a_session(
-    fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
+    fencer: sa_fence.Fencer, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    @sa_fence.fenced("job:{job_id}", ttl=30, fencer=fencer, session=lambda: "not a session")
+    name = f"unchecked:{uuid.uuid4().hex}"
+
+    @sa_fence.fenced(name + ":{job_id}", ttl=30, fencer=fencer, session=lambda: "not a session")
     def finish(job_id: int) -> None:
         raise AssertionError("the body must not run")
 
     with pytest.raises(TypeError, match="returned a str, not a Session"):
         finish(5)
     assert keys(redis_client, key_prefix) == []
+    assert registered(engine, name) == []
+
+
+def last_token(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.text(f"SELECT last_value FROM {SEQUENCE}")).scalar_one())
+
+
+def registered(engine: sa.Engine, prefix: str) -> list[str]:
+    """The lease register's names that start with ``prefix``."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT name FROM sa_fence_leases WHERE starts_with(name, :p)"), {"p": prefix}
+        )
+        return list(rows.scalars())
 
 
 def test_a_scoped_session_runs_on_its_current_session_and_leaves_it_open(
