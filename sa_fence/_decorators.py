@@ -285,19 +285,24 @@ def _first_or_parameter(what: str, locator: str, bound: inspect.BoundArguments) 
 
 
 def _open(how: str, source: Any, is_async: bool) -> Any:
-    """The session to run on: the session itself, a scoped session's current one, or a new one."""
-    if how == _SESSION:
-        return source
-    session = source()
-    if not isinstance(session, _families()[is_async][1]):
-        close = getattr(session, "close", None)
-        if how == _FACTORY and callable(close) and not inspect.iscoroutinefunction(close):
-            close()
-        raise TypeError(
-            f"@fenced's session {'factory' if how == _FACTORY else 'registry'} {source!r} returned "
-            f"a {type(session).__name__}, not {'an AsyncSession' if is_async else 'a Session'}"
+    """The session to run on: the session itself, a scoped session's current one, or a new one
+    (no I/O), checked before the lease is taken: one that could not be fenced fails first."""
+    session = source if how == _SESSION else source()
+    made = isinstance(session, _families()[is_async][1])
+    if made and is_installed(getattr(session, "sync_session", session)):
+        return session
+    close = getattr(session, "close", None)
+    if how == _FACTORY and callable(close) and not inspect.iscoroutinefunction(close):
+        close()
+    if made:
+        raise FencingConfigError(
+            f"@fenced's session {source!r} has no sa-fence flush hook, so the lease would fence "
+            "nothing: call sa_fence.install() on it, its sessionmaker or its Session class first"
         )
-    return session
+    raise TypeError(
+        f"@fenced's session {'factory' if how == _FACTORY else 'registry'} {source!r} returned "
+        f"a {type(session).__name__}, not {'an AsyncSession' if is_async else 'a Session'}"
+    )
 
 
 _hold_limits = Deadlines("sa-fence-max-hold")  # (reset in a forked child, as every one is)
@@ -353,16 +358,8 @@ class _Fenced:
         lease_name = proto.check_name(lease_name)
         fencer, how, source = self.locate(bound)
         body = functools.partial(self.fn, *args, **kwargs)
-        # opened (no I/O) and checked before the lease: a session that could not be fenced
-        # fails before a token is drawn or anything is written
-        session = _open(how, source, self.is_async)
+        session = _open(how, source, self.is_async)  # before the lease: see _open
         try:
-            if not is_installed(getattr(session, "sync_session", session)):
-                raise FencingConfigError(
-                    f"@fenced's session {source!r} does not have the sa-fence flush hook, so "
-                    "the lease would fence nothing. Call sa_fence.install() on it, its "
-                    "sessionmaker or its Session class first. Nothing was written."
-                )
             held = _held(fencer, lease_name)
             if held is not None:  # this call stack holds the name: reuse it, never wait for it
                 held.lease.check(for_write=True)  # lost: stop here
