@@ -110,6 +110,29 @@ def test_repair_sequence_never_moves_the_sequence_backwards(
     assert sequence_last_value(migrated) == 5000
 
 
+def test_repair_sequence_refuses_a_sequence_that_is_no_token_sequence_and_moves_nothing(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A table's serial named by mistake (integer, cached) is refused with what check says
+    of it, and stays where it was."""
+    execute(migrated, "CREATE SEQUENCE a_serial AS integer CACHE 20")
+    status, _, err = sa_fence_cli(
+        "repair-sequence",
+        "--url",
+        url_of(migrated),
+        "--sequence",
+        "a_serial",
+        "--yes",
+        capsys=capsys,
+    )
+    assert status == 1
+    assert "It is not a token sequence" in err
+    assert "Nothing was changed." in err
+    assert "integer" in err  # the fitness problem, as check names it
+    with migrated.connect() as conn:
+        assert conn.execute(sa.text("SELECT last_value FROM a_serial")).scalar_one() == 1
+
+
 def test_check_names_a_missing_guard_and_a_cached_sequence_with_their_fixes(
     migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:

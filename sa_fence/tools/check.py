@@ -721,6 +721,14 @@ def plan_repair(
             f"sequence {sequence} does not exist; create it first "
             "(op.create_fence_sequence() in a migration)"
         )
+    # never move a sequence that cannot be a token sequence (a table's serial, say)
+    _, unfit = sequence_problem(conn, Register(sequence), pinned_register(conn, sequence))
+    if unfit is not None:
+        raise LookupError(
+            f"{unfit.subject}: {unfit.problem}. It is not a token sequence sa-fence could "
+            f"issue tokens from, so repair-sequence leaves it alone (fix: {unfit.fix}; or name "
+            "the token sequence with --sequence). Nothing was changed."
+        )
     # After a failover or a restore the register can be ahead of the rows.
     max_register_token = report.max_register_token or 0
     base = max(report.max_fence, max_register_token)
