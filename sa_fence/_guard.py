@@ -76,8 +76,15 @@ def check_policy(on_missing_token: str) -> MissingToken:
 
 
 def check_name(what: str, value: object) -> str:
+    """A name sa-fence writes into DDL, checked before anything is sent (each part of a
+    ``"schema.name"`` sequence)."""
     if not isinstance(value, str) or not value:
         raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+    if any(c < " " or c == "\x7f" for c in value):
+        raise ValueError(f"{what} {value!r} holds a control character (a newline...): rename it")
+    parts = value.rpartition(".")[::2] if what == "sequence" else (value,)
+    if any(len(p.encode("utf-8", "replace")) > 63 for p in parts):  # PostgreSQL cuts it, goes on
+        raise ValueError(f"{what} {value!r}: a PostgreSQL name is at most 63 bytes")
     return value
 
 
@@ -247,7 +254,7 @@ def create_guard_sql(
     """
     policy = check_policy(on_missing_token)
     names = {"table": table, "column": column, "schema": schema or "", "sequence": sequence}
-    for what in ("table", "column", "sequence"):
+    for what in ("table", "column", "sequence") if schema is None else names:
         check_name(what, names[what])
     for what, value in names.items():
         if _BODY_QUOTE in value:
@@ -362,6 +369,8 @@ def outdated(
 def drop_guard_sql(table: str, *, schema: str | None = None) -> list[str]:
     """The statements that drop the guard trigger and its function."""
     check_name("table", table)
+    if schema is not None:
+        check_name("schema", schema)
     return [
         f"DROP TRIGGER IF EXISTS {TRIGGER_NAME} ON {qualified(table, schema)}",
         f"DROP FUNCTION IF EXISTS {qualified(function_name(table), schema)}()",

@@ -143,7 +143,7 @@ class _SequenceOp(_FenceOp):
 
     def __init__(self, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None) -> None:
         self.name = check_name("sequence name", name)
-        self.schema = schema
+        self.schema = schema if schema is None else check_name("schema", schema)
 
     @classmethod
     def _sequence_op(
@@ -353,7 +353,7 @@ class _TableOp(_FenceOp):
     def __init__(self, table_name: str, column: str = "fence", *, schema: str | None = None):
         self.table_name = check_name("table", table_name)
         self.column = check_name("column", column)
-        self.schema = schema
+        self.schema = schema if schema is None else check_name("schema", schema)
 
     @classmethod
     def _column_op(

@@ -346,6 +346,44 @@ def test_a_guard_names_the_sequence_it_reads_and_refuses_a_name_that_breaks_its_
             _guard.create_guard_sql(**empty)
 
 
+def guard_functions(engine: sa.Engine) -> list[str]:
+    with engine.connect() as conn:
+        return sorted(
+            conn.execute(
+                sa.text("SELECT proname FROM pg_proc WHERE proname LIKE 'sa\\_fence\\_guard%'")
+            ).scalars()
+        )
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        ({"table": "jobs\n); DROP TABLE jobs; --"}, "control character"),  # out of the comment
+        ({"table": "jobs", "column": "fe\x00nce"}, "control character"),
+        ({"table": "j" * 64}, "at most 63 bytes"),  # PostgreSQL would cut it to another name
+        ({"table": "jobs", "schema": "s" * 64}, "at most 63 bytes"),
+        ({"table": "jobs", "schema": 123}, "schema must be a non-empty string, got 123"),
+        ({"table": "jobs", "sequence": "app." + "t" * 64}, "at most 63 bytes"),
+        ({"table": "jobs", "sequence": "tok\rens"}, "control character"),
+    ],
+)
+def test_a_name_the_guard_cannot_carry_is_refused_before_anything_is_sent(
+    guarded: sa.Engine, args: dict[str, Any], named: str
+) -> None:
+    """Names go into the guard's DDL and its body's header comment: a newline would end the
+    comment and run the rest as code, and PostgreSQL cuts a name past 63 bytes and goes on
+    (a guard on another table, under another function's name).  Refused, nothing created."""
+    before = guard_functions(guarded)
+    with pytest.raises(ValueError, match=named):
+        sa_fence.create_fence_guard(guarded, **args)
+    with pytest.raises(ValueError, match=named):
+        _guard.create_guard_sql(**args)
+    if not {"sequence", "column"} & set(args):  # (drop names the table and schema only)
+        with pytest.raises(ValueError, match=named):
+            sa_fence.drop_fence_guard(guarded, **args)
+    assert guard_functions(guarded) == before
+
+
 @pytest.mark.parametrize(
     ("made_with", "read_with"),
     [
@@ -835,9 +873,10 @@ async def test_asyncio_inserts_pass_a_reject_guard_and_a_forged_fence_is_a_confi
 
 
 def test_a_sequence_name_with_a_nul_character_is_refused_before_any_sql() -> None:
-    """The guard's body quotes the sequence name with the commit check's
-    ``quote_literal``: a NUL (which PostgreSQL text cannot hold) is refused
-    with a ValueError naming the value, not sent."""
-    with pytest.raises(ValueError, match="contains a NUL character"):
+    """A NUL (which PostgreSQL text cannot hold) is refused with a ValueError naming the
+    value, not sent: by the names' check, and by ``quote_literal`` for any other text."""
+    with pytest.raises(ValueError, match="control character"):
         _guard.create_guard_sql("jobs", sequence="seq\x00")
+    with pytest.raises(ValueError, match="contains a NUL character"):
+        _guard.quote_literal("seq\x00")
     assert _guard.quote_literal("it's a \\ name") == "E'it''s a \\\\ name'"
