@@ -22,6 +22,7 @@ from . import _protocol as proto
 from . import _telemetry
 from ._failures import FAILOVER, OUTAGE, FailureBudget, cause_text, classify_redis
 from ._flush import Marks
+from ._guard import check_name
 from ._lease_view import FencerView
 from ._redis_client import (
     REDIS_ERRORS,
@@ -306,8 +307,9 @@ class FencerCore(Generic[R, E, LeaseT]):
         telemetry: _telemetry.Telemetry | None = None,
     ) -> None:
         sync_engine = self._start(redis, engine)
-        if not isinstance(sequence, str) or not sequence:
-            raise ValueError("sequence must be the (optionally schema-qualified) sequence name")
+        check_name("sequence", sequence)  # a name, optionally schema-qualified
+        if not (telemetry is None or isinstance(telemetry, _telemetry.Telemetry)):
+            raise TypeError(f"telemetry must be a sa_fence.telemetry.Telemetry, got {telemetry!r}")
         self.redis = redis
         self.key_prefix = proto.check_prefix(key_prefix)
         self.renew_fraction = proto.check_renew_fraction(renew_fraction)

@@ -72,6 +72,9 @@ def client_call_bound(client: object) -> tuple[float | None, str] | None:
     return connecting + float(read) + retries * (connecting + float(read) + float(cap)), how
 
 
+_MAX_BUDGET = (2**31 - 1) // 1000  # s: PostgreSQL's lock_timeout is an int of milliseconds
+
+
 def check_budget(client: object, timeout: float | None, owner: str) -> float:
     """The failure budget for ``owner`` (a Fencer): ``timeout`` or the default.
 
@@ -85,10 +88,11 @@ def check_budget(client: object, timeout: float | None, owner: str) -> float:
         raise TypeError(
             f"timeout must be a number of seconds, got {type(timeout).__name__}: {timeout!r}"
         )
-    if not math.isfinite(timeout) or timeout <= 0:
+    if not math.isfinite(timeout) or timeout <= 0 or timeout > _MAX_BUDGET:
         raise ValueError(
-            f"timeout must be a finite number of seconds > 0, got {timeout!r}: it is how "
-            "long an operation may spend on a failing Redis or PostgreSQL before it gives up"
+            f"timeout must be a finite number of seconds > 0 and <= {_MAX_BUDGET}, got "
+            f"{timeout!r}: it is how long an operation may spend on a failing Redis or "
+            "PostgreSQL before it gives up (and the grant's lock_timeout, in milliseconds)"
         )
     budget = float(timeout)
     found = client_call_bound(client)  # (None, how) too without a socket timeout

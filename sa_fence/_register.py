@@ -337,6 +337,20 @@ def drop_register_sql(sequence: str) -> list[str]:
     ]
 
 
+def check_one_register(metadata: MetaData, name: str, schema: str | None) -> None:
+    """Refuse a second token sequence for the register ``metadata`` declares in ``schema``."""
+    schema = schema or metadata.schema  # (a Sequence takes its MetaData's schema, as a Table)
+    known = metadata.tables.get(f"{schema}.{REGISTER_TABLE}" if schema else REGISTER_TABLE)
+    drawn = known is not None and getattr(known.c.token.server_default, "arg", None)
+    if (seq := getattr(drawn, "sequence", None)) is not None and seq.name != name:
+        raise ValueError(
+            f"this metadata declares the lease register of schema {schema or '(default)'} for "
+            f"sequence {seq.name!r} already: one register per schema draws from one sequence. "
+            f"Declare {name!r} in another schema (schema=), or use {seq.name!r}. Nothing was "
+            "declared."
+        )
+
+
 def register_table(metadata: MetaData, sequence: Sequence) -> Table:
     """The register as a ``Table`` in ``metadata``, drawing tokens from ``sequence``.
 

@@ -24,10 +24,12 @@ from . import _failures
 from . import _protocol as proto
 from ._fitness import register_problems, sequence_problem
 from ._guard import DEFAULT_SEQUENCE as DEFAULT_SEQUENCE  # re-exported: the package's one default
+from ._guard import check_name
 from ._register import (
     DATABASE_ID_SQL,
     DEFAULT_GRANT_LOCK_TIMEOUT_MS,
     Register,
+    check_one_register,
     pinned_register,
     register_table,
     scope_trigger_problem,
@@ -55,8 +57,16 @@ def fence_sequence(
     ``nextval`` stops following real time across connections.  Never drop or ``RESTART`` this
     sequence in a live database: tokens would start again below the fences already on the rows.
     """
+    if not (metadata is None or isinstance(metadata, MetaData)):
+        hint = " (did you mean Base.metadata?)" if hasattr(metadata, "metadata") else ""
+        raise TypeError(f"metadata must be a sqlalchemy MetaData, got {metadata!r}{hint}")
+    check_name("sequence", name)
+    if schema is not None:
+        check_name("schema", schema)
     if schema is None and "." in name:
         schema, name = split_name(name)
+    if metadata is not None:
+        check_one_register(metadata, name, schema)
     sequence = Sequence(
         name,
         start=1,

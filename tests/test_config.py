@@ -8,7 +8,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import DeclarativeBase, Session
 
 import sa_fence
 from sa_fence._dialect import check_dialect
@@ -80,6 +80,29 @@ def test_the_sequence_helper_declares_a_sequence_and_register_the_fencer_accepts
                 ("job:1", 1)
             ]
         fencer.close()
+
+
+def test_the_sequence_helper_refuses_what_it_cannot_declare_and_declares_nothing() -> None:
+    """Base for Base.metadata, a name that is no name, and a second token sequence whose
+    register would be the first's: each refused naming the fix, the metadata unchanged."""
+
+    class Base(DeclarativeBase):
+        pass
+
+    with pytest.raises(TypeError, match=r"did you mean Base\.metadata\?"):
+        sa_fence.fence_sequence(Base)  # type: ignore[arg-type]
+    for bad in (None, 5, "", "tok\nens"):
+        with pytest.raises(ValueError, match="sequence"):
+            sa_fence.fence_sequence(sa.MetaData(), bad)  # type: ignore[arg-type]
+    metadata = sa.MetaData()
+    sa_fence.fence_sequence(metadata, "first_seq")
+    sa_fence.fence_sequence(metadata, "first_seq")  # the same again: the same register
+    declared = (sorted(metadata.tables), sorted(metadata._sequences))
+    with pytest.raises(ValueError, match="one register per schema draws from one sequence"):
+        sa_fence.fence_sequence(metadata, "second_seq")
+    assert (sorted(metadata.tables), sorted(metadata._sequences)) == declared
+    sa_fence.fence_sequence(metadata, "second_seq", schema="other")  # its own register
+    assert "other.sa_fence_leases" in metadata.tables
 
 
 def test_a_fencer_naming_another_sequence_than_its_registers_is_refused(

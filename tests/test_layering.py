@@ -184,8 +184,12 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: the lease (an unhooked sessionmaker drew a token and wrote a register row first); and
 #: by 9 so that a name the guard's DDL cannot carry is refused before it is sent (a newline
 #: ended the body's header comment and ran the rest as code; a name past 63 bytes was cut
-#: by PostgreSQL to another table's; a schema that is not a string raised a TypeError).
-CORE_LINES_AT_MOST = 9493
+#: by PostgreSQL to another table's; a schema that is not a string raised a TypeError);
+#: and by 30 so that a Fencer's and fence_sequence()'s bad arguments fail where they are
+#: given, not at the first acquire or create_all(): a timeout past lock_timeout's range, a
+#: sequence name with a NUL, a telemetry that is no Telemetry; Base for Base.metadata, and
+#: a second token sequence whose register would silently be the first's.
+CORE_LINES_AT_MOST = 9523
 
 
 def test_the_core_stays_within_its_line_budget() -> None:

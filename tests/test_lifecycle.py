@@ -325,6 +325,12 @@ def test_a_renew_fraction_out_of_range_is_refused_saying_what_it_means(
         ({"renew_fraction": "0.5"}, TypeError, "renew_fraction must be a number"),
         ({"renew_fraction": True}, TypeError, "renew_fraction must be a number"),
         ({"key_prefix": 3}, TypeError, "key_prefix must be a str, got int"),
+        # refused when made, not at the first acquire (which sent them to the servers)
+        ({"timeout": 3e6}, ValueError, "<= 2147483"),  # PostgreSQL's lock_timeout: int ms
+        ({"sequence": "a\x00b"}, ValueError, "control character"),
+        ({"sequence": ""}, ValueError, "sequence must be a non-empty string"),
+        ({"telemetry": "junk"}, TypeError, "telemetry must be a sa_fence.telemetry.Telemetry"),
+        ({"telemetry": sa_fence.telemetry.Telemetry}, TypeError, "telemetry must be"),
     ],
 )
 def test_bad_fencer_arguments_are_refused_by_type(
