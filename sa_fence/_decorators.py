@@ -635,6 +635,8 @@ def fenced_methods(
     the template names, or the class is refused at definition time.
     """
     options = _Options(**{k: v for k, v in locals().items() if k != "exclude"})
+    if not isinstance(exclude, str | Iterable):
+        raise TypeError(f"exclude must be a method name or names, got {exclude!r}")
     excluded = {exclude} if isinstance(exclude, str) else set(exclude)
 
     def decorate(cls: C) -> C:

@@ -1125,8 +1125,8 @@ def is_installed(session: Session) -> bool:
     return bool(session.__dict__.get(_INSTALLED) or getattr(type(session), _INSTALLED, False))
 
 
-def _session_of(target: Any) -> Session:
-    """The Session that ``bind()`` fences for a scoped session or an AsyncSession."""
+def _session_of(target: Any, call: str = "bind()") -> Session:
+    """The Session that ``call`` acts on for a scoped session or an AsyncSession."""
     inner, _ = _inner_target(target)
     if inner is not None and not isinstance(inner, Session):  # a scoped session's factory
         target = target()  # its current session
@@ -1135,7 +1135,8 @@ def _session_of(target: Any) -> Session:
         target = inner
     if not isinstance(target, Session):
         raise TypeError(
-            f"bind() takes a sqlalchemy Session or AsyncSession, got {type(target).__name__}"
+            f"{call} takes a sqlalchemy Session or AsyncSession (a sessionmaker makes one: "
+            f"Session()), got {type(target).__name__}"
         )
     return target
 
@@ -1193,7 +1194,7 @@ def _refuse_autocommit(conn: Connection) -> None:
 
 def unbind(session: Session) -> None:
     """Detach the lease from ``session``: later fenced writes need a new lease."""
-    state = _state(session)
+    state = _state(session if isinstance(session, Session) else _session_of(session, "unbind()"))
     if state is not None:
         state.lease = None
 
@@ -1215,6 +1216,8 @@ def fence_connection(conn: Connection, lease: Lease) -> Iterator[Connection]:
             f"fence_connection() takes a sqlalchemy Connection, got {type(conn).__name__} "
             "(for a Session use lease.bind(session))"
         )
+    if not (hasattr(lease, "token") and hasattr(lease, "released")):
+        raise TypeError(f"fence_connection() takes a lease (fencer.acquire()), got {lease!r}")
     if lease.released:
         raise LeaseLostError(
             f"the lease {lease.name!r} (token {lease.token}) was released; acquire a new "
@@ -1244,7 +1247,9 @@ def unfenced(session: Session) -> Iterator[Session]:
     statements: UPDATEs leave ``fence`` as it is and INSERTs get ``fence = 0``.  A bound lease
     still fences as usual.  Each such flush logs a warning on the ``sa_fence`` logger.
     """
-    state = state_for(session)
+    state = state_for(
+        session if isinstance(session, Session) else _session_of(session, "unfenced()")
+    )
     state.unfenced += 1
     try:
         yield session

@@ -8,7 +8,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
-from sqlalchemy.orm import DeclarativeBase, Session
+from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 import sa_fence
 from sa_fence._dialect import check_dialect
@@ -162,3 +162,22 @@ def test_an_async_redis_client_is_refused(engine: sa.Engine) -> None:
 def test_installing_on_the_base_session_class_is_refused() -> None:
     with pytest.raises(TypeError, match="every session in the process"):
         sa_fence.install(Session)
+
+
+def test_calls_given_the_wrong_kind_of_object_say_what_they_take(engine: sa.Engine) -> None:
+    """The commonest slips, a sessionmaker for a Session or None for a lease, are refused
+    naming what the call takes, not with an AttributeError from inside."""
+    maker = sessionmaker(engine)
+    for call in (sa_fence.unbind, lambda s: sa_fence.unfenced(s).__enter__()):
+        for wrong in (None, maker):
+            with pytest.raises(TypeError, match=r"takes a sqlalchemy Session .*Session\(\)"):
+                call(wrong)
+    with engine.connect() as conn:
+        for lease in (None, "job:1"):
+            with (
+                pytest.raises(TypeError, match=r"takes a lease \(fencer\.acquire\(\)\)"),
+                sa_fence.fence_connection(conn, lease),  # type: ignore[arg-type]
+            ):
+                pass
+    with pytest.raises(TypeError, match="exclude must be a method name or names, got None"):
+        sa_fence.fenced_methods("x:{a}", ttl=5, fencer="f", session="s", exclude=None)  # type: ignore[arg-type]
