@@ -317,25 +317,31 @@ def _attach(connection: Connection, state: SessionState) -> None:
 
 
 def _map_guard_error(context: Any) -> None:
-    state: SessionState | None = getattr(context.connection, ACTIVE, None)
+    conn, orig = context.connection, context.original_exception
+    state: SessionState | None = getattr(conn, ACTIVE, None)
     if state is None:
         return
     _refuse_missing_fence_column(context)
     lease = state.lease
-    orig = context.original_exception
     error: FenceError | None = error_from_guard(
         orig, lease.name if lease else None, lease.token if lease else None
     )
-    if error is None and lease is not None:  # a COMMIT sent as SQL (or PREPARE), refused
-        scope = {(lease.name, lease.token): lease}
+    # a COMMIT sent as SQL (or PREPARE), refused by lease scope: for any lease of its scope
+    scope = conn.__dict__.get(SCOPE) or ({(lease.name, lease.token): lease} if lease else {})
+    if error is None and scope:
         error = lease_error_from_check(orig, scope) or _scope.scope_setup_error(orig)
+        if isinstance(error, StaleTokenError):  # the server ended the transaction: as rolled back
+            _telemetry.commit_refused(scope, error)  # (under the lease it names)
+            if conn.__dict__.pop(SCOPE, None) is not None:
+                conn.__dict__.pop(ARMED_APART, None)
+                _scope.disarm(conn)
+            raise state.fail(error) from orig
     if error is None:
         return
     if isinstance(error, UnfencedWriteError):
         _telemetry.unfenced_refused(_telemetry.GUARD)
-    elif isinstance(error, StaleTokenError):  # (at COMMIT: lease scope's, as session.commit()'s)
-        via = _telemetry.LEASE_SCOPE if error.statement == "COMMIT" else _telemetry.GUARD
-        _telemetry.stale_refused(lease, via, error)
+    elif isinstance(error, StaleTokenError):
+        _telemetry.stale_refused(lease, _telemetry.GUARD, error)
     raise state.fail(error) from orig
 
 

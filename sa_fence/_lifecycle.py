@@ -220,10 +220,9 @@ def renew(lease: Any) -> float | None:
                 extra=_telemetry.log_extra(lease, "renewal_failed"),
             )
             outcome = "unknown"
-        _telemetry.renewal(lease, outcome, sent_at)
         with lease._lock:
             if not state.renewing:
-                return None  # released (or lost) meanwhile: ignore the answer
+                return None  # released (or lost) meanwhile: ignore (and count) no answer
             lease._renew_failures = 0 if outcome != "unknown" else lease._renew_failures + 1
             step = proto.after_renewal(
                 state,
@@ -235,6 +234,7 @@ def renew(lease: Any) -> float | None:
                 failures=max(0, lease._renew_failures - 1),
                 rand=random.random(),
             )
+        _telemetry.renewal(lease, outcome, sent_at)
         if step.lost is None:
             return step.at
         lose(lease, step.lost)

@@ -190,8 +190,11 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: sequence name with a NUL, a telemetry that is no Telemetry; Base for Base.metadata, and
 #: a second token sequence whose register would silently be the first's; and by 7 for
 #: unbind(), unfenced(), fence_connection() and fenced_methods(exclude=) given the wrong
-#: kind of object (a sessionmaker, None), which raised AttributeErrors from inside.
-CORE_LINES_AT_MOST = 9530
+#: kind of object (a sessionmaker, None), which raised AttributeErrors from inside; and by 6
+#: for telemetry that miscounted: a stale COMMIT sent as SQL counted under the lease bound
+#: last, not the one found stale, and left a fenced Connection's next commit timed as an
+#: ok commit check of a transaction the server had ended.
+CORE_LINES_AT_MOST = 9536
 
 
 def test_the_core_stays_within_its_line_budget() -> None:

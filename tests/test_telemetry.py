@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _telemetry
+from sa_fence import _lifecycle, _telemetry
 from sa_fence.testing import expire
 from tests._tools import wait_for
 from tests.conftest import REDIS_URL
@@ -270,6 +270,27 @@ def test_a_renewal_that_finds_the_lease_gone_counts_failed_and_lost(
     assert span.attributes["sa_fence.release"] == "expired"
 
 
+def test_a_renewal_answered_after_the_release_is_not_counted(
+    otel: Otel, tfencer: sa_fence.Fencer
+) -> None:
+    """The lease is released while its renewal's EXTEND is in flight (the seam releases it
+    inside the call): the answer, "not ours", is ignored, and counts as no failed renewal."""
+    lease = tfencer.acquire("job:1", ttl=5, renew=True)
+    extend = tfencer._extend
+
+    def released_meanwhile(*, keys: list[str], args: list[Any]) -> Any:
+        lease.release()
+        return extend(keys=keys, args=args)
+
+    tfencer._extend = released_meanwhile  # type: ignore[method-assign]
+    try:
+        assert _lifecycle.renew(lease) is None
+    finally:
+        tfencer._extend = extend  # type: ignore[method-assign]
+    assert otel.count("sa_fence.lease.renewals") == 0
+    assert otel.count("sa_fence.lease.hold.duration", outcome="released") == 1
+
+
 def test_release_records_the_hold_time_as_released_or_expired(
     otel: Otel, tfencer: sa_fence.Fencer
 ) -> None:
@@ -361,6 +382,47 @@ def test_a_stale_commit_is_counted_as_refused_by_lease_scope(
         assert otel.count("sa_fence.commit_check.duration", outcome="stale") == 1
         (check,) = otel.finished("sa_fence.commit_check")
         assert not check.status.is_ok
+
+
+def test_a_stale_commit_sent_as_sql_counts_under_the_lease_found_stale(
+    otel: Otel, tfencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """A transaction in scope for two leases (rebound midway, as a nested @fenced does): the
+    refusal counts under the one the register found stale, not the one bound last."""
+    alpha, beta = tfencer.acquire("alpha:1", ttl=5), tfencer.acquire("beta:1", ttl=5)
+    with make_session() as session:
+        for lease in (alpha, beta):
+            lease.bind(session)
+            session.add(Audit(message=lease.name))
+            session.flush()
+        expire(alpha)
+        with (
+            tfencer.lease("alpha:1", ttl=5),
+            pytest.raises(sa_fence.StaleTokenError) as refused,
+        ):
+            session.execute(sa.text("COMMIT"))
+    beta.release()
+    assert refused.value.lease_name == "alpha:1"
+    assert otel.count("sa_fence.write.stale_refused", check="lease_scope", pattern="alpha:{n}") == 1
+    assert otel.count("sa_fence.write.stale_refused", pattern="beta:{n}") == 0
+
+
+def test_a_fenced_connection_refused_at_a_commit_sent_as_sql_times_no_ok_commit_after(
+    otel: Otel, tfencer: sa_fence.Fencer, engine: sa.Engine
+) -> None:
+    """The server ended the refused transaction: the Connection's next commit has nothing to
+    check, and records no commit check as passed."""
+    old = tfencer.acquire("job:1", ttl=5)
+    with engine.connect() as conn, sa_fence.fence_connection(conn, old):
+        conn.execute(sa.insert(Audit).values(message="late"))
+        expire(old)
+        with tfencer.lease("job:1", ttl=5), pytest.raises(sa_fence.StaleTokenError):
+            conn.execute(sa.text("COMMIT"))
+        conn.commit()
+    assert otel.count("sa_fence.commit_check.duration", outcome="ok") == 0
+    assert otel.count("sa_fence.write.stale_refused", check="lease_scope") == 1
+    with engine.connect() as conn:
+        assert conn.scalar(sa.select(sa.func.count()).where(Audit.message == "late")) == 0
 
 
 def test_a_stale_row_write_is_counted_as_refused_by_the_row_fence(
@@ -847,7 +909,7 @@ def test_without_the_opentelemetry_api_everything_works_and_reports_nothing(
 import sys
 sys.modules["opentelemetry"] = None  # as if not installed
 import redis, sqlalchemy as sa, sa_fence
-from sa_fence import _telemetry
+from sa_fence import _lifecycle, _telemetry
 assert not _telemetry.Telemetry().enabled
 {_fencer_code(engine, key_prefix)}
 with fencer.lease("job:1", ttl=5) as lease:
@@ -918,7 +980,7 @@ def test_with_the_apis_proxies_and_no_provider_nothing_is_made_and_refusals_stil
     code = f"""
 import redis, sqlalchemy as sa, sa_fence
 {_SDK_IMPORTS}from sqlalchemy.orm import sessionmaker
-from sa_fence import _telemetry
+from sa_fence import _lifecycle, _telemetry
 from sa_fence.testing import expire
 from tests.models import Audit
 
