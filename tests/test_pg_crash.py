@@ -14,7 +14,8 @@ restarts through crash recovery.  Points chosen:
   left uncommitted, and with ``synchronous_commit = off``: both hand tokens
   out again, so these tests fail if the draw stops committing durably;
 * mid-commit (the session's server process frozen with SIGSTOP while its
-  ``COMMIT``, which runs lease scope's check, is in flight): nothing of the unit of work is committed;
+  ``COMMIT``, which runs lease scope's check, is in flight): nothing of the unit of work is
+  committed;
 * mid-acquire (the token connection's server process frozen while the grant
   statement is in flight): the acquire fails with LeaseBackendError and
   leaves nothing in Redis;
