@@ -22,30 +22,47 @@ scenario (docs/index.md, "The problem") deterministically against real servers::
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import subprocess
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, overload
 
 from . import _lifecycle as steps
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from ._async import AsyncLease
     from ._lease import Lease
 
 __all__ = ["expire", "pause", "resume"]
 
 
-def expire(lease: Lease) -> bool:
+@overload
+def expire(lease: Lease) -> bool: ...
+@overload
+def expire(lease: AsyncLease) -> Coroutine[Any, Any, bool]: ...
+def expire(lease: Lease | AsyncLease) -> bool | Coroutine[Any, Any, bool]:
     """End ``lease`` in Redis now, as if its TTL had run out.
 
     Owner-checked like :meth:`Lease.release` (it never removes another owner's lease), but the
     ``Lease`` object is left believing it still holds the lease, exactly like a paused worker.
-    Returns True when the key was removed, False when it had already expired or been taken over.
+    Returns True when the key was removed, False when it had already expired or been taken over;
+    for an :class:`~sa_fence.AsyncLease`, a coroutine of that (``await expire(lease)``).
     """
-    return bool(int(steps.expire(lease)))
+    if not (hasattr(lease, "fencer") and hasattr(lease, "key")):
+        raise TypeError(f"expire() takes a lease (fencer.acquire()), got {lease!r}")
+    reply = steps.expire(lease)
+    if inspect.isawaitable(reply):  # an AsyncLease: its redis.asyncio client's reply
+
+        async def expired() -> bool:
+            return bool(int(await reply))
+
+        return expired()
+    return bool(int(reply))
 
 
 def pause(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
@@ -56,14 +73,23 @@ def pause(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
     be this process's child.  Raises ``ChildProcessError`` if it exited
     instead, ``TimeoutError`` if it was not stopped within ``timeout``.
     """
-    os.kill(proc.pid, signal.SIGSTOP)
+    _signal(proc, signal.SIGSTOP, timeout)
     _wait_status(proc, os.WUNTRACED, os.WIFSTOPPED, "stopped", timeout)
 
 
 def resume(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
     """SIGCONT a child process stopped by :func:`pause`; return once it runs again."""
-    os.kill(proc.pid, signal.SIGCONT)
+    _signal(proc, signal.SIGCONT, timeout)
     _wait_status(proc, os.WCONTINUED, os.WIFCONTINUED, "continued", timeout)
+
+
+def _signal(proc: subprocess.Popen[Any], sig: int, timeout: float) -> None:
+    """Send ``sig`` to ``proc`` once the arguments are checked: a bad one sends nothing."""
+    if not isinstance(getattr(proc, "pid", None), int):
+        raise TypeError(f"takes a subprocess.Popen child process, got {proc!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    os.kill(proc.pid, sig)
 
 
 def _wait_status(

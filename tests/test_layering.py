@@ -193,8 +193,11 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: kind of object (a sessionmaker, None), which raised AttributeErrors from inside; and by 6
 #: for telemetry that miscounted: a stale COMMIT sent as SQL counted under the lease bound
 #: last, not the one found stale, and left a fenced Connection's next commit timed as an
-#: ok commit check of a transaction the server had ended.
-CORE_LINES_AT_MOST = 9536
+#: ok commit check of a transaction the server had ended; and by 26 for sa_fence.testing:
+#: pause() and resume() check their arguments before the signal (a bad timeout left the
+#: child stopped and raised), and expire() takes an AsyncLease too (awaited), where it
+#: raised a TypeError from inside and left a coroutine never awaited.
+CORE_LINES_AT_MOST = 9562
 
 
 def test_the_core_stays_within_its_line_budget() -> None:
