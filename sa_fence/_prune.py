@@ -54,9 +54,12 @@ def seconds(value: object, what: str) -> float:
             f"{what} must be a number of seconds or a datetime.timedelta, got "
             f"{type(value).__name__}: {value!r}"
         )
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what} must be a finite duration > 0, got {value!r}")
+    if not math.isfinite(value) or value <= 0 or value > _CENTURY:  # (past it: a DB overflow)
+        raise ValueError(f"{what} must be a duration > 0 and at most 100 years, got {value!r}")
     return float(value)
+
+
+_CENTURY = 100 * 365.25 * 86400
 
 
 def check_ages(older_than: object, longest_lease: object) -> float:
@@ -130,6 +133,8 @@ def prune_on(
     """:func:`prune` on a connection, ``age`` already checked (seconds)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a whole number >= 1, got {batch!r}")
+    if not isinstance(dry_run, bool):  # ("false" would be true, None false: a real prune)
+        raise TypeError(f"dry_run must be True or False, got {dry_run!r}")
     removed = size = kept_held = regranted = 0
     # schema-qualified from here on: nothing on the search_path stands in
     register = pinned_register(conn, sequence)

@@ -196,8 +196,10 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: ok commit check of a transaction the server had ended; and by 26 for sa_fence.testing:
 #: pause() and resume() check their arguments before the signal (a bad timeout left the
 #: child stopped and raised), and expire() takes an AsyncLease too (awaited), where it
-#: raised a TypeError from inside and left a coroutine never awaited.
-CORE_LINES_AT_MOST = 9562
+#: raised a TypeError from inside and left a coroutine never awaited; and by 5 for prune:
+#: an age past PostgreSQL's timestamps leaked its overflow error, and a dry_run that was
+#: not a bool ran the wrong way (None deleted, "false" only looked).
+CORE_LINES_AT_MOST = 9567
 
 
 def test_the_core_stays_within_its_line_budget() -> None:

@@ -135,9 +135,12 @@ async def test_a_dry_run_reports_the_same_and_deletes_nothing(
     ("older_than", "longest_lease", "error", "problem"),
     [
         (DAY, 2 * DAY, ValueError, r"older_than \(1d\) is shorter than longest_lease \(2d\)"),
-        (0, 1, ValueError, "older_than must be a finite duration > 0, got 0"),
-        (DAY, float("inf"), ValueError, "longest_lease must be a finite duration > 0"),
+        (0, 1, ValueError, "older_than must be a duration > 0 and at most 100 years, got 0"),
+        (DAY, float("inf"), ValueError, "longest_lease must be a duration > 0 and at most"),
         ("30d", DAY, TypeError, "older_than must be a number of seconds or a datetime.timedelta"),
+        # past PostgreSQL's timestamps (it raised DatetimeFieldOverflow from the server)
+        (1e12, DAY, ValueError, "older_than must be a duration > 0 and at most 100 years"),
+        (timedelta.max, DAY, ValueError, "at most 100 years"),
     ],
 )
 def test_an_age_shorter_than_the_longest_lease_or_no_age_is_refused_and_nothing_deleted(
@@ -151,6 +154,16 @@ def test_an_age_shorter_than_the_longest_lease_or_no_age_is_refused_and_nothing_
 ) -> None:
     with pytest.raises(error, match=problem):
         fencer.prune(older_than=older_than, longest_lease=longest_lease)
+    assert names(db) == ["new:free", "old:free", "old:held"]
+
+
+@pytest.mark.parametrize("dry_run", ["false", None, 1])
+def test_dry_run_must_be_a_bool_and_nothing_is_deleted(
+    fencer: sa_fence.Fencer, db: sa.Engine, three_names: sa_fence.Lease, dry_run: Any
+) -> None:
+    """``dry_run=None`` deleted (falsy), ``"false"`` only looked (truthy): both refused."""
+    with pytest.raises(TypeError, match="dry_run must be True or False"):
+        fencer.prune(older_than=30 * DAY, longest_lease=7 * DAY, dry_run=dry_run)
     assert names(db) == ["new:free", "old:free", "old:held"]
 
 
