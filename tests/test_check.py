@@ -252,7 +252,7 @@ def test_check_refuses_bad_arguments_and_names_an_unreachable_database(
     assert status == 3
     assert "cannot connect to postgresql+psycopg://postgres@127.0.0.1:1/db" in err
     for argv, message in [
-        (["repair-sequence", "--url", "postgresql://x/y", "--margin", "-5"], "must be >= 0"),
+        (["repair-sequence", "--url", "postgresql://x/y", "--margin", "-5"], "between 0 and"),
         (["repair-sequence", "--url", "postgresql://x/y", "--margin", "5%"], "not a whole number"),
         (["demo", "--ttl", "soon"], "--ttl: not a number of seconds: 'soon'"),
         (["demo", "--ttl", "600"], "--ttl: must be between 0.1 and 60 seconds, got 600"),
@@ -545,3 +545,46 @@ def test_check_reports_whatever_a_fencer_would_refuse_that_it_has_no_rule_for(
     assert (
         "PROBLEM lease register sa_fence_leases a Fencer would refuse it: a new rule says no" in out
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["check", "--sequence", ""], "argument --sequence: must be a non-empty name"),
+        (["repair-sequence", "--column", ""], "argument --column: must be a non-empty name"),
+        (["status", "--sequence", ""], "argument --sequence: must be a non-empty name"),
+        (["create-guard", ""], "argument TABLE: must be a non-empty name"),
+        (["create-guard", "jobs", "--schema", "a\nb"], "argument --schema: must be a non-empty"),
+        (["repair-sequence", "--margin", str(2**63 - 1)], "must be between 0 and 2**62"),
+    ],
+)
+def test_the_commands_refuse_a_bad_argument_with_usage_not_a_traceback(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    """Each raised a traceback from inside (exit 1), or reached the server; now argparse's
+    exit 2, naming the argument."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main([argv[0], "--url", url_of(migrated), *argv[1:]])
+    assert exited.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("driver", ["psycopg2", "asyncpg", "psycopg_async"])
+def test_a_url_with_another_driver_is_refused_naming_psycopg(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str], driver: str
+) -> None:
+    url = migrated.url.set(drivername=f"postgresql+{driver}")
+    status, _, err = sa_fence_cli(
+        "check", "--url", url.render_as_string(hide_password=False), capsys=capsys
+    )
+    assert status == 2
+    assert "the tools connect with psycopg 3: use postgresql+psycopg://" in err
+
+
+def test_a_plain_postgresql_url_is_taken_as_psycopgs(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SQLAlchemy's default PostgreSQL driver is psycopg2, which sa-fence does not install."""
+    url = migrated.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)
+    assert status == 0, out

@@ -953,6 +953,15 @@ def with_connection(
             file=err,
         )
         return EXIT_USAGE
+    if parsed.drivername == "postgresql":  # (SQLAlchemy's default driver: psycopg2)
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    elif parsed.drivername != "postgresql+psycopg":
+        print(
+            f"{command}: the tools connect with psycopg 3: use postgresql+psycopg://... (got "
+            f"driver {parsed.get_driver_name()!r} in {hidden_password(url)})",
+            file=err,
+        )
+        return EXIT_USAGE
     metadata = None
     if metadata_spec:
         try:

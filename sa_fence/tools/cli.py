@@ -53,9 +53,16 @@ def _margin(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if not 0 <= value <= 2**62:  # (added to the largest fence, it must stay a bigint)
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2**62, got {value}")
     return value
+
+
+def _name(text: str) -> str:
+    """A database name (a table, column, schema or sequence): not empty, no control character."""
+    if not text or any(c < " " or c == "\x7f" for c in text):
+        raise argparse.ArgumentTypeError(f"must be a non-empty name, got {text!r}")
+    return text
 
 
 def _bounded_int(low: int, high: int) -> Callable[[str], int]:
@@ -267,6 +274,7 @@ def _blocks() -> _Blocks:
     sequence.add_argument(
         "--sequence",
         metavar="NAME",
+        type=_name,
         default=DEFAULT_SEQUENCE,
         help=f"the token sequence, optionally schema-qualified (default: {DEFAULT_SEQUENCE})",
     )
@@ -288,6 +296,7 @@ def _blocks() -> _Blocks:
     models.add_argument(
         "--column",
         metavar="COLUMN",
+        type=_name,
         default="fence",
         help="the fence column's name, used without --metadata (default: fence)",
     )
@@ -483,16 +492,24 @@ def _create_guard_parser(commands: Any, blocks: _Blocks) -> None:
             blocks.url,
         ],
     )
-    guard.add_argument("tables", metavar="TABLE", nargs="+", help="fenced tables")
+    guard.add_argument("tables", metavar="TABLE", nargs="+", type=_name, help="fenced tables")
     guard.add_argument(
-        "--schema", metavar="SCHEMA", help="the tables' schema (default: the search_path)"
+        "--schema",
+        metavar="SCHEMA",
+        type=_name,
+        help="the tables' schema (default: the search_path)",
     )
     guard.add_argument(
-        "--column", metavar="COLUMN", default="fence", help="the fence column (default: fence)"
+        "--column",
+        metavar="COLUMN",
+        type=_name,
+        default="fence",
+        help="the fence column (default: fence)",
     )
     guard.add_argument(
         "--sequence",
         metavar="NAME",
+        type=_name,
         default=DEFAULT_SEQUENCE,
         help="the Fencers' token sequence, optionally schema-qualified "
         f"(default: {DEFAULT_SEQUENCE})",
