@@ -87,6 +87,18 @@ def check_column(
     raise ValueError(f"create_fence_guard: {problem}")
 
 
+def check_sequence(conn: sa.Connection, sequence: str, create: str) -> None:
+    """Refuse a guard whose token sequence does not exist: PL/pgSQL would take the function,
+    then fail every write that raises a fence.  Looked up as the guard will: on the writer's
+    search_path when unqualified."""
+    if conn.execute(SEQUENCE_SQL, {"name": Register(sequence).sequence_sql}).first() is None:
+        raise ValueError(
+            f"create_fence_guard: the token sequence {sequence!r} does not exist (the guard reads "
+            f"it at every write that raises a fence); create it first ({create}), or pass "
+            "sequence= the Fencers' sequence. Nothing was written."
+        )
+
+
 def create_fence_guard(
     bind: sa.Engine | sa.Connection,
     table: str | sa.Table,
@@ -128,15 +140,7 @@ def create_fence_guard(
         add = f"ALTER TABLE {qualified(name, schema)} ADD COLUMN {qualified(col, None)}"
         hint = f"column ({add} bigint NOT NULL DEFAULT 0, or op.add_fence_column() in a migration)"
         check_column(conn, name, col, schema, create, hint)
-        # looked up as the guard will: on the writer's search_path when unqualified
-        found = conn.execute(SEQUENCE_SQL, {"name": Register(sequence).sequence_sql})
-        if found.one_or_none() is None:
-            raise ValueError(
-                f"create_fence_guard: the token sequence {sequence!r} does not exist (the guard "
-                "reads it at every write that raises a fence); create it first: "
-                "sa_fence.fence_sequence(Base.metadata) before Base.metadata.create_all(engine), "
-                "or pass sequence= the Fencer's sequence"
-            )
+        check_sequence(conn, sequence, "sa_fence.fence_sequence(Base.metadata) before create_all()")
         for statement in statements:
             conn.execute(sa.text(statement))  # as op.execute() runs a string
 

@@ -358,6 +358,9 @@ class Telemetry:
             raise TypeError(f"name_pattern must be a callable str -> str, got {name_pattern!r}")
         if isinstance(max_patterns, bool) or not isinstance(max_patterns, int) or max_patterns < 1:
             raise ValueError(f"max_patterns must be a whole number >= 1, got {max_patterns!r}")
+        for what, given in (("meter", meter_provider), ("tracer", tracer_provider)):
+            if given is not None and not callable(getattr(given, f"get_{what}", None)):
+                raise TypeError(f"{what}_provider must be an OpenTelemetry provider, got {given!r}")
         self.name_pattern = name_pattern or default_name_pattern
         self.max_patterns = max_patterns
         self.root_spans = root_spans

@@ -28,7 +28,7 @@ from alembic.operations import ops as alembic_ops
 from alembic.util import DispatchPriority, PriorityDispatchResult
 from sqlalchemy.schema import CreateSequence, DropSequence
 
-from ._create_guard import check_column, shown_table
+from ._create_guard import check_column, check_sequence, shown_table
 from ._fitness import CHECK_FUNCTION_SQL, SEQUENCE_SQL, register_op_args
 from ._guard import (
     GUARD_STATE_SQL,
@@ -429,6 +429,7 @@ class _GuardOp(_TableOp):
                 f"column: op.add_fence_column({add_column}) first",
             )
             check_column(operations.get_bind(), self.table_name, self.column, self.schema, *hints)
+            check_sequence(operations.get_bind(), self.sequence, "op.create_fence_sequence()")
         arguments = self._arguments()
         return create_guard_sql(arguments.pop("table_name"), **arguments)
 

@@ -648,6 +648,13 @@ def test_a_guard_on_a_table_without_its_fence_column_is_refused_and_nothing_is_c
         ops_on(conn).create_fence_guard("jobs")
     with db.begin() as conn, pytest.raises(ValueError, match="'nope' does not exist"):
         ops_on(conn).create_fence_guard("nope")
+    with db.begin() as conn:  # the column now, and a sequence that is not there (online)
+        conn.execute(sa.text("ALTER TABLE jobs ADD COLUMN fence bigint NOT NULL DEFAULT 0"))
+    with (
+        db.begin() as conn,
+        pytest.raises(ValueError, match=r"token sequence 'no_seq' does not exist.*op\.create_fe"),
+    ):
+        ops_on(conn).create_fence_guard("jobs", sequence="no_seq")
     assert schema_state(db)["guards"] == []
     with db.connect() as conn:
         functions = conn.execute(

@@ -198,8 +198,11 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: child stopped and raised), and expire() takes an AsyncLease too (awaited), where it
 #: raised a TypeError from inside and left a coroutine never awaited; and by 5 for prune:
 #: an age past PostgreSQL's timestamps leaked its overflow error, and a dry_run that was
-#: not a bool ran the wrong way (None deleted, "false" only looked).
-CORE_LINES_AT_MOST = 9567
+#: not a bool ran the wrong way (None deleted, "false" only looked); and by 8 so that
+#: op.create_fence_guard() online refuses a token sequence that does not exist, as
+#: create_fence_guard() does (the guard was made, then failed every write raising a fence),
+#: and Telemetry refuses a provider that is none (it raised from inside OpenTelemetry).
+CORE_LINES_AT_MOST = 9575
 
 
 def test_the_core_stays_within_its_line_budget() -> None:

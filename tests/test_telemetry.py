@@ -486,9 +486,13 @@ def test_root_spans_trace_each_operation_outside_any_trace(
     assert all(s.parent is None for s in otel.spans.get_finished_spans())
 
 
-def test_root_spans_must_be_a_bool() -> None:
+def test_root_spans_must_be_a_bool_and_providers_providers() -> None:
     with pytest.raises(TypeError, match="root_spans must be True or False"):
         sa_fence.telemetry.Telemetry(root_spans="yes")  # type: ignore[arg-type]
+    for given in ({"meter_provider": "junk"}, {"tracer_provider": 42}):
+        with pytest.raises(TypeError, match="_provider must be an OpenTelemetry provider"):
+            sa_fence.telemetry.Telemetry(**given)  # type: ignore[arg-type]
+    sa_fence.telemetry.Telemetry(meter_provider=MeterProvider(), tracer_provider=TracerProvider())
 
 
 def test_counters_report_per_interval_to_a_delta_reader(reading: MakeFencer) -> None:
