@@ -252,9 +252,7 @@ class _FencedConnection(Connection):
         super()._commit_impl()
 
     def _rollback_impl(self) -> None:
-        if self.__dict__.pop(SCOPE, None) is not None:
-            self.__dict__.pop(ARMED_APART, None)  # (set only in scope, as the arms are)
-            _scope.disarm(self)  # (arms are only ever set in scope)
+        _end_scope(self)
         super()._rollback_impl()
 
 
@@ -316,6 +314,13 @@ def _attach(connection: Connection, state: SessionState) -> None:
         _hook_connection(connection)
 
 
+def _end_scope(conn: Connection) -> None:
+    """The transaction ended (rolled back, or its COMMIT sent as SQL refused): unscope it."""
+    if conn.__dict__.pop(SCOPE, None) is not None:
+        conn.__dict__.pop(ARMED_APART, None)  # (set only in scope, as the arms are)
+        _scope.disarm(conn)  # (arms are only ever set in scope)
+
+
 def _map_guard_error(context: Any) -> None:
     conn, orig = context.connection, context.original_exception
     state: SessionState | None = getattr(conn, ACTIVE, None)
@@ -326,15 +331,12 @@ def _map_guard_error(context: Any) -> None:
     error: FenceError | None = error_from_guard(
         orig, lease.name if lease else None, lease.token if lease else None
     )
-    # a COMMIT sent as SQL (or PREPARE), refused by lease scope: for any lease of its scope
     scope = conn.__dict__.get(SCOPE) or ({(lease.name, lease.token): lease} if lease else {})
-    if error is None and scope:
+    if error is None and scope:  # a COMMIT sent as SQL (or PREPARE), refused by lease scope?
         error = lease_error_from_check(orig, scope) or _scope.scope_setup_error(orig)
         if isinstance(error, StaleTokenError):  # the server ended the transaction: as rolled back
             _telemetry.commit_refused(scope, error)  # (under the lease it names)
-            if conn.__dict__.pop(SCOPE, None) is not None:
-                conn.__dict__.pop(ARMED_APART, None)
-                _scope.disarm(conn)
+            _end_scope(conn)
             raise state.fail(error) from orig
     if error is None:
         return
@@ -1200,7 +1202,7 @@ def _refuse_autocommit(conn: Connection) -> None:
 
 def unbind(session: Session) -> None:
     """Detach the lease from ``session``: later fenced writes need a new lease."""
-    state = _state(session if isinstance(session, Session) else _session_of(session, "unbind()"))
+    state = _state(_session_of(session, "unbind()"))
     if state is not None:
         state.lease = None
 
@@ -1253,9 +1255,7 @@ def unfenced(session: Session) -> Iterator[Session]:
     statements: UPDATEs leave ``fence`` as it is and INSERTs get ``fence = 0``.  A bound lease
     still fences as usual.  Each such flush logs a warning on the ``sa_fence`` logger.
     """
-    state = state_for(
-        session if isinstance(session, Session) else _session_of(session, "unfenced()")
-    )
+    state = state_for(_session_of(session, "unfenced()"))
     state.unfenced += 1
     try:
         yield session
