@@ -114,6 +114,22 @@ def test_a_factory_without_the_hook_is_refused_naming_install_and_writes_nothing
     assert (last_token(engine), registered(engine, name)) == (drawn, [])
 
 
+async def test_an_async_factory_without_the_hook_is_refused_before_the_lease_too(
+    afencer: sa_fence.AsyncFencer, async_engine: Any, engine: sa.Engine
+) -> None:
+    """The same order for an async def: the session is checked before the grant."""
+    name = f"unhooked-async:{uuid.uuid4().hex}"
+
+    @sa_fence.fenced(name, ttl=30, fencer=afencer, session=async_sessionmaker(async_engine))
+    async def finish() -> None:
+        raise AssertionError("the body must not run")
+
+    drawn = last_token(engine)
+    with pytest.raises(sa_fence.FencingConfigError, match=r"sa_fence\.install\(\)"):
+        await finish()
+    assert (last_token(engine), registered(engine, name)) == (drawn, [])
+
+
 def test_a_plain_callable_factory_is_checked_to_return_a_session(
     fencer: sa_fence.Fencer, engine: sa.Engine, redis_client: redis.Redis, key_prefix: str
 ) -> None:
