@@ -108,7 +108,8 @@ class AsyncLease(BaseLease["AsyncFencer"]):
     def bind(self, session: AsyncSession | Session) -> Any:
         """Fence ``session``'s flushes with this lease's token from now on; returns it.
         ``session`` is an ``AsyncSession`` (its sync session is bound) or a ``Session`` with the
-        flush hook (:func:`sa_fence.install`)."""
+        flush hook (:func:`sa_fence.install`).  A released lease raises
+        :class:`~sa_fence.LeaseLostError`."""
         bind_lease(session, self)  # type: ignore[arg-type]  # an AsyncSession is unwrapped
         return session
 

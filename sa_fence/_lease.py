@@ -75,7 +75,8 @@ class Lease(BaseLease["Fencer"]):
     def bind(self, session: S) -> S:
         """Fence ``session``'s flushes with this lease's token from now on; returns ``session``,
         which (or whose class or sessionmaker) must have the flush hook (:func:`sa_fence.install`).
-        A ``scoped_session`` binds its current session."""
+        A ``scoped_session`` binds its current session.  A released lease raises
+        :class:`~sa_fence.LeaseLostError`."""
         bind_lease(session, self)
         return session
 

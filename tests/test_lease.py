@@ -11,7 +11,7 @@ import redis
 import sqlalchemy as sa
 
 import sa_fence
-from sa_fence import _protocol
+from sa_fence import _flush, _protocol
 from tests._fronts import entered, front, io
 from tests.models import Job
 
@@ -84,6 +84,22 @@ async def test_release_is_idempotent(front: Any) -> None:
     assert await io(lease.release()) is True
     assert await io(lease.release()) is False
     assert lease.released
+
+
+async def test_binding_a_released_lease_is_refused_and_leaves_the_session_unbound(
+    front: Any, make_session: Any, engine: sa.Engine
+) -> None:
+    lease = await io(front.acquire("job:1", 5))
+    await io(lease.release())
+    with make_session() as session:
+        with pytest.raises(sa_fence.LeaseLostError, match=r"was released.*not bound"):
+            lease.bind(session)
+        assert _flush.bound_lease(session) is None
+        session.add(Job(id=1, result="unbound"))  # a session as it was: no lease to write with
+        with pytest.raises(sa_fence.UnfencedWriteError):
+            session.flush()
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(Job)).scalar_one() == 0
 
 
 async def test_extend_sets_a_new_ttl_rather_than_adding(
