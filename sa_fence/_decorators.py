@@ -162,6 +162,24 @@ def _template_fields(template: object) -> list[str]:
     return roots
 
 
+class _NoneField(Exception):
+    """A field of a lease name template is None (its ``args[0]``: the field)."""
+
+
+class _NameFormatter(string.Formatter):
+    """``str.format`` that refuses None: ``'job:{job_id}'`` filled with ``job_id=None`` would
+    give every such call the one lease ``'job:None'``."""
+
+    def get_field(self, field_name: str, args: Any, kwargs: Any) -> Any:
+        got = super().get_field(field_name, args, kwargs)
+        if got[0] is None:
+            raise _NoneField(field_name)
+        return got
+
+
+_NAMES = _NameFormatter()
+
+
 def _families() -> list[tuple[type, type, type, type]]:
     """(fencer, session, sessionmaker, scoped_session) of a def, then of an async def once
     sa_fence._async is loaded (until then none of the asyncio kinds can exist)."""
@@ -349,7 +367,14 @@ class _Fenced:
         bound = self.sig.bind(*args, **kwargs)
         bound.apply_defaults()
         try:
-            lease_name = options.name.format_map(bound.arguments)
+            lease_name = _NAMES.vformat(options.name, (), bound.arguments)
+        except _NoneField as exc:
+            raise ValueError(
+                f"could not fill lease name template {options.name!r} from the arguments of "
+                f"{self.fn.__qualname__}(): {{{exc.args[0]}}} is None, which would give every "
+                "such call one lease named after None; pass a value, or give the resource a "
+                "name of its own in the template"
+            ) from None
         except (KeyError, AttributeError, IndexError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"could not fill lease name template {options.name!r} from the arguments of "

@@ -257,11 +257,18 @@ def test_a_fencer_session_or_name_found_wrong_at_the_call_fails_before_anything_
     @sa_fence.fenced("job:{job_id}", ttl=30, fencer=fencer, session=lambda: opened[-1])
     def from_a_factory(job_id: int) -> None: ...
 
+    @sa_fence.fenced("job:{job_id}", ttl=30, fencer=fencer, session=make_session)
+    def by_id(job_id: int | None) -> None: ...
+
     with make_session() as session:
         with pytest.raises(
             ValueError, match=r"could not fill lease name template 'job:\{job\.id\}' from .*by_job"
         ):
             Repository(session, fencer).by_job(None)
+        with pytest.raises(ValueError, match=r"by_job\(\): \{job\.id\} is None"):
+            Repository(session, fencer).by_job(Job(id=None))  # not one lease "job:None" for all
+        with pytest.raises(ValueError, match=r"'job:\{job_id\}' .*by_id\(\): \{job_id\} is None"):
+            by_id(None)
         with pytest.raises(TypeError, match="found fencer 'fencer' but it is a str, not a Fencer"):
             Repository(session, "not a fencer").by_job(Job(id=1))
         with pytest.raises(TypeError, match="found session 'session' but it is a int, not a Sess"):
