@@ -592,7 +592,21 @@ def fenced(
 def _decorate(options: _Options, fn: Callable[P, R]) -> Callable[P, Any]:
     if not callable(fn):
         raise TypeError(f"@fenced decorates a function or method, got {fn!r}")
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(  # its body would run after the call: unfenced, the lease released
+            f"@fenced cannot wrap {fn.__qualname__}, a generator function: its body runs only "
+            "as the caller iterates, after the fenced call has committed and released the "
+            "lease. Return a list instead, or iterate inside a fenced function (fenced_methods: "
+            "leave it out with exclude=[...])"
+        )
     is_async = inspect.iscoroutinefunction(fn)
+    if not is_async and not inspect.isroutine(fn) and not isinstance(fn, type):
+        call = type(fn).__call__  # (fn is callable: checked above)
+        if inspect.iscoroutinefunction(call) or inspect.isasyncgenfunction(call):
+            raise TypeError(
+                f"@fenced cannot wrap {fn!r}: its __call__ is an async def, which a callable "
+                "object does not show as one. Decorate an async def (or the method) instead"
+            )
     if options.cancel_on_lost is not None and not is_async:
         raise ValueError(
             f"cancel_on_lost applies only to an async def (a thread cannot be cancelled); "

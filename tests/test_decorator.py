@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,6 +207,33 @@ def test_bad_decorator_arguments_are_refused_at_decoration_time(
 
     with pytest.raises(error, match=match):
         sa_fence.fenced(template, **{"ttl": 30, **kwargs})(f)
+
+
+def test_a_generator_or_an_async_callable_object_is_refused_at_decoration_time() -> None:
+    """Their bodies would run after the call returned: committed, released, unfenced."""
+
+    def rows(job_id: int) -> Iterator[int]:
+        yield job_id
+
+    async def arows(job_id: int) -> AsyncIterator[int]:
+        yield job_id
+
+    class Handler:
+        async def __call__(self, job_id: int) -> None: ...
+
+    for fn in (rows, arows):
+        with pytest.raises(TypeError, match=r"cannot wrap .*rows, a generator function"):
+            sa_fence.fenced("job:{job_id}", ttl=30)(fn)
+    with pytest.raises(TypeError, match=r"its __call__ is an async def"):
+        sa_fence.fenced("job:{job_id}", ttl=30)(Handler())
+
+    class Repository:
+        def scan(self, job_id: int) -> Iterator[int]:
+            yield job_id
+
+    with pytest.raises(TypeError, match=r"Repository.scan, a generator .*exclude="):
+        sa_fence.fenced_methods("job:{job_id}", ttl=30)(Repository)
+    sa_fence.fenced_methods("job:{job_id}", ttl=30, exclude=["scan"])(Repository)
 
 
 def test_a_missing_fencer_or_a_name_that_does_not_fit_fails_before_anything_is_written(
