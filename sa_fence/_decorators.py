@@ -469,6 +469,8 @@ class _Fenced:
         try:
             if joined:
                 return (yield body())
+            if how != _FACTORY and previous is not None:
+                return (yield from self.joined_under(body, frame.lease, previous, session))
             frame.lease.bind(session)
             if not self.is_async:
                 return (yield run_steps(_unit_of_work(body, frame)))
@@ -480,6 +482,40 @@ class _Fenced:
             if not joined:
                 state.lease = previous
             _frames.reset(reset)
+
+    def joined_under(
+        self, body: Callable[[], Any], lease: Any, outer: Any, session: Any
+    ) -> _Steps[Any]:
+        """Run the body on ``session``, which another lease (``outer``: an enclosing call's, or
+        the caller's own bind) is bound to, as part of that unit of work: its writes flushed
+        under ``lease``, the transaction checked against both leases at the COMMIT the outer
+        code sends; it neither commits nor rolls back.  What the outer code wrote before is
+        flushed first, under ``outer``: committing it here would let it skip the outer lease's
+        check (a stale outer holder's work landing under the nested lease)."""
+        yield session.flush()  # (begins the transaction armed with ``outer``, if anything)
+        yield self.rebind(lease, session)  # armed now too, if a transaction is open
+        try:
+            result = yield body()
+            yield session.flush()  # its writes under its lease, not the outer one
+        except BaseException:
+            try:
+                yield self.rebind(outer, session)
+            except Exception:  # a transaction that failed cannot commit: unarmed is fine
+                state_for(getattr(session, "sync_session", session)).lease = outer
+            raise
+        yield self.rebind(outer, session)  # armed too if the body began the transaction
+        return result
+
+    def rebind(self, lease: Any, session: Any) -> Any:
+        """``lease.bind(session)``; on an AsyncSession through ``run_sync``, as binding
+        mid-transaction sends the arm (awaited by the caller)."""
+        if self.is_async:
+            return session.run_sync(_bind_sync, lease)
+        return lease.bind(session)
+
+
+def _bind_sync(sync_session: Session, lease: Any) -> None:
+    lease.bind(sync_session)
 
 
 def _unit_of_work(body: Callable[[], Any], frame: _Frame) -> _Steps[Any]:

@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 import sa_fence
+import sa_fence.testing
 from sa_fence import _decorators
 from tests._async_fixtures import row as job
 from tests.models import SEQUENCE, Job
@@ -375,6 +376,116 @@ async def test_a_nested_async_call_on_the_same_name_reuses_the_held_lease(
     outer, inner = await asyncio.wait_for(finish(13), timeout=10)
     assert outer == inner
     assert job(engine, 13) == ("nested", inner)
+
+
+# ------------------------------------------- nested calls on another name
+
+
+class Batches:
+    """A batch's call (batch:N) that finishes one of its jobs (job:N) on the same session."""
+
+    def __init__(self, session: Any, fencer: Any) -> None:
+        self.session, self.fencer = session, fencer
+        self.newer: list[Any] = []
+
+    @sa_fence.fenced("batch:{batch_id}", ttl=30)
+    def run(self, batch_id: int, job_id: int, stall: bool = False, fail: bool = False) -> int:
+        self.session.add(Job(id=job_id, result="batch"))  # pending: not flushed yet
+        if stall:  # paused past its TTL: another worker is granted the batch
+            sa_fence.testing.expire(sa_fence.current_lease())
+            self.newer.append(self.fencer.acquire(f"batch:{batch_id}", 30))
+        self.finish(job_id + 1)
+        if fail:
+            raise RuntimeError("the batch failed after finishing a job")
+        return int(sa_fence.current_lease().token)
+
+    @sa_fence.fenced("job:{job_id}", ttl=30)
+    def finish(self, job_id: int) -> int:
+        self.session.add(Job(id=job_id, result="job"))
+        return int(sa_fence.current_lease().token)
+
+
+def test_a_nested_call_on_another_name_joins_the_unit_of_work_each_write_under_its_lease(
+    make_session: sessionmaker[Session],
+    fencer: sa_fence.Fencer,
+    engine: sa.Engine,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    with make_session() as session:
+        batch = Batches(session, fencer).run(1, 30)
+        assert sa_fence._flush.bound_lease(session) is None  # restored after the outer call
+    outer_row, inner_row = job(engine, 30), job(engine, 31)
+    assert outer_row == ("batch", batch)  # flushed under the batch's lease before the job's
+    assert inner_row is not None
+    assert inner_row[0] == "job"
+    assert inner_row[1] > batch  # its own lease's token, granted after the batch's
+    assert keys(redis_client, key_prefix) == []
+
+
+def test_a_nested_call_on_another_name_does_not_commit_the_outer_calls_work(
+    make_session: sessionmaker[Session], fencer: sa_fence.Fencer, engine: sa.Engine
+) -> None:
+    with make_session() as session, pytest.raises(RuntimeError, match="after finishing"):
+        Batches(session, fencer).run(2, 32, fail=True)
+    assert (job(engine, 32), job(engine, 33)) == (None, None)
+
+
+def test_a_stale_outer_calls_pending_write_is_not_committed_under_the_nested_lease(
+    make_session: sessionmaker[Session], fencer: sa_fence.Fencer, engine: sa.Engine
+) -> None:
+    """The stale batch holder's write was pending when it called the job's fenced method:
+    committing it there checked the job's lease alone, and it landed after the newer grant."""
+    with make_session() as session:
+        batches = Batches(session, fencer)
+        with pytest.raises(sa_fence.StaleTokenError, match=r"lease 'batch:3' .* is stale"):
+            batches.run(3, 34, stall=True)
+    batches.newer[0].release()
+    assert (job(engine, 34), job(engine, 35)) == (None, None)
+
+
+def test_a_fenced_call_on_a_session_the_caller_bound_joins_the_callers_transaction(
+    make_session: sessionmaker[Session], fencer: sa_fence.Fencer, engine: sa.Engine
+) -> None:
+    with fencer.lease("batch:4", 30) as lease, make_session() as session:
+        lease.bind(session)
+        session.add(Job(id=36, result="caller"))
+        Batches(session, fencer).finish(37)
+        assert sa_fence._flush.bound_lease(session) is lease
+        assert (job(engine, 36), job(engine, 37)) == (None, None)  # the caller commits
+        session.commit()
+    assert job(engine, 36) == ("caller", lease.token)
+    assert job(engine, 37)[0] == "job"  # type: ignore[index]
+
+
+async def test_an_async_nested_call_on_another_name_leaves_a_stale_outer_refused(
+    make_async_session: async_sessionmaker[AsyncSession],
+    afencer: sa_fence.AsyncFencer,
+    engine: sa.Engine,
+) -> None:
+    newer: list[Any] = []
+
+    @sa_fence.fenced("job:{job_id}", ttl=30, fencer=afencer, session="session")
+    async def finish(session: AsyncSession, job_id: int) -> None:
+        session.add(Job(id=job_id, result="job"))
+        await session.flush()
+
+    @sa_fence.fenced("batch:{batch_id}", ttl=30, fencer=afencer, session="session")
+    async def run(session: AsyncSession, batch_id: int, stall: bool) -> None:
+        session.add(Job(id=batch_id + 100, result="batch"))
+        if stall:
+            await sa_fence.testing.expire(sa_fence.current_lease())
+            newer.append(await afencer.acquire(f"batch:{batch_id}", 30))
+        await finish(session, batch_id + 200)
+
+    async with make_async_session() as session:
+        await run(session, 5, stall=False)
+    assert (job(engine, 105)[0], job(engine, 205)[0]) == ("batch", "job")  # type: ignore[index]
+    async with make_async_session() as session:
+        with pytest.raises(sa_fence.StaleTokenError, match=r"lease 'batch:6'"):
+            await run(session, 6, stall=True)
+    await newer[0].release()
+    assert (job(engine, 106), job(engine, 206)) == (None, None)
 
 
 # ------------------------------------------------------------------- max_hold
