@@ -61,7 +61,8 @@ class Lease(BaseLease["Fencer"]):
         """Give the lease back; never deletes another owner's lease.  Idempotent; stops renewal
         first.  True when this call deleted our live lease (a resend finding the key gone within
         the local validity counts: only our delete can have removed it), False when it had already
-        expired, been taken over, or been released.  Raises :class:`~sa_fence.LeaseBackendError`
+        expired, been taken over, or been released, and in a forked child for a lease its parent
+        was granted (the parent's to release).  Raises :class:`~sa_fence.LeaseBackendError`
         or :class:`~sa_fence.FencingConfigError` as :meth:`extend` does; the TTL then ends it."""
         with self._lock:
             if self._state.released:
@@ -70,6 +71,14 @@ class Lease(BaseLease["Fencer"]):
             renewing, self._state.renewing = self._state.renewing, False
         if renewing:  # (a lost lease's renewal was stopped when it was lost)
             self._stop_renewal()
+        if self._forks != steps.forks:  # a forked child leaving its parent's `with` block
+            log.warning(
+                "lease %r (token %d) was granted to the parent of this forked process, which "
+                "holds and releases it: not released in Redis by the child",
+                self.name,
+                self.token,
+            )
+            return False
         return self._release_in_redis()
 
     def bind(self, session: S) -> S:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import threading
 import time
@@ -396,6 +397,21 @@ def _warn_never_bound(lease: BaseLease[Any]) -> None:
     )
 
 
+#: How many forks this process is from the one that imported sa-fence.  A lease keeps the count
+#: it was granted at (``_forks``): a forked child tells the leases it inherited by it, which
+#: are its parent's to release.
+forks = 0
+
+
+def _count_fork() -> None:
+    global forks
+    forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
+
+
 class BaseLease(Marks, Reported, Generic[FencerT]):
     """What a holder knows about a granted lease, without I/O: its state, its validity
     on this process's monotonic clock, and the "is it still usable" checks."""
@@ -433,6 +449,7 @@ class BaseLease(Marks, Reported, Generic[FencerT]):
         self._state = proto.LeaseState(name, token, valid_until, fail_fast)
         self._on_lost = on_lost
         self._renew_failures = 0
+        self._forks = forks
 
     def __repr__(self) -> str:
         state = "released" if self.released else "lost" if self.lost else "held"

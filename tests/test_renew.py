@@ -278,6 +278,27 @@ def test_a_forked_child_starts_with_no_renewals_of_its_parents_leases(
         assert lease.release()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_leaving_the_parents_lease_block_does_not_release_it(
+    fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A raw os.fork() inside `with fencer.lease(...)`: the child runs the block's exit too,
+    and its RELEASE (the owner is the parent's) deleted the parent's live lease."""
+    with fencer.lease("job:fork", 30) as lease:
+        pid = os.fork()
+        if pid == 0:  # the child: leave the block as the parent will, then exit at once
+            try:
+                released = lease.release()
+            except BaseException:
+                os._exit(3)
+            os._exit(0 if released is False and lease.released else 2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert redis_client.get(key_prefix + "job:fork") is not None  # still the parent's
+        assert not lease.released
+    assert redis_client.get(key_prefix + "job:fork") is None  # the parent released it
+
+
 def test_a_release_while_a_renewal_is_sent_schedules_no_next_renewal(
     fencer: sa_fence.Fencer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
