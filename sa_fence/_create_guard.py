@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import sqlalchemy as sa
 
-from ._fitness import SEQUENCE_SQL
+from ._fitness import sequence_problem
 from ._guard import DEFAULT_SEQUENCE, create_guard_sql, drop_guard_sql, qualified
 from ._model import fence_column_of
 from ._register import Register
@@ -88,15 +88,19 @@ def check_column(
 
 
 def check_sequence(conn: sa.Connection, sequence: str, create: str) -> None:
-    """Refuse a guard whose token sequence does not exist: PL/pgSQL would take the function,
-    then fail every write that raises a fence.  Looked up as the guard will: on the writer's
-    search_path when unqualified."""
-    if conn.execute(SEQUENCE_SQL, {"name": Register(sequence).sequence_sql}).first() is None:
+    """Refuse a guard whose token sequence does not exist (PL/pgSQL would take the function,
+    then fail every write that raises a fence) or cannot issue tokens (no Fencer would grant
+    one from it).  Looked up as the guard will: on the writer's search_path when unqualified."""
+    register = Register(sequence)
+    row, problem = sequence_problem(conn, register, register)
+    if row is None:
         raise ValueError(
             f"create_fence_guard: the token sequence {sequence!r} does not exist (the guard reads "
             f"it at every write that raises a fence); create it first ({create}), or pass "
             "sequence= the Fencers' sequence. Nothing was written."
         )
+    if problem is not None:
+        raise ValueError(f"create_fence_guard: {problem.sentence()} Nothing was written.")
 
 
 def create_fence_guard(
@@ -128,7 +132,8 @@ def create_fence_guard(
     the Fencers' token sequence.  Running it again replaces the guard (idempotent).
 
     Raises ``ValueError``, with nothing written, when the table, its bigint fence column or the
-    sequence does not exist, or an argument is invalid.
+    sequence does not exist, the sequence cannot issue fencing tokens (not ``AS bigint CACHE 1
+    NO CYCLE``, a positive increment, logged), or an argument is invalid.
     """
     begin = _begin(bind, "create_fence_guard")
     name, col, schema = _target(table, column, schema)

@@ -655,6 +655,13 @@ def test_a_guard_on_a_table_without_its_fence_column_is_refused_and_nothing_is_c
         pytest.raises(ValueError, match=r"token sequence 'no_seq' does not exist.*op\.create_fe"),
     ):
         ops_on(conn).create_fence_guard("jobs", sequence="no_seq")
+    with db.begin() as conn:
+        conn.execute(sa.text("CREATE SEQUENCE cached_seq AS bigint CACHE 10"))
+    with (
+        db.begin() as conn,
+        pytest.raises(ValueError, match=r"cached_seq cannot issue fencing tokens: it has CACHE 10"),
+    ):
+        ops_on(conn).create_fence_guard("jobs", sequence="cached_seq")
     assert schema_state(db)["guards"] == []
     with db.connect() as conn:
         functions = conn.execute(

@@ -145,6 +145,16 @@ def test_tables_whose_long_names_share_a_prefix_get_a_guard_each(
             "jobs",
             "the token sequence 'sa_fence_token_seq' does not exist",
         ),
+        (  # no Fencer grants a token from it: refused now, not at the first grant
+            "ALTER SEQUENCE sa_fence_token_seq CACHE 20",
+            "jobs",
+            "token sequence sa_fence_token_seq cannot issue fencing tokens: it has CACHE 20",
+        ),
+        (
+            "ALTER SEQUENCE sa_fence_token_seq AS integer",
+            "jobs",
+            "its type is integer (need bigint: AS bigint)",
+        ),
     ],
 )
 def test_create_guard_refuses_bad_input_by_name_and_writes_nothing(
