@@ -32,7 +32,7 @@ from . import _lifecycle as steps
 from . import _prune, _telemetry
 from ._dialect import check_dialect
 from ._flush import bind_lease
-from ._lifecycle import BaseLease, FencerCore
+from ._lifecycle import BaseLease, FencerCore, released_error
 from ._redis_client import probe_speaks
 from .errors import FencingConfigError, LeaseBackendError
 
@@ -110,6 +110,8 @@ class AsyncLease(BaseLease["AsyncFencer"]):
         ``session`` is an ``AsyncSession`` (its sync session is bound) or a ``Session`` with the
         flush hook (:func:`sa_fence.install`).  A released lease raises
         :class:`~sa_fence.LeaseLostError`."""
+        if self._state.released:
+            raise released_error(self)
         bind_lease(session, self)  # type: ignore[arg-type]  # an AsyncSession is unwrapped
         return session
 

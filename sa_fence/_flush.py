@@ -1152,11 +1152,6 @@ def _session_of(target: Any, call: str = "bind()") -> Session:
 def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
     if not isinstance(session, Session):
         session = _session_of(session)
-    if lease.released:  # it holds nothing any more: its fenced writes would all be refused
-        raise LeaseLostError(
-            f"lease {lease.name!r} (token {lease.token}) was released, so it no longer fences "
-            "anything; acquire a new lease and bind that. The session is not bound."
-        )
     if not (_INSTALLED in session.__dict__ or getattr(type(session), _INSTALLED, False)):
         raise FencingConfigError(  # (is_installed(), inlined; install()'s mark is never empty)
             "this session does not have the sa-fence flush hook, so binding a lease would "

@@ -86,6 +86,8 @@ class Lease(BaseLease["Fencer"]):
         which (or whose class or sessionmaker) must have the flush hook (:func:`sa_fence.install`).
         A ``scoped_session`` binds its current session.  A released lease raises
         :class:`~sa_fence.LeaseLostError`."""
+        if self._state.released:
+            raise steps.released_error(self)
         bind_lease(session, self)
         return session
 

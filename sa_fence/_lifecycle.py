@@ -412,6 +412,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_count_fork)
 
 
+def released_error(lease: BaseLease[Any]) -> LeaseLostError:
+    """What binding a released lease raises: it holds nothing any more, so its fenced writes
+    would all be refused (checked by the front ends' ``bind``, on the lease's own state)."""
+    return LeaseLostError(
+        f"lease {lease.name!r} (token {lease.token}) was released, so it no longer fences "
+        "anything; acquire a new lease and bind that. The session is not bound."
+    )
+
+
 class BaseLease(Marks, Reported, Generic[FencerT]):
     """What a holder knows about a granted lease, without I/O: its state, its validity
     on this process's monotonic clock, and the "is it still usable" checks."""

@@ -260,11 +260,11 @@ async def test_binding_an_async_scoped_session_fences_the_current_tasks_session(
             assert _flush.bound_lease(scoped().sync_session) is lease
             scoped.add(Job(id=10, result="scoped"))
             await scoped.commit()
+            with pytest.raises(TypeError, match=r"takes a sqlalchemy Session or .*, got async_"):
+                lease.bind(async_sessionmaker(async_engine))  # type: ignore[arg-type]
     finally:
         await scoped.remove()
     assert row(engine, 10) == ("scoped", lease.token)
-    with pytest.raises(TypeError, match=r"takes a sqlalchemy Session or .*, got async_"):
-        lease.bind(async_sessionmaker(async_engine))  # type: ignore[arg-type]
 
 
 # ------------------------------------------------- several sessions, one Connection
