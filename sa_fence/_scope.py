@@ -15,7 +15,8 @@ every way out of it shut, at three levels:
    psycopg internals this needs (:data:`PSYCOPG_BEGIN_HOOK`), every arm is a statement.
 3. The driver's cursors (:func:`_checked_cursor`): SQL sent on them in scope is read first,
    and SQL that would end the transaction and go on (``COMMIT; BEGIN``, ``COMMIT AND
-   CHAIN``) is refused before it is sent (:mod:`sa_fence._transaction_sql`).
+   CHAIN``; in pipeline mode any that ends it) is refused before it is sent
+   (:mod:`sa_fence._transaction_sql`).
 What it keeps per Connection or psycopg connection lives in its ``__dict__`` (as _flush's).
 """
 
@@ -35,7 +36,7 @@ from sqlalchemy.exc import DBAPIError, MissingGreenlet
 from . import _guard, _telemetry
 from ._guard import lease_error_from_check
 from ._register import DATABASE_ID_SQL, SCOPE_TABLE
-from ._transaction_sql import might_leave_scope, scope_effect
+from ._transaction_sql import ends_transaction, might_leave_scope, scope_effect
 from .errors import FencingConfigError, StaleTokenError
 
 if TYPE_CHECKING:
@@ -241,8 +242,34 @@ def _arm(conn: Connection, lease: Lease) -> None:
     elif psycopg3 and not driver.autocommit and driver.info.transaction_status == _IDLE:
         return  # not begun: sent before its first statement (_rearm_if_ended)
     refuse_armed_autocommit(psycopg3 and driver.autocommit)  # (it would commit at once)
+    if psycopg3 and driver._num_transactions:  # (a psycopg transaction() block is open)
+        _refuse_arm_in_psycopg_block(driver)
     conn.__dict__[ARMED_APART] = True
     _run(conn, _arm_sql(table, [row]))
+
+
+def _refuse_arm_in_psycopg_block(driver: Any) -> None:
+    """Refuse an arm sent apart inside psycopg's own ``transaction()`` block.
+
+    Inside a transaction the block is a savepoint, and an arm sent in it belongs to it; the
+    block's exit rolls it back through psycopg's ``_exec_command`` (no cursor, no step of
+    SQLAlchemy's), so the ``ROLLBACK TO`` that undoes the arm is never seen, unlike one sent
+    as SQL or SQLAlchemy's ``begin_nested()``, after which the arm is sent again.  Re-arming
+    at the block's exit is not robust: the block may have been entered before this driver
+    was ever armed (nothing of sa-fence's wraps it then), and its exit runs inside psycopg's
+    connection lock and its rollback generator, which swallows errors.  Refusing here, the
+    one place a transaction's first arm is sent apart, holds whenever the block was entered
+    and however it ends: every first arm is sent outside psycopg's blocks, and an arm sent
+    again after a ``ROLLBACK TO`` only restores one that such a block cannot undo."""
+    raise FencingConfigError(
+        "a lease would be bound (or a bound session would join this transaction) inside "
+        "psycopg's own transaction() block on the driver connection: its arm would be a "
+        "statement inside the block's savepoint, which the block's rollback undoes without "
+        "sa-fence seeing it, so the transaction's COMMIT would no longer be checked against "
+        "the register. Bind the lease, and begin the session's work, before entering "
+        "transaction(), or use session.begin_nested() / connection.begin_nested() instead of "
+        "psycopg's transaction(). Nothing was sent."
+    )
 
 
 def _arm_sql(table: str, rows: Sequence[str]) -> str:
@@ -443,15 +470,18 @@ def _checked_cursor(base: type) -> type:
 
 
 def _cursor_sql(driver: Any, sql: Any, *, rearm: bool = True) -> Connection | None:
-    """Before a cursor of ``driver`` sends ``sql``: refused if it leaves lease scope; the
-    Connection to send the arms of again after it (a ROLLBACK TO in a transaction armed
-    apart, when ``rearm``; else refused too), or None."""
-    if sql.__class__ is str and not might_leave_scope(sql):
+    """Before a cursor of ``driver`` sends ``sql``: refused if it leaves lease scope (or, in
+    pipeline mode, ends the transaction); the Connection to send the arms of again after it
+    (a ROLLBACK TO in a transaction armed apart, when ``rearm``; else refused too), or None."""
+    pipelined = driver._pipeline is not None
+    if sql.__class__ is str and not pipelined and not might_leave_scope(sql):
         return None
     if (owner := _scope_owner(driver)) is None:
         return None  # out of lease scope (the pool's next user, say): sent as it is
     text = _sql_text(driver, sql)
     rolls_back = might_leave_scope(text) and _refuse_leaving_scope(text)
+    if pipelined:
+        _refuse_ending_in_pipeline(text)
     if not rolls_back or ARMED_APART not in owner.__dict__:  # (set only with the scope)
         return None
     if not rearm:
@@ -466,8 +496,8 @@ def _cursor_sql(driver: Any, sql: Any, *, rearm: bool = True) -> Connection | No
 
 def _checked_execute(execute: Any) -> Any:
     def checked(self: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
-        if query.__class__ is str:  # might_leave_scope(), inlined: no call per statement
-            lowered = query.lower()
+        if query.__class__ is str and self._conn._pipeline is None:  # (not pipeline mode)
+            lowered = query.lower()  # might_leave_scope(), inlined: no call per statement
             if ";" not in query and "chain" not in lowered and "rollback" not in lowered:
                 return execute(self, query, params, **kwargs)
         return rearming(self, query, params, **kwargs)
@@ -539,9 +569,13 @@ def _sql_text(driver: Any, sql: Any) -> str:
 # ------------------------------- the Connection's steps: SQL, BEGIN, COMMIT (from _flush)
 def before_bound_sql(conn: Connection, lease: Lease, sql: Any) -> bool:
     """Before SQL on a bound connection: re-arm, without the BEGIN hook, after a COMMIT sent as
-    SQL; refuse SQL that leaves lease scope.  Whether it rolls back an arm sent apart."""
-    sql = sql if sql.__class__ is str else _sql_text(driver_of(conn), sql)
+    SQL; refuse SQL that leaves lease scope (in pipeline mode: that ends the transaction).
+    Whether it rolls back an arm sent apart."""
+    driver: Any = driver_of(conn)
+    sql = sql if sql.__class__ is str else _sql_text(driver, sql)
     leaves = might_leave_scope(sql) and _refuse_leaving_scope(sql)
+    if getattr(driver, "_pipeline", None) is not None:
+        _refuse_ending_in_pipeline(sql)
     if not PSYCOPG_BEGIN_HOOK:  # (after a refusal: nothing is sent, not even an arm)
         enter_scope(conn, lease)
     return leaves and ARMED_APART in conn.__dict__
@@ -563,6 +597,31 @@ def _refuse_leaving_scope(sql: str) -> bool:
             "a new transaction in lease scope. Nothing was sent."
         )
     return rolls_back
+
+
+def _refuse_ending_in_pipeline(sql: str) -> None:
+    """Refuse SQL that ends the transaction while the driver is in pipeline mode.
+
+    A pipeline's statements are answered only at its sync, and until then libpq reports the
+    connection ACTIVE, not IDLE, so psycopg sends no BEGIN (and no arm rides one) before what
+    is queued after a ``COMMIT`` or ``ROLLBACK``: it runs in the pipeline's implicit
+    transaction, which commits at the sync, unchecked.  Whether anything follows is not
+    known when the statement is sent, so the statement that ends the transaction is refused,
+    alone too.  Entering pipeline mode is not refused: psycopg's own ``executemany()`` runs in
+    a pipeline (SQLAlchemy's batched statements use it), and a pipeline inside a transaction
+    is held to the lease like any statement.  The driver's ``commit()`` and ``rollback()``
+    sync the pipeline after their COMMIT or ROLLBACK, so the next statement finds the
+    connection idle and begins an armed transaction: they stay the way to end one there."""
+    if ends_transaction(sql):
+        raise FencingConfigError(
+            f"this SQL ends the transaction ({sql[:60] + '...' * (len(sql) > 60)!r}) while the "
+            "driver connection is in pipeline mode: until the pipeline syncs, psycopg sends no "
+            "BEGIN before the statements queued after it, which would run outside lease scope "
+            "and commit at the sync unchecked. End the transaction with the driver "
+            "connection's commit() or rollback() (they sync the pipeline), session.commit() / "
+            "rollback(), or send the COMMIT or ROLLBACK outside the pipeline() block. Nothing "
+            "was sent."
+        )
 
 
 def scope_on_begin(conn: Connection) -> None:

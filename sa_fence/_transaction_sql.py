@@ -38,6 +38,7 @@ _IDENT_END = re.compile(r'(?:[^"]|"")*"')
 _BLOCK_PART = re.compile(r"/\*|\*/")
 
 _ENDS = frozenset({"COMMIT", "END", "ROLLBACK", "ABORT"})
+_END_WORDS = ("commit", "end", "rollback", "abort", "prepare")
 
 
 def statements(sql: str, backslash_quotes: bool = False) -> list[list[str]]:
@@ -116,8 +117,23 @@ def scope_effect(sql: str, backslash_quotes: bool | None = None) -> tuple[bool, 
     CHAIN``), and whether it rolls back to a savepoint at all.  With
     ``backslash_quotes=None`` (the server's setting unknown), either reading of a
     backslash before a quote finding one is enough."""
+    splits = _splits(sql, backslash_quotes)
+    return any(map(_leaves, splits)), any(_kind(t) == "savepoint" for f in splits for t in f)
+
+
+def ends_transaction(sql: str) -> bool:
+    """Whether a statement of ``sql`` ends its transaction (COMMIT, END, ROLLBACK, ABORT or
+    PREPARE TRANSACTION; not ROLLBACK TO, not COMMIT PREPARED), last or not, under either
+    reading of a backslash before a quote (for psycopg's pipeline mode, _scope)."""
+    lowered = sql.lower()  # (a first look, as might_leave_scope's: most SQL has none)
+    if not any(word in lowered for word in _END_WORDS):
+        return False
+    return any(_kind(tokens) == "end" for found in _splits(sql, None) for tokens in found)
+
+
+def _splits(sql: str, backslash_quotes: bool | None) -> list[list[list[str]]]:
+    """``sql``'s non-empty statements under each reading of a backslash to consider."""
     readings = (
         [False, True] if backslash_quotes is None and "\\" in sql else [bool(backslash_quotes)]
     )
-    splits = [[tokens for tokens in statements(sql, reading) if tokens] for reading in readings]
-    return any(map(_leaves, splits)), any(_kind(t) == "savepoint" for f in splits for t in f)
+    return [[tokens for tokens in statements(sql, reading) if tokens] for reading in readings]

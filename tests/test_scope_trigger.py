@@ -1147,6 +1147,332 @@ async def test_async_an_interrupted_arm_after_a_rollback_to_closes_the_driver_co
         await a.release()
 
 
+# ------------------------- psycopg's pipeline mode, and its own transaction() blocks
+
+
+#: Statements that end the transaction, and ways to send them in pipeline mode.
+PIPELINE_ENDS = ["COMMIT", "ROLLBACK", "END", "PREPARE TRANSACTION 'sa_fence_pipeline'"]
+PIPELINE_SENDS = ["cursor().execute", "driver.execute", "cursor().executemany", "text"]
+
+
+def _send_in_pipeline(session: Session, send: str, sql: str) -> None:
+    """Send ``sql`` through SQLAlchemy (``text``) or on the session's driver connection."""
+    if send == "text":
+        session.execute(sa.text(sql))
+    else:
+        DRIVER_SENDS[send](session.connection(), sql)
+
+
+@pytest.mark.parametrize("sql", PIPELINE_ENDS)
+@pytest.mark.parametrize("send", PIPELINE_SENDS)
+def test_sql_that_ends_the_transaction_in_pipeline_mode_is_refused_before_it_is_sent(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    send: str,
+    sql: str,
+) -> None:
+    """In pipeline mode libpq reports the connection ACTIVE until the pipeline syncs, so
+    psycopg sends no BEGIN (and no arm) before what is queued after a COMMIT or ROLLBACK:
+    it would commit at the sync unchecked.  The ending statement is refused, alone too; the
+    transaction goes on, armed, and is checked at its commit."""
+    if send != "text" and not _scope.PSYCOPG_BEGIN_HOOK:
+        pytest.skip("without the BEGIN hook, the driver's own cursors are not read (documented)")
+    a, b = stale_pair(fencer)
+    with make_session() as session:
+        a.bind(session)
+        session.execute(sa.text("SELECT 1"))  # armed
+        driver = session.connection().connection.driver_connection
+        with driver.pipeline():
+            with pytest.raises(
+                sa_fence.FencingConfigError, match=r"pipeline mode.*Nothing was sent"
+            ):
+                _send_in_pipeline(session, send, sql)
+            _raw_insert(driver, 1, "stale")  # still in the armed transaction
+        with pytest.raises(sa_fence.StaleTokenError):
+            session.commit()
+    assert outbox(scope_engine) == []
+    b.release()
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["refused", "guard-removed"])
+@pytest.mark.parametrize("send", ["cursor().execute", "text"])
+def test_a_stale_holders_statement_after_a_rollback_in_pipeline_mode_never_commits(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    send: str,
+    guarded: bool,
+) -> None:
+    """The audit's repro: ROLLBACK, then an INSERT, queued in one pipeline by a session
+    bound to a lease already stale.  The pair: without the refusal, the INSERT runs in the
+    pipeline's implicit transaction and commits at the sync."""
+    if send != "text" and not _scope.PSYCOPG_BEGIN_HOOK:
+        pytest.skip("without the BEGIN hook, the driver's own cursors are not read (documented)")
+    if not guarded:
+        monkeypatch.setattr(_scope, "_refuse_ending_in_pipeline", lambda sql: None)
+    a, b = stale_pair(fencer)
+    with make_session() as session:
+        a.bind(session)
+        session.execute(sa.text("SELECT 1"))
+        driver = session.connection().connection.driver_connection
+        with driver.pipeline():
+            if guarded:
+                with pytest.raises(sa_fence.FencingConfigError, match="pipeline mode"):
+                    _send_in_pipeline(session, send, "ROLLBACK")
+            else:
+                _send_in_pipeline(session, send, "ROLLBACK")
+            _send_in_pipeline(session, send, "INSERT INTO outbox VALUES (1, 'stale')")
+        session.rollback()
+    assert outbox(scope_engine) == ([] if guarded else ["stale"])
+    b.release()
+
+
+def test_in_pipeline_mode_the_drivers_commit_is_checked_and_the_next_transaction_armed(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
+) -> None:
+    """What the refusal points to: the driver's commit() syncs the pipeline after its COMMIT
+    (checked), so the next statement finds the connection idle and begins a transaction
+    armed in its BEGIN; superseded, that transaction's commit is refused."""
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    with make_session() as session:
+        a.bind(session)
+        driver = session.connection().connection.driver_connection
+        with driver.pipeline():
+            session.execute(sa.text("INSERT INTO outbox VALUES (1, 'current')"))
+            driver.commit()
+            assert expire(a)
+            b = fencer.acquire(a.name, 5)
+            session.execute(sa.text("INSERT INTO outbox VALUES (2, 'stale')"))
+            with pytest.raises(psycopg.DatabaseError, match="is stale") as refused:
+                driver.commit()
+            assert refused.value.sqlstate == "SF003"
+        session.rollback()
+    assert outbox(scope_engine) == ["current"]
+    b.release()
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["refused", "guard-removed"])
+def test_a_fenced_connections_rollback_in_pipeline_mode_is_refused(
+    fencer: sa_fence.Fencer,
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    guarded: bool,
+) -> None:
+    """fence_connection(): the same, on the Connection's driver.  The pair: the stale
+    holder's INSERT queued after the ROLLBACK commits at the sync."""
+    if not _scope.PSYCOPG_BEGIN_HOOK:
+        pytest.skip("without the BEGIN hook, the driver's own cursors are not read (documented)")
+    if not guarded:
+        monkeypatch.setattr(_scope, "_refuse_ending_in_pipeline", lambda sql: None)
+    a, b = stale_pair(fencer)
+    with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
+        driver = conn.connection.driver_connection
+        with driver.pipeline():
+            cursor = driver.cursor()
+            cursor.execute("SELECT 1")
+            if guarded:
+                with pytest.raises(sa_fence.FencingConfigError, match="pipeline mode"):
+                    cursor.execute("ROLLBACK")
+            else:
+                cursor.execute("ROLLBACK")
+            cursor.execute("INSERT INTO outbox VALUES (1, 'stale')")
+        conn.rollback()
+    assert outbox(scope_engine) == ([] if guarded else ["stale"])
+    b.release()
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["refused", "guard-removed"])
+async def test_async_a_stale_holders_statement_after_a_rollback_in_pipeline_mode_never_commits(
+    scope_engine: sa.Engine, key_prefix: str, monkeypatch: pytest.MonkeyPatch, guarded: bool
+) -> None:
+    if not _scope.PSYCOPG_BEGIN_HOOK:
+        pytest.skip("without the BEGIN hook, the driver's own cursors are not read (documented)")
+    if not guarded:
+        monkeypatch.setattr(_scope, "_refuse_ending_in_pipeline", lambda sql: None)
+    async with _async_scope(scope_engine, key_prefix) as (_aengine, client, fencer, make):
+        a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        assert await client.eval("return redis.call('del', KEYS[1])", 1, a.key)
+        b = await fencer.acquire(a.name, 5)
+        async with make() as session:
+            a.bind(session)
+            await session.execute(sa.text("SELECT 1"))
+            driver = await _async_driver(session)
+            async with driver.pipeline():
+                cursor = driver.cursor()
+                for sql in ["COMMIT", "ROLLBACK"]:
+                    if guarded:
+                        with pytest.raises(sa_fence.FencingConfigError, match="pipeline mode"):
+                            await cursor.execute(sql)
+                        with pytest.raises(sa_fence.FencingConfigError, match="pipeline mode"):
+                            await cursor.executemany(sql, [()])
+                if not guarded:
+                    await cursor.execute("ROLLBACK")
+                await cursor.execute("INSERT INTO outbox VALUES (1, 'stale')")
+            if guarded:
+                with pytest.raises(sa_fence.StaleTokenError):
+                    await session.commit()
+            await session.rollback()
+        assert outbox(scope_engine) == ([] if guarded else ["stale"])
+        await b.release()
+
+
+def _arms_now(driver: Any) -> int:
+    """The arms this transaction sees (its own, savepoints' too: committed ones are deleted),
+    read on the driver, which no step of sa-fence's arms."""
+    return int(driver.execute("SELECT count(*) FROM sa_fence_scope").fetchone()[0])
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["refused", "guard-removed"])
+def test_a_lease_bound_inside_psycopgs_transaction_block_is_refused(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    guarded: bool,
+) -> None:
+    """psycopg's transaction() inside a transaction is a savepoint, and its exit rolls back
+    through psycopg's own _exec_command, which sa-fence never sees: the arm of a lease bound
+    inside (a statement of its own) would be undone and never sent again.  Refused, with
+    nothing sent and the session left unbound; bound after the block, the arm is outside
+    it and the stale holder's commit is refused.  The pair: the arm undone, the stale
+    holder's row commits."""
+    if not guarded:
+        monkeypatch.setattr(_scope, "_refuse_arm_in_psycopg_block", lambda driver: None)
+    a, b = stale_pair(fencer)
+    with make_session() as session:
+        session.execute(sa.text("SELECT 1"))  # the transaction has begun, no lease bound
+        driver = session.connection().connection.driver_connection
+        with driver.transaction():
+            if guarded:
+                with pytest.raises(
+                    sa_fence.FencingConfigError, match=r"psycopg's own transaction.*Nothing"
+                ):
+                    a.bind(session)
+                assert _flush.state_for(session).lease is None
+                assert _arms_now(driver) == 0
+            else:
+                a.bind(session)
+                assert _arms_now(driver) == 1
+            raise psycopg.Rollback  # the block rolls back: ROLLBACK TO its savepoint
+        if guarded:
+            a.bind(session)  # after the block: its arm is outside any savepoint of psycopg's
+        session.execute(sa.text("INSERT INTO outbox VALUES (1, 'stale')"))
+        if guarded:
+            with pytest.raises(sa_fence.StaleTokenError):
+                session.commit()
+        else:
+            assert _arms_now(driver) == 0  # undone with the block
+            session.commit()
+    assert outbox(scope_engine) == ([] if guarded else ["stale"])
+    b.release()
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["refused", "guard-removed"])
+def test_a_bound_session_joining_inside_psycopgs_transaction_block_is_refused(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    guarded: bool,
+) -> None:
+    """The same for a bound session joining a Connection's transaction inside the block (its
+    first statement arms it, apart): refused, nothing sent, and the session may not commit
+    until it rolls back.  The pair: the arm undone, the outer commit lands."""
+    if not guarded:
+        monkeypatch.setattr(_scope, "_refuse_arm_in_psycopg_block", lambda driver: None)
+    a, b = stale_pair(fencer)
+    with scope_engine.connect() as conn:
+        outer = conn.begin()
+        conn.execute(sa.text("SELECT 1"))  # BEGIN sent, unarmed
+        driver = conn.connection.driver_connection
+        session = a.bind(make_session(bind=conn))  # (joins it, as SQLAlchemy's recipe)
+        with driver.transaction():
+            if guarded:
+                with pytest.raises(sa_fence.FencingConfigError, match=r"psycopg's own transaction"):
+                    session.execute(sa.text("SELECT 1"))
+                assert _arms_now(driver) == 0
+            else:
+                session.execute(sa.text("SELECT 1"))
+            raise psycopg.Rollback
+        session.execute(sa.text("INSERT INTO outbox VALUES (1, 'stale')"))
+        if guarded:  # the refusal holds the session until it rolls back (the outer too)
+            with pytest.raises(sa_fence.FenceError, match=r"session\.rollback\(\)"):
+                session.commit()
+            session.rollback()
+            assert not outer.is_active
+        else:
+            session.commit()  # joined: the outer transaction commits below
+            outer.commit()
+        session.close()
+    assert outbox(scope_engine) == ([] if guarded else ["stale"])
+    b.release()
+
+
+@pytest.mark.parametrize("armed", ["in BEGIN", "apart, before the block"])
+def test_a_lease_armed_before_psycopgs_transaction_block_stays_armed_when_it_rolls_back(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    scope_engine: sa.Engine,
+    armed: str,
+) -> None:
+    """An arm sent before the block (in BEGIN, or as a statement of its own) is outside its
+    savepoint: the block's rollback leaves it, and the stale holder's commit is refused."""
+    a, b = stale_pair(fencer)
+    with make_session() as session:
+        if armed == "in BEGIN":
+            a.bind(session)
+        session.execute(sa.text("SELECT 1"))
+        if armed != "in BEGIN":
+            a.bind(session)  # mid-transaction: the arm is a statement of its own
+        driver = session.connection().connection.driver_connection
+        with driver.transaction():
+            _raw_insert(driver, 1, "rolled back")
+            raise psycopg.Rollback
+        session.execute(sa.text("INSERT INTO outbox VALUES (2, 'stale')"))
+        with pytest.raises(sa_fence.StaleTokenError):
+            session.commit()
+    assert outbox(scope_engine) == []
+    b.release()
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["refused", "guard-removed"])
+async def test_async_a_lease_bound_inside_psycopgs_transaction_block_is_refused(
+    scope_engine: sa.Engine, key_prefix: str, monkeypatch: pytest.MonkeyPatch, guarded: bool
+) -> None:
+    if not guarded:
+        monkeypatch.setattr(_scope, "_refuse_arm_in_psycopg_block", lambda driver: None)
+    async with _async_scope(scope_engine, key_prefix) as (_aengine, client, fencer, make):
+        a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+        assert await client.eval("return redis.call('del', KEYS[1])", 1, a.key)
+        b = await fencer.acquire(a.name, 5)
+        async with make() as session:
+            await session.execute(sa.text("SELECT 1"))  # begun, no lease bound
+            driver = await _async_driver(session)
+            async with driver.transaction():
+                if guarded:
+                    with pytest.raises(
+                        sa_fence.FencingConfigError, match=r"psycopg's own transaction"
+                    ):
+                        await session.run_sync(lambda s: a.bind(s))
+                    assert _flush.state_for(session.sync_session).lease is None
+                else:
+                    await session.run_sync(lambda s: a.bind(s))
+                raise psycopg.Rollback
+            if guarded:  # bound after the block: armed outside it
+                await session.run_sync(lambda s: a.bind(s))
+            await session.execute(sa.text("INSERT INTO outbox VALUES (1, 'stale')"))
+            if guarded:
+                with pytest.raises(sa_fence.StaleTokenError):
+                    await session.commit()
+                await session.rollback()
+            else:
+                await session.commit()
+        assert outbox(scope_engine) == ([] if guarded else ["stale"])
+        await b.release()
+
+
 # ---------------------------------------------- the guards, and their pairs
 
 

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from psycopg.pq import ExecStatus, TransactionStatus
 
 from sa_fence._transaction_sql import (
+    ends_transaction,
     might_leave_scope,
     scope_effect,
     statements,
@@ -200,6 +201,31 @@ def test_examples(sql: str, expected: bool) -> None:
 )
 def test_a_rollback_to_a_savepoint_is_found(sql: str, expected: bool) -> None:
     assert scope_effect(sql)[1] is expected
+
+
+@pytest.mark.parametrize(
+    ("sql", "expected"),
+    [
+        ("COMMIT", True),
+        ("commit work", True),
+        ("End", True),
+        ("ABORT", True),
+        ("ROLLBACK", True),
+        ("PREPARE TRANSACTION 'x'", True),
+        ("SELECT 1; COMMIT", True),
+        ("COMMIT AND CHAIN", True),
+        ("ROLLBACK TO SAVEPOINT s", False),
+        ("COMMIT PREPARED 'x'", False),
+        ("PREPARE q AS SELECT 1", False),
+        ("SELECT 'COMMIT'", False),
+        ("/* ROLLBACK */ SELECT 1", False),
+        ('SELECT 1 AS "end"', False),
+        ("SELECT '\\'; END; SELECT '", True),  # either reading of the backslash
+    ],
+)
+def test_a_statement_that_ends_the_transaction_is_found(sql: str, expected: bool) -> None:
+    """What pipeline mode refuses even alone (_scope): any end, not a ROLLBACK TO."""
+    assert ends_transaction(sql) is expected
 
 
 def test_a_backslash_read_either_way_is_refused_when_the_setting_is_unknown() -> None:
