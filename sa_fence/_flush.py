@@ -29,17 +29,36 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy
-from sqlalchemy import Connection, Engine, TextClause, event, func, literal, select, true
+from sqlalchemy import (
+    CTE,
+    Alias,
+    Connection,
+    Engine,
+    TextClause,
+    event,
+    func,
+    literal,
+    select,
+    true,
+)
 from sqlalchemy.exc import MissingGreenlet
 from sqlalchemy.orm import NO_VALUE, Session, scoped_session, sessionmaker
 from sqlalchemy.orm.attributes import flag_modified, instance_dict, instance_state
+from sqlalchemy.sql import visitors
 from sqlalchemy.sql.dml import Delete, Insert, Update
-from sqlalchemy.sql.elements import BindParameter, ColumnElement
+from sqlalchemy.sql.elements import BindParameter, ColumnElement, _anonymous_label
 
 from . import _guard, _scope, _telemetry
 from ._dialect import check_dialect
 from ._guard import TOKEN_SETTING, error_from_guard, lease_error_from_check, quote_ident
-from ._model import fence_column_of, fence_key_of, is_fenced_class, missing_fence_column, orm_index
+from ._model import (
+    fence_column_of,
+    fence_key_of,
+    is_fenced_class,
+    mappers,
+    missing_fence_column,
+    orm_index,
+)
 from ._rewrite import TOKEN_BIND, FencedStatement, key_binds, rewrite, rewritten
 from ._scope import ACTIVE, ARMED_APART, SCOPE
 from .errors import (
@@ -216,7 +235,14 @@ class _FencedConnection(Connection):
     ) -> Any:
         attrs, sql = self.__dict__, context.statement  # (`in` and [], not get(): no call)
         state: SessionState | None = attrs[ACTIVE] if ACTIVE in attrs else None  # noqa: SIM401
-        if state is None or state.lease is None:
+        if state is None:
+            return super()._exec_single_context(dialect, context, statement, parameters)
+        # a DML of a fenced table in a CTE? The compiler sets `ctes` (a dict, emptied of nesting
+        # CTEs) once it meets one; a statement without: no call (DDL's compiler has no `ctes`)
+        compiled = context.compiled  # (None: driver SQL)
+        if compiled is not None and "ctes" in (cs := compiled.__dict__) and cs["ctes"] is not None:
+            _refuse_nested_dml(state, compiled)
+        if state.lease is None:
             return super()._exec_single_context(dialect, context, statement, parameters)
         # in scope, on a cursor that reads it as raw SQL (asyncio's is SQLAlchemy's adapter)
         scoped = _scope.PSYCOPG_BEGIN_HOOK and SCOPE in attrs and attrs[SCOPE]
@@ -234,6 +260,9 @@ class _FencedConnection(Connection):
 
     def _exec_insertmany_context(self, dialect: Any, context: Any) -> Any:
         state: SessionState | None = self.__dict__.get(ACTIVE)
+        cs = context.compiled.__dict__  # (an INSERT with a CTE: as _exec_single_context)
+        if state is not None and "ctes" in cs and cs["ctes"] is not None:
+            _refuse_nested_dml(state, context.compiled)
         if state is not None and state.lease is not None:
             # (an INSERT: no ROLLBACK TO)
             _scope.before_bound_sql(self, state.lease, context.statement)
@@ -506,6 +535,95 @@ def _written_table(elem: Any) -> Any:
     return marks["_emit_insert_table"] if "_emit_insert_table" in marks else elem.table  # noqa: SIM401
 
 
+#: A compiled statement with a CTE -> the UPDATE, DELETE and INSERT statements nested in it,
+#: each with its CTE's name (read once per compiled form, which the compiled cache keeps).
+_nested_dml: weakref.WeakKeyDictionary[Any, list[tuple[Any, str | None]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _refuse_nested_dml(state: SessionState, compiled: Any) -> None:
+    """Refuse, before it is sent, a statement with an UPDATE, DELETE or INSERT of fenced rows
+    nested in it: a DML CTE (``WITH u AS (UPDATE jobs ...) SELECT ...``) of a SELECT, of a
+    subquery, of an ``INSERT ... FROM SELECT`` or given to another statement's ``add_cte()``.
+    The hook rewrites the statement it is given, not one nested in it: refused, not fenced (a
+    CTE's rows cannot be counted apart from the statement's, nor told stale). The compiler's
+    record of the CTEs it rendered drops the nesting ones, so the statement itself is read."""
+    try:
+        nested = _nested_dml[compiled]
+    except KeyError:
+        top, names, found = compiled.statement, {}, []
+        node: Any
+        for node in visitors.iterate(top):
+            if isinstance(node, CTE) and node.element.is_dml:
+                names[node.element] = node.name
+            elif node.is_dml and node is not top and isinstance(node, Update | Delete | Insert):
+                found.append(node)
+        nested = _nested_dml[compiled] = [(dml, names.get(dml)) for dml in found]
+    for dml, name in nested:
+        outer = compiled.statement
+        within = _verb(outer)[0] + (f" of {outer.table.name}" if outer.is_dml else "")
+        cte = f"a CTE ({name!r})" if name else "another statement"
+        _refuse_unfenceable(
+            state,
+            dml,
+            f"inside {cte} of {within}",
+            "run the {VERB} as a statement of its own, session.execute({call}({name})...), with "
+            ".returning(...) for the rows it wrote, and pass those to the next statement",
+        )
+
+
+def _verb(stmt: Any) -> tuple[str, str]:
+    """("an UPDATE", "update"), ("a DELETE", "delete"), ("an INSERT", "insert") or a SELECT."""
+    if not stmt.is_dml:
+        return "a SELECT", "select"
+    if stmt.is_update:
+        return "an UPDATE", "update"
+    return ("a DELETE", "delete") if stmt.is_delete else ("an INSERT", "insert")
+
+
+def _refuse_unfenceable(state: SessionState, dml: Any, how: str, instead: str) -> None:
+    """``dml`` writes its table ``how`` (through an alias, inside a CTE), which the hook does
+    not rewrite. Refused if the rows are fenced (a fence column, or a fenced joined subclass's
+    own table) as the table's own statement is: ``FencingConfigError`` with a lease bound,
+    ``UnfencedWriteError`` without (nothing in an ``unfenced()`` block, which compares nothing);
+    an association row of a fenced entity needs a lease. Any other table's is sent as written.
+    ``instead`` says what to write (``{VERB}``, ``{call}``, ``{name}``: UPDATE, update, Job)."""
+    target = table = dml.table
+    while isinstance(table, Alias):  # (an alias of an alias)
+        table = table.element
+    table, index, lease = table._deannotate(), orm_index(), state.lease
+    try:
+        if fence_column_of(table) is None and table not in index.covered:
+            if lease is None and table in index.association_tables:
+                state.require_lease()
+            return
+        if lease is None and state.unfenced:
+            return
+        verb, call = _verb(dml)
+        entity = target._annotations.get("parententity")  # an ORM statement's
+        mapped = [m.class_ for m in mappers() if m.local_table is table]
+        shown = entity.class_ if entity is not None else mapped[0] if mapped else None
+        name = table.name if shown is None else shown.__name__
+        what = f"{verb} of fenced table {table.name!r} {how}"
+        fix = instead.format(VERB=call.upper(), call=call, name=name)
+        if lease is None:
+            _telemetry.unfenced_refused()
+            raise UnfencedWriteError(
+                f"{what}, with no lease bound: this session may not write fenced rows, and "
+                "sa-fence fences only a statement on the table itself. Acquire a lease, call "
+                f"lease.bind(session) and {fix}; admin scripts that must write without one can "
+                "wrap the writes in `with sa_fence.unfenced(session):`. Nothing was sent."
+            )
+        raise FencingConfigError(
+            f"{what}: sa-fence compares and writes the fence only in a statement on the table "
+            f"itself, so this one could overwrite rows a newer holder wrote. Instead, {fix}. "
+            "Nothing was sent."
+        )
+    except FenceError as exc:
+        raise state.fail(exc) from None
+
+
 def _before_unfenced_table(
     conn: Connection, state: SessionState, elem: Any, table: Any, params: Any, options: Any
 ) -> None:
@@ -519,6 +637,8 @@ def _before_unfenced_table(
     shared = index.shared[table] if table in index.shared else None  # noqa: SIM401
     owned = _rows_of_fenced(conn, state, elem, table, shared, params, options) if shared else []
     try:
+        if not table._is_table:  # an alias (of a fenced table?): no call for a table
+            _refuse_alias(state, elem)
         if lease is None:
             if covered is not None or table in index.association_tables or owned:
                 state.require_lease()  # (None in an unfenced() block)
@@ -532,6 +652,22 @@ def _before_unfenced_table(
             _fence_rows_first(conn, elem, table, fenced_rows, rows)
     except FenceError as exc:
         raise state.fail(exc) from None
+
+
+def _refuse_alias(state: SessionState, elem: Any) -> None:
+    """DML of an alias (``update(aliased(Job))``, ``delete(jobs.alias())``). Refused, not
+    fenced like the table's: the rewrite, the row count, the readback and a subclass table's
+    comparison first all name the table's own columns, and an alias's are others (its fence
+    would be ``j.fence``, its key binds ``j.id``); a statement on the table itself is always
+    there to write instead, and one path is simpler to keep right than two."""
+    name = elem.table.name  # (an ORM alias's is anonymous: not shown)
+    _refuse_unfenceable(
+        state,
+        elem,
+        "through an alias" + ("" if isinstance(name, _anonymous_label) else f" ({name!r})"),
+        "write {call}({name}) rather than {call}() of an alias (a statement that refers to "
+        "the table twice can alias the other reference, its subquery's)",
+    )
 
 
 def _fence_rows_first(

@@ -238,7 +238,7 @@ def orm_index() -> OrmIndex:
     shared: dict[Any, Covered] = {}
     association: set[Any] = set()
     readback: dict[Any, list[Readback]] = {}
-    for mapper in _mappers():
+    for mapper in mappers():
         key = fence_key_of(mapper)
         if key is not None:
             _add_readback(readback, mapper, key)
@@ -308,7 +308,7 @@ def _equated(mapper: Mapper[Any], col: Any, other: Any) -> bool:
     return False
 
 
-def _mappers() -> list[Mapper[Any]]:
+def mappers() -> list[Mapper[Any]]:
     return [
         mapper for registry in list(mapperlib._mapper_registries) for mapper in registry.mappers
     ]
@@ -354,7 +354,7 @@ def missing_fence_column(
         return getattr(fence_column_of(table), "name", None) == column
 
     in_statement = [t for t in tables if fenced_by(t)]
-    mapped = [t for mapper in _mappers() for t in mapper.tables if fenced_by(t)]
+    mapped = [t for mapper in mappers() for t in mapper.tables if fenced_by(t)]
     # the relation PostgreSQL names; else (an alias such as jobs_1) the statement's own
     named = [t for t in [*in_statement, *mapped] if relation in (None, getattr(t, "name", None))]
     for table in named or in_statement:

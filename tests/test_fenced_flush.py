@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import delete, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, aliased, sessionmaker
 
 import sa_fence
 from sa_fence import _flush, _rewrite, _scope
@@ -468,6 +469,194 @@ def test_an_orm_bulk_update_without_a_lease_is_refused(
 ) -> None:
     with make_session() as session, pytest.raises(sa_fence.UnfencedWriteError):
         session.execute(update(Job).values(result="x"))
+
+
+# ---------------------------------- statements the hook cannot rewrite: aliases, DML CTEs
+
+_jobs = Job.__table__
+_j = _jobs.alias("j")
+_k = _j.alias("k")
+_aliased_job = aliased(Job)
+
+#: DML of fenced table jobs through an alias: refused (the hook fences the table's own DML).
+THROUGH_AN_ALIAS: dict[str, Callable[[Session], Any]] = {
+    "core update": lambda s: s.execute(update(_j).where(_j.c.id == 1).values(result="A")),
+    "orm update": lambda s: s.execute(
+        update(_aliased_job).where(_aliased_job.id == 1).values(result="A")
+    ),
+    "core delete": lambda s: s.execute(delete(_j).where(_j.c.id == 1)),
+    "alias of an alias": lambda s: s.execute(update(_k).where(_k.c.id == 1).values(result="A")),
+}
+
+
+def _update_cte(nesting: bool = False) -> Any:
+    return (
+        update(_jobs)
+        .where(_jobs.c.id == 1)
+        .values(result="A")
+        .returning(_jobs.c.id)
+        .cte("u", nesting=nesting)
+    )
+
+
+#: A DML of jobs in a CTE, wherever the CTE is: refused (the hook rewrites the statement it
+#: is given, not one nested in it).
+IN_A_CTE: dict[str, Callable[[Session], Any]] = {
+    "orm update in a select": lambda s: s.execute(
+        sa.select(update(Job).where(Job.id == 1).values(result="A").returning(Job.id).cte("u"))
+    ),
+    "core update in a select": lambda s: s.execute(sa.select(_update_cte().c.id)),
+    "delete in a select": lambda s: s.execute(
+        sa.select(delete(_jobs).where(_jobs.c.id == 1).returning(_jobs.c.id).cte("d").c.id)
+    ),
+    "cte in a subquery": lambda s: s.execute(
+        sa.select(sa.select(_update_cte().c.id).subquery().c.id)
+    ),
+    # (PostgreSQL refuses a DML CTE below the top level; sa-fence, before it is sent)
+    "nesting cte in a subquery": lambda s: s.execute(
+        sa.select(sa.select(_update_cte(nesting=True).c.id).subquery().c.id)
+    ),
+    "add_cte of another table's update": lambda s: s.execute(
+        update(Audit).values(message="x").add_cte(_update_cte())
+    ),
+    "insert from a select of it": lambda s: s.execute(
+        sa.insert(Audit).from_select(
+            ["id", "message"], sa.select(_update_cte().c.id, sa.literal("x"))
+        )
+    ),
+    "add_cte of an update of jobs": lambda s: s.execute(
+        update(Job).where(Job.id == 2).values(result="other").add_cte(_update_cte())
+    ),
+    "insert in a select": lambda s: s.execute(
+        sa.select(sa.insert(_jobs).values(id=9, result="A").returning(_jobs.c.id).cte("i"))
+    ),
+}
+
+UNREWRITABLE = {**THROUGH_AN_ALIAS, **IN_A_CTE}
+#: Those PostgreSQL runs without a lease, refused only by the new checks (a plain update(Job)
+#: with a CTE is refused as such already).
+RUN_UNFENCED = {
+    k: v
+    for k, v in UNREWRITABLE.items()
+    if k not in {"nesting cte in a subquery", "add_cte of an update of jobs"}
+}
+_WRITES_JOBS = re.compile(r"\b(UPDATE|DELETE FROM|INSERT INTO) jobs\b")
+
+
+def b_wrote_job_1(fencer: sa_fence.Fencer, make_session: sessionmaker[Session]) -> tuple[Any, int]:
+    """Jobs 1 and 2, then job 1 written by a newer holder B: lease A is the stale one."""
+    seed(fencer, make_session, Job(id=1, result="initial"), Job(id=2, result="initial"))
+    a = fencer.acquire("unrewritable-a", 5)
+    with fencer.lease("unrewritable-b", 5) as b, make_session() as session_b:
+        b.bind(session_b)
+        session_b.get(Job, 1).result = "B"
+        session_b.commit()
+    return a, b.token
+
+
+@pytest.mark.parametrize("write", UNREWRITABLE.values(), ids=UNREWRITABLE.keys())
+def test_dml_of_a_fenced_table_through_an_alias_or_in_a_cte_is_refused_before_it_is_sent(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    statements: list[str],
+    write: Callable[[Session], Any],
+) -> None:
+    a, b_token = b_wrote_job_1(fencer, make_session)
+    statements.clear()
+    with make_session() as session:
+        a.bind(session)
+        with pytest.raises(sa_fence.FencingConfigError) as refused:
+            write(session)
+        with pytest.raises(sa_fence.FenceError, match=r"session\.rollback"):
+            session.commit()  # the session may not commit any part of it
+    a.release()
+    message = str(refused.value)
+    assert "fenced table 'jobs'" in message
+    assert "Nothing was sent" in message
+    if write in THROUGH_AN_ALIAS.values():
+        assert "through an alias" in message
+        assert "rather than" in message
+    else:
+        assert "inside a CTE" in message
+        assert "as a statement of its own" in message
+    assert not [s for s in statements if _WRITES_JOBS.search(s)]
+    assert row(engine, 1) == ("B", b_token)
+    assert row(engine, 9) is None
+
+
+@pytest.mark.parametrize("write", RUN_UNFENCED.values(), ids=RUN_UNFENCED.keys())
+def test_without_a_lease_dml_through_an_alias_or_in_a_cte_is_refused_and_unfenced_lets_it(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    statements: list[str],
+    write: Callable[[Session], Any],
+) -> None:
+    """As a plain update(Job) without a lease: UnfencedWriteError, and an unfenced() block
+    (which compares nothing) sends it as written."""
+    seed_token = seed(fencer, make_session, Job(id=1, result="initial"), Job(id=2, result="x"))
+    statements.clear()
+    with make_session() as session:
+        with pytest.raises(sa_fence.UnfencedWriteError, match="of fenced table 'jobs'"):
+            write(session)
+        session.rollback()
+        assert statements == []
+        with sa_fence.unfenced(session):
+            write(session)
+        session.commit()
+    assert row(engine, 1) != ("initial", seed_token) or row(engine, 9) is not None
+
+
+def _unfenced_alias_and_ctes(session: Session) -> list[Any]:
+    """DML of unfenced table audit through an alias and in CTEs, as SQLAlchemy runs it."""
+    audit = Audit.__table__
+    a, other = audit.alias("a"), aliased(Audit)
+    added = sa.insert(audit).values(id=1, message="in a cte").returning(audit.c.id).cte("i")
+    done = [session.scalars(sa.select(added.c.id)).all()]
+    session.execute(update(a).where(a.c.id == 1).values(message="through an alias"))
+    changed = update(other).values(message="in a subquery").returning(other.id).cte("u")
+    done.append(session.scalars(sa.select(sa.select(changed.c.id).subquery().c.id)).all())
+    copied = sa.insert(audit).values(id=2, message="copied").returning(audit.c.id).cte("c")
+    session.execute(update(Audit).where(Audit.id == 99).values(message="none").add_cte(copied))
+    gone = delete(audit).returning(audit.c.message).cte("d")
+    done.append(sorted(session.scalars(sa.select(gone.c.message))))
+    return done
+
+
+def test_dml_of_an_unfenced_table_through_an_alias_or_in_a_cte_works_as_without_sa_fence(
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
+) -> None:
+    with Session(engine) as plain:  # the outcome without sa-fence
+        expected = _unfenced_alias_and_ctes(plain)
+        plain.rollback()
+    assert expected == [[1], [1], ["copied", "in a subquery"]]
+    with make_session() as session:  # no lease bound
+        assert _unfenced_alias_and_ctes(session) == expected
+        session.commit()
+    with fencer.lease("audit", 5) as lease, lease.bind(make_session()) as session:
+        assert _unfenced_alias_and_ctes(session) == expected
+        session.commit()
+
+
+def test_without_the_refusal_a_stale_dml_through_an_alias_or_in_a_cte_overwrites_b(
+    fencer: sa_fence.Fencer,
+    make_session: sessionmaker[Session],
+    engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pair of the refusals above: neither is fenced, so A writes over B's row."""
+    monkeypatch.setattr(_flush, "_refuse_unfenceable", lambda *args: None)
+    a, b_token = b_wrote_job_1(fencer, make_session)
+    for write in (THROUGH_AN_ALIAS["orm update"], IN_A_CTE["core update in a select"]):
+        with make_session() as session:
+            a.bind(session)
+            write(session)
+            session.commit()
+        assert row(engine, 1) == ("A", b_token)  # B's row, overwritten; its fence left behind
+        with engine.begin() as conn:
+            conn.execute(_jobs.update().where(_jobs.c.id == 1).values(result="B"))
+    a.release()
 
 
 # ------------------------------------------------------------------ savepoints
