@@ -53,6 +53,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import sa_fence
+from sa_fence import _flush
 from tests.models import SEQUENCE, Job
 
 if TYPE_CHECKING:
@@ -280,12 +281,20 @@ class FencedWritesModel:
         if w is not None and w in self.staged:
             self.commit(w)  # one open session per worker
             self.check()
-        self.stage(w, ops)
-        self.commit(w)
+        if self.stage(w, ops):
+            self.commit(w)
 
-    def stage(self, w: int | None, ops: Ops) -> None:
-        """Open a session for ``w``, load rows and change them; nothing is flushed yet."""
+    def stage(self, w: int | None, ops: Ops) -> bool:
+        """Open a session for ``w``, load rows and change them; nothing is flushed yet.
+        False when ``w``'s lease was released: binding it is refused, nothing is staged."""
         lease = None if w is None else self.leases[w]
+        if lease is not None and lease.released:
+            with self.make_session() as unbound:
+                with pytest.raises(sa_fence.LeaseLostError, match="was released"):
+                    lease.bind(unbound)
+                assert _flush.bound_lease(unbound) is None
+            event("binding a released lease was refused")
+            return False
         self.writes_done += 1
         value = f"w{w}-n{self.writes_done}"  # unique, so every put really changes the row
         planned = {1 + r % self.n_rows: action for r, action in ops}
@@ -311,6 +320,7 @@ class FencedWritesModel:
             elif job is not None:
                 session.delete(job)
                 staged.writes[job_id] = "delete"
+        return True
 
     def commit(self, w: int | None) -> None:
         """Commit ``w``'s staged session: the outcome must be the one the model predicts."""
