@@ -997,6 +997,8 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
         if lease is not None and dml is not stmt:
             _refuse_from_statement(table)
     except FenceError as exc:
+        if not orm_state.session.in_transaction():  # refused before any began: no rollback
+            raise  # would come to clear a mark on the session, nor is any needed
         raise state.fail(exc) from None
     if lease is None:
         return

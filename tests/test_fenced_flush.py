@@ -465,10 +465,18 @@ def test_a_core_update_sent_through_a_bound_session_is_fenced_too(
 
 
 def test_an_orm_bulk_update_without_a_lease_is_refused(
-    make_session: sessionmaker[Session],
+    fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
-    with make_session() as session, pytest.raises(sa_fence.UnfencedWriteError):
-        session.execute(update(Job).values(result="x"))
+    seed_token = seed(fencer, make_session, Job(id=1, result="initial"))
+    with make_session() as session:
+        with pytest.raises(sa_fence.UnfencedWriteError):
+            session.execute(update(Job).values(result="x"))
+        assert not session.in_transaction()  # refused before the session began one
+        session.rollback()  # (nothing to roll back: the refusal left no mark to clear)
+        with sa_fence.unfenced(session):  # so the session is usable, as after any refusal
+            session.execute(update(Job).values(result="admin"))
+        session.commit()
+    assert row(engine, 1) == ("admin", seed_token)
 
 
 # ---------------------------------- statements the hook cannot rewrite: aliases, DML CTEs

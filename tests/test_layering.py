@@ -211,8 +211,10 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: the outer call's pending writes under its own lease alone); +26 so that a forked child
 #: leaves its parent's lease in Redis; +25 to refuse a lease name template field that is None;
 #: +14 to refuse generators and async callable objects at @fenced; +15 to refuse binding a
-#: released lease (the error built once); +5 for the guard's sequence fitness check.
-CORE_LINES_AT_MOST = 9907
+#: released lease (the error built once); +5 for the guard's sequence fitness check; +2 so
+#: that an ORM statement refused before the session began a transaction does not leave a
+#: mark that no rollback could clear.
+CORE_LINES_AT_MOST = 9909
 
 
 def test_the_core_stays_within_its_line_budget() -> None:
