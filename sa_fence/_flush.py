@@ -47,6 +47,7 @@ from sqlalchemy.orm.attributes import flag_modified, instance_dict, instance_sta
 from sqlalchemy.sql import visitors
 from sqlalchemy.sql.dml import Delete, Insert, Update
 from sqlalchemy.sql.elements import BindParameter, ColumnElement, _anonymous_label
+from sqlalchemy.sql.selectable import TextualSelect
 
 from . import _guard, _scope, _telemetry
 from ._dialect import check_dialect
@@ -412,7 +413,7 @@ def _before_execute(
     ):
         _scope.enter_scope(conn, lease)
     if not (elem.is_dml and isinstance(elem, Update | Delete | Insert)):  # (a SELECT: no call)
-        if isinstance(elem, TextClause):
+        if isinstance(elem, TextClause | TextualSelect):  # (text(), text().columns())
             state.present_for_raw_sql(conn)
         return elem, params, None
     if lease is not None and not lease._wrote:
@@ -1099,6 +1100,8 @@ def _before_commit(session: Session) -> None:
 
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
     # (._parent, not .parent's call: this runs for the flush's subtransaction too)
+    if transaction.nested and _STATE_KEY in session.info:  # a savepoint's: its ROLLBACK TO
+        session.info[_STATE_KEY].presented_in = None  # undid a token presented inside it
     if transaction._parent is None and _STATE_KEY in session.info:
         state: SessionState = session.info[_STATE_KEY]  # (never None: state_for's)
         state.poisoned = state.pending = state.presented_in = None

@@ -622,6 +622,35 @@ def test_a_bound_session_presents_its_token_once_per_transaction_for_raw_sql(
         assert conn.execute(sa.text("SELECT fence FROM job_steps")).scalar_one() == lease.token
 
 
+def test_a_token_presented_inside_a_savepoint_rolled_back_is_presented_again(
+    guarded: sa.Engine, fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """set_config(..., true) inside a savepoint is undone by its ROLLBACK TO: the current
+    holder's next raw write presented nothing and the guard refused it."""
+    insert_rows(guarded, fence=0)
+    with fencer.lease("job:1", 5) as lease, make_session() as session:
+        lease.bind(session)
+        with session.begin_nested() as savepoint:
+            session.execute(sa.text("UPDATE jobs SET result = 'undone' WHERE id = 1"))
+            savepoint.rollback()
+        session.execute(sa.text("UPDATE jobs SET result = 'A' WHERE id = 1"))
+        session.commit()
+    assert job_row(guarded) == ("A", lease.token)
+
+
+def test_raw_sql_given_its_columns_presents_the_token_as_text_does(
+    guarded: sa.Engine, fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """text(...).columns(...) (a TextualSelect, for UPDATE ... RETURNING) is raw SQL too."""
+    insert_rows(guarded, fence=0)
+    returning = sa.text("UPDATE jobs SET result = 'A' WHERE id = 1 RETURNING id")
+    with fencer.lease("job:1", 5) as lease, make_session() as session:
+        lease.bind(session)
+        assert session.scalars(returning.columns(sa.column("id", sa.Integer))).all() == [1]
+        session.commit()
+    assert job_row(guarded) == ("A", lease.token)
+
+
 def test_the_fenced_flush_sends_no_extra_statement_to_present_its_token(
     guarded: sa.Engine,
     fencer: sa_fence.Fencer,
