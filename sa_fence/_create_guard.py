@@ -87,7 +87,9 @@ def check_column(
     raise ValueError(f"create_fence_guard: {problem}")
 
 
-def check_sequence(conn: sa.Connection, sequence: str, create: str) -> None:
+def check_sequence(
+    conn: sa.Connection, sequence: str, create: str, what: str = "create_fence_guard"
+) -> None:
     """Refuse a guard whose token sequence does not exist (PL/pgSQL would take the function,
     then fail every write that raises a fence) or cannot issue tokens (no Fencer would grant
     one from it).  Looked up as the guard will: on the writer's search_path when unqualified."""
@@ -95,12 +97,12 @@ def check_sequence(conn: sa.Connection, sequence: str, create: str) -> None:
     row, problem = sequence_problem(conn, register, register)
     if row is None:
         raise ValueError(
-            f"create_fence_guard: the token sequence {sequence!r} does not exist (the guard reads "
-            f"it at every write that raises a fence); create it first ({create}), or pass "
+            f"{what}: the token sequence {sequence!r} does not exist (the guard reads it at every "
+            f"write that raises a fence); create it first ({create}), or pass "
             "sequence= the Fencers' sequence. Nothing was written."
         )
     if problem is not None:
-        raise ValueError(f"create_fence_guard: {problem.sentence()} Nothing was written.")
+        raise ValueError(f"{what}: {problem.sentence()} Nothing was written.")
 
 
 def create_fence_guard(

@@ -318,6 +318,9 @@ class CreateFenceRegisterOp(_RegisterOp):
     """
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
+        if not operations.get_context().as_sql:  # online: no register for a sequence no
+            bind = operations.get_bind()  # Fencer grants from (refused at its first grant)
+            check_sequence(bind, self.sequence, "op.create_fence_sequence()", self.op_name)
         return create_register_sql(self.sequence)
 
 

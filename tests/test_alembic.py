@@ -721,6 +721,22 @@ def test_drop_fence_sequence_names_the_register_still_drawing_from_it_and_drops_
     assert (state["tables"], state["sequence"], state["check_function"]) == ([], None, False)
 
 
+def test_a_register_for_a_missing_or_unfit_sequence_is_refused_online_and_nothing_made(
+    db: sa.Engine,
+) -> None:
+    with db.begin() as conn, pytest.raises(ValueError, match=r"'nope' does not exist"):
+        ops_on(conn).create_fence_register("nope")
+    with db.begin() as conn:
+        conn.execute(sa.text("CREATE SEQUENCE cached AS bigint CACHE 10"))
+    with (
+        db.begin() as conn,
+        pytest.raises(ValueError, match=r"create_fence_register: .*it has CACHE 10.*Nothing"),
+    ):
+        ops_on(conn).create_fence_register("cached")
+    state = schema_state(db)
+    assert (state["tables"], state["check_function"]) == ([], False)
+
+
 def test_the_register_ops_work_in_another_schema_and_offline(db: sa.Engine) -> None:
     with db.begin() as conn:
         conn.execute(sa.text("CREATE SCHEMA app"))
