@@ -640,6 +640,8 @@ def _before_unfenced_table(
     try:
         if not table._is_table:  # an alias (of a fenced table?): no call for a table
             _refuse_alias(state, elem)
+        if lease is not None and table in index.cascading and not elem.is_insert:
+            state.present_for_raw_sql(conn)  # its cascades into fenced rows meet the guard
         if lease is None:
             if covered is not None or table in index.association_tables or owned:
                 state.require_lease()  # (None in an unfenced() block)

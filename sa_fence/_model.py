@@ -21,7 +21,7 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.exc import NoInspectionAvailable
+from sqlalchemy.exc import NoInspectionAvailable, NoReferencedTableError
 from sqlalchemy.orm import (
     ColumnProperty,
     Mapped,
@@ -208,6 +208,9 @@ class OrmIndex:
     rows other classes share), with one of its ``covered`` entries.  Recomputed after a class
     is mapped (``_generation``), not per flush; a disposed registry's classes stay until then.
     ``readback``: for a fence table, a :class:`Readback` of each hierarchy that writes it.
+    ``cascading``: unfenced tables whose UPDATEs or DELETEs PostgreSQL carries into fenced rows
+    (a foreign key ``ON DELETE`` / ``ON UPDATE`` ``CASCADE``, ``SET NULL`` or ``SET DEFAULT``, as
+    the model declares it, through any chain of tables).
     """
 
     generation: int
@@ -216,6 +219,7 @@ class OrmIndex:
     covered: dict[Any, Covered] = field(default_factory=dict)
     shared: dict[Any, Covered] = field(default_factory=dict)
     readback: dict[Any, list[Readback]] = field(default_factory=dict)
+    cascading: frozenset[Any] = frozenset()
 
 
 _index = OrmIndex(-1)
@@ -238,10 +242,12 @@ def orm_index() -> OrmIndex:
     shared: dict[Any, Covered] = {}
     association: set[Any] = set()
     readback: dict[Any, list[Readback]] = {}
+    fenced: set[Any] = set()
     for mapper in mappers():
         key = fence_key_of(mapper)
         if key is not None:
             _add_readback(readback, mapper, key)
+            fenced.update(mapper.tables)
         if key is not None and mapper.inherits is not None:
             fence_col = mapper.columns[key]
             for table in mapper.tables:
@@ -258,8 +264,31 @@ def orm_index() -> OrmIndex:
             ):
                 association.add(prop.secondary)
     shared = {table: c for table, c in shared.items() if table not in covered}  # above the fence
-    _index = OrmIndex(_generation, frozenset(association), bump_keys, covered, shared, readback)
+    cascading = _cascading_into(fenced) - fenced
+    _index = OrmIndex(
+        _generation, frozenset(association), bump_keys, covered, shared, readback, cascading
+    )
     return _index
+
+
+_CASCADING_ACTIONS = {"CASCADE", "SET NULL", "SET DEFAULT"}
+
+
+def _cascading_into(fenced: set[Any]) -> frozenset[Any]:
+    """The tables whose writes PostgreSQL's foreign key actions carry into ``fenced``."""
+    found: set[Any] = set()
+    todo = list(fenced)
+    while todo:
+        for fk in getattr(todo.pop(), "foreign_key_constraints", ()):
+            actions = {(fk.ondelete or "").upper(), (fk.onupdate or "").upper()}
+            try:
+                parent = fk.referred_table
+            except NoReferencedTableError:  # (a table the metadata does not hold)
+                continue
+            if actions & _CASCADING_ACTIONS and parent not in found:
+                found.add(parent)
+                todo.append(parent)
+    return frozenset(found)
 
 
 def _covered(mapper: Mapper[Any], fence_col: Column[Any], table: Any) -> Covered:
