@@ -159,22 +159,30 @@ BEGIN
     -- when the write would raise the row's fence (no round trip either way).
     raised := greatest(token, new_fence);
     IF reason IS NULL AND (current_fence IS NULL OR raised > current_fence) THEN
-        issued := pg_catalog.pg_sequence_last_value({sequence_literal}::regclass);
-        IF issued IS NULL
-           AND NOT pg_catalog.has_sequence_privilege({sequence_literal}, 'SELECT, USAGE') THEN
-            RAISE EXCEPTION 'sa-fence guard: role % cannot read the token sequence %',
-                current_user, {sequence_literal}
-                USING ERRCODE = '42501',
-                      HINT = format('GRANT SELECT ON SEQUENCE %s TO %I;', {sequence_literal},
-                                    current_user);
-        END IF;
-        issued := coalesce(issued, 0);  -- NULL: no token handed out yet
-        IF {issued_check} THEN
-            reason := format('%s %s is past the last token issued (%s by sequence %s)',
-                             CASE WHEN presented IS NOT NULL AND raised = token
-                                  THEN 'token' ELSE 'the new fence' END,
-                             raised, issued, {sequence_literal});
+        -- pg_temp comes first on the search path: a temporary sequence of this session
+        -- named as the token sequence would be read in its place, with any last value.
+        IF {shadowed} THEN
+            reason := format('the token sequence %s is shadowed by a temporary sequence of '
+                             'this session (%s)', {sequence_literal}, {temp_literal});
             kind := 'not_issued';
+        ELSE
+            issued := pg_catalog.pg_sequence_last_value({sequence_literal}::regclass);
+            IF issued IS NULL
+               AND NOT pg_catalog.has_sequence_privilege({sequence_literal}, 'SELECT, USAGE') THEN
+                RAISE EXCEPTION 'sa-fence guard: role % cannot read the token sequence %',
+                    current_user, {sequence_literal}
+                    USING ERRCODE = '42501',
+                          HINT = format('GRANT SELECT ON SEQUENCE %s TO %I;', {sequence_literal},
+                                        current_user);
+            END IF;
+            issued := coalesce(issued, 0);  -- NULL: no token handed out yet
+            IF {issued_check} THEN
+                reason := format('%s %s is past the last token issued (%s by sequence %s)',
+                                 CASE WHEN presented IS NOT NULL AND raised = token
+                                      THEN 'token' ELSE 'the new fence' END,
+                                 raised, issued, {sequence_literal});
+                kind := 'not_issued';
+            END IF;
         END IF;
     END IF;
     IF reason IS NULL THEN
@@ -268,6 +276,13 @@ def create_guard_sql(
         table_text=target.replace("$", ""),
         sequence_text=sequence_sql.replace("$", ""),
         sequence_literal=quote_literal(sequence_sql),
+        # (a qualified sequence is never looked up in pg_temp; the check is cheap when this
+        # session has no temporary schema, as most have not)
+        shadowed="false"
+        if seq_schema
+        else "pg_catalog.pg_my_temp_schema() <> 0 AND pg_catalog.to_regclass("
+        f"{quote_literal('pg_temp.' + quote_ident(seq_name))}) IS NOT NULL",
+        temp_literal=quote_literal("pg_temp." + quote_ident(seq_name)),
         column=quote_ident(column),
         column_text=column.replace("'", "''"),
         policy=policy,

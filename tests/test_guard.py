@@ -261,6 +261,29 @@ def test_a_guard_refuses_a_raw_writer_that_raises_the_fence_past_any_issued_toke
     assert job_row(guarded) == ("C", ISSUED)
 
 
+def test_a_temporary_sequence_named_as_the_token_sequence_does_not_stand_in_for_it(
+    guarded: sa.Engine,
+) -> None:
+    """pg_temp comes first on a search path: any role may make a temporary sequence of the
+    token sequence's name, set it past any token, and have the guard read it instead."""
+    insert_rows(guarded, fence=5)
+    shadow = (
+        "CREATE TEMP SEQUENCE sa_fence_token_seq;"
+        f"SELECT setval('pg_temp.sa_fence_token_seq', {BIGINT_MAX});"
+    )
+    for table, where in (("jobs", "id = 1"), ("job_steps", "job_id = 1")):  # both policies
+        refused = refusal(
+            guarded, f"{shadow} UPDATE {table} SET fence = {BIGINT_MAX} WHERE {where}"
+        )
+        assert refused.sqlstate == _guard.STALE_SQLSTATE
+        assert "is shadowed by a temporary sequence of this session" in str(refused)
+    assert job_row(guarded) == ("B", 5)
+    with psql(guarded) as conn:  # the same session, its temporary sequence dropped
+        run_script(conn, f"{shadow} DROP SEQUENCE pg_temp.sa_fence_token_seq;")
+        run_script(conn, f"UPDATE jobs SET result = 'C', fence = {ISSUED} WHERE id = 1")
+    assert job_row(guarded) == ("C", ISSUED)
+
+
 def test_without_the_issued_check_a_raw_writer_locks_every_later_holder_out(
     guarded: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
