@@ -17,17 +17,24 @@ has the whole guide.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import math
+import re
+import weakref
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from psycopg import Error
+from psycopg.errors import UndefinedFunction, UndefinedObject, UndefinedTable
+from psycopg.pq import TransactionStatus
 from sqlalchemy.orm import Session, scoped_session
 
 from . import _flush, _scope
 from ._decorators import await_steps, run_steps
-from .errors import FencingConfigError, UnfencedWriteError
+from .errors import FenceError, FencingConfigError, UnfencedWriteError
 
 if TYPE_CHECKING:
     from procrastinate.tasks import Task
@@ -48,6 +55,12 @@ _XID_SQL = "SELECT txid_current()::text"
 
 _INFO_KEY = "sa_fence.side_effects"
 
+#: The code points UTF-8 cannot encode (not Unicode text): jsonb refuses one alone.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+#: Around the INSERT of a job with a queueing lock (see _enqueue).
+_SAVEPOINT = "sa_fence_side_effect"
+
 #: Characters of a lease name kept as they are in a key; the rest is
 #: percent-encoded, so a key is always printable ASCII (a valid header value).
 _SAFE = ":/@-_.~+=,;!*()[]{}"
@@ -63,8 +76,9 @@ class SideEffect:
     idempotency_key: str
 
 
-def _check_task(task: object, kwargs: dict[str, Any]) -> None:
+def _check_task(task: object, kwargs: dict[str, Any], *, is_async: bool) -> None:
     try:
+        from procrastinate.connector import BaseAsyncConnector
         from procrastinate.tasks import Task
     except ImportError:
         raise ImportError(
@@ -92,6 +106,49 @@ def _check_task(task: object, kwargs: dict[str, Any]) -> None:
             "it and send it with the effect (an Idempotency-Key header, a Message-ID) so the "
             "receiver can deduplicate retries. Nothing was enqueued."
         )
+    # (the App's, as configure() takes it): an open async PsycopgConnector is its own sync
+    # connector, and procrastinate would run async cursor code on a sync connection
+    connector = getattr(getattr(task.blueprint, "job_manager", None), "connector", None)
+    if not is_async and isinstance(
+        connector and connector.get_sync_connector(), BaseAsyncConnector
+    ):
+        raise TypeError(
+            f"side_effect() cannot enqueue task {task.name!r}: its app's {type(connector).__name__}"
+            " is async and open, so there is no sync connector to write the job on this "
+            "session's sync connection. Use `await sa_fence.side_effect_async(...)` with an "
+            "AsyncSession, or an app with procrastinate.SyncPsycopgConnector. Nothing was enqueued."
+        )
+    for name, value in kwargs.items():
+        _refuse_unfit(value, f"argument {name}")
+
+
+def _refuse_unfit(value: Any, where: str) -> None:
+    """Refuse what JSON has but PostgreSQL's jsonb cannot hold, before anything is sent: its
+    INSERT would abort the transaction (other types fail client-side, in json.dumps)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):  # (other keys become JSON strings, such as "NaN")
+                _refuse_unfit(key, f"the key {key!r} of {where}")
+            _refuse_unfit(item, f"{where}[{key!r}]")
+        return
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _refuse_unfit(item, f"{where}[{i}]")
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        problem = f"{value!r}: JSON numbers are finite"
+    elif not isinstance(value, str):
+        return
+    elif "\x00" in value:
+        problem = "a NUL character: jsonb cannot store \\u0000"
+    elif value.isascii() or not _SURROGATE.search(value):
+        return
+    else:
+        problem = "a surrogate code point: it is not Unicode text, and jsonb refuses a lone one"
+    raise ValueError(
+        f"side_effect(): {where} holds {problem}. PostgreSQL would refuse the job's INSERT "
+        "and abort the transaction; convert the value first. Nothing was enqueued."
+    )
 
 
 def _require_scope(conn: Connection, lease: Lease) -> None:
@@ -121,44 +178,87 @@ def _enqueue(
         )
     lease.check(for_write=True)  # released, or known lost: LeaseLostError, nothing sent
     conn = yield session.connection()  # begins the transaction: lease scope is entered here
-    _require_scope(conn.sync_connection if is_async else conn, lease)
+    sync_conn: Connection = conn.sync_connection if is_async else conn
+    _require_scope(sync_conn, lease)
     raw = (yield conn.get_raw_connection()) if is_async else conn.connection
     driver: Any = raw.driver_connection
-    transaction = sync.get_transaction()
-    # (the transaction, its id, the effects numbered so far): the id is read by the first effect
-    numbered, xid, count = sync.info.get(_INFO_KEY, (None, "", 0))
-    if numbered is not transaction:
+    # The number counts the *database* transaction's effects, whatever sends them (a session
+    # joined to an outer transaction commits only its part; sessions may share a connection):
+    # kept on the DBAPI connection with the xid, read again when the Connection's root
+    # transaction changes, the one sign of a new database transaction costing no round trip
+    # (the same xid read goes on counting).  Numbers of rolled-back savepoints stay spent; a
+    # counter in the database would cost a round trip per effect and be undone by ROLLBACK TO.
+    transaction: Any = sync_conn.get_transaction()
+    numbered, xid, count = raw.info.get(_INFO_KEY, (None, "", 0))
+    if numbered is None or numbered() is not transaction:
         cursor = driver.cursor()
         try:
             yield cursor.execute(_XID_SQL)
-            xid, count = str((yield cursor.fetchone())[0]), 0
+            read = str((yield cursor.fetchone())[0])
         finally:
             yield cursor.close()
+        xid, count = read, count if read == xid else 0
     count += 1
-    sync.info[_INFO_KEY] = (transaction, xid, count)
+    raw.info[_INFO_KEY] = (weakref.ref(transaction), xid, count)
     key = f"{quote(lease.name, safe=_SAFE)}:{lease.token}:{xid}:{count}"
+    deferrer = task.configure(connection=driver)
+    defer = deferrer.defer_async if is_async else deferrer.defer
+    # A job with a queueing lock is written in a savepoint: its AlreadyEnqueued, which callers
+    # catch and go on from, would abort the transaction.  Others not: their payload is checked
+    # first, what still fails is a set-up or programming error, and a savepoint costs two round
+    # trips (+80-170 us on an ~800 us effect, measured) and a subtransaction (past 64 in one
+    # transaction, a batch's e-mails, snapshots overflow their cache: every backend slows).
+    # A failure leaving the transaction aborted poisons the session instead (_failed).
+    savepoint = deferrer.job.queueing_lock is not None
     try:
-        deferrer = task.configure(connection=driver)
-        defer = deferrer.defer_async if is_async else deferrer.defer
+        if savepoint:
+            yield driver.execute(f"SAVEPOINT {_SAVEPOINT}")
         job_id = yield defer(**task_kwargs, **{KEY_ARGUMENT: key})
-    except Exception as exc:  # procrastinate's tables, functions or types missing here?
-        from psycopg.errors import UndefinedFunction, UndefinedObject, UndefinedTable
-
-        cause: BaseException | None = exc
-        while cause is not None:
-            if isinstance(cause, UndefinedTable | UndefinedFunction | UndefinedObject) and (
-                "procrastinate" in str(cause)
-            ):
-                raise FencingConfigError(
-                    "procrastinate's queue tables are not in this session's database "
-                    f"({str(cause).strip()}). Create them where the fenced rows and the lease "
-                    "register are: `procrastinate --app=<your app> schema --apply`, or the "
-                    "Alembic revision in the side-effects docs. Roll the session back: "
-                    "nothing of this transaction can commit."
-                ) from exc
-            cause = cause.__cause__ or cause.__context__
+        if savepoint:
+            yield driver.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
+    except BaseException as exc:
+        if savepoint and isinstance(exc, Exception):
+            with contextlib.suppress(Exception):  # (if not, the transaction stays aborted)
+                if driver.info.transaction_status == TransactionStatus.INERROR:
+                    yield driver.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}")
+                yield driver.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
+        if (error := _failed(sync, driver, exc)) is not exc:
+            raise error from exc
         raise
     return SideEffect(job_id=job_id, idempotency_key=key)
+
+
+def _failed(sync: Session, driver: Any, exc: BaseException) -> BaseException:
+    """What to raise for a failed enqueue.  A transaction it left aborted poisons the session:
+    PostgreSQL would end its COMMIT as a ROLLBACK, and psycopg returns from that silently."""
+    cause: BaseException | None = exc  # (procrastinate raises its own, from psycopg's)
+    while cause is not None and not isinstance(cause, Error):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, UndefinedTable | UndefinedFunction | UndefinedObject) and (
+        "procrastinate" in str(cause)
+    ):  # a set-up error: nothing of this transaction commits, aborted or not
+        return _flush.state_for(sync).fail(
+            FencingConfigError(
+                "procrastinate's queue tables are not in this session's database "
+                f"({str(cause).strip()}). Create them where the fenced rows and the lease "
+                "register are: `procrastinate --app=<your app> schema --apply`, or the "
+                "Alembic revision in the side-effects docs. Roll the session back: "
+                "nothing of this transaction can commit."
+            )
+        )
+    if driver.info.transaction_status != TransactionStatus.INTRANS:
+        what = type(exc).__name__ if cause is None else f"{type(cause).__name__}: {cause}"
+        _flush.state_for(sync).fail(
+            FenceError(
+                f"a side effect's job could not be enqueued ({what.strip().splitlines()[0]}), "
+                "and PostgreSQL aborted the transaction: it can only roll back"
+            )
+        )
+        exc.add_note(
+            "sa-fence: this aborted the session's transaction; session.commit() is refused "
+            "until session.rollback()"
+        )
+    return exc
 
 
 def side_effect(
@@ -176,10 +276,13 @@ def side_effect(
     :class:`~sa_fence.LeaseLostError` when the bound lease is released or known lost,
     :class:`~sa_fence.FencingConfigError` when the transaction is not lease-scoped (another
     database), ``TypeError``/``ValueError`` for a task that is not a procrastinate task or
-    cannot take the key; in each case nothing is enqueued.  For an ``AsyncSession`` use
-    :func:`side_effect_async`.
+    cannot take the key, an argument PostgreSQL's jsonb cannot hold (NaN, ``"\\x00"``...) or
+    an app whose async connector is open; in each case nothing is enqueued.  A job PostgreSQL
+    refuses aborts the transaction: the session then refuses to commit until rolled back (a
+    task with a ``queueing_lock`` is written in a savepoint: ``AlreadyEnqueued`` leaves the
+    transaction usable).  For an ``AsyncSession`` use :func:`side_effect_async`.
     """
-    _check_task(task, task_kwargs)
+    _check_task(task, task_kwargs, is_async=False)
     sync: Any = session() if isinstance(session, scoped_session) else session
     if isinstance(getattr(sync, "sync_session", None), Session):  # an AsyncSession
         if sync is session:
@@ -203,7 +306,7 @@ async def side_effect_async(
     The job is written with ``defer_async`` on the session's own psycopg
     ``AsyncConnection``, in its current transaction.
     """
-    _check_task(task, task_kwargs)
+    _check_task(task, task_kwargs, is_async=True)
     sync: object = getattr(session, "sync_session", None)
     if not isinstance(sync, Session):
         raise TypeError(

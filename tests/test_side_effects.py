@@ -13,7 +13,6 @@ new key per attempt shows the retried effect happening twice.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -296,6 +295,83 @@ def test_each_effect_has_its_own_key_lease_token_transaction_and_number(
     assert stored == {e.job_id: e.idempotency_key for e in (one, two, three)}
 
 
+@pytest.mark.parametrize(
+    "sharing",
+    [
+        # Session(bind=conn) joins the outer transaction: each commit ends only its part.
+        pytest.param("joined-commits", id="joined-session-committed-twice"),
+        pytest.param("savepoint-commits", id="create-savepoint-session-committed-twice"),
+        pytest.param("two-sessions", id="two-sessions-on-one-connection"),
+    ],
+)
+def test_effects_of_one_database_transaction_are_numbered_whatever_sends_them(
+    app, conninfo, fencer, make_session, engine, sharing
+):
+    """The number belongs to the database transaction, not to a session's transaction."""
+    send = app.tasks["send_webhook"]
+    with fencer.lease(LEASE, ttl=30) as lease, engine.connect() as conn:
+        outer = conn.begin()
+        if sharing == "two-sessions":
+            first, second = make_session(bind=conn), make_session(bind=conn)
+            lease.bind(first)
+            lease.bind(second)
+            one = sa_fence.side_effect(first, send, url="u", body={"n": 1})
+            two = sa_fence.side_effect(second, send, url="u", body={"n": 2})
+            first.close()
+            second.close()
+        else:
+            mode = "create_savepoint" if sharing == "savepoint-commits" else "conditional_savepoint"
+            with make_session(bind=conn, join_transaction_mode=mode) as session:
+                lease.bind(session)
+                one = sa_fence.side_effect(session, send, url="u", body={"n": 1})
+                session.commit()
+                two = sa_fence.side_effect(session, send, url="u", body={"n": 2})
+                session.commit()
+        xid = conn.execute(sa.text("SELECT txid_current()::text")).scalar_one()
+        outer.commit()
+
+    assert one.idempotency_key == f"{LEASE}:{lease.token}:{xid}:1"
+    assert two.idempotency_key == f"{LEASE}:{lease.token}:{xid}:2"
+    stored = {j["id"]: j["args"]["idempotency_key"] for j in q.jobs(conninfo)}
+    assert stored == {e.job_id: e.idempotency_key for e in (one, two)}
+
+
+@pytest.mark.slow
+def test_a_deduplicating_receiver_applies_both_effects_of_a_joined_session(
+    app, conninfo, receivers, fencer, make_session, engine
+):
+    """End to end: a session joined to an outer transaction, committed after each effect."""
+    http, _ = receivers
+    send = app.tasks["send_webhook"]
+    with fencer.lease(LEASE, ttl=30) as lease, engine.connect() as conn:
+        outer = conn.begin()
+        with make_session(bind=conn) as session:
+            lease.bind(session)
+            sa_fence.side_effect(session, send, url=http.url, body={"effect": "charge"})
+            session.commit()
+            sa_fence.side_effect(session, send, url=http.url, body={"effect": "receipt"})
+            session.commit()
+        outer.commit()
+    q.run_worker(conninfo)
+    assert sorted(body["effect"] for body in http.seen.effects.values()) == ["charge", "receipt"]
+
+
+def test_an_effect_rolled_back_with_its_savepoint_keeps_its_number_spent(
+    app, conninfo, fencer, make_session
+):
+    send = app.tasks["send_webhook"]
+    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+        lease.bind(session)
+        nested = session.begin_nested()
+        undone = sa_fence.side_effect(session, send, url="u", body={"n": 1})
+        nested.rollback()
+        kept = sa_fence.side_effect(session, send, url="u", body={"n": 2})
+        session.commit()
+    assert (undone.idempotency_key[-2:], kept.idempotency_key[-2:]) == (":1", ":2")
+    assert undone.idempotency_key[:-2] == kept.idempotency_key[:-2]
+    assert [j["id"] for j in q.jobs(conninfo)] == [kept.job_id]
+
+
 def test_a_scoped_session_enqueues_through_its_current_session(app, conninfo, fencer, engine):
     from sqlalchemy.orm import scoped_session
 
@@ -402,6 +478,138 @@ def test_bad_tasks_and_arguments_are_refused(app, conninfo, fencer, make_session
         session.rollback()
 
 
+@pytest.mark.parametrize(
+    ("body", "names"),
+    [
+        pytest.param({"ratio": float("nan")}, r"argument body\['ratio'\] holds nan", id="nan"),
+        pytest.param([1, float("-inf")], r"argument body\[1\] holds -inf", id="infinity"),
+        pytest.param({"to": "a\x00b"}, r"body\['to'\] holds a NUL character", id="nul"),
+        pytest.param({"k\x00": 1}, r"the key 'k\\x00' of argument body holds a NUL", id="nul-key"),
+        pytest.param(["\ud800"], r"body\[0\] holds a surrogate code point", id="lone-surrogate"),
+    ],
+)
+def test_a_payload_jsonb_cannot_hold_is_refused_and_the_transaction_stays_usable(
+    app, conninfo, fencer, make_session, engine, body, names
+):
+    """JSON that PostgreSQL's jsonb refuses: named before anything is sent, so the INSERT
+    never aborts the holder's transaction and its other writes still commit."""
+    _insert_job(make_session)
+    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+        lease.bind(session)
+        session.get_one(Job, 1).result = "written"
+        session.flush()
+        with pytest.raises(ValueError, match=names + ".*Nothing was enqueued"):
+            sa_fence.side_effect(session, app.tasks["send_webhook"], url="u", body=body)
+        session.commit()
+    assert _result(engine) == "written"
+    _no_jobs(conninfo)
+
+
+def test_a_job_already_enqueued_under_its_queueing_lock_leaves_the_transaction_usable(
+    app, conninfo, fencer, make_session, engine
+):
+    """procrastinate's AlreadyEnqueued, caught as callers do: the holder's writes commit."""
+    import procrastinate
+
+    @app.task(name="digest", queueing_lock="digest")
+    def digest(user: int, idempotency_key: str) -> None:
+        pass
+
+    _insert_job(make_session)
+    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+        lease.bind(session)
+        queued = sa_fence.side_effect(session, digest, user=1)
+        session.commit()
+        session.get_one(Job, 1).result = "written"
+        session.flush()
+        with pytest.raises(procrastinate.exceptions.AlreadyEnqueued):
+            sa_fence.side_effect(session, digest, user=1)
+        other = sa_fence.side_effect(session, app.tasks["send_webhook"], url="u", body={})
+        session.commit()
+    assert _result(engine) == "written"
+    assert other.idempotency_key.endswith(":2")  # the refused effect's number stays spent
+    assert [j["id"] for j in q.jobs(conninfo)] == [queued.job_id, other.job_id]
+
+
+def _too_long_a_queue(app: Any) -> Any:
+    """A task whose jobs PostgreSQL refuses: its queue name is longer than the column."""
+
+    @app.task(name="misqueued", queue="q" * 129)
+    def misqueued(idempotency_key: str) -> None:
+        pass
+
+    return misqueued
+
+
+def test_an_enqueue_that_aborts_the_transaction_makes_the_session_refuse_to_commit(
+    app, conninfo, fencer, make_session, engine
+):
+    """Without the refusal, COMMIT ends the aborted transaction as a ROLLBACK and psycopg
+    returns from it silently: the holder believes its writes committed."""
+    from procrastinate.exceptions import ConnectorException
+
+    _insert_job(make_session)
+    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+        lease.bind(session)
+        session.get_one(Job, 1).result = "written"
+        session.flush()
+        with pytest.raises(ConnectorException) as raised:
+            sa_fence.side_effect(session, _too_long_a_queue(app))
+        assert "session.rollback()" in "".join(raised.value.__notes__)
+        with pytest.raises(sa_fence.FenceError, match=r"could not be enqueued \(StringDataRight"):
+            session.commit()
+        session.rollback()  # then the session is usable again
+        session.get_one(Job, 1).result = "written again"
+        session.commit()
+    assert _result(engine) == "written again"
+    _no_jobs(conninfo)
+
+
+async def test_async_an_enqueue_that_aborts_the_transaction_refuses_the_commit(
+    app, conninfo, afencer, make_async_session, engine
+):
+    from procrastinate.exceptions import ConnectorException
+
+    async with afencer.lease(LEASE, ttl=30) as lease, make_async_session() as session:
+        lease.bind(session)
+        session.add(Job(id=1, result="written"))
+        await session.flush()
+        with pytest.raises(ConnectorException):
+            await sa_fence.side_effect_async(session, _too_long_a_queue(app))
+        with pytest.raises(sa_fence.FenceError, match="could not be enqueued"):
+            await session.commit()
+        await session.rollback()
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(Job)).scalar_one() == 0
+    _no_jobs(conninfo)
+
+
+async def test_sync_side_effect_refuses_an_app_whose_async_connector_is_open(
+    app, conninfo, fencer, make_session, engine
+):
+    """Inside a worker, or an async web app that opened the app at start-up: procrastinate
+    would run its async cursor code on the session's sync connection."""
+    import asyncio
+
+    _insert_job(make_session)
+
+    def work() -> None:
+        with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+            lease.bind(session)
+            session.get_one(Job, 1).result = "written"
+            session.flush()
+            with pytest.raises(
+                TypeError, match=r"no sync connector.*side_effect_async.*SyncPsycopg"
+            ):
+                sa_fence.side_effect(session, app.tasks["send_webhook"], url="u", body={})
+            session.commit()
+
+    async with app.open_async():
+        await asyncio.to_thread(work)
+    assert _result(engine) == "written"
+    _no_jobs(conninfo)
+
+
 def test_without_procrastinate_sa_fence_imports_and_side_effect_says_what_to_install():
     import subprocess
     import sys
@@ -435,10 +643,11 @@ def test_a_database_without_the_queues_tables_is_named_and_nothing_commits(
                 session.flush()
                 with pytest.raises(sa_fence.FencingConfigError, match="schema --apply"):
                     sa_fence.side_effect(session, app.tasks["send_webhook"], url="u", body={})
-                # PostgreSQL aborted the transaction: a COMMIT now ends it as a
-                # ROLLBACK (whether the driver raises for it is the driver's matter)
-                with contextlib.suppress(sa.exc.DBAPIError):
+                # PostgreSQL aborted the transaction, whose COMMIT would end it as a
+                # ROLLBACK, silently: the session refuses it and says to roll back
+                with pytest.raises(sa_fence.FenceError, match=r"schema --apply.*rollback\(\)"):
                     session.commit()
+                session.rollback()
             with other.connect() as conn:
                 assert conn.execute(sa.text("SELECT count(*) FROM jobs")).scalar_one() == 0
         finally:
