@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)  # a child of "sa_fence"
 
 T = TypeVar("T")
-#: ``on_lost(lease)``: a plain callable, run once, in the task that first sees the loss.
+#: ``on_lost(lease)``: a plain callable (no async def), run once where the loss is first seen.
 AsyncOnLost = Callable[["AsyncLease"], object]
 
 RENEWAL_TASK_NAME = "sa-fence-renew"
@@ -56,8 +56,16 @@ def _keep_quiet(task: asyncio.Task[Any]) -> None:
 
 
 def _cancel_quietly(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` from any thread: through its loop (not at all once that is closed)."""
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:  # a thread without a loop (asyncio.to_thread), or after it closed
+        here = None
     with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs it any more
-        task.cancel()
+        if here is not task.get_loop():
+            task.get_loop().call_soon_threadsafe(task.cancel)
+        elif task is not asyncio.current_task():  # (a renewal that found the loss ends itself)
+            task.cancel()
 
 
 async def _renew(ref: weakref.ref[AsyncLease], at: float | None) -> None:
@@ -137,9 +145,8 @@ class AsyncLease(BaseLease["AsyncFencer"]):
         weakref.finalize(self, _cancel_quietly, task)
 
     def _stop_renewal(self) -> None:
-        task = self._renewal
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
+        if self._renewal is not None:
+            _cancel_quietly(self._renewal)
 
 
 class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngine, AsyncLease]):

@@ -14,6 +14,7 @@ values straight back, :func:`await_steps` awaits each one first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import enum
 import functools
@@ -474,10 +475,9 @@ class _Fenced:
             frame.lease.bind(session)
             if not self.is_async:
                 return (yield run_steps(_unit_of_work(body, frame)))
-            work = await_steps(_unit_of_work(body, frame))
-            if self.options.cancel_on_lost is not False:
-                work = _cancelled_on_loss(frame.lease, work)
-            return (yield work)
+            if self.options.cancel_on_lost is not False:  # the body, not the commit after it
+                body = functools.partial(_cancelled_on_loss, body, frame.lease)
+            return (yield await_steps(_unit_of_work(body, frame)))
         finally:
             if not joined:
                 state.lease = previous
@@ -530,28 +530,38 @@ def _unit_of_work(body: Callable[[], Any], frame: _Frame) -> _Steps[Any]:
     return result
 
 
-async def _cancelled_on_loss(lease: AsyncLease, work: Any) -> Any:
-    """Run ``work`` in a child task that the lease's loss cancels (LeaseLostError then): the
-    loss cancels the body only, a cancellation of the caller still reaches it and is re-raised
-    as such, and ``current_lease()`` works in it (a copy of this context)."""
-    child = asyncio.ensure_future(work)
+async def _cancelled_on_loss(body: Callable[[], Any], lease: AsyncLease) -> Any:
+    """Await the body, cancelled by the lease's loss (LeaseLostError then) in this very task, as
+    ``asyncio.timeout()`` cancels: the body sees the caller's task (an ``async_scoped_session``
+    keyed on it gives it the call's session), and a cancellation from outside stays one."""
+    task = asyncio.current_task()
+    assert task is not None  # (awaited by the decorated async def)
+    loop, running, fired = task.get_loop(), True, False
 
-    def on_loss() -> None:
-        if not child.done():
-            child.cancel(f"sa-fence: lease {lease.name!r} was lost")
+    def cancel() -> None:  # on the loop, never inside the task's own step
+        nonlocal fired
+        if running and not fired:
+            fired = True
+            task.cancel(f"sa-fence: lease {lease.name!r} was lost")
+
+    def on_loss() -> None:  # any thread: lease.check() in asyncio.to_thread may find the loss
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to cancel
+            loop.call_soon_threadsafe(cancel)
 
     add_loss_hook(lease, on_loss)
+    cancels = task.cancelling()
     try:
-        if lease.lost_reason is not None:
-            on_loss()
-        return await child
+        if (lost := lease.lost_reason) is not None:  # lost before the hook: the body never runs
+            raise LeaseLostError(f"{lost} The fenced call was cancelled.")
+        return await body()
     except asyncio.CancelledError:
-        me = asyncio.current_task()
-        lost = lease.lost_reason
-        if lost is not None and child.cancelled() and (me is None or me.cancelling() == 0):
+        if fired and task.cancelling() == cancels + 1 and (lost := lease.lost_reason):
             raise LeaseLostError(f"{lost} The fenced call was cancelled.") from None
-        raise
+        raise  # (also) cancelled from outside
     finally:
+        running = False
+        if fired:
+            task.uncancel()
         remove_loss_hook(lease, on_loss)
 
 

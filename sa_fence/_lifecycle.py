@@ -255,12 +255,15 @@ def expire(lease: Any) -> Any:
 
 
 def lose(lease: BaseLease[Any], message: str) -> None:
-    """Mark ``lease`` lost, once: stop its renewal, count and log it, run ``on_lost``."""
+    """Mark ``lease`` lost, once: stop its renewal, count, log, run ``on_lost`` (on this thread)."""
     with lease._lock:
         first = lease._state.mark_lost(message)
     if not first:
         return
-    lease._stop_renewal()
+    try:  # (from any thread: AsyncLease.check() may run in asyncio.to_thread)
+        lease._stop_renewal()
+    except Exception:  # the loss is marked: telling it matters more
+        lease._log.exception("could not stop the renewal of lease %r", lease.name)
     _telemetry.lost(lease)
     log.warning("%s", message, extra=_telemetry.log_extra(lease, "lost"))
     if lease._on_lost is not None:

@@ -9,6 +9,7 @@ whose reply was lost can be resent and answers the same.
 
 from __future__ import annotations
 
+import inspect
 import math
 import secrets
 from dataclasses import dataclass, field
@@ -368,6 +369,14 @@ def check_lease_options(renew: object, on_lost: object, fail_fast: object) -> No
         raise TypeError(f"renew must be True or False, got {renew!r}")
     if on_lost is not None and not callable(on_lost):
         raise TypeError(f"on_lost must be a callable taking the lease, got {on_lost!r}")
+    if on_lost is not None and (
+        inspect.iscoroutinefunction(on_lost) or inspect.iscoroutinefunction(type(on_lost).__call__)
+    ):
+        raise TypeError(
+            f"on_lost must be a plain callable, not the async def {on_lost!r}: it is called once, "
+            "never awaited, so its coroutine would not run. Pass a plain function; for async work, "
+            "have it set an asyncio.Event (loop.call_soon_threadsafe) that a task of yours awaits"
+        )
     if fail_fast is not None and not isinstance(fail_fast, bool):
         raise TypeError(f"fail_fast must be True, False or None, got {fail_fast!r}")
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
+import threading
+import time
 import types
 from typing import Any
 
@@ -27,7 +30,8 @@ from sqlalchemy.ext.asyncio import (
 import sa_fence
 from sa_fence import _flush
 from tests._async_fixtures import expire, keys, no_renewal_tasks_left, row
-from tests.models import Job
+from tests.conftest import REDIS_URL
+from tests.models import SEQUENCE, Job
 
 TTL = 0.5
 
@@ -332,6 +336,69 @@ async def test_a_renewed_lease_dropped_without_release_stops_being_renewed(
     await asyncio.sleep(3 * TTL)
     assert redis_client.get(key) is None
     assert await no_renewal_tasks_left() == []
+
+
+async def test_a_renewed_lease_checked_in_a_thread_tells_its_loss_there_and_stops_renewal(
+    afencer: sa_fence.AsyncFencer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``lease.check()`` between steps of work run off the loop (asyncio.to_thread): with the
+    renewal overdue (the loop is blocked here, as in a paused process) it raises
+    LeaseLostError, ``on_lost`` runs once, on that thread, and the renewal task is cancelled
+    through the loop.  (It raised RuntimeError, and on_lost never ran.)"""
+    told: list[int | None] = []
+    lease = await afencer.acquire(
+        "job:10", TTL, renew=True, on_lost=lambda _: told.append(threading.get_ident())
+    )
+    found: list[BaseException] = []
+
+    def long_step() -> None:
+        time.sleep(2 * TTL)  # no renewal meanwhile: the loop is blocked in join() below
+        try:
+            lease.check()
+        except BaseException as exc:
+            found.append(exc)
+
+    worker = threading.Thread(target=long_step)
+    with caplog.at_level(logging.ERROR, logger="sa_fence"):
+        worker.start()
+        worker.join()  # blocks the event loop on purpose
+    assert caplog.records == []  # (stopping the renewal from that thread failed, logged)
+    assert [type(e) for e in found] == [sa_fence.LeaseLostError]
+    assert "could not be renewed in time" in str(found[0])
+    assert told == [worker.ident]
+    assert lease.lost
+    assert await no_renewal_tasks_left() == []
+    assert await lease.release() is False
+    assert told == [worker.ident]  # once
+
+
+def test_a_renewed_lease_read_after_its_event_loop_closed_tells_its_loss(
+    database_url: sa.URL, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Its loop is gone, so is its renewal: ``lease.lost`` is True, on_lost runs, nothing
+    raises (it raised RuntimeError, and on_lost never ran)."""
+    told: list[sa_fence.AsyncLease] = []
+
+    async def acquire() -> sa_fence.AsyncLease:
+        url = database_url.set(drivername="postgresql+psycopg_async")
+        eng, client = create_async_engine(url), aioredis.Redis.from_url(REDIS_URL, socket_timeout=5)
+        try:
+            fencer = sa_fence.AsyncFencer(client, eng, sequence=SEQUENCE, key_prefix=key_prefix)
+            return await fencer.acquire("job:11", TTL, renew=True, on_lost=told.append)
+        finally:
+            await client.aclose()
+            await eng.dispose()
+
+    lease = asyncio.run(acquire())
+    try:
+        time.sleep(2 * TTL)
+        assert lease.lost
+        assert told == [lease]
+        with pytest.raises(sa_fence.LeaseLostError, match="could not be renewed in time"):
+            lease.check()
+        assert told == [lease]
+    finally:
+        redis_client.delete(lease.key)
 
 
 async def test_async_fencer_close_waits_for_background_cleanups(

@@ -18,11 +18,12 @@ from typing import Any, TypeVar
 import pytest
 import redis
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
 import sa_fence
 from sa_fence import _async, _decorators, _lifecycle
 from tests._async_fixtures import expire, keys, no_renewal_tasks_left, row
+from tests._tcp_proxy import TcpProxy
 from tests.models import Audit, Job
 
 TTL = 0.5
@@ -176,6 +177,118 @@ async def test_cancelling_a_fenced_call_stays_a_cancellation_and_releases_the_le
         await call
     assert keys(redis_client, key_prefix) == []
     assert row(engine, 25) is None
+
+
+@pytest.mark.parametrize("newer_grant", [False, True], ids=["lands", "refused"])
+async def test_a_loss_found_once_the_commit_is_sent_does_not_cancel_it_the_outcome_tells(
+    afencer: sa_fence.AsyncFencer,
+    database_url: sa.URL,
+    engine: sa.Engine,
+    redis_client: redis.Redis,
+    newer_grant: bool,
+) -> None:
+    """The loss cancels the body, not the COMMIT it was followed by: a COMMIT whose reply is
+    held on the wire (a proxy) while the lease is found lost runs to its end, and the call
+    says what PostgreSQL did: it returns when the COMMIT landed (no newer grant, so the
+    scope check let it), raises StaleTokenError when a newer grant had it refused.  Before,
+    the loss cancelled the awaited COMMIT and the call raised LeaseLostError, even when the
+    row had been committed."""
+    proxy = TcpProxy((database_url.host or "127.0.0.1", database_url.port or 5432))
+    proxied = create_async_engine(
+        database_url.set(drivername="postgresql+psycopg_async", host="127.0.0.1", port=proxy.port)
+    )
+    committing, leases = asyncio.Event(), []
+
+    def hold_the_commit(session: Any) -> None:  # in commit(), after the decorator's check
+        proxy.hold()
+        committing.set()
+
+    @sa_fence.fenced(
+        "job:{job_id}", ttl=30, fencer=afencer,
+        session=sa_fence.install(async_sessionmaker(proxied, expire_on_commit=False)),
+    )  # fmt: skip
+    async def finish(job_id: int) -> None:
+        session = sa_fence.current_session()
+        session.add(Job(id=job_id, result="committed"))
+        await session.flush()  # so the COMMIT is all that commit() sends
+        leases.append(sa_fence.current_lease())
+        sa.event.listen(session.sync_session, "before_commit", hold_the_commit, once=True)
+
+    try:
+        call = asyncio.create_task(finish(31))
+        await asyncio.wait_for(committing.wait(), 10)
+        (lease,) = leases
+        expire(redis_client, lease)
+        newer = await afencer.acquire("job:31", 30) if newer_grant else None
+        with pytest.raises(sa_fence.LeaseLostError, match="no longer ours"):
+            await lease.extend()  # finds the loss: the loss hooks run
+        assert lease.lost
+        await asyncio.sleep(0.1)  # what the loss scheduled has run
+        proxy.heal()
+        if newer is None:
+            assert await asyncio.wait_for(call, 10) is None
+            assert row(engine, 31) == ("committed", lease.token)
+        else:
+            with pytest.raises(sa_fence.StaleTokenError):
+                await asyncio.wait_for(call, 10)
+            assert row(engine, 31) is None
+            await newer.release()
+        assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+    finally:
+        proxy.heal()
+        await proxied.dispose()
+        proxy.close()
+
+
+async def test_a_loss_cancels_the_body_in_the_callers_task_as_asyncio_timeout_would(
+    repo: AsyncJobRepository, redis_client: redis.Redis
+) -> None:
+    """The body runs in the caller's own task, cancelled the way asyncio.timeout() cancels:
+    inside the caller's timeout the loss is a LeaseLostError, not a TimeoutError, and the
+    task's cancellation count is back to 0, so its timeouts and task groups still work."""
+    release, reached = asyncio.Event(), []
+
+    async def expire_once_started() -> None:
+        while not repo.session.new:
+            await asyncio.sleep(0.01)
+        expire(redis_client, _lease_of(repo))
+
+    helper = asyncio.create_task(expire_once_started())
+    with pytest.raises(sa_fence.LeaseLostError, match="was cancelled"):
+        async with asyncio.timeout(30):  # renewal notices the loss within TTL/3
+            await repo.work_until(32, release, reached)
+    await helper
+    assert reached == []
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await asyncio.sleep(1)
+
+
+async def test_a_loss_the_body_found_and_handled_cancels_nothing_after_the_body(
+    afencer: sa_fence.AsyncFencer,
+    make_async_session: async_sessionmaker[AsyncSession],
+    engine: sa.Engine,
+    redis_client: redis.Redis,
+) -> None:
+    """The cancel a loss schedules while the body runs does nothing once the body has
+    returned: the call's rollback and release run to their end, and the call raises the
+    LeaseLostError of the check before the commit, not a CancelledError."""
+
+    @sa_fence.fenced("job:{job_id}", ttl=30, fencer=afencer, session=make_async_session)
+    async def finish(job_id: int) -> str:
+        session = sa_fence.current_session()
+        session.add(Job(id=job_id, result="by a lost holder"))
+        await session.flush()  # so the rollback has something to send
+        expire(redis_client, sa_fence.current_lease())
+        with pytest.raises(sa_fence.LeaseLostError):
+            await sa_fence.current_lease().extend()  # finds the loss; the cancel is scheduled
+        return "handled"  # and returns at once, before that cancel runs
+
+    with pytest.raises(sa_fence.LeaseLostError, match="no longer ours"):
+        await finish(33)
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+    assert row(engine, 33) is None
 
 
 async def test_each_task_sees_its_own_current_lease(

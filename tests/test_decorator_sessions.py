@@ -17,7 +17,12 @@ from typing import Any, ClassVar
 import pytest
 import redis
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_scoped_session,
+    async_sessionmaker,
+)
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 import sa_fence
@@ -177,6 +182,36 @@ def test_a_scoped_session_runs_on_its_current_session_and_leaves_it_open(
         assert job(engine, 6)[0] == "scoped"  # type: ignore[index]
     finally:
         registry.remove()
+
+
+@pytest.mark.parametrize("cancel_on_lost", [True, False])
+async def test_an_async_scoped_session_keyed_on_the_task_gives_the_body_the_fenced_session(
+    make_async_session: async_sessionmaker[AsyncSession],
+    afencer: sa_fence.AsyncFencer,
+    async_engine: AsyncEngine,
+    engine: sa.Engine,
+    cancel_on_lost: bool,
+) -> None:
+    """``async_scoped_session(..., scopefunc=asyncio.current_task)``, as SQLAlchemy suggests:
+    the body, run in the caller's task whether or not a loss may cancel it, finds the session
+    the call bound and commits in the registry.  (A body run in a task of its own got a second
+    session: its writes were never committed and its connection stayed checked out.)"""
+    registry = async_scoped_session(make_async_session, scopefunc=asyncio.current_task)
+
+    @sa_fence.fenced(
+        "job:{job_id}", ttl=30, fencer=afencer, session=registry, cancel_on_lost=cancel_on_lost
+    )
+    async def finish(job_id: int) -> bool:
+        await registry.merge(Job(id=job_id, result="scoped"))  # the registry, as usual
+        return registry() is sa_fence.current_session()
+
+    try:
+        assert await finish(8) is True
+        assert job(engine, 8)[0] == "scoped"  # type: ignore[index]
+        assert len(registry.registry.registry) == 1  # type: ignore[attr-defined]
+    finally:
+        await registry.remove()
+    assert async_engine.sync_engine.pool.checkedout() == 0
 
 
 def test_a_named_attribute_may_hold_a_sessionmaker(

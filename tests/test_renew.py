@@ -8,6 +8,7 @@ racing a sleep against the renewer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -153,6 +154,63 @@ async def test_an_on_lost_callback_or_loss_hook_that_raises_is_logged_and_the_re
     assert "on_lost callback of lease 'job:1' raised" in caplog.text
     assert "loss hook of lease 'job:1' raised" in caplog.text
     assert "the user's callback failed" in caplog.text  # the traceback is logged
+
+
+async def test_a_renewal_that_cannot_be_stopped_is_logged_and_the_loss_still_told(
+    front: Any,
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stopping the renewal is the first step of a loss: should it fail, the loss is still
+    counted, logged and told (on_lost, the loss hooks), and the caller still gets the
+    LeaseLostError rather than that failure."""
+    ran: list[str] = []
+    lease = await io(
+        front.acquire("job:1", 30, renew=True, on_lost=lambda _: ran.append("on_lost"))
+    )
+    add_loss_hook(lease, lambda: ran.append("hook"))
+    stop = lease._stop_renewal
+
+    def failing_stop() -> None:
+        stop()  # (stopped all the same, so nothing outlives the test)
+        raise RuntimeError("no running event loop")
+
+    monkeypatch.setattr(lease, "_stop_renewal", failing_stop)
+    gone(front, redis_client, lease)
+    with caplog.at_level(logging.ERROR), pytest.raises(sa_fence.LeaseLostError):
+        await io(lease.extend())
+    assert ran == ["on_lost", "hook"]
+    assert "could not stop the renewal of lease 'job:1'" in caplog.text
+    monkeypatch.undo()
+    assert await io(lease.release()) is False
+    assert await renewers_left(front) == []
+
+
+async def test_an_async_def_as_on_lost_is_refused_before_anything_is_written(
+    front: Any, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """on_lost is called, not awaited: an async def given as one would never run (its
+    coroutine dropped with a RuntimeWarning), so it is refused, naming what to pass."""
+
+    async def handler(lease: Any) -> None: ...
+
+    class Handler:
+        async def __call__(self, lease: Any) -> None: ...
+
+        async def method(self, lease: Any) -> None: ...
+
+    for on_lost in (handler, functools.partial(handler), Handler(), Handler().method):
+        with pytest.raises(TypeError, match=r"on_lost must be a plain callable.*asyncio\.Event"):
+            await io(front.acquire("job:1", 30, renew=True, on_lost=on_lost))
+        with pytest.raises(TypeError, match="on_lost must be a plain callable"):
+            async with entered(front.lease("job:1", 30, on_lost=on_lost)):
+                pass
+        with pytest.raises(TypeError, match="on_lost must be a plain callable"):
+            sa_fence.fenced("job:{job_id}", ttl=30, on_lost=on_lost)
+    assert list(redis_client.scan_iter(match=key_prefix + "*")) == []
+    async with entered(front.lease("job:1", 30, on_lost=lambda lease: None)) as lease:
+        assert lease.token > 0  # a plain callable still is one
 
 
 async def test_without_the_lost_check_the_flush_of_a_lost_lease_writes(
