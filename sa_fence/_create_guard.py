@@ -17,11 +17,19 @@ from ._guard import DEFAULT_SEQUENCE, create_guard_sql, drop_guard_sql, qualifie
 from ._model import fence_column_of
 from ._register import Register
 
-#: Whether ``:table`` exists and the type of its ``:column`` (NULL: no such column).
+#: The partitioned table at the top of ``:table``'s partition tree, whose guard PostgreSQL
+#: clones onto the partition (NULL: no partition).
+PARTITION_ROOT_SQL = (
+    "(WITH RECURSIVE up(relid, depth) AS (SELECT c.oid, 0 FROM pg_catalog.pg_class c WHERE c.oid"
+    " = to_regclass(:table) AND c.relispartition UNION ALL SELECT i.inhparent, up.depth + 1 FROM"
+    " up JOIN pg_catalog.pg_inherits i ON i.inhrelid = up.relid)"
+    " SELECT relid::regclass::text FROM up WHERE depth > 0 ORDER BY depth DESC LIMIT 1)"
+)
+#: Whether ``:table`` exists, the type of its ``:column`` (NULL: no such column), its root.
 _COLUMN_SQL = sa.text(
     "SELECT to_regclass(:table) IS NOT NULL AS present, (SELECT format_type(a.atttypid, NULL)"
     " FROM pg_catalog.pg_attribute a WHERE a.attrelid = to_regclass(:table) AND a.attname = :column"
-    " AND a.attnum > 0 AND NOT a.attisdropped) AS data_type"
+    " AND a.attnum > 0 AND NOT a.attisdropped) AS data_type, " + PARTITION_ROOT_SQL + " AS root"
 )
 
 
@@ -82,6 +90,11 @@ def check_column(
     elif found.data_type != "bigint":
         what = "has no column" if found.data_type is None else f"has a {found.data_type} column"
         problem = f"table {shown!r} {what} {column!r}; the guard needs the bigint fence {hint}"
+    elif found.root is not None:  # (its copy of the root's guard cannot be replaced on its own)
+        problem = (
+            f"table {shown!r} is a partition of {found.root}: guard {found.root} instead, whose "
+            "guard PostgreSQL clones onto every partition and fires for writes to each"
+        )
     else:
         return
     raise ValueError(f"create_fence_guard: {problem}")
@@ -134,8 +147,9 @@ def create_fence_guard(
     the Fencers' token sequence.  Running it again replaces the guard (idempotent).
 
     Raises ``ValueError``, with nothing written, when the table, its bigint fence column or the
-    sequence does not exist, the sequence cannot issue fencing tokens (not ``AS bigint CACHE 1
-    NO CYCLE``, a positive increment, logged), or an argument is invalid.
+    sequence does not exist, the table is a partition (guard its partitioned table), the
+    sequence cannot issue fencing tokens (not ``AS bigint CACHE 1 NO CYCLE``, a positive
+    increment, logged), or an argument is invalid.
     """
     begin = _begin(bind, "create_fence_guard")
     name, col, schema = _target(table, column, schema)

@@ -330,8 +330,10 @@ def function_source(statements: list[str]) -> str:
 #: A table's guard trigger (no row: none) as :func:`outdated` needs it, with the DDL
 #: that makes it again as it is (what a replace's downgrade restores).
 GUARD_STATE_SQL = f"""
-SELECT t.tgenabled <> 'D' AS enabled,
+SELECT t.tgenabled <> 'D' AS enabled, t.tgenabled AS firing,
        (t.tgtype::int & {TGTYPE_COMPLETE}) = {TGTYPE_COMPLETE} AS complete,
+       pg_catalog.cardinality(t.tgattr::pg_catalog.int2[]) > 0 AS on_columns,
+       t.tgqual IS NOT NULL AS conditional,
        p.prosrc AS source,
        pg_catalog.pg_get_functiondef(p.oid) AS function_sql,
        pg_catalog.pg_get_triggerdef(t.oid) AS trigger_sql
@@ -351,12 +353,17 @@ def outdated(
     schema: str | None,
     default_schema: str | None,
     sequence: str,
+    firing: str = "O",
+    on_columns: bool = False,
+    conditional: bool = False,
 ) -> list[str]:
     """Why an existing guard is not the one this sa-fence creates (empty: it is).
 
-    ``source``: its function's ``prosrc``; ``complete``: its trigger fires on all three events.
-    The function may be made with the policy and sequence its header names (or ``sequence``),
-    with the schema named as given, not at all, or as ``default_schema``.
+    ``source``: its function's ``prosrc``; ``complete``: its trigger fires on all three events;
+    ``firing``, ``on_columns``, ``conditional``: its ``tgenabled``, whether it fires on UPDATE OF
+    some columns only, whether it has a WHEN condition (GUARD_STATE_SQL's columns).  The function
+    may be made with the policy its header names, with the schema named as given, not at all, or
+    as ``default_schema``; it must read ``sequence`` (the Fencers'), however qualified.
     """
     why = []
     if not complete:
@@ -364,6 +371,12 @@ def outdated(
             "it does not fire before each INSERT, UPDATE and DELETE, so a raw INSERT "
             "with a forged fence would lock every later holder out of its row"
         )
+    if firing == "R":
+        why.append("it is ENABLE REPLICA: it fires in replica mode only, for no ordinary writer")
+    if on_columns:
+        why.append("it fires on UPDATE OF some columns only: other UPDATEs are not fenced")
+    if conditional:
+        why.append("it has a WHEN condition: the writes it skips are not fenced")
     made_with = guard_made_with(source or "")
     if made_with is None:
         why.append("its function was not made by sa-fence (or was edited by hand)")
@@ -378,7 +391,19 @@ def outdated(
         for seq in (made_sequence, sequence)
     ):
         why.append("its function differs (made by another sa-fence version, or edited by hand)")
+    if not same_sequence(made_sequence, sequence, default_schema):
+        why.append(
+            f"it reads the token sequence {made_sequence}, not {sequence}, the one the Fencers "
+            f"draw tokens from: a lease holder's write is refused once its token is past the "
+            f"last value of {made_sequence} (past the last token issued)"
+        )
     return why
+
+
+def same_sequence(one: str, other: str, default_schema: str | None) -> bool:
+    """Do two sequence names name one sequence (unqualified: in ``default_schema``)?"""
+    full = [n if "." in n or not default_schema else f"{default_schema}.{n}" for n in (one, other)]
+    return full[0] == full[1]
 
 
 def drop_guard_sql(table: str, *, schema: str | None = None) -> list[str]:

@@ -577,8 +577,8 @@ class ReplaceFenceGuardOp(_GuardOp):
         return [
             f"# sa-fence: the guard of {table!r} is not the one this sa-fence creates:",
             *(line for reason in self.reasons for line in wrapper.wrap(reason)),
-            "# remade as it was made (same on_missing_token and sequence); the downgrade puts the",
-            "# old one back.",
+            "# remade as it was made (same on_missing_token, the token sequence configured); the",
+            "# downgrade puts the old one back.",
         ]
 
 
@@ -600,19 +600,26 @@ def _replacement(
         schema=table.schema,
         default_schema=conn.dialect.default_schema_name,
         sequence=sequence,
+        firing=guard.firing,
+        on_columns=guard.on_columns,
+        conditional=guard.conditional,
     )
     if not reasons:
         return
-    # remade as it was made; one sa-fence never made gets the lenient policy (its writers are
-    # unknown) and the configured sequence
-    policy, made_sequence = guard_made_with(guard.source) or ("unchanged", sequence)
+    # remade with the policy it was made with (one sa-fence never made gets the lenient policy:
+    # its writers are unknown), on the configured sequence (a guard on another one is outdated)
+    policy = (guard_made_with(guard.source) or ("unchanged", sequence))[0]
+    # the downgrade puts the trigger back in the state it was in (pg_get_triggerdef omits it)
+    state = {"D": "DISABLE", "R": "ENABLE REPLICA", "A": "ENABLE ALWAYS"}.get(guard.firing)
+    target = qualified(table.name, table.schema)
+    restate = [f"ALTER TABLE {target} {state} TRIGGER {TRIGGER_NAME}"] if state else []
     yield ReplaceFenceGuardOp(
         table.name,
         column,
         schema=table.schema,
         on_missing_token=policy,
-        sequence=made_sequence,
-        replaced=(guard.function_sql, guard.trigger_sql),
+        sequence=sequence,
+        replaced=(guard.function_sql, guard.trigger_sql, *restate),
         reasons=reasons,
     )
 

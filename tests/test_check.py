@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
 
+import sa_fence
 from sa_fence import _register
 from sa_fence.tools import check as _check
 from sa_fence.tools import cli
@@ -588,3 +590,266 @@ def test_a_plain_postgresql_url_is_taken_as_psycopgs(
     url = migrated.url.set(drivername="postgresql").render_as_string(hide_password=False)
     status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)
     assert status == 0, out
+
+
+# ------------------------------------------- guards that do not fence the workers' writes
+
+
+def test_check_names_a_guard_reading_another_sequence_than_the_fencers_with_both_fixes(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The guard refuses every token past its own sequence's last value as never issued: on
+    another sequence than the Fencers', every holder's write is refused."""
+    execute(migrated, "CREATE SEQUENCE other_seq AS bigint CACHE 1 NO CYCLE")
+    sa_fence.create_fence_guard(
+        migrated, "jobs", on_missing_token="unchanged", sequence="other_seq"
+    )
+    url = url_of(migrated)
+    status, out, _ = sa_fence_cli("check", "--strict", "--url", url, capsys=capsys)
+    assert (status, out.count("PROBLEM")) == (1, 1), out
+    assert (
+        "PROBLEM table jobs has a guard trigger sa_fence_guard that is not the one this "
+        "sa-fence creates: it reads the token sequence other_seq, not sa_fence_token_seq, the "
+        "one the Fencers draw tokens from" in out
+    )
+    assert (
+        "fix: op.create_fence_guard('jobs', on_missing_token='unchanged', "
+        "sequence='sa_fence_token_seq') (recreates it); without Alembic: sa-fence "
+        "create-guard --url ... jobs --on-missing-token unchanged --sequence "
+        "sa_fence_token_seq" in out
+    )
+    assert "If your Fencers do draw their tokens from other_seq, check with --sequence" in out
+    # the same sequence, named schema-qualified: current
+    sa_fence.create_fence_guard(
+        migrated, "jobs", on_missing_token="unchanged", sequence="public.sa_fence_token_seq"
+    )
+    status, out, _ = sa_fence_cli("check", "--strict", "--url", url, capsys=capsys)
+    assert status == 0, out
+    # a sequence named on the command line: the fix names it, and works as printed
+    execute(
+        migrated, "ALTER TABLE sa_fence_leases ALTER COLUMN token SET DEFAULT nextval('other_seq')"
+    )
+    status, out, _ = sa_fence_cli("check", "--url", url, "--sequence", "other_seq", capsys=capsys)
+    assert "it reads the token sequence public.sa_fence_token_seq, not other_seq" in out
+    assert "sa-fence create-guard --url ... job_steps --sequence other_seq" in out
+    status, _, err = sa_fence_cli(
+        "create-guard", "--url", url, "job_steps", "--sequence", "other_seq", capsys=capsys
+    )
+    assert status == 0, err
+    status, out, _ = sa_fence_cli("check", "--url", url, "--sequence", "other_seq", capsys=capsys)
+    assert "table job_steps" not in out.split("PROBLEM", 1)[-1], out
+
+
+@pytest.mark.parametrize(
+    ("ddl", "said"),
+    [
+        (
+            ["ALTER TABLE jobs ENABLE REPLICA TRIGGER sa_fence_guard"],
+            "it is ENABLE REPLICA: it fires in replica mode only, for no ordinary writer",
+        ),
+        (
+            [
+                "DROP TRIGGER sa_fence_guard ON jobs",
+                "CREATE TRIGGER sa_fence_guard BEFORE INSERT OR UPDATE OF fence OR DELETE ON "
+                "jobs FOR EACH ROW EXECUTE FUNCTION sa_fence_guard_jobs()",
+            ],
+            "it fires on UPDATE OF some columns only: other UPDATEs are not fenced",
+        ),
+        (
+            [
+                "DROP TRIGGER sa_fence_guard ON jobs",
+                "CREATE TRIGGER sa_fence_guard BEFORE INSERT OR UPDATE OR DELETE ON jobs "
+                "FOR EACH ROW WHEN (pg_trigger_depth() < 0) "
+                "EXECUTE FUNCTION sa_fence_guard_jobs()",
+            ],
+            "it has a WHEN condition: the writes it skips are not fenced",
+        ),
+    ],
+    ids=["enable replica", "update of", "when"],
+)
+def test_check_names_a_guard_that_does_not_fire_for_ordinary_writers(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str], ddl: list[str], said: str
+) -> None:
+    """Ordinary writers' UPDATEs (or all their writes) skip such a trigger: not the guard
+    check promises.  Recreating the guard, as the fix says, makes it one."""
+    execute(migrated, *ddl)
+    url = url_of(migrated)
+    status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)
+    assert (status, out.count("PROBLEM")) == (1, 1), out
+    assert (
+        "PROBLEM table jobs has a guard trigger sa_fence_guard that is not the one this "
+        f"sa-fence creates: {said} fix: op.create_fence_guard('jobs', "
+        "on_missing_token='unchanged') (recreates it); without Alembic: sa-fence create-guard "
+        "--url ... jobs --on-missing-token unchanged" in out
+    )
+    status, _, err = sa_fence_cli(
+        "create-guard", "--url", url, "jobs", "--on-missing-token", "unchanged", capsys=capsys
+    )
+    assert status == 0, err
+    status, out, _ = sa_fence_cli("check", "--strict", "--url", url, capsys=capsys)
+    assert status == 0, out
+
+
+# ------------------------------------------------------------ partitioned tables
+
+
+@pytest.fixture
+def partitioned(migrated: sa.Engine) -> sa.Engine:
+    """A partitioned fenced table (two levels) guarded on its parent, as PostgreSQL wants."""
+    execute(
+        migrated,
+        "CREATE TABLE parted (id int PRIMARY KEY, fence bigint NOT NULL DEFAULT 0) "
+        "PARTITION BY RANGE (id)",
+        "CREATE TABLE parted_a PARTITION OF parted FOR VALUES FROM (0) TO (100)",
+        "CREATE TABLE parted_b PARTITION OF parted FOR VALUES FROM (100) TO (200) "
+        "PARTITION BY RANGE (id)",
+        "CREATE TABLE parted_b1 PARTITION OF parted_b FOR VALUES FROM (100) TO (200)",
+    )
+    sa_fence.create_fence_guard(migrated, "parted")
+    return migrated
+
+
+def test_check_takes_partitions_as_fenced_by_their_partitioned_tables_guard(
+    partitioned: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The guard PostgreSQL clones onto each partition runs the parent's function: no
+    "function differs" for each partition, and its fences are read through the parent."""
+    url = url_of(partitioned)
+    execute(partitioned, "SELECT setval('sa_fence_token_seq', 150)")
+    execute(partitioned, "INSERT INTO parted (id, fence) VALUES (1, 20), (120, 150)")
+    status, out, _ = sa_fence_cli("check", "--strict", "--url", url, capsys=capsys)
+    assert (status, "PROBLEM" in out) == (0, False), out
+    assert "ok table parted: column fence, guard sa_fence_guard" in out
+    assert "parted_a" not in out
+    # a partition's copy switched off on its own is named, with the fix
+    execute(partitioned, "ALTER TABLE parted_b1 DISABLE TRIGGER sa_fence_guard")
+    status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)
+    assert status == 1
+    assert (
+        "PROBLEM table parted has a guard trigger sa_fence_guard that is not the one this "
+        "sa-fence creates: its copy on partition parted_b1 is disabled, so writes to that "
+        "partition are not fenced fix: op.create_fence_guard('parted') (recreates it)" in out
+    )
+    status, _, err = sa_fence_cli("create-guard", "--url", url, "parted", capsys=capsys)
+    assert status == 0, err
+    status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)
+    assert status == 0, out
+
+
+# -------------------------------------------- repair-sequence: fences past any token
+
+
+def test_repair_sequence_refuses_fences_no_sequence_can_pass_and_changes_nothing(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fence near 2**63-1 (loaded with the guard disabled): max(fence) + margin is past any
+    bigint; setval cannot take it, and no sequence could issue a token past it anyway."""
+    huge = 2**63 - 1 - 500
+    execute(
+        migrated,
+        "ALTER TABLE jobs DISABLE TRIGGER sa_fence_guard",
+        f"INSERT INTO jobs (id, fence) VALUES (1, 3), (2, {huge})",
+        "ALTER TABLE jobs ENABLE TRIGGER sa_fence_guard",
+    )
+    url = url_of(migrated)
+    status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)
+    assert status == 1
+    assert "these fences are past any token the sequence can issue once moved past them" in out
+    assert 'SELECT * FROM "jobs" WHERE "fence" > 0 ORDER BY "fence" DESC;' in out
+    status, out, err = sa_fence_cli("repair-sequence", "--url", url, "--yes", capsys=capsys)
+    assert status == 1
+    assert (
+        f"sa-fence repair-sequence: cannot move sequence sa_fence_token_seq to {huge} + margin "
+        f"1000: that is past {2**63 - 1}, the largest value a bigint sequence holds (a "
+        "--margin of at most 500 fits" in err
+    )
+    assert 'Find them: SELECT * FROM "jobs" WHERE "fence" > 0 ORDER BY "fence" DESC;' in err
+    assert err.endswith("Nothing was changed.")
+    assert "Moved" not in out
+    assert sequence_last_value(migrated) == 1  # (never called)
+
+
+# ------------------------------------------ a role lacking rights: a message, no traceback
+
+
+def test_check_and_repair_name_a_fenced_table_the_role_may_not_read_with_the_grant(
+    migrated: sa.Engine, worker_role: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    execute(  # a workers' role, but for job_steps
+        migrated,
+        f'GRANT SELECT ON jobs, sa_fence_leases TO "{worker_role}"',
+        f'GRANT USAGE ON SEQUENCE sa_fence_token_seq TO "{worker_role}"',
+    )
+    url = migrated.url.set(username=worker_role).render_as_string(hide_password=False)
+    status, out, err = sa_fence_cli("check", "--url", url, capsys=capsys)
+    assert (status, err) == (1, "")
+    assert (
+        f"PROBLEM table job_steps cannot be read by role {worker_role} (no SELECT): its fences "
+        "are unknown" in out
+    )
+    assert f'GRANT SELECT ON "job_steps" TO "{worker_role}";' in out
+    status, out, err = sa_fence_cli("repair-sequence", "--url", url, "--yes", capsys=capsys)
+    assert status == 1
+    assert (
+        f"sa-fence repair-sequence: role {worker_role} may not read table(s) job_steps (no "
+        "SELECT): their fences are unknown" in err
+    )
+    assert err.endswith("Nothing was changed.")
+    # every table readable, but the sequence may not be moved: refused before asking
+    restored_behind(migrated)
+    execute(migrated, f'GRANT SELECT ON job_steps TO "{worker_role}"')
+    status, out, err = sa_fence_cli("repair-sequence", "--url", url, capsys=capsys)
+    assert status == 1
+    assert (
+        f"sa-fence repair-sequence: role {worker_role} may not move sequence "
+        "sa_fence_token_seq: run repair-sequence as the sequence's owner" in err
+    )
+    assert f'GRANT UPDATE ON SEQUENCE "sa_fence_token_seq" TO "{worker_role}";' in err
+    assert sequence_last_value(migrated) == 7
+
+
+def test_create_guard_as_a_role_that_may_not_names_the_failure_and_the_fix(
+    migrated: sa.Engine, worker_role: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = migrated.url.set(username=worker_role).render_as_string(hide_password=False)
+    status, out, err = sa_fence_cli("create-guard", "--url", url, "jobs", capsys=capsys)
+    assert (status, out) == (1, "")
+    assert err.startswith(
+        "sa-fence create-guard: creating the guard of table jobs failed: permission denied"
+    )
+    assert "Fix: run create-guard as the owner of jobs (the role your migrations run as)" in err
+    assert err.endswith("Nothing was created.")
+
+
+def test_a_statement_the_server_refuses_is_one_line_naming_it_not_a_traceback(
+    migrated: sa.Engine,
+) -> None:
+    err = io.StringIO()
+    status = _check.with_connection(
+        url_of(migrated),
+        None,
+        err,
+        lambda conn, _: conn.execute(sa.text("SELECT * FROM no_such_table")).rowcount,
+        command="sa-fence check",
+    )
+    assert status == 1
+    assert err.getvalue().splitlines() == [
+        'sa-fence check: running SELECT * FROM no_such_table failed: relation "no_such_table" '
+        "does not exist"
+    ]
+
+
+def test_repair_sequence_takes_the_end_of_input_for_no(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No --yes and no one to answer (stdin closed: a script, CI): input() raises EOFError."""
+    restored_behind(migrated)
+
+    def closed(prompt: str) -> str:
+        raise EOFError
+
+    monkeypatch.setattr("builtins.input", closed)
+    status, out, _ = sa_fence_cli("repair-sequence", "--url", url_of(migrated), capsys=capsys)
+    assert status == 1
+    assert "Aborted: no answer (end of input); nothing changed. Run with --yes" in out
+    assert sequence_last_value(migrated) == 7

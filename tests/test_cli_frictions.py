@@ -24,7 +24,11 @@ pytestmark = pytest.mark.slow  # the commands run as a user types them, in subpr
 
 
 def run(
-    *argv: str, cwd: Path | None = None, env: dict[str, str] | None = None, command: str = "script"
+    *argv: str,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    command: str = "script",
+    stdin: int | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """The command as a user types it, in a subprocess."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("SA_FENCE_")}
@@ -33,6 +37,7 @@ def run(
         [*program, *argv],
         cwd=cwd,
         env={**base, **(env or {})},
+        stdin=stdin,
         capture_output=True,
         text=True,
         timeout=120,
@@ -153,3 +158,20 @@ def test_bench_redis_defaults_to_its_own_variable_not_the_demos(
     monkeypatch.setenv("SA_FENCE_REDIS_URL", "redis://127.0.0.1:6379/3")
     args = cli.build_parser().parse_args(["bench", "--url", url])
     assert args.redis == "redis://127.0.0.1:6379/3"
+
+
+def test_repair_sequence_without_yes_and_without_stdin_answers_no_without_a_traceback() -> None:
+    """A script or CI job that forgot --yes: input() meets the end of input."""
+    with fresh_database("cli_eof") as engine:
+        upgrade_demo_schema(engine)
+        with engine.begin() as conn:
+            conn.execute(sa.text("SELECT setval('sa_fence_token_seq', 5000)"))
+            conn.execute(sa.text("INSERT INTO jobs (id, fence) VALUES (1, 5000)"))
+            conn.execute(sa.text("SELECT setval('sa_fence_token_seq', 7)"))  # "restored"
+        done = run("repair-sequence", "--url", url_of(engine), stdin=subprocess.DEVNULL)
+        with engine.connect() as conn:
+            last = conn.execute(sa.text("SELECT last_value FROM sa_fence_token_seq")).scalar()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert "Aborted: no answer (end of input); nothing changed." in done.stdout
+    assert last == 7

@@ -326,3 +326,39 @@ async def test_asyncio_gets_the_same_config_error_and_can_create_the_guard_with_
     finally:
         await async_engine.dispose()
     assert triggers(no_fence_column) == {"jobs"}
+
+
+def test_create_guard_on_a_partition_is_refused_naming_its_partitioned_table(
+    created: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A partition's guard is its partitioned table's, cloned onto it by PostgreSQL: a guard
+    of its own would fence it alone (before the parent has one), and replacing the clone
+    fails with DependentObjectsStillExist.  Refused before anything is written."""
+    with created.begin() as conn:
+        for ddl in (
+            "CREATE TABLE parted (id int PRIMARY KEY, fence bigint NOT NULL DEFAULT 0) "
+            "PARTITION BY RANGE (id)",
+            "CREATE TABLE parted_a PARTITION OF parted FOR VALUES FROM (0) TO (100)",
+            "CREATE TABLE parted_b PARTITION OF parted FOR VALUES FROM (100) TO (200) "
+            "PARTITION BY RANGE (id)",
+            "CREATE TABLE parted_b1 PARTITION OF parted_b FOR VALUES FROM (100) TO (200)",
+        ):
+            conn.execute(sa.text(ddl))
+    refusal = "table 'parted_a' is a partition of parted: guard parted instead"
+    with pytest.raises(ValueError, match=re.escape(refusal)):  # the parent has no guard yet
+        sa_fence.create_fence_guard(created, "parted_a")
+    assert triggers(created) == set()
+    sa_fence.create_fence_guard(created, "parted")
+    guarded = {"parted", "parted_a", "parted_b", "parted_b1"}  # the parent's, and its clones
+    assert triggers(created) == guarded
+    with pytest.raises(ValueError, match=re.escape("'parted_b1' is a partition of parted:")):
+        sa_fence.create_fence_guard(created, "parted_b1")  # (the root, two levels up)
+    status, out, err = run_cli(
+        "create-guard", "--url", url_of(created), "cells", "parted_a", capsys=capsys
+    )
+    assert (status, out) == (1, "")
+    assert err == (
+        f"sa-fence create-guard: create_fence_guard: {refusal}, whose guard PostgreSQL clones "
+        "onto every partition and fires for writes to each. Nothing was created."
+    )
+    assert triggers(created) == guarded  # cells got none: one transaction

@@ -412,7 +412,7 @@ def test_a_name_the_guard_cannot_carry_is_refused_before_anything_is_sent(
     [
         ({}, {"schema": "public"}),  # made unqualified, the table declared in public
         ({"schema": "public"}, {"schema": None}),  # made qualified, declared without
-        ({"sequence": "app.tokens"}, {"schema": None}),  # made for another sequence
+        ({"sequence": "public.sa_fence_token_seq"}, {"schema": None}),  # the same, qualified
         ({"on_missing_token": "unchanged"}, {"schema": None}),
     ],
 )
@@ -421,7 +421,8 @@ def test_a_guard_made_by_this_sa_fence_is_current_however_its_names_were_given(
 ) -> None:
     """``outdated`` (autogenerate's and ``sa-fence check``'s test) compares the source with
     what this sa-fence makes for the same table, with the schema named as given, not at
-    all, or as the default schema, and with the policy and sequence the header names."""
+    all, or as the default schema, with the policy the header names, and reading the
+    Fencers' sequence however qualified (another sequence: tests/test_alembic.py)."""
     source = _guard.function_source(_guard.create_guard_sql("jobs", **made_with))
     reasons = _guard.outdated(
         source,
@@ -435,7 +436,13 @@ def test_a_guard_made_by_this_sa_fence_is_current_however_its_names_were_given(
     assert reasons == []
     edited = source.replace("RETURN OLD;", "RETURN NULL;")
     assert _guard.outdated(
-        edited, True, "jobs", "fence", default_schema="public", sequence="x", **read_with
+        edited,
+        True,
+        "jobs",
+        "fence",
+        default_schema="public",
+        sequence="sa_fence_token_seq",
+        **read_with,
     ) == ["its function differs (made by another sa-fence version, or edited by hand)"]
 
 

@@ -219,7 +219,16 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: refuses a missing or unfit token sequence, as the guard op does; +31 so that a bound
 #: session presents its token before writing a table whose foreign key actions the model
 #: declares into fenced rows (the guard refused the current holder's cascades as tokenless).
-CORE_LINES_AT_MOST = 9948
+#: Then by 193, for a second audit's reproduced defects: +103 for side effects (the key's
+#: number counted per database transaction, not per SessionTransaction, which gave two
+#: effects one key; payloads jsonb refuses checked before they abort the transaction, a
+#: queueing-lock job in a savepoint, an aborted transaction refusing the commit; an open
+#: async connector refused); +46 so that check and autogenerate report a guard on another
+#: sequence than the workers', a REPLICA, UPDATE OF or WHEN trigger, and partitions as
+#: their root's, and create_fence_guard refuses a partition; +29 for asyncio (the body
+#: cancelled in the caller's task, never the commit; renewal stopped from any thread; an
+#: async on_lost refused); +15 so that a temporary sequence cannot stand in for the guard's.
+CORE_LINES_AT_MOST = 10141
 
 
 def test_the_core_stays_within_its_line_budget() -> None:

@@ -14,9 +14,13 @@ writer, and says how to fix each finding:
   same rows: neither register fences out the other's holders);
 * a fenced table lacks its fence column, its guard is disabled, or its guard
   is not the one this sa-fence creates (a trigger not firing before each
-  INSERT, UPDATE and DELETE; a function from another version or edited by
-  hand); a table with no guard at all (a ``create_all`` database) is
-  *advice*, a finding only under ``--strict``: bound sessions are fenced
+  INSERT, UPDATE and DELETE, or skipped by ordinary writers: ENABLE REPLICA,
+  UPDATE OF some columns, a WHEN condition, a partition's copy disabled; a
+  function reading another sequence than ``--sequence``, from another version
+  or edited by hand); this role may not read it (its fences are unknown);
+  partitions are checked through their partitioned table, whose guard
+  PostgreSQL clones onto them; a table with no guard at all (a ``create_all``
+  database) is *advice*, a finding only under ``--strict``: bound sessions are fenced
   without it, writers outside sa-fence are not;
 * the sequence is behind ``max(fence)`` of a fenced table or ``max(token)``
   of its register (after a restore from backup, or a promoted logical
@@ -38,7 +42,9 @@ with ``fence_column()``); without it, every table that has a column named
 ``--column`` (default ``fence``) or a guard trigger.
 
 ``repair-sequence`` moves the sequence past the largest fence and the
-largest registered token, plus a margin (it never moves it backwards).
+largest registered token, plus a margin (it never moves it backwards).  It
+refuses, before asking, a target past 2**63-1 (fences no lease was granted)
+and a role that may not read every fenced table or move the sequence.
 With ``--after-failover`` (a promoted asynchronous replica, a point-in-time
 or backup restore: the newest grants may be lost) it also moves past the
 sequence's own last value, since tokens the lost primary handed out after
@@ -58,6 +64,7 @@ from typing import Any, TextIO
 
 import sqlalchemy as sa
 
+from .._create_guard import PARTITION_ROOT_SQL
 from .._failures import POOLER_DOC
 from .._fitness import (
     REGISTER_COLUMNS_SQL,
@@ -72,6 +79,7 @@ from .._guard import (
     guard_made_with,
     outdated,
     qualified,
+    same_sequence,
 )
 from .._model import fence_column_of
 from .._register import (
@@ -85,6 +93,11 @@ EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
+
+#: The largest value a token sequence (bigint) can hand out.
+BIGINT_MAX = 2**63 - 1
+#: ``repair-sequence``'s default ``--margin`` (its CLI default too)
+DEFAULT_MARGIN = 1000  # (repair-sequence's default, cli.DEFAULT_MARGIN: cli loads this lazily)
 
 
 @dataclass(frozen=True)
@@ -132,6 +145,12 @@ class Report:
     max_register_token: int | None = None
     #: the sequence exists (last_value is None also when this role cannot read it)
     sequence_found: bool = False
+    #: guarded table's OID -> what its guard lacks (each guard is checked once)
+    guards: dict[Any, list[str]] = field(default_factory=dict)
+    #: fenced tables this role may not read (their fences are unknown)
+    unreadable: list[str] = field(default_factory=list)
+    #: table display name -> SQL that lists its rows with a fence past ``{last}`` (a format field)
+    rows_past: dict[str, str] = field(default_factory=dict)
 
     @property
     def register(self) -> str:
@@ -211,6 +230,9 @@ _DISCOVER_SQL = sa.text(
       FROM pg_catalog.pg_class c
       JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
      WHERE c.relkind IN ('r', 'p')
+       -- a partition is fenced by its partitioned table's guard, which PostgreSQL clones
+       -- onto it; it is checked (and its fences read) through that table
+       AND NOT c.relispartition
        AND n.nspname NOT IN ('pg_catalog', 'information_schema')
        AND n.nspname NOT LIKE 'pg\\_%'
        AND (EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a
@@ -251,7 +273,26 @@ _TABLE_SQL = sa.text(
                       AND a.attnum > 0 AND NOT a.attisdropped) AS has_column,
            coalesce((SELECT a.attnotnull FROM pg_catalog.pg_attribute a
                       WHERE a.attrelid = to_regclass(:table) AND a.attname = :column
-                        AND a.attnum > 0 AND NOT a.attisdropped), false) AS not_null
+                        AND a.attnum > 0 AND NOT a.attisdropped), false) AS not_null,
+           coalesce(has_table_privilege(to_regclass(:table), 'SELECT'), true) AS readable,
+           current_user AS role
+    """
+)
+
+#: The partitions of partitioned table ``:table`` (every level) whose copy of the guard
+#: (cloned by PostgreSQL from the table's own) does not fire for ordinary writers.
+_PARTITION_GUARDS_SQL = sa.text(
+    f"""
+    WITH RECURSIVE parts(relid) AS (
+        SELECT i.inhrelid FROM pg_catalog.pg_inherits i WHERE i.inhparent = to_regclass(:table)
+        UNION ALL
+        SELECT i.inhrelid FROM pg_catalog.pg_inherits i JOIN parts ON i.inhparent = parts.relid
+    )
+    SELECT parts.relid::regclass::text AS partition, t.tgenabled AS firing
+      FROM parts JOIN pg_catalog.pg_trigger t
+        ON t.tgrelid = parts.relid AND t.tgname = '{TRIGGER_NAME}'
+     WHERE t.tgenabled NOT IN ('O', 'A')
+     ORDER BY 1
     """
 )
 
@@ -404,26 +445,39 @@ def _ident(name: str) -> str:
     return qualified(name, None)
 
 
-def _guard_args(made_with: tuple[str, str] | None) -> str:
-    """The create_fence_guard() arguments that remake a guard as it was made."""
-    if made_with is None:
-        return ", on_missing_token='reject' or 'unchanged'"
-    policy, sequence = made_with
-    return ("" if policy == "reject" else f", on_missing_token={policy!r}") + (
-        "" if sequence == DEFAULT_SEQUENCE else f", sequence={sequence!r}"
-    )
+def _guard_args(policy: str, sequence: str, *, named: bool = False) -> str:
+    """The create_fence_guard() arguments after the table's that remake a guard: ``policy``
+    as it was made ("": the default; "unknown": either), on the checked ``sequence`` (``named``:
+    said even when it is the default, the guard reading another one)."""
+    if policy == "unknown":
+        args = ", on_missing_token='reject' or 'unchanged'"
+    else:
+        args = "" if policy in ("", "reject") else f", on_missing_token={policy!r}"
+    return args + ("" if sequence == DEFAULT_SEQUENCE and not named else f", sequence={sequence!r}")
 
 
-def _guard_fixes(table: FencedTable, guard_args: str, guard_fix: str) -> str:
-    """Both ways to add a guard: without Alembic (a create_all database), and in a migration."""
+def _guard_fixes(
+    table: FencedTable,
+    guard_args: str,
+    guard_fix: str | None,
+    policy: str = "",
+    sequence: str = DEFAULT_SEQUENCE,
+    *,
+    named: bool = False,
+) -> str:
+    """Both ways to add a guard: without Alembic (a create_all database), and in a migration
+    (``guard_fix``; None: without Alembic only)."""
     command = f"sa-fence create-guard --url ... {table.name}" + (
         "" if table.column == "fence" else f" --column {table.column}"
     )
     command += "" if table.schema is None else f" --schema {table.schema}"
-    return (
-        f"{command} (or in Python: sa_fence.create_fence_guard(engine, {guard_args})); "
-        f"in an Alembic migration: {guard_fix}"
-    )
+    if policy == "unknown":
+        command += " --on-missing-token reject|unchanged"
+    elif policy not in ("", "reject"):
+        command += f" --on-missing-token {policy}"
+    command += "" if sequence == DEFAULT_SEQUENCE and not named else f" --sequence {sequence}"
+    python = f"{command} (or in Python: sa_fence.create_fence_guard(engine, {guard_args}))"
+    return python if guard_fix is None else f"{python}; in an Alembic migration: {guard_fix}"
 
 
 def check(
@@ -527,24 +581,79 @@ def _check_table(conn: sa.Connection, report: Report, table: FencedTable) -> Non
                 + ")",
             )
         )
-    missing.extend(_check_guard(conn, report, table))
-    if state.has_column:
+    root = partition_root(conn, table.name, table.schema)
+    if root is not None:
+        # its guard is its partitioned table's (PostgreSQL clones it onto every partition)
+        report.notes.append(
+            f"table {table.display}: a partition of {root}, fenced by the guard of {root} "
+            "(PostgreSQL clones it onto every partition), checked as that table's"
+        )
+        schema, name = conn.execute(_NAMES_SQL, {"table": root}).one()
+        shown = None if schema == conn.dialect.default_schema_name else schema
+        missing.extend(_check_guard(conn, report, FencedTable(shown, name, table.column)))
+    else:
+        missing.extend(_check_guard(conn, report, table))
+    if state.has_column and not state.readable:
+        missing.append("cannot be read")
+        report.unreadable.append(table.display)
+        report.findings.append(
+            Finding(
+                f"table {table.display}",
+                f"cannot be read by role {state.role} (no SELECT): its fences are unknown, "
+                "so whether the sequence is behind them is not checked (and repair-sequence "
+                "refuses to run)",
+                f"run the check as a role that may read every fenced table, or: GRANT SELECT "
+                f"ON {table.quoted} TO {_ident(state.role)};",
+            )
+        )
+    elif state.has_column:
         _read_fences(conn, report, table, not_null=state.not_null)
     if not missing:
         report.ok.append(f"table {table.display}: column {table.column}, guard {TRIGGER_NAME}")
 
 
+_ROOT_SQL = sa.text("SELECT " + PARTITION_ROOT_SQL)
+
+
+def partition_root(conn: sa.Connection, table: str, schema: str | None) -> str | None:
+    """The partitioned table whose guard PostgreSQL clones onto partition ``table`` (None: no
+    partition), named as PostgreSQL shows it on the search_path."""
+    root = conn.execute(_ROOT_SQL, {"table": qualified(table, schema)}).scalar()
+    return None if root is None else str(root)
+
+
+_NAMES_SQL = sa.text(
+    "SELECT n.nspname, c.relname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+    "ON n.oid = c.relnamespace WHERE c.oid = to_regclass(:table)"
+)
+
+
 def _check_guard(conn: sa.Connection, report: Report, table: FencedTable) -> list[str]:
-    """``table``'s guard trigger: absent, disabled or outdated; returns what is missing."""
+    """``table``'s guard trigger: absent, disabled or outdated; returns what is missing.
+
+    Once per table (a partitioned table's is checked for each partition --metadata names)."""
+    key = conn.execute(sa.text("SELECT to_regclass(:t)::oid"), {"t": table.quoted}).scalar()
+    if key in report.guards:
+        return report.guards[key]
+    report.guards[key] = found = _guard_findings(conn, report, table)
+    return found
+
+
+def _guard_findings(conn: sa.Connection, report: Report, table: FencedTable) -> list[str]:
     guard = conn.execute(_GUARD_STATE_SQL, {"table": table.quoted}).one_or_none()
     absent = guard is None
     if guard is not None and not guard.enabled:
         guard = None  # a disabled guard refuses nothing
+    made_with = None if guard is None else guard_made_with(guard.source)
+    other_sequence = made_with is not None and not same_sequence(
+        made_with[1], report.sequence, conn.dialect.default_schema_name
+    )
+    policy = "" if guard is None else "unknown" if made_with is None else made_with[0]
     guard_args = (
         repr(table.name)
         + ("" if table.column == "fence" else f", {table.column!r}")
         + ("" if table.schema is None else f", schema={table.schema!r}")
-        + ("" if guard is None else _guard_args(guard_made_with(guard.source)))
+        + _guard_args(policy, report.sequence, named=other_sequence)
     )
     guard_fix = f"op.create_fence_guard({guard_args})"
     if guard is None:
@@ -555,7 +664,7 @@ def _check_guard(conn: sa.Connection, report: Report, table: FencedTable) -> lis
                 f"table {table.display}",
                 f"has no enabled guard trigger {TRIGGER_NAME}: writers outside fenced "
                 "sessions (raw SQL, psql, other services) are not fenced",
-                _guard_fixes(table, guard_args, guard_fix),
+                _guard_fixes(table, guard_args, guard_fix, policy, report.sequence),
             )
         )
         return ["has no guard"]
@@ -567,18 +676,41 @@ def _check_guard(conn: sa.Connection, report: Report, table: FencedTable) -> lis
         schema=table.schema,
         default_schema=conn.dialect.default_schema_name,
         sequence=report.sequence,
+        firing=guard.firing,
+        on_columns=guard.on_columns,
+        conditional=guard.conditional,
     )
+    why.extend(_partition_guards(conn, table))
     if not why:
         return []
+    fix = f"{guard_fix} (recreates it); without Alembic: " + _guard_fixes(
+        table, guard_args, None, policy, report.sequence, named=other_sequence
+    )
+    if other_sequence:
+        assert made_with is not None
+        fix += (
+            f". If your Fencers do draw their tokens from {made_with[1]}, check with "
+            f"--sequence {made_with[1]} instead"
+        )
     report.findings.append(
         Finding(
             f"table {table.display}",
             f"has a guard trigger {TRIGGER_NAME} that is not the one this "
             f"sa-fence creates: {'; '.join(why)}",
-            guard_fix + " (recreates it)",
+            fix,
         )
     )
     return ["has an outdated guard"]
+
+
+def _partition_guards(conn: sa.Connection, table: FencedTable) -> list[str]:
+    """Why the guard's copies on ``table``'s partitions do not fence their writers."""
+    states = {"D": "disabled", "R": "ENABLE REPLICA (fires in replica mode only)"}
+    return [
+        f"its copy on partition {row.partition} is {states.get(row.firing, row.firing)}, "
+        "so writes to that partition are not fenced"
+        for row in conn.execute(_PARTITION_GUARDS_SQL, {"table": table.quoted})
+    ]
 
 
 def _read_fences(
@@ -591,6 +723,9 @@ def _read_fences(
         sa.text(f"SELECT max({fence}), {nulls} FROM {table.quoted}")
     ).one()
     report.max_fences[table.display] = None if max_fence is None else int(max_fence)
+    report.rows_past[table.display] = (
+        f"SELECT * FROM {table.quoted} WHERE {fence} > {{last}} ORDER BY {fence} DESC"
+    )
     if null_count:
         report.null_fences[table.display] = int(null_count)
         report.notes.append(
@@ -629,6 +764,12 @@ def _check_sequence_position(report: Report) -> None:
         )
     if behind:
         target = max(report.max_fence, report.max_register_token or 0)
+        fix = (
+            f"stop the workers, then: sa-fence repair-sequence --url ... (moves it to "
+            f"{target} + margin)"
+        )
+        if target > BIGINT_MAX - DEFAULT_MARGIN:
+            fix = _past_any_token(report, BIGINT_MAX - DEFAULT_MARGIN)
         report.findings.append(
             Finding(
                 f"sequence {sequence}",
@@ -638,8 +779,7 @@ def _check_sequence_position(report: Report) -> None:
                 + ", ".join(consequences)
                 + ". This happens after a restore from backup or a promoted logical "
                 "replica.",
-                f"stop the workers, then: sa-fence repair-sequence --url ... (moves it to "
-                f"{target} + margin)",
+                fix,
             )
         )
     else:
@@ -652,6 +792,29 @@ def _check_sequence_position(report: Report) -> None:
                 else ""
             )
         )
+
+
+def _past_any_token(report: Report, limit: int) -> str:
+    """What to do about fences (or register tokens) past ``limit``, too close to the end of a
+    bigint sequence for repair-sequence to move it past them."""
+    last = report.last_value or 0
+    found = [
+        f"{report.rows_past[name].format(last=last)};"
+        for name, fence in sorted(report.max_fences.items())
+        if fence is not None and fence > limit and name in report.rows_past
+    ]
+    if (report.max_register_token or 0) > limit:
+        found.append(f"SELECT * FROM {Register(report.sequence).table_sql} WHERE token > {last};")
+    return (
+        "these fences are past any token the sequence can issue once moved past them (a "
+        f"bigint sequence ends at {BIGINT_MAX}): no lease was granted them (they were set by "
+        "hand, or loaded with the guard disabled), and no later lease holder could write "
+        "those rows. Find them"
+        + (": " + " ".join(found) if found else "")
+        + " and set each fence back to a token the sequence has issued (with the guard "
+        f"disabled: ALTER TABLE ... DISABLE TRIGGER {TRIGGER_NAME}; then ENABLE it again), "
+        "then run sa-fence repair-sequence"
+    )
 
 
 def print_report(report: Report, shown_url: str, out: TextIO, *, strict: bool = False) -> int:
@@ -729,6 +892,14 @@ def plan_repair(
             f"issue tokens from, so repair-sequence leaves it alone (fix: {unfit.fix}; or name "
             "the token sequence with --sequence). Nothing was changed."
         )
+    if report.unreadable:
+        role = conn.execute(sa.text("SELECT current_user")).scalar_one()
+        raise LookupError(
+            f"role {role} may not read table(s) {', '.join(report.unreadable)} (no SELECT): "
+            "their fences are unknown, so how far to move the sequence is unknown. Run "
+            "repair-sequence as a role that may read every fenced table and move the "
+            "sequence (its owner, or the role your migrations run as). Nothing was changed."
+        )
     # After a failover or a restore the register can be ahead of the rows.
     max_register_token = report.max_register_token or 0
     base = max(report.max_fence, max_register_token)
@@ -739,6 +910,22 @@ def plan_repair(
         # value that no surviving row or register entry carries.
         base = max(base, report.last_value)
         names = _register_names(conn, sequence)
+    if base + margin > BIGINT_MAX:
+        past = _past_any_token(report, BIGINT_MAX - margin)
+        smaller = (
+            f" (a --margin of at most {BIGINT_MAX - base} fits, but leaves the sequence that "
+            "few tokens from its end)"
+            if base < BIGINT_MAX
+            else ""
+        )
+        raise LookupError(
+            f"cannot move sequence {sequence} to {base} + margin {margin}: that is past "
+            f"{BIGINT_MAX}, the largest value a bigint sequence holds{smaller}. The largest "
+            f"fence is {report.max_fence}, the largest registered token {max_register_token}"
+            + (f", the sequence's last value {report.last_value}" if after_failover else "")
+            + f"; {past}. Nothing was changed."
+        )
+    _refuse_without_rights(conn, sequence, after_failover and names > 0)
     return RepairPlan(
         sequence,
         report.last_value,
@@ -748,6 +935,33 @@ def plan_repair(
         after_failover=after_failover,
         register_names=names,
     )
+
+
+def _refuse_without_rights(conn: sa.Connection, sequence: str, fence_out: bool) -> None:
+    """Refuse, before asking, a repair this role could not carry out: setval needs UPDATE on
+    the sequence; fencing out the register, UPDATE on it (and USAGE, for nextval)."""
+    pinned = pinned_register(conn, sequence)
+    rights = conn.execute(
+        sa.text(
+            "SELECT current_user AS role, has_sequence_privilege(to_regclass(:seq), 'UPDATE') "
+            "AS can_set, has_sequence_privilege(to_regclass(:seq), 'USAGE') AS can_draw, "
+            "coalesce(has_table_privilege(to_regclass(:register), 'UPDATE'), true) AS can_update"
+        ),
+        {"seq": pinned.sequence_sql, "register": pinned.table_sql},
+    ).one()
+    shown, role = Register(sequence), _ident(rights.role)
+    grants = [] if rights.can_set else [f"GRANT UPDATE ON SEQUENCE {shown.sequence_sql} TO {role};"]
+    if fence_out and not rights.can_draw:
+        grants.append(f"GRANT USAGE ON SEQUENCE {shown.sequence_sql} TO {role};")
+    if fence_out and not rights.can_update:
+        grants.append(f"GRANT UPDATE ON {shown.table_sql} TO {role};")
+    if grants:
+        raise LookupError(
+            f"role {rights.role} may not move sequence {sequence}"
+            + (" or give the register's names new tokens" if fence_out else "")
+            + ": run repair-sequence as the sequence's owner (the role your migrations run "
+            "as), or: " + " ".join(grants) + " Nothing was changed."
+        )
 
 
 def _register_names(conn: sa.Connection, sequence: str) -> int:
@@ -824,6 +1038,7 @@ def run_check(
             strict=strict,
         ),
         app_dir=app_dir,
+        command="sa-fence check",
     )
 
 
@@ -865,15 +1080,23 @@ def run_repair(
             return EXIT_OK
         fence_out = plan.after_failover and plan.register_names > 0
         if not yes:
-            answer = confirm(
-                f"Move {sequence} from {plan.last_value} to {plan.target}"
-                + (
-                    f" and fence out the {plan.register_names} lease name(s) of the register"
-                    if fence_out
-                    else ""
+            try:
+                answer = confirm(
+                    f"Move {sequence} from {plan.last_value} to {plan.target}"
+                    + (
+                        f" and fence out the {plan.register_names} lease name(s) of the register"
+                        if fence_out
+                        else ""
+                    )
+                    + "? Stop the workers first. [y/N] "
                 )
-                + "? Stop the workers first. [y/N] "
-            )
+            except EOFError:  # no answer (stdin closed: a script, CI): no
+                print(
+                    "\nAborted: no answer (end of input); nothing changed. Run with --yes to "
+                    "move the sequence without asking.",
+                    file=out,
+                )
+                return EXIT_FINDINGS
             if answer.strip().lower() not in ("y", "yes"):
                 print("Aborted: nothing changed.", file=out)
                 return EXIT_FINDINGS
@@ -883,7 +1106,9 @@ def run_repair(
         _print_moved(sequence, value, now if fence_out else None, out)
         return EXIT_OK
 
-    return with_connection(url, metadata_spec, err, go, app_dir=app_dir)
+    return with_connection(
+        url, metadata_spec, err, go, app_dir=app_dir, command="sa-fence repair-sequence"
+    )
 
 
 def _print_plan(plan: RepairPlan, margin: int, out: TextIO) -> None:
@@ -935,8 +1160,11 @@ def with_connection(
     body: Callable[[sa.Connection, sa.MetaData | None], int],
     *,
     app_dir: str = ".",
+    command: str = "sa-fence",
 ) -> int:
-    command = "sa-fence"
+    """Connect to ``url`` and run ``body``; returns its exit status, or the tools' own for a
+    bad URL or metadata (2), an unreachable database (3), or a statement the server refused
+    (1: one line naming the statement and the server's message, no traceback)."""
     try:
         parsed = sa.make_url(url)
     except sa.exc.ArgumentError:
@@ -982,9 +1210,33 @@ def with_connection(
             )
             return EXIT_UNREACHABLE
         with conn:
-            return body(conn, metadata)
+            try:
+                return body(conn, metadata)
+            except sa.exc.DBAPIError as exc:
+                print(f"{command}: {refused(exc)}", file=err)
+                return EXIT_UNREACHABLE if exc.connection_invalidated else EXIT_FINDINGS
     finally:
         engine.dispose()
+
+
+#: SQLSTATE insufficient_privilege ("permission denied for ...")
+_NO_PRIVILEGE = "42501"
+
+
+def refused(exc: sa.exc.DBAPIError, doing: str | None = None, fix: str | None = None) -> str:
+    """One line for a statement the server refused: what was being done (``doing``, else the
+    statement's start), the server's message, and the fix (``fix``; for a missing right, run
+    as a role that has it)."""
+    if doing is None:
+        first = (exc.statement or "").strip().splitlines() or ["a statement"]
+        doing = "running " + (first[0] if len(first[0]) <= 80 else first[0][:77] + "...")
+    line = f"{doing} failed: {_first_line(exc)}"
+    if fix is None and getattr(exc.orig, "sqlstate", None) == _NO_PRIVILEGE:
+        fix = (
+            "run the command as a role with the rights it needs (the owner of the objects, "
+            "or the role your migrations run as), or GRANT them to this one"
+        )
+    return line + (f". Fix: {fix}" if fix else "")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -413,7 +413,7 @@ def _repair_parser(commands: Any, blocks: _Blocks) -> None:
         description="After a restore from backup or the promotion of a logical replica the "
         "token sequence can be behind the fences on the rows. This moves it to the largest "
         "fence of every fenced table plus --margin (never backwards), after asking. Stop "
-        "the workers first. Exit status: 0 moved or nothing to do, 1 aborted or no "
+        "the workers first. Exit status: 0 moved or nothing to do, 1 aborted, refused or no "
         "sequence, 2 bad argument, 3 database unreachable.",
         parents=[blocks.url, blocks.sequence, blocks.models],
     )

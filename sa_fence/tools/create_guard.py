@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
+
+import sqlalchemy as sa
 
 from .._create_guard import create_fence_guard, shown_table
 from .._guard import TRIGGER_NAME
-from .check import EXIT_FINDINGS, EXIT_OK, hidden_password, with_connection
-
-if TYPE_CHECKING:
-    import sqlalchemy as sa
+from .check import EXIT_FINDINGS, EXIT_OK, hidden_password, refused, with_connection
 
 
 def run(
@@ -30,6 +29,7 @@ def run(
     """
 
     def body(conn: sa.Connection, _: object) -> int:
+        table = tables[0]
         try:
             with conn.begin():
                 for table in tables:
@@ -44,6 +44,20 @@ def run(
         except ValueError as exc:
             print(f"sa-fence create-guard: {exc}. Nothing was created.", file=err)
             return EXIT_FINDINGS
+        except sa.exc.DBAPIError as exc:
+            shown = shown_table(table, schema)
+            fix = None
+            if getattr(exc.orig, "sqlstate", None) == "42501":  # insufficient_privilege
+                fix = (
+                    f"run create-guard as the owner of {shown} (the role your migrations run "
+                    "as): the guard's function is created in the table's schema and its "
+                    "trigger replaced on the table"
+                )
+            doing = f"creating the guard of table {shown}"
+            print(
+                f"sa-fence create-guard: {refused(exc, doing, fix)}. Nothing was created.", file=err
+            )
+            return EXIT_FINDINGS
         for table in tables:
             print(
                 f"created guard trigger {TRIGGER_NAME} on {shown_table(table, schema)} "
@@ -53,4 +67,4 @@ def run(
             )
         return EXIT_OK
 
-    return with_connection(url, None, err, body)
+    return with_connection(url, None, err, body, command="sa-fence create-guard")

@@ -97,6 +97,6 @@ def run(
         return EXIT_OK
 
     try:
-        return with_connection(url, None, err, body)
+        return with_connection(url, None, err, body, command="sa-fence prune")
     finally:
         client.close()

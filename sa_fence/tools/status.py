@@ -279,6 +279,7 @@ def run(
                 redis_url=redis_url,
                 err=err,
             ),
+            command="sa-fence status",
         )
     finally:
         client.close()
