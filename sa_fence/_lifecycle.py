@@ -21,7 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from . import _protocol as proto
 from . import _telemetry
-from ._failures import FAILOVER, OUTAGE, FailureBudget, cause_text, classify_redis
+from ._failures import FAILOVER, OUTAGE, SETUP, FailureBudget, cause_text, classify_redis
 from ._flush import Marks
 from ._guard import check_name
 from ._lease_view import FencerView
@@ -101,6 +101,11 @@ def acquire(
         # failed, or cancelled at an await: whatever we may have set goes
         values = [owner] if token is None else [proto.confirmed_value(owner, token), owner]
         f._io(f._release_quietly(key, values))
+        if token is not None and isinstance(exc, Exception):
+            # the CONFIRM failed (its outcome unknown): the token is never handed out, so the
+            # register goes back, as when CONFIRM finds the lease lost (compare-and-set: a
+            # newer grant stays); kept, it would refuse a live holder's commits
+            tokens.withdraw(name, token)
         raise
     if int(remaining) < 0:
         # lost before the token was confirmed, so never used: the register goes back
@@ -213,6 +218,13 @@ def renew(lease: Any) -> float | None:
             outcome = "extended" if int(reply) else "not-ours"
         except REDIS_ERRORS as exc:  # timeouts, a read-only replica, a failover...
             failure = classify_redis(exc)
+            if failure.kind == SETUP:  # (an ACL without PEXPIRE...): no resend would pass
+                lose(
+                    lease,
+                    f"lease {lease.name!r} (token {lease.token}) could not be renewed: "
+                    f"{failure.text} Stop the work: the lease runs out at its TTL.",
+                )
+                return None
             log.warning(
                 "renewal of lease %r failed (%s)%s; retrying until its local validity runs out",
                 lease.name,

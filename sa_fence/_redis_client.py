@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import socket
+import ssl
 from typing import Any
 
 import redis as redis_lib
@@ -134,15 +135,38 @@ def probe_speaks(host: str, port: int, timeout: float = 0.5) -> str | None:
         with socket.create_connection((host, port), timeout=timeout) as sock:
             sock.sendall(b"PING\r\n")
             data = sock.recv(16)
-    except ConnectionResetError:
-        return "tls"
+    except ConnectionResetError:  # a TLS port (Redis resets), or a proxy cut off from Redis
+        return "tls" if _answers_tls(host, port, timeout) else None
     except OSError:
         return None
-    if not data or data[:1] in (b"\x15", b"\x16"):
+    if data[:1] in (b"\x15", b"\x16"):
         return "tls"
+    if not data:
+        return "tls" if _answers_tls(host, port, timeout) else None
     if data[:1] in (b"+", b"-"):
         return "plain"
     return None
+
+
+def _answers_tls(host: str, port: int, timeout: float) -> bool:
+    """Whether the server answers a TLS handshake (even with an alert: a client certificate
+    wanted): told apart from a connection merely reset or closed, which a proxy or load
+    balancer whose Redis is gone does as a TLS port does to plain bytes."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection((host, port), timeout=timeout) as raw,
+            context.wrap_socket(raw, server_hostname=host),
+        ):
+            return True
+    except ssl.SSLEOFError:  # closed before any TLS record came back
+        return False
+    except ssl.SSLError:  # a TLS alert: the server speaks TLS
+        return True
+    except OSError:
+        return False
 
 
 def redis_error(

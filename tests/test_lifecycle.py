@@ -432,6 +432,50 @@ def proxied(
     return make
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("withdraw", [True, False], ids=["withdrawn", "without-the-withdrawal"])
+async def test_a_confirm_that_gets_no_answer_withdraws_its_token_from_the_register(
+    front: Any,
+    kin: Callable[..., Any],
+    proxy: TcpProxy,
+    fencer: sa_fence.Fencer,
+    redis_client: redis.Redis,
+    engine: sa.Engine,
+    make_session: sessionmaker[Session],
+    monkeypatch: pytest.MonkeyPatch,
+    withdraw: bool,
+) -> None:
+    """A's key ends and B is granted the name before A draws its (larger) token; then A's
+    Redis stops answering, so A's CONFIRM fails with its outcome unknown. The token was
+    never handed out: kept in the register, it refused every commit of B, the live holder."""
+    from tests.test_confirm_withdraw import LostBeforeConfirm, commit_a_job, register_token
+
+    a = kin(proxy.port, socket_timeout=0.5)
+    load_scripts(a, redis_client)
+
+    class HeldAtConfirm(LostBeforeConfirm):
+        def end(self, key: str, name: str) -> None:
+            super().end(key, name)
+            proxy.hold()  # A's connection to Redis: no answer from now on
+
+    seam = HeldAtConfirm(a, fencer, redis_client, taken_over=True, monkeypatch=monkeypatch)
+    if not withdraw:
+        monkeypatch.setattr(a._tokens, "withdraw", lambda name, token: None)
+    with pytest.raises(sa_fence.LeaseBackendError, match="confirm"):
+        await io(a.acquire("job:1", 5))
+    proxy.heal()
+    b = seam.b
+    assert b is not None
+    if withdraw:
+        assert register_token(engine, "job:1") == b.token
+        commit_a_job(b, make_session)  # the live holder is not fenced out
+    else:  # the pair: the unused token stays, and fences the live holder out
+        assert register_token(engine, "job:1") == b.token + 1
+        with pytest.raises(sa_fence.StaleTokenError, match="commit refused"):
+            commit_a_job(b, make_session)
+    b.release()
+
+
 async def test_an_acquire_whose_reply_was_lost_is_retried_and_recognised_as_ours(
     front: Any,
     proxied: Callable[[], Any],

@@ -336,6 +336,39 @@ def test_a_forked_child_starts_with_no_renewals_of_its_parents_leases(
         assert lease.release()
 
 
+def test_a_renewal_the_acl_refuses_loses_the_lease_at_once_naming_the_acl(
+    engine: sa.Engine, key_prefix: str
+) -> None:
+    """A set-up mistake (an ACL user without PEXPIRE) is not an outage: no resend passes it.
+    It was resent until the lease's validity ran out, then lost "paused, or Redis did not
+    answer"."""
+    from tests._redis_server import private_redis
+    from tests.models import SEQUENCE
+
+    with private_redis() as server:
+        admin = server.client(socket_timeout=2)
+        admin.execute_command(
+            "ACL", "SETUSER", "no_pexpire", "on", ">pw", "~*", "+@all", "-pexpire"
+        )
+        user = redis.Redis(port=server.port, username="no_pexpire", password="pw", socket_timeout=2)
+        fencer = sa_fence.Fencer(user, engine, sequence=SEQUENCE, key_prefix=key_prefix)
+        lost = threading.Event()
+        reasons: list[str | None] = []
+
+        def on_lost(lease: sa_fence.Lease) -> None:
+            reasons.append(lease.lost_reason)
+            lost.set()
+
+        lease = fencer.acquire("job:acl", 3, renew=True, on_lost=on_lost)  # renewed at 2 s
+        assert lost.wait(10)
+        assert lease.lost
+        assert reasons[0] is not None
+        assert "could not be renewed" in reasons[0]
+        assert "ACL" in reasons[0]  # (not "paused, or Redis did not answer")
+        user.close()
+        admin.close()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_leaving_the_parents_lease_block_does_not_release_it(
     fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str

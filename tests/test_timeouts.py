@@ -36,8 +36,10 @@ from sa_fence._failures import (
     classify_postgres,
     classify_redis,
 )
+from sa_fence._redis_client import probe_speaks
 from tests._fresh_db import fresh_database
 from tests._redis_server import RedisServer, free_port, private_redis
+from tests._tools import missing
 from tests.models import SEQUENCE
 from tests.topologies._servers import servers, wait_until
 
@@ -186,6 +188,54 @@ def test_a_connection_lost_on_a_tls_mismatch_is_a_set_up_mistake(
     probe of what the server speaks tells that apart from an outage."""
     error = redis.exceptions.ConnectionError("Connection closed by server.")
     assert classify_redis(error, speaks=speaks, tls=tls).kind == kind
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A private redis-server that speaks only TLS (a self-signed certificate): its port."""
+    import shutil
+    import subprocess
+
+    openssl, binary = shutil.which("openssl"), shutil.which("redis-server")
+    if openssl is None or binary is None:
+        missing("openssl and redis-server are needed", "apt-get install openssl redis-server")
+    where = tmp_path_factory.mktemp("tls")
+    cert, key = str(where / "cert.pem"), str(where / "key.pem")
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out",
+         cert, "-days", "1", "-subj", "/CN=localhost"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", "0", "--tls-port", str(port), "--tls-cert-file", cert,
+         "--tls-key-file", key, "--tls-ca-cert-file", cert, "--tls-auth-clients", "no",
+         "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: probe_speaks("127.0.0.1", port) is not None, 10, "the TLS port")
+        yield port
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_the_probe_tells_a_tls_port_from_a_connection_a_proxy_resets(
+    tls_redis: int, redis_client: redis.Redis
+) -> None:
+    """A TLS port resets plain bytes, and so does a proxy cut off from its Redis: only a
+    TLS handshake tells them apart (a reset alone read as TLS made an outage a set-up
+    mistake, never retried, saying to use rediss://)."""
+    from tests._tcp_proxy import TcpProxy
+
+    assert probe_speaks("127.0.0.1", tls_redis) == "tls"
+    host = redis_client.connection_pool.connection_kwargs
+    upstream = (str(host.get("host", "127.0.0.1")), int(host.get("port", 6379)))
+    with TcpProxy(upstream) as proxy:
+        assert probe_speaks("127.0.0.1", proxy.port) == "plain"
+        proxy.cut()
+        assert probe_speaks("127.0.0.1", proxy.port) is None
 
 
 @pytest.mark.parametrize(
