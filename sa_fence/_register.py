@@ -147,7 +147,8 @@ def pinned_register(conn: Any, sequence: str) -> Register:
 # (docs/reliability.md).  `commit_mode` skips the commit's WAL flush only when the flush position
 # has reached the WAL insert position read after the draw, so the record that makes the token
 # durable is on disk, and never with synchronous standbys (docs/guarantees.md, "A PostgreSQL
-# crash", says why that is enough).
+# crash", says why that is enough); with them, 'local' is raised to 'on' for the grant, which
+# then waits for the standbys as the docs promise (a promoted standby has every grant).
 _GRANT_SQL = """\
 WITH drawn AS (
     SELECT pg_catalog.nextval(s.seqrelid) AS token,
@@ -165,6 +166,9 @@ WITH drawn AS (
                  AND pg_catalog.pg_current_wal_flush_lsn()
                      >= pg_catalog.pg_current_wal_insert_lsn()
                 THEN pg_catalog.set_config('synchronous_commit', 'off', true) IS NULL
+                WHEN drawn.synchronous_commit = 'local'
+                 AND pg_catalog.current_setting('synchronous_standby_names') <> ''
+                THEN pg_catalog.set_config('synchronous_commit', 'on', true) IS NOT NULL
                 ELSE true END AS flushed
       FROM drawn
 ), granted AS (

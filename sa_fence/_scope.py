@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from psycopg import AsyncCursor, errors, generators
 from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.sql import Composable
-from sqlalchemy.exc import DBAPIError, MissingGreenlet
+from sqlalchemy.exc import MissingGreenlet
 
 from . import _guard, _telemetry
 from ._guard import lease_error_from_check
@@ -669,9 +669,10 @@ def _commit_in_scope(conn: Connection, dbapi_conn: Any, scope: dict[Any, Lease])
         stale = lease_error_from_check(exc, scope)
         if stale is not None:
             raise stale from None
-        raise DBAPIError.instance(
-            "COMMIT", None, exc, dialect.loaded_dbapi.Error, dialect=dialect
-        ) from exc
+        # as SQLAlchemy's own commit step: a lost connection is told apart and invalidated
+        # (not handed back to the pool), and handle_error listeners see it
+        conn._handle_dbapi_exception(exc, None, None, None, None)
+        raise  # (it always raises)
     except BaseException:
         _invalidate(conn)
         raise

@@ -275,6 +275,32 @@ def test_a_promoted_synchronous_replica_has_every_acknowledged_grant_and_needs_n
         assert sequence_findings(replica) == []  # nothing to repair
 
 
+def test_a_grant_waits_for_the_synchronous_replica_under_synchronous_commit_local(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """synchronous_commit = 'local' (a database's or role's setting) commits without waiting
+    for the standbys: a grant returned while the replica had nothing, and promotion handed
+    its token out again. The grant raises it to 'on' for itself."""
+    with primary_and_replica(synchronous=True) as (primary, _replica, proxy):
+        primary.sql(f"ALTER DATABASE {DB} SET synchronous_commit = local")
+        with fencer_on(primary, redis_client, key_prefix) as (fencer, _engine):
+            fencer.check()
+            proxy.hold()
+            outcome: list[Any] = []
+            waiting = threading.Thread(
+                target=lambda: outcome.append(_acquire_or_error(fencer, "job:1")), daemon=True
+            )
+            waiting.start()
+            waiting.join(timeout=1.0)
+            assert waiting.is_alive()  # waiting for the standby, not returned
+            assert outcome == []
+            proxy.heal()
+            waiting.join(timeout=60)
+            assert len(outcome) == 1
+            assert isinstance(outcome[0], sa_fence.Lease)
+            outcome[0].release()
+
+
 def test_a_cancelled_wait_for_the_synchronous_replica_hands_out_a_token_promotion_repeats(
     redis_client: redis.Redis, key_prefix: str
 ) -> None:

@@ -2320,3 +2320,33 @@ async def _async_write_then_superseded_is_refused(
         await session.commit()
     await session.rollback()
     return b
+
+
+# ------------------------------------------- a connection lost at COMMIT
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["plain", "bound"])
+def test_a_connection_lost_at_commit_is_invalidated_as_sqlalchemy_does(
+    scope_engine: sa.Engine, fencer: sa_fence.Fencer, bound: bool
+) -> None:
+    """The server process ends (a failover, an admin, an OOM kill) before the COMMIT: the
+    error says the connection was invalidated and the pool never hands it out again. The
+    bound session's COMMIT went through lease scope's own step, which handed it back."""
+    own = sa.create_engine(scope_engine.url)  # a pool of its own: the next session takes its one
+    make = sa_fence.install(sessionmaker(own))
+    with fencer.lease("job:lost", 30) as lease:
+        with make() as session:
+            if bound:
+                lease.bind(session)
+            session.execute(sa.text("INSERT INTO outbox VALUES (1, 'lost with the connection')"))
+            pid = session.connection().exec_driver_sql("SELECT pg_backend_pid()").scalar()
+            with scope_engine.connect() as admin:  # (it returns at once: wait until it is gone)
+                admin.execute(sa.text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": pid})
+            with pytest.raises(sa.exc.OperationalError) as lost:
+                session.commit()
+            assert lost.value.connection_invalidated
+        with make() as session:  # the next unit of work on the same engine
+            if bound:
+                lease.bind(session)
+            assert session.execute(sa.text("SELECT 'works'")).scalar() == "works"
+    own.dispose()
