@@ -148,6 +148,14 @@ def token_error(
             "check holds the row until its COMMIT ends). Nothing was granted; try again. "
             "If this repeats, a holder's connection is stuck mid-commit."
         )
+    elif sqlstate == "57014":  # query_canceled: statement_timeout, or pg_cancel_backend
+        detail = (
+            f"the grant's statement was cancelled ({cause}): a statement_timeout shorter than "
+            f"the grant's lock_timeout ({lock_timeout_ms} ms) ends its wait for the lease "
+            f"register row of {name!r} (held by a transaction committing under an older lease), "
+            "and an administrator's pg_cancel_backend ends it too. Nothing was granted; try "
+            "again. Give the Fencer's engine no statement_timeout, or one above lock_timeout."
+        )
     elif kind == _failures.SETUP and problem is not None:
         register = Register(sequence)
         fix = _failures.postgres_setup_fix(

@@ -75,6 +75,25 @@ def test_a_grant_waits_a_bounded_time_for_a_committing_holder_and_says_what_it_w
         waiting.acquire("job:1", 5).release()  # and the name can be granted again
 
 
+def test_a_grant_cancelled_by_statement_timeout_says_so_not_that_postgresql_is_down(
+    engine: sa.Engine,
+    committing_holder: psycopg.Connection,
+    redis_client: redis.Redis,
+    key_prefix: str,
+) -> None:
+    timed = sa.create_engine(engine.url, connect_args={"options": "-c statement_timeout=300"})
+    try:
+        waiting = sa_fence.Fencer(redis_client, timed, key_prefix=key_prefix)
+        time.sleep(0.4)  # the holder's lease (TTL 200 ms) runs out in Redis
+        with pytest.raises(sa_fence.LeaseBackendError, match="statement was cancelled") as err:
+            waiting.acquire("job:1", 5)
+        assert "could not be reached" not in str(err.value)
+        assert keys(redis_client, key_prefix) == []  # nothing left behind in Redis
+        waiting.close()
+    finally:
+        timed.dispose()
+
+
 def test_a_paused_holders_open_transaction_does_not_hold_back_a_newer_grant(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
