@@ -470,7 +470,7 @@ class _Fenced:
         try:
             if joined:
                 return (yield body())
-            if how != _FACTORY and previous is not None:
+            if how != _FACTORY and previous is not None and not previous.released:
                 return (yield from self.joined_under(body, frame.lease, previous, session))
             frame.lease.bind(session)
             if not self.is_async:

@@ -493,6 +493,20 @@ def test_a_fenced_call_on_a_session_the_caller_bound_joins_the_callers_transacti
     assert job(engine, 37)[0] == "job"  # type: ignore[index]
 
 
+def test_a_fenced_call_on_a_session_whose_bound_lease_was_released_commits_on_its_own(
+    make_session: sessionmaker[Session], fencer: sa_fence.Fencer, engine: sa.Engine
+) -> None:
+    """A lease bound earlier and released since (its work committed) is no unit of work to
+    join: the call commits, as on a session with no lease bound."""
+    with make_session() as session:
+        with fencer.lease("batch:7", 30) as lease:
+            lease.bind(session)
+            session.add(Job(id=38, result="earlier"))
+            session.commit()
+        Batches(session, fencer).finish(39)
+        assert job(engine, 39) is not None  # committed by the call itself
+
+
 async def test_an_async_nested_call_on_another_name_leaves_a_stale_outer_refused(
     make_async_session: async_sessionmaker[AsyncSession],
     afencer: sa_fence.AsyncFencer,
