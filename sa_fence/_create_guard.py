@@ -33,6 +33,12 @@ _COLUMN_SQL = sa.text(
 )
 
 
+def ddl(statement: str) -> sa.TextClause:
+    """``statement`` as ``text()`` with no bind parameters: a name holding `` :word`` (legal
+    quoted) would otherwise be read as one, and offline SQL would carry ``%(word)s``."""
+    return sa.text(statement.replace(":", "\\:"))
+
+
 def shown_table(table: str, schema: str | None) -> str:
     return f"{schema}.{table}" if schema else table
 
@@ -163,7 +169,7 @@ def create_fence_guard(
         check_column(conn, name, col, schema, create, hint)
         check_sequence(conn, sequence, "sa_fence.fence_sequence(Base.metadata) before create_all()")
         for statement in statements:
-            conn.execute(sa.text(statement))  # as op.execute() runs a string
+            conn.execute(ddl(statement))  # as op.execute() runs it
 
 
 def drop_fence_guard(
@@ -177,4 +183,4 @@ def drop_fence_guard(
     statements = drop_guard_sql(name, schema=schema)
     with begin as conn:
         for statement in statements:
-            conn.execute(sa.text(statement))
+            conn.execute(ddl(statement))

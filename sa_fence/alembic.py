@@ -28,7 +28,7 @@ from alembic.operations import ops as alembic_ops
 from alembic.util import DispatchPriority, PriorityDispatchResult
 from sqlalchemy.schema import CreateSequence, DropSequence
 
-from ._create_guard import check_column, check_sequence, shown_table
+from ._create_guard import check_column, check_sequence, ddl, shown_table
 from ._fitness import CHECK_FUNCTION_SQL, SEQUENCE_SQL, register_op_args
 from ._guard import (
     GUARD_STATE_SQL,
@@ -118,7 +118,7 @@ class _FenceOp(MigrateOperation):
 
     def _run(self, operations: Operations) -> None:
         for statement in self._statements(operations):
-            operations.execute(statement)
+            operations.execute(ddl(statement) if isinstance(statement, str) else statement)
 
     def _render_args(self) -> str:
         """The op's arguments as autogenerate writes them into a revision."""

@@ -362,3 +362,31 @@ def test_create_guard_on_a_partition_is_refused_naming_its_partitioned_table(
         "onto every partition and fires for writes to each. Nothing was created."
     )
     assert triggers(created) == guarded  # cells got none: one transaction
+
+
+def test_a_table_whose_name_holds_a_colon_word_is_guarded_online_and_offline(
+    created: sa.Engine,
+) -> None:
+    """`` :x`` in a quoted name is legal SQL, and SQLAlchemy's text() reads it as a bind
+    parameter: the guard's DDL failed ("a value is required for bind parameter 'x'"), and
+    offline SQL carried ``%(x)s`` in its place."""
+    import io
+
+    from alembic.migration import MigrationContext
+    from alembic.operations import Operations
+
+    import sa_fence.alembic
+
+    with created.begin() as conn:
+        conn.exec_driver_sql('CREATE TABLE "job :x" (id int PRIMARY KEY, fence bigint)')
+    sa_fence.create_fence_guard(created, "job :x")
+    assert triggers(created) == {'"job :x"'}
+    out = io.StringIO()
+    offline = MigrationContext.configure(
+        dialect_name="postgresql", opts={"as_sql": True, "output_buffer": out}
+    )
+    Operations(offline).create_fence_guard("job :x")
+    assert 'ON "job :x"' in out.getvalue()
+    assert "%(x)s" not in out.getvalue()
+    sa_fence.drop_fence_guard(created, "job :x")
+    assert triggers(created) == set()

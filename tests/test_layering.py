@@ -233,8 +233,9 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: was a "TLS" set-up mistake), and a renewal the ACL refuses loses the lease at once;
 #: and by 5 for a fourth's (PostgreSQL faults): a grant raises synchronous_commit 'local' to
 #: 'on' with synchronous standbys, and a COMMIT that lost its connection invalidates it;
-#: +8 so that a grant cancelled by statement_timeout says so (it read "unreachable").
-CORE_LINES_AT_MOST = 10190
+#: +8 so that a grant cancelled by statement_timeout says so (it read "unreachable"); +6 so
+#: that the guard ops' DDL carries no bind parameters (a quoted name holding " :x" failed).
+CORE_LINES_AT_MOST = 10196
 
 
 def test_the_core_stays_within_its_line_budget() -> None:
