@@ -471,6 +471,8 @@ class _Fenced:
             if joined:
                 return (yield body())
             if how != _FACTORY and previous is not None and not previous.released:
+                if self.is_async and self.options.cancel_on_lost is not False:
+                    body = functools.partial(_cancelled_on_loss, body, frame.lease)
                 return (yield from self.joined_under(body, frame.lease, previous, session))
             frame.lease.bind(session)
             if not self.is_async:
@@ -626,7 +628,10 @@ def fenced(
 
     On return the session is committed, or rolled back with :class:`~sa_fence.LeaseLostError` if
     the lease was lost meanwhile; if the body raises, it is rolled back.  A nested call on the
-    same name and Fencer reuses the held lease.  On an ``async def``: an
+    same name and Fencer reuses the held lease.  A call on a session another held lease is bound
+    to (a nested call on another name) joins that unit of work: it neither commits nor rolls
+    back, and if its body raises, the exception reaches the outer code, whose rollback undoes
+    its writes (caught and committed, they commit).  On an ``async def``: an
     :class:`~sa_fence.AsyncFencer` and the asyncio sessions, and ``cancel_on_lost`` (default
     True) cancels the body when the lease is lost. Bad arguments raise
     ``TypeError``/``ValueError`` at decoration time.  The wrapper keeps the function's

@@ -1309,6 +1309,8 @@ def bind_lease(session: Session | scoped_session[Any], lease: Lease) -> None:
         _refuse_confusable(conn, state, lease)
         _refuse_unscoped(session, conn)
     previous, state.lease = state.lease, lease
+    if previous is not lease:  # the token presented to guards so far may be another's
+        state.presented_in = None
     try:
         for conn in state.connections:  # bound mid-transaction: the COMMIT checks it too
             _scope.enter_scope(conn, lease)

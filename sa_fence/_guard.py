@@ -281,7 +281,8 @@ def create_guard_sql(
         shadowed="false"
         if seq_schema
         else "pg_catalog.pg_my_temp_schema() <> 0 AND pg_catalog.to_regclass("
-        f"{quote_literal('pg_temp.' + quote_ident(seq_name))}) IS NOT NULL",
+        f"{quote_literal('pg_temp.' + quote_ident(seq_name))}) = pg_catalog.to_regclass("
+        f"{quote_literal(sequence_sql)})",
         temp_literal=quote_literal("pg_temp." + quote_ident(seq_name)),
         column=quote_ident(column),
         column_text=column.replace("'", "''"),

@@ -161,10 +161,8 @@ def _answers_tls(host: str, port: int, timeout: float) -> bool:
             context.wrap_socket(raw, server_hostname=host),
         ):
             return True
-    except ssl.SSLEOFError:  # closed before any TLS record came back
-        return False
-    except ssl.SSLError:  # a TLS alert: the server speaks TLS
-        return True
+    except ssl.SSLError as exc:  # a TLS alert: the server speaks TLS (a plain server's text
+        return "ALERT" in str(exc.reason or "")  # is WRONG_VERSION_NUMBER; EOF: no record)
     except OSError:
         return False
 

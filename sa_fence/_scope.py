@@ -222,6 +222,8 @@ def _arm(conn: Connection, lease: Lease) -> None:
     known = lease._scoped
     table = known[1] if known is not None and known[0] is conn.engine else _scope_table(conn, lease)
     row = _arm_row(lease.name, lease.token)
+    if psycopg3 and driver._num_transactions:  # (a psycopg transaction() block is open: the
+        _refuse_arm_in_psycopg_block(driver)  # arm would go apart; refused before any is kept)
     if hooked:
         attrs = driver.__dict__  # (`in` and [], not get(): no calls)
         owner = attrs[_ARMS_OWNER] if _ARMS_OWNER in attrs else None  # noqa: SIM401
@@ -242,8 +244,6 @@ def _arm(conn: Connection, lease: Lease) -> None:
     elif psycopg3 and not driver.autocommit and driver.info.transaction_status == _IDLE:
         return  # not begun: sent before its first statement (_rearm_if_ended)
     refuse_armed_autocommit(psycopg3 and driver.autocommit)  # (it would commit at once)
-    if psycopg3 and driver._num_transactions:  # (a psycopg transaction() block is open)
-        _refuse_arm_in_psycopg_block(driver)
     conn.__dict__[ARMED_APART] = True
     _run(conn, _arm_sql(table, [row]))
 

@@ -507,6 +507,27 @@ def test_a_fenced_call_on_a_session_whose_bound_lease_was_released_commits_on_it
         assert job(engine, 39) is not None  # committed by the call itself
 
 
+async def test_an_async_call_joined_on_another_name_is_cancelled_when_its_lease_is_lost(
+    make_async_session: async_sessionmaker[AsyncSession], afencer: sa_fence.AsyncFencer
+) -> None:
+    ran: list[str] = []
+
+    @sa_fence.fenced("job:{job_id}", ttl=30, fencer=afencer, session="session")
+    async def finish(session: AsyncSession, job_id: int) -> None:
+        sa_fence._lifecycle.lose(sa_fence.current_lease(), "lost for the test")
+        await asyncio.sleep(5)  # cancelled here (cancel_on_lost, the default)
+        ran.append("after the loss")
+
+    @sa_fence.fenced("batch:{batch_id}", ttl=30, fencer=afencer, session="session")
+    async def run(session: AsyncSession, batch_id: int) -> None:
+        await finish(session, batch_id)
+
+    async with make_async_session() as session:
+        with pytest.raises(sa_fence.LeaseLostError, match="lost for the test"):
+            await asyncio.wait_for(run(session, 7), timeout=4)
+    assert ran == []
+
+
 async def test_an_async_nested_call_on_another_name_leaves_a_stale_outer_refused(
     make_async_session: async_sessionmaker[AsyncSession],
     afencer: sa_fence.AsyncFencer,

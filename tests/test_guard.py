@@ -278,10 +278,17 @@ def test_a_temporary_sequence_named_as_the_token_sequence_does_not_stand_in_for_
         assert refused.sqlstate == _guard.STALE_SQLSTATE
         assert "is shadowed by a temporary sequence of this session" in str(refused)
     assert job_row(guarded) == ("B", 5)
+    with psql(guarded) as conn:  # a temporary sequence the search path puts last is not read
+        run_script(
+            conn,
+            f"SET search_path = public, pg_temp; {shadow} "
+            f"UPDATE jobs SET result = 'C', fence = {ISSUED - 1} WHERE id = 1",
+        )
+    assert job_row(guarded) == ("C", ISSUED - 1)
     with psql(guarded) as conn:  # the same session, its temporary sequence dropped
         run_script(conn, f"{shadow} DROP SEQUENCE pg_temp.sa_fence_token_seq;")
-        run_script(conn, f"UPDATE jobs SET result = 'C', fence = {ISSUED} WHERE id = 1")
-    assert job_row(guarded) == ("C", ISSUED)
+        run_script(conn, f"UPDATE jobs SET result = 'D', fence = {ISSUED} WHERE id = 1")
+    assert job_row(guarded) == ("D", ISSUED)
 
 
 def test_without_the_issued_check_a_raw_writer_locks_every_later_holder_out(
@@ -666,6 +673,30 @@ def test_a_token_presented_inside_a_savepoint_rolled_back_is_presented_again(
         session.execute(sa.text("UPDATE jobs SET result = 'A' WHERE id = 1"))
         session.commit()
     assert job_row(guarded) == ("A", lease.token)
+
+
+def test_raw_sql_after_another_lease_wrote_in_the_transaction_presents_its_own_token(
+    guarded: sa.Engine, fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
+) -> None:
+    """Lease b, bound in between (a nested call on another name), presented its token inside
+    its own statement; lease a, bound again, counted its own as still presented, and its next
+    raw write was compared with (and stamped with) b's token."""
+    insert_rows(guarded, fence=0)
+    with (
+        fencer.lease("job:a", 5) as a,
+        fencer.lease("job:b", 5) as b,
+        make_session() as session,
+    ):
+        a.bind(session)
+        session.execute(sa.text("UPDATE job_steps SET output = 'a1'"))
+        b.bind(session)
+        session.get_one(DemoJob, 1).result = "b"
+        session.flush()  # presents b's token inside its UPDATE's comparison
+        a.bind(session)
+        session.execute(sa.text("UPDATE job_steps SET output = 'a2'"))
+        session.commit()
+    with guarded.connect() as conn:
+        assert conn.execute(sa.text("SELECT fence FROM job_steps")).scalar_one() == a.token
 
 
 def test_raw_sql_given_its_columns_presents_the_token_as_text_does(

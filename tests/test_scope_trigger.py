@@ -1352,6 +1352,10 @@ def test_a_lease_bound_inside_psycopgs_transaction_block_is_refused(
                     a.bind(session)
                 assert _flush.state_for(session).lease is None
                 assert _arms_now(driver) == 0
+                kept = dict(driver.__dict__.get(_scope._ARMS, ()))  # no arm left to ride a
+                assert not any(  # later BEGIN (a COMMIT sent as SQL next) for a lease refused
+                    _scope._arm_row(a.name, a.token) in rows for rows in kept.values()
+                )
             else:
                 a.bind(session)
                 assert _arms_now(driver) == 1

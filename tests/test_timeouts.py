@@ -26,6 +26,7 @@ from redis.sentinel import Sentinel
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import sa_fence
+from sa_fence import _redis_client
 from sa_fence._failures import (
     BACKEND_BACKOFF,
     OUTAGE,
@@ -221,6 +222,26 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         proc.wait(timeout=10)
 
 
+def _text_endpoint() -> int:
+    """A port that answers whatever it gets with a line of text, as a plain server does to a
+    TLS ClientHello (``-ERR Protocol error``): the client's handshake fails with
+    WRONG_VERSION_NUMBER, no TLS alert. Serves one connection."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with server:
+            client, _ = server.accept()
+            with client:
+                client.recv(4096)
+                client.sendall(b"-ERR Protocol error: unbalanced quotes in request\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    return int(server.getsockname()[1])
+
+
 def test_the_probe_tells_a_tls_port_from_a_connection_a_proxy_resets(
     tls_redis: int, redis_client: redis.Redis
 ) -> None:
@@ -232,6 +253,10 @@ def test_the_probe_tells_a_tls_port_from_a_connection_a_proxy_resets(
     assert probe_speaks("127.0.0.1", tls_redis) == "tls"
     host = redis_client.connection_pool.connection_kwargs
     upstream = (str(host.get("host", "127.0.0.1")), int(host.get("port", 6379)))
+    # the handshake itself: a plain Redis answers the ClientHello with text (no TLS alert)
+    assert _redis_client._answers_tls("127.0.0.1", tls_redis, 0.5)
+    assert not _redis_client._answers_tls(upstream[0], upstream[1], 0.5)
+    assert not _redis_client._answers_tls("127.0.0.1", _text_endpoint(), 0.5)
     with TcpProxy(upstream) as proxy:
         assert probe_speaks("127.0.0.1", proxy.port) == "plain"
         proxy.cut()
