@@ -571,10 +571,18 @@ def before_bound_sql(conn: Connection, lease: Lease, sql: Any) -> bool:
     """Before SQL on a bound connection: re-arm, without the BEGIN hook, after a COMMIT sent as
     SQL; refuse SQL that leaves lease scope (in pipeline mode: that ends the transaction).
     Whether it rolls back an arm sent apart."""
-    driver: Any = driver_of(conn)
-    sql = sql if sql.__class__ is str else _sql_text(driver, sql)
-    leaves = might_leave_scope(sql) and _refuse_leaving_scope(sql)
-    if getattr(driver, "_pipeline", None) is not None:
+    sql = sql if sql.__class__ is str else _sql_text(driver_of(conn), sql)
+    lowered = sql.lower()  # might_leave_scope() inlined, and the pipeline's first look too
+    leaves = (";" in sql or "chain" in lowered or "rollback" in lowered) and (
+        _refuse_leaving_scope(sql)
+    )
+    if (  # a word that may end the transaction: is the driver in pipeline mode?
+        "commit" in lowered
+        or "end" in lowered
+        or "rollback" in lowered
+        or "abort" in lowered
+        or "prepare" in lowered
+    ) and getattr(driver_of(conn), "_pipeline", None) is not None:
         _refuse_ending_in_pipeline(sql)
     if not PSYCOPG_BEGIN_HOOK:  # (after a refusal: nothing is sent, not even an arm)
         enter_scope(conn, lease)
