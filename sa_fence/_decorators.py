@@ -651,13 +651,11 @@ def _decorate(options: _Options, fn: Callable[P, R]) -> Callable[P, Any]:
             "leave it out with exclude=[...])"
         )
     is_async = inspect.iscoroutinefunction(fn)
-    if not is_async and not inspect.isroutine(fn) and not isinstance(fn, type):
-        call = type(fn).__call__  # (fn is callable: checked above)
-        if inspect.iscoroutinefunction(call) or inspect.isasyncgenfunction(call):
-            raise TypeError(
-                f"@fenced cannot wrap {fn!r}: its __call__ is an async def, which a callable "
-                "object does not show as one. Decorate an async def (or the method) instead"
-            )
+    if not is_async and proto.calls_async(fn):  # (an object whose __call__ is an async def)
+        raise TypeError(
+            f"@fenced cannot wrap {fn!r}: its __call__ is an async def, which a callable "
+            "object does not show as one. Decorate an async def (or the method) instead"
+        )
     if options.cancel_on_lost is not None and not is_async:
         raise ValueError(
             f"cancel_on_lost applies only to an async def (a thread cannot be cancelled); "

@@ -363,15 +363,21 @@ def after_renewal(
     return RenewStep(at=now + wait_until(state.valid_until, now, BACKEND_BACKOFF, failures, rand))
 
 
+def calls_async(obj: object) -> bool:
+    """Whether calling ``obj`` only makes a coroutine or an async generator: an ``async def``
+    (a partial or a bound method of one too), or an object whose ``__call__`` is one."""
+    call = type(obj).__call__  # (obj is callable: checked before)
+    return any(test(f) for test in (inspect.iscoroutinefunction, inspect.isasyncgenfunction)
+               for f in (obj, call))  # fmt: skip
+
+
 def check_lease_options(renew: object, on_lost: object, fail_fast: object) -> None:
     """Validate acquire's ``renew``, ``on_lost`` and ``fail_fast`` (before any I/O)."""
     if not isinstance(renew, bool):
         raise TypeError(f"renew must be True or False, got {renew!r}")
     if on_lost is not None and not callable(on_lost):
         raise TypeError(f"on_lost must be a callable taking the lease, got {on_lost!r}")
-    if on_lost is not None and (
-        inspect.iscoroutinefunction(on_lost) or inspect.iscoroutinefunction(type(on_lost).__call__)
-    ):
+    if on_lost is not None and calls_async(on_lost):
         raise TypeError(
             f"on_lost must be a plain callable, not the async def {on_lost!r}: it is called once, "
             "never awaited, so its coroutine would not run. Pass a plain function; for async work, "
