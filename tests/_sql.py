@@ -34,3 +34,14 @@ def seed(fencer: sa_fence.Fencer, make_session: sessionmaker[Session], *objs: An
         session.add_all(objs)
         session.commit()
         return lease.token
+
+
+#: A fenced table partitioned on two levels (parted_b is itself partitioned), no guard yet.
+PARTITIONED_TABLES = (
+    "CREATE TABLE parted (id int PRIMARY KEY, fence bigint NOT NULL DEFAULT 0) "
+    "PARTITION BY RANGE (id)",
+    "CREATE TABLE parted_a PARTITION OF parted FOR VALUES FROM (0) TO (100)",
+    "CREATE TABLE parted_b PARTITION OF parted FOR VALUES FROM (100) TO (200) "
+    "PARTITION BY RANGE (id)",
+    "CREATE TABLE parted_b1 PARTITION OF parted_b FOR VALUES FROM (100) TO (200)",
+)

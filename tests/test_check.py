@@ -15,6 +15,7 @@ from sa_fence.tools import check as _check
 from sa_fence.tools import cli
 from sa_fence.tools.schema import upgrade_demo_schema
 from tests._fresh_db import fresh_database, url_of
+from tests._sql import PARTITIONED_TABLES
 
 
 @pytest.fixture
@@ -696,15 +697,7 @@ def test_check_names_a_guard_that_does_not_fire_for_ordinary_writers(
 @pytest.fixture
 def partitioned(migrated: sa.Engine) -> sa.Engine:
     """A partitioned fenced table (two levels) guarded on its parent, as PostgreSQL wants."""
-    execute(
-        migrated,
-        "CREATE TABLE parted (id int PRIMARY KEY, fence bigint NOT NULL DEFAULT 0) "
-        "PARTITION BY RANGE (id)",
-        "CREATE TABLE parted_a PARTITION OF parted FOR VALUES FROM (0) TO (100)",
-        "CREATE TABLE parted_b PARTITION OF parted FOR VALUES FROM (100) TO (200) "
-        "PARTITION BY RANGE (id)",
-        "CREATE TABLE parted_b1 PARTITION OF parted_b FOR VALUES FROM (100) TO (200)",
-    )
+    execute(migrated, *PARTITIONED_TABLES)
     sa_fence.create_fence_guard(migrated, "parted")
     return migrated
 

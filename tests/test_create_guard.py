@@ -17,6 +17,7 @@ from sa_fence import _flush
 from sa_fence.tools import check as _check
 from sa_fence.tools import cli
 from tests._fresh_db import fresh_database, url_of
+from tests._sql import PARTITIONED_TABLES
 from tests.models import Base, Cell, Job
 
 GUARDED = ("cells", "jobs")
@@ -335,14 +336,7 @@ def test_create_guard_on_a_partition_is_refused_naming_its_partitioned_table(
     of its own would fence it alone (before the parent has one), and replacing the clone
     fails with DependentObjectsStillExist.  Refused before anything is written."""
     with created.begin() as conn:
-        for ddl in (
-            "CREATE TABLE parted (id int PRIMARY KEY, fence bigint NOT NULL DEFAULT 0) "
-            "PARTITION BY RANGE (id)",
-            "CREATE TABLE parted_a PARTITION OF parted FOR VALUES FROM (0) TO (100)",
-            "CREATE TABLE parted_b PARTITION OF parted FOR VALUES FROM (100) TO (200) "
-            "PARTITION BY RANGE (id)",
-            "CREATE TABLE parted_b1 PARTITION OF parted_b FOR VALUES FROM (100) TO (200)",
-        ):
+        for ddl in PARTITIONED_TABLES:
             conn.execute(sa.text(ddl))
     refusal = "table 'parted_a' is a partition of parted: guard parted instead"
     with pytest.raises(ValueError, match=re.escape(refusal)):  # the parent has no guard yet
