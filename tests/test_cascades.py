@@ -157,3 +157,23 @@ def test_without_presenting_the_token_the_guard_refuses_the_current_holders_casc
             WRITES["core delete"](session)
         session.rollback()
     assert notes(db) != []
+
+
+async def test_an_async_sessions_cascade_is_fenced_as_a_sync_ones(
+    db: sa.Engine, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Through the greenlet, the same step: the current holder's cascade commits."""
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    adb = create_async_engine(db.url.set(drivername="postgresql+psycopg_async"))
+    try:
+        fencer = sa_fence.Fencer(redis_client, db, key_prefix=key_prefix)
+        with fencer.lease("later", 30) as lease:
+            async with AsyncSession(adb) as session:
+                sa_fence.install(session)
+                lease.bind(session)
+                await session.execute(sa.delete(Folder).where(Folder.id == 1))
+                await session.commit()
+        assert notes(db) == []
+    finally:
+        await adb.dispose()

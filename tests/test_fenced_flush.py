@@ -593,6 +593,32 @@ def test_dml_of_a_fenced_table_through_an_alias_or_in_a_cte_is_refused_before_it
     assert row(engine, 9) is None
 
 
+@pytest.mark.parametrize("bound", [True, False], ids=["bound", "no-lease"])
+@pytest.mark.parametrize("what", ["alias", "cte"])
+async def test_an_async_session_refuses_dml_through_an_alias_or_in_a_cte_too(
+    afencer: sa_fence.AsyncFencer,
+    make_async_session: Any,
+    engine: sa.Engine,
+    bound: bool,
+    what: str,
+) -> None:
+    """The same hooks, reached through the greenlet: nothing is sent."""
+    stmt = (
+        update(_aliased_job).where(_aliased_job.id == 1).values(result="A")
+        if what == "alias"
+        else sa.select(update(Job).where(Job.id == 1).values(result="A").returning(Job.id).cte())
+    )
+    refusal = sa_fence.FencingConfigError if bound else sa_fence.UnfencedWriteError
+    async with afencer.lease("job:1", 5) as lease, make_async_session() as session:
+        if bound:
+            lease.bind(session)
+        with pytest.raises(refusal, match="fenced table 'jobs'"):
+            await session.execute(stmt)
+        await session.rollback()
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(Job)).scalar_one() == 0
+
+
 @pytest.mark.parametrize("write", RUN_UNFENCED.values(), ids=RUN_UNFENCED.keys())
 def test_without_a_lease_dml_through_an_alias_or_in_a_cte_is_refused_and_unfenced_lets_it(
     fencer: sa_fence.Fencer,
