@@ -366,9 +366,8 @@ def after_renewal(
 def calls_async(obj: object) -> bool:
     """Whether calling ``obj`` only makes a coroutine or an async generator: an ``async def``
     (a partial or a bound method of one too), or an object whose ``__call__`` is one."""
-    call = type(obj).__call__  # (obj is callable: checked before)
-    return any(test(f) for test in (inspect.iscoroutinefunction, inspect.isasyncgenfunction)
-               for f in (obj, call))  # fmt: skip
+    tests, call = (inspect.iscoroutinefunction, inspect.isasyncgenfunction), type(obj).__call__
+    return any(test(f) for test in tests for f in (obj, call))
 
 
 def check_lease_options(renew: object, on_lost: object, fail_fast: object) -> None:

@@ -572,17 +572,13 @@ def before_bound_sql(conn: Connection, lease: Lease, sql: Any) -> bool:
     SQL; refuse SQL that leaves lease scope (in pipeline mode: that ends the transaction).
     Whether it rolls back an arm sent apart."""
     sql = sql if sql.__class__ is str else _sql_text(driver_of(conn), sql)
-    lowered = sql.lower()  # might_leave_scope() inlined, and the pipeline's first look too
-    leaves = (";" in sql or "chain" in lowered or "rollback" in lowered) and (
-        _refuse_leaving_scope(sql)
-    )
-    if (  # a word that may end the transaction: is the driver in pipeline mode?
-        "commit" in lowered
-        or "end" in lowered
-        or "rollback" in lowered
-        or "abort" in lowered
-        or "prepare" in lowered
-    ) and getattr(driver_of(conn), "_pipeline", None) is not None:
+    # might_leave_scope() inlined (no call per statement); and only SQL holding a word that may
+    # end the transaction (PREPARE TRANSACTION too) asks whether the driver is in pipeline mode
+    lowered = sql.lower()
+    rolls = "rollback" in lowered
+    leaves = (rolls or ";" in sql or "chain" in lowered) and _refuse_leaving_scope(sql)
+    ends = rolls or "commit" in lowered or "end" in lowered or "abort" in lowered
+    if (ends or "prepare" in lowered) and getattr(driver_of(conn), "_pipeline", None) is not None:
         _refuse_ending_in_pipeline(sql)
     if not PSYCOPG_BEGIN_HOOK:  # (after a refusal: nothing is sent, not even an arm)
         enter_scope(conn, lease)
