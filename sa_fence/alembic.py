@@ -747,11 +747,13 @@ def _compare_fencing(
     declared = next((m.tables[key] for m in metadatas if key in m.tables), None)
     if declared is not None:
         included = _included(autogen_context, declared)
-    else:
+    elif tables:
         included = autogen_context.run_name_filters(
             REGISTER_TABLE, "table", {"schema_name": register.schema}
         )
-    if not tables and not (declared is not None and included):
+    else:  # nothing fenced, no register: the project's hooks are not asked about a name of ours
+        return PriorityDispatchResult.CONTINUE
+    if not tables and not included:
         return PriorityDispatchResult.CONTINUE
     new_ops = list(_table_ops(autogen_context, upgrade_ops, tables, sequence))
     # The sequence first, then the register whose default draws from it (so the downgrade

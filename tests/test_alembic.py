@@ -1036,3 +1036,55 @@ def test_autogenerate_on_a_database_that_is_not_postgresql_adds_no_fencing_ops()
         assert not any(isinstance(op, fence_ops.CreateFenceGuardOp) for op in ops.ops)
     finally:
         engine.dispose()
+
+
+def test_autogenerate_without_fenced_tables_asks_the_projects_hooks_about_nothing_of_ours(
+    db: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A project that imports sa_fence.alembic but fences nothing (no lease bound, no fenced
+    table, no register): its include_name hook, which refuses any name its metadata does not
+    hold, is never asked about sa-fence's, and autogenerate finds what it finds without the
+    comparator (Alembic's own test_autogen_indexes and test_autogen_diffs aborted on it)."""
+    from alembic.autogenerate import comparators, produce_migrations, render_python_code
+    from alembic.util import DispatchPriority
+
+    with db.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE widgets (id integer PRIMARY KEY, name text)"))
+        conn.execute(sa.text("CREATE INDEX ix_widgets_old ON widgets (name)"))
+    metadata = sa.MetaData()
+    widgets = sa.Table(
+        "widgets", metadata,
+        sa.Column("id", sa.Integer, primary_key=True),
+        sa.Column("name", sa.Text),
+        sa.Column("size", sa.Integer),
+        sa.Index("ix_widgets_size", "size"),
+    )  # fmt: skip
+    sa.Table("gadgets", metadata, sa.Column("id", sa.Integer, primary_key=True))
+    known = {None, *metadata.tables, *(c.name for t in metadata.tables.values() for c in t.c)}
+    known |= {i.name for i in widgets.indexes} | {"ix_widgets_old", "widgets_pkey"}
+    asked: list[tuple[Any, str]] = []
+
+    def include_name(name: Any, type_: str, parents: Any) -> bool:
+        asked.append((name, type_))
+        if name not in known:
+            raise AssertionError(f"include_name asked about {type_} {name!r}")
+        return True
+
+    def autogenerate() -> str:
+        with db.connect() as conn:
+            context = MigrationContext.configure(conn, opts={"include_name": include_name})
+            ops = produce_migrations(context, metadata).upgrade_ops
+            assert ops is not None
+            return render_python_code(ops)
+
+    with_comparator = autogenerate()
+    assert ("sa_fence_leases", "table") not in asked
+    assert "op.create_table('gadgets'" in with_comparator
+    assert "op.add_column('widgets', sa.Column('size'" in with_comparator
+    assert "op.drop_index(op.f('ix_widgets_old')" in with_comparator
+    key = ("schema", "default", DispatchPriority.LAST)
+    registered = comparators._registry[key]
+    assert any(fn is fence_ops._compare_fencing for fn, _ in registered)
+    without = [(fn, sub) for fn, sub in registered if fn is not fence_ops._compare_fencing]
+    monkeypatch.setitem(comparators._registry, key, without)
+    assert autogenerate() == with_comparator
