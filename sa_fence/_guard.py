@@ -478,13 +478,18 @@ def lease_error_from_check(orig: BaseException, scope: Any) -> StaleTokenError |
     if getattr(orig, "sqlstate", None) != LEASE_STALE_SQLSTATE:
         return None
     detail = _detail(getattr(orig, "diag", None))
-    name, token = detail.get("name"), detail.get("token")
+    token, newest = detail.get("token"), detail.get("newest")
+    # the arm carries the token alone: the lease is the one of the scope that has it
+    name = next((n for n, t in scope if t == token), None)
     if name is None or token is None:  # cannot happen with our function; stay specific anyway
         name, token = next(iter(scope))
-    newest = detail.get("newest")
+    if newest is None:  # more than one grant since: ask the register (the failure path only)
+        newest = scope[(name, token)].fencer.token_source.newest(name)
+        if newest == token:  # granted after this transaction's snapshot, which cannot see it
+            newest = None
     return StaleTokenError(
         statement="COMMIT",
         token=int(token),
         lease_name=str(name),
-        newest_token=None if newest is None else int(newest),
+        newest_token=None if newest is None else int(newest),  # (known when one grant since)
     )

@@ -88,19 +88,14 @@ def format_duration(value: float) -> str:
 
 
 def _delete_sql(register: Register, *, dry_run: bool) -> Any:
-    # Compare-and-delete; a row locked right now (a grant, a commit check) is skipped.
-    rows = (
-        f"FROM {register.table_sql} r, "
+    """Compare-and-delete of (name, token) pairs, through the register's SECURITY DEFINER prune
+    function (the workers' role may not delete register rows itself); a dry run counts them."""
+    if not dry_run:
+        return register.prune_sql()
+    return sa.text(
+        f"SELECT count(*), coalesce(sum(pg_column_size(r.*)), 0) FROM {register.table_sql} r, "
         "unnest(CAST(:names AS text[]), CAST(:tokens AS bigint[])) AS d(name, token) "
         "WHERE r.name = d.name AND r.token = d.token"
-    )
-    if dry_run:
-        return sa.text(f"SELECT count(*), coalesce(sum(pg_column_size(r.*)), 0) {rows}")
-    return sa.text(
-        f"WITH unused AS (SELECT r.name {rows} FOR UPDATE OF r SKIP LOCKED), "
-        f"gone AS (DELETE FROM {register.table_sql} r USING unused u WHERE r.name = u.name "
-        "RETURNING pg_column_size(r.*) AS size) "
-        "SELECT count(*), coalesce(sum(size), 0) FROM gone"
     )
 
 

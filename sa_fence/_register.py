@@ -16,7 +16,18 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from sqlalchemy import DDL, BigInteger, Column, MetaData, Sequence, Table, Text, event, text
+from sqlalchemy import (
+    DDL,
+    BigInteger,
+    Column,
+    Index,
+    MetaData,
+    Sequence,
+    Table,
+    Text,
+    event,
+    text,
+)
 from sqlalchemy.dialects.postgresql import TIMESTAMP
 
 from ._fitness import SEQUENCE_FIT_SQL, token_sequences_sql
@@ -81,11 +92,12 @@ class Register:
 
     @cached_property  # built once per register: a grant is on the lease cycle's hot path
     def grant_sql(self) -> str:
-        """The draw-and-register statement (psycopg pyformat: ``%(name)s``)."""
-        return _GRANT_SQL.format(
-            register=self.table_sql,
-            sequence_fit=SEQUENCE_FIT_SQL,
-            token_sequences=token_sequences_sql("CAST(%(register)s AS pg_catalog.regclass)"),
+        """The grant: a call of the register's grant function (psycopg pyformat: ``%(name)s``)."""
+        return (
+            "SELECT token, synchronous_commit, drawn, held, flushed, clash FROM "
+            f"{qualified(GRANT_FUNCTION, self.schema)}(%(name)s, "
+            "CAST(%(sequence)s AS pg_catalog.regclass), %(lock_timeout)s, "
+            "CAST(%(skip_flush)s AS pg_catalog.bool))"
         )
 
     @cached_property
@@ -94,14 +106,18 @@ class Register:
         return text(re.sub(r"%\((\w+)\)s", r":\1", self.grant_sql))
 
     def withdraw_sql(self) -> Any:
+        return text(f"SELECT {qualified(WITHDRAW_FUNCTION, self.schema)}(:name, :token)")
+
+    def prune_sql(self) -> Any:
+        """Delete the rows of ``:names`` still holding ``:tokens``: (rows, bytes) removed."""
         return text(
-            f"UPDATE {self.table_sql} SET token = previous, previous = NULL "
-            "WHERE name = :name AND token = :token AND previous IS NOT NULL"
+            f"SELECT removed, bytes FROM {qualified(PRUNE_FUNCTION, self.schema)}("
+            "CAST(:names AS pg_catalog.text[]), CAST(:tokens AS pg_catalog.int8[]))"
         )
 
-    def check_call(self, name: str, token: int) -> str:
-        """``SELECT <function>('<name>', <token>)`` with the name as a safe literal."""
-        return f"SELECT {self.function_sql}({quote_literal(name)}, {int(token)})"
+    def check_call(self, token: int) -> str:
+        """``SELECT <function>(<token>)``: the commit check a raw writer sends (no text in it)."""
+        return f"SELECT {self.function_sql}({int(token)})"
 
 
 #: The schema an unqualified sequence name stands for: the first schema of the search_path
@@ -137,95 +153,77 @@ def pinned_register(conn: Any, sequence: str) -> Register:
     return register.pinned(schema)
 
 
-# One statement, autocommit.  `drawn` has a row only when the sequence is fit (sa_fence._fitness)
-# and is the one the register's token default draws from; it draws the one token (a CTE with a
-# volatile function is evaluated once).  The upsert only advances the register (docs/guarantees.md,
-# "The register only moves forward"): a drawn token not above the name's (the sequence was set
-# back) updates nothing, and the row comes back with `token` NULL beside the drawn and the held
-# token, for the refusal.  `previous` keeps the replaced token for a withdrawal.
-# synchronous_commit is read before `commit_mode` may change it, to refuse 'off'
-# (docs/reliability.md).  `commit_mode` skips the commit's WAL flush only when the flush position
-# has reached the WAL insert position read after the draw, so the record that makes the token
-# durable is on disk, and never with synchronous standbys (docs/guarantees.md, "A PostgreSQL
-# crash", says why that is enough); with them, 'local' is raised to 'on' for the grant, which
-# then waits for the standbys as the docs promise (a promoted standby has every grant).
-_GRANT_SQL = """\
-WITH drawn AS (
-    SELECT pg_catalog.nextval(s.seqrelid) AS token,
-           pg_catalog.current_setting('synchronous_commit') AS synchronous_commit
-      FROM pg_catalog.pg_sequence s
-     WHERE s.seqrelid = CAST(%(sequence)s AS pg_catalog.regclass)
-       AND {sequence_fit}
-       AND s.seqrelid IN {token_sequences}
-       AND pg_catalog.set_config('lock_timeout', %(lock_timeout)s, true) IS NOT NULL
-), commit_mode AS (
-    SELECT drawn.token,
-           CASE WHEN CAST(%(skip_flush)s AS boolean)
-                 AND drawn.synchronous_commit <> 'off'
-                 AND pg_catalog.current_setting('synchronous_standby_names') = ''
-                 AND pg_catalog.pg_current_wal_flush_lsn()
-                     >= pg_catalog.pg_current_wal_insert_lsn()
-                THEN pg_catalog.set_config('synchronous_commit', 'off', true) IS NULL
-                WHEN drawn.synchronous_commit = 'local'
-                 AND pg_catalog.current_setting('synchronous_standby_names') <> ''
-                THEN pg_catalog.set_config('synchronous_commit', 'on', true) IS NOT NULL
-                ELSE true END AS flushed
-      FROM drawn
-), granted AS (
-    INSERT INTO {register} AS r (name, token, granted_at)
-    SELECT %(name)s, m.token, pg_catalog.clock_timestamp() FROM commit_mode m
-    ON CONFLICT (name) DO UPDATE
-       SET token = EXCLUDED.token, granted_at = EXCLUDED.granted_at, previous = r.token
-     WHERE r.token < EXCLUDED.token
-    RETURNING r.token
-)
-SELECT (SELECT g.token FROM granted g) AS token,
-       drawn.synchronous_commit,
-       drawn.token AS drawn,
-       (SELECT o.token FROM {register} o WHERE o.name = %(name)s) AS held,
-       (SELECT m.flushed FROM commit_mode m) AS flushed
-  FROM drawn"""
-
-
 #: The scope table's name (same schema): one row per lease a transaction entered scope for,
-#: written by the transaction's BEGIN message (the arm).
+#: written by the transaction's BEGIN message (the arm): the lease's token, nothing else.
 SCOPE_TABLE = "sa_fence_scope"
 #: The deferred constraint trigger on it, and its function (same schema).
 SCOPE_TRIGGER = "sa_fence_scope_check"
 SCOPE_FUNCTION = "sa_fence_scope_check"
+#: The functions that alone move the register (SECURITY DEFINER, same schema), with their
+#: argument types as ``DROP FUNCTION`` and ``to_regprocedure`` name them.
+GRANT_FUNCTION = "sa_fence_grant"
+WITHDRAW_FUNCTION = "sa_fence_withdraw"
+PRUNE_FUNCTION = "sa_fence_prune"
+#: The unique index on the register's token: tokens are unique across names (one sequence),
+#: and the commit check finds the register row by the token alone.
+TOKEN_INDEX = "sa_fence_leases_token"
+#: Every function sa-fence makes beside the register: name -> argument types.
+FUNCTIONS: dict[str, str] = {
+    CHECK_FUNCTION: "bigint",
+    SCOPE_FUNCTION: "",
+    GRANT_FUNCTION: "text, regclass, text, boolean",
+    WITHDRAW_FUNCTION: "text, bigint",
+    PRUNE_FUNCTION: "text[], bigint[]",
+}
+#: The functions that write the register: EXECUTE is revoked from PUBLIC and granted to the
+#: workers' role (docs/topologies.md), which needs no INSERT, UPDATE or DELETE on the register.
+WRITING_FUNCTIONS = (GRANT_FUNCTION, WITHDRAW_FUNCTION, PRUNE_FUNCTION)
 #: Where the DDL below names sa-fence's schema; replaced inside PostgreSQL by the schema itself
 #: (quoted), so no name is ever found through search_path.
 _S = "@sa_fence_schema@"
+#: Where it names the register as a string literal (for a regclass cast).
+_R = "@sa_fence_register@"
 
 # The register check of the commit check function and the scope trigger: every name in it is
-# qualified, operators and types too (a `SET search_path` clause costs ~20 us per COMMIT).
+# qualified, operators and types too.  The arm carries the token alone: tokens are unique across
+# names (one sequence, and the register's unique index), so the row that still holds the token
+# is the lease's own, and a newer grant of the name has replaced it.  FOR SHARE holds a newer
+# grant back until this transaction ends; a grant in progress is waited for, and once it has
+# committed the row no longer holds the token (PostgreSQL re-reads it), so the commit is refused.
 _CHECK_BODY = """\
-    SELECT r.token, r.granted_at INTO newest, granted
+    SELECT r.name, r.granted_at INTO lease_name, granted
       FROM @sa_fence_schema@.sa_fence_leases r
-     WHERE r.name OPERATOR(pg_catalog.=) lease_name FOR SHARE;
-    IF NOT COALESCE(newest OPERATOR(pg_catalog.=) lease_token, false) THEN
-        RAISE EXCEPTION 'sa-fence: lease % (token %) is stale: the register holds token %',
-            pg_catalog.quote_literal(lease_name), lease_token,
-            COALESCE(CAST(newest AS pg_catalog.text), 'none')
+     WHERE r.token OPERATOR(pg_catalog.=) lease_token FOR SHARE;
+    IF NOT FOUND THEN
+        -- (the failure path only) the grant that replaced the token, when it was the last one
+        SELECT r.token, r.granted_at INTO newest, granted
+          FROM @sa_fence_schema@.sa_fence_leases r
+         WHERE r.previous OPERATOR(pg_catalog.=) lease_token;
+        RAISE EXCEPTION 'sa-fence: the lease of token % is stale: the register no longer holds '
+                        'that token (a newer lease of its name was granted)', lease_token
             USING ERRCODE = '{sqlstate}',
                   DETAIL = CAST(pg_catalog.jsonb_build_object(
-                      'name', lease_name, 'token', lease_token, 'newest', newest,
-                      'granted_at', granted) AS pg_catalog.text),
+                      'token', lease_token, 'newest', newest, 'granted_at', granted)
+                                AS pg_catalog.text),
                   HINT = 'A newer lease of this name was granted; nothing of this '
                          'transaction was committed.  Roll back and re-read.';
     END IF;"""
 
+# SECURITY DEFINER: FOR SHARE needs UPDATE on the register, which the workers' role does not
+# have (docs/topologies.md).  For a raw writer: SELECT <schema>.sa_fence_check_lease(<token>)
+# before COMMIT, in the same transaction.
 _CHECK_FUNCTION = """\
-CREATE OR REPLACE FUNCTION @sa_fence_schema@.sa_fence_check_lease(
-    lease_name pg_catalog.text, lease_token pg_catalog.int8)
-RETURNS void LANGUAGE plpgsql AS $sa_fence$
+CREATE OR REPLACE FUNCTION @sa_fence_schema@.sa_fence_check_lease(lease_token pg_catalog.int8)
+RETURNS void LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $sa_fence$
 -- sa-fence commit check (lease-scoped fencing), for raw writers: call it
--- before COMMIT, in the same message.  A transaction commits only while the
+-- before COMMIT, in the same transaction.  A transaction commits only while the
 -- register still holds its lease's token; the share lock taken here holds a
 -- newer grant back until that COMMIT ends.  (Sessions bound through sa-fence
 -- are checked by the scope trigger at COMMIT, whatever sends it.)
 -- Generated by sa_fence; recreate it with op.create_fence_register().
 DECLARE
+    lease_name pg_catalog.text;
     newest pg_catalog.int8;
     granted pg_catalog.timestamptz;
 BEGIN
@@ -233,17 +231,21 @@ BEGIN
 END
 $sa_fence$"""
 
+# SECURITY DEFINER (the FOR SHARE, and the DELETE of the arm: the workers' role may only INSERT
+# its arm, never take it back).  No SET clause, unlike the functions below: it runs at every
+# COMMIT, and a SET clause makes each call save and restore the setting; every name, type and
+# operator in the body is schema-qualified, so no search_path can change what it reads.
 _SCOPE_FUNCTION = """\
 CREATE OR REPLACE FUNCTION @sa_fence_schema@.sa_fence_scope_check()
-RETURNS trigger LANGUAGE plpgsql AS $sa_fence$
+RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $sa_fence$
 -- sa-fence lease scope, run by PostgreSQL at COMMIT and PREPARE TRANSACTION
 -- (a deferred constraint trigger): a transaction that entered lease scope
 -- (a row in sa_fence_scope) commits only while the register still holds its
 -- lease's token, whichever call or statement sent the COMMIT.
 -- Generated by sa_fence; recreate it with op.create_fence_register().
 DECLARE
-    lease_name pg_catalog.text := NEW.name;
     lease_token pg_catalog.int8 := NEW.token;
+    lease_name pg_catalog.text;
     newest pg_catalog.int8;
     granted pg_catalog.timestamptz;
 BEGIN
@@ -253,12 +255,129 @@ BEGIN
 END
 $sa_fence$"""
 
+# The grant: one statement, autocommit; the only way the workers' role advances the register.
+# `drawn` has a row only when the sequence is fit (sa_fence._fitness) and is the one the
+# register's token default draws from; it draws the one token (a CTE with a volatile function
+# is evaluated once).  The upsert only advances the register (docs/guarantees.md, "The register
+# only moves forward"): a drawn token not above the name's (the sequence was set back) updates
+# nothing, nor does a drawn token another name holds (`clash`), and the row comes back with
+# `token` NULL beside the drawn and the held token, for the refusal.  `previous` keeps the
+# replaced token for a withdrawal.  synchronous_commit is read before `commit_mode` may change
+# it, to refuse 'off' (docs/reliability.md).  `commit_mode` skips the commit's WAL flush only
+# when the flush position has reached the WAL insert position read after the draw, so the
+# record that makes the token durable is on disk, and never with synchronous standbys
+# (docs/guarantees.md, "A PostgreSQL crash", says why that is enough); with them, 'local' is
+# raised to 'on' for the grant, which then waits for the standbys as the docs promise.  The
+# settings it makes are transaction-local and outlive the function (only search_path is
+# restored at its end).  A LANGUAGE sql function: one statement, one snapshot, as before it
+# became a function.
+_GRANT_FUNCTION = """\
+CREATE OR REPLACE FUNCTION @sa_fence_schema@.sa_fence_grant(
+    grant_name pg_catalog.text, grant_sequence pg_catalog.regclass,
+    grant_lock_timeout pg_catalog.text, grant_skip_flush pg_catalog.bool)
+RETURNS TABLE (token pg_catalog.int8, synchronous_commit pg_catalog.text,
+               drawn pg_catalog.int8, held pg_catalog.int8, flushed pg_catalog.bool,
+               clash pg_catalog.bool)
+LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $sa_fence$
+-- sa-fence grant: draws a token and advances the lease register.
+-- Generated by sa_fence; recreate it with op.create_fence_register().
+WITH drawn AS (
+    SELECT pg_catalog.nextval(s.seqrelid) AS token,
+           pg_catalog.current_setting('synchronous_commit') AS synchronous_commit
+      FROM pg_catalog.pg_sequence s
+     WHERE s.seqrelid OPERATOR(pg_catalog.=) grant_sequence
+       AND {sequence_fit}
+       AND s.seqrelid IN {token_sequences}
+       AND pg_catalog.set_config('lock_timeout', grant_lock_timeout, true) IS NOT NULL
+), commit_mode AS (
+    SELECT drawn.token,
+           CASE WHEN grant_skip_flush
+                 AND drawn.synchronous_commit OPERATOR(pg_catalog.<>) 'off'
+                 AND pg_catalog.current_setting('synchronous_standby_names')
+                     OPERATOR(pg_catalog.=) ''
+                 AND pg_catalog.pg_current_wal_flush_lsn()
+                     OPERATOR(pg_catalog.>=) pg_catalog.pg_current_wal_insert_lsn()
+                THEN pg_catalog.set_config('synchronous_commit', 'off', true) IS NULL
+                WHEN drawn.synchronous_commit OPERATOR(pg_catalog.=) 'local'
+                 AND pg_catalog.current_setting('synchronous_standby_names')
+                     OPERATOR(pg_catalog.<>) ''
+                THEN pg_catalog.set_config('synchronous_commit', 'on', true) IS NOT NULL
+                ELSE true END AS flushed
+      FROM drawn
+), granted AS (
+    INSERT INTO @sa_fence_schema@.sa_fence_leases AS r (name, token, granted_at)
+    SELECT grant_name, m.token, pg_catalog.clock_timestamp() FROM commit_mode m
+     WHERE NOT EXISTS (SELECT FROM @sa_fence_schema@.sa_fence_leases o
+                        WHERE o.token OPERATOR(pg_catalog.=) m.token)
+    ON CONFLICT (name) DO UPDATE
+       SET token = EXCLUDED.token, granted_at = EXCLUDED.granted_at, previous = r.token
+     WHERE r.token OPERATOR(pg_catalog.<) EXCLUDED.token
+    RETURNING r.token
+)
+SELECT (SELECT g.token FROM granted g),
+       drawn.synchronous_commit,
+       drawn.token,
+       (SELECT o.token FROM @sa_fence_schema@.sa_fence_leases o
+         WHERE o.name OPERATOR(pg_catalog.=) grant_name),
+       (SELECT m.flushed FROM commit_mode m),
+       EXISTS (SELECT FROM @sa_fence_schema@.sa_fence_leases o
+                WHERE o.token OPERATOR(pg_catalog.=) drawn.token
+                  AND o.name OPERATOR(pg_catalog.<>) grant_name)
+  FROM drawn
+$sa_fence$"""
+
+# A grant lost before its confirm gives its token back (compare-and-set: only while the
+# register still holds it, and only to the token it replaced).
+_WITHDRAW_FUNCTION = """\
+CREATE OR REPLACE FUNCTION @sa_fence_schema@.sa_fence_withdraw(
+    withdraw_name pg_catalog.text, withdraw_token pg_catalog.int8)
+RETURNS void LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $sa_fence$
+-- sa-fence withdraw: gives back a granted token its lease never confirmed.
+-- Generated by sa_fence; recreate it with op.create_fence_register().
+UPDATE @sa_fence_schema@.sa_fence_leases
+   SET token = previous, previous = NULL
+ WHERE name OPERATOR(pg_catalog.=) withdraw_name
+   AND token OPERATOR(pg_catalog.=) withdraw_token
+   AND previous IS NOT NULL
+$sa_fence$"""
+
+# Pruning (sa_fence._prune): compare-and-delete of (name, token) pairs no lease holds; a row
+# locked right now (a grant, a commit check) is skipped.  Returns the rows and bytes removed.
+_PRUNE_FUNCTION = """\
+CREATE OR REPLACE FUNCTION @sa_fence_schema@.sa_fence_prune(
+    prune_names pg_catalog.text[], prune_tokens pg_catalog.int8[])
+RETURNS TABLE (removed pg_catalog.int8, bytes pg_catalog.int8)
+LANGUAGE sql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $sa_fence$
+-- sa-fence prune: deletes register rows of names no lease holds.
+-- Generated by sa_fence; recreate it with op.create_fence_register().
+WITH unused AS (
+    SELECT r.name
+      FROM @sa_fence_schema@.sa_fence_leases r,
+           ROWS FROM (pg_catalog.unnest(prune_names), pg_catalog.unnest(prune_tokens))
+               AS d(name, token)
+     WHERE r.name OPERATOR(pg_catalog.=) d.name AND r.token OPERATOR(pg_catalog.=) d.token
+       FOR UPDATE OF r SKIP LOCKED
+), gone AS (
+    DELETE FROM @sa_fence_schema@.sa_fence_leases r USING unused u
+     WHERE r.name OPERATOR(pg_catalog.=) u.name
+    RETURNING pg_catalog.pg_column_size(r.*) AS size
+)
+SELECT pg_catalog.count(*), CAST(COALESCE(pg_catalog.sum(size), 0) AS pg_catalog.int8)
+  FROM gone
+$sa_fence$"""
+
 # No index: each row lives from the arm to its own trigger, which deletes it by ctid.
 _SCOPE_TABLE = """\
 CREATE UNLOGGED TABLE IF NOT EXISTS @sa_fence_schema@.sa_fence_scope (
-    name text NOT NULL,
     token bigint NOT NULL
 )"""
+
+_TOKEN_INDEX = """\
+CREATE UNIQUE INDEX IF NOT EXISTS sa_fence_leases_token
+    ON @sa_fence_schema@.sa_fence_leases (token)"""
 
 _SCOPE_TRIGGER = """\
 CREATE CONSTRAINT TRIGGER sa_fence_scope_check
@@ -272,46 +391,90 @@ _SCOPE_TRIGGER_ALWAYS = (
     "ALTER TABLE @sa_fence_schema@.sa_fence_scope ENABLE ALWAYS TRIGGER sa_fence_scope_check"
 )
 
+#: Columns of earlier forms of the scope table: ``xact`` (indexed, the first form's) and
+#: ``name`` (the arm carried the lease name as text before it carried the token alone).
+_OUTDATED_SCOPE_COLUMNS = ("xact", "name")
+
 # The schema is the register's or (unqualified) current_schema(), resolved once
 # inside PostgreSQL and written quoted into every statement.  One plain
 # statement, so Alembic's offline (--sql) mode can emit it too.
 _DO_BLOCK = """\
 DO $sa_fence_do$
-DECLARE s text := coalesce({schema}, pg_catalog.current_schema()); e "char";
+DECLARE s text := coalesce({schema}, pg_catalog.current_schema()); e "char"; c text;
 BEGIN
 {run}
-    IF EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
-                WHERE attrelid = pg_catalog.to_regclass(
-                      pg_catalog.quote_ident(s) || '.sa_fence_scope')
-                  AND attname = 'xact' AND NOT attisdropped) THEN
-        {drop_xact}
-    END IF;
+    FOREACH c IN ARRAY ARRAY[{outdated}] LOOP
+        IF EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
+                    WHERE attrelid = pg_catalog.to_regclass(
+                          pg_catalog.quote_ident(s) || '.sa_fence_scope')
+                      AND attname = c AND NOT attisdropped) THEN
+            EXECUTE pg_catalog.format('ALTER TABLE %I.sa_fence_scope DROP COLUMN %I', s, c);
+        END IF;
+    END LOOP;
     SELECT tgenabled INTO e FROM pg_catalog.pg_trigger WHERE tgname = 'sa_fence_scope_check'
        AND tgrelid = pg_catalog.to_regclass(pg_catalog.quote_ident(s) || '.sa_fence_scope');
     IF e IS NULL THEN {trigger} END IF;
     IF e IS DISTINCT FROM 'A' THEN {always} END IF;
+{privileges}
 END
 $sa_fence_do$"""
 
 
 def _execute(sql: str) -> str:
     return (
-        f"EXECUTE pg_catalog.replace($sa_fence_ddl${sql}$sa_fence_ddl$, "
-        f"'{_S}', pg_catalog.quote_ident(s));"
+        f"EXECUTE pg_catalog.replace(pg_catalog.replace($sa_fence_ddl${sql}$sa_fence_ddl$, "
+        f"'{_S}', pg_catalog.quote_ident(s)), '{_R}', "
+        "pg_catalog.quote_literal(pg_catalog.quote_ident(s) || '.sa_fence_leases'));"
     )
 
 
-def check_function_sql(register: Register) -> str:
-    """The commit check function, the scope table and its deferred trigger (idempotent)."""
+def grant_function_sql() -> str:
+    """The grant function's DDL, with the sequence rules of :mod:`sa_fence._fitness`."""
+    return _GRANT_FUNCTION.format(
+        sequence_fit=SEQUENCE_FIT_SQL,
+        token_sequences=token_sequences_sql(f"CAST({_R} AS pg_catalog.regclass)"),
+    )
+
+
+def function_definitions() -> dict[str, str]:
+    """Each function's ``CREATE OR REPLACE`` statement, as sa-fence makes it (with the schema
+    placeholder): what ``sa-fence check`` compares the database's definitions with."""
     body = _CHECK_BODY.format(sqlstate=LEASE_STALE_SQLSTATE)
-    run = (_CHECK_FUNCTION.format(body=body), _SCOPE_TABLE, _SCOPE_FUNCTION.format(body=body))
+    return {
+        CHECK_FUNCTION: _CHECK_FUNCTION.format(body=body),
+        SCOPE_FUNCTION: _SCOPE_FUNCTION.format(body=body),
+        GRANT_FUNCTION: grant_function_sql(),
+        WITHDRAW_FUNCTION: _WITHDRAW_FUNCTION,
+        PRUNE_FUNCTION: _PRUNE_FUNCTION,
+    }
+
+
+def check_function_sql(register: Register) -> str:
+    """The functions, the scope table and its deferred trigger and the register's token index
+    (idempotent; the register must exist)."""
+    functions = function_definitions()
+    run = (
+        _TOKEN_INDEX,
+        f"DROP FUNCTION IF EXISTS {_S}.{CHECK_FUNCTION}(text, bigint)",  # (the name-and-token form)
+        functions[CHECK_FUNCTION],
+        _SCOPE_TABLE,
+        functions[SCOPE_FUNCTION],
+        functions[GRANT_FUNCTION],
+        functions[WITHDRAW_FUNCTION],
+        functions[PRUNE_FUNCTION],
+    )
+    revokes = (
+        f"REVOKE EXECUTE ON FUNCTION {_S}.{name}({FUNCTIONS[name]}) FROM PUBLIC"
+        for name in WRITING_FUNCTIONS
+    )
+    revoke = "".join(f"    {_execute(sql)}\n" for sql in revokes)
     return _DO_BLOCK.format(
         schema=quote_literal(register.schema) if register.schema else "NULL",
         run="\n".join(f"    {_execute(sql)}" for sql in run),
-        # the first scope table's indexed xact column, which the clean-up no longer reads
-        drop_xact=_execute("ALTER TABLE @sa_fence_schema@.sa_fence_scope DROP COLUMN xact"),
+        outdated=", ".join(f"'{column}'" for column in _OUTDATED_SCOPE_COLUMNS),
         trigger=_execute(_SCOPE_TRIGGER),
         always=_execute(_SCOPE_TRIGGER_ALWAYS),
+        privileges=revoke.rstrip("\n"),
     )
 
 
@@ -330,13 +493,20 @@ def create_register_sql(sequence: str) -> list[str]:
     ]
 
 
+def drop_functions_sql(register: Register) -> list[str]:
+    """Drop every function of :data:`FUNCTIONS` (the scope table's trigger must be gone)."""
+    return [
+        f"DROP FUNCTION IF EXISTS {qualified(name, register.schema)}({args})"
+        for name, args in FUNCTIONS.items()
+    ]
+
+
 def drop_register_sql(sequence: str) -> list[str]:
-    """Drop the scope table (its trigger with it), both functions, then the register."""
+    """Drop the scope table (its trigger with it), the functions, then the register."""
     register = Register(sequence)
     return [
         f"DROP TABLE IF EXISTS {register.scope_sql}",
-        f"DROP FUNCTION IF EXISTS {qualified(SCOPE_FUNCTION, register.schema)}()",
-        f"DROP FUNCTION IF EXISTS {register.function_sql}(text, bigint)",
+        *drop_functions_sql(register),
         f"DROP TABLE IF EXISTS {register.table_sql}",
     ]
 
@@ -376,6 +546,7 @@ def register_table(metadata: MetaData, sequence: Sequence) -> Table:
             server_default=text("clock_timestamp()"),
         ),
         Column("previous", BigInteger, nullable=True),
+        Index(TOKEN_INDEX, "token", unique=True),
         schema=sequence.schema,
         info={"sa_fence.register": True},
     )
@@ -386,20 +557,17 @@ def register_table(metadata: MetaData, sequence: Sequence) -> Table:
     scope = Table(
         SCOPE_TABLE,
         metadata,
-        Column("name", Text, nullable=False),
         Column("token", BigInteger, nullable=False),
         schema=sequence.schema,
         prefixes=["UNLOGGED"],
         info={"sa_fence.scope": True},
     )
     table.add_is_dependent_on(scope)
-    drop_scope = f"DROP FUNCTION IF EXISTS {qualified(SCOPE_FUNCTION, register.schema)}()"
     for target, when, sql in (
-        (table, "after_create", check_function_sql(register).replace("%", "%%")),  # DDL() formats
-        (table, "before_drop", f"DROP FUNCTION IF EXISTS {register.function_sql}(text, bigint)"),
-        (scope, "after_drop", drop_scope),
+        (table, "after_create", check_function_sql(register)),
+        (scope, "after_drop", ";\n".join(drop_functions_sql(register))),
     ):
-        ddl = DDL(sql)  # type: ignore[no-untyped-call]
+        ddl = DDL(sql.replace("%", "%%"))  # type: ignore[no-untyped-call]  # (DDL() formats)
         event.listen(target, when, ddl.execute_if(dialect="postgresql"))
     return table
 
@@ -412,7 +580,10 @@ _SCOPE_STATE_SQL = text(
            t.oid IS NOT NULL AS has_trigger, t.tgenabled AS enabled,
            t.tgdeferrable AS deferrable, t.tginitdeferred AS deferred,
            EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid
-                      AND a.attname = 'xact' AND NOT a.attisdropped) AS outdated
+                      AND a.attname = ANY (CAST(:outdated AS text[])) AND NOT a.attisdropped)
+               AS outdated,
+           pg_catalog.to_regclass(pg_catalog.quote_ident(n.nspname) || '.{TOKEN_INDEX}')
+               IS NOT NULL AS has_token_index
       FROM pg_catalog.pg_class r
       JOIN pg_catalog.pg_namespace n ON n.oid = r.relnamespace
       LEFT JOIN pg_catalog.pg_class c
@@ -423,10 +594,73 @@ _SCOPE_STATE_SQL = text(
 )
 
 
-def scope_table_outdated(conn: Any, register: Register) -> bool:
-    """Whether the scope table still has the first form's indexed ``xact`` column."""
-    row = conn.execute(_SCOPE_STATE_SQL, {"register": register.table_sql}).one_or_none()
-    return row is not None and bool(row.outdated)
+#: Each function of :data:`FUNCTIONS` beside the register: present, SECURITY DEFINER, and
+#: whether its body is sa-fence's (the expected body is written out inside PostgreSQL, as the
+#: DDL's schema placeholders are).
+_FUNCTIONS_STATE_SQL = text(
+    """
+    SELECT f.name, p.oid IS NOT NULL AS present, p.prosecdef AS definer,
+           p.prosrc = pg_catalog.replace(pg_catalog.replace(f.body,
+               '@sa_fence_schema@', pg_catalog.quote_ident(n.nspname)),
+               '@sa_fence_register@',
+               pg_catalog.quote_literal(pg_catalog.quote_ident(n.nspname) || '.sa_fence_leases'))
+               AS same
+      FROM pg_catalog.pg_class r
+      JOIN pg_catalog.pg_namespace n ON n.oid = r.relnamespace
+     CROSS JOIN pg_catalog.unnest(CAST(:names AS text[]), CAST(:args AS text[]),
+                                  CAST(:bodies AS text[])) AS f(name, args, body)
+      LEFT JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(
+                pg_catalog.quote_ident(n.nspname) || '.' || f.name || '(' || f.args || ')')
+     WHERE r.oid = pg_catalog.to_regclass(:register)
+     ORDER BY f.name
+    """
+)
+
+
+def _body(ddl: str) -> str:
+    """The dollar-quoted body of a ``CREATE FUNCTION`` statement (what ``prosrc`` holds)."""
+    return ddl.split("$sa_fence$")[1]
+
+
+def register_objects_outdated(conn: Any, register: Register) -> list[str]:
+    """What beside ``register`` is not as sa-fence makes it: a function missing, not
+    SECURITY DEFINER or with a body that is not sa-fence's (edited by hand, or made by an
+    earlier release), the register's token index missing, or a scope table of an earlier
+    form.  Each is one phrase; ``op.create_fence_register()`` mends all of them.  Empty
+    when all is well or when the register is missing (reported on its own)."""
+    state = conn.execute(
+        _SCOPE_STATE_SQL,
+        {"register": register.table_sql, "outdated": list(_OUTDATED_SCOPE_COLUMNS)},
+    ).one_or_none()
+    if state is None:
+        return []
+    found = []
+    if state.outdated:
+        found.append(f"the lease scope table {state.scope} has the columns of an earlier form")
+    if not state.has_token_index:
+        found.append(f"the register's unique index {TOKEN_INDEX} on token is missing")
+    definitions = function_definitions()
+    rows = conn.execute(
+        _FUNCTIONS_STATE_SQL,
+        {
+            "register": register.table_sql,
+            "names": list(definitions),
+            "args": [FUNCTIONS[name] for name in definitions],
+            "bodies": [_body(ddl) for ddl in definitions.values()],
+        },
+    )
+    for row in rows:
+        shown = f"function {row.name}({FUNCTIONS[row.name]})"
+        if not row.present:
+            found.append(f"{shown} is missing")
+        elif not row.definer:
+            found.append(f"{shown} is not SECURITY DEFINER")
+        elif not row.same:
+            found.append(
+                f"{shown} has a body that is not sa-fence's (edited by hand, or made by an "
+                "earlier release)"
+            )
+    return found
 
 
 def scope_trigger_problem(conn: Any, register: Register) -> str | None:
@@ -435,7 +669,10 @@ def scope_trigger_problem(conn: Any, register: Register) -> str | None:
     The scope table must sit beside the register with its deferred constraint trigger,
     enabled.  None when all is well, or when the register is missing (reported on its own).
     """
-    row = conn.execute(_SCOPE_STATE_SQL, {"register": register.table_sql}).one_or_none()
+    row = conn.execute(
+        _SCOPE_STATE_SQL,
+        {"register": register.table_sql, "outdated": list(_OUTDATED_SCOPE_COLUMNS)},
+    ).one_or_none()
     if row is None:
         return None
     fix = (

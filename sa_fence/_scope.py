@@ -33,7 +33,7 @@ from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.sql import Composable
 from sqlalchemy.exc import MissingGreenlet
 
-from . import _guard, _telemetry
+from . import _telemetry
 from ._guard import lease_error_from_check
 from ._register import DATABASE_ID_SQL, SCOPE_TABLE
 from ._transaction_sql import ends_transaction, might_leave_scope, scope_effect
@@ -192,9 +192,10 @@ def _invalidate(conn: Connection) -> None:
         conn.invalidate()
 
 
-@functools.lru_cache(maxsize=256)  # every transaction of a lease sends the same row
-def _arm_row(name: str, token: int) -> str:
-    return f"({_guard.quote_literal(name)}, {int(token)})"
+def _arm_row(token: int) -> str:
+    """The arm's row: the lease's token, never its name (tokens are unique across names, and
+    a number is read alike in every client encoding: no text of the user's is in the SQL)."""
+    return f"({int(token)})"
 
 
 #: Connection attribute: (DBAPI connection, its driver connection), read once per DBAPI connection
@@ -221,7 +222,7 @@ def _arm(conn: Connection, lease: Lease) -> None:
         raise _read_only_error()
     known = lease._scoped
     table = known[1] if known is not None and known[0] is conn.engine else _scope_table(conn, lease)
-    row = _arm_row(lease.name, lease.token)
+    row = _arm_row(lease.token)
     if psycopg3 and driver._num_transactions:  # (a psycopg transaction() block is open: the
         _refuse_arm_in_psycopg_block(driver)  # arm would go apart; refused before any is kept)
     if hooked:
@@ -273,7 +274,7 @@ def _refuse_arm_in_psycopg_block(driver: Any) -> None:
 
 
 def _arm_sql(table: str, rows: Sequence[str]) -> str:
-    return f"INSERT INTO {table} (name, token) VALUES {', '.join(rows)}"
+    return f"INSERT INTO {table} (token) VALUES {', '.join(rows)}"
 
 
 Arms = tuple[tuple[str, tuple[str, ...]], ...]  # ((scope table, its VALUES rows), ...)
@@ -310,8 +311,7 @@ def _apart_arms(conn: Connection, scope: dict[tuple[str, int], Lease]) -> list[s
     """The arms of ``conn``'s scope as statements of their own (a savepoint may hold them)."""
     conn.__dict__[ARMED_APART] = True
     return [
-        _arm_sql(_scope_table(conn, lease), [_arm_row(lease.name, lease.token)])
-        for lease in scope.values()
+        _arm_sql(_scope_table(conn, lease), [_arm_row(lease.token)]) for lease in scope.values()
     ]
 
 
@@ -384,7 +384,7 @@ def _arms_between(driver: Any, conn: Connection | None) -> Arms | None:
         return None  # (not fenced, or its register is in another database: outside scope)
     if conn.closed or conn.invalidated or conn.connection.driver_connection is not driver:
         return None  # (its DBAPI connection is not this one any more)
-    return _with_arm((), known[1], _arm_row(lease.name, lease.token))
+    return _with_arm((), known[1], _arm_row(lease.token))
 
 
 def _scope_owner(driver: Any) -> Connection | None:

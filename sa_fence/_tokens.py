@@ -322,12 +322,14 @@ class TokenSource:
                 f"lease {name!r} was not granted: "
                 + (problem or f"the token sequence {self.sequence!r} cannot issue tokens")
             )
-        token, sync, drawn, held, flushed = row
+        token, sync, drawn, held, flushed, clash = row
         self.last_flushed = bool(flushed)
         if sync == "off":
             raise _sync_commit_error(sync)
         if token is not None:
             return int(token)
+        if clash:  # the drawn token is another name's: the sequence was set back
+            held = drawn
         # ``held`` is of the statement's snapshot, taken before its draw.  Less than the
         # drawn token (or no row): a newer grant drew after us and committed, so our Redis
         # lease had expired.  At least the drawn token: the sequence is behind the register.
@@ -336,12 +338,30 @@ class TokenSource:
         raise FencingConfigError(
             f"lease {name!r} was not granted: the token sequence {self.sequence!r} is behind "
             f"the lease register: it drew token {int(drawn)}, but the register already holds "
-            f"token {held} for this name. The sequence was set back (setval, a restore from "
+            f"token {held} for {'another' if clash else 'this'} name. The sequence was set back "
+            "(setval, a restore from "
             "backup, a promoted replica), so it would hand out tokens already held: the drawn "
             "token was thrown away and nothing was granted. Stop the workers and run `sa-fence "
             f"repair-sequence --url ... --sequence {self.sequence}` (it moves the sequence past "
             "every fence and every registered token)."
         )
+
+    def newest(self, name: str) -> int | None:
+        """The register's token for ``name`` now, or None (no row, or it cannot be read).
+
+        For a refused commit's error (the failure path only): the commit check finds the
+        register row by the token alone, so it can name the newer grant only when that was the
+        one grant since."""
+        try:
+            with self.engine.connect() as conn:
+                found = conn.execute(
+                    text(f"SELECT token FROM {self.register.table_sql} WHERE name = :name"),
+                    {"name": name},
+                ).scalar()
+        except Exception:  # (best effort: the refusal is raised all the same)
+            log.debug("could not read the register's token of lease %r", name, exc_info=True)
+            return None
+        return None if found is None else int(found)
 
     def withdraw(self, name: str, token: int) -> None:
         """Put the register back to the token before ``token`` if it still holds ``token``

@@ -48,7 +48,7 @@ from ._register import (
     Register,
     create_register_sql,
     drop_register_sql,
-    scope_table_outdated,
+    register_objects_outdated,
     scope_trigger_problem,
     split_name,
 )
@@ -312,9 +312,10 @@ class CreateFenceRegisterOp(_RegisterOp):
     """``op.create_fence_register(sequence="sa_fence_token_seq")``.
 
     Creates the lease register ``sa_fence_leases`` (in the sequence's schema; its ``token``
-    default draws from ``sequence``, which must exist) and the commit check function
-    ``sa_fence_check_lease(text, bigint)``.  Idempotent: an existing register is kept and the
-    function is replaced.
+    default draws from ``sequence``, which must exist), its unique token index, the lease scope
+    table with its deferred trigger, and the SECURITY DEFINER functions that alone move the
+    register (grant, withdraw, prune) and check a commit.  Idempotent: an existing register is
+    kept with its rows, and everything else is brought to this release's form.
     """
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
@@ -328,24 +329,22 @@ class CreateFenceRegisterOp(_RegisterOp):
 class DropFenceRegisterOp(_RegisterOp, opposite=CreateFenceRegisterOp):
     """``op.drop_fence_register(sequence="sa_fence_token_seq")``.
 
-    Drops the scope table and its trigger, both functions and the lease register.  Never on a
+    Drops the scope table and its trigger, sa-fence's functions and the lease register.  Never on a
     live database: every Fencer refuses to grant without the register, and the newest token of
     every lease name is forgotten.  Comes before ``op.drop_fence_sequence()``, whose sequence
     the register's default uses.
     """
 
-    def _function_sql(self) -> str:
-        return f"DROP FUNCTION IF EXISTS {Register(self.sequence).function_sql}(text, bigint)"
-
     def _statements(self, operations: Operations) -> Iterable[Any]:
         if self.function_only:
-            return [self._function_sql()]
+            return []  # the reverse of a repair: the repaired functions and tables stay
         return drop_register_sql(self.sequence)
 
     def _render(self, autogen_context: AutogenContext) -> list[str]:
         if self.function_only:
-            # the reverse of a repair: the register stays, only the function goes
-            return [f"op.execute({self._function_sql()!r})"]
+            # dropping the functions would leave every bound session unable to commit, and the
+            # earlier forms they replaced cannot be made again: the repair stays
+            return ["pass  # sa-fence: the register's repaired functions stay"]
         return super()._render(autogen_context)
 
 
@@ -632,18 +631,18 @@ def _included(autogen_context: AutogenContext, table: sa.Table) -> bool:
 
 
 def _take_builtin_register_ops(upgrade_ops: alembic_ops.UpgradeOps, register: Register) -> None:
-    """Drop Alembic's own create/drop of the register and scope tables (and index): the register
-    op makes them, and autogenerate never drops the register (docs/migrations.md)."""
+    """Drop Alembic's own ops on the register and scope tables (create, drop, their columns and
+    indexes): the register op makes them as a whole, and autogenerate never drops the register
+    (docs/migrations.md)."""
     table_ops = alembic_ops.CreateTableOp, alembic_ops.DropTableOp
-    scope_ops = alembic_ops.ModifyTableOps, alembic_ops.DropIndexOp
+    other_ops = alembic_ops.ModifyTableOps, alembic_ops.DropIndexOp, alembic_ops.CreateIndexOp
     upgrade_ops.ops = [
         o
         for o in upgrade_ops.ops
         if not (
-            (isinstance(o, table_ops) and o.table_name in (REGISTER_TABLE, SCOPE_TABLE))
-            or (isinstance(o, scope_ops) and o.table_name == SCOPE_TABLE)
+            isinstance(o, table_ops + other_ops) and o.table_name in (REGISTER_TABLE, SCOPE_TABLE)
         )
-        or o.schema != register.schema  # (read only of those four kinds of op)
+        or o.schema != register.schema  # (read only of those kinds of op)
     ]
 
 
@@ -711,7 +710,7 @@ def _head_ops(conn: sa.Connection, register: Register, included: bool) -> Iterat
     elif (
         not conn.execute(CHECK_FUNCTION_SQL, {"function": register.function_sql}).scalar_one()
         or scope_trigger_problem(conn, register)
-        or scope_table_outdated(conn, register)
+        or register_objects_outdated(conn, register)
     ):
         yield CreateFenceRegisterOp(register.sequence, function_only=True)
 

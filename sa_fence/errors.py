@@ -116,11 +116,12 @@ class StaleTokenError(FenceError, StaleDataError):
         if table is None and newest_token is None:
             message = (
                 f"commit refused: lease {lease_name!r} (token {token}) is stale: the lease "
-                "register has no row for that name (pruned by sa-fence prune after the lease "
-                "ended, never granted in this database, or, under REPEATABLE READ or "
-                "SERIALIZABLE, granted after this transaction's snapshot: bind the lease before "
-                "its first statement). Nothing of this transaction was committed. Roll back; "
-                "take the lease again to write under it."
+                "register no longer holds its token. A newer lease of that name was granted "
+                "(its holder's work stands), or the name's row is gone (pruned by sa-fence "
+                "prune after the lease ended, never granted in this database, or, under "
+                "REPEATABLE READ or SERIALIZABLE, granted after this transaction's snapshot: "
+                "bind the lease before its first statement). Nothing of this transaction was "
+                "committed. Roll back and re-read; take the lease again to write under it."
             )
         elif table is None:
             message = (

@@ -7,9 +7,11 @@ not by waiting.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
+from unittest import mock
 
 import psycopg
 import pytest
@@ -204,46 +206,52 @@ def test_a_grant_made_between_the_scan_and_the_delete_survives(
     granted["job:1"].release()
 
 
+@contextlib.contextmanager
+def _prune_function_changed(db: sa.Engine, old: str, new: str) -> Iterator[None]:
+    """The register's prune function with ``old`` replaced by ``new`` in its body, for a pair;
+    sa-fence's own is made again at the end."""
+    register = _register.Register(SEQUENCE)
+    original = _register._PRUNE_FUNCTION
+    assert old in original, "the prune function no longer holds what the pair removes"
+    with mock.patch.object(_register, "_PRUNE_FUNCTION", original.replace(old, new)):
+        changed = _register.check_function_sql(register)
+    with db.begin() as conn:
+        conn.execute(sa.text(changed))
+    try:
+        yield
+    finally:
+        with db.begin() as conn:
+            conn.execute(sa.text(_register.check_function_sql(register)))
+
+
 def test_without_the_compare_on_the_token_the_grant_in_between_is_deleted(
-    fencer: sa_fence.Fencer, db: sa.Engine, monkeypatch: pytest.MonkeyPatch
+    fencer: sa_fence.Fencer, db: sa.Engine
 ) -> None:
     """The pair: deleting by name alone removes the new holder's row, and its
     commits are refused as if its lease were stale."""
-    original = _prune._delete_sql
-
-    def by_name_only(register: Any, *, dry_run: bool) -> Any:
-        sql = str(original(register, dry_run=dry_run))
-        assert " AND r.token = d.token" in sql
-        return sa.text(sql.replace(" AND r.token = d.token", ""))
-
-    monkeypatch.setattr(_prune, "_delete_sql", by_name_only)
-    grant_and_release(fencer, "job:1", 40)
-    held, granted = grant_between_scan_and_delete(fencer, "job:1")
-    _prune.prune(db, held, SEQUENCE, older_than=30 * DAY, longest_lease=DAY)
-    assert names(db) == []
-    with pytest.raises(sa_fence.StaleTokenError, match="has no row for that name"):
-        commit_a_job(granted["job:1"], db)
-    granted["job:1"].release()
+    compare = " AND r.token OPERATOR(pg_catalog.=) d.token"
+    with _prune_function_changed(db, compare, ""):
+        grant_and_release(fencer, "job:1", 40)
+        held, granted = grant_between_scan_and_delete(fencer, "job:1")
+        _prune.prune(db, held, SEQUENCE, older_than=30 * DAY, longest_lease=DAY)
+        assert names(db) == []
+        with pytest.raises(sa_fence.StaleTokenError, match="no longer holds its token"):
+            commit_a_job(granted["job:1"], db)
+        granted["job:1"].release()
 
 
 @pytest.mark.parametrize("skip_locked", [True, False], ids=["skips", "waits (pair)"])
 def test_a_row_locked_by_a_commit_under_way_is_kept_without_waiting(
-    fencer: sa_fence.Fencer, db: sa.Engine, monkeypatch: pytest.MonkeyPatch, skip_locked: bool
+    fencer: sa_fence.Fencer, db: sa.Engine, skip_locked: bool
 ) -> None:
     """A commit check holds its register row until its COMMIT ends (a grant or a
     stuck connection may too): prune keeps that row and goes on, never waits."""
     grant_and_release(fencer, "job:1", 40)
-    if not skip_locked:
-        original = _prune._delete_sql
-        monkeypatch.setattr(
-            _prune,
-            "_delete_sql",
-            lambda register, *, dry_run: sa.text(
-                str(original(register, dry_run=dry_run)).replace(" SKIP LOCKED", "")
-            ),
-        )
+    changed = (
+        contextlib.nullcontext() if skip_locked else _prune_function_changed(db, " SKIP LOCKED", "")
+    )
     dsn = db.url.set(drivername="postgresql").render_as_string(hide_password=False)
-    with psycopg.connect(dsn) as committing:
+    with changed, psycopg.connect(dsn) as committing:
         committing.execute("SELECT 1 FROM sa_fence_leases WHERE name = 'job:1' FOR SHARE")
         # the pair's wait is cut short: lock_timeout on the pruning connection
         engine = sa.create_engine(db.url, connect_args={"options": "-c lock_timeout=500"})
@@ -280,7 +288,11 @@ def test_a_stale_holder_of_a_pruned_name_is_refused_and_told_the_name_has_no_row
     session.close()
     message = str(refused.value)
     assert refused.value.newest_token is None
-    assert f"lease 'job:1' (token {a.token}) is stale: the lease register has no row" in message
+    assert (
+        f"lease 'job:1' (token {a.token}) is stale: the lease register no longer holds its token"
+        in message
+    )
+    assert "the name's row is gone" in message
     assert "pruned by sa-fence prune" in message
     assert "token none" not in message
     with db.connect() as conn:

@@ -491,8 +491,8 @@ def test_the_arm_travels_in_psycopgs_begin_message(
         session.execute(sa.text("SELECT 1"))  # a text() first statement
         driver = session.connection().connection.driver_connection
         assert "_start_query" in vars(driver)  # sa-fence's BEGIN is installed
-        sent = session.execute(sa.text(f"SELECT name, token FROM {OWN_ARMS}")).all()
-        assert [tuple(r) for r in sent] == [(a.name, a.token)]
+        sent = session.execute(sa.text(f"SELECT token FROM {OWN_ARMS}")).all()
+        assert [tuple(r) for r in sent] == [(a.token,)]
     a.release()
 
 
@@ -635,9 +635,9 @@ def test_a_transaction_after_an_end_is_held_to_the_lease_fenced_now_and_no_other
         c = fencer.acquire(a.name, 5)  # A is stale now; B is current
         with sa_fence.fence_connection(conn, b):
             conn.execute(sa.insert(Outbox).values(id=2, message="under B"))
-            armed = conn.execute(sa.text(f"SELECT name FROM {OWN_ARMS}")).scalars().all()
+            armed = conn.execute(sa.text(f"SELECT token FROM {OWN_ARMS}")).scalars().all()
             conn.commit()
-    assert armed == [b.name]
+    assert armed == [b.token]
     assert outbox(scope_engine) == (["under A", "under B"] if end == "commit" else ["under B"])
     b.release()
     c.release()
@@ -1579,7 +1579,7 @@ def test_without_always_a_stale_holder_in_replica_mode_commits(
         assert outbox(scope_engine) == ["stale"]  # the bad outcome ALWAYS prevents
     finally:
         with scope_engine.begin() as conn:
-            conn.execute(sa.text("DELETE FROM sa_fence_scope WHERE name = :n"), {"n": a.name})
+            conn.execute(sa.text("DELETE FROM sa_fence_scope WHERE token = :t"), {"t": a.token})
             for statement in _register.create_register_sql("sa_fence_token_seq"):
                 conn.execute(sa.text(statement))  # the op marks the trigger ALWAYS again
     assert _trigger_fires(scope_engine) == "A"
@@ -1693,8 +1693,8 @@ def _commit_one_and_two_arms(
         session.commit()
     with engine.begin() as conn:
         conn.execute(
-            sa.text("INSERT INTO sa_fence_scope (name, token) VALUES (:a, :ta), (:b, :tb)"),
-            {"a": a.name, "ta": a.token, "b": b.name, "tb": b.token},
+            sa.text("INSERT INTO sa_fence_scope (token) VALUES (:ta), (:tb)"),
+            {"ta": a.token, "tb": b.token},
         )
     a.release()
     b.release()
@@ -1769,7 +1769,7 @@ def test_the_register_op_upgrades_the_first_scope_table_and_its_clean_up(
         for statement in _register.create_register_sql("sa_fence_token_seq"):
             conn.execute(sa.text(statement))
     inspector = sa.inspect(scope_engine)
-    assert [c["name"] for c in inspector.get_columns("sa_fence_scope")] == ["name", "token"]
+    assert [c["name"] for c in inspector.get_columns("sa_fence_scope")] == ["token"]
     assert inspector.get_indexes("sa_fence_scope") == []
     with scope_engine.connect() as conn:
         function = conn.execute(
@@ -1812,9 +1812,7 @@ def test_a_temp_register_holding_the_stale_token_does_not_stand_in(
         session.add(Outbox(id=1, message="stale"))
         session.flush()
         with pytest.raises(sa_fence.StaleTokenError):
-            session.execute(
-                sa.text("SELECT sa_fence_check_lease(:n, :t)"), {"n": a.name, "t": a.token}
-            )
+            session.execute(sa.text("SELECT sa_fence_check_lease(:t)"), {"t": a.token})
         session.rollback()
         _shadow(session, a.token, a.name)
         session.add(Outbox(id=1, message="stale"))
@@ -1909,12 +1907,12 @@ def test_without_the_qualified_operators_a_shadow_operator_stands_in(
 ) -> None:
     """Guard-removal pair: the check written with the bare operator, as it would be
     without qualified operators (nor a pinned search_path), lets the stale commit through."""
-    qualified_check = "COALESCE(newest OPERATOR(pg_catalog.=) lease_token, false)"
+    qualified_check = "WHERE r.token OPERATOR(pg_catalog.=) lease_token FOR SHARE"
     assert qualified_check in _register._CHECK_BODY
     monkeypatch.setattr(
         _register,
         "_CHECK_BODY",
-        _register._CHECK_BODY.replace(qualified_check, "COALESCE(newest = lease_token, false)"),
+        _register._CHECK_BODY.replace(qualified_check, "WHERE r.token = lease_token FOR SHARE"),
     )
     register = _register.Register("sa_fence_token_seq")
     with scope_engine.begin() as conn:
@@ -2006,7 +2004,7 @@ def test_under_snapshot_isolation_a_lease_granted_inside_the_transaction_cannot_
             session.add(Outbox(id=1, message="late"))
             with pytest.raises(
                 sa_fence.StaleTokenError,
-                match=r"(?s)no row.*granted after this transaction's snapshot",
+                match=r"(?s)no longer holds its token.*granted after this transaction's snapshot",
             ):
                 session.commit()
     assert outbox(scope_engine) == []
