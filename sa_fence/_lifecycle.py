@@ -92,7 +92,9 @@ def acquire(
         try:
             token = f._io(f._next_token(name))
         except SQLAlchemyError as exc:
-            raise token_error(name, exc, tokens.lock_timeout_ms, sequence=f.sequence) from None
+            raise token_error(
+                name, exc, tokens.lock_timeout_ms, sequence=f.sequence, tokens=tokens
+            ) from None
         value = proto.confirmed_value(owner, token)
         remaining, _ = call(f, name, "confirm", f._confirm, key, owner, value)
     except BaseException as exc:

@@ -20,7 +20,7 @@ from typing import Any, NoReturn, cast
 from sqlalchemy import BigInteger, Connection, Engine, MetaData, Sequence, text
 from sqlalchemy.exc import DBAPIError
 
-from . import _failures
+from . import _blockers, _failures
 from . import _protocol as proto
 from ._fitness import register_problems, sequence_problem
 from ._guard import DEFAULT_SEQUENCE as DEFAULT_SEQUENCE  # re-exported: the package's one default
@@ -132,21 +132,29 @@ def token_error(
     *,
     operation: str = "token",
     sequence: str = DEFAULT_SEQUENCE,
+    tokens: TokenSource | None = None,
 ) -> LeaseBackendError | FencingConfigError:
     """The error for a failed token draw (``operation="token"``) or set-up check
     (``"check"``): a set-up mistake (:func:`sa_fence._failures.classify_postgres`)
     is a FencingConfigError with the fix; an outage, a failover or a wait for the
-    register row is a LeaseBackendError.  Raise it ``from None`` (``.cause`` keeps it)."""
+    register row is a LeaseBackendError (naming, with ``tokens``, who holds the row).
+    Raise it ``from None`` (``.cause`` keeps it)."""
     orig = getattr(exc, "orig", None)
     sqlstate = getattr(orig, "sqlstate", None)
     kind, problem = _failures.classify_postgres(sqlstate, str(orig if orig is not None else exc))
     cause = _failures.cause_text(exc)
     if sqlstate == "55P03":  # lock_not_available
+        held_by = (
+            ""
+            if tokens is None
+            else " " + _blockers.describe(tokens.engine, tokens.register.table_sql, name)
+        )
         detail = (
             f"waited {lock_timeout_ms} ms for the lease register row of {name!r}, held "
             "by a transaction committing under an older lease of this name (its commit "
-            "check holds the row until its COMMIT ends). Nothing was granted; try again. "
-            "If this repeats, a holder's connection is stuck mid-commit."
+            "check holds the row until the transaction ends: COMMIT, or COMMIT/ROLLBACK "
+            f"PREPARED for a prepared one).{held_by} Nothing was granted; try again. If "
+            "this repeats, that transaction is stuck: end it."
         )
     elif sqlstate == "57014":  # query_canceled: statement_timeout, or pg_cancel_backend
         detail = (

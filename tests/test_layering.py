@@ -239,8 +239,11 @@ def physical_lines(root: Path, *, without: Path) -> int:
 #: the temporary-sequence check on the resolved name, a joined async call cancelled on loss);
 #: +7 so that statements read where no cursor reads them (asyncio, fallback mode) look the
 #: driver up only for SQL that may end the transaction (two calls a statement less), and for
-#: the one test of an async callable that on_lost and @fenced share.
-CORE_LINES_AT_MOST = 10209
+#: the one test of an async callable that on_lost and @fenced share.  Then by 108 so that a
+#: grant that waited out its lock_timeout names who holds the register row (issue 46 item 6:
+#: sa_fence._blockers, the backend's pid, state and start or the prepared transaction's gid,
+#: read on that failure path only); it said only that some commit was stuck.
+CORE_LINES_AT_MOST = 10317
 
 
 def test_the_core_stays_within_its_line_budget() -> None:
@@ -451,7 +454,6 @@ THIRD_PARTY_PRIVATE_READS: dict[tuple[str, str], str] = {
     ("sa_fence._rewrite", "_deannotate"): "the ORM's annotated table back to the plain Table",
     ("sa_fence._telemetry", "_tracer"): "OpenTelemetry's proxy tracer: no span without a provider",
     ("sa_fence._telemetry", "_real_instrument"): "OpenTelemetry's proxy histogram: idle?",
-    ("sa_fence.tools._redact", "_replace"): "namedtuple._replace is public API despite the _",
     ("sa_fence._tokens", "_invalidate"): "Pool._invalidate: recycle the pool as on a disconnect",
     ("sa_fence.tools.demo", "_exit"): "os._exit is public API despite the _",
 }

@@ -11,6 +11,10 @@ Two sources, read side by side:
   it can release or extend the lease) is never shown; a short hash of it tells
   holders apart.
 
+Beside them, which transactions hold a register row now (a grant of that name waits for
+them, then fails): the backend's pid, state and transaction start, or the prepared
+transaction's gid (sa_fence._blockers).
+
 Read-only.  Exit status: 0 shown; 1 a NAME given is neither in the register
 nor held in Redis, or the register does not exist; 2 bad argument;
 3 PostgreSQL or Redis unreachable.
@@ -22,13 +26,14 @@ import hashlib
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import redis as redis_lib
 import sqlalchemy as sa
 
+from .. import _blockers
 from .. import _protocol as proto
 from .._failures import cause_text
 from .._fitness import register_problems
@@ -65,6 +70,8 @@ class LeaseStatus:
     holder_token: int | None
     #: the first 8 hex digits of SHA-256 of the owner value (never the value)
     holder: str | None
+    #: the transactions holding the name's register row now (a grant waits for them)
+    blocked_by: list[_blockers.Blocker] = field(default_factory=list)
 
 
 def owner_hash(owner: str) -> str:
@@ -285,7 +292,10 @@ def run(
         client.close()
     if status != EXIT_OK:
         return status
-    return _show(result["found"], result.get("hint"), as_json=as_json, out=out, err=err)
+    status = _show(result["found"], result.get("hint"), as_json=as_json, out=out, err=err)
+    if not as_json:
+        render_blockers(result["blockers"], out)
+    return status
 
 
 def _read(
@@ -334,10 +344,50 @@ def _read(
         )
         return EXIT_FINDINGS
     result["found"] = found
+    result["blockers"] = held_rows(conn, sequence, names, found, err)
     registered = [s for s in found if s.token is not None]
     if registered and all(s.state == FREE for s in registered):
         result["hint"] = no_keys_hint(client, key_prefix, registered)
     return EXIT_OK
+
+
+def held_rows(
+    conn: sa.Connection,
+    sequence: str,
+    names: Sequence[str],
+    found: Sequence[LeaseStatus],
+    err: TextIO,
+) -> list[_blockers.Blocker]:
+    """The transactions holding register rows (of ``names``; of every name when none is
+    given), each also noted on its name's status in ``found``; best effort."""
+    try:
+        with conn.begin_nested():
+            table = pinned_register(conn, sequence).table_sql
+            blockers = _blockers.find(conn, table, names or None)
+    except sa.exc.SQLAlchemyError as exc:
+        print(
+            "sa-fence status: note: could not tell which transactions hold register rows: "
+            + cause_text(exc),
+            file=err,
+        )
+        return []
+    listed = {s.name: s for s in found}
+    for blocker in blockers:
+        if blocker.name in listed:
+            listed[blocker.name].blocked_by.append(blocker)
+    return blockers
+
+
+def render_blockers(blockers: Sequence[_blockers.Blocker], out: TextIO) -> None:
+    """The section of register rows held now, one line per holding transaction."""
+    if blockers:
+        print(
+            "\nregister rows held by a transaction (a grant of the name waits for it, then "
+            "fails; see docs/lease-scope.md):",
+            file=out,
+        )
+    for blocker in blockers:
+        print(f"  {blocker.name}: {blocker}", file=out)
 
 
 def _show(
