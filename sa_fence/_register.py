@@ -607,8 +607,9 @@ _FUNCTIONS_STATE_SQL = text(
                AS same
       FROM pg_catalog.pg_class r
       JOIN pg_catalog.pg_namespace n ON n.oid = r.relnamespace
-     CROSS JOIN pg_catalog.unnest(CAST(:names AS text[]), CAST(:args AS text[]),
-                                  CAST(:bodies AS text[])) AS f(name, args, body)
+     CROSS JOIN ROWS FROM (pg_catalog.unnest(CAST(:names AS text[])),
+                           pg_catalog.unnest(CAST(:args AS text[])),
+                           pg_catalog.unnest(CAST(:bodies AS text[]))) AS f(name, args, body)
       LEFT JOIN pg_catalog.pg_proc p ON p.oid = pg_catalog.to_regprocedure(
                 pg_catalog.quote_ident(n.nspname) || '.' || f.name || '(' || f.args || ')')
      WHERE r.oid = pg_catalog.to_regclass(:register)

@@ -281,7 +281,7 @@ def test_check_names_a_missing_lease_register_with_its_fix(
 ) -> None:
     execute(
         migrated,
-        "DROP FUNCTION sa_fence_check_lease(text, bigint)",
+        "DROP FUNCTION sa_fence_check_lease(bigint)",
         "DROP TABLE sa_fence_leases",
     )
     status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
@@ -345,11 +345,11 @@ def test_check_names_a_register_drawing_from_another_sequence_or_from_none(
 def test_check_names_a_missing_commit_check_function(
     migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    execute(migrated, "DROP FUNCTION sa_fence_check_lease(text, bigint)")
+    execute(migrated, "DROP FUNCTION sa_fence_check_lease(bigint)")
     status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
     assert status == 1
     assert (
-        'PROBLEM commit check function "sa_fence_check_lease"(text, bigint) is missing: no '
+        'PROBLEM commit check function "sa_fence_check_lease"(bigint) is missing: no '
         "session bound to a lease can commit fix: op.create_fence_register() (keeps the "
         "register's rows)" in out
     )
@@ -433,7 +433,7 @@ def test_check_names_the_rights_the_connecting_role_lacks_with_the_grants(
     execute(
         migrated,
         f'GRANT SELECT ON ALL TABLES IN SCHEMA public TO "{worker_role}"',
-        "REVOKE EXECUTE ON FUNCTION sa_fence_check_lease(text, bigint) FROM PUBLIC",
+        "REVOKE EXECUTE ON FUNCTION sa_fence_check_lease(bigint) FROM PUBLIC",
     )
     url = migrated.url.set(username=worker_role).render_as_string(hide_password=False)
     status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)

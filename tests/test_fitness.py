@@ -118,7 +118,7 @@ def test_a_missing_register_is_told_from_the_one_rule_by_every_path(
             id="register-of-another-sequence",
         ),
         pytest.param(
-            ["DROP FUNCTION sa_fence_check_lease(text, bigint)"],
+            ["DROP FUNCTION sa_fence_check_lease(bigint)"],
             "no check function",
             "op.create_fence_register() (keeps the register's rows)",
             id="no-check-function",
@@ -147,7 +147,7 @@ def test_fencer_check_and_sa_fence_check_give_the_same_rules_hint(
 
 
 def test_the_grant_statement_holds_every_sequence_rule() -> None:
-    grant = _register.Register("sa_fence_token_seq").grant_sql
+    grant = _register.grant_function_sql()
     assert _fitness.SEQUENCE_FIT_SQL in grant
     for rule in _fitness.SEQUENCE_RULES:
         assert rule.sql in grant

@@ -62,13 +62,28 @@ def make_fencer(db: sa.Engine, redis_client: redis.Redis, key_prefix: str) -> It
         fencer.close()
 
 
-def without(monkeypatch: pytest.MonkeyPatch, guard: str) -> None:
-    """Take ``guard`` (a piece of the grant statement) out of it, for a pair test."""
-    assert guard in _register._GRANT_SQL, "the guard is no longer in the grant statement"
-    monkeypatch.setattr(_register, "_GRANT_SQL", _register._GRANT_SQL.replace(guard, ""))
+def without(db: sa.Engine, monkeypatch: pytest.MonkeyPatch, *guards: str) -> None:
+    """Take ``guards`` (pieces of the grant function) out of it in ``db``, for a pair test."""
+    ddl = _register._GRANT_FUNCTION
+    for guard in guards:
+        assert guard in ddl, "the guard is no longer in the grant function"
+        ddl = ddl.replace(guard, "")
+    monkeypatch.setattr(_register, "_GRANT_FUNCTION", ddl)
+    remake_functions(db)
 
 
-FORWARD_GUARD = "     WHERE r.token < EXCLUDED.token\n"
+def remake_functions(db: sa.Engine) -> None:
+    """Make the register's functions again in ``db`` from the (patched) DDL."""
+    with db.begin() as conn:
+        conn.execute(sa.text(_register.check_function_sql(_register.Register(SEQUENCE))))
+
+
+FORWARD_GUARD = "     WHERE r.token OPERATOR(pg_catalog.<) EXCLUDED.token\n"
+#: A drawn token another name holds is not recorded (with the unique index on token).
+CLASH_GUARD = (
+    "     WHERE NOT EXISTS (SELECT FROM @sa_fence_schema@.sa_fence_leases o\n"
+    "                        WHERE o.token OPERATOR(pg_catalog.=) m.token)\n"
+)
 
 
 def register_row(engine: sa.Engine, name: str) -> Any:
@@ -166,8 +181,10 @@ def test_without_the_forward_only_guard_a_set_back_sequence_reissues_a_held_toke
     make_fencer: Any, db: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The pair: without ``r.token < EXCLUDED.token`` B gets A's own token, and the
-    stale A's commit lands over B's lease."""
-    without(monkeypatch, FORWARD_GUARD)
+    stale A's commit lands over B's lease.  (The clash guard and the unique token index
+    refuse a token the register holds for any name, this one too: they go as well.)"""
+    without(db, monkeypatch, FORWARD_GUARD, CLASH_GUARD)
+    execute(db, "DROP INDEX sa_fence_leases_token")
     fencer = make_fencer()
     a, session_a = stale_holder_then_setback(fencer, db)
     b = fencer.acquire("job:1", 5)
@@ -253,7 +270,7 @@ def _waiting_grants(engine: sa.Engine) -> int:
             conn.execute(
                 sa.text(
                     "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND wait_event_type = 'Lock' AND query LIKE 'WITH drawn AS%'"
+                    "AND wait_event_type = 'Lock' AND query LIKE '%sa_fence_grant%'"
                 )
             ).scalar_one()
         )
@@ -301,18 +318,19 @@ FITNESS = [
 
 def without_default_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """The grant without its test that the sequence is the register's own."""
-    grant = _register.Register(SEQUENCE).grant_sql
+    grant = _register.grant_function_sql()
     assert (
-        "s.seqrelid IN " + _fitness.token_sequences_sql("CAST(%(register)s AS pg_catalog.regclass)")
+        "s.seqrelid IN "
+        + _fitness.token_sequences_sql("CAST(@sa_fence_register@ AS pg_catalog.regclass)")
         in grant
-    ), "the register's sequence is no longer tested in the grant statement"
+    ), "the register's sequence is no longer tested in the grant function"
     monkeypatch.setattr(_register, "token_sequences_sql", lambda register: "(s.seqrelid)")
 
 
 def without_rule(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
     """The grant without one rule of sa_fence._fitness.SEQUENCE_RULES (the one
     statement of it that the grant, Fencer.check() and sa-fence check read)."""
-    assert _fitness.SEQUENCE_FIT_SQL in _register.Register(SEQUENCE).grant_sql
+    assert _fitness.SEQUENCE_FIT_SQL in _register.grant_function_sql()
     kept = [rule.sql for rule in _fitness.SEQUENCE_RULES if rule.key != key]
     assert len(kept) == len(_fitness.SEQUENCE_RULES) - 1, f"no sequence rule {key!r}"
     monkeypatch.setattr(_register, "SEQUENCE_FIT_SQL", " AND ".join(kept))
@@ -359,6 +377,7 @@ def test_without_its_fitness_guard_the_unfit_sequence_grants(
         without_default_check(monkeypatch)
     else:
         without_rule(monkeypatch, guard)
+    remake_functions(db)
     fencer = make_fencer()
     fencer.acquire("job:1", 5).release()
     execute(db, *alter)
@@ -394,10 +413,12 @@ def test_a_table_named_like_the_register_on_the_search_path_changes_nothing_the_
     shadow: str,
     pinned: bool,
 ) -> None:
-    if not pinned:  # the pair: names resolved through the search_path, as before
+    if not pinned:  # the pair: names resolved through the search_path, client and function
         monkeypatch.setattr(_register.Register, "pinned", lambda self, schema: self)
         # (the stand-in has no scope table beside it, which check() would refuse first)
         monkeypatch.setattr(_tokens, "scope_trigger_problem", lambda conn, register: None)
+        # the grant function as it would be without its qualified names and pinned search_path
+        without(db, monkeypatch, "@sa_fence_schema@.", "SET search_path = pg_catalog, pg_temp")
     if shadow == "temp table":
         engine = engine_with_temp_table(db, SHADOW_LIKE)
     else:

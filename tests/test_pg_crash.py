@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import psycopg
 import pytest
@@ -235,7 +236,7 @@ FLUSHERS = ("walwriter", "background writer", "checkpointer")
 #: The grant statement's test of "the token's WAL record is flushed" (its guard).
 FLUSHED_GUARD = (
     "                 AND pg_catalog.pg_current_wal_flush_lsn()\n"
-    "                     >= pg_catalog.pg_current_wal_insert_lsn()\n"
+    "                     OPERATOR(pg_catalog.>=) pg_catalog.pg_current_wal_insert_lsn()\n"
 )
 
 
@@ -402,8 +403,13 @@ def test_the_pair_forced_to_skip_the_flush_hands_the_token_out_again_and_accepts
     """The pair of the test above, with the guard taken out of the grant statement:
     the grant skips the flush whenever ``skip_flush`` is on, as a rule "skip it
     when this nextval wrote no WAL" would (B's draw wrote none)."""
-    assert FLUSHED_GUARD in _register._GRANT_SQL, "the guard is no longer in the grant statement"
-    monkeypatch.setattr(_register, "_GRANT_SQL", _register._GRANT_SQL.replace(FLUSHED_GUARD, ""))
+    ddl = _register._GRANT_FUNCTION
+    assert FLUSHED_GUARD in ddl, "the guard is no longer in the grant function"
+    register = _register.Register(SEQUENCE)
+    with mock.patch.object(_register, "_GRANT_FUNCTION", ddl.replace(FLUSHED_GUARD, "")):
+        unguarded = _register.check_function_sql(register)
+    with app_engine.begin() as conn:
+        conn.execute(sa.text(unguarded))
     fencer = make_fencer(redis_client, app_engine, key_prefix)
     try:
         b, frozen = grant_over_an_unflushed_record(pg, fencer)
@@ -422,6 +428,8 @@ def test_the_pair_forced_to_skip_the_flush_hands_the_token_out_again_and_accepts
         assert messages(pg) == ["C", "B after C"]
     finally:
         fencer.close()
+        with app_engine.begin() as conn:  # sa-fence's own grant again, for the next tests
+            conn.execute(sa.text(_register.check_function_sql(register)))
 
 
 # ----------------------------------------------------- crashes mid-operation

@@ -497,7 +497,7 @@ def interruptible_fencer(
     queued: list[Callable[[], None]] = []
 
     def before_cursor_execute(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        grant = "nextval" in statement and 'INSERT INTO "public"."sa_fence_leases"' in statement
+        grant = '"public"."sa_fence_grant"(' in statement
         if grant and queued:
             queued.pop()()
 

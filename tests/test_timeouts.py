@@ -273,7 +273,7 @@ def test_the_probe_tells_a_tls_port_from_a_connection_a_proxy_resets(
         ("42P01", 'relation "sa_fence_leases" does not exist', ("setup", "schema")),
         (
             "42883",
-            "function sa_fence_check_lease(text, bigint) does not exist",
+            "function sa_fence_check_lease(bigint) does not exist",
             ("setup", "schema"),
         ),
         ("42501", "permission denied for table sa_fence_leases", ("setup", "rights")),

@@ -63,7 +63,7 @@ def test_engines_with_statement_listeners_see_the_token_statement(
         fencer.acquire("job:1", 30).release()
     finally:
         own.dispose()
-    assert any('INSERT INTO "public"."sa_fence_leases"' in stmt for stmt in seen)
+    assert any('"public"."sa_fence_grant"(' in stmt for stmt in seen)
 
 
 def test_a_closed_token_connection_is_replaced_before_use(

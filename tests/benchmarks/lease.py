@@ -41,6 +41,7 @@ import redis
 import sqlalchemy as sa
 
 import sa_fence
+from sa_fence import _register
 from sa_fence.tools.bench import (
     HandWritten,
     Op,
@@ -157,8 +158,9 @@ def peers(
 def bare_grant_sql(schema: Schema) -> str:
     """:data:`BARE_GRANT_SQL` for the benchmark's register (same parameters as the grant),
     with the grant's own ``commit_mode`` clause."""
-    grant = schema.register.grant_sql
+    grant = _register.grant_function_sql()  # (the grant runs it in its SECURITY DEFINER function)
     commit_mode = grant[grant.index("), commit_mode AS (") : grant.index("), granted AS (")]
+    commit_mode = commit_mode.replace("grant_skip_flush", "CAST(%(skip_flush)s AS boolean)")
     return BARE_GRANT_SQL.format(register=schema.register.table_sql, commit_mode=commit_mode)
 
 

@@ -259,7 +259,7 @@ ROLE_SQL = [
     "GRANT USAGE, SELECT ON SEQUENCE sa_fence_token_seq TO {role};",
     "GRANT SELECT, INSERT, UPDATE ON sa_fence_leases TO {role};",
     "GRANT SELECT, INSERT, DELETE ON sa_fence_scope TO {role};",
-    "REVOKE EXECUTE ON FUNCTION sa_fence_check_lease(text, bigint) FROM PUBLIC;",
+    "REVOKE EXECUTE ON FUNCTION sa_fence_check_lease(bigint) FROM PUBLIC;",
     "GRANT SELECT, INSERT, UPDATE, DELETE ON jobs, audit TO {role};",
 ]
 
