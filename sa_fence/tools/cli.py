@@ -19,10 +19,10 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import __version__
-from ._redact import redact_url
+from ._redact import redact_text, redact_url
 
 DEMO_PG_ENV = "SA_FENCE_DEMO_PG"
 DEMO_REDIS_ENV = "SA_FENCE_DEMO_REDIS"
@@ -81,13 +81,13 @@ def _bounded_int(low: int, high: int) -> Callable[[str], int]:
 def _bench_pg_url(text: str) -> str:
     """A SQLAlchemy URL of a PostgreSQL database, driven by psycopg 3."""
     from sqlalchemy import make_url
-    from sqlalchemy.exc import ArgumentError
 
     try:
         url = make_url(text)
-    except ArgumentError:
+    except Exception:  # (ArgumentError; a ValueError for a port that is not a number)
         raise argparse.ArgumentTypeError(
-            f"not a database URL: {text!r} (e.g. postgresql+psycopg://user@host:5432/app)"
+            f"not a database URL: {redact_url(text)!r} "
+            "(e.g. postgresql+psycopg://user@host:5432/app)"
         ) from None
     if url.get_backend_name() != "postgresql":
         raise argparse.ArgumentTypeError(
@@ -101,18 +101,51 @@ def _bench_pg_url(text: str) -> str:
         )
     if not url.database:
         raise argparse.ArgumentTypeError(
-            f"the URL names no database: {text!r}; add /DBNAME (the bench creates and "
-            "drops its own tables there)"
+            f"the URL names no database: {redact_url(text)!r}; add /DBNAME (the bench "
+            "creates and drops its own tables there)"
         )
     return url.render_as_string(hide_password=False)
 
 
 def _redis_url(text: str) -> str:
+    """A Redis URL redis-py can read (checked here: a bad port is a usage error, not a
+    traceback out of ``Redis.from_url``)."""
+    example = "(e.g. redis://127.0.0.1:6379/0)"
     if not text.startswith(("redis://", "rediss://", "unix://")):
+        raise argparse.ArgumentTypeError(f"not a Redis URL: {redact_url(text)!r} {example}")
+    from redis.connection import parse_url
+
+    try:
+        parse_url(text)  # type: ignore[no-untyped-call]  # (redis-py leaves it untyped)
+    except ValueError as exc:  # a port or a query value redis-py cannot read
         raise argparse.ArgumentTypeError(
-            f"not a Redis URL: {redact_url(text)!r} (e.g. redis://127.0.0.1:6379/0)"
-        )
+            f"not a Redis URL: {redact_url(text)!r} ({redact_text(str(exc))}) {example}"
+        ) from None
     return text
+
+
+def _database_url(text: str) -> str:
+    """``text`` if SQLAlchemy can read it as a URL, else ValueError (the reason).
+
+    A ``?password=`` query parameter is moved into the URL's own password
+    (psycopg is given the same password either way), where every message of
+    the tools hides it.
+    """
+    from sqlalchemy import make_url
+
+    try:
+        url = make_url(text)
+    except ValueError:  # (SQLAlchemy's int() of the port)
+        raise ValueError("has a port that is not a number") from None
+    except Exception:  # ArgumentError, or whatever else it raises: a usage error all the same
+        raise ValueError("is not a SQLAlchemy URL") from None
+    password = url.query.get("password")
+    if password is None:
+        return text
+    if isinstance(password, tuple):  # (given twice: psycopg would be given the last)
+        password = password[-1]
+    folded = url.difference_update_query(["password"]).set(password=password)
+    return folded.render_as_string(hide_password=False)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -223,9 +256,25 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+#: The options that take a URL: an error in one is a line of its own, without usage
+#: (a URL's problem has nothing to do with how the command line is laid out).
+URL_OPTIONS = ("--url", "--pg", "--redis")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors never show a password: argparse quotes the
+    arguments it refuses (``unrecognized arguments: postgresql://u:pw@h/db``)."""
+
+    def error(self, message: str) -> NoReturn:
+        message = redact_text(message)
+        if not message.startswith(tuple(f"argument {option}:" for option in URL_OPTIONS)):
+            self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _block() -> argparse.ArgumentParser:
     """An empty argparse parent parser: options several subcommands share."""
-    return argparse.ArgumentParser(add_help=False)
+    return _Parser(add_help=False)
 
 
 def _url_block(help: str, type: Callable[[str], str] = str) -> argparse.ArgumentParser:
@@ -322,7 +371,7 @@ def _blocks() -> _Blocks:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``sa-fence`` parser: one ``_<command>_parser`` per subcommand, in --help's order."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sa-fence",
         description="Fencing tokens for SQLAlchemy: a worker whose Redis lease expired "
         "cannot overwrite the newer holder's rows.",
@@ -591,6 +640,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--url is required when ${DATABASE_URL_ENV} is not set, e.g. "
             "--url postgresql+psycopg://user@host:5432/dbname"
         )
+    for option in ("--url", "--pg"):  # the database URLs: bench's is checked by its type
+        dest = option[2:]
+        if getattr(args, dest, None) is None:
+            continue
+        try:
+            setattr(args, dest, _database_url(getattr(args, dest)))
+        except ValueError as exc:
+            print(
+                f"{args.parser.prog}: error: {option} {redact_url(getattr(args, dest))!r} "
+                f"{exc}; expected e.g. postgresql+psycopg://user@host:5432"
+                + ("/dbname" if option == "--url" else ""),
+                file=sys.stderr,
+            )
+            return 2
     handler: Handler = args.handler
     try:
         return handler(args)
