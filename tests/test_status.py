@@ -184,6 +184,59 @@ def test_no_hint_when_a_registered_name_is_held_under_the_prefix(
     assert "note" not in err
 
 
+def test_leases_not_held_read_as_free_without_a_note(
+    fencer: sa_fence.Fencer, engine: sa.Engine, key_prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No lease held is the normal state: the table says free, stderr says nothing."""
+    for name in ("idle:1", "idle:2"):
+        fencer.acquire(name, ttl=30).release()
+    for args in (("idle:1", "idle:2"), ("--json", "idle:1")):
+        code, out, err = status_in_process(
+            "--key-prefix", key_prefix, *args, engine=engine, capsys=capsys
+        )
+        assert code == 0, err
+        assert "free" in out
+        assert err == ""
+
+
+def test_no_note_when_the_prefix_is_in_use_though_another_prefix_holds_the_name(
+    fencer: sa_fence.Fencer,
+    engine: sa.Engine,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Another application's lease of the same name is its own business: the prefix asked
+    for has keys, so it is the right one and the name is just not held under it."""
+    other_prefix = f"{key_prefix.rstrip(':')}-other-app:"
+    other = sa_fence.Fencer(redis_client, engine, sequence=SEQUENCE, key_prefix=other_prefix)
+    with fencer.lease("inuse:busy", ttl=30), other.lease("inuse:1", ttl=30):
+        code, out, err = status_in_process(
+            "--key-prefix", key_prefix, "inuse:1", engine=engine, capsys=capsys
+        )
+    assert code == 0, err
+    assert "free" in out
+    assert err == ""
+
+
+def test_no_note_for_a_key_under_another_prefix_that_is_no_sa_fence_lease(
+    fencer: sa_fence.Fencer,
+    engine: sa.Engine,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fencer.acquire("plain:1", ttl=30).release()
+    redis_client.set(f"{key_prefix}plain:1", "a cache entry, not a lease", ex=60)
+    empty_prefix = f"{key_prefix.rstrip(':')}-nothing-here:"
+    code, out, err = status_in_process(
+        "--key-prefix", empty_prefix, "plain:1", engine=engine, capsys=capsys
+    )
+    assert code == 0, err
+    assert "free" in out
+    assert err == ""
+
+
 def test_without_the_hint_a_wrong_prefix_shows_a_held_lease_as_free_silently(
     fencer: sa_fence.Fencer,
     engine: sa.Engine,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TextIO
@@ -197,52 +197,81 @@ def render(found: Sequence[LeaseStatus], out: TextIO) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip(), file=out)
 
 
-#: SCAN calls (COUNT :data:`SCAN_COUNT` each) spent looking for the registered
-#: names under another prefix: bounded, so a large Redis costs little.
+#: SCAN calls (COUNT :data:`SCAN_COUNT` each) spent looking for keys under a
+#: prefix, or for the registered names under another: bounded, so a large
+#: Redis costs little.
 SCAN_CALLS = 20
 SCAN_COUNT = 1000
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+#: A value sa-fence stores in a lease key: the owner (``proto.new_owner()``, 32 hex
+#: digits), then ``:token`` once the token is recorded (``proto.confirmed_value``).
+_LEASE_VALUE = re.compile(rb"[0-9a-f]{32}(?::[0-9]+)?")
 
 
-def other_prefixes(client: redis_lib.Redis, key_prefix: str, name: str) -> list[str]:
-    """Prefixes other than ``key_prefix`` under which Redis holds a key for lease
-    ``name`` (a bounded SCAN: an empty list proves nothing)."""
-    raw = name.encode()
-    pattern = "*" + _GLOB_SPECIAL.sub(r"\\\1", name)
-    found: set[str] = set()
+def _scan(client: redis_lib.Redis, pattern: str) -> Iterator[list[bytes]]:
+    """The keys matching glob ``pattern``, a SCAN call's batch at a time, for at most
+    :data:`SCAN_CALLS` calls (finding nothing proves nothing)."""
     cursor = 0
     for _ in range(SCAN_CALLS):
         cursor, keys = client.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
-        for key in keys:
-            key = key if isinstance(key, bytes) else key.encode()  # decode_responses
-            if key.endswith(raw) and len(key) > len(raw):
-                prefix = key[: -len(raw)].decode("utf-8", "replace")
-                if prefix != key_prefix:
-                    found.add(prefix)
+        yield [key if isinstance(key, bytes) else key.encode() for key in keys]  # (decoded)
         if cursor == 0:
-            break
-    return sorted(found)
+            return
+
+
+def _glob(text: str) -> str:
+    return _GLOB_SPECIAL.sub(r"\\\1", text)
+
+
+def prefix_in_use(client: redis_lib.Redis, key_prefix: str) -> bool:
+    """Whether Redis holds any key under ``key_prefix`` (a bounded SCAN)."""
+    return any(keys for keys in _scan(client, _glob(key_prefix) + "*"))
+
+
+def other_prefixes(client: redis_lib.Redis, key_prefix: str, name: str) -> list[str]:
+    """Prefixes other than ``key_prefix`` under which Redis holds an sa-fence lease
+    value for ``name`` (a bounded SCAN: an empty list proves nothing)."""
+    raw = name.encode()
+    keys = [
+        key
+        for batch in _scan(client, "*" + _glob(name))
+        for key in batch
+        if key.endswith(raw) and len(key) > len(raw) and key[: -len(raw)] != key_prefix.encode()
+    ][:100]
+    values = client.mget(keys) if keys else []  # (None for a key of another type)
+    return sorted(
+        {
+            key[: -len(raw)].decode("utf-8", "replace")
+            for key, value in zip(keys, values, strict=True)
+            if value is not None
+            and _LEASE_VALUE.fullmatch(value if isinstance(value, bytes) else value.encode())
+        }
+    )
 
 
 def no_keys_hint(
     client: redis_lib.Redis, key_prefix: str, registered: Sequence[LeaseStatus]
-) -> str:
-    """What to say when no name the register holds has a key under ``key_prefix``."""
-    hint = (
-        f"sa-fence status: note: Redis holds no key under the prefix {key_prefix!r} for "
-        f"any of the {len(registered)} name(s) the register holds, so each shows as free. "
-        "If a lease is held now, your application's Fencer uses another key_prefix: pass "
-        f"--key-prefix, or set ${KEY_PREFIX_ENV} as the recipes read it."
-    )
+) -> str | None:
+    """What to say when no name the register holds has a key under ``key_prefix``:
+    nothing, the normal state of leases not held now, unless the prefix looks
+    mistyped (no key under it at all) and Redis holds an sa-fence lease of the
+    newest name under another prefix; then that prefix."""
     try:
+        if prefix_in_use(client, key_prefix):
+            return None
         prefixes = other_prefixes(client, key_prefix, registered[0].name)
     except redis_lib.RedisError:
-        prefixes = []
-    if prefixes:
-        hint += f" {registered[0].name!r} has a key under: " + ", ".join(
-            f"--key-prefix {p!r}" for p in prefixes[:5]
-        )
-    return hint
+        return None
+    if not prefixes:
+        return None
+    return (
+        f"sa-fence status: note: Redis holds no key under the prefix {key_prefix!r} for "
+        f"any of the {len(registered)} name(s) the register holds, nor any other key under "
+        f"it, so each shows as free; {registered[0].name!r} has a key under: "
+        + ", ".join(f"--key-prefix {p!r}" for p in prefixes[:5])
+        + ". If that lease is your application's, its Fencer uses that key_prefix: pass "
+        f"--key-prefix, or set ${KEY_PREFIX_ENV} as the recipes read it."
+    )
 
 
 def run(
