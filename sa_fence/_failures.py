@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from redis import exceptions as rx
 
@@ -257,10 +258,11 @@ _PG_FIXES = {
     "check {function} is missing: run `sa-fence check --url ...` to see which, and "
     "create them with sa_fence.fence_sequence(metadata) and metadata.create_all(), "
     "or in a migration with op.create_fence_register().",
-    "rights": "The database role lacks a right sa-fence needs: GRANT USAGE, SELECT ON "
-    "SEQUENCE {sequence}; GRANT SELECT, INSERT, UPDATE ON {register}; GRANT "
-    "EXECUTE ON FUNCTION {function}(text, bigint); and SELECT, INSERT, UPDATE, "
-    "DELETE on the fenced tables (see docs/topologies.md#postgresql-role).",
+    "rights": "The database role lacks a right sa-fence needs: GRANT EXECUTE ON FUNCTION "
+    "{grant_function}(text, regclass, text, boolean), {withdraw_function}(text, bigint); "
+    "GRANT SELECT ON {register}; GRANT SELECT ON SEQUENCE {sequence}; GRANT INSERT ON "
+    "{scope}; and SELECT, INSERT, UPDATE, DELETE on the fenced tables (see "
+    "docs/topologies.md#postgresql-role).",
     "prepared": "The connection goes through a pooler that pools by transaction (PgBouncer "
     "pool_mode = transaction, before 1.21 or with max_prepared_statements = 0), "
     "which mixes up psycopg's prepared statements between clients. Create the "
@@ -268,8 +270,14 @@ _PG_FIXES = {
 }
 
 
-def postgres_setup_fix(problem: str, *, sequence: str, register: str, function: str) -> str:
-    """The fix for a PostgreSQL set-up problem found by :func:`classify_postgres`."""
+def postgres_setup_fix(problem: str, *, register: Any) -> str:
+    """The fix for a PostgreSQL set-up problem found by :func:`classify_postgres`, naming the
+    objects of ``register`` (a ``sa_fence._register.Register``)."""
     return _PG_FIXES.get(problem, "").format(
-        sequence=sequence, register=register, function=function
+        sequence=register.sequence_sql,
+        register=register.table_sql,
+        function=register.function_sql,
+        grant_function=register.grant_function_sql,
+        withdraw_function=register.withdraw_function_sql,
+        scope=register.scope_sql,
     )

@@ -76,6 +76,14 @@ class Register:
     def function_sql(self) -> str:
         return qualified(CHECK_FUNCTION, self.schema)
 
+    @cached_property
+    def grant_function_sql(self) -> str:
+        return qualified(GRANT_FUNCTION, self.schema)
+
+    @cached_property
+    def withdraw_function_sql(self) -> str:
+        return qualified(WITHDRAW_FUNCTION, self.schema)
+
     def pinned(self, schema: str | None) -> Register:
         """This register with its schema named (``schema``: where the sequence was found)."""
         if self.schema is not None or schema is None:
@@ -95,7 +103,7 @@ class Register:
         """The grant: a call of the register's grant function (psycopg pyformat: ``%(name)s``)."""
         return (
             "SELECT token, synchronous_commit, drawn, held, flushed, clash FROM "
-            f"{qualified(GRANT_FUNCTION, self.schema)}(%(name)s, "
+            f"{self.grant_function_sql}(%(name)s, "
             "CAST(%(sequence)s AS pg_catalog.regclass), %(lock_timeout)s, "
             "CAST(%(skip_flush)s AS pg_catalog.bool))"
         )
@@ -106,7 +114,7 @@ class Register:
         return text(re.sub(r"%\((\w+)\)s", r":\1", self.grant_sql))
 
     def withdraw_sql(self) -> Any:
-        return text(f"SELECT {qualified(WITHDRAW_FUNCTION, self.schema)}(:name, :token)")
+        return text(f"SELECT {self.withdraw_function_sql}(:name, :token)")
 
     def prune_sql(self) -> Any:
         """Delete the rows of ``:names`` still holding ``:tokens``: (rows, bytes) removed."""
@@ -415,7 +423,9 @@ BEGIN
        AND tgrelid = pg_catalog.to_regclass(pg_catalog.quote_ident(s) || '.sa_fence_scope');
     IF e IS NULL THEN {trigger} END IF;
     IF e IS DISTINCT FROM 'A' THEN {always} END IF;
-{privileges}
+    IF pg_catalog.to_regclass(pg_catalog.quote_ident(s) || '.sa_fence_leases') IS NOT NULL THEN
+{on_register}
+    END IF;
 END
 $sa_fence_do$"""
 
@@ -454,27 +464,31 @@ def check_function_sql(register: Register) -> str:
     (idempotent; the register must exist)."""
     functions = function_definitions()
     run = (
-        _TOKEN_INDEX,
         f"DROP FUNCTION IF EXISTS {_S}.{CHECK_FUNCTION}(text, bigint)",  # (the name-and-token form)
         functions[CHECK_FUNCTION],
         _SCOPE_TABLE,
         functions[SCOPE_FUNCTION],
+    )
+    # The register's index, and the LANGUAGE sql functions (PostgreSQL checks their bodies at
+    # CREATE, so they need the register): only where the register is (a schema_translate_map
+    # may have created it in another schema than the one this DDL names).
+    on_register = [
+        _TOKEN_INDEX,
         functions[GRANT_FUNCTION],
         functions[WITHDRAW_FUNCTION],
         functions[PRUNE_FUNCTION],
-    )
-    revokes = (
-        f"REVOKE EXECUTE ON FUNCTION {_S}.{name}({FUNCTIONS[name]}) FROM PUBLIC"
-        for name in WRITING_FUNCTIONS
-    )
-    revoke = "".join(f"    {_execute(sql)}\n" for sql in revokes)
+        *(
+            f"REVOKE EXECUTE ON FUNCTION {_S}.{name}({FUNCTIONS[name]}) FROM PUBLIC"
+            for name in WRITING_FUNCTIONS
+        ),
+    ]
     return _DO_BLOCK.format(
         schema=quote_literal(register.schema) if register.schema else "NULL",
         run="\n".join(f"    {_execute(sql)}" for sql in run),
         outdated=", ".join(f"'{column}'" for column in _OUTDATED_SCOPE_COLUMNS),
         trigger=_execute(_SCOPE_TRIGGER),
         always=_execute(_SCOPE_TRIGGER_ALWAYS),
-        privileges=revoke.rstrip("\n"),
+        on_register="\n".join(f"        {_execute(sql)}" for sql in on_register),
     )
 
 

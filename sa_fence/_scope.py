@@ -36,7 +36,7 @@ from sqlalchemy.exc import MissingGreenlet
 from . import _telemetry
 from ._guard import lease_error_from_check
 from ._register import DATABASE_ID_SQL, SCOPE_TABLE
-from ._transaction_sql import ends_transaction, might_leave_scope, scope_effect
+from ._transaction_sql import ends_transaction, might_end, might_leave_scope, scope_effect
 from .errors import FencingConfigError, StaleTokenError
 
 if TYPE_CHECKING:
@@ -86,9 +86,9 @@ def scope_setup_error(orig: BaseException) -> FencingConfigError | None:
         )
     return FencingConfigError(
         f"this role may not write the lease scope table {SCOPE_TABLE} ({orig}), so its "
-        "transactions cannot be held to their lease at COMMIT. Grant it: GRANT SELECT, "
-        f"INSERT, DELETE ON {SCOPE_TABLE} TO <your workers' role>; (`sa-fence check`, run "
-        "as that role, prints the exact GRANT)."
+        "transactions cannot be held to their lease at COMMIT. Grant it: GRANT INSERT ON "
+        f"{SCOPE_TABLE} TO <your workers' role>; (`sa-fence check`, run as that role, prints "
+        "the exact GRANT)."
     )
 
 
@@ -479,9 +479,9 @@ def _cursor_sql(driver: Any, sql: Any, *, rearm: bool = True) -> Connection | No
     if (owner := _scope_owner(driver)) is None:
         return None  # out of lease scope (the pool's next user, say): sent as it is
     text = _sql_text(driver, sql)
-    rolls_back = might_leave_scope(text) and _refuse_leaving_scope(text)
+    rolls_back = might_leave_scope(text) and _refuse_leaving_scope(text, driver)
     if pipelined:
-        _refuse_ending_in_pipeline(text)
+        _refuse_ending_in_pipeline(text, driver)
     if not rolls_back or ARMED_APART not in owner.__dict__:  # (set only with the scope)
         return None
     if not rearm:
@@ -576,19 +576,37 @@ def before_bound_sql(conn: Connection, lease: Lease, sql: Any) -> bool:
     # end the transaction (PREPARE TRANSACTION too) asks whether the driver is in pipeline mode
     lowered = sql.lower()
     rolls = "rollback" in lowered
-    leaves = (rolls or ";" in sql or "chain" in lowered) and _refuse_leaving_scope(sql)
+    leaves = (rolls or ";" in sql or "chain" in lowered) and _refuse_leaving_scope(
+        sql, driver_of(conn)
+    )
     ends = rolls or "commit" in lowered or "end" in lowered or "abort" in lowered
     if (ends or "prepare" in lowered) and getattr(driver_of(conn), "_pipeline", None) is not None:
-        _refuse_ending_in_pipeline(sql)
+        _refuse_ending_in_pipeline(sql, driver_of(conn))
     if not PSYCOPG_BEGIN_HOOK:  # (after a refusal: nothing is sent, not even an arm)
         enter_scope(conn, lease)
     return leaves and ARMED_APART in conn.__dict__
 
 
-def _refuse_leaving_scope(sql: str) -> bool:
+def _refuse_unreadable(sql: str, driver: Any) -> None:
+    """Refuse to read SQL where the server lexes strings unlike PostgreSQL's parser in sa-fence
+    (:mod:`sa_fence._transaction_sql`): ``standard_conforming_strings`` is off, so a backslash
+    in a ``'...'`` string escapes a quote there and not here (the server reports the setting)."""
+    info = getattr(driver, "info", None)
+    if info is not None and info.parameter_status("standard_conforming_strings") == "off":
+        raise FencingConfigError(
+            f"this SQL may end the transaction ({sql[:60] + '...' * (len(sql) > 60)!r}), and "
+            "sa-fence reads such SQL with PostgreSQL's own parser, which reads strings as "
+            "standard_conforming_strings = on; this connection has it off, so the server could "
+            "split the SQL elsewhere. Set standard_conforming_strings = on (the default since "
+            "PostgreSQL 9.1), or send each statement on its own, without ';'. Nothing was sent."
+        )
+
+
+def _refuse_leaving_scope(sql: str, driver: Any) -> bool:
     """Refuse SQL that ends the transaction and goes on (``COMMIT; BEGIN``, ``COMMIT AND
     CHAIN``): no BEGIN of sa-fence's would arm what runs after the end.  Returns whether
     it rolls back to a savepoint."""
+    _refuse_unreadable(sql, driver)
     leaves, rolls_back = scope_effect(sql)  # (one split of the SQL for both)
     if leaves:
         raise FencingConfigError(
@@ -603,7 +621,7 @@ def _refuse_leaving_scope(sql: str) -> bool:
     return rolls_back
 
 
-def _refuse_ending_in_pipeline(sql: str) -> None:
+def _refuse_ending_in_pipeline(sql: str, driver: Any) -> None:
     """Refuse SQL that ends the transaction while the driver is in pipeline mode.
 
     A pipeline's statements are answered only at its sync, and until then libpq reports the
@@ -616,6 +634,8 @@ def _refuse_ending_in_pipeline(sql: str) -> None:
     is held to the lease like any statement.  The driver's ``commit()`` and ``rollback()``
     sync the pipeline after their COMMIT or ROLLBACK, so the next statement finds the
     connection idle and begins an armed transaction: they stay the way to end one there."""
+    if might_end(sql):
+        _refuse_unreadable(sql, driver)
     if ends_transaction(sql):
         raise FencingConfigError(
             f"this SQL ends the transaction ({sql[:60] + '...' * (len(sql) > 60)!r}) while the "

@@ -166,12 +166,7 @@ def token_error(
         )
     elif kind == _failures.SETUP and problem is not None:
         register = Register(sequence)
-        fix = _failures.postgres_setup_fix(
-            problem,
-            sequence=register.sequence_sql,
-            register=register.table_sql,
-            function=register.function_sql,
-        )
+        fix = _failures.postgres_setup_fix(problem, register=register)
         return FencingConfigError(
             f"{operation} of lease {name!r} failed: PostgreSQL refused the set-up ({cause}). {fix}",
             cause=exc,

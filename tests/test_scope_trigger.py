@@ -390,7 +390,7 @@ def test_without_the_refusal_sql_that_goes_on_commits_a_stale_holders_rows(
     if send in DRIVER_SENDS:
         monkeypatch.setattr(_scope, "_checked_cursor", lambda base: base)
     else:
-        monkeypatch.setattr(_scope, "_refuse_leaving_scope", lambda sql: None)
+        monkeypatch.setattr(_scope, "_refuse_leaving_scope", lambda sql, driver: None)
     sends = {**SQL_SENDS, **DRIVER_SENDS}
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with make_session() as session:
@@ -1211,7 +1211,7 @@ def test_a_stale_holders_statement_after_a_rollback_in_pipeline_mode_never_commi
     if send != "text" and not _scope.PSYCOPG_BEGIN_HOOK:
         pytest.skip("without the BEGIN hook, the driver's own cursors are not read (documented)")
     if not guarded:
-        monkeypatch.setattr(_scope, "_refuse_ending_in_pipeline", lambda sql: None)
+        monkeypatch.setattr(_scope, "_refuse_ending_in_pipeline", lambda sql, driver: None)
     a, b = stale_pair(fencer)
     with make_session() as session:
         a.bind(session)
@@ -1265,7 +1265,7 @@ def test_a_fenced_connections_rollback_in_pipeline_mode_is_refused(
     if not _scope.PSYCOPG_BEGIN_HOOK:
         pytest.skip("without the BEGIN hook, the driver's own cursors are not read (documented)")
     if not guarded:
-        monkeypatch.setattr(_scope, "_refuse_ending_in_pipeline", lambda sql: None)
+        monkeypatch.setattr(_scope, "_refuse_ending_in_pipeline", lambda sql, driver: None)
     a, b = stale_pair(fencer)
     with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
         driver = conn.connection.driver_connection
@@ -1290,7 +1290,7 @@ async def test_async_a_stale_holders_statement_after_a_rollback_in_pipeline_mode
     if not _scope.PSYCOPG_BEGIN_HOOK:
         pytest.skip("without the BEGIN hook, the driver's own cursors are not read (documented)")
     if not guarded:
-        monkeypatch.setattr(_scope, "_refuse_ending_in_pipeline", lambda sql: None)
+        monkeypatch.setattr(_scope, "_refuse_ending_in_pipeline", lambda sql, driver: None)
     async with _async_scope(scope_engine, key_prefix) as (_aengine, client, fencer, make):
         a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
         assert await client.eval("return redis.call('del', KEYS[1])", 1, a.key)
