@@ -47,7 +47,7 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from sa_fence import _guard, _scope
+from sa_fence import _scope
 from sa_fence.tools.bench import (
     FlushBench,
     Op,
@@ -239,11 +239,11 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
     """
     op = op_costs(bench, config, progress)
     lease = bench.lease
-    check = bench.schema.register.check_call(lease.name, lease.token)
+    check = bench.schema.register.check_call(lease.token)
     table = bench.schema.models["plain"].__table__
     update = f'UPDATE "{table.schema}"."{table.name}" SET counter = counter + 1 WHERE id = %s'
     scope_table = bench.schema.register.scope_sql
-    arm_row = f"({_guard.quote_literal(lease.name)}, {int(lease.token)})"
+    arm_row = _scope._arm_row(lease.token)
     with (
         psycopg.connect(psycopg_conninfo(bench.engine.url)) as conn,
         psycopg.connect(psycopg_conninfo(bench.engine.url)) as armed,
