@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -109,27 +110,30 @@ def raw(database_url: sa.URL) -> Iterator[psycopg.Connection]:
 def server_leaves(conn: psycopg.Connection, sql: str) -> bool | None:
     """Whether PostgreSQL, running ``sql`` as one message in a transaction, ended it (or
     rolled back to a savepoint) and ran more, or left another transaction open; ``None``
-    when a statement failed (then the rest did not run)."""
+    when a statement failed (then the rest did not run).  Two round trips: the transaction
+    is begun (and its id read) in the message, before ``sql``'s own statements."""
     pgconn = conn.pgconn
-    begun = pgconn.exec_(b"BEGIN; SELECT pg_current_xact_id()::text")
-    before = begun.get_value(0, 0)
-    pgconn.send_query(sql.encode())
-    tags: list[bytes] = []
+    pgconn.send_query(b"BEGIN; SELECT pg_current_xact_id()::text; " + sql.encode())
+    results: list[Any] = []
     failed = False
     while (result := pgconn.get_result()) is not None:
         if result.status == ExecStatus.FATAL_ERROR:
             failed = True
         elif result.status in (ExecStatus.COMMAND_OK, ExecStatus.TUPLES_OK):
-            tags.append(result.command_status or b"")
-    # open in another transaction than the one it began in: chained (or begun again)
-    moved = (
-        not failed
-        and pgconn.transaction_status != TransactionStatus.IDLE
-        and pgconn.exec_(b"SELECT pg_current_xact_id()::text").get_value(0, 0) != before
-    )
-    pgconn.exec_(b"ROLLBACK")
-    if failed:
+            results.append(result)
+    if failed or len(results) < 2:
+        pgconn.exec_(b"ROLLBACK")
         return None
+    before = results[1].get_value(0, 0)
+    tags = [result.command_status or b"" for result in results[2:]]
+    # open in another transaction than the one it began in: chained (or begun again)
+    moved = False
+    if pgconn.transaction_status != TransactionStatus.IDLE:
+        pgconn.send_query(b"SELECT pg_current_xact_id()::text; ROLLBACK")
+        after = []
+        while (result := pgconn.get_result()) is not None:
+            after.append(result)
+        moved = after[0].get_value(0, 0) != before
     return any(tag in ENDING_TAGS for tag in tags[:-1]) or moved
 
 
