@@ -216,6 +216,13 @@ LEAVING_SCOPE = [
     "PREPARE TRANSACTION 'sa_fence_x'; BEGIN",
     "commit /* done */; insert into outbox (id, message) values (9, 'after')",
     "SAVEPOINT s; ROLLBACK TO SAVEPOINT s; INSERT INTO outbox (id, message) VALUES (9, 'x')",
+    # read otherwise by the hand-written splitter of before (issue 46): a comment ends at \r,
+    # a dollar-quote tag and an identifier may hold characters past ASCII
+    "SELECT 1; --\rCOMMIT; BEGIN",
+    "COMMIT AND --\rCHAIN",
+    "SELECT $€$'$€$; COMMIT; BEGIN; SELECT 1 --'",
+    "SELECT 1 AS é€$a$; COMMIT; BEGIN",
+    "SAVEPOINT s; SELECT 1; --\rROLLBACK TO SAVEPOINT s; INSERT INTO outbox VALUES (9, 'x')",
 ]
 
 #: Every way SQLAlchemy sends SQL text a user wrote.
@@ -324,9 +331,11 @@ def test_driver_sql_sa_fence_cannot_read_is_refused_with_the_types_to_use(
     a.release()
 
 
-def _savepoint_rolled_back_after_bind(session: Session, lease: sa_fence.Lease, how: str) -> None:
+def _savepoint_rolled_back_after_bind(
+    session: Session, lease: sa_fence.Lease, how: str, rollback: str = "ROLLBACK TO SAVEPOINT s"
+) -> None:
     """Bind ``lease`` in the middle of a transaction, inside a savepoint (so its arm is a
-    statement inside it), then roll the savepoint back."""
+    statement inside it), then roll the savepoint back (with ``rollback`` as SQL)."""
     session.execute(sa.text("SELECT 1"))  # the transaction begins before the lease is bound
     if how == "begin_nested()":
         nested = session.begin_nested()
@@ -337,11 +346,16 @@ def _savepoint_rolled_back_after_bind(session: Session, lease: sa_fence.Lease, h
         sql = SQL_SENDS[how] if how in SQL_SENDS else DRIVER_SENDS[how]
         sql(session.connection(), "SAVEPOINT s")
         lease.bind(session)
-        sql(session.connection(), "ROLLBACK TO SAVEPOINT s")
+        sql(session.connection(), rollback)
 
 
 @pytest.mark.parametrize("guarded", [True, False], ids=["sent-again", "guard-removed"])
 @pytest.mark.parametrize("how", ["begin_nested()", "text", "exec_driver_sql", "cursor().execute"])
+@pytest.mark.parametrize(
+    "rollback",
+    ["ROLLBACK TO SAVEPOINT s", "SELECT 1; --\rROLLBACK TO SAVEPOINT s"],
+    ids=["alone", "after a comment ended by CR (issue 46)"],
+)
 def test_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rolled_back(
     fencer: sa_fence.Fencer,
     make_session: sessionmaker[Session],
@@ -349,6 +363,7 @@ def test_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rolled_back(
     monkeypatch: pytest.MonkeyPatch,
     how: str,
     guarded: bool,
+    rollback: str,
 ) -> None:
     """The arm of a lease bound mid-transaction is a statement of its own: a ROLLBACK TO
     the savepoint it was sent in undoes it, so it is sent again after one.  The pair:
@@ -360,7 +375,7 @@ def test_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rolled_back(
         monkeypatch.setattr(_scope, "scope_effect", lambda sql: (effect(sql)[0], False))
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with make_session() as session:
-        _savepoint_rolled_back_after_bind(session, a, how)
+        _savepoint_rolled_back_after_bind(session, a, how, rollback)
         session.add(Outbox(id=1, message="stale"))
         session.flush()
         assert expire(a)
@@ -1151,7 +1166,13 @@ async def test_async_an_interrupted_arm_after_a_rollback_to_closes_the_driver_co
 
 
 #: Statements that end the transaction, and ways to send them in pipeline mode.
-PIPELINE_ENDS = ["COMMIT", "ROLLBACK", "END", "PREPARE TRANSACTION 'sa_fence_pipeline'"]
+PIPELINE_ENDS = [
+    "COMMIT",
+    "ROLLBACK",
+    "END",
+    "PREPARE TRANSACTION 'sa_fence_pipeline'",
+    "--\rCOMMIT",  # a comment ended by CR (issue 46)
+]
 PIPELINE_SENDS = ["cursor().execute", "driver.execute", "cursor().executemany", "text"]
 
 
