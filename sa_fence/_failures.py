@@ -187,9 +187,26 @@ def classify_redis(exc: BaseException, *, speaks: str | None = None, tls: bool =
     return Failure(REFUSED, True, cause)
 
 
-def outage_detail(backend: str, failure: Failure, attempts: int) -> str:
-    """LeaseBackendError's text for an outage: what happened, what is known, what to do."""
+def outage_detail(
+    backend: str,
+    failure: Failure,
+    attempts: int,
+    *,
+    took: float | None = None,
+    client_retries: int = 0,
+) -> str:
+    """LeaseBackendError's text for an outage: what happened, what is known, what to do.
+
+    ``attempts``: how many times sa-fence sent the call; ``client_retries``: how many times
+    the client may retry each send itself (redis-py's own ``retry``), so that a call the
+    client retried for seconds does not read as one quick send; ``took``: seconds from the
+    first send to giving up."""
     sends = "once" if attempts <= 1 else f"{attempts} times"
+    if client_retries > 0:
+        each = "" if attempts <= 1 else "each "
+        sends += f", {each}retried up to {client_retries} times by the client itself"
+    if took is not None:
+        sends += f", {took:.2f} s in all"
     known = (
         "the outcome is unknown (the call may have run)"
         if failure.may_have_set

@@ -28,6 +28,7 @@ from ._lease_view import FencerView
 from ._redis_client import (
     REDIS_ERRORS,
     check_budget,
+    client_retries,
     has_no_socket_timeout,
     probe_target,
     redis_error,
@@ -187,7 +188,17 @@ def _error(
     if target is not None and classify_redis(exc).kind == OUTAGE:
         wait = min(0.5, max(0.05, budget.remaining(time.monotonic())))  # 0.05 to 0.5 s
         speaks = f._probe(target[0], target[1], wait)
-    return redis_error(name, operation, exc, budget.failures, target=target, speaks=speaks)
+    took = None if budget.first_sent is None else time.monotonic() - budget.first_sent
+    return redis_error(
+        name,
+        operation,
+        exc,
+        budget.failures,
+        target=target,
+        speaks=speaks,
+        took=took,
+        client_retries=client_retries(f.redis),
+    )
 
 
 def extend(lease: Any, ttl: float | None) -> None:

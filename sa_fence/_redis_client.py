@@ -40,9 +40,23 @@ def has_no_socket_timeout(client: object) -> bool:
 _CLUSTER_DOWN_PAUSE = 0.25
 
 
-def client_call_bound(client: object) -> tuple[float | None, str] | None:
+def client_retries(client: object) -> int:
+    """How many times the (sync or asyncio) client retries one call itself (0: unknown)."""
+    kwargs = connection_kwargs(client)
+    if kwargs is None:
+        return 0
+    nodes = getattr(client, "nodes_manager", None)
+    retry = getattr(client, "retry", None) if nodes is not None else kwargs.get("retry")
+    retries = retry.get_retries() if retry is not None else 0
+    return retries if isinstance(retries, int) and retries > 0 else 0
+
+
+def client_call_bound(
+    client: object, *, retries: int | None = None
+) -> tuple[float | None, str] | None:
     """The longest one call of a plain, Sentinel or cluster client can last (None: unbounded),
-    and how; None when it cannot be read (a custom class).
+    and how; None when it cannot be read (a custom class).  ``retries``: as if the client
+    retried that many times itself (``Retry(NoBackoff(), 0)``: 0), not as it does.
 
     A plain client connects with up to ``retries`` retries, each after a backoff wait, then waits
     for the reply, and on a failure does it all again up to ``retries`` times.  A cluster client
@@ -56,9 +70,12 @@ def client_call_bound(client: object) -> tuple[float | None, str] | None:
     read = kwargs.get("socket_timeout")
     connect = kwargs.get("socket_connect_timeout") or read
     retry = getattr(client, "retry", None) if nodes is not None else kwargs.get("retry")
-    retries = retry.get_retries() if retry is not None else 0
     backoff = getattr(retry, "_backoff", None)
     cap = 0.0 if backoff is None else getattr(backoff, "_cap", getattr(backoff, "_backoff", None))
+    if retries is None:
+        retries = retry.get_retries() if retry is not None else 0
+    else:
+        cap = 0.0  # NoBackoff()
     per_down = f", a {_CLUSTER_DOWN_PAUSE} s pause and a slot-map refresh per CLUSTERDOWN"
     how = f"socket_timeout={read}, socket_connect_timeout={connect}, {retries} retries of its own"
     how += f" with waits of up to {cap} s" + ("" if nodes is None else per_down)
@@ -74,14 +91,19 @@ def client_call_bound(client: object) -> tuple[float | None, str] | None:
 
 
 _MAX_BUDGET = (2**31 - 1) // 1000  # s: PostgreSQL's lock_timeout is an int of milliseconds
+_TIMEOUTS_DOC = "docs/topologies.md#timeouts."
 
 
 def check_budget(client: object, timeout: float | None, owner: str) -> float:
     """The failure budget for ``owner`` (a Fencer): ``timeout`` or the default.
 
     An explicit budget that one call of the client could outlast is refused:
-    a call in progress cannot be interrupted.  The default is not checked: it
-    bounds sa-fence's own resends (see the Fencer's docstring).
+    a call in progress cannot be cut short, so the budget would be a promise
+    broken exactly when it matters (a Redis that stopped answering holds each
+    call for the client's ``socket_timeout``, once per retry of its own).  The
+    default is not checked: it bounds sa-fence's own resends (see the Fencer's
+    docstring).  The refusal names both ways out, with numbers: the client's
+    socket timeouts that keep this budget, or the budget that keeps this client.
     """
     if timeout is None:
         return _failures.DEFAULT_BACKEND_TIMEOUT
@@ -98,21 +120,55 @@ def check_budget(client: object, timeout: float | None, owner: str) -> float:
     budget = float(timeout)
     found = client_call_bound(client)  # (None, how) too without a socket timeout
     if found and (found[0] is None or found[0] > budget):
-        bound, how = found
-        longest = "unbounded" if bound is None else f"up to {bound:.3g} s"
-        cluster = getattr(client, "nodes_manager", None) is not None  # 2 round trips, a pause
-        each = max((budget - _CLUSTER_DOWN_PAUSE) / 5 if cluster else budget / 3, 0.01)
-        module = "redis.asyncio" if type(client).__module__.startswith("redis.asyncio") else "redis"
-        raise FencingConfigError(
-            f"{owner}(timeout={timeout!r}) cannot keep its budget: one call of this Redis "
-            f"client can last {longest} ({how}), and a call in progress cannot be cut short. "
-            "Create the client with socket timeouts well below the budget and few retries "
-            "of its own (sa-fence resends what is safe to resend, within the budget), e.g. "
-            f"{module}.{'RedisCluster' if cluster else 'Redis'}(..., socket_timeout={each:.3g}, "
-            f"socket_connect_timeout={each:.3g}, retry={module}.retry.Retry(NoBackoff(), 0)); see "
-            "docs/topologies.md#timeouts."
-        )
+        raise FencingConfigError(_budget_refusal(client, timeout, owner, found))
     return budget
+
+
+def _budget_refusal(
+    client: object, timeout: float, owner: str, found: tuple[float | None, str]
+) -> str:
+    """Why ``owner(timeout=)`` cannot keep its budget with ``client``, and the two fixes:
+    the client's numbers that keep the budget, or the budget that keeps the client's."""
+    bound, how = found
+    budget = float(timeout)
+    longest = "unbounded" if bound is None else f"up to {bound:.3g} s"
+    cluster = getattr(client, "nodes_manager", None) is not None  # 2 round trips, a pause
+    each = max((budget - _CLUSTER_DOWN_PAUSE) / 5 if cluster else budget / 3, 0.01)
+    module = "redis.asyncio" if type(client).__module__.startswith("redis.asyncio") else "redis"
+    no_retry = f"retry={module}.retry.Retry(NoBackoff(), 0)"
+    kwargs = connection_kwargs(client) or {}
+    read = kwargs.get("socket_timeout")
+    connect = kwargs.get("socket_connect_timeout") or read
+    text = (
+        f"{owner}(timeout={timeout!r}) cannot keep its budget: one call of this Redis "
+        f"client can last {longest} ({how}), and a call in progress cannot be cut short. "
+        f"To keep timeout={timeout!r}, create the client with socket timeouts well below it "
+        "and no retries of its own (sa-fence resends what is safe to resend, within the "
+        f"budget): {module}.{'RedisCluster' if cluster else 'Redis'}(..., socket_timeout="
+        f"{each:.3g}, socket_connect_timeout={each:.3g}, {no_retry})."
+    )
+    plain = client_call_bound(client, retries=0)  # one connect and one reply wait
+    if read is None:
+        return text + " A client without a socket_timeout keeps no budget. See " + _TIMEOUTS_DOC
+    if plain is None or plain[0] is None or plain[0] > _MAX_BUDGET:
+        return text + " See " + _TIMEOUTS_DOC
+    fit = f"{math.ceil(plain[0] * 100) / 100:g}"  # its longest call without its retries
+    as_is = None  # the budget that keeps the client as it is
+    if bound is not None and bound != plain[0] and bound <= _MAX_BUDGET:
+        as_is = f"timeout={math.ceil(bound * 100) / 100:g}"
+    if plain[0] <= budget:  # its own retries alone outlast the budget
+        text += (
+            f" Or keep its socket timeouts and give it only {no_retry}: its longest call is "
+            f"then {fit} s, within timeout={timeout!r}"
+            + ("." if as_is is None else f" (or keep its retries and raise the budget to {as_is}).")
+        )
+    else:
+        text += (
+            f" To keep socket_timeout={read} (socket_connect_timeout={connect}), give the "
+            f"client {no_retry} and raise the budget to timeout={fit} (its longest call"
+            + (")." if as_is is None else f"; {as_is} with its retries as they are).")
+        )
+    return text + " See " + _TIMEOUTS_DOC
 
 
 def probe_target(client: object) -> tuple[str, int, bool] | None:
@@ -175,8 +231,11 @@ def redis_error(
     *,
     target: tuple[str, int, bool] | None = None,
     speaks: str | None = None,
+    took: float | None = None,
+    client_retries: int = 0,
 ) -> FenceError:
-    """The error to raise for a Redis call that failed for good."""
+    """The error to raise for a Redis call that failed for good: ``attempts`` sends by
+    sa-fence over ``took`` seconds, each retried up to ``client_retries`` times by the client."""
     failure = _failures.classify_redis(exc, speaks=speaks, tls=bool(target and target[2]))
     if failure.kind == _failures.SETUP:
         where = f" at {target[0]}:{target[1]}" if target else ""
@@ -188,5 +247,7 @@ def redis_error(
         operation=operation,
         name=name,
         cause=exc,
-        detail=_failures.outage_detail("Redis", failure, attempts),
+        detail=_failures.outage_detail(
+            "Redis", failure, attempts, took=took, client_retries=client_retries
+        ),
     )
