@@ -62,9 +62,11 @@ class StaleTokenError(FenceError, StaleDataError):
     """A write carried a token older than the newest one: nothing of it was committed.
 
     * **At COMMIT** (lease scope, ``statement == "COMMIT"``): a newer lease of the same name
-      was granted, so a session bound to the older lease commits nothing, whatever it wrote.
-      ``lease_name``, ``token`` and ``newest_token`` (the register's; ``None`` when it has no
-      row for the name: pruned, see ``Fencer.prune``, or never granted there) are set;
+      was granted, so a session bound to the older lease commits nothing, whatever it wrote;
+      or a PostgreSQL crash lost this lease's own grant (docs/guarantees.md, "A PostgreSQL
+      crash").  ``lease_name``, ``token`` and ``newest_token`` (the register's; ``None`` when
+      it has no row for the name: pruned, see ``Fencer.prune``, never granted there, or its
+      first grant lost in a crash; below ``token`` when a crash lost this grant) are set;
       ``table`` is ``None``.
     * **At the flush** (the row fence, ``statement`` ``"UPDATE"``, ``"DELETE"`` or
       ``"UPSERT"``): a token-compared statement matched fewer rows than it targeted (an upsert:
@@ -118,10 +120,22 @@ class StaleTokenError(FenceError, StaleDataError):
                 f"commit refused: lease {lease_name!r} (token {token}) is stale: the lease "
                 "register no longer holds its token. A newer lease of that name was granted "
                 "(its holder's work stands), or the name's row is gone (pruned by sa-fence "
-                "prune after the lease ended, never granted in this database, or, under "
+                "prune after the lease ended; never granted in this database; its first grant "
+                "lost in a PostgreSQL crash before the WAL was flushed, which makes a grant "
+                "durable at the latest at its holder's first commit that writes; or, under "
                 "REPEATABLE READ or SERIALIZABLE, granted after this transaction's snapshot: "
                 "bind the lease before its first statement). Nothing of this transaction was "
                 "committed. Roll back and re-read; take the lease again to write under it."
+            )
+        elif table is None and newest_token is not None and newest_token < token:
+            message = (
+                f"commit refused: lease {lease_name!r} (token {token}) is stale: the lease "
+                f"register holds an older token of that name ({newest_token}), so this lease's "
+                "grant is gone: lost in a PostgreSQL crash before the WAL was flushed (which "
+                "makes a grant durable at the latest at its holder's first commit that "
+                "writes), or the database was restored from a backup or a replica promoted "
+                "without it. Nothing of this transaction was committed. Roll back and re-read; "
+                "take the lease again (a new, larger token) to write under it."
             )
         elif table is None:
             message = (

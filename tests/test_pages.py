@@ -1,15 +1,22 @@
 """Every recipe page runs as written, from a fresh venv.
 
 A reader copies a page's commands and its code: the one ``pip install``
-line (``sa-fence`` there is the wheel just built), the ``export`` lines (the
-test sets exactly the variables a page shows, to this run's servers), the
-code block saved under the name its title gives, then each command in order
+line, the ``export`` lines (the test sets exactly the variables a page shows,
+to this run's servers), each code block saved under the name its title gives,
+then each command in order
 in an empty folder and a fresh, empty database: servers (``uvicorn``,
 ``flask run``, ``celery worker``) are started in the background and waited
 for, the other commands (``curl``, ``python ...``) must exit 0 and print the
 output the page shows under them.  No table, sequence or register is made by
 the test: a page that does not create its schema, or name the command that
 does, fails here.
+
+sa-fence is not on the package index yet, so the install line a page gives
+installs it from the reader's clone of the repository, next to the reader's
+folder (``pip install ../sa-fence ...``): the test runs that line with
+``../sa-fence`` being this checkout.  Under it, a comment gives the line that
+will work once sa-fence is released (``# once released ...: pip install
+sa-fence ...``), the same requirements with the package's name for the path.
 
 Each page's code block is also docs/recipes/<name>.py, byte for byte, which
 the other recipe tests import (tests/test_recipes.py,
@@ -42,15 +49,20 @@ from tests._redis_server import RedisServer, free_port, private_redis
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 RECIPES = DOCS / "recipes"
-#: each recipe page and the file its code block is
+#: each recipe page and the files its code blocks are, in the page's order
 RECIPE_PAGES = {
-    "celery.md": "celery_tasks.py",
-    "fastapi.md": "fastapi_app.py",
-    "flask.md": "flask_app.py",
-    "sqlmodel.md": "sqlmodel_models.py",
-    "scoped-session.md": "scoped.py",
-    "cron.md": "cron_job.py",
+    "celery.md": ("celery_tasks.py", "stalled_delivery.py"),
+    "fastapi.md": ("fastapi_app.py",),
+    "flask.md": ("flask_app.py",),
+    "sqlmodel.md": ("sqlmodel_models.py",),
+    "scoped-session.md": ("scoped.py",),
+    "cron.md": ("cron_job.py",),
 }
+#: where a page's install line finds sa-fence until it is released: the
+#: reader's clone, next to the folder the page's commands run in
+CHECKOUT = "../sa-fence"
+#: the comment under it giving the line that works once sa-fence is released
+RELEASED = re.compile(r"^#\s*once released[^:]*:\s*(pip install .*)$")
 #: what every recipe page shows and the test sets (to this run's servers)
 ENVIRONMENT = {"DATABASE_URL", "REDIS_URL", "SA_FENCE_KEY_PREFIX"}
 #: commands that keep running: started in the background and waited for
@@ -72,6 +84,7 @@ class Step:
 @dataclass
 class Page:
     install: tuple[str, ...] = ()
+    released: tuple[str, ...] = ()
     environment: dict[str, str] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
     steps: list[Step] = field(default_factory=list)
@@ -85,6 +98,7 @@ def shell_lines(body: str) -> list[str]:
 def read_page(name: str) -> Page:
     page = Page()
     installs: list[tuple[str, ...]] = []
+    released: list[tuple[str, ...]] = []
     previous_step: Step | None = None
     for match in FENCE.finditer((DOCS / name).read_text(encoding="utf-8")):
         lang, info, body = match.groups()
@@ -94,6 +108,9 @@ def read_page(name: str) -> Page:
             assert title, f'{name}: a ```python block without title="<file name>"'
             page.files[title.group(1)] = body
         elif lang == "sh":
+            for line in body.splitlines():
+                if found := RELEASED.match(line.strip()):
+                    released.append(tuple(shlex.split(found.group(1))[2:]))
             commands = []
             for line in shell_lines(body):
                 if line.startswith("pip install "):
@@ -109,7 +126,10 @@ def read_page(name: str) -> Page:
         elif lang == "text" and step is not None:
             step.expected = body
     assert len(installs) == 1, f"{name} gives {len(installs)} pip install lines, not one"
-    page.install = installs[0]
+    assert len(released) == 1, (
+        f"{name} gives {len(released)} '# once released: pip install ...' lines, not one"
+    )
+    page.install, page.released = installs[0], released[0]
     return page
 
 
@@ -118,13 +138,17 @@ def test_a_recipe_page_shows_its_code_its_install_line_and_its_environment(name:
     text = (DOCS / name).read_text(encoding="utf-8")
     assert "--8<--" not in text, f"{name}: show the code on the page, not only an include"
     page = read_page(name)
-    recipe = RECIPE_PAGES[name]
-    assert list(page.files) == [recipe]
-    assert page.files[recipe] == (RECIPES / recipe).read_text(encoding="utf-8"), (
-        f"the code block of docs/{name} differs from docs/recipes/{recipe}: "
-        "copy the file into the block (they are one text)"
-    )
-    assert page.install[0] == "sa-fence", page.install
+    recipes = RECIPE_PAGES[name]
+    assert tuple(page.files) == recipes
+    for recipe in recipes:
+        assert page.files[recipe] == (RECIPES / recipe).read_text(encoding="utf-8"), (
+            f"the code block of docs/{name} differs from docs/recipes/{recipe}: "
+            "copy the file into the block (they are one text)"
+        )
+    # until released, from the reader's clone; the line for then, marked as such
+    assert page.install[0] == CHECKOUT, page.install
+    assert page.released == ("sa-fence", *page.install[1:]), (page.install, page.released)
+    assert "not on the package index yet" in text, f"{name} does not say why it installs so"
     assert set(page.environment) == ENVIRONMENT, page.environment
     assert page.steps, f"{name} shows no command to run"
 
@@ -198,7 +222,11 @@ def test_a_recipe_page_runs_as_written_from_a_fresh_venv(
     name: str, fresh_venvs: FreshVenvs, page_redis: RedisServer, tmp_path: Path
 ) -> None:
     page = read_page(name)
-    venv = fresh_venvs.with_install_line(page.install)
+    # the line as the page gives it, run from the reader's folder next to the clone
+    # (this checkout): FreshVenvs installs paths as they are, so give it the clone's
+    venv = fresh_venvs.with_install_line(
+        tuple(str(ROOT) if r == CHECKOUT else r for r in page.install)
+    )
     folder = tmp_path / "reader"  # an empty folder: the page's files only
     folder.mkdir()
     for filename, code in page.files.items():

@@ -286,6 +286,17 @@ def commit_under(engine: sa.Engine, lease: sa_fence.Lease, message: str) -> bool
     return True
 
 
+def refusal_under(engine: sa.Engine, lease: sa_fence.Lease) -> sa_fence.StaleTokenError:
+    """The StaleTokenError of one unit of work under ``lease`` (it must be refused)."""
+    make_session = sa_fence.install(sessionmaker(engine))
+    with make_session() as session:
+        lease.bind(session)
+        session.add(Audit(message="refused"))
+        with pytest.raises(sa_fence.StaleTokenError) as refused:
+            session.commit()
+    return refused.value
+
+
 def messages(pg: PgCluster) -> list[str]:
     return [message for (message,) in pg.sql("SELECT message FROM audit ORDER BY id", DB)]
 
@@ -332,8 +343,15 @@ def test_a_crash_that_loses_a_grant_lets_the_old_holder_commit_until_the_new_one
     # the grant is lost, its token is not: the register holds A's token again
     assert register(pg)["job:1"] == a.token
     assert next_token_after_restart(pg) > b.token
-    # B's commits are refused; A commits, as if just before B's grant
-    assert not commit_under(app_engine, b, "B after the crash")
+    # B's commits are refused, naming the crash (not a newer grant: issue 49); A commits,
+    # as if just before B's grant
+    refused = refusal_under(app_engine, b)
+    assert refused.newest_token == a.token < b.token
+    assert "a newer lease" not in str(refused)
+    assert (
+        f"the lease register holds an older token of that name ({a.token}), so this lease's "
+        "grant is gone: lost in a PostgreSQL crash"
+    ) in str(refused)
     assert commit_under(app_engine, a, "A after the crash")
     # the name granted again: a new token, and from its first commit on A is refused
     assert expire(b)
@@ -343,6 +361,27 @@ def test_a_crash_that_loses_a_grant_lets_the_old_holder_commit_until_the_new_one
     assert not commit_under(app_engine, a, "A after C")
     assert not commit_under(app_engine, b, "B after C")
     assert messages(pg) == ["A before the grant", "A after the crash", "C"]
+
+
+def test_a_lost_first_grant_is_refused_naming_the_crash(
+    pg: PgCluster, fencer: sa_fence.Fencer, app_engine: sa.Engine
+) -> None:
+    """Issue 49: a name's first grant, lost in a crash, leaves no register row; the
+    refusal listed every cause of a missing row but the crash."""
+    warm = fencer.acquire("warm", 30)
+    while values_before_wal(pg) < 2:
+        fencer.acquire("filler", 30).release()
+    assert commit_under(app_engine, warm, "flushes everything before it")
+    frozen = freeze_flushers(pg)
+    first = fencer.acquire("job:first", 30)  # the name's first grant
+    flushed = fencer._tokens.last_flushed
+    crash_frozen(pg, frozen, app_engine)
+    assert flushed is False, "the grant waited for the flush"
+    assert "job:first" not in register(pg)
+
+    refused = refusal_under(app_engine, first)
+    assert (refused.statement, refused.newest_token) == ("COMMIT", None)
+    assert "its first grant lost in a PostgreSQL crash before the WAL was flushed" in str(refused)
 
 
 def test_once_the_new_holder_commits_a_crash_keeps_its_grant_and_the_old_holder_is_refused(
