@@ -98,8 +98,7 @@ def recipe() -> Iterator[tuple[ModuleType, dict[str, str], str]]:
     with fresh_database("recipe_se") as engine:
         env = _env(engine, prefix)
         module = _load("side_effects", env)
-        module.Base.metadata.create_all(module.engine)
-        module.receipts.metadata.create_all(module.engine)
+        module.create_tables()  # as the page says, before the queue's tables
         _procrastinate(env, "schema", "--apply")
         with module.engine.begin() as conn:
             conn.execute(sa.insert(module.Job).values(id=1, result=None, fence=0))

@@ -7,9 +7,10 @@ and webhook job commit together.  A procrastinate worker delivers the job at
 least once, with the same ``Idempotency-Key`` on every attempt, and the
 receiver (``make_receiver``, a WSGI app) applies each key once.
 
-Run the worker with procrastinate's own command::
+Create the tables once, then run the worker with procrastinate's own command::
 
-    procrastinate --app=side_effects.app schema --apply   # once: the queue's tables
+    python -c 'import side_effects; side_effects.create_tables()'  # jobs, sequence, register
+    procrastinate --app=side_effects.app schema --apply   # the queue's tables
     procrastinate --app=side_effects.app worker            # Ctrl-C / SIGTERM stops it cleanly
 
 The configuration comes from ``DATABASE_URL`` (the database of the fenced
@@ -57,6 +58,16 @@ fencer = sa_fence.Fencer(
     redis.Redis.from_url(REDIS_URL, socket_timeout=5), engine, key_prefix=KEY_PREFIX
 )
 
+
+def create_tables() -> None:
+    """The table ``jobs``, the token sequence and the lease register, when missing.
+
+    Run once (or use Alembic: see migrations); the queue's tables come from
+    ``procrastinate --app=side_effects.app schema --apply``.
+    """
+    Base.metadata.create_all(engine)
+
+
 # The queue lives in the same database: procrastinate takes a libpq URL.
 app = procrastinate.App(
     connector=procrastinate.PsycopgConnector(
@@ -82,13 +93,23 @@ def notify(webhook_url: str, job_id: int, result: str, idempotency_key: str) -> 
         response.read()
 
 
-# A worker killed mid-job (SIGKILL, a lost host) leaves its job "doing":
-# procrastinate's periodic recovery retries the jobs of workers whose
-# heartbeat stopped.  The retry carries the same key.
+#: A worker's heartbeat older than this (procrastinate's workers send one every
+#: 10 s) means the worker is gone: its jobs in the "doing" state are stalled.
+STALLED_AFTER_SECONDS = 30
+
+
+# A worker killed mid-job (SIGKILL, a lost host) leaves its job "doing".  Every
+# 5 minutes this task gives back to the queue the jobs of workers whose heartbeat
+# is older than STALLED_AFTER_SECONDS: a killed worker's job is retried within
+# about 5.5 minutes (run it more often to retry sooner).  The retry carries the
+# same key.
 @app.periodic(cron="*/5 * * * *")
 @app.task(name="retry_stalled_jobs", queueing_lock="retry_stalled_jobs", pass_context=True)
 async def retry_stalled_jobs(context: procrastinate.JobContext, timestamp: int) -> None:
-    for job in await context.app.job_manager.get_stalled_jobs():
+    stalled = await context.app.job_manager.get_stalled_jobs(
+        seconds_since_heartbeat=STALLED_AFTER_SECONDS
+    )
+    for job in stalled:
         await context.app.job_manager.retry_job(job)
 
 
@@ -133,7 +154,11 @@ def receive(receiver_engine: sa.Engine, idempotency_key: str, payload: dict[str,
 
 
 def make_receiver(receiver_engine: sa.Engine) -> Callable[..., Iterable[bytes]]:
-    """The receiving endpoint as a WSGI app: 201 when applied, 200 for a repeat."""
+    """The receiving endpoint as a WSGI app: 201 when applied, 200 for a repeat.
+
+    Creates its table, ``webhook_receipts``, when missing.
+    """
+    receipts.create(receiver_engine, checkfirst=True)
 
     def wsgi(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         key = environ.get("HTTP_IDEMPOTENCY_KEY")
