@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
+README = ROOT / "README.md"
 #: The executed quickstarts, by page (the guide was split into a site).
 QUICKSTART = DOCS / "quickstart.md"
 ASYNCIO = DOCS / "asyncio.md"
@@ -61,9 +63,21 @@ def run_guide_block(
     that venv from ``tmp_path`` (the installed wheel, no checkout on the path);
     otherwise with this interpreter from the checkout.
     """
+    return run_script(guide_block(heading, page), heading, key_prefix, tmp_path, venv)
+
+
+def run_script(
+    code: str | Callable[[sa.Engine], str],
+    what: str,
+    key_prefix: str,
+    tmp_path: Path,
+    venv: Venv | None = None,
+) -> list[str]:
+    """Run ``code`` (or what it makes of the fresh database's engine) as a script; its
+    stdout lines.  See :func:`run_guide_block`."""
     script = tmp_path / "guide_block.py"
-    script.write_text(guide_block(heading, page), encoding="utf-8")
     with fresh_database("docs") as engine:
+        script.write_text(code if isinstance(code, str) else code(engine), encoding="utf-8")
         values = {
             "DATABASE_URL": engine.url.render_as_string(hide_password=False),
             "REDIS_URL": REDIS_URL,
@@ -78,7 +92,7 @@ def run_guide_block(
             timeout=60,
             check=False,
         )
-    assert proc.returncode == 0, f"{heading} failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, f"{what} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout.strip().splitlines()
 
 
@@ -100,6 +114,65 @@ def test_the_quickstart_runs_and_refuses_the_stale_writer(
 ) -> None:
     lines = run_guide_block("Quickstart", database_url, key_prefix, tmp_path)
     assert_the_quickstart_output(lines, redis_client, key_prefix)
+
+
+def test_the_quickstart_says_how_to_create_the_database_it_defaults_to() -> None:
+    """A reader without DATABASE_URL gets a database of the quickstart's own, which the
+    page tells them to create (not one named ``test`` that nothing creates)."""
+    default = re.search(r'"DATABASE_URL",\s*"([^"]+)"', guide_block("Quickstart"))
+    assert default, "the quickstart's DATABASE_URL has no default"
+    name = default.group(1).rsplit("/", 1)[-1]
+    assert name not in ("", "test", "postgres"), name
+    page = QUICKSTART.read_text(encoding="utf-8")
+    assert re.search(rf"^createdb .*\b{name}$", page, flags=re.MULTILINE), page
+    assert f"CREATE DATABASE {name}" in page
+
+
+#: what the README's example connects to, and what this run's servers replace it with
+README_DATABASE = "postgresql+psycopg://postgres@127.0.0.1:5432/sa_fence_quickstart"
+README_REDIS = "sa_fence.Fencer(redis.Redis(socket_timeout=5), engine)"
+
+
+def test_the_readme_opens_with_its_pitch_the_guarantee_and_a_short_example() -> None:
+    text = README.read_text(encoding="utf-8")
+    words = text.split()
+    assert len(words) <= 750, f"the README has {len(words)} words: move the detail into docs/"
+    before_code = text[: text.index("```python")].split()
+    assert len(before_code) <= 200, f"the example starts after {len(before_code)} words"
+    assert "> **Once a newer lease of a name has been granted" in text  # the guarantee
+    for command in ("make demo", "make test"):
+        assert command in text, command
+    database = README_DATABASE.rsplit("/", 1)[-1]
+    assert f"createdb -h 127.0.0.1 -U postgres {database}" in text
+
+
+def test_the_readme_example_runs_and_prints_what_the_readme_shows(
+    redis_client: redis.Redis, key_prefix: str, tmp_path: Path
+) -> None:
+    text = README.read_text(encoding="utf-8")
+    code = re.search(r"^```python\n(.*?)^```$", text, flags=re.MULTILINE | re.DOTALL)
+    shown = re.search(r"^```text\n(.*?)^```$", text, flags=re.MULTILINE | re.DOTALL)
+    assert code
+    assert shown
+    assert code.end() < shown.start()
+    # the reader's servers, as the example names them, become this run's
+    assert code.group(1).count(README_DATABASE) == 1
+    assert code.group(1).count(README_REDIS) == 1
+    client = f"redis.Redis.from_url({REDIS_URL!r}, socket_timeout=5)"
+
+    def script(engine: sa.Engine) -> str:
+        return (
+            code.group(1)
+            .replace(README_DATABASE, engine.url.render_as_string(hide_password=False))
+            .replace(
+                README_REDIS,
+                f"sa_fence.Fencer({client}, engine, key_prefix={key_prefix!r})",
+            )
+        )
+
+    lines = run_script(script, "the README's example", key_prefix, tmp_path)
+    assert lines == shown.group(1).strip().splitlines()  # a new database: token 1
+    assert list(redis_client.scan_iter(match=f"{key_prefix}*")) == []
 
 
 def pages() -> list[Path]:
@@ -129,6 +202,19 @@ def test_the_user_docs_speak_of_the_product_only(page: Path) -> None:
     assert not re.search(r"[\u3040-\u30ff\u4e00-\u9fff]", text), "text outside English"
     assert "shared/" not in text
     assert "seeds" not in text
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
+def test_a_page_opens_with_a_summary_a_reader_can_skim(page: Path) -> None:
+    """The title, then a short paragraph of prose: no heading, list, table or code first."""
+    title, _, rest = page.read_text(encoding="utf-8").partition("\n")
+    assert title.startswith("# "), f"{page.name} opens with no title"
+    summary = rest.lstrip("\n").split("\n\n", 1)[0]
+    assert not re.match(r"(#|```|[-*|>]|\d+\.)", summary), (
+        f"{page.name}: a summary paragraph goes right under the title, before {summary[:40]!r}"
+    )
+    words = len(summary.split())
+    assert words <= 90, f"{page.name}: its summary has {words} words; keep it to 2-3 sentences"
 
 
 def test_snippets_name_only_what_the_quickstart_defines() -> None:
