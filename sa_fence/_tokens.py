@@ -22,7 +22,7 @@ from sqlalchemy.exc import DBAPIError
 
 from . import _blockers, _failures
 from . import _protocol as proto
-from ._fitness import register_problems, sequence_problem
+from ._fitness import SEQUENCE_CLAUSES, SEQUENCE_RULES, register_problems, sequence_problem
 from ._guard import DEFAULT_SEQUENCE as DEFAULT_SEQUENCE  # re-exported: the package's one default
 from ._guard import check_name
 from ._register import (
@@ -44,6 +44,68 @@ log = logging.getLogger(__name__)  # a child of "sa_fence"
 _FORKED_AWAY: list[Any] = []
 
 
+#: What a declared ``Sequence`` says of each rule of :data:`_fitness.SEQUENCE_RULES` it can:
+#: whether it holds (an option left unset holds: PostgreSQL's default then fits), and the
+#: ``Sequence()`` argument that makes it hold.  ``is_logged`` cannot be declared (SQLAlchemy
+#: has no UNLOGGED sequence), so it is left to the grant and ``sa-fence check``.
+_DECLARED: dict[str, tuple[Callable[[Sequence], bool], str]] = {
+    "is_bigint": (
+        lambda s: s.data_type is None or isinstance(s.data_type, BigInteger),
+        "data_type=BigInteger",
+    ),
+    "is_cache_1": (lambda s: s.cache is None or s.cache == 1, "cache=1"),
+    "is_no_cycle": (lambda s: not s.cycle, "cycle=False"),
+    "is_increasing": (lambda s: s.increment is None or s.increment > 0, "increment=1"),
+}
+
+
+def declared_problems(sequence: Sequence) -> list[tuple[str, str]]:
+    """Why a declared ``Sequence`` could not issue tokens, as far as its declaration says
+    (the rules of :data:`_fitness.SEQUENCE_RULES`, in their words), each with the argument
+    that fixes it; empty when it could."""
+    values = {
+        "data_type": "bigint" if sequence.data_type is None else str(sequence.data_type),
+        "seqcache": sequence.cache,
+        "seqincrement": sequence.increment,
+    }
+    return [
+        (rule.problem.format(**values), _DECLARED[rule.key][1])
+        for rule in SEQUENCE_RULES
+        if rule.key in _DECLARED and not _DECLARED[rule.key][0](sequence)
+    ]
+
+
+def _refuse_declared(metadata: MetaData | None, name: object, schema: str | None) -> None:
+    """Refuse, before anything is declared, a token sequence already declared unfit: a
+    ``Sequence`` passed for ``name``, or one of that name ``metadata`` holds (which
+    ``fence_sequence`` would replace there, while a column or ``create()`` may still use it)."""
+    if isinstance(name, Sequence):
+        problems = declared_problems(name)
+        why = f": {'; '.join(p for p, _ in problems)}" if problems else ""
+        where = f", schema={name.schema!r}" if name.schema else ""
+        raise ValueError(
+            f"fence_sequence() declares the token sequence itself, with every clause it needs "
+            f"({SEQUENCE_CLAUSES}); it was given {name!r}{why}. Pass the sequence's name "
+            f"instead: sa_fence.fence_sequence(metadata, {name.name!r}{where}), and declare no "
+            "Sequence of that name of your own. Nothing was declared."
+        )
+    if metadata is None or not isinstance(name, str):
+        return
+    if schema is None and "." in name:
+        schema, name = split_name(name)
+    schema = schema or metadata.schema  # (a Sequence takes its MetaData's schema, as a Table)
+    known = metadata._sequences.get(f"{schema}.{name}" if schema else name)
+    problems = [] if known is None else declared_problems(known)
+    if problems:
+        raise ValueError(
+            f"this metadata already declares the token sequence {known!r}, and it could not "
+            f"issue tokens: {'; '.join(p for p, _ in problems)}. Remove that Sequence of your "
+            f"own (fence_sequence() declares the token sequence itself), or declare it with "
+            f"{', '.join(fix for _, fix in problems)}; a grant would refuse it at the first "
+            "acquire. Nothing was declared."
+        )
+
+
 def fence_sequence(
     metadata: MetaData | None = None, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None
 ) -> Sequence:
@@ -56,10 +118,16 @@ def fence_sequence(
     ``CACHE 1`` is required: with a cache every backend pre-allocates a block of values and
     ``nextval`` stops following real time across connections.  Never drop or ``RESTART`` this
     sequence in a live database: tokens would start again below the fences already on the rows.
+
+    Pass the sequence's name, not a ``Sequence``.  A ``Sequence`` of that name already in
+    ``metadata`` declared unfit (``cache=20``, ``cycle=True``, a type other than bigint, a
+    negative increment) is refused here with ``ValueError``, naming the fix, rather than at
+    the first acquire; a ``Sequence`` passed for ``name`` is refused the same way.
     """
     if not (metadata is None or isinstance(metadata, MetaData)):
         hint = " (did you mean Base.metadata?)" if hasattr(metadata, "metadata") else ""
         raise TypeError(f"metadata must be a sqlalchemy MetaData, got {metadata!r}{hint}")
+    _refuse_declared(metadata, name, schema)
     check_name("sequence", name)
     if schema is not None:
         check_name("schema", schema)
