@@ -121,7 +121,9 @@ REGISTER_SEQUENCE_SQL = text(
 )
 
 #: Does the check function exist (with the right arguments)?
-CHECK_FUNCTION_SQL = text("SELECT to_regprocedure(:function || '(bigint)') IS NOT NULL AS present")
+CHECK_FUNCTION_SQL = text(
+    "SELECT to_regprocedure(:function || '(text, bigint)') IS NOT NULL AS present"
+)
 
 #: What the register must look like: column -> (type, not null).
 REGISTER_SHAPE: dict[str, tuple[str, bool]] = {
@@ -217,7 +219,7 @@ REGISTER_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "no check function",
-        "commit check function {function_sql}(bigint)",
+        "commit check function {function_sql}(text, bigint)",
         "is missing: no session bound to a lease can commit",
         "op.create_fence_register({args}) (keeps the register's rows), or "
         "sa_fence.fence_sequence(metadata) and metadata.create_all()",

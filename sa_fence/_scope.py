@@ -35,7 +35,7 @@ from sqlalchemy.exc import MissingGreenlet
 
 from . import _telemetry
 from ._guard import lease_error_from_check
-from ._register import DATABASE_ID_SQL, SCOPE_TABLE
+from ._register import DATABASE_ID_SQL, SCOPE_TABLE, name_key
 from ._transaction_sql import ends_transaction, might_end, might_leave_scope, scope_effect
 from .errors import FencingConfigError, StaleTokenError
 
@@ -192,10 +192,10 @@ def _invalidate(conn: Connection) -> None:
         conn.invalidate()
 
 
-def _arm_row(token: int) -> str:
-    """The arm's row: the lease's token, never its name (tokens are unique across names, and
-    a number is read alike in every client encoding: no text of the user's is in the SQL)."""
-    return f"({int(token)})"
+def _arm_row(lease: Lease) -> str:
+    """The arm's row: the lease's token and its name's key, two numbers, never the name (a
+    number is read alike in every client encoding: no text of the user's is in the SQL)."""
+    return f"({int(lease.token)}, {name_key(lease.name)})"
 
 
 #: Connection attribute: (DBAPI connection, its driver connection), read once per DBAPI connection
@@ -222,7 +222,7 @@ def _arm(conn: Connection, lease: Lease) -> None:
         raise _read_only_error()
     known = lease._scoped
     table = known[1] if known is not None and known[0] is conn.engine else _scope_table(conn, lease)
-    row = _arm_row(lease.token)
+    row = _arm_row(lease)
     if psycopg3 and driver._num_transactions:  # (a psycopg transaction() block is open: the
         _refuse_arm_in_psycopg_block(driver)  # arm would go apart; refused before any is kept)
     if hooked:
@@ -274,7 +274,7 @@ def _refuse_arm_in_psycopg_block(driver: Any) -> None:
 
 
 def _arm_sql(table: str, rows: Sequence[str]) -> str:
-    return f"INSERT INTO {table} (token) VALUES {', '.join(rows)}"
+    return f"INSERT INTO {table} (token, name_key) VALUES {', '.join(rows)}"
 
 
 Arms = tuple[tuple[str, tuple[str, ...]], ...]  # ((scope table, its VALUES rows), ...)
@@ -310,9 +310,7 @@ def send_arms(conn: Connection, scope: dict[tuple[str, int], Lease]) -> None:
 def _apart_arms(conn: Connection, scope: dict[tuple[str, int], Lease]) -> list[str]:
     """The arms of ``conn``'s scope as statements of their own (a savepoint may hold them)."""
     conn.__dict__[ARMED_APART] = True
-    return [
-        _arm_sql(_scope_table(conn, lease), [_arm_row(lease.token)]) for lease in scope.values()
-    ]
+    return [_arm_sql(_scope_table(conn, lease), [_arm_row(lease)]) for lease in scope.values()]
 
 
 def refuse_armed_autocommit(in_scope: bool) -> None:
@@ -384,7 +382,7 @@ def _arms_between(driver: Any, conn: Connection | None) -> Arms | None:
         return None  # (not fenced, or its register is in another database: outside scope)
     if conn.closed or conn.invalidated or conn.connection.driver_connection is not driver:
         return None  # (its DBAPI connection is not this one any more)
-    return _with_arm((), known[1], _arm_row(lease.token))
+    return _with_arm((), known[1], _arm_row(lease))
 
 
 def _scope_owner(driver: Any) -> Connection | None:

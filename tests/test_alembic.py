@@ -114,7 +114,7 @@ def schema_state(engine: sa.Engine) -> dict[str, Any]:
             # PostgreSQL runs at COMMIT, in every session_replication_role
             "check_function": conn.execute(
                 sa.text(
-                    "SELECT to_regprocedure('sa_fence_check_lease(bigint)') IS NOT NULL "
+                    "SELECT to_regprocedure('sa_fence_check_lease(text, bigint)') IS NOT NULL "
                     "AND EXISTS (SELECT 1 FROM pg_trigger "
                     "WHERE tgname = 'sa_fence_scope_check' AND tgenabled = 'A' "
                     "AND tgrelid = to_regclass('public.sa_fence_scope'))"
@@ -131,7 +131,7 @@ def legacy_schema(engine: sa.Engine) -> None:
         conn.execute(sa.text("INSERT INTO jobs (id, result, status) VALUES (1, 'old', 'done')"))
         conn.execute(sa.text("ALTER TABLE jobs DROP COLUMN fence"))
         conn.execute(sa.text("DROP TABLE cells"))
-        conn.execute(sa.text("DROP FUNCTION sa_fence_check_lease(bigint)"))
+        conn.execute(sa.text("DROP FUNCTION sa_fence_check_lease(text, bigint)"))
         conn.execute(sa.text("DROP TABLE sa_fence_scope"))
         conn.execute(sa.text("DROP FUNCTION sa_fence_scope_check()"))
         conn.execute(sa.text("DROP TABLE sa_fence_leases"))
@@ -467,7 +467,7 @@ def test_autogenerate_recreates_a_missing_check_function_and_its_downgrade_keeps
             for statement in _guard.create_guard_sql(table):
                 conn.execute(sa.text(statement))
         conn.execute(sa.text("INSERT INTO sa_fence_leases (name) VALUES ('job:1')"))
-        conn.execute(sa.text("DROP FUNCTION sa_fence_check_lease(bigint)"))
+        conn.execute(sa.text("DROP FUNCTION sa_fence_check_lease(text, bigint)"))
     rows = register_rows(db)
     script = run(db, project, command.revision, message="check function", autogenerate=True)
     text = Path(script.path).read_text(encoding="utf-8")
@@ -546,7 +546,7 @@ def test_autogenerate_brings_a_scope_table_of_the_first_form_up_to_date(
     assert "xact" not in text
     run(db, project, command.upgrade, "head")
     inspector = sa.inspect(db)
-    assert [c["name"] for c in inspector.get_columns("sa_fence_scope")] == ["token"]
+    assert [c["name"] for c in inspector.get_columns("sa_fence_scope")] == ["token", "name_key"]
     assert inspector.get_indexes("sa_fence_scope") == []
     run(db, project, command.check)
 
@@ -585,7 +585,7 @@ def test_autogenerate_brings_a_register_of_the_name_arm_form_up_to_date(
         register = _register.Register("sa_fence_token_seq")
         assert _register.register_objects_outdated(conn, register) == []
     inspector = sa.inspect(db)
-    assert [c["name"] for c in inspector.get_columns("sa_fence_scope")] == ["token"]
+    assert [c["name"] for c in inspector.get_columns("sa_fence_scope")] == ["token", "name_key"]
     run(db, project, command.check)
 
 
@@ -664,7 +664,7 @@ def test_autogenerate_puts_register_and_guards_on_the_sa_fence_sequence_it_is_gi
         assert conn.execute(
             sa.text(
                 "SELECT to_regclass('app.sa_fence_leases') IS NOT NULL "
-                "AND to_regprocedure('app.sa_fence_check_lease(bigint)') IS NOT NULL"
+                "AND to_regprocedure('app.sa_fence_check_lease(text, bigint)') IS NOT NULL"
             )
         ).scalar_one()
         conn.execute(sa.text("INSERT INTO jobs (id, status) VALUES (1, 'new')"))
@@ -892,7 +892,7 @@ def test_the_register_ops_work_in_another_schema_and_offline(db: sa.Engine) -> N
         )
     )
     offline.drop_fence_register("app.tokens")
-    assert 'DROP FUNCTION IF EXISTS "app"."sa_fence_check_lease"(bigint)' in buffer.getvalue()
+    assert 'DROP FUNCTION IF EXISTS "app"."sa_fence_check_lease"(text, bigint)' in buffer.getvalue()
     assert 'DROP TABLE IF EXISTS "app"."sa_fence_leases"' in buffer.getvalue()
     with db.begin() as conn:
         ops = ops_on(conn)

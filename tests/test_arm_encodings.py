@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _guard
+from sa_fence import _guard, _register
 from sa_fence.testing import expire
 from tests._scope_fixtures import empty_tables, fencer, scope_engine  # noqa: F401
 from tests.models_scope import Outbox
@@ -115,9 +115,77 @@ def test_a_lease_of_any_name_arms_with_its_token_only(
         lease.bind(session)
         armed = session.execute(
             sa.text(
-                "SELECT token FROM sa_fence_scope "
+                "SELECT token, name_key FROM sa_fence_scope "
                 "WHERE xmin::text::bigint = pg_current_xact_id()::text::bigint % 4294967296"
             )
-        ).scalars()
-        assert list(armed) == [lease.token]
+        ).all()
+        assert [tuple(row) for row in armed] == [(lease.token, _register.name_key(name))]
         session.rollback()
+
+
+def _reissue_to_another_name(
+    fencer: sa_fence.Fencer,  # noqa: F811
+    scope_engine: sa.Engine,  # noqa: F811
+    lost: sa_fence.Lease,
+) -> sa_fence.Lease:
+    """What a promoted asynchronous standby does: the grant of ``lost`` is gone from the
+    register and the sequence is behind it, so another name is granted ``lost``'s token."""
+    with scope_engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM sa_fence_leases WHERE name = :n"), {"n": lost.name})
+        conn.execute(sa.text("SELECT setval('sa_fence_token_seq', :t - 1)"), {"t": lost.token})
+    other = fencer.acquire(f"{lost.name}:other", 5)
+    assert other.token == lost.token
+    return other
+
+
+def test_a_token_handed_out_again_to_another_name_does_not_pass_for_the_lease(
+    fencer: sa_fence.Fencer,  # noqa: F811
+    scope_engine: sa.Engine,  # noqa: F811
+) -> None:
+    """The arm holds the lease to its name's key as well as its token: after a failover hands
+    the token out again to another name (docs/reliability.md), the lost grant's holder is
+    refused, as the register by name refused it before the arm carried no text."""
+    make_session = sa_fence.install(sessionmaker(scope_engine))
+    lost = fencer.acquire("job:lost", 5)
+    session: Session = lost.bind(make_session())
+    session.add(Outbox(id=1, message="lost grant"))
+    session.flush()
+    other = _reissue_to_another_name(fencer, scope_engine, lost)
+    with pytest.raises(sa_fence.StaleTokenError):
+        session.commit()
+    session.close()
+    with scope_engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one() == 0
+    other.release()
+
+
+def test_without_the_name_key_the_other_names_token_passes_for_the_lease(
+    fencer: sa_fence.Fencer,  # noqa: F811
+    scope_engine: sa.Engine,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pair: the check by token alone lets the lost grant's holder commit."""
+    key_check = "\n       AND r.name_key OPERATOR(pg_catalog.=) lease_key FOR SHARE"
+    assert key_check in _register._CHECK_BODY
+    register = _register.Register("sa_fence_token_seq")
+    monkeypatch.setattr(
+        _register, "_CHECK_BODY", _register._CHECK_BODY.replace(key_check, " FOR SHARE")
+    )
+    with scope_engine.begin() as conn:
+        conn.execute(sa.text(_register.check_function_sql(register)))
+    monkeypatch.undo()
+    try:
+        make_session = sa_fence.install(sessionmaker(scope_engine))
+        lost = fencer.acquire("job:lost", 5)
+        session: Session = lost.bind(make_session())
+        session.add(Outbox(id=1, message="lost grant"))
+        session.flush()
+        other = _reissue_to_another_name(fencer, scope_engine, lost)
+        session.commit()  # the outcome the key prevents
+        session.close()
+        with scope_engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM outbox")).scalar_one() == 1
+        other.release()
+    finally:
+        with scope_engine.begin() as conn:
+            conn.execute(sa.text(_register.check_function_sql(register)))

@@ -118,7 +118,7 @@ def test_a_missing_register_is_told_from_the_one_rule_by_every_path(
             id="register-of-another-sequence",
         ),
         pytest.param(
-            ["DROP FUNCTION sa_fence_check_lease(bigint)"],
+            ["DROP FUNCTION sa_fence_check_lease(text, bigint)"],
             "no check function",
             "op.create_fence_register() (keeps the register's rows)",
             id="no-check-function",

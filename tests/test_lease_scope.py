@@ -906,7 +906,7 @@ def test_a_stale_holders_insert_into_an_unfenced_table_is_refused(
 def test_a_raw_writer_that_checks_its_lease_before_commit_is_lease_scoped_too(
     fencer: sa_fence.Fencer, scope_engine: sa.Engine
 ) -> None:
-    """Outside sa-fence, ``SELECT sa_fence_check_lease(token)`` before
+    """Outside sa-fence, ``SELECT sa_fence_check_lease(name, token)`` before
     COMMIT gives a raw writer what a bound session has: its transaction commits
     nothing once a newer lease of the name was granted (migrations guide)."""
     import psycopg
@@ -917,16 +917,16 @@ def test_a_raw_writer_that_checks_its_lease_before_commit_is_lease_scoped_too(
         return psycopg.connect(psycopg_conninfo(scope_engine.url))
 
     a = fencer.acquire("job:1", 5)
-    check = "SELECT sa_fence_check_lease(%s)"
+    check = "SELECT sa_fence_check_lease(%s, %s)"
     with raw() as conn:  # the current holder: commits
         conn.execute("INSERT INTO outbox (id, message) VALUES (1, 'A: first')")
-        conn.execute(check, (a.token,))
+        conn.execute(check, (a.name, a.token))
         conn.commit()
     b = grant_to_another_holder(fencer, a)
     with raw() as conn:  # A, stale now: refused, nothing committed
         conn.execute("INSERT INTO outbox (id, message) VALUES (2, 'A: late')")
         with pytest.raises(psycopg.Error) as refused:
-            conn.execute(check, (a.token,))
+            conn.execute(check, (a.name, a.token))
         conn.rollback()
     assert refused.value.sqlstate == "SF003"
     assert outbox(scope_engine) == ["A: first"]

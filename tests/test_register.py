@@ -49,7 +49,7 @@ def committing_holder(engine: sa.Engine, fencer: sa_fence.Fencer) -> Any:
     dsn = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
     conn = psycopg.connect(dsn)
     conn.execute("SELECT pg_current_xact_id()")  # it wrote something: it has an xid
-    conn.execute(fencer._tokens.register.check_call(lease.token))  # holds the row
+    conn.execute(fencer._tokens.register.check_call(), ("job:1", lease.token))  # holds the row
     yield conn
     conn.rollback()
     conn.close()

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
 from sa_fence import Lease, _flush, _scope
+from sa_fence._register import name_key
 from sa_fence.testing import expire
 from tests import _scope_fixtures
 from tests.models_scope import OWN_ARMS, Outbox
@@ -91,8 +92,8 @@ def test_every_arm_is_a_statement_of_its_own(
             session.execute(sa.text("SELECT 1"))
             driver = session.connection().connection.driver_connection
             assert "_start_query" not in vars(driver)  # psycopg's BEGIN, as it is
-            sent = session.execute(sa.text(f"SELECT token FROM {OWN_ARMS}")).all()
-            assert [tuple(r) for r in sent] == [(a.token,)]
+            sent = session.execute(sa.text(f"SELECT token, name_key FROM {OWN_ARMS}")).all()
+            assert [tuple(r) for r in sent] == [(a.token, name_key(a.name))]
     finally:
         a.release()
 

@@ -506,8 +506,8 @@ def test_the_arm_travels_in_psycopgs_begin_message(
         session.execute(sa.text("SELECT 1"))  # a text() first statement
         driver = session.connection().connection.driver_connection
         assert "_start_query" in vars(driver)  # sa-fence's BEGIN is installed
-        sent = session.execute(sa.text(f"SELECT token FROM {OWN_ARMS}")).all()
-        assert [tuple(r) for r in sent] == [(a.token,)]
+        sent = session.execute(sa.text(f"SELECT token, name_key FROM {OWN_ARMS}")).all()
+        assert [tuple(r) for r in sent] == [(a.token, _register.name_key(a.name))]
     a.release()
 
 
@@ -1714,8 +1714,13 @@ def _commit_one_and_two_arms(
         session.commit()
     with engine.begin() as conn:
         conn.execute(
-            sa.text("INSERT INTO sa_fence_scope (token) VALUES (:ta), (:tb)"),
-            {"ta": a.token, "tb": b.token},
+            sa.text("INSERT INTO sa_fence_scope (token, name_key) VALUES (:ta, :ka), (:tb, :kb)"),
+            {
+                "ta": a.token,
+                "ka": _register.name_key(a.name),
+                "tb": b.token,
+                "kb": _register.name_key(b.name),
+            },
         )
     a.release()
     b.release()
@@ -1790,7 +1795,7 @@ def test_the_register_op_upgrades_the_first_scope_table_and_its_clean_up(
         for statement in _register.create_register_sql("sa_fence_token_seq"):
             conn.execute(sa.text(statement))
     inspector = sa.inspect(scope_engine)
-    assert [c["name"] for c in inspector.get_columns("sa_fence_scope")] == ["token"]
+    assert [c["name"] for c in inspector.get_columns("sa_fence_scope")] == ["token", "name_key"]
     assert inspector.get_indexes("sa_fence_scope") == []
     with scope_engine.connect() as conn:
         function = conn.execute(
@@ -1813,13 +1818,13 @@ def _shadow(session: Session, token: int, name: str) -> None:
     session.execute(
         sa.text(
             "CREATE TEMP TABLE sa_fence_leases (name text PRIMARY KEY, token bigint NOT NULL, "
-            "granted_at timestamptz NOT NULL DEFAULT now(), previous bigint)"
+            "granted_at timestamptz NOT NULL DEFAULT now(), previous bigint, name_key bigint)"
         )
     )
     session.execute(sa.text("CREATE TEMP TABLE sa_fence_scope (LIKE public.sa_fence_scope)"))
     session.execute(
-        sa.text("INSERT INTO sa_fence_leases (name, token) VALUES (:n, :t)"),
-        {"n": name, "t": token},
+        sa.text("INSERT INTO sa_fence_leases (name, token, name_key) VALUES (:n, :t, :k)"),
+        {"n": name, "t": token, "k": _register.name_key(name)},
     )
 
 
@@ -1833,7 +1838,9 @@ def test_a_temp_register_holding_the_stale_token_does_not_stand_in(
         session.add(Outbox(id=1, message="stale"))
         session.flush()
         with pytest.raises(sa_fence.StaleTokenError):
-            session.execute(sa.text("SELECT sa_fence_check_lease(:t)"), {"t": a.token})
+            session.execute(
+                sa.text("SELECT sa_fence_check_lease(:n, :t)"), {"n": a.name, "t": a.token}
+            )
         session.rollback()
         _shadow(session, a.token, a.name)
         session.add(Outbox(id=1, message="stale"))
@@ -1928,12 +1935,17 @@ def test_without_the_qualified_operators_a_shadow_operator_stands_in(
 ) -> None:
     """Guard-removal pair: the check written with the bare operator, as it would be
     without qualified operators (nor a pinned search_path), lets the stale commit through."""
-    qualified_check = "WHERE r.token OPERATOR(pg_catalog.=) lease_token FOR SHARE"
+    qualified_check = (
+        "WHERE r.token OPERATOR(pg_catalog.=) lease_token\n"
+        "       AND r.name_key OPERATOR(pg_catalog.=) lease_key FOR SHARE"
+    )
     assert qualified_check in _register._CHECK_BODY
     monkeypatch.setattr(
         _register,
         "_CHECK_BODY",
-        _register._CHECK_BODY.replace(qualified_check, "WHERE r.token = lease_token FOR SHARE"),
+        _register._CHECK_BODY.replace(
+            qualified_check, "WHERE r.token = lease_token AND r.name_key = lease_key FOR SHARE"
+        ),
     )
     register = _register.Register("sa_fence_token_seq")
     with scope_engine.begin() as conn:

@@ -47,7 +47,7 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from sa_fence import _scope
+from sa_fence import _guard, _scope
 from sa_fence.tools.bench import (
     FlushBench,
     Op,
@@ -239,7 +239,10 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
     """
     op = op_costs(bench, config, progress)
     lease = bench.lease
-    check = bench.schema.register.check_call(lease.token)
+    # (a benchmark line of the client-sent check of before: one simple-query message, so the
+    # name is a literal here; sa-fence itself never writes a lease name into SQL)
+    name = _guard.quote_literal(lease.name)
+    check = f"SELECT {bench.schema.register.function_sql}({name}, {int(lease.token)})"
     table = bench.schema.models["plain"].__table__
     update = f'UPDATE "{table.schema}"."{table.name}" SET counter = counter + 1 WHERE id = %s'
     scope_table = bench.schema.register.scope_sql

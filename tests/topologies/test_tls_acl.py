@@ -261,7 +261,7 @@ ROLE_SQL = [
     "GRANT SELECT ON sa_fence_leases TO {role};",
     "GRANT SELECT ON SEQUENCE sa_fence_token_seq TO {role};",
     "GRANT INSERT ON sa_fence_scope TO {role};",
-    "REVOKE EXECUTE ON FUNCTION sa_fence_check_lease(bigint) FROM PUBLIC;",
+    "REVOKE EXECUTE ON FUNCTION sa_fence_check_lease(text, bigint) FROM PUBLIC;",
     "GRANT SELECT, INSERT, UPDATE, DELETE ON jobs, audit TO {role};",
 ]
 
