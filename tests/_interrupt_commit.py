@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import signal
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +44,33 @@ def slow_commit(dbapi_conn: Any) -> None:
         cursor.execute("SELECT pg_sleep(3); COMMIT")
     finally:
         cursor.close()
+
+
+#: A backend of this database waiting where the interruption must find it: on the scope table's
+#: lock (the arm) or in the COMMIT's pg_sleep.  (A fixed timer fired before the statement was
+#: sent on a loaded machine, and the pair then found nothing to break.)
+_WAITING_SQL = (
+    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+    "AND pid <> pg_backend_pid() AND (wait_event_type = 'Lock' OR wait_event = 'PgSleep')"
+)
+
+
+def interrupt_once_waiting(url: str) -> threading.Thread:
+    """Send this process SIGALRM once a backend waits as above (at most 20 s)."""
+
+    def watch() -> None:
+        with sa.create_engine(url, poolclass=sa.pool.NullPool).connect() as conn:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if conn.execute(sa.text(_WAITING_SQL)).scalar_one():
+                    os.kill(os.getpid(), signal.SIGALRM)
+                    return
+                conn.rollback()
+                time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    return watcher
 
 
 def main(url: str, prefix: str, kind: str, invalidate: bool, arm: bool) -> None:
@@ -71,7 +101,7 @@ def main(url: str, prefix: str, kind: str, invalidate: bool, arm: bool) -> None:
         session.add(Outbox(id=1, message="interrupted"))
         session.flush()
         interrupted = session.commit
-    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    watcher = interrupt_once_waiting(url)
     try:
         interrupted()
         print("not interrupted")
@@ -79,7 +109,7 @@ def main(url: str, prefix: str, kind: str, invalidate: bool, arm: bool) -> None:
     except raise_:
         pass
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        watcher.join()
         if blocker is not None:
             blocker.close()
     _scope._send_commit = send_commit  # type: ignore[assignment]
