@@ -29,11 +29,12 @@ from .errors import FencingConfigError, LeaseBackendError
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
+    from sqlalchemy.ext.asyncio import AsyncSession
     from sqlalchemy.orm import Session, scoped_session
 
     from ._prune import PruneResult
 
-S = TypeVar("S", bound="Session | scoped_session[Any]")
+S = TypeVar("S", bound="Session | scoped_session[Any] | AsyncSession")
 #: ``on_lost(lease)``: runs once, on the thread that first sees the loss.
 OnLost = Callable[["Lease"], object]
 
@@ -85,10 +86,17 @@ class Lease(BaseLease["Fencer"]):
         """Fence ``session``'s flushes with this lease's token from now on; returns ``session``,
         which (or whose class or sessionmaker) must have the flush hook (:func:`sa_fence.install`).
         A ``scoped_session`` binds its current session.  A released lease raises
-        :class:`~sa_fence.LeaseLostError`."""
+        :class:`~sa_fence.LeaseLostError`.
+
+        An ``AsyncSession`` is fenced as by an :class:`~sa_fence.AsyncLease` (its sync session is
+        bound): binding and the flush's checks of the lease make no I/O of their own, and
+        PostgreSQL checks the COMMIT against the register whichever front end drew the token
+        (tests/test_sync_lease_async_session.py).  But this lease's own calls (acquire, extend,
+        release) block the event loop while they run: in asyncio code prefer
+        :class:`~sa_fence.AsyncFencer` (docs/asyncio.md)."""
         if self._state.released:
             raise steps.released_error(self)
-        bind_lease(session, self)
+        bind_lease(session, self)  # type: ignore[arg-type]  # an AsyncSession is unwrapped
         return session
 
     def __enter__(self) -> Lease:

@@ -27,4 +27,5 @@ def test_skip_adds_skipped_to_the_awaited_result_and_install_keeps_the_type() ->
         '"int | sa_fence._decorators.Skipped"',
         '"str"',
         '"sqlalchemy.orm.session.sessionmaker[sqlalchemy.orm.session.Session]"',
+        '"sqlalchemy.ext.asyncio.session.AsyncSession"',
     ]

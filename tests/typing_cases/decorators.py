@@ -2,6 +2,7 @@
 
 from typing import reveal_type
 
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
@@ -27,3 +28,7 @@ async def main(maker: sessionmaker[Session]) -> None:
     reveal_type(finish(1))
     reveal_type(finish_or_raise(1))
     reveal_type(sa_fence.install(maker))
+
+
+def bind_async(lease: sa_fence.Lease, session: AsyncSession) -> None:
+    reveal_type(lease.bind(session))  # a sync Lease fences an AsyncSession too (issue 49)
