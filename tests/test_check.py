@@ -281,7 +281,7 @@ def test_check_names_a_missing_lease_register_with_its_fix(
 ) -> None:
     execute(
         migrated,
-        "DROP FUNCTION sa_fence_check_lease(bigint)",
+        "DROP FUNCTION sa_fence_check_lease(text, bigint)",
         "DROP TABLE sa_fence_leases",
     )
     status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
@@ -345,11 +345,11 @@ def test_check_names_a_register_drawing_from_another_sequence_or_from_none(
 def test_check_names_a_missing_commit_check_function(
     migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    execute(migrated, "DROP FUNCTION sa_fence_check_lease(bigint)")
+    execute(migrated, "DROP FUNCTION sa_fence_check_lease(text, bigint)")
     status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
     assert status == 1
     assert (
-        'PROBLEM commit check function "sa_fence_check_lease"(bigint) is missing: no '
+        'PROBLEM commit check function "sa_fence_check_lease"(text, bigint) is missing: no '
         "session bound to a lease can commit fix: op.create_fence_register() (keeps the "
         "register's rows)" in out
     )
@@ -433,33 +433,178 @@ def test_check_names_the_rights_the_connecting_role_lacks_with_the_grants(
     execute(
         migrated,
         f'GRANT SELECT ON ALL TABLES IN SCHEMA public TO "{worker_role}"',
-        "REVOKE EXECUTE ON FUNCTION sa_fence_check_lease(bigint) FROM PUBLIC",
+        "REVOKE EXECUTE ON FUNCTION sa_fence_check_lease("
+        f"{_register.FUNCTIONS['sa_fence_check_lease']}) FROM PUBLIC",
     )
     url = migrated.url.set(username=worker_role).render_as_string(hide_password=False)
     status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)
     assert status == 1
     assert (
         f"PROBLEM role {worker_role} (the role this check connected as: run it as your "
-        "workers' role) lacks INSERT on sa_fence_leases, UPDATE on sa_fence_leases, INSERT on "
-        "sa_fence_scope, DELETE on sa_fence_scope, USAGE on "
-        "sequence sa_fence_token_seq: every grant and every transaction of a bound "
-        "session fails with permission denied" in out
+        "workers' role) lacks EXECUTE on function sa_fence_grant(text, regclass, text, "
+        "boolean), EXECUTE on function sa_fence_withdraw(text, bigint), SELECT on sequence "
+        "sa_fence_token_seq, INSERT on sa_fence_scope: every grant, the withdrawal of a token "
+        "whose grant was never confirmed, every fenced write that raises a row's fence (its "
+        "guard reads the sequence) and every transaction of a bound session fail with "
+        "permission denied" in out
     )
     # the check function is for raw writers' hand-sent checks: a bound session's COMMIT is
     # checked by the scope trigger, which needs no EXECUTE (revoked above, and not asked for)
-    assert "EXECUTE" not in out
+    assert "sa_fence_check_lease" not in out
     for grant in (
-        f'GRANT INSERT ON "sa_fence_leases" TO "{worker_role}";',
-        f'GRANT UPDATE ON "sa_fence_leases" TO "{worker_role}";',
+        f'GRANT EXECUTE ON FUNCTION "sa_fence_grant"(text, regclass, text, boolean) TO '
+        f'"{worker_role}";',
+        f'GRANT EXECUTE ON FUNCTION "sa_fence_withdraw"(text, bigint) TO "{worker_role}";',
+        f'GRANT SELECT ON SEQUENCE "sa_fence_token_seq" TO "{worker_role}";',
         f'GRANT INSERT ON "sa_fence_scope" TO "{worker_role}";',
-        f'GRANT DELETE ON "sa_fence_scope" TO "{worker_role}";',
-        f'GRANT USAGE ON SEQUENCE "sa_fence_token_seq" TO "{worker_role}";',
     ):
         assert grant in out
         execute(migrated, grant)
     status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)
     assert status == 0, out
     assert f"rights of role {worker_role}" in out
+    # the documented role may write neither the register nor the arms: nothing to warn of
+    assert "warning" not in out
+
+
+def documented_grants(role: str) -> list[str]:
+    """The grants of docs/topologies.md ("PostgreSQL role") for the demo schema's tables."""
+    return [
+        "GRANT EXECUTE ON FUNCTION sa_fence_grant(text, regclass, text, boolean), "
+        f'sa_fence_withdraw(text, bigint) TO "{role}"',
+        f'GRANT SELECT ON sa_fence_leases TO "{role}"',
+        f'GRANT SELECT ON SEQUENCE sa_fence_token_seq TO "{role}"',
+        f'GRANT INSERT ON sa_fence_scope TO "{role}"',
+        f'GRANT SELECT, INSERT, UPDATE, DELETE ON jobs, job_steps TO "{role}"',
+    ]
+
+
+def test_check_names_a_role_that_can_write_the_register_or_the_arms_with_the_revoke(
+    migrated: sa.Engine, worker_role: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stale holder whose role may UPDATE the register (one column is enough) writes its
+    token back and shuts the current holder out: a problem, with the REVOKE that ends it,
+    naming the roles the rights come through (PUBLIC, a group role the worker inherits from)."""
+    group = f"sa_fence_test_{uuid.uuid4().hex[:10]}"
+    execute(migrated, f'CREATE ROLE "{group}" NOLOGIN')
+    try:
+        execute(
+            migrated,
+            *documented_grants(worker_role),
+            f'GRANT UPDATE (token) ON sa_fence_leases TO "{worker_role}"',
+            "GRANT TRUNCATE ON sa_fence_leases TO PUBLIC",
+            f'GRANT DELETE ON sa_fence_scope TO "{group}"',
+            f'GRANT "{group}" TO "{worker_role}"',
+        )
+        url = migrated.url.set(username=worker_role).render_as_string(hide_password=False)
+        for strict in ((), ("--strict",)):
+            status, out, _ = sa_fence_cli("check", *strict, "--url", url, capsys=capsys)
+            assert (status, out.count("PROBLEM")) == (1, 2), out
+        assert (
+            f"PROBLEM role {worker_role} can write the lease register sa_fence_leases itself "
+            f"(UPDATE, TRUNCATE) (granted to PUBLIC, role {worker_role}): a stale holder running "
+            "as it could write its token back and shut the current holder out fix: REVOKE "
+            f'INSERT, UPDATE, DELETE, TRUNCATE ON "sa_fence_leases" FROM PUBLIC, "{worker_role}";'
+            in out
+        )
+        assert (
+            f"PROBLEM role {worker_role} can delete or change rows of the lease scope table "
+            f"sa_fence_scope (DELETE) (granted to role {group}): the workers' role needs INSERT "
+            "alone there (its arm); only sa-fence's scope trigger takes an arm back fix: "
+            f'REVOKE UPDATE, DELETE, TRUNCATE ON "sa_fence_scope" FROM "{group}";' in out
+        )
+        assert "warning" not in out  # REVOKE helps: a problem, not a warning
+        for revoke in out.split("fix: ")[1:]:
+            execute(migrated, revoke.split(";")[0])
+        status, out, _ = sa_fence_cli("check", "--strict", "--url", url, capsys=capsys)
+        assert status == 0, out
+        assert f"rights of role {worker_role}" in out
+    finally:
+        execute(migrated, f'DROP OWNED BY "{group}"', f'DROP ROLE "{group}"')
+
+
+def test_check_warns_of_a_superuser_or_an_owner_without_failing(
+    migrated: sa.Engine, worker_role: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No REVOKE takes a write from a superuser or from the register's owner: a warning, not
+    counted as a problem even with --strict (check is run as the migrations' role too)."""
+    for strict in ((), ("--strict",)):
+        status, out, _ = sa_fence_cli("check", *strict, "--url", url_of(migrated), capsys=capsys)
+        assert (status, "PROBLEM" in out) == (0, False), out
+        assert (
+            "warning role postgres (the role this check connected as) is a superuser: it can "
+            "write the lease register sa_fence_leases itself (INSERT, UPDATE, DELETE, TRUNCATE) "
+            "and delete or change rows of the lease scope table sa_fence_scope (UPDATE, DELETE, "
+            "TRUNCATE), and no REVOKE takes that from a superuser or an owner. A stale holder "
+            "running as it could write its token back and shut the current holder out" in out
+        )
+        assert (
+            "fix: run the workers as a role that neither owns the schema nor is a superuser" in out
+        )
+        assert "REVOKE INSERT" not in out
+        assert "No problems found. 1 warning(s) about the role this check connected as" in out
+    execute(
+        migrated,
+        *documented_grants(worker_role),
+        f'ALTER TABLE sa_fence_leases OWNER TO "{worker_role}"',
+    )
+    url = migrated.url.set(username=worker_role).render_as_string(hide_password=False)
+    status, out, _ = sa_fence_cli("check", "--strict", "--url", url, capsys=capsys)
+    assert (status, "PROBLEM" in out) == (0, False), out
+    assert (
+        f"warning role {worker_role} (the role this check connected as) owns the lease "
+        "register sa_fence_leases: it can write the lease register sa_fence_leases itself "
+        "(INSERT, UPDATE, DELETE, TRUNCATE), and no REVOKE takes that from" in out
+    )
+    assert "sa_fence_scope (" not in out  # it may only arm, as the documented role
+
+
+@pytest.mark.parametrize(
+    ("broken", "said"),
+    [
+        (
+            "edit grant",  # the forward-only guard taken out of the grant
+            "function sa_fence_grant(text, regclass, text, boolean) has a body that is not "
+            "sa-fence's (edited by hand, or made by an earlier release)",
+        ),
+        (
+            "ALTER FUNCTION sa_fence_withdraw(text, bigint) SECURITY INVOKER",
+            "function sa_fence_withdraw(text, bigint) is not SECURITY DEFINER",
+        ),
+        (
+            "DROP INDEX sa_fence_leases_token",
+            "the register's unique index sa_fence_leases_token on token is missing",
+        ),
+    ],
+    ids=["body", "invoker", "token index"],
+)
+def test_check_names_register_functions_and_index_not_as_sa_fence_makes_them(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str], broken: str, said: str
+) -> None:
+    """What op.create_fence_register() mends, each a problem with that fix; running its
+    statements again makes the check clean."""
+    if broken == "edit grant":
+        with migrated.connect() as conn:
+            source = conn.execute(
+                sa.text(
+                    "SELECT pg_get_functiondef("
+                    "'sa_fence_grant(text, regclass, text, boolean)'::regprocedure)"
+                )
+            ).scalar_one()
+        broken = source.replace("WHERE r.token OPERATOR(pg_catalog.<) EXCLUDED.token", "")
+        assert broken != source
+        assert "SECURITY DEFINER" in broken
+    execute(migrated, broken)
+    url = url_of(migrated)
+    status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)
+    assert (status, out.count("PROBLEM")) == (1, 1), out
+    assert (
+        f"PROBLEM lease register sa_fence_leases is not as sa-fence makes it: {said} fix: "
+        "op.create_fence_register() in a migration (idempotent; keeps the register's rows)" in out
+    )
+    execute(migrated, *_register.create_register_sql("sa_fence_token_seq"))
+    status, out, _ = sa_fence_cli("check", "--url", url, capsys=capsys)
+    assert (status, "PROBLEM" in out) == (0, False), out
 
 
 def test_check_warns_that_two_registers_in_one_database_let_a_stale_holder_commit(

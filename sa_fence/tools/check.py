@@ -7,9 +7,18 @@ writer, and says how to fix each finding:
   or has a non-positive increment;
 * the lease register (``sa_fence_leases`` in the sequence's schema) is
   missing, has the wrong shape, or draws its tokens from no sequence or
-  from another one than ``--sequence``; its commit check function is
-  missing; the connecting role lacks a right the grant or the commit check
-  needs (run the check as your workers' role);
+  from another one than ``--sequence``; a function beside it (the commit
+  check, the scope trigger's, grant, withdraw, prune) is missing, not
+  SECURITY DEFINER or not sa-fence's, its unique token index is missing, or
+  its scope table is of an earlier form (``op.create_fence_register()``
+  mends them all);
+* the connecting role (run the check as your workers' role) lacks a right
+  the workers need (EXECUTE on the grant and withdraw functions, SELECT on
+  the register and the sequence, INSERT on the scope table), or has one
+  they must not: a write on the register (a stale holder could write its
+  token back) or UPDATE, DELETE or TRUNCATE on the scope table.  A
+  *warning*, never counted as a problem, when no REVOKE can take such a
+  write away (a superuser, the table's owner: the role migrations run as);
 * the database holds more than one register (two sequences fencing the
   same rows: neither register fences out the other's holders);
 * a fenced table lacks its fence column, its guard is disabled, or its guard
@@ -83,9 +92,14 @@ from .._guard import (
 )
 from .._model import fence_column_of
 from .._register import (
+    CHECK_FUNCTION,
+    FUNCTIONS,
+    GRANT_FUNCTION,
     REGISTER_TABLE,
+    WITHDRAW_FUNCTION,
     Register,
     pinned_register,
+    register_objects_outdated,
 )
 from .._tokens import DEFAULT_SEQUENCE, behind_pooler, setup_problem
 
@@ -132,6 +146,10 @@ class Report:
     #: table with no guard: only writers outside sa-fence go unfenced); findings
     #: under ``sa-fence check --strict``
     advice: list[Finding] = field(default_factory=list)
+    #: what would let a stale holder through if the workers connected as the role this check
+    #: connected as, but no REVOKE can change (a superuser, an owner: the role migrations run
+    #: as, typically); never counted as problems, not even under ``--strict``
+    warnings: list[Finding] = field(default_factory=list)
     ok: list[str] = field(default_factory=list)
     #: facts worth knowing that are not problems (e.g. rows never fenced)
     notes: list[str] = field(default_factory=list)
@@ -207,19 +225,57 @@ def load_metadata(spec: str, app_dir: str = ".") -> sa.MetaData:
     return metadata
 
 
-#: The rights the current role needs on the register (SELECT, INSERT, UPDATE) and on the scope
-#: table (INSERT: the arm; SELECT, DELETE: the trigger's clean-up, run as the committing role).
-#: Not EXECUTE on the check function: a bound session's COMMIT is checked by the scope trigger,
-#: which PostgreSQL runs without it; only a raw writer's hand-sent check calls the function.
+#: The rights the current role needs (docs/topologies.md, "PostgreSQL role"): EXECUTE on the
+#: grant and withdraw functions (the only way it moves the register: they run as their owner),
+#: SELECT on the register (a refused commit's error names the newer token; ``sa-fence status``),
+#: SELECT or USAGE on the sequence (a guard reads how far it has gone) and INSERT on the scope
+#: table (the arm).  Not EXECUTE on the check function: a bound session's COMMIT is checked by
+#: the scope trigger, which PostgreSQL runs without it; only a raw writer's hand-sent check
+#: calls the function.  NULL where the object is missing (reported on its own).
 _REGISTER_RIGHTS_SQL = sa.text(
     """
-    SELECT has_table_privilege(to_regclass(:register), 'SELECT') AS can_select,
-           has_table_privilege(to_regclass(:register), 'INSERT') AS can_insert,
-           has_table_privilege(to_regclass(:register), 'UPDATE') AS can_update,
-           has_sequence_privilege(to_regclass(:sequence), 'USAGE') AS can_draw,
-           has_table_privilege(to_regclass(:scope), 'INSERT') AS can_arm,
-           has_table_privilege(to_regclass(:scope), 'SELECT') AS can_read_scope,
-           has_table_privilege(to_regclass(:scope), 'DELETE') AS can_disarm
+    SELECT has_function_privilege(to_regprocedure(:grant_function), 'EXECUTE') AS can_grant,
+           has_function_privilege(to_regprocedure(:withdraw_function), 'EXECUTE')
+               AS can_withdraw,
+           has_table_privilege(to_regclass(:register), 'SELECT') AS can_select,
+           has_sequence_privilege(to_regclass(:sequence), 'SELECT, USAGE') AS can_read_sequence,
+           has_table_privilege(to_regclass(:scope), 'INSERT') AS can_arm
+    """
+)
+
+#: The writes the register's and the scope table's rows must be safe from: the workers' role
+#: has none of them on the register, and only INSERT (its arm) on the scope table.
+_REGISTER_WRITES = ("INSERT", "UPDATE", "DELETE", "TRUNCATE")
+_SCOPE_WRITES = ("UPDATE", "DELETE", "TRUNCATE")
+
+#: Which of ``:rights`` the current role holds on table ``:table`` (INSERT and UPDATE on any
+#: column count: UPDATE (token) is enough to write a token back), whether it is a superuser or
+#: the table's owner (or inherits the owner's rights), and the roles the rights come from:
+#: itself, a role it inherits from, or PUBLIC (NULL), as a REVOKE must name them.  No row
+#: when the table is missing.
+_WRITES_SQL = sa.text(
+    """
+    SELECT (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user) AS superuser,
+           pg_catalog.pg_has_role(c.relowner, 'USAGE') AS owner,
+           ARRAY(SELECT w.priv FROM pg_catalog.unnest(CAST(:rights AS text[]))
+                        WITH ORDINALITY AS w(priv, pos)
+                  WHERE CASE WHEN w.priv IN ('INSERT', 'UPDATE')
+                             THEN pg_catalog.has_any_column_privilege(c.oid, w.priv)
+                             ELSE pg_catalog.has_table_privilege(c.oid, w.priv) END
+                  ORDER BY w.pos) AS writes,
+           ARRAY(SELECT DISTINCT CASE WHEN a.grantee = 0 THEN NULL
+                                      ELSE pg_catalog.pg_get_userbyid(a.grantee) END
+                   FROM (SELECT (pg_catalog.aclexplode(c.relacl)).*
+                         UNION ALL
+                         SELECT (pg_catalog.aclexplode(t.attacl)).*
+                           FROM pg_catalog.pg_attribute t
+                          WHERE t.attrelid = c.oid AND t.attacl IS NOT NULL) AS a
+                  WHERE a.privilege_type = ANY (CAST(:rights AS text[]))
+                    AND a.grantee <> c.relowner
+                    AND (a.grantee = 0 OR pg_catalog.pg_has_role(a.grantee, 'USAGE'))
+                  ORDER BY 1 NULLS FIRST) AS grantees
+      FROM pg_catalog.pg_class c
+     WHERE c.oid = to_regclass(:table)
     """
 )
 
@@ -338,7 +394,7 @@ def _last_value(conn: sa.Connection, quoted: str, row: Any) -> int | None:
 
 
 def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -> None:
-    """The lease register of ``report.sequence``: presence, shape, sequence, function, rights.
+    """The lease register of ``report.sequence``: presence, shape, sequence, functions, rights.
 
     Reads go to the schema-qualified names (``register``); messages and fixes
     show the names as given (``shown``)."""
@@ -359,6 +415,8 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
     rights = conn.execute(
         _REGISTER_RIGHTS_SQL,
         {
+            "grant_function": _signature(register, GRANT_FUNCTION),
+            "withdraw_function": _signature(register, WITHDRAW_FUNCTION),
             "register": register.table_sql,
             "sequence": register.sequence_sql,
             "scope": register.scope_sql,
@@ -367,15 +425,16 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
     role = conn.execute(sa.text("SELECT current_user")).scalar_one()
     lacking = _lacking_rights(rights, shown, role)
     if lacking:
-        fails = sorted({consequence for _, consequence, _ in lacking})
+        fails = list(dict.fromkeys(consequence for _, consequence, _ in lacking))
         report.findings.append(
             Finding(
                 f"role {role}",
                 "(the role this check connected as: run it as your workers' role) lacks "
                 + ", ".join(right for right, _, _ in lacking)
                 + ": "
-                + " and ".join(fails)
-                + " fails with permission denied",
+                + " and ".join(filter(None, (", ".join(fails[:-1]), fails[-1])))
+                + (" fails" if len(fails) == 1 else " fail")
+                + " with permission denied",
                 " ".join(grant for _, _, grant in lacking),
             )
         )
@@ -389,27 +448,151 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
             report.findings.append(
                 Finding(subject, f"a Fencer would refuse it: {problem}", "as the problem says")
             )
-            return
+    _check_register_objects(conn, report, register, subject)
+    _check_register_writes(conn, report, register, shown)
     if len(report.findings) == before:
         report.ok.append(
             f"{subject}: tokens from {sequence}, commit check function, rights of role {role}"
         )
 
 
+def _signature(register: Register, function: str) -> str:
+    """``function``'s schema-qualified signature beside ``register`` (for to_regprocedure)."""
+    return f"{qualified(function, register.schema)}({FUNCTIONS[function]})"
+
+
+#: The fix of whatever beside the register is not as sa-fence makes it.
+REGISTER_OBJECTS_FIX = (
+    "op.create_fence_register() in a migration (idempotent; keeps the register's rows)"
+)
+
+
+def _check_register_objects(
+    conn: sa.Connection, report: Report, register: Register, subject: str
+) -> None:
+    """The functions beside the register (present, SECURITY DEFINER, sa-fence's body), its
+    token index and the scope table's form: what ``op.create_fence_register()`` mends."""
+    # (a missing check function is reported by register_problems, with its consequence)
+    reported = f"function {CHECK_FUNCTION}({FUNCTIONS[CHECK_FUNCTION]}) is missing"
+    report.findings.extend(
+        Finding(subject, f"is not as sa-fence makes it: {item}", REGISTER_OBJECTS_FIX)
+        for item in register_objects_outdated(conn, register)
+        if item != reported
+    )
+
+
+def _check_register_writes(
+    conn: sa.Connection, report: Report, register: Register, shown: Register
+) -> None:
+    """The connecting role may write the register, or take back or change arms in the scope
+    table: only sa-fence's SECURITY DEFINER functions and scope trigger may.  A finding with
+    the REVOKE; a warning where no REVOKE takes the rights away (a superuser, an owner)."""
+    #: (the table as read, as a REVOKE names it, as said, the rights, what they let it do, and
+    #: what comes of that)
+    tables = (
+        (
+            register.table_sql,
+            shown.table_sql,
+            f"the lease register {shown.table_display}",
+            _REGISTER_WRITES,
+            f"write the lease register {shown.table_display} itself",
+            "a stale holder running as it could write its token back and shut the current "
+            "holder out",
+        ),
+        (
+            register.scope_sql,
+            shown.scope_sql,
+            f"the lease scope table {shown.scope_display}",
+            _SCOPE_WRITES,
+            f"delete or change rows of the lease scope table {shown.scope_display}",
+            "the workers' role needs INSERT alone there (its arm); only sa-fence's scope "
+            "trigger takes an arm back",
+        ),
+    )
+    role = conn.execute(sa.text("SELECT current_user")).scalar_one()
+    unrevokable: list[tuple[str, str, str]] = []  # (why no REVOKE helps, what it can, so what)
+    for table, on, named, rights, can, so in tables:
+        row = conn.execute(_WRITES_SQL, {"table": table, "rights": list(rights)}).one_or_none()
+        if row is None or not row.writes:
+            continue
+        can = f"{can} ({', '.join(row.writes)})"
+        if row.superuser or row.owner:
+            unrevokable.append(("is a superuser" if row.superuser else f"owns {named}", can, so))
+            continue
+        grantees = row.grantees or [role]
+        sources = ", ".join("PUBLIC" if g is None else f"role {g}" for g in grantees)
+        granted = "" if grantees == [role] else f" (granted to {sources})"
+        report.findings.append(
+            Finding(
+                f"role {role}",
+                f"can {can}{granted}: {so}",
+                f"REVOKE {', '.join(rights)} ON {on} FROM "
+                + ", ".join("PUBLIC" if g is None else _ident(g) for g in grantees)
+                + ";",
+            )
+        )
+    if unrevokable:
+        whys = " and ".join(dict.fromkeys(why for why, _, _ in unrevokable))
+        report.warnings.append(
+            Finding(
+                f"role {role}",
+                f"(the role this check connected as) {whys}: it can "
+                + " and ".join(can for _, can, _ in unrevokable)
+                + ", and no REVOKE takes that from a superuser or an owner. "
+                + unrevokable[0][2][0].upper()
+                + unrevokable[0][2][1:]
+                + ": harmless for the role migrations run as, not for the role the workers "
+                "connect as",
+                "run the workers as a role that neither owns the schema nor is a superuser, "
+                "with only the grants of docs/topologies.md (PostgreSQL role), and run "
+                "sa-fence check as that role",
+            )
+        )
+
+
 def _lacking_rights(rights: Any, shown: Register, role: str) -> list[tuple[str, str, str]]:
     """The rights (a row of ``_REGISTER_RIGHTS_SQL``) ``role`` lacks: (right, what fails, GRANT)."""
     table, scope = shown.table_display, shown.scope_display
-    sequence = f"sequence {shown.sequence}"
-    grants, transactions = "every grant", "every transaction of a bound session"
+    schema = f"{shown.schema}." if shown.schema else ""
+    grant = f"function {schema}{GRANT_FUNCTION}({FUNCTIONS[GRANT_FUNCTION]})"
+    withdraw = f"function {schema}{WITHDRAW_FUNCTION}({FUNCTIONS[WITHDRAW_FUNCTION]})"
     #: (has it, the right, on what as shown, what fails without it, on what in the GRANT)
     needed = (
-        (rights.can_select, "SELECT", table, grants, shown.table_sql),
-        (rights.can_insert, "INSERT", table, grants, shown.table_sql),
-        (rights.can_update, "UPDATE", table, grants, shown.table_sql),
-        (rights.can_arm, "INSERT", scope, transactions, shown.scope_sql),
-        (rights.can_read_scope, "SELECT", scope, transactions, shown.scope_sql),
-        (rights.can_disarm, "DELETE", scope, transactions, shown.scope_sql),
-        (rights.can_draw, "USAGE", sequence, grants, f"SEQUENCE {shown.sequence_sql}"),
+        (
+            rights.can_grant,
+            "EXECUTE",
+            grant,
+            "every grant",
+            f"FUNCTION {shown.grant_function_sql}({FUNCTIONS[GRANT_FUNCTION]})",
+        ),
+        (
+            rights.can_withdraw,
+            "EXECUTE",
+            withdraw,
+            "the withdrawal of a token whose grant was never confirmed",
+            f"FUNCTION {shown.withdraw_function_sql}({FUNCTIONS[WITHDRAW_FUNCTION]})",
+        ),
+        (
+            rights.can_select,
+            "SELECT",
+            table,
+            "reading the register (a refused commit's newer token, sa-fence status)",
+            shown.table_sql,
+        ),
+        (
+            rights.can_read_sequence,
+            "SELECT",
+            f"sequence {shown.sequence}",
+            "every fenced write that raises a row's fence (its guard reads the sequence)",
+            f"SEQUENCE {shown.sequence_sql}",
+        ),
+        (
+            rights.can_arm,
+            "INSERT",
+            scope,
+            "every transaction of a bound session",
+            shown.scope_sql,
+        ),
     )
     return [
         (f"{right} on {on}", fails, f"GRANT {right} ON {target} TO {_ident(role)};")
@@ -820,7 +1003,8 @@ def _past_any_token(report: Report, limit: int) -> str:
 def print_report(report: Report, shown_url: str, out: TextIO, *, strict: bool = False) -> int:
     """Print ``report``; ``shown_url`` is the URL with its password hidden (hidden_password).
 
-    ``strict``: advice counts as problems (exit status 1).
+    ``strict``: advice counts as problems (exit status 1).  Warnings never do: they are about
+    the role this check connected as, which may be the migrations' rather than the workers'.
     """
     print(f"sa-fence check: {shown_url}", file=out)
     for line in report.ok:
@@ -835,9 +1019,17 @@ def print_report(report: Report, shown_url: str, out: TextIO, *, strict: bool = 
     for finding in advice:
         print(f"  advice   {finding.subject} {finding.problem}", file=out)
         print(f"           fix: {finding.fix}", file=out)
+    for finding in report.warnings:
+        print(f"  warning  {finding.subject} {finding.problem}", file=out)
+        print(f"           fix: {finding.fix}", file=out)
     tail = (
         f" {len(advice)} piece(s) of advice (--strict counts them as problems)." if advice else ""
     )
+    if report.warnings:
+        tail += (
+            f" {len(report.warnings)} warning(s) about the role this check connected as "
+            "(not counted as problems)."
+        )
     if findings:
         print(f"{len(findings)} problem(s) found.{tail}", file=out)
         return EXIT_FINDINGS
