@@ -444,9 +444,9 @@ def test_the_pair_forced_to_skip_the_flush_hands_the_token_out_again_and_accepts
     when this nextval wrote no WAL" would (B's draw wrote none)."""
     ddl = _register._GRANT_FUNCTION
     assert FLUSHED_GUARD in ddl, "the guard is no longer in the grant function"
-    register = _register.Register(SEQUENCE)
+    own = _register.Register(SEQUENCE)
     with mock.patch.object(_register, "_GRANT_FUNCTION", ddl.replace(FLUSHED_GUARD, "")):
-        unguarded = _register.check_function_sql(register)
+        unguarded = _register.check_function_sql(own)
     with app_engine.begin() as conn:
         conn.execute(sa.text(unguarded))
     fencer = make_fencer(redis_client, app_engine, key_prefix)
@@ -468,7 +468,7 @@ def test_the_pair_forced_to_skip_the_flush_hands_the_token_out_again_and_accepts
     finally:
         fencer.close()
         with app_engine.begin() as conn:  # sa-fence's own grant again, for the next tests
-            conn.execute(sa.text(_register.check_function_sql(register)))
+            conn.execute(sa.text(_register.check_function_sql(own)))
 
 
 # ----------------------------------------------------- crashes mid-operation
