@@ -439,41 +439,41 @@ _SCOPE_TRIGGER_ALWAYS = (
 #: ``name`` (the arm carried the lease name as text before it carried the token alone).
 _OUTDATED_SCOPE_COLUMNS = ("xact", "name")
 
+
 # The schema is the register's or (unqualified) current_schema(), resolved once
 # inside PostgreSQL and written quoted into every statement.  One plain
 # statement, so Alembic's offline (--sql) mode can emit it too.
-_DO_BLOCK = """\
+def _has_column(table: str, column: str) -> str:
+    """PL/pgSQL: whether sa-fence's ``table`` in schema ``s`` has ``column`` (an expression)."""
+    return (
+        "EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = pg_catalog.to_regclass("
+        f"pg_catalog.quote_ident(s) || '.{table}') AND attname = {column} AND NOT attisdropped)"
+    )
+
+
+_DO_BLOCK = f"""\
 DO $sa_fence_do$
-DECLARE s text := coalesce({schema}, pg_catalog.current_schema()); e "char"; c text;
+DECLARE s text := coalesce({{schema}}, pg_catalog.current_schema()); e "char"; c text;
 BEGIN
-{run}
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
-                    WHERE attrelid = pg_catalog.to_regclass(
-                          pg_catalog.quote_ident(s) || '.sa_fence_scope')
-                      AND attname = 'name_key' AND NOT attisdropped) THEN
-        {scope_key}
+{{run}}
+    IF NOT {_has_column(SCOPE_TABLE, "'name_key'")} THEN
+        {{scope_key}}
     END IF;
-{after_key}
-    FOREACH c IN ARRAY ARRAY[{outdated}] LOOP
-        IF EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
-                    WHERE attrelid = pg_catalog.to_regclass(
-                          pg_catalog.quote_ident(s) || '.sa_fence_scope')
-                      AND attname = c AND NOT attisdropped) THEN
+{{after_key}}
+    FOREACH c IN ARRAY ARRAY[{{outdated}}] LOOP
+        IF {_has_column(SCOPE_TABLE, "c")} THEN
             EXECUTE pg_catalog.format('ALTER TABLE %I.sa_fence_scope DROP COLUMN %I', s, c);
         END IF;
     END LOOP;
     SELECT tgenabled INTO e FROM pg_catalog.pg_trigger WHERE tgname = 'sa_fence_scope_check'
        AND tgrelid = pg_catalog.to_regclass(pg_catalog.quote_ident(s) || '.sa_fence_scope');
-    IF e IS NULL THEN {trigger} END IF;
-    IF e IS DISTINCT FROM 'A' THEN {always} END IF;
+    IF e IS NULL THEN {{trigger}} END IF;
+    IF e IS DISTINCT FROM 'A' THEN {{always}} END IF;
     IF pg_catalog.to_regclass(pg_catalog.quote_ident(s) || '.sa_fence_leases') IS NOT NULL THEN
-        IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
-                        WHERE attrelid = pg_catalog.to_regclass(
-                              pg_catalog.quote_ident(s) || '.sa_fence_leases')
-                          AND attname = 'name_key' AND NOT attisdropped) THEN
-            {register_key}
+        IF NOT {_has_column(REGISTER_TABLE, "'name_key'")} THEN
+            {{register_key}}
         END IF;
-{on_register}
+{{on_register}}
     END IF;
 END
 $sa_fence_do$"""

@@ -138,6 +138,20 @@ def _reissue_to_another_name(
     return other
 
 
+def _lost_grant_with_a_write(
+    fencer: sa_fence.Fencer,  # noqa: F811
+    scope_engine: sa.Engine,  # noqa: F811
+) -> tuple[Session, sa_fence.Lease]:
+    """A holder's session with a write flushed, whose grant a failover then lost and whose
+    token went to another name (that name's lease returned)."""
+    make_session = sa_fence.install(sessionmaker(scope_engine))
+    lost = fencer.acquire("job:lost", 5)
+    session: Session = lost.bind(make_session())
+    session.add(Outbox(id=1, message="lost grant"))
+    session.flush()
+    return session, _reissue_to_another_name(fencer, scope_engine, lost)
+
+
 def test_a_token_handed_out_again_to_another_name_does_not_pass_for_the_lease(
     fencer: sa_fence.Fencer,  # noqa: F811
     scope_engine: sa.Engine,  # noqa: F811
@@ -145,12 +159,7 @@ def test_a_token_handed_out_again_to_another_name_does_not_pass_for_the_lease(
     """The arm holds the lease to its name's key as well as its token: after a failover hands
     the token out again to another name (docs/reliability.md), the lost grant's holder is
     refused, as the register by name refused it before the arm carried no text."""
-    make_session = sa_fence.install(sessionmaker(scope_engine))
-    lost = fencer.acquire("job:lost", 5)
-    session: Session = lost.bind(make_session())
-    session.add(Outbox(id=1, message="lost grant"))
-    session.flush()
-    other = _reissue_to_another_name(fencer, scope_engine, lost)
+    session, other = _lost_grant_with_a_write(fencer, scope_engine)
     with pytest.raises(sa_fence.StaleTokenError):
         session.commit()
     session.close()
@@ -175,12 +184,7 @@ def test_without_the_name_key_the_other_names_token_passes_for_the_lease(
         conn.execute(sa.text(_register.check_function_sql(register)))
     monkeypatch.undo()
     try:
-        make_session = sa_fence.install(sessionmaker(scope_engine))
-        lost = fencer.acquire("job:lost", 5)
-        session: Session = lost.bind(make_session())
-        session.add(Outbox(id=1, message="lost grant"))
-        session.flush()
-        other = _reissue_to_another_name(fencer, scope_engine, lost)
+        session, other = _lost_grant_with_a_write(fencer, scope_engine)
         session.commit()  # the outcome the key prevents
         session.close()
         with scope_engine.connect() as conn:
