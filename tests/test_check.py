@@ -991,3 +991,52 @@ def test_repair_sequence_takes_the_end_of_input_for_no(
     assert status == 1
     assert "Aborted: no answer (end of input); nothing changed. Run with --yes" in out
     assert sequence_last_value(migrated) == 7
+
+
+@pytest.mark.parametrize("value", ["false", "off"])
+def test_check_advises_where_autovacuum_is_off_for_the_scope_table(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    """issue 48: every armed transaction leaves a dead row in the scope table, which only
+    (auto)vacuum clears; advice, a problem with --strict, and gone once autovacuum is back."""
+    _, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert "is not vacuumed" not in out
+    execute(migrated, f"ALTER TABLE sa_fence_scope SET (autovacuum_enabled = {value})")
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    flat = " ".join(out.split())
+    assert status == 0
+    assert "lease scope table sa_fence_scope is not vacuumed (autovacuum is off for it;" in flat
+    assert 'ALTER TABLE "public"."sa_fence_scope" RESET (autovacuum_enabled);' in flat
+    strict, _, _ = sa_fence_cli("check", "--strict", "--url", url_of(migrated), capsys=capsys)
+    assert strict == 1
+    execute(migrated, "ALTER TABLE sa_fence_scope RESET (autovacuum_enabled)")
+    _, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert "is not vacuumed" not in out
+
+
+def test_check_advises_where_dead_rows_pile_up_with_autovacuum_off_on_the_server(
+    migrated: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with migrated.connect() as conn:
+        if conn.execute(sa.text("SHOW autovacuum")).scalar_one() != "off":
+            pytest.skip("autovacuum is on on this server: nothing piles up")
+    with migrated.connect() as conn:  # dead rows: inserts rolled back (no trigger runs)
+        conn.execute(
+            sa.text(
+                "INSERT INTO sa_fence_scope (token, name_key) "
+                "SELECT g, 0 FROM generate_series(1, :n) g"
+            ),
+            {"n": _check.SCOPE_DEAD_ROWS_ADVISED},
+        )
+        conn.rollback()
+        conn.execute(sa.text("SELECT pg_stat_force_next_flush()"))
+        conn.commit()
+    status, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    flat = " ".join(out.split())
+    assert status == 0
+    assert "is not vacuumed (autovacuum is off on this server, and" in flat
+    with migrated.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sa.text("VACUUM sa_fence_scope"))
+        conn.execute(sa.text("SELECT pg_stat_force_next_flush()"))
+    _, out, _ = sa_fence_cli("check", "--url", url_of(migrated), capsys=capsys)
+    assert "is not vacuumed" not in out

@@ -450,10 +450,67 @@ def _check_register(conn: sa.Connection, report: Report, *, sequence_ok: bool) -
             )
     _check_register_objects(conn, report, register, subject)
     _check_register_writes(conn, report, register, shown)
+    _check_scope_vacuum(conn, report, register, shown)
     if len(report.findings) == before:
         report.ok.append(
             f"{subject}: tokens from {sequence}, commit check function, rights of role {role}"
         )
+
+
+#: Whether autovacuum skips the scope table (off for it, off altogether, or blind: without
+#: track_counts it never sees the dead rows), and what has piled up in it so far.
+_SCOPE_VACUUM_SQL = sa.text(
+    """
+    SELECT pg_catalog.current_setting('autovacuum') = 'off' AS everywhere,
+           pg_catalog.current_setting('track_counts') = 'off' AS blind,
+           EXISTS (SELECT 1 FROM pg_catalog.pg_options_to_table(c.reloptions) o
+                    WHERE o.option_name = 'autovacuum_enabled'
+                      AND lower(o.option_value) IN ('false', 'off', 'no', '0', 'f', 'n'))
+               AS for_table,
+           coalesce(pg_catalog.pg_stat_get_dead_tuples(c.oid), 0) AS dead,
+           pg_catalog.pg_total_relation_size(c.oid) AS bytes,
+           pg_catalog.pg_size_pretty(pg_catalog.pg_total_relation_size(c.oid)) AS size
+      FROM pg_catalog.pg_class c
+     WHERE c.oid = pg_catalog.to_regclass(:scope)
+    """
+)
+#: Where autovacuum is off for the whole server, what makes it worth advice: the dead rows
+#: (or, with track_counts off, the size) of a scope table nothing clears.  (A fresh database
+#: with autovacuum off, a test server's, is not: nothing has piled up yet.)
+SCOPE_DEAD_ROWS_ADVISED = 10_000
+SCOPE_BYTES_ADVISED = 8 * 1024 * 1024
+
+
+def _check_scope_vacuum(
+    conn: sa.Connection, report: Report, register: Register, shown: Register
+) -> None:
+    """Advice when autovacuum does not clear the scope table: every armed transaction leaves
+    a dead row there (docs/operations.md, "The scope table").  Off for the table itself: always;
+    off for the server: once dead rows have piled up."""
+    row = conn.execute(_SCOPE_VACUUM_SQL, {"scope": register.scope_sql}).one_or_none()
+    if row is None:
+        return
+    piled_up = row.dead >= SCOPE_DEAD_ROWS_ADVISED or row.bytes >= SCOPE_BYTES_ADVISED
+    if not (row.for_table or ((row.everywhere or row.blind) and piled_up)):
+        return
+    why = (
+        "autovacuum is off for it"
+        if row.for_table
+        else f"autovacuum is off on this server, and {row.dead} dead rows wait"
+        if row.everywhere
+        else "track_counts is off, so autovacuum never sees its dead rows"
+    )
+    report.advice.append(
+        Finding(
+            f"lease scope table {shown.scope_display}",
+            f"is not vacuumed ({why}; {row.size} now): every armed transaction leaves a dead "
+            "row of about 50 bytes there, so it grows by about 5 MB per 100,000 transactions "
+            "and arming and its trigger read more pages as it does",
+            f"ALTER TABLE {register.scope_sql} RESET (autovacuum_enabled); (or turn autovacuum "
+            f"and track_counts on); until then run VACUUM {register.scope_sql}; every few "
+            "minutes",
+        )
+    )
 
 
 def _signature(register: Register, function: str) -> str:
