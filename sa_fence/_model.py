@@ -21,7 +21,8 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.exc import NoInspectionAvailable, NoReferencedTableError
+from sqlalchemy import inspect as sa_inspect
+from sqlalchemy.exc import NoInspectionAvailable, NoReferencedTableError, NoReferenceError
 from sqlalchemy.orm import (
     ColumnProperty,
     Mapped,
@@ -37,7 +38,7 @@ from sqlalchemy.sql.util import find_tables
 from .errors import FencingConfigError
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import InstanceState, Session
+    from sqlalchemy.orm import ClassManager, InstanceState, Session, registry
 
 #: Key in ``Column.info`` that marks a column as a table's fence column.
 FENCE_INFO_KEY = "sa_fence.fence"
@@ -243,8 +244,17 @@ def orm_index() -> OrmIndex:
     association: set[Any] = set()
     readback: dict[Any, list[Readback]] = {}
     fenced: set[Any] = set()
+    for cls in unmapped_classes():
+        _refuse_unmapped_fenced(cls)
+    failed = _unconfigurable_registries()
+    unread: list[Mapper[Any]] = []  # unfenced mappers whose relationships cannot be read
     for mapper in mappers():
         key = fence_key_of(mapper)
+        if mapper.registry in failed:
+            if key is not None or _fenced_lineage(mapper):
+                _refuse_unconfigured_fenced(mapper, failed[mapper.registry])
+            unread.append(mapper)
+            continue
         if key is not None:
             _add_readback(readback, mapper, key)
             fenced.update(mapper.tables)
@@ -263,6 +273,7 @@ def orm_index() -> OrmIndex:
                 key is not None or fence_key_of(prop.mapper) is not None
             ):
                 association.add(prop.secondary)
+    association |= _maybe_secondaries(unread, fenced)
     shared = {table: c for table, c in shared.items() if table not in covered}  # above the fence
     cascading = _cascading_into(fenced) - fenced
     _index = OrmIndex(
@@ -337,10 +348,87 @@ def _equated(mapper: Mapper[Any], col: Any, other: Any) -> bool:
     return False
 
 
+def _class_managers() -> list[ClassManager[Any]]:
+    return [m for reg in list(mapperlib._mapper_registries) for m in list(reg._managers)]
+
+
 def mappers() -> list[Mapper[Any]]:
-    return [
-        mapper for registry in list(mapperlib._mapper_registries) for mapper in registry.mappers
-    ]
+    """The mapper of every mapped class.  A class whose declarative mapping failed stays in its
+    registry, with no mapper, while anything references it (a kept traceback is enough):
+    ``registry.mappers`` then raises, and plain SQLAlchemy passes the class by, as this does."""
+    return [manager.mapper for manager in _class_managers() if manager.is_mapped]
+
+
+def unmapped_classes() -> list[type]:
+    """The classes a registry holds whose declarative mapping failed (see :func:`mappers`)."""
+    return [manager.class_ for manager in _class_managers() if not manager.is_mapped]
+
+
+def _unconfigurable_registries() -> dict[registry, Exception]:
+    """The registries SQLAlchemy cannot configure (a relationship to a missing class, ...), with
+    the error: plain SQLAlchemy cannot use their classes, and flushes every other registry's."""
+    failed = {}
+    for reg in list(mapperlib._mapper_registries):
+        try:
+            reg.configure(cascade=True)  # what reading a mapper's relationships would do
+        except Exception as exc:
+            failed[reg] = exc
+    return failed
+
+
+def _fenced_lineage(mapper: Mapper[Any]) -> bool:
+    """Whether ``mapper``'s class is :class:`Fenced` or inherits a fenced class's mapping."""
+    return issubclass(mapper.class_, Fenced) or any(
+        fence_key_of(m) is not None for m in mapper.iterate_to_root()
+    )
+
+
+def _refuse_unconfigured_fenced(mapper: Mapper[Any], exc: Exception) -> None:
+    """A fenced mapper its registry cannot configure: which tables its relationships write is not
+    known, so no write is let through unfenced for want of it."""
+    if isinstance(exc, FencingConfigError):  # sa-fence's own refusal while it was configured
+        raise exc
+    raise FencingConfigError(
+        f"{mapper.class_.__name__} is a fenced class, but SQLAlchemy cannot configure its "
+        f"mapper ({exc}), so sa-fence cannot tell which tables its writes reach; nothing is "
+        "written until the mapping is fixed (or its registry disposed of)."
+    ) from exc
+
+
+def _refuse_unmapped_fenced(cls: type) -> None:
+    """A fenced class whose mapping failed after declarative made its table: a table without a
+    fence column (a joined subclass's own) would be written with no fencing at all."""
+    table = cls.__dict__.get("__table__")
+    if not isinstance(table, Table) or fence_column_of(table) is not None:
+        return  # no table of its own, or one its fence column fences
+    bases: list[Any] = [sa_inspect(base, raiseerr=False) for base in cls.__mro__[1:]]
+    if issubclass(cls, Fenced) or any(isinstance(m, Mapper) and _fenced_lineage(m) for m in bases):
+        raise FencingConfigError(
+            f"{cls.__name__} is a fenced class, but its mapping failed, so its table "
+            f"{table.name!r} would be written with no fencing at all. Fix the mapping; until "
+            "then, or until nothing references the class any more, nothing is written."
+        )
+
+
+def _maybe_secondaries(unread: list[Mapper[Any]], fenced: set[Any]) -> set[Any]:
+    """For unfenced mappers whose relationships cannot be read: their metadata's tables that no
+    class maps and whose foreign keys reach both one of theirs and a fenced class's, taken for
+    the ``secondary`` of a relationship with a fenced class (its rows then need a lease)."""
+    found: set[Any] = set()
+    if not unread:
+        return found
+    mapped = {m.local_table for m in mappers()}
+    for mapper in unread:
+        own = set(mapper.tables)
+        for metadata in {t.metadata for t in own if isinstance(t, Table)}:
+            for table in metadata.tables.values():
+                reached = set()
+                for fk in table.foreign_keys:
+                    with contextlib.suppress(NoReferenceError):  # not in the metadata
+                        reached.add(fk.column.table)
+                if table not in mapped and reached & own and reached & fenced:
+                    found.add(table)
+    return found
 
 
 #: PostgreSQL's messages for an undefined column (SQLSTATE 42703): an INSERT or UPDATE target

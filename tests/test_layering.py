@@ -329,6 +329,8 @@ THIRD_PARTY_PRIVATE_READS: dict[tuple[str, str], str] = {
     ("sa_fence._flush", "_annotations"): "the table an ORM bulk statement writes (no reader)",
     ("sa_fence._flush", "_compiled_cache"): "the cache the unit of work sends its statements with",
     ("sa_fence._model", "_mapper_registries"): "SQLAlchemy's registries: every mapped class",
+    ("sa_fence._model", "_managers"): "a registry's classes, mapped or not (registry.mappers "
+    "raises for a class whose mapping failed; it reads the same)",
     ("sa_fence._model", "_equivalent_columns"): "the columns inheritance conditions equate",
     ("sa_fence._rewrite", "_generate"): "SQLAlchemy's statement copy, to add the fence clauses",
     ("sa_fence._rewrite", "_clone"): "SQLAlchemy's clause copy (no public one)",
