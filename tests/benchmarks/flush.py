@@ -246,7 +246,7 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
     table = bench.schema.models["plain"].__table__
     update = f'UPDATE "{table.schema}"."{table.name}" SET counter = counter + 1 WHERE id = %s'
     scope_table = bench.schema.register.scope_sql
-    arm_row = _scope._arm_row(lease.token)
+    arm_row = _scope._arm_row(lease)
     with (
         psycopg.connect(psycopg_conninfo(bench.engine.url)) as conn,
         psycopg.connect(psycopg_conninfo(bench.engine.url)) as armed,
