@@ -39,32 +39,38 @@ $(DEMO_STAMP): pyproject.toml
 	fi
 	@touch $(DEMO_STAMP)
 
+# $(STAGE) runs a step under a name (.ci/stage): a failure says which step
+# failed and the command that re-runs it alone; with -w, a step quiet for long
+# (pip, mypy, apt-get) prints a line every 30 s while it runs.
+STAGE := bash .ci/stage
+
 $(STAMP): $(DEMO_STAMP) pyproject.toml $(CONSTRAINTS)
 	@$(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip --default-pip >/dev/null
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test]'
+	$(STAGE) -w "upgrading pip in $(VENV)" $(PY) -m pip install --quiet --upgrade pip
+	$(STAGE) -w "installing sa-fence (editable) with its test extra into $(VENV)" \
+	  $(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test]'
 	@touch $(STAMP)
 
 services:
-	@bash .ci/services
+	@$(STAGE) services bash .ci/services
 
 # redis-server, openssl and pgbouncer for tests/topologies (installed if missing).
 topology-tools:
-	@bash .ci/topology-tools
+	@$(STAGE) -w topology-tools bash .ci/topology-tools
 
 # chromium, for the browser test of the docs' diagrams (installed if missing).
 docs-tools:
-	@bash .ci/docs-tools
+	@$(STAGE) -w docs-tools bash .ci/docs-tools
 
 demo: $(DEMO_STAMP) services
 	$(PY) -m sa_fence demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check sa_fence tests docs/recipes docs_hooks.py
-	$(VENV)/bin/ruff format --check sa_fence tests docs/recipes docs_hooks.py
+	$(STAGE) lint $(VENV)/bin/ruff check sa_fence tests docs/recipes docs_hooks.py
+	$(STAGE) lint $(VENV)/bin/ruff format --check sa_fence tests docs/recipes docs_hooks.py
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy
+	$(STAGE) -w typecheck $(VENV)/bin/mypy
 
 # PYTEST_ARGS: e.g. -m "not slow" for the fast subset.  The suite runs on
 # PYTEST_WORKERS processes (pytest-xdist; each creates and drops a database of
@@ -73,11 +79,14 @@ typecheck: $(STAMP)
 # PYTEST_WORKERS=0 runs it in this process.
 PYTEST_WORKERS ?= 2
 XDIST = -n $(PYTEST_WORKERS) --dist loadfile
+# Each step runs as a named stage ($(STAGE), test-floors' steps in there): a
+# failure names the stage and the command that re-runs it alone, and pytest
+# lists the failed tests' ids (tests/conftest.py).
 test: lint typecheck services topology-tools docs-tools
-	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(STAGE) pytest $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-floors
-	$(PY) -m tests.sqlalchemy_suite
-	$(FLOORS_VENV)/bin/python -m tests.sqlalchemy_suite
+	$(STAGE) sqlalchemy-suite $(PY) -m tests.sqlalchemy_suite
+	$(STAGE) sqlalchemy-suite-floors $(FLOORS_VENV)/bin/python -m tests.sqlalchemy_suite
 
 # The suites that exercise SQLAlchemy, psycopg, redis-py and Alembic, run
 # again with the lowest versions pyproject.toml allows (constraints/floors.txt),
@@ -93,16 +102,17 @@ FLOOR_TESTS := $(addprefix tests/test_,$(addsuffix .py,fenced_flush scope_trigge
 	scope_between))
 
 $(FLOORS_STAMP): pyproject.toml $(FLOORS)
-	$(PYTHON) -m venv $(FLOORS_VENV)
-	$(FLOORS_VENV)/bin/python -m pip install --quiet -c $(FLOORS) -e '.[asyncio,otel,side-effects]' \
+	$(STAGE) -w "creating $(FLOORS_VENV)" $(PYTHON) -m venv $(FLOORS_VENV)
+	$(STAGE) -w "installing the lowest versions ($(FLOORS)) into $(FLOORS_VENV)" \
+	  $(FLOORS_VENV)/bin/python -m pip install --quiet -c $(FLOORS) -e '.[asyncio,otel,side-effects]' \
 	  greenlet opentelemetry-sdk pytest pytest-asyncio pytest-timeout pytest-xdist hypothesis
 	@touch $(FLOORS_STAMP)
 
 # (redis-py's Cluster and Sentinel clients change most between releases: their
 # topology tests run there too, on private servers, in about 45 s.)
 test-floors: $(FLOORS_STAMP) services topology-tools
-	$(FLOORS_VENV)/bin/python -m pytest $(XDIST) -m "not slow" -p no:cacheprovider $(FLOOR_TESTS)
-	$(FLOORS_VENV)/bin/python -m pytest -p no:cacheprovider tests/topologies/test_redis_topologies.py
+	$(STAGE) test-floors $(FLOORS_VENV)/bin/python -m pytest $(XDIST) -m "not slow" -p no:cacheprovider $(FLOOR_TESTS)
+	$(STAGE) test-floors $(FLOORS_VENV)/bin/python -m pytest -p no:cacheprovider tests/topologies/test_redis_topologies.py
 
 # SQLAlchemy's own tests (from the sdist of the installed version, downloaded
 # once into .venv/sqlalchemy-suite), run plain and with sa-fence installed on
@@ -112,10 +122,10 @@ test-floors: $(FLOORS_STAMP) services topology-tools
 # pyproject.toml allows (.venv-floors), since sa-fence's hooks meet different
 # internals in each; `make sqlalchemy-suite-floors` is the second alone.
 sqlalchemy-suite: $(STAMP) services
-	$(PY) -m tests.sqlalchemy_suite
+	$(STAGE) sqlalchemy-suite $(PY) -m tests.sqlalchemy_suite
 
 sqlalchemy-suite-floors: $(FLOORS_STAMP) services
-	$(FLOORS_VENV)/bin/python -m tests.sqlalchemy_suite
+	$(STAGE) sqlalchemy-suite-floors $(FLOORS_VENV)/bin/python -m tests.sqlalchemy_suite
 
 # The docs site (mkdocs-material) into site/; `make test` runs the same build
 # with --strict (tests/test_docs_site.py).

@@ -9,6 +9,8 @@ without a database name) and SA_FENCE_TEST_REDIS.
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 import uuid
 from collections.abc import Iterator
 
@@ -119,3 +121,19 @@ def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
 # The asyncio tests' fixtures (AsyncEngine, redis.asyncio client, AsyncFencer);
 # the built wheel in fresh venvs (tests/test_packaging.py, tests/test_pages.py).
 pytest_plugins = ("tests._async_fixtures", "tests._fresh_venv")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """After failures, last: the command that re-runs just those tests (or their files)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or hasattr(config, "workerinput"):  # an xdist worker
+        return
+    failed = [r.nodeid for kind in ("failed", "error") for r in reporter.stats.get(kind, [])]
+    nodeids = list(dict.fromkeys(n for n in failed if n))
+    if not nodeids:
+        return
+    if len(nodeids) > 20:  # a long list would hide the rest: their files instead
+        nodeids = list(dict.fromkeys(n.split("::", 1)[0] for n in nodeids))
+    python = sys.executable.removeprefix(os.getcwd() + os.sep)  # .venv/bin/python here
+    command = " ".join(shlex.quote(a) for a in [python, "-m", "pytest", *nodeids])
+    reporter.write_line(f"re-run the failures alone: {command}")

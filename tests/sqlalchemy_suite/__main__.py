@@ -11,14 +11,21 @@ when a run could not be made at all.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import os
+import re
+import ssl
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Sequence
+from html import unescape
 from pathlib import Path
 
 import psycopg
@@ -79,13 +86,87 @@ def sdist_tests(cache: Path, version: str) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     archive = cache / f"sqlalchemy-{version}.tar.gz"
     if not archive.is_file():
-        print(f"downloading the sdist of SQLAlchemy {version} (once, into {cache}) ...")
-        pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary"]
-        subprocess.run([*pip, ":all:", f"sqlalchemy=={version}", "--dest", str(cache)], check=True)
+        print(
+            f"sqlalchemy suite: downloading the sdist of SQLAlchemy {version} (once, into {cache})"
+        )
+        download_sdist(version, archive)
+    print(f"sqlalchemy suite: unpacking {archive.name}", flush=True)
     with tempfile.TemporaryDirectory(dir=cache) as unpacking, tarfile.open(archive) as tar:
         tar.extractall(unpacking, filter="data")
         Path(unpacking, f"sqlalchemy-{version}").rename(root)
     return root
+
+
+def download_sdist(version: str, archive: Path) -> None:
+    """The sdist from pip's own package indexes, read as pip reads them, nothing built.
+
+    ``pip download --no-binary`` would prepare the sdist's metadata first, which
+    means installing its build requirements (with ``:all:``, building Cython
+    from source: minutes); the simple index page gives the file's address and
+    hash without that.  When the page cannot be read, ``pip download`` with
+    the build requirements as wheels (about half a minute).
+    """
+    try:
+        url, digest = sdist_url(version, archive.name)
+        print(f"sqlalchemy suite: fetching {url.split('#', 1)[0]}", flush=True)
+        with urllib.request.urlopen(url, context=ssl_context(), timeout=180) as response:
+            data = response.read()
+        if digest and hashlib.sha256(data).hexdigest() != digest:
+            raise ValueError(f"sha256 of {url} differs from the index's")
+        partial = archive.with_suffix(".part")
+        partial.write_bytes(data)
+        partial.rename(archive)
+        return
+    except (OSError, ValueError, LookupError) as exc:
+        print(f"sqlalchemy suite: reading the package index failed ({exc}); pip download instead")
+    pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary"]
+    command = [*pip, "sqlalchemy", f"sqlalchemy=={version}", "--dest", str(archive.parent)]
+    subprocess.run(command, check=True)
+
+
+def pip_config() -> dict[str, str]:
+    """pip's settings (``pip config list``): its environment variables win."""
+    found: dict[str, str] = {}
+    listed = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
+    ).stdout
+    for line in sorted(listed.splitlines(), key=lambda line: line.startswith(":env:")):
+        section, _, rest = line.partition(".")
+        key, _, value = rest.partition("=")
+        if section in ("global", "download", ":env:") and value:
+            found[key] = value.strip("'\"")
+    for key in ("index-url", "extra-index-url", "cert"):
+        variable = "PIP_" + key.upper().replace("-", "_")
+        if os.environ.get(variable):
+            found[key] = os.environ[variable]
+    return found
+
+
+def ssl_context() -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=pip_config().get("cert"))
+
+
+def sdist_url(version: str, filename: str) -> tuple[str, str]:
+    """The address (and sha256) of ``filename`` on the first of pip's indexes that has it."""
+    config = pip_config()
+    indexes = [config.get("index-url", "https://pypi.org/simple")]
+    indexes += config.get("extra-index-url", "").split()
+    for index in indexes:
+        page = index.rstrip("/") + "/sqlalchemy/"
+        request = urllib.request.Request(page, headers={"Accept": "text/html"})
+        try:
+            with urllib.request.urlopen(request, context=ssl_context(), timeout=60) as response:
+                html = response.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        for href in re.findall(r'href="([^"]+)"', html):
+            address = urllib.parse.urljoin(page, unescape(href))
+            name = urllib.parse.unquote(urllib.parse.urlsplit(address).path.rsplit("/", 1)[-1])
+            if name.lower() == filename.lower():
+                fragment = urllib.parse.urlsplit(address).fragment
+                digest = fragment.removeprefix("sha256=") if fragment.startswith("sha256=") else ""
+                return address, digest
+    raise LookupError(f"{filename} on none of {', '.join(indexes)}")
 
 
 def admin_dsn(server: sa.URL) -> str:
@@ -124,6 +205,12 @@ def run_modes(
     for mode in MODES:
         (logs / mode).mkdir(parents=True, exist_ok=True)
     for n, (driver, files) in enumerate(groups):
+        print(
+            f"sqlalchemy suite: running {len(files)} file(s) with {driver} "
+            f"({tag} {n + 1} of {len(groups)}), plain and fenced side by side",
+            flush=True,
+        )
+        started = time.monotonic()
         running = {}
         for mode in MODES:
             junit = logs / mode / f"{tag}{n}.xml"
@@ -134,6 +221,10 @@ def run_modes(
                 command, cwd=sdist, env=environment(), stdout=log, stderr=subprocess.STDOUT
             )
             running[mode] = (process, junit, log)
+        wait_reporting(
+            [(mode, process, Path(log.name)) for mode, (process, _, log) in running.items()],
+            started,
+        )
         for mode, (process, junit, log) in running.items():
             status = process.wait()
             log.close()
@@ -145,6 +236,31 @@ def run_modes(
                 )
             outcomes[mode].update(read_junit(junit))
     return outcomes
+
+
+PROGRESS = re.compile(rb"\[\s*(\d+)%\]")
+
+
+def wait_reporting(
+    processes: Sequence[tuple[str, subprocess.Popen[bytes], Path]], started: float
+) -> None:
+    """Wait for the runs, saying every 30 s how far each is (pytest's [NN%] in its log)."""
+    every = 30.0
+    last = {mode: 0 for mode, _, _ in processes}
+    while any(process.poll() is None for _, process, _ in processes):
+        time.sleep(1)
+        if time.monotonic() - started < every:
+            continue
+        every += 30
+        states = []
+        for mode, process, log in processes:
+            found = PROGRESS.findall(log.read_bytes()[-4000:]) if log.is_file() else []
+            last[mode] = int(found[-1]) if found else last[mode]  # none: the summary's lines
+            done = "done" if process.poll() is not None else f"{last[mode]}%"
+            states.append(f"{mode} {done}")
+        elapsed = time.monotonic() - started
+        print(f"  still running ({elapsed:.0f} s): {', '.join(states)}", flush=True)
+    print(f"  done in {time.monotonic() - started:.0f} s", flush=True)
 
 
 def command_of(process: subprocess.Popen[bytes]) -> list[str]:
@@ -198,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--files", nargs="+", help="test files, relative to the sdist")
     parser.add_argument("--keep-logs", action="store_true", help="keep the logs and XML")
     args = parser.parse_args(argv)
+    if isinstance(sys.stdout, io.TextIOWrapper):  # each line as it comes, under make and CI too
+        sys.stdout.reconfigure(line_buffering=True)
     allowlist = read_allowlist(ALLOWLIST)
     version = sa.__version__
     started = time.monotonic()
