@@ -146,12 +146,22 @@ def ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=pip_config().get("cert"))
 
 
+def _pips_default_index() -> str:
+    """The index pip uses when none is configured, as pip itself names it (no address is
+    written here); a pip without that name: the fallback, pip download, is used instead."""
+    try:
+        from pip._internal.models.index import PyPI
+    except ImportError:
+        return ""
+    return str(PyPI.simple_url)
+
+
 def sdist_url(version: str, filename: str) -> tuple[str, str]:
     """The address (and sha256) of ``filename`` on the first of pip's indexes that has it."""
     config = pip_config()
-    indexes = [config.get("index-url", "https://pypi.org/simple")]
+    indexes = [config.get("index-url") or _pips_default_index()]
     indexes += config.get("extra-index-url", "").split()
-    for index in indexes:
+    for index in filter(None, indexes):
         page = index.rstrip("/") + "/sqlalchemy/"
         request = urllib.request.Request(page, headers={"Accept": "text/html"})
         try:
