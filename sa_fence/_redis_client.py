@@ -40,13 +40,17 @@ def has_no_socket_timeout(client: object) -> bool:
 _CLUSTER_DOWN_PAUSE = 0.25
 
 
+def _client_retry(client: object, kwargs: dict[str, Any]) -> Any:
+    """The client's own ``Retry`` (a cluster client's, or its connections'), or None."""
+    if getattr(client, "nodes_manager", None) is not None:
+        return getattr(client, "retry", None)
+    return kwargs.get("retry")
+
+
 def client_retries(client: object) -> int:
     """How many times the (sync or asyncio) client retries one call itself (0: unknown)."""
     kwargs = connection_kwargs(client)
-    if kwargs is None:
-        return 0
-    nodes = getattr(client, "nodes_manager", None)
-    retry = getattr(client, "retry", None) if nodes is not None else kwargs.get("retry")
+    retry = None if kwargs is None else _client_retry(client, kwargs)
     retries = retry.get_retries() if retry is not None else 0
     return retries if isinstance(retries, int) and retries > 0 else 0
 
@@ -69,7 +73,7 @@ def client_call_bound(
     nodes = getattr(client, "nodes_manager", None)
     read = kwargs.get("socket_timeout")
     connect = kwargs.get("socket_connect_timeout") or read
-    retry = getattr(client, "retry", None) if nodes is not None else kwargs.get("retry")
+    retry = _client_retry(client, kwargs)
     backoff = getattr(retry, "_backoff", None)
     cap = 0.0 if backoff is None else getattr(backoff, "_cap", getattr(backoff, "_backoff", None))
     if retries is None:
