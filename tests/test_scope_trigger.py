@@ -2385,3 +2385,51 @@ def test_a_connection_lost_at_commit_is_invalidated_as_sqlalchemy_does(
                 lease.bind(session)
             assert session.execute(sa.text("SELECT 'works'")).scalar() == "works"
     own.dispose()
+
+
+#: With standard_conforming_strings off, ``\'`` ends no string: the server reads four
+#: statements here (a COMMIT, then a BEGIN no arm reached), PostgreSQL's parser in sa-fence,
+#: which lexes strings as with the setting on, reads one.
+_READ_OTHERWISE_WHEN_OFF = "SELECT 'a\\''; COMMIT; BEGIN; SELECT ''"
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["refused", "guard-removed"])
+def test_sql_that_must_be_read_is_refused_where_strings_are_lexed_otherwise(
+    fencer: sa_fence.Fencer,
+    scope_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    guarded: bool,
+) -> None:
+    """issue 46: the server reports standard_conforming_strings; where it is off, SQL that
+    may end the transaction is refused, since sa-fence's reading would not be the server's.
+    The pair: read anyway, the message commits and goes on in an unarmed transaction, and a
+    stale holder's write after it lands."""
+    if not guarded:
+        monkeypatch.setattr(_scope, "_refuse_unreadable", lambda sql, driver: None)
+    engine = sa.create_engine(
+        scope_engine.url,
+        connect_args={"options": "-c standard_conforming_strings=off -c escape_string_warning=off"},
+    )
+    make_session = sa_fence.install(sessionmaker(engine))
+    a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
+    b = None
+    try:
+        with make_session() as session:
+            a.bind(session)
+            session.execute(sa.text("SELECT 1"))  # armed, in its BEGIN
+            if guarded:
+                with pytest.raises(sa_fence.FencingConfigError, match="standard_conforming"):
+                    session.execute(sa.text(_READ_OTHERWISE_WHEN_OFF))
+                session.rollback()
+            else:  # its COMMIT is checked (A is current), its BEGIN carries no arm
+                session.execute(sa.text(_READ_OTHERWISE_WHEN_OFF))
+            assert expire(a)
+            b = fencer.acquire(a.name, 5)  # A is stale from here on
+            if not guarded:
+                session.execute(sa.text("INSERT INTO outbox (id, message) VALUES (1, 'stale')"))
+                session.connection().exec_driver_sql("COMMIT")
+        assert outbox(scope_engine) == ([] if guarded else ["stale"])
+    finally:
+        if b is not None:
+            b.release()
+        engine.dispose()
