@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic import context
 
 import sa_fence.alembic  # noqa: F401  (registers the sa-fence operations)
-from sa_fence.tools.demo_models import DemoBase
+from sa_fence.cli.demo_models import DemoBase
 
 config = context.config
 target_metadata = DemoBase.metadata

@@ -21,14 +21,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0.dev0"
 
 from . import telemetry as telemetry  # sa_fence.telemetry.Telemetry after `import sa_fence`
-from ._create_guard import create_fence_guard, drop_fence_guard
-from ._decorators import SKIPPED, Skipped, current_lease, current_session, fenced, fenced_methods
-from ._flush import fence_connection, install, unbind, unfenced, uninstall
-from ._lease import Fencer, Lease
-from ._model import Fenced, fence_column
-from ._prune import PruneResult
-from ._side_effects import SideEffect, side_effect, side_effect_async
-from ._tokens import fence_sequence
+from .db.prune import PruneResult
+from .db.tokens import fence_sequence
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -38,12 +32,23 @@ from .errors import (
     StaleTokenError,
     UnfencedWriteError,
 )
+from .integrations.decorators import (
+    SKIPPED,
+    Skipped,
+    current_lease,
+    current_session,
+    fenced,
+    fenced_methods,
+)
+from .integrations.side_effects import SideEffect, side_effect, side_effect_async
+from .lease.sync import Fencer, Lease
+from .orm.create_guard import create_fence_guard, drop_fence_guard
+from .orm.flush import fence_connection, install, unbind, unfenced, uninstall
+from .orm.model import Fenced, fence_column
 
 if TYPE_CHECKING:  # the "as" form re-exports them to type checkers (see _LAZY)
-    from ._async import AsyncFencer as AsyncFencer
-    from ._async import AsyncLease as AsyncLease
-    from .telemetry import Telemetry as Telemetry  # deprecated here (see _MOVED)
-    from .telemetry import default_name_pattern as default_name_pattern
+    from .lease.aio import AsyncFencer as AsyncFencer
+    from .lease.aio import AsyncLease as AsyncLease
 
 #: Public names imported on first use (the asyncio front end needs greenlet),
 #: and kept out of ``__all__`` so that ``from sa_fence import *`` does not load it.
@@ -82,26 +87,11 @@ __all__ = [
 ]
 
 
-#: Names that moved, kept for one release with a DeprecationWarning: -> their module.
-_MOVED = {"Telemetry": "sa_fence.telemetry", "default_name_pattern": "sa_fence.telemetry"}
-
-
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from . import _async
+        from .lease import aio
 
-        return getattr(_async, name)
-    if name in _MOVED:
-        import importlib
-        import warnings
-
-        warnings.warn(
-            f"sa_fence.{name} moved to {_MOVED[name]}.{name}; the old name goes in 0.2 "
-            f"(from {_MOVED[name]} import {name})",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(_MOVED[name]), name)
+        return getattr(aio, name)
     raise AttributeError(f"module 'sa_fence' has no attribute {name!r}")
 
 

@@ -1,6 +1,6 @@
 """What a failed Redis or PostgreSQL call means, and whether to resend it.
 
-Pure, like :mod:`sa_fence._protocol`, which drives it: the kinds of failure,
+Pure, like :mod:`sa_fence.lease.protocol`, which drives it: the kinds of failure,
 the cause and fix each error names, and the resend policy (backoff, budget).
 """
 
@@ -289,7 +289,7 @@ _PG_FIXES = {
 
 def postgres_setup_fix(problem: str, *, register: Any) -> str:
     """The fix for a PostgreSQL set-up problem found by :func:`classify_postgres`, naming the
-    objects of ``register`` (a ``sa_fence._register.Register``)."""
+    objects of ``register`` (a ``sa_fence.db.register.Register``)."""
     return _PG_FIXES.get(problem, "").format(
         sequence=register.sequence_sql,
         register=register.table_sql,

@@ -1,5 +1,5 @@
-"""What the flush hook and telemetry need of a lease, as typing Protocols: ``_flush``,
-``_scope`` and ``_telemetry`` import these, not the leases, which import them
+"""What the flush hook and telemetry need of a lease, as typing Protocols: ``orm``,
+``scope`` and ``telemetry`` import these, not the leases, which import them
 (docs/architecture.md, "The lease interface")."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ._tokens import TokenSource
+    from .db.tokens import TokenSource
 
 
 class FencerView(Protocol):
@@ -38,11 +38,11 @@ class LeaseView(Protocol):
     @property
     def released(self) -> bool: ...
 
-    # Declared here for typing; each is touched only by the module that owns it.
-    _bound: bool  # _flush.Marks
-    _wrote: bool  # _flush.Marks
-    _scoped: Any  # _scope.ScopeMark
-    _tel: Any  # _telemetry.Reported
+    # Declared here for typing; each is touched only by the room that owns it.
+    _bound: bool  # orm.session_state.Marks
+    _wrote: bool  # orm.session_state.Marks
+    _scoped: Any  # scope.arming.ScopeMark
+    _tel: Any  # telemetry.Reported
 
     def check(self, *, for_write: bool = False) -> None:
         """Raise LeaseLostError unless the lease is still usable (for a write)."""

@@ -28,9 +28,8 @@ from alembic.operations import ops as alembic_ops
 from alembic.util import DispatchPriority, PriorityDispatchResult
 from sqlalchemy.schema import CreateSequence, DropSequence
 
-from ._create_guard import check_column, check_sequence, ddl, shown_table
-from ._fitness import CHECK_FUNCTION_SQL, SEQUENCE_SQL, register_op_args
-from ._guard import (
+from .db.fitness import CHECK_FUNCTION_SQL, SEQUENCE_SQL, register_op_args
+from .db.guard import (
     GUARD_STATE_SQL,
     TRIGGER_NAME,
     check_name,
@@ -41,8 +40,7 @@ from ._guard import (
     outdated,
     qualified,
 )
-from ._model import fence_column_of
-from ._register import (
+from .db.register import (
     REGISTER_TABLE,
     SCOPE_TABLE,
     Register,
@@ -52,7 +50,9 @@ from ._register import (
     scope_trigger_problem,
     split_name,
 )
-from ._tokens import DEFAULT_SEQUENCE, fence_sequence
+from .db.tokens import DEFAULT_SEQUENCE, fence_sequence
+from .orm.create_guard import check_column, check_sequence, ddl, shown_table
+from .orm.model import fence_column_of
 
 if TYPE_CHECKING:
     from alembic.autogenerate.api import AutogenContext
@@ -461,7 +461,7 @@ class CreateFenceGuardOp(_GuardOp):
     Creates (or replaces) the PL/pgSQL function ``sa_fence_guard_<table>`` and the ``BEFORE
     INSERT OR UPDATE OR DELETE`` trigger ``sa_fence_guard`` that refuses writes lowering the
     fence, carrying a stale token, or (INSERTs included) carrying a token or fence past the last
-    value of ``sequence`` (see :mod:`sa_fence._guard` and docs/migrations.md).
+    value of ``sequence`` (see :mod:`sa_fence.db.guard` and docs/migrations.md).
     ``on_missing_token``: ``"reject"`` refuses writers that present no token; ``"unchanged"``
     lets their UPDATEs through when the fence is left as it is.
     """

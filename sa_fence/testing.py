@@ -30,13 +30,13 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, overload
 
-from . import _lifecycle as steps
+from .lease import lifecycle as steps
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ._async import AsyncLease
-    from ._lease import Lease
+    from .lease.aio import AsyncLease
+    from .lease.sync import Lease
 
 __all__ = ["expire", "pause", "resume"]
 

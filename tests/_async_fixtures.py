@@ -24,8 +24,8 @@ from sqlalchemy.ext.asyncio import (
 )
 
 import sa_fence
-from sa_fence import _async
-from sa_fence import _protocol as proto
+from sa_fence.lease import aio
+from sa_fence.lease import protocol as proto
 from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE
 
@@ -34,7 +34,7 @@ def renewal_tasks() -> list[asyncio.Task[Any]]:
     return [
         t
         for t in asyncio.all_tasks()
-        if t.get_name().startswith(_async.RENEWAL_TASK_NAME) and not t.done()
+        if t.get_name().startswith(aio.RENEWAL_TASK_NAME) and not t.done()
     ]
 
 

@@ -9,7 +9,7 @@ sync result through::
         lease = await io(front.acquire("job:1", 30))
         assert await io(lease.release()) is True
 
-Both fencers share the lifecycle (sa_fence/_lifecycle.py), so a guard removed
+Both fencers share the lifecycle (sa_fence/lease/lifecycle.py), so a guard removed
 from it fails the sync and the async case alike; the async case also covers
 the driver's own I/O (awaits, greenlet, shielded clean-ups).
 """

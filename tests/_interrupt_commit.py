@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _scope
+from sa_fence.scope import arming
 from tests.conftest import REDIS_URL
 from tests.models_scope import Outbox
 
@@ -80,9 +80,9 @@ def main(url: str, prefix: str, kind: str, invalidate: bool, arm: bool) -> None:
     engine = sa.create_engine(url, pool_size=1, max_overflow=0, pool_timeout=5)
     fencer = sa_fence.Fencer(redis.Redis.from_url(REDIS_URL), engine, key_prefix=prefix)
     if not invalidate:
-        _scope._invalidate = lambda conn: None  # type: ignore[assignment]
-    send_commit = _scope._send_commit
-    _scope._send_commit = slow_commit  # type: ignore[assignment]  # the test seam
+        arming._invalidate = lambda conn: None  # type: ignore[assignment]
+    send_commit = arming._send_commit
+    arming._send_commit = slow_commit  # type: ignore[assignment]  # the test seam
 
     def handler(signum: int, frame: Any) -> None:
         raise raise_("interrupted")
@@ -112,7 +112,7 @@ def main(url: str, prefix: str, kind: str, invalidate: bool, arm: bool) -> None:
         watcher.join()
         if blocker is not None:
             blocker.close()
-    _scope._send_commit = send_commit  # type: ignore[assignment]
+    arming._send_commit = send_commit  # type: ignore[assignment]
     with contextlib.suppress(Exception):
         session.close()
     lease.release()

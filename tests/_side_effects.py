@@ -35,7 +35,7 @@ from typing import Any
 
 import procrastinate
 
-from sa_fence.tools.demo_side_effects import (
+from sa_fence.cli.demo_side_effects import (
     LoopbackApi,
     PostHandler,
     retry_stalled,

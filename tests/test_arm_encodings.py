@@ -19,7 +19,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _guard, _register
+from sa_fence.db import guard
+from sa_fence.db import register as _register
 from sa_fence.testing import expire
 from tests._scope_fixtures import empty_tables, fencer, scope_engine  # noqa: F401
 from tests.models_scope import Outbox
@@ -94,7 +95,7 @@ def test_a_name_written_as_a_literal_is_read_otherwise_under_latin1(
     name (the earlier arm's failure, shown on the server)."""
     dsn = scope_engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
     with psycopg.connect(dsn, client_encoding="LATIN1") as conn:
-        literal = _guard.quote_literal("job:é").encode()  # as the earlier arm sent it
+        literal = guard.quote_literal("job:é").encode()  # as the earlier arm sent it
         conn.pgconn.send_query(b"SELECT " + literal)
         read = conn.pgconn.get_result()
         assert read is not None

@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import (
 )
 
 import sa_fence
-from sa_fence import _flush
+from sa_fence.orm import flush, statements
 from tests._async_fixtures import expire, keys, no_renewal_tasks_left, row
 from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE, Job
@@ -133,13 +133,15 @@ async def test_install_leaves_the_users_async_engine_untouched(
     maker = async_sessionmaker(async_engine)
     sa_fence.install(maker)
     assert maker.kw["bind"] is async_engine  # no private view is bound (issue 18)
-    assert not sa.event.contains(async_engine.sync_engine, "before_execute", _flush._before_execute)
+    assert not sa.event.contains(
+        async_engine.sync_engine, "before_execute", statements._before_execute
+    )
     assert maker.kw["sync_session_class"] is not sa.orm.Session
     sa_fence.uninstall(maker)
     assert maker.kw["bind"] is async_engine
     assert maker.kw["sync_session_class"] is sa.orm.Session
     async with maker() as session:
-        assert not _flush.is_installed(session.sync_session)
+        assert not flush.is_installed(session.sync_session)
 
 
 async def test_install_refuses_an_async_session_class_and_bind_needs_the_hook(

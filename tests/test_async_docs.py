@@ -34,7 +34,7 @@ def test_sync_users_import_and_use_sa_fence_without_greenlet() -> None:
         "from sqlalchemy.orm import sessionmaker\n"
         "sa_fence.install(sessionmaker())\n"
         "assert 'sqlalchemy.ext.asyncio' not in sys.modules\n"
-        "assert 'sa_fence._async' not in sys.modules\n"
+        "assert 'sa_fence.lease.aio' not in sys.modules\n"
         "assert 'AsyncFencer' in dir(sa_fence)\n"
     )
     proc = subprocess.run(
@@ -47,18 +47,18 @@ def test_a_star_import_leaves_the_asyncio_machinery_unloaded() -> None:
     """``from sa_fence import *`` stays light; the async names still load by name.
 
     Were AsyncFencer in ``__all__``, the star import would resolve it through
-    the module's ``__getattr__`` and import ``sa_fence._async``."""
+    the module's ``__getattr__`` and import ``sa_fence.lease.aio``."""
     code = (
         "import sys\n"
         "from sa_fence import *\n"
         "assert 'Fencer' in dir() and 'install' in dir()\n"
-        "loaded = sorted({'sqlalchemy.ext.asyncio', 'sa_fence._async'} & set(sys.modules))\n"
+        "loaded = sorted({'sqlalchemy.ext.asyncio', 'sa_fence.lease.aio'} & set(sys.modules))\n"
         "assert loaded == [], loaded\n"
         "assert 'AsyncFencer' not in dir()\n"
         "from sa_fence import AsyncFencer, AsyncLease\n"
-        "import sa_fence, sa_fence._async\n"
-        "assert sa_fence.AsyncFencer is AsyncFencer is sa_fence._async.AsyncFencer\n"
-        "assert AsyncLease is sa_fence._async.AsyncLease\n"
+        "import sa_fence, sa_fence.lease.aio\n"
+        "assert sa_fence.AsyncFencer is AsyncFencer is sa_fence.lease.aio.AsyncFencer\n"
+        "assert AsyncLease is sa_fence.lease.aio.AsyncLease\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False

@@ -21,7 +21,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
 import sa_fence
-from sa_fence import _async, _decorators, _lifecycle
+from sa_fence.integrations import decorators as _decorators
+from sa_fence.lease import aio, lifecycle
 from tests._async_fixtures import expire, keys, no_renewal_tasks_left, row
 from tests._tcp_proxy import TcpProxy
 from tests.models import Audit, Job
@@ -79,7 +80,7 @@ async def test_an_async_fenced_method_commits_under_its_lease_and_releases_it(
     token = await repo.finish(21, result="done")
     assert row(engine, 21) == ("done", token)
     assert keys(redis_client, key_prefix) == []
-    assert sa_fence._flush._state(repo.session.sync_session).lease is None
+    assert sa_fence.orm.session_state.state_of(repo.session.sync_session).lease is None
     with pytest.raises(LookupError):
         sa_fence.current_lease()
 
@@ -124,12 +125,12 @@ async def test_a_loss_noticed_before_the_hook_is_added_still_cancels_the_body(
     add = _decorators.add_loss_hook
 
     def lost_first(lease: Any, hook: Callable[[], object]) -> None:
-        _lifecycle.lose(lease, f"lease {lease.name!r} was lost before its body started.")
+        lifecycle.lose(lease, f"lease {lease.name!r} was lost before its body started.")
         add(lease, hook)
 
     monkeypatch.setattr(_decorators, "add_loss_hook", lost_first)
     if not checked:
-        monkeypatch.setattr(_async.AsyncLease, "lost_reason", None)
+        monkeypatch.setattr(aio.AsyncLease, "lost_reason", None)
     release, reached = asyncio.Event(), []
     release.set()  # nothing holds the body back
     with pytest.raises(sa_fence.LeaseLostError):
@@ -160,7 +161,7 @@ async def test_with_cancel_on_lost_off_the_body_runs_on_and_only_the_flush_refus
 
 
 def _lease_of(repo: AsyncJobRepository) -> Any:
-    lease = sa_fence._flush._state(repo.session.sync_session).lease
+    lease = sa_fence.orm.session_state.state_of(repo.session.sync_session).lease
     assert lease is not None
     return lease
 
@@ -530,7 +531,7 @@ async def test_without_the_clean_up_a_cancelled_acquire_leaves_its_lease_behind(
     async def no_clean_up(self: Any, key: str, values: list[str]) -> None:
         return None
 
-    monkeypatch.setattr(_async.AsyncFencer, "_release_quietly", no_clean_up)
+    monkeypatch.setattr(aio.AsyncFencer, "_release_quietly", no_clean_up)
     CancelAt(afencer, {ACQUIRE_POINTS.index("_acquire") + 1: "after"})
     call = asyncio.create_task(afencer.acquire("job:32", 30))
     with pytest.raises(asyncio.CancelledError):

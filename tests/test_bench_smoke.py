@@ -13,9 +13,9 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from sa_fence._register import Register
-from sa_fence._tokens import TokenSource
-from sa_fence.tools import bench as _bench
+from sa_fence.cli import bench as _bench
+from sa_fence.db.register import Register
+from sa_fence.db.tokens import TokenSource
 from tests.conftest import PG_SERVER, REDIS_URL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,7 +196,7 @@ def test_a_fenced_commit_after_the_register_moved_is_refused_in_the_bench(
 def test_sa_fence_bench_rejects_bad_arguments_with_exit_2(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from sa_fence.tools import cli
+    from sa_fence.cli import main as cli
 
     with pytest.raises(SystemExit) as exited:
         cli.main(["bench", *argv])

@@ -1,11 +1,11 @@
 """The caches that keep sa-fence's own calls per fenced transaction down (issue 21), and
 what invalidates each of them.
 
-* A Connection's driver connection (``_scope.driver_of``) is read once per DBAPI
+* A Connection's driver connection (``arming.driver_of``) is read once per DBAPI
   connection and kept with it: a reconnect after an invalidation, or another pool
   checkout, is another DBAPI connection, and the driver is read anew.
 * A lease remembers the engine it was last armed through and that engine's scope
-  table (``_scope.ScopeMark._scoped``): another engine is checked again (another database is
+  table (``arming.ScopeMark._scoped``): another engine is checked again (another database is
   outside lease scope).
 * A transaction's arms live on the driver as an immutable tuple, built by a cached
   function, and travel in its BEGIN.
@@ -24,7 +24,7 @@ from psycopg.pq import TransactionStatus
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _scope
+from sa_fence.scope import arming
 from sa_fence.testing import expire
 from tests import _scope_fixtures
 from tests._fresh_db import fresh_database
@@ -102,7 +102,7 @@ def test_one_connection_many_transactions_reads_the_driver_once(
         for n in range(3):
             conn.execute(jobs.insert().values(id=n, result="x"))
             conn.commit()
-            dbapi_conn, driver = conn.__dict__[_scope._DRIVER]
+            dbapi_conn, driver = conn.__dict__[arming._DRIVER]
             assert dbapi_conn is conn.connection.dbapi_connection
             assert driver is conn.connection.driver_connection
 

@@ -20,7 +20,7 @@ from sqlalchemy import ForeignKey, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 
 import sa_fence
-from sa_fence import _flush
+from sa_fence.orm import session_state
 from tests._fresh_db import fresh_database
 
 
@@ -109,7 +109,7 @@ WRITES = {
 
 
 def test_the_model_tells_which_unfenced_tables_cascade_into_fenced_rows() -> None:
-    index = sa_fence._model.orm_index()
+    index = sa_fence.orm.model.orm_index()
     assert {Folder.__table__, Shelf.__table__} <= index.cascading
     assert Note.__table__ not in index.cascading
 
@@ -149,7 +149,7 @@ def test_a_stale_holders_cascade_is_refused_as_stale_and_changes_nothing(
 def test_without_presenting_the_token_the_guard_refuses_the_current_holders_cascade(
     db: sa.Engine, fencer: sa_fence.Fencer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_flush.SessionState, "present_for_raw_sql", lambda self, conn: None)
+    monkeypatch.setattr(session_state.SessionState, "present_for_raw_sql", lambda self, conn: None)
     with fencer.lease("later", 30) as lease, Session(db) as session:
         sa_fence.install(session)
         lease.bind(session)

@@ -10,10 +10,10 @@ import pytest
 import sqlalchemy as sa
 
 import sa_fence
-from sa_fence import _register
-from sa_fence.tools import check as _check
-from sa_fence.tools import cli
-from sa_fence.tools.schema import upgrade_demo_schema
+from sa_fence.cli import check as _check
+from sa_fence.cli import main as cli
+from sa_fence.cli.schema import upgrade_demo_schema
+from sa_fence.db import register as _register
 from tests._fresh_db import fresh_database, url_of
 from tests._sql import PARTITIONED_TABLES
 
@@ -227,7 +227,7 @@ def test_check_with_metadata_finds_a_fenced_model_whose_table_lacks_its_column(
         "--url",
         url_of(migrated),
         "--metadata",
-        "sa_fence.tools.demo_models:DemoBase",
+        "sa_fence.cli.demo_models:DemoBase",
         capsys=capsys,
     )
     assert status == 1

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from sa_fence.tools import cli
-from sa_fence.tools.schema import upgrade_demo_schema
+from sa_fence.cli import main as cli
+from sa_fence.cli.schema import upgrade_demo_schema
 from tests._fresh_db import fresh_database, url_of
 
 SA_FENCE = Path(sys.executable).parent / "sa-fence"

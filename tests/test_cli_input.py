@@ -2,7 +2,7 @@
 never a traceback, and never the password, parsed or not.
 
 Every subcommand option that takes a URL is found in the argparse set-up
-(:func:`sa_fence.tools.cli.build_parser`), so a new command or option is
+(:func:`sa_fence.cli.main.build_parser`), so a new command or option is
 covered without being listed here.  The commands run as a user types them,
 in subprocesses, all at once (each pays the interpreter's start-up).
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from sa_fence.tools import cli
+from sa_fence.cli import main as cli
 
 pytestmark = pytest.mark.slow  # subprocesses
 
@@ -185,13 +185,13 @@ def test_a_password_query_parameter_is_not_shown_when_the_database_is_unreachabl
     ],
 )  # fmt: skip
 def test_redact_url_hides_the_password_of_what_does_not_parse_too(text: str, shown: str) -> None:
-    from sa_fence.tools._redact import redact_url
+    from sa_fence.cli.redact import redact_url
 
     assert redact_url(text) == shown
 
 
 def test_redact_text_hides_each_url_like_word_of_a_message() -> None:
-    from sa_fence.tools._redact import redact_text
+    from sa_fence.cli.redact import redact_text
 
     message = (
         f"unrecognized arguments: postgresql+psycopg//u:{SECRET}@h/db; expected e.g. "

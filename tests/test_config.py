@@ -11,7 +11,7 @@ from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 import sa_fence
-from sa_fence._dialect import check_dialect
+from sa_fence.db.dialect import check_dialect
 from tests._fresh_db import fresh_database
 
 

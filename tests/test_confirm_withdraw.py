@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _register
+from sa_fence.db import register as _register
 from tests._fronts import front, io
 from tests.models import Job
 

@@ -13,9 +13,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import sessionmaker
 
 import sa_fence
-from sa_fence import _flush
-from sa_fence.tools import check as _check
-from sa_fence.tools import cli
+from sa_fence.cli import check as _check
+from sa_fence.cli import main as cli
+from sa_fence.orm import statements
 from tests._fresh_db import fresh_database, url_of
 from tests._sql import PARTITIONED_TABLES
 from tests.models import Base, Cell, Job
@@ -263,7 +263,7 @@ def test_without_the_translation_the_raw_undefined_column_error_comes_through(
     no_fence_column: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The pair of the two tests above: the guard removed, the driver error is all there is."""
-    monkeypatch.setattr(_flush, "_refuse_missing_fence_column", lambda context: None)
+    monkeypatch.setattr(statements, "_refuse_missing_fence_column", lambda context: None)
     with fenced_session(no_fence_column)() as s, pytest.raises(sa.exc.ProgrammingError) as caught:
         s.get(Job, 1)
     assert not isinstance(caught.value, sa_fence.FencingConfigError)

@@ -72,7 +72,7 @@ def test_a_fenced_repository_method_writes_under_the_lease_named_from_its_argume
     assert seen == [f"{key_prefix}job:7".encode()]
     assert job(engine, 7) == ("done", token)  # committed, with the lease's token
     assert list(redis_client.scan_iter(match=key_prefix + "*")) == []  # released
-    assert sa_fence._flush._state(repo.session).lease is None  # unbound again
+    assert sa_fence.orm.session_state.state_of(repo.session).lease is None  # unbound again
     with pytest.raises(LookupError, match=r"outside a @sa_fence\.fenced call"):
         sa_fence.current_lease()
 
@@ -123,7 +123,7 @@ def test_the_session_keeps_its_previous_lease_after_a_nested_fenced_call(
     with fencer.lease("outer", 30) as outer:
         outer.bind(repo.session)
         repo.finish(12, "inner")
-        assert sa_fence._flush._state(repo.session).lease is outer
+        assert sa_fence.orm.session_state.state_of(repo.session).lease is outer
 
 
 def test_fencer_and_session_can_be_named_parameters_or_given_explicitly(

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 import sa_fence
 import sa_fence.testing
-from sa_fence import _decorators
+from sa_fence.integrations import decorators
 from tests._async_fixtures import row as job
 from tests.models import SEQUENCE, Job
 
@@ -354,7 +354,7 @@ def test_a_nested_call_on_a_lost_lease_raises_before_its_body_runs(
     class Lossy(Jobs):
         @sa_fence.fenced("job:{job_id}", ttl=30)
         def finish(self, job_id: int, fail_after: bool = False) -> tuple[int, int]:
-            sa_fence._lifecycle.lose(sa_fence.current_lease(), "lost for the test")
+            sa_fence.lease.lifecycle.lose(sa_fence.current_lease(), "lost for the test")
             ran.append("outer")
             return 0, self.record(job_id, "must not run")
 
@@ -449,7 +449,8 @@ def test_a_nested_call_on_another_name_joins_the_unit_of_work_each_write_under_i
 ) -> None:
     with make_session() as session:
         batch = Batches(session, fencer).run(1, 30)
-        assert sa_fence._flush.bound_lease(session) is None  # restored after the outer call
+        # restored after the outer call
+        assert sa_fence.orm.session_state.bound_lease(session) is None
     outer_row, inner_row = job(engine, 30), job(engine, 31)
     assert outer_row == ("batch", batch)  # flushed under the batch's lease before the job's
     assert inner_row is not None
@@ -486,7 +487,7 @@ def test_a_fenced_call_on_a_session_the_caller_bound_joins_the_callers_transacti
         lease.bind(session)
         session.add(Job(id=36, result="caller"))
         Batches(session, fencer).finish(37)
-        assert sa_fence._flush.bound_lease(session) is lease
+        assert sa_fence.orm.session_state.bound_lease(session) is lease
         assert (job(engine, 36), job(engine, 37)) == (None, None)  # the caller commits
         session.commit()
     assert job(engine, 36) == ("caller", lease.token)
@@ -514,7 +515,7 @@ async def test_an_async_call_joined_on_another_name_is_cancelled_when_its_lease_
 
     @sa_fence.fenced("job:{job_id}", ttl=30, fencer=afencer, session="session")
     async def finish(session: AsyncSession, job_id: int) -> None:
-        sa_fence._lifecycle.lose(sa_fence.current_lease(), "lost for the test")
+        sa_fence.lease.lifecycle.lose(sa_fence.current_lease(), "lost for the test")
         await asyncio.sleep(5)  # cancelled here (cancel_on_lost, the default)
         ran.append("after the loss")
 
@@ -621,7 +622,7 @@ async def test_a_max_hold_timer_ends_with_its_call(
     )
     async def quick_async(job_id: int) -> None: ...
 
-    pending = _decorators._hold_limits._live
+    pending = decorators._hold_limits._live
     before, timers = len(pending), len(asyncio.get_running_loop()._scheduled)  # type: ignore[attr-defined]
     for job_id in range(3):
         quick(job_id)

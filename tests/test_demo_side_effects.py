@@ -89,7 +89,7 @@ def test_the_unfenced_side_effects_demo_sends_the_stale_workers_mail_too(
 def test_without_procrastinate_the_side_effects_demo_says_what_to_install() -> None:
     code = (
         "import sys; sys.modules['procrastinate'] = None\n"
-        "from sa_fence.tools.cli import main\n"
+        "from sa_fence.cli.main import main\n"
         f"sys.exit(main(['demo', '--side-effects', '--pg', {PG_SERVER!r}]))"
     )
     run = subprocess.run(

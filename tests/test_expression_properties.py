@@ -34,7 +34,7 @@ from sqlalchemy.orm import (
 
 import sa_fence
 import sa_fence.testing
-from sa_fence import _model
+from sa_fence.orm import model
 from tests.models import SEQUENCE, Audit
 
 
@@ -109,12 +109,12 @@ def expr_engine(engine: sa.Engine) -> Iterator[sa.Engine]:
 
 
 def test_only_a_real_column_can_carry_the_fence() -> None:
-    assert _model.fence_key_of(sa.inspect(Shape)) == "fence"
-    assert _model.fence_key_of(sa.inspect(Tag)) is None
+    assert model.fence_key_of(sa.inspect(Shape)) == "fence"
+    assert model.fence_key_of(sa.inspect(Tag)) is None
     label = sa.inspect(Shape).columns["total"]
     assert not isinstance(label, sa.Column)
-    assert not _model.carries_fence(label)
-    assert not _model.carries_fence(sa.inspect(Shape).columns["scaled"])
+    assert not model.carries_fence(label)
+    assert not model.carries_fence(sa.inspect(Shape).columns["scaled"])
 
 
 def test_a_bound_session_writes_a_fenced_class_with_expression_properties(
@@ -199,12 +199,12 @@ def test_without_the_column_check_an_expression_property_breaks_every_write(
     """The pair of the tests above: read ``info`` of every mapped expression and writes fail."""
 
     def unguarded(col: Any) -> bool:
-        return bool(col.info.get(_model.FENCE_INFO_KEY))
+        return bool(col.info.get(model.FENCE_INFO_KEY))
 
-    monkeypatch.setattr(_model, "carries_fence", unguarded)
-    monkeypatch.setattr(_model, "_mapper_fences", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(_model, "_fenced_classes", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(_model, "_index", _model.OrmIndex(-1))
+    monkeypatch.setattr(model, "carries_fence", unguarded)
+    monkeypatch.setattr(model, "_mapper_fences", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(model, "_fenced_classes", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(model, "_index", model.OrmIndex(-1))
     with make_session() as session:
         session.add(Audit(message="an unfenced class without expression properties"))
         with pytest.raises(AttributeError, match="info"):

@@ -25,7 +25,7 @@ from sqlalchemy.orm import (
 )
 
 import sa_fence
-from sa_fence import _model
+from sa_fence.orm import model
 from tests.models import Audit, Job
 
 
@@ -141,7 +141,7 @@ def test_an_unconfigurable_classs_table_between_it_and_a_fenced_class_still_need
         jobs = relationship(Job, secondary=links)
         missing = relationship("NoSuchClass")
 
-    assert links in _model.orm_index().association_tables
+    assert links in model.orm_index().association_tables
     with make_session() as session, pytest.raises(sa_fence.UnfencedWriteError):
         session.execute(sa.insert(links).values(tagger_id=1, job_id=job_id))
     assert_flushes_work(engine, make_session, fencer, job_id)
@@ -173,7 +173,7 @@ def test_a_fenced_class_whose_mapping_failed_refuses_writes_rather_than_leave_it
             id: Mapped[int] = mapped_column(primary_key=True)
 
     child_table = Elsewhere.metadata.tables["fm_children"]
-    assert _model.fence_column_of(child_table) is None
+    assert model.fence_column_of(child_table) is None
     with make_session() as session, pytest.raises(sa_fence.FencingConfigError) as refused:
         session.execute(sa.insert(child_table).values(id=1))
     assert "Child is a fenced class, but its mapping failed" in str(refused.value)
@@ -184,7 +184,7 @@ def test_a_fenced_class_whose_mapping_failed_refuses_writes_rather_than_leave_it
             session.flush()
     del failed, refused  # (their tracebacks hold Child)
     gc.collect()  # nothing references Child now: its registry lets it go
-    assert "Child" not in [cls.__name__ for cls in _model.unmapped_classes()]
+    assert "Child" not in [cls.__name__ for cls in model.unmapped_classes()]
     assert_flushes_work(engine, make_session, fencer, job_id)
 
 

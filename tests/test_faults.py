@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _protocol as proto
+from sa_fence.lease import protocol as proto
 from tests._redis_server import RedisServer, private_redis
 from tests._tools import wait_for
 from tests.models import SEQUENCE, Job

@@ -29,7 +29,9 @@ from sqlalchemy.orm import (
 )
 
 import sa_fence
-from sa_fence import _flush, _model
+from sa_fence.orm import flush as _flush
+from sa_fence.orm import model
+from sa_fence.orm import statements as _statements
 from tests._sql import recorded_statements, seed
 from tests.models import Job
 
@@ -266,7 +268,7 @@ def test_without_the_fence_property_merge_copies_the_loaded_fence_and_is_refused
 ) -> None:
     """Pair of the merge tests: without the property that leaves a loaded fence
     behind, merge() copies it as an assignment and the common case breaks."""
-    monkeypatch.setattr(_model._FenceProperty, "merge", ColumnProperty.merge)
+    monkeypatch.setattr(model._FenceProperty, "merge", ColumnProperty.merge)
     detached, _ = newer_fence_on_the_row(fencer, make_session, Job)
     detached.result = "merged"
     with fencer.lease("job:1", 5) as lease, make_session() as session:
@@ -330,7 +332,7 @@ def test_the_unfenced_opt_out_drops_a_fence_carried_by_bulk_mappings(
     drops their fence as it does under a lease, so an admin script cannot lock every later
     holder out with a high fence.  Without the drop it lands (the pair's other half)."""
     if not dropped:
-        monkeypatch.setattr(_flush, "_without", lambda params, key: params)
+        monkeypatch.setattr(_statements, "_without", lambda params, key: params)
     if isinstance(write, sa.Update):
         seed(fencer, make_session, Job(id=1, result="initial"))
     before = row(engine, 1)

@@ -15,7 +15,11 @@ from sqlalchemy import delete, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 import sa_fence
-from sa_fence import _flush, _rewrite, _scope
+from sa_fence.orm import flush as _flush
+from sa_fence.orm import rewrite as _rewrite
+from sa_fence.orm import session_state
+from sa_fence.orm import statements as _statements
+from sa_fence.scope import arming
 from sa_fence.testing import expire
 from tests._sql import recorded_statements, seed
 from tests.models import Audit, Cell, Job
@@ -78,7 +82,7 @@ def test_without_the_token_comparison_the_stale_write_overwrites_b(
     """The pair of the test above: remove the guard and the lost-lease double write comes back."""
     monkeypatch.setattr(_rewrite, "fence_predicate", lambda col, token: sa.true())
     monkeypatch.setattr(_rewrite, "_rewritten", weakref.WeakKeyDictionary())  # built anew
-    monkeypatch.setattr(_scope, "enter_scope", lambda conn, lease: None)  # no lease scope
+    monkeypatch.setattr(arming, "enter_scope", lambda conn, lease: None)  # no lease scope
     a, _b, session_a = run_seed_scenario(fencer, make_session)
     session_a.commit()  # goes through: this is the bug sa-fence exists to stop
     session_a.close()
@@ -271,8 +275,6 @@ def test_a_session_at_a_dead_sessionmakers_address_installs_and_uninstalls(
     ``uninstall(session)`` failed inside SQLAlchemy (seen in CI, by chance).
     Here the address reuse is staged in the registry, deterministically."""
     from sqlalchemy.event import registry
-
-    from sa_fence import _flush
 
     dead = sa_fence.install(sessionmaker(engine))
     session = Session(engine)
@@ -680,7 +682,7 @@ def test_without_the_refusal_a_stale_dml_through_an_alias_or_in_a_cte_overwrites
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The pair of the refusals above: neither is fenced, so A writes over B's row."""
-    monkeypatch.setattr(_flush, "_refuse_unfenceable", lambda *args: None)
+    monkeypatch.setattr(_statements, "_refuse_unfenceable", lambda *args: None)
     a, b_token = b_wrote_job_1(fencer, make_session)
     for write in (THROUGH_AN_ALIAS["orm update"], IN_A_CTE["core update in a select"]):
         with make_session() as session:
@@ -745,7 +747,7 @@ def test_without_poisoning_the_outer_transaction_would_commit_the_other_writes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The pair of the test above: SQLAlchemy alone lets the savepoint's siblings commit."""
-    monkeypatch.setattr(_flush.SessionState, "fail", lambda self, error: error)
+    monkeypatch.setattr(session_state.SessionState, "fail", lambda self, error: error)
     with stale_write_in_a_savepoint(fencer, make_session) as session:
         session.commit()
     with engine.connect() as conn:
@@ -833,7 +835,7 @@ def test_install_leaves_the_users_engine_and_the_bind_untouched(engine: sa.Engin
     assert maker.kw["bind"] is engine  # no private view is bound (issue 18)
     with maker() as session:
         session.connection()
-    assert not sa.event.contains(engine, "before_execute", _flush._before_execute)
+    assert not sa.event.contains(engine, "before_execute", _statements._before_execute)
     sa_fence.uninstall(maker)
     assert maker.kw["bind"] is engine
 
@@ -890,9 +892,9 @@ def test_a_class_mapped_after_the_orm_index_was_built_is_in_it() -> None:
     """The index is rebuilt after a class is mapped, not looked over on every flush."""
     from sqlalchemy.orm import DeclarativeBase, relationship
 
-    from sa_fence import _model
+    from sa_fence.orm import model
 
-    _model.orm_index()  # built before the classes below exist
+    model.orm_index()  # built before the classes below exist
 
     class LateBase(DeclarativeBase):
         pass
@@ -922,7 +924,7 @@ def test_a_class_mapped_after_the_orm_index_was_built_is_in_it() -> None:
         tags = relationship(LateTag, secondary=links)
 
     try:
-        assert {links, others} <= _model.orm_index().association_tables
+        assert {links, others} <= model.orm_index().association_tables
     finally:
         LateBase.registry.dispose()
 

@@ -1,4 +1,4 @@
-"""The fitness rules of the sequence and the register are stated once (sa_fence._fitness).
+"""The fitness rules of the sequence and the register are stated once (sa_fence.db.fitness).
 
 The grant statement, ``Fencer.check()``, ``sa-fence check`` and ``sa-fence
 status`` read the same rule: a rule's text changed in the table shows in
@@ -15,9 +15,10 @@ import redis
 import sqlalchemy as sa
 
 import sa_fence
-from sa_fence import _fitness, _register
-from sa_fence.tools import cli
-from sa_fence.tools.schema import upgrade_demo_schema
+from sa_fence.cli import main as cli
+from sa_fence.cli.schema import upgrade_demo_schema
+from sa_fence.db import fitness as _fitness
+from sa_fence.db import register as _register
 from tests._fresh_db import fresh_database, url_of
 from tests.conftest import REDIS_URL
 

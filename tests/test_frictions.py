@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _protocol as proto
+from sa_fence.lease import protocol as proto
 from tests.models import Job
 
 ERRORS = [

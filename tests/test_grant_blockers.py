@@ -4,7 +4,7 @@ A commit check holds its share lock on the lease's register row until its transa
 so a transaction that ran the check early (``SET CONSTRAINTS ALL IMMEDIATE``) or was prepared
 after it holds every newer grant of the name back.  The grant's LeaseBackendError, and
 ``sa-fence status``, name that backend (pid, state, since when) or that prepared transaction
-(gid, owner, database), read after the wait (sa_fence._blockers).  Real servers, no mocks.
+(gid, owner, database), read after the wait (sa_fence.db.blockers).  Real servers, no mocks.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
+from sa_fence.cli import main as cli
 from sa_fence.testing import expire
-from sa_fence.tools import cli
 from tests._async_fixtures import expire as expire_async
 from tests._pg_cluster import private_cluster
 from tests.conftest import REDIS_URL

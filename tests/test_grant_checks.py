@@ -30,9 +30,11 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _fitness, _register, _tokens
+from sa_fence.cli import main as cli
+from sa_fence.db import fitness as _fitness
+from sa_fence.db import register as _register
+from sa_fence.db import tokens as _tokens
 from sa_fence.testing import expire
-from sa_fence.tools import cli
 from tests._fresh_db import fresh_database, url_of
 from tests._tools import wait_for
 from tests.conftest import REDIS_URL
@@ -328,7 +330,7 @@ def without_default_check(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def without_rule(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
-    """The grant without one rule of sa_fence._fitness.SEQUENCE_RULES (the one
+    """The grant without one rule of sa_fence.db.fitness.SEQUENCE_RULES (the one
     statement of it that the grant, Fencer.check() and sa-fence check read)."""
     assert _fitness.SEQUENCE_FIT_SQL in _register.grant_function_sql()
     kept = [rule.sql for rule in _fitness.SEQUENCE_RULES if rule.key != key]

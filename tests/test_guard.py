@@ -19,9 +19,11 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _guard, _rewrite, _tokens
-from sa_fence.tools.demo_models import DemoJob, DemoStep
-from sa_fence.tools.schema import upgrade_demo_schema
+from sa_fence.cli.demo_models import DemoJob, DemoStep
+from sa_fence.cli.schema import upgrade_demo_schema
+from sa_fence.db import guard as _guard
+from sa_fence.db import tokens as _tokens
+from sa_fence.orm import rewrite as _rewrite
 from tests._fresh_db import fresh_database
 from tests._sql import recorded_statements
 

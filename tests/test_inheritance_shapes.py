@@ -7,7 +7,7 @@ levels deep), on a composite key whose subclass columns have other names
 object a write touches, the row's fence is compared and advanced: in the flush
 and in the ORM's bulk UPDATE by primary key, and for Core writes of a table
 that only fenced subclasses own.  Each shape here has a guard of its own in
-``sa_fence._model.orm_index`` and the statement hook; these tests fail when it
+``sa_fence.orm.model.orm_index`` and the statement hook; these tests fail when it
 is removed.
 """
 

@@ -11,7 +11,8 @@ import redis
 import sqlalchemy as sa
 
 import sa_fence
-from sa_fence import _flush, _protocol
+from sa_fence.lease import protocol
+from sa_fence.orm import session_state
 from tests._fronts import entered, front, io
 from tests.models import Job
 
@@ -94,7 +95,7 @@ async def test_binding_a_released_lease_is_refused_and_leaves_the_session_unboun
     with make_session() as session:
         with pytest.raises(sa_fence.LeaseLostError, match=r"was released.*not bound"):
             lease.bind(session)
-        assert _flush.bound_lease(session) is None
+        assert session_state.bound_lease(session) is None
         session.add(Job(id=1, result="unbound"))  # a session as it was: no lease to write with
         with pytest.raises(sa_fence.UnfencedWriteError):
             session.flush()
@@ -317,8 +318,8 @@ def test_bad_input_is_refused_with_a_clear_error_and_nothing_written(
 
 
 def test_a_sub_millisecond_ttl_rounds_up_to_one_millisecond() -> None:
-    assert _protocol.ttl_to_ms(0.0001) == 1
-    assert _protocol.ttl_to_ms(1.5) == 1500
+    assert protocol.ttl_to_ms(0.0001) == 1
+    assert protocol.ttl_to_ms(1.5) == 1500
 
 
 def test_install_takes_effect_on_every_new_sessionmaker_even_at_a_reused_address(
@@ -330,7 +331,7 @@ def test_install_takes_effect_on_every_new_sessionmaker_even_at_a_reused_address
 
     from sqlalchemy.orm import sessionmaker
 
-    from sa_fence._flush import is_installed
+    from sa_fence.orm.flush import is_installed
 
     missing = 0
     for _ in range(25):

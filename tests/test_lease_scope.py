@@ -45,7 +45,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.exc import ObjectDeletedError
 
 import sa_fence
-from sa_fence import _rewrite, _scope
+from sa_fence.orm import rewrite as _rewrite
+from sa_fence.scope import arming
 from sa_fence.testing import expire
 from tests import _scope_fixtures
 from tests._fresh_db import fresh_database
@@ -208,7 +209,7 @@ def test_without_lease_scope_a_subclass_only_change_is_still_refused_by_the_base
 ) -> None:
     """The row-fence level: the flush bumps the base row's fence, so it is compared too;
     for a single-table subclass of the joined one as well (it writes special_jobs too)."""
-    monkeypatch.setattr(_scope, "enter_scope", lambda conn, lease: None)
+    monkeypatch.setattr(arming, "enter_scope", lambda conn, lease: None)
     seed(fencer, make_session, cls(id=1, result="initial", detail="initial"))
     a = fencer.acquire("job:1", 5)
     session_a = a.bind(make_session())
@@ -312,7 +313,7 @@ def test_a_stale_keyed_write_of_a_joined_subclass_outside_a_flush_is_refused_by_
 ) -> None:
     """The row-fence level (lease scope skipped): a holder of another name wrote the row, so A's
     write is refused whichever table of the row it touches, and nothing of it is written."""
-    monkeypatch.setattr(_scope, "enter_scope", lambda conn, lease: None)
+    monkeypatch.setattr(arming, "enter_scope", lambda conn, lease: None)
     cls = UrgentJob if "single-table" in write else SpecialJob
     seed(fencer, make_session, cls(id=1, result="initial", detail="initial"))
     a, b = written_since_by_another_name(
@@ -911,7 +912,7 @@ def test_a_raw_writer_that_checks_its_lease_before_commit_is_lease_scoped_too(
     nothing once a newer lease of the name was granted (migrations guide)."""
     import psycopg
 
-    from sa_fence.tools.bench import psycopg_conninfo
+    from sa_fence.cli.bench import psycopg_conninfo
 
     def raw() -> psycopg.Connection[Any]:  # another service, psql: not sa-fence
         return psycopg.connect(psycopg_conninfo(scope_engine.url))
@@ -1809,7 +1810,7 @@ def test_without_lease_scope_and_the_row_fence_the_state_machine_finds_a_stale_c
     machine: Callable[[], RuleBasedStateMachine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The pair of the test above: remove both guards and the violation is found."""
-    monkeypatch.setattr(_scope, "enter_scope", lambda conn, lease: None)
+    monkeypatch.setattr(arming, "enter_scope", lambda conn, lease: None)
     monkeypatch.setattr(_rewrite, "fence_predicate", lambda col, token: sa.true())
     monkeypatch.setattr(_rewrite, "_rewritten", weakref.WeakKeyDictionary())  # built anew
     with pytest.raises(AssertionError, match="a stale holder's transaction committed"):

@@ -23,9 +23,10 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _lease, _lifecycle
-from sa_fence import _protocol as proto
 from sa_fence._failures import BACKEND_ATTEMPTS, OUTAGE, Backoff, Failure
+from sa_fence.lease import lifecycle as _lifecycle
+from sa_fence.lease import protocol as proto
+from sa_fence.lease import sync as _lease
 from tests._fronts import front, io, is_async
 from tests._redis_server import free_port
 from tests._tcp_proxy import TcpProxy
@@ -48,7 +49,7 @@ def job_row(engine: sa.Engine, job_id: int) -> tuple[Any, ...] | None:
 
 
 class FakeClock:
-    """Stands in for the ``time`` module of sa_fence._lease and _lifecycle: sleeping
+    """Stands in for the ``time`` module of sa_fence.lease.sync and _lifecycle: sleeping
     advances it."""
 
     def __init__(self) -> None:

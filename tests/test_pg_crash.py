@@ -54,8 +54,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import sessionmaker
 
 import sa_fence
-from sa_fence import _register
-from sa_fence._tokens import TokenSource
+from sa_fence.db import register as _register
+from sa_fence.db.tokens import TokenSource
 from sa_fence.testing import expire
 from tests._pg_cluster import PgCluster, private_cluster, wait_for_signal
 from tests._tools import wait_for

@@ -53,7 +53,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import sa_fence
-from sa_fence import _flush
+from sa_fence.orm import session_state
 from tests.models import SEQUENCE, Job
 
 if TYPE_CHECKING:
@@ -292,7 +292,7 @@ class FencedWritesModel:
             with self.make_session() as unbound:
                 with pytest.raises(sa_fence.LeaseLostError, match="was released"):
                     lease.bind(unbound)
-                assert _flush.bound_lease(unbound) is None
+                assert session_state.bound_lease(unbound) is None
             event("binding a released lease was refused")
             return False
         self.writes_done += 1

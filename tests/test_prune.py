@@ -23,9 +23,10 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _prune, _register
+from sa_fence.cli import main as cli
+from sa_fence.db import prune as _prune
+from sa_fence.db import register as _register
 from sa_fence.testing import expire
-from sa_fence.tools import cli
 from tests._fresh_db import fresh_database, url_of
 from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE, Base, Job

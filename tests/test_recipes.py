@@ -112,7 +112,7 @@ def test_fastapi_a_fenced_session_dependency_writes_with_the_token_and_answers_4
         # A stale commit: the request's lease is overtaken after it was bound.
         def overtaken(job_id: int) -> Iterator[Any]:
             for session in recipe.fenced_job_session(job_id):
-                lease = sa_fence._flush._state(session).lease
+                lease = sa_fence.orm.session_state.state_of(session).lease
                 expire(lease)  # the request "pauses" past its TTL...
                 with recipe.fencer.lease(f"job:{job_id}", ttl=30):  # ...and another came
                     pass

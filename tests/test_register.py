@@ -12,6 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
+from sa_fence.scope import arming
 from sa_fence.testing import expire
 from tests.models import Audit, Job
 from tests.test_token_connection import held_fencer
@@ -265,9 +266,8 @@ def test_comparing_urls_alone_would_let_the_stale_commit_through(
     fencer: sa_fence.Fencer, engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The pair of the test above: without the database identity, scope is skipped."""
-    from sa_fence import _scope
 
-    monkeypatch.setattr(_scope, "_read_database_id", lambda conn: ("elsewhere",))
+    monkeypatch.setattr(arming, "_read_database_id", lambda conn: ("elsewhere",))
     fencer.check()  # the fencer knows its own database's identity
     assert stale_commit_through(fencer, engine.url.set(host="localhost"), engine) is None
 

@@ -23,8 +23,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence._lease import Deadlines
-from sa_fence._lifecycle import add_loss_hook
+from sa_fence.lease.lifecycle import add_loss_hook
+from sa_fence.lease.sync import Deadlines
 from sa_fence.testing import expire
 from tests._async_fixtures import expire as end
 from tests._async_fixtures import no_renewal_tasks_left, renewal_tasks
@@ -395,9 +395,9 @@ def test_a_release_while_a_renewal_is_sent_schedules_no_next_renewal(
 ) -> None:
     """The release lands after the renewal's answer, before its next one is scheduled
     (here due 30 s later): nothing is scheduled, so the thread exits then."""
-    from sa_fence import _lifecycle
+    from sa_fence.lease import lifecycle
 
-    renew = _lifecycle.renew
+    renew = lifecycle.renew
     released = threading.Event()
 
     def renew_then_release(lease: Any) -> float | None:
@@ -409,7 +409,7 @@ def test_a_release_while_a_renewal_is_sent_schedules_no_next_renewal(
         released.set()
         return time.monotonic() + 30
 
-    monkeypatch.setattr(_lifecycle, "renew", renew_then_release)
+    monkeypatch.setattr(lifecycle, "renew", renew_then_release)
     assert wait_for_no_renewer() == []
     lease = fencer.acquire("job:1", TTL, renew=True)
     assert released.wait(10)
@@ -482,7 +482,7 @@ def test_a_renewal_answered_after_the_release_neither_loses_nor_renews_the_lease
     first: the EXTEND finds the key gone ("not ours"); or the EXTEND first: it extended a
     key the release then deleted.  Either answer is about a lease the holder already gave
     back, so it is ignored: no ``on_lost``, no loss logged, no next renewal scheduled."""
-    from sa_fence import _lifecycle
+    from sa_fence.lease import lifecycle
 
     lost: list[Any] = []
     lease = fencer.acquire("job:1", 30, on_lost=lost.append)
@@ -498,7 +498,7 @@ def test_a_renewal_answered_after_the_release_neither_loses_nor_renews_the_lease
         return reply
 
     monkeypatch.setattr(fencer, "_extend", release_meanwhile)
-    assert _lifecycle.renew(lease) is None  # None: no next renewal
+    assert lifecycle.renew(lease) is None  # None: no next renewal
     assert lost == []
     assert lease.released
     assert not lease.lost

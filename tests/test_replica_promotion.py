@@ -35,9 +35,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import sessionmaker
 
 import sa_fence
-from sa_fence._register import LEASE_STALE_SQLSTATE
-from sa_fence.tools import check as _check
-from sa_fence.tools import cli
+from sa_fence.cli import check as _check
+from sa_fence.cli import main as cli
+from sa_fence.db.register import LEASE_STALE_SQLSTATE
 from tests._pg_cluster import PgCluster, make_replica, private_cluster
 from tests._tcp_proxy import TcpProxy
 from tests.models import SEQUENCE, Base, Job

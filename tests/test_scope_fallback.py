@@ -1,7 +1,7 @@
 """Lease scope without psycopg's BEGIN hook: every test of test_scope_trigger.py again.
 
 sa-fence writes a transaction's arm in psycopg's own BEGIN message, through
-psycopg internals it checks at import (``_scope.PSYCOPG_BEGIN_HOOK``).  A
+psycopg internals it checks at import (``arming.PSYCOPG_BEGIN_HOOK``).  A
 psycopg release that changes them turns the hook off, and every arm becomes
 a statement of its own, sent when the transaction enters lease scope and
 again first thing in a transaction begun after a COMMIT sent as SQL.  That
@@ -20,8 +20,10 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import Lease, _flush, _scope
-from sa_fence._register import name_key
+from sa_fence import Lease
+from sa_fence.db.register import name_key
+from sa_fence.orm import statements
+from sa_fence.scope import arming
 from sa_fence.testing import expire
 from tests import _scope_fixtures
 from tests.models_scope import OWN_ARMS, Outbox
@@ -79,7 +81,7 @@ del test_driver_sql_that_goes_on_between_a_fenced_connections_transactions_is_re
 
 @pytest.fixture(autouse=True)
 def _without_the_begin_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_scope, "PSYCOPG_BEGIN_HOOK", False)
+    monkeypatch.setattr(arming, "PSYCOPG_BEGIN_HOOK", False)
 
 
 def test_every_arm_is_a_statement_of_its_own(
@@ -173,7 +175,7 @@ def test_a_transaction_begun_after_a_commit_sent_as_sql_is_armed_again(
     which the fallback arms again first: the commit is refused.  Without the re-arm
     the stale write commits (the pair's other half)."""
     if not rearm:
-        monkeypatch.setattr(_scope, "_rearm_if_ended", lambda conn, scope: None)
+        monkeypatch.setattr(arming, "_rearm_if_ended", lambda conn, scope: None)
     with make_session() as session:
         b = _superseded_after_a_commit_sent_as_sql(fencer, session)
         write(session)
@@ -202,7 +204,7 @@ def test_a_transaction_begun_by_a_sequence_after_a_commit_sent_as_sql_is_armed(
     (the pair's other half)."""
     if not kept:  # SQLAlchemy's own step instead of sa-fence's override
         monkeypatch.setattr(
-            _flush._FencedConnection, "_execute_default", sa.Connection._execute_default
+            statements.FencedConnection, "_execute_default", sa.Connection._execute_default
         )
     with scope_engine.begin() as conn:
         conn.execute(sa.text("CREATE SEQUENCE IF NOT EXISTS outbox_fallback_id"))

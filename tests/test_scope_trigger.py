@@ -34,7 +34,10 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_asyn
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _flush, _register, _scope
+from sa_fence.db import register as _register
+from sa_fence.orm import flush as _flush
+from sa_fence.orm import session_state
+from sa_fence.scope import arming
 from sa_fence.testing import expire
 from tests import _scope_fixtures
 from tests._interrupt_commit import slow_commit
@@ -368,11 +371,11 @@ def test_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rolled_back(
     """The arm of a lease bound mid-transaction is a statement of its own: a ROLLBACK TO
     the savepoint it was sent in undoes it, so it is sent again after one.  The pair:
     without that, the stale holder's commit goes through."""
-    if how in DRIVER_SENDS and not _scope.PSYCOPG_BEGIN_HOOK:
+    if how in DRIVER_SENDS and not arming.PSYCOPG_BEGIN_HOOK:
         pytest.skip("without the BEGIN hook, the driver's own cursors are not read (documented)")
     if not guarded:
-        effect = _scope.scope_effect  # the SQL is still refused; no ROLLBACK TO is seen
-        monkeypatch.setattr(_scope, "scope_effect", lambda sql: (effect(sql)[0], False))
+        effect = arming.scope_effect  # the SQL is still refused; no ROLLBACK TO is seen
+        monkeypatch.setattr(arming, "scope_effect", lambda sql: (effect(sql)[0], False))
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with make_session() as session:
         _savepoint_rolled_back_after_bind(session, a, how, rollback)
@@ -403,9 +406,9 @@ def test_without_the_refusal_sql_that_goes_on_commits_a_stale_holders_rows(
     """Guard-removal pair: the transaction begun after the end carries no arm.  (On the
     driver connection's cursors, the guard removed is their checked class.)"""
     if send in DRIVER_SENDS:
-        monkeypatch.setattr(_scope, "_checked_cursor", lambda base: base)
+        monkeypatch.setattr(arming, "_checked_cursor", lambda base: base)
     else:
-        monkeypatch.setattr(_scope, "_refuse_leaving_scope", lambda sql, driver: None)
+        monkeypatch.setattr(arming, "_refuse_leaving_scope", lambda sql, driver: None)
     sends = {**SQL_SENDS, **DRIVER_SENDS}
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with make_session() as session:
@@ -495,7 +498,7 @@ def test_the_arm_travels_in_psycopgs_begin_message(
     sends BEGIN, this fails (and sa-fence falls back to an arm statement)."""
     from psycopg._connection_base import BaseConnection
 
-    assert _scope.PSYCOPG_BEGIN_HOOK
+    assert arming.PSYCOPG_BEGIN_HOOK
     source = inspect.getsource(BaseConnection._start_query)
     assert "transaction_status != IDLE" in source
     assert "self._get_tx_start_command()" in source
@@ -557,22 +560,22 @@ UNSCOPABLE = {
 def _refused_first(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """The order before the fix: the refusal came before psycopg's BEGIN step was installed."""
     if kind == "READ ONLY":
-        arm = _scope._arm
+        arm = arming._arm
 
         def arm_refused_first(conn: sa.Connection, lease: sa_fence.Lease) -> None:
             if conn.connection.driver_connection.read_only:
-                raise _scope._read_only_error()
+                raise arming._read_only_error()
             arm(conn, lease)
 
-        monkeypatch.setattr(_scope, "_arm", arm_refused_first)
+        monkeypatch.setattr(arming, "_arm", arm_refused_first)
     else:
-        enter = _scope.enter_scope
+        enter = arming.enter_scope
 
         def enter_refused_first(conn: sa.Connection, lease: sa_fence.Lease) -> None:
             _flush._refuse_autocommit(conn)
             enter(conn, lease)
 
-        monkeypatch.setattr(_scope, "enter_scope", enter_refused_first)
+        monkeypatch.setattr(arming, "enter_scope", enter_refused_first)
 
 
 @pytest.mark.parametrize("guarded", [True, False], ids=["refused", "guard-removed"])
@@ -593,10 +596,10 @@ def test_a_bound_sessions_transaction_that_cannot_be_armed_sends_nothing_however
     refusal, and refuses too.  The pair: with the refusal first (as it was), a NOTIFY sent
     with exec_driver_sql or on the driver began a transaction no arm rode, and a stale
     holder's notification was delivered."""
-    if send == "the driver" and not _scope.PSYCOPG_BEGIN_HOOK:
+    if send == "the driver" and not arming.PSYCOPG_BEGIN_HOOK:
         pytest.skip("without the BEGIN hook, psycopg's own BEGIN is not armed (documented)")
     if not guarded:
-        if send == "text()" or not _scope.PSYCOPG_BEGIN_HOOK:
+        if send == "text()" or not arming.PSYCOPG_BEGIN_HOOK:
             pytest.skip("the statement step enters scope itself: refused without the BEGIN step")
         _refused_first(monkeypatch, kind)
     with _listening(scope_engine) as (listener, channel):
@@ -628,7 +631,7 @@ def test_a_bind_refused_mid_transaction_leaves_the_session_as_it_was(
         session.execute(sa.text("SELECT 1"))  # begun, read only, with no lease
         with pytest.raises(sa_fence.FencingConfigError, match="READ ONLY"):
             a.bind(session)
-        assert _flush.state_for(session).lease is None
+        assert session_state.state_for(session).lease is None
         assert session.execute(sa.text("SELECT 1")).scalar_one() == 1
     a.release()
 
@@ -754,7 +757,7 @@ def test_without_the_refusal_a_stale_holder_set_to_autocommit_commits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Guard-removal pair: no BEGIN, so no arm; the row commits as the INSERT runs."""
-    monkeypatch.setattr(_scope, "refuse_armed_autocommit", lambda armed: None)
+    monkeypatch.setattr(arming, "refuse_armed_autocommit", lambda armed: None)
     a, b = stale_pair(fencer)
     with make_session() as session:
         a.bind(session)
@@ -828,7 +831,7 @@ def test_without_the_refusal_psycopgs_own_transaction_commits_a_stale_holders_ro
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Guard-removal pair: psycopg's BEGIN carries no arm, and its COMMIT is not checked."""
-    monkeypatch.setattr(_scope, "_refuse_own_begin", lambda driver, method: None)
+    monkeypatch.setattr(arming, "_refuse_own_begin", lambda driver, method: None)
     a, b = stale_pair(fencer)
     with make_session() as session:
         a.bind(session)
@@ -938,7 +941,7 @@ def test_without_the_arm_between_transactions_a_stale_raw_commit_goes_through(
     fencer: sa_fence.Fencer, scope_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Guard-removal pair: the raw BEGIN carries no arm, and the driver's COMMIT lands."""
-    monkeypatch.setattr(_scope, "_arms_between", lambda driver, conn: None)
+    monkeypatch.setattr(arming, "_arms_between", lambda driver, conn: None)
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
         conn.commit()
@@ -1080,9 +1083,9 @@ def test_sqlalchemys_sql_is_read_even_on_a_cursor_class_swapped_back_mid_transac
     cursor_factory) is read by the statement step.  The pair: trusting any cursor, the
     chained transaction commits a stale holder's row."""
     if not guarded:
-        if not _scope.PSYCOPG_BEGIN_HOOK:
+        if not arming.PSYCOPG_BEGIN_HOOK:
             pytest.skip("without the BEGIN hook the statement step reads every statement")
-        monkeypatch.setattr(_scope, "reading_cursors", _scope.reading_cursors | {psycopg.Cursor})
+        monkeypatch.setattr(arming, "reading_cursors", arming.reading_cursors | {psycopg.Cursor})
     a = fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
     with make_session() as session:
         a.bind(session)
@@ -1149,7 +1152,7 @@ async def test_async_an_interrupted_arm_after_a_rollback_to_closes_the_driver_co
             def interrupted(table: str, rows: Any) -> str:
                 raise KeyboardInterrupt
 
-            monkeypatch.setattr(_scope, "_arm_sql", interrupted)
+            monkeypatch.setattr(arming, "_arm_sql", interrupted)
             with pytest.raises(KeyboardInterrupt):
                 await driver.cursor().execute("ROLLBACK TO SAVEPOINT s")
             monkeypatch.undo()
@@ -1197,7 +1200,7 @@ def test_sql_that_ends_the_transaction_in_pipeline_mode_is_refused_before_it_is_
     psycopg sends no BEGIN (and no arm) before what is queued after a COMMIT or ROLLBACK:
     it would commit at the sync unchecked.  The ending statement is refused, alone too; the
     transaction goes on, armed, and is checked at its commit."""
-    if send != "text" and not _scope.PSYCOPG_BEGIN_HOOK:
+    if send != "text" and not arming.PSYCOPG_BEGIN_HOOK:
         pytest.skip("without the BEGIN hook, the driver's own cursors are not read (documented)")
     a, b = stale_pair(fencer)
     with make_session() as session:
@@ -1229,10 +1232,10 @@ def test_a_stale_holders_statement_after_a_rollback_in_pipeline_mode_never_commi
     """The audit's repro: ROLLBACK, then an INSERT, queued in one pipeline by a session
     bound to a lease already stale.  The pair: without the refusal, the INSERT runs in the
     pipeline's implicit transaction and commits at the sync."""
-    if send != "text" and not _scope.PSYCOPG_BEGIN_HOOK:
+    if send != "text" and not arming.PSYCOPG_BEGIN_HOOK:
         pytest.skip("without the BEGIN hook, the driver's own cursors are not read (documented)")
     if not guarded:
-        monkeypatch.setattr(_scope, "_refuse_ending_in_pipeline", lambda sql, driver: None)
+        monkeypatch.setattr(arming, "_refuse_ending_in_pipeline", lambda sql, driver: None)
     a, b = stale_pair(fencer)
     with make_session() as session:
         a.bind(session)
@@ -1283,10 +1286,10 @@ def test_a_fenced_connections_rollback_in_pipeline_mode_is_refused(
 ) -> None:
     """fence_connection(): the same, on the Connection's driver.  The pair: the stale
     holder's INSERT queued after the ROLLBACK commits at the sync."""
-    if not _scope.PSYCOPG_BEGIN_HOOK:
+    if not arming.PSYCOPG_BEGIN_HOOK:
         pytest.skip("without the BEGIN hook, the driver's own cursors are not read (documented)")
     if not guarded:
-        monkeypatch.setattr(_scope, "_refuse_ending_in_pipeline", lambda sql, driver: None)
+        monkeypatch.setattr(arming, "_refuse_ending_in_pipeline", lambda sql, driver: None)
     a, b = stale_pair(fencer)
     with scope_engine.connect() as conn, sa_fence.fence_connection(conn, a):
         driver = conn.connection.driver_connection
@@ -1308,10 +1311,10 @@ def test_a_fenced_connections_rollback_in_pipeline_mode_is_refused(
 async def test_async_a_stale_holders_statement_after_a_rollback_in_pipeline_mode_never_commits(
     scope_engine: sa.Engine, key_prefix: str, monkeypatch: pytest.MonkeyPatch, guarded: bool
 ) -> None:
-    if not _scope.PSYCOPG_BEGIN_HOOK:
+    if not arming.PSYCOPG_BEGIN_HOOK:
         pytest.skip("without the BEGIN hook, the driver's own cursors are not read (documented)")
     if not guarded:
-        monkeypatch.setattr(_scope, "_refuse_ending_in_pipeline", lambda sql, driver: None)
+        monkeypatch.setattr(arming, "_refuse_ending_in_pipeline", lambda sql, driver: None)
     async with _async_scope(scope_engine, key_prefix) as (_aengine, client, fencer, make):
         a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
         assert await client.eval("return redis.call('del', KEYS[1])", 1, a.key)
@@ -1360,7 +1363,7 @@ def test_a_lease_bound_inside_psycopgs_transaction_block_is_refused(
     it and the stale holder's commit is refused.  The pair: the arm undone, the stale
     holder's row commits."""
     if not guarded:
-        monkeypatch.setattr(_scope, "_refuse_arm_in_psycopg_block", lambda driver: None)
+        monkeypatch.setattr(arming, "_refuse_arm_in_psycopg_block", lambda driver: None)
     a, b = stale_pair(fencer)
     with make_session() as session:
         session.execute(sa.text("SELECT 1"))  # the transaction has begun, no lease bound
@@ -1371,11 +1374,11 @@ def test_a_lease_bound_inside_psycopgs_transaction_block_is_refused(
                     sa_fence.FencingConfigError, match=r"psycopg's own transaction.*Nothing"
                 ):
                     a.bind(session)
-                assert _flush.state_for(session).lease is None
+                assert session_state.state_for(session).lease is None
                 assert _arms_now(driver) == 0
-                kept = dict(driver.__dict__.get(_scope._ARMS, ()))  # no arm left to ride a
+                kept = dict(driver.__dict__.get(arming._ARMS, ()))  # no arm left to ride a
                 assert not any(  # later BEGIN (a COMMIT sent as SQL next) for a lease refused
-                    _scope._arm_row(a.name, a.token) in rows for rows in kept.values()
+                    arming._arm_row(a.name, a.token) in rows for rows in kept.values()
                 )
             else:
                 a.bind(session)
@@ -1406,7 +1409,7 @@ def test_a_bound_session_joining_inside_psycopgs_transaction_block_is_refused(
     first statement arms it, apart): refused, nothing sent, and the session may not commit
     until it rolls back.  The pair: the arm undone, the outer commit lands."""
     if not guarded:
-        monkeypatch.setattr(_scope, "_refuse_arm_in_psycopg_block", lambda driver: None)
+        monkeypatch.setattr(arming, "_refuse_arm_in_psycopg_block", lambda driver: None)
     a, b = stale_pair(fencer)
     with scope_engine.connect() as conn:
         outer = conn.begin()
@@ -1467,7 +1470,7 @@ async def test_async_a_lease_bound_inside_psycopgs_transaction_block_is_refused(
     scope_engine: sa.Engine, key_prefix: str, monkeypatch: pytest.MonkeyPatch, guarded: bool
 ) -> None:
     if not guarded:
-        monkeypatch.setattr(_scope, "_refuse_arm_in_psycopg_block", lambda driver: None)
+        monkeypatch.setattr(arming, "_refuse_arm_in_psycopg_block", lambda driver: None)
     async with _async_scope(scope_engine, key_prefix) as (_aengine, client, fencer, make):
         a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5)
         assert await client.eval("return redis.call('del', KEYS[1])", 1, a.key)
@@ -1481,7 +1484,7 @@ async def test_async_a_lease_bound_inside_psycopgs_transaction_block_is_refused(
                         sa_fence.FencingConfigError, match=r"psycopg's own transaction"
                     ):
                         await session.run_sync(lambda s: a.bind(s))
-                    assert _flush.state_for(session.sync_session).lease is None
+                    assert session_state.state_for(session.sync_session).lease is None
                 else:
                     await session.run_sync(lambda s: a.bind(s))
                 raise psycopg.Rollback
@@ -1614,7 +1617,7 @@ def test_without_the_arm_a_raw_commit_of_a_stale_holder_goes_through(
     scope_engine: sa.Engine,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_scope, "_arm", lambda conn, lease: None)
+    monkeypatch.setattr(arming, "_arm", lambda conn, lease: None)
     a, b = stale_pair(fencer)
     with make_session() as session:
         a.bind(session)
@@ -2279,8 +2282,8 @@ async def test_async_a_cancelled_commit_never_hands_the_pool_a_broken_connection
         make,
     ):
         a = await fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 30)
-        send_commit = _scope._send_commit
-        monkeypatch.setattr(_scope, "_send_commit", slow_commit)
+        send_commit = arming._send_commit
+        monkeypatch.setattr(arming, "_send_commit", slow_commit)
         session = make()
         a.bind(session)
         session.add(Outbox(id=1, message="cancelled"))
@@ -2290,7 +2293,7 @@ async def test_async_a_cancelled_commit_never_hands_the_pool_a_broken_connection
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        monkeypatch.setattr(_scope, "_send_commit", send_commit)
+        monkeypatch.setattr(arming, "_send_commit", send_commit)
         with contextlib.suppress(Exception):
             await session.close()
         async with AsyncSession(aengine) as other:
@@ -2333,7 +2336,7 @@ async def test_async_a_lease_bound_inside_a_savepoint_stays_armed_when_it_is_rol
             await session.execute(sa.text("SELECT 1"))
             with pytest.raises(sa_fence.FencingConfigError, match="run_sync"):
                 a.bind(session)  # the arm needs the event loop now: nothing changes
-            assert _flush.state_for(session.sync_session).lease is None
+            assert session_state.state_for(session.sync_session).lease is None
             assert not (await session.connection()).invalidated  # and nothing was sent
             await session.run_sync(lambda s: a.bind(s))
             await nested.rollback()
@@ -2405,7 +2408,7 @@ def test_sql_that_must_be_read_is_refused_where_strings_are_lexed_otherwise(
     The pair: read anyway, the message commits and goes on in an unarmed transaction, and a
     stale holder's write after it lands."""
     if not guarded:
-        monkeypatch.setattr(_scope, "_refuse_unreadable", lambda sql, driver: None)
+        monkeypatch.setattr(arming, "_refuse_unreadable", lambda sql, driver: None)
     engine = sa.create_engine(
         scope_engine.url,
         connect_args={"options": "-c standard_conforming_strings=off -c escape_string_warning=off"},

@@ -4,7 +4,7 @@ Issue 49: a ``Sequence("sa_fence_token_seq", cache=20)`` of the user's own, in
 the metadata before ``sa_fence.fence_sequence(metadata)`` (or passed to it),
 passed ``fence_sequence()`` and ``create_all()`` and was refused only at the
 first acquire.  What a ``Sequence`` declares (type, cache, cycle, increment)
-is read against the rules the grant applies (``sa_fence._fitness``); what it
+is read against the rules the grant applies (``sa_fence.db.fitness``); what it
 cannot declare (an UNLOGGED sequence) is left to the grant.
 """
 

@@ -25,7 +25,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
 import sa_fence.testing
-from sa_fence import _flush, _scope
+from sa_fence.orm import flush as _flush
+from sa_fence.orm import session_state, statements
+from sa_fence.scope import arming
 from tests._async_fixtures import expire
 from tests._sql import seed
 from tests.models import Audit, Job
@@ -100,8 +102,9 @@ def test_without_routing_the_connection_through_the_hook_the_stale_write_commits
     off too: what is left is what the routing alone prevents.
     """
     seed(fencer, make_session, Job(id=1, result="initial"))
-    monkeypatch.setattr(_flush, "_hook_connection", lambda connection: None)
-    monkeypatch.setattr(_scope, "_arm", lambda conn, lease: None)
+    monkeypatch.setattr(_flush, "hook_connection", lambda connection: None)
+    monkeypatch.setattr(statements, "hook_connection", lambda connection: None)
+    monkeypatch.setattr(arming, "_arm", lambda conn, lease: None)
     _newer, session = stale_write(fencer, make_session, engine)
     session.commit()  # nothing compared the token, nothing checked the register
     session.close()
@@ -142,7 +145,7 @@ def test_a_connection_subclass_of_the_users_is_fenced_and_keeps_its_class(
         maker = sa_fence.install(sessionmaker(own))
         newer, session = stale_write(fencer, maker, own)
         conn = session.connection()
-        assert isinstance(conn, _flush._FencedConnection)
+        assert isinstance(conn, statements.FencedConnection)
         assert isinstance(conn, AuditedConnection)
         assert conn.audited() == "audited"
         with pytest.raises(sa_fence.StaleTokenError):
@@ -160,9 +163,9 @@ def test_the_user_engines_connections_of_other_sessions_are_not_routed(
 ) -> None:
     with make_session() as fenced, Session(engine) as plain:
         fenced_conn, plain_conn = fenced.connection(), plain.connection()
-        assert isinstance(fenced_conn, _flush._FencedConnection)
-        assert not isinstance(plain_conn, _flush._FencedConnection)
-        assert not sa.event.contains(engine, "commit", _scope.check_scope_and_commit)
+        assert isinstance(fenced_conn, statements.FencedConnection)
+        assert not isinstance(plain_conn, statements.FencedConnection)
+        assert not sa.event.contains(engine, "commit", arming.check_scope_and_commit)
         plain.add(Job(id=5, result="a plain session is not fenced"))
         plain.commit()  # the documented limit: no hook, written as is
     assert row(engine, 5) == ("a plain session is not fenced", 0)
@@ -191,7 +194,7 @@ def test_a_listener_added_to_the_engine_after_the_session_began_fires_too(
         seen.append(type(clauseelement).__name__)
 
     with fencer.lease("job:6", 5) as lease, lease.bind(make_session()) as session:
-        assert isinstance(session.connection(), _flush._FencedConnection)
+        assert isinstance(session.connection(), statements.FencedConnection)
         sa.event.listen(engine, "before_execute", before_execute)
         try:
             session.add(Job(id=6, result="seen"))
@@ -257,7 +260,7 @@ async def test_binding_an_async_scoped_session_fences_the_current_tasks_session(
     try:
         async with afencer.lease("job:10", 5) as lease:
             assert lease.bind(scoped) is scoped
-            assert _flush.bound_lease(scoped().sync_session) is lease
+            assert session_state.bound_lease(scoped().sync_session) is lease
             scoped.add(Job(id=10, result="scoped"))
             await scoped.commit()
             with pytest.raises(TypeError, match=r"takes a sqlalchemy Session or .*, got async_"):
@@ -358,7 +361,7 @@ def test_a_refused_second_session_may_not_flush_or_commit_what_it_goes_on_to_wri
     so that session may not flush or commit until rolled back.  The pair: without that, a
     stale holder's row commits with the first session's transaction."""
     if not guarded:
-        monkeypatch.setattr(_flush.SessionState, "fail", lambda self, error: error)
+        monkeypatch.setattr(session_state.SessionState, "fail", lambda self, error: error)
     a, b = fencer.acquire("job:1", 5), fencer.acquire("job:2", 5)
     assert sa_fence.testing.expire(b)
     c = fencer.acquire("job:2", 5)  # B is stale now
@@ -394,7 +397,7 @@ async def test_a_refused_second_async_session_may_not_flush_or_commit_either(
     refusal raised on ``await s2.connection()`` sticks to that session.  The pair: without
     it, the stale holder's row commits with the first session's transaction."""
     if not guarded:
-        monkeypatch.setattr(_flush.SessionState, "fail", lambda self, error: error)
+        monkeypatch.setattr(session_state.SessionState, "fail", lambda self, error: error)
     a, b = await afencer.acquire("job:1", 5), await afencer.acquire("job:2", 5)
     assert expire(redis_client, b)
     c = await afencer.acquire("job:2", 5)  # B is stale now
@@ -425,7 +428,7 @@ def test_binding_a_lease_to_one_of_two_unbound_sessions_sharing_a_connection_is_
         s2.connection()
         with pytest.raises(sa_fence.FencingConfigError, match="different leases bound"):
             lease.bind(s1)
-        assert _flush.state_for(s1).lease is None  # nothing was bound
+        assert session_state.state_for(s1).lease is None  # nothing was bound
         s2.close()
 
 
@@ -553,7 +556,7 @@ def test_an_engine_made_per_request_is_collected_after_its_fenced_sessions(
     for _ in range(3):
         per_request = engine.execution_options(isolation_level="REPEATABLE READ")
         with sa_fence.install(Session(bind=per_request)) as session:
-            assert isinstance(session.connection(), _flush._FencedConnection)
+            assert isinstance(session.connection(), statements.FencedConnection)
             assert session.get_bind() is per_request
         made.append(weakref.ref(per_request))
         del per_request, session

@@ -22,7 +22,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _side_effects, testing
+from sa_fence import testing
+from sa_fence.integrations import side_effects as _side_effects
 from tests import _side_effects as q
 from tests._fresh_db import fresh_database
 from tests.models import Base, Job

@@ -109,13 +109,13 @@ def test_the_plugin_installs_sa_fence_on_every_new_session_and_unconfigure_undoe
 ) -> None:
     from sqlalchemy.orm import Session
 
-    from sa_fence import _flush
+    from sa_fence.orm import flush
 
     plain_init = Session.__init__
     plugin.pytest_configure(pytestconfig)
     try:
-        assert _flush.is_installed(Session())
+        assert flush.is_installed(Session())
     finally:
         plugin.pytest_unconfigure(pytestconfig)
     assert Session.__init__ is plain_init
-    assert not _flush.is_installed(Session())
+    assert not flush.is_installed(Session())

@@ -13,9 +13,9 @@ import redis
 import sqlalchemy as sa
 
 import sa_fence
-from sa_fence.tools import cli
-from sa_fence.tools import status as _status
-from sa_fence.tools.status import owner_hash
+from sa_fence.cli import main as cli
+from sa_fence.cli import status as _status
+from sa_fence.cli.status import owner_hash
 from tests.conftest import REDIS_URL
 from tests.models import SEQUENCE
 

@@ -28,7 +28,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _lifecycle, _telemetry
+from sa_fence import telemetry as _telemetry
+from sa_fence.lease import lifecycle
 from sa_fence.testing import expire
 from tests._tools import wait_for
 from tests.conftest import REDIS_URL
@@ -284,7 +285,7 @@ def test_a_renewal_answered_after_the_release_is_not_counted(
 
     tfencer._extend = released_meanwhile  # type: ignore[method-assign]
     try:
-        assert _lifecycle.renew(lease) is None
+        assert lifecycle.renew(lease) is None
     finally:
         tfencer._extend = extend  # type: ignore[method-assign]
     assert otel.count("sa_fence.lease.renewals") == 0
@@ -843,20 +844,20 @@ def test_records_come_from_module_loggers_under_sa_fence_with_extra_fields_and_n
     lost_records = [r for r in caplog.records if getattr(r, "sa_fence_outcome", None) == "lost"]
     assert len(lost_records) == 1
     record = lost_records[0]
-    assert record.name == "sa_fence._lease"
+    assert record.name == "sa_fence.lease.sync"
     assert record.sa_fence_lease == "job:1"  # type: ignore[attr-defined]
     assert record.sa_fence_pattern == "job:{n}"  # type: ignore[attr-defined]
     assert record.sa_fence_token == lease.token  # type: ignore[attr-defined]
     granted = [r for r in caplog.records if getattr(r, "sa_fence_outcome", None) == "granted"]
     assert granted
-    assert granted[0].name == "sa_fence._telemetry"
+    assert granted[0].name == "sa_fence.telemetry"
     everything = caplog.text + str(lost.value) + repr(lease)
     everything += "".join(str(vars(r)) for r in caplog.records)
     assert lease.owner not in everything
 
 
 def test_urls_are_shown_without_their_password() -> None:
-    from sa_fence.tools._redact import redact_url as redact
+    from sa_fence.cli.redact import redact_url as redact
 
     assert redact("redis://user:s3cret@host:6379/0") == "redis://user:***@host:6379/0"
     assert redact("redis://:s3cret@host:6379/0") == "redis://:***@host:6379/0"
@@ -913,7 +914,8 @@ def test_without_the_opentelemetry_api_everything_works_and_reports_nothing(
 import sys
 sys.modules["opentelemetry"] = None  # as if not installed
 import redis, sqlalchemy as sa, sa_fence
-from sa_fence import _lifecycle, _telemetry
+from sa_fence.lease import lifecycle
+from sa_fence import telemetry as _telemetry
 assert not _telemetry.Telemetry().enabled
 {_fencer_code(engine, key_prefix)}
 with fencer.lease("job:1", ttl=5) as lease:
@@ -984,7 +986,8 @@ def test_with_the_apis_proxies_and_no_provider_nothing_is_made_and_refusals_stil
     code = f"""
 import redis, sqlalchemy as sa, sa_fence
 {_SDK_IMPORTS}from sqlalchemy.orm import sessionmaker
-from sa_fence import _lifecycle, _telemetry
+from sa_fence.lease import lifecycle
+from sa_fence import telemetry as _telemetry
 from sa_fence.testing import expire
 from tests.models import Audit
 

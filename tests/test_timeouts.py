@@ -28,7 +28,6 @@ from redis.sentinel import Sentinel
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import sa_fence
-from sa_fence import _redis_client
 from sa_fence._failures import (
     BACKEND_BACKOFF,
     OUTAGE,
@@ -39,7 +38,8 @@ from sa_fence._failures import (
     classify_postgres,
     classify_redis,
 )
-from sa_fence._redis_client import probe_speaks
+from sa_fence.lease import redis_client as _redis_client
+from sa_fence.lease.redis_client import probe_speaks
 from tests._fresh_db import fresh_database
 from tests._redis_server import RedisServer, free_port, private_redis
 from tests._tools import missing

@@ -3,7 +3,7 @@
 The reading is PostgreSQL's own parser (pglast); these tests hold it to the server, on
 hand-picked shapes, on hypothesis' examples and (slow) on 100,000 generated messages.
 
-``sa_fence._transaction_sql`` decides which ``text()``, driver SQL or DDL a bound
+``sa_fence.scope.transaction_sql`` decides which ``text()``, driver SQL or DDL a bound
 connection refuses (``COMMIT; BEGIN``, ``COMMIT; INSERT ...``, ``COMMIT AND CHAIN``:
 what follows would run outside lease scope; tests/test_scope_trigger.py has the
 refusals and the guard-removal pair).  Here its verdict is held to the server's
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from psycopg.pq import ExecStatus, TransactionStatus
 
-from sa_fence._transaction_sql import (
+from sa_fence.scope.transaction_sql import (
     ends_transaction,
     might_leave_scope,
     scope_effect,

@@ -23,8 +23,8 @@ def test_skip_adds_skipped_to_the_awaited_result_and_install_keeps_the_type() ->
     ]
     assert run.returncode == 0, run.stdout + run.stderr
     assert revealed == [
-        '"str | sa_fence._decorators.Skipped"',
-        '"int | sa_fence._decorators.Skipped"',
+        '"str | sa_fence.integrations.decorators.Skipped"',
+        '"int | sa_fence.integrations.decorators.Skipped"',
         '"str"',
         '"sqlalchemy.orm.session.sessionmaker[sqlalchemy.orm.session.Session]"',
         '"sqlalchemy.ext.asyncio.session.AsyncSession"',

@@ -23,4 +23,4 @@ def test_side_effect_returns_a_side_effect_and_refuses_what_is_not_a_task_or_a_s
         if "Revealed type" in line
     ]
     assert run.returncode == 0, run.stdout + run.stderr
-    assert revealed == ['"sa_fence._side_effects.SideEffect"']
+    assert revealed == ['"sa_fence.integrations.side_effects.SideEffect"']

@@ -24,9 +24,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
-from sa_fence import _rewrite
-from sa_fence.tools.demo_models import DemoStep
-from sa_fence.tools.schema import upgrade_demo_schema
+from sa_fence.cli.demo_models import DemoStep
+from sa_fence.cli.schema import upgrade_demo_schema
+from sa_fence.orm import rewrite as _rewrite
 from tests._fresh_db import fresh_database
 from tests._sql import recorded_statements
 from tests.models import Cell, Job

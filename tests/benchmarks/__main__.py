@@ -39,7 +39,7 @@ import psycopg
 import redis
 import sqlalchemy as sa
 
-from sa_fence.tools.bench import FlushBench, Progress, bench_objects, make_schema
+from sa_fence.cli.bench import FlushBench, Progress, bench_objects, make_schema
 
 from . import calls, contention, flush, guard, lease, memory, plot
 from .common import DEFAULT_PG, DEFAULT_REDIS, Config, Target, temporary_database

@@ -33,7 +33,7 @@ import redis
 import sqlalchemy as sa
 
 import sa_fence
-from sa_fence.tools.bench import (
+from sa_fence.cli.bench import (
     FlushBench,
     HandWritten,
     Op,

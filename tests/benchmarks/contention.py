@@ -49,7 +49,7 @@ from sqlalchemy import BigInteger, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 import sa_fence
-from sa_fence.tools.bench import Progress
+from sa_fence.cli.bench import Progress
 
 from .common import Config, Target
 

@@ -1,13 +1,13 @@
 """Flush: a fenced ORM write next to a plain one and to ``version_id_col``.
 
 Three tables of the same shape (``id``, ``payload``, ``counter`` and a bigint
-column), one per contender (:func:`sa_fence.tools.bench.make_schema`):
+column), one per contender (:func:`sa_fence.cli.bench.make_schema`):
 
 * ``plain``: a plain ``sessionmaker``, no sa-fence;
 * ``fenced``: ``sa_fence.install(sessionmaker(...))`` with a lease bound to
   every session (the table uses the ``Fenced`` mixin), lease scope on: every
   commit carries the register check
-  (:meth:`~sa_fence.tools.bench.FlushBench.verify_lease_scope` proves it first);
+  (:meth:`~sa_fence.cli.bench.FlushBench.verify_lease_scope` proves it first);
 * ``version_id_col``: SQLAlchemy's own optimistic check, for comparison.
 
 Operations, each timed interleaved op by op (plain, fenced, version_id_col,
@@ -47,8 +47,7 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from sa_fence import _guard, _scope
-from sa_fence.tools.bench import (
+from sa_fence.cli.bench import (
     FlushBench,
     Op,
     Progress,
@@ -58,6 +57,8 @@ from sa_fence.tools.bench import (
     psycopg_conninfo,
     ratio_range,
 )
+from sa_fence.db import guard as _guard
+from sa_fence.scope import arming
 
 from .common import Config, Target
 
@@ -246,7 +247,7 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
     table = bench.schema.models["plain"].__table__
     update = f'UPDATE "{table.schema}"."{table.name}" SET counter = counter + 1 WHERE id = %s'
     scope_table = bench.schema.register.scope_sql
-    arm_row = _scope._arm_row(lease)
+    arm_row = arming._arm_row(lease)
     with (
         psycopg.connect(psycopg_conninfo(bench.engine.url)) as conn,
         psycopg.connect(psycopg_conninfo(bench.engine.url)) as armed,
@@ -255,10 +256,10 @@ def run_breakdown(bench: FlushBench, config: Config, progress: Progress) -> Brea
         # The arm goes out only while its owner (a Connection in lease scope) lives: a
         # stand-in owner in scope, kept alive for the block.
         owner = _ScopeOwner()
-        vars(owner)[_scope.SCOPE] = {(lease.name, lease.token): lease}
-        vars(armed)[_scope._ARMS] = ((str(scope_table), (arm_row,)),)
-        vars(armed)[_scope._ARMS_OWNER] = weakref.ref(owner)
-        armed._start_query = types.MethodType(_scope._start_query_armed, armed)  # type: ignore[method-assign]
+        vars(owner)[arming.SCOPE] = {(lease.name, lease.token): lease}
+        vars(armed)[arming._ARMS] = ((str(scope_table), (arm_row,)),)
+        vars(armed)[arming._ARMS_OWNER] = weakref.ref(owner)
+        armed._start_query = types.MethodType(arming._start_query_armed, armed)  # type: ignore[method-assign]
         # the first statement begins the transaction, whose BEGIN carries the arm's row
         scoped = armed.execute(f"SELECT count(*) FROM {scope_table}").fetchone()
         armed.rollback()
@@ -314,7 +315,7 @@ def _keep(session: Session) -> None:
 
 def _skip(session: Session) -> None:
     session.flush()
-    if session.connection().__dict__.pop(_scope.SCOPE, None) is None:  # scope ends
+    if session.connection().__dict__.pop(arming.SCOPE, None) is None:  # scope ends
         raise RuntimeError("no lease scope to skip: the breakdown would measure nothing")
 
 
@@ -327,12 +328,12 @@ def run_variant(bench: FlushBench, variant: str) -> None:
     elif variant == "fenced":
         bench.update("fenced", 1, before_commit=_keep)
     else:
-        arm = _scope._arm
-        _scope._arm = lambda conn, lease: None  # type: ignore[assignment]
+        arm = arming._arm
+        arming._arm = lambda conn, lease: None  # type: ignore[assignment]
         try:
             bench.update("fenced", 1, before_commit=_skip)
         finally:
-            _scope._arm = arm  # type: ignore[assignment]
+            arming._arm = arm  # type: ignore[assignment]
 
 
 def backend_cpu(pid: int) -> float | None:

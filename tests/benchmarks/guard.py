@@ -1,7 +1,7 @@
 """Guard: what the database-side guard trigger costs the statements it checks.
 
 Two tables of the same shape (``id``, ``payload``, ``fence``), one with the
-guard (``sa_fence._guard.create_guard_sql``, policy ``"reject"``, the
+guard (``sa_fence.db.guard.create_guard_sql``, policy ``"reject"``, the
 benchmark's own sequence) and one without, written through one autocommit
 psycopg connection, interleaved op by op, the order rotated every round:
 
@@ -28,8 +28,7 @@ from dataclasses import dataclass
 import psycopg
 import sqlalchemy as sa
 
-from sa_fence import _guard
-from sa_fence.tools.bench import (
+from sa_fence.cli.bench import (
     Op,
     Progress,
     Timing,
@@ -38,6 +37,7 @@ from sa_fence.tools.bench import (
     psycopg_conninfo,
     ratio_range,
 )
+from sa_fence.db import guard as _guard
 
 from .common import Config, Target
 

@@ -6,7 +6,7 @@ Contenders, all against the same Redis and PostgreSQL, interleaved op by op:
   script, the grant (one autocommit statement that draws the token and
   advances the lease register), CONFIRM script, RELEASE script;
 * ``hand-written floor``: the same protocol with raw redis-py and psycopg
-  calls (:class:`sa_fence.tools.bench.HandWritten`): ``SET NX PX``, the same grant
+  calls (:class:`sa_fence.cli.bench.HandWritten`): ``SET NX PX``, the same grant
   statement with the same parameters, owner-checked CONFIRM and RELEASE;
 * ``redis-py Lock``: ``client.lock(name, timeout=ttl)``, no token;
 * ``python-redis-lock``: ``redis_lock.Lock(client, name, expire=ttl)``, no token
@@ -41,8 +41,7 @@ import redis
 import sqlalchemy as sa
 
 import sa_fence
-from sa_fence import _register
-from sa_fence.tools.bench import (
+from sa_fence.cli.bench import (
     HandWritten,
     Op,
     Progress,
@@ -55,6 +54,7 @@ from sa_fence.tools.bench import (
     ratio_range,
     sa_fence_cycle,
 )
+from sa_fence.db import register as _register
 
 from .common import Config, Target
 from .flush import server_cpu

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 import sa_fence
-from sa_fence.tools.bench import Progress
+from sa_fence.cli.bench import Progress
 
 from .common import Config, Target
 

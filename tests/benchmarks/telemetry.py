@@ -70,7 +70,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 import sa_fence
-from sa_fence import _telemetry
+from sa_fence import telemetry as _telemetry
 
 from .common import DEFAULT_PG, DEFAULT_REDIS, temporary_database
 
@@ -318,9 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--strict", action="store_true", help="exit 1 when a limit is exceeded")
     args = parser.parse_args(argv)
     # the cycles bind nothing on purpose: not the "never bound" warning
-    logging.getLogger("sa_fence._lease").setLevel(logging.ERROR)
+    logging.getLogger("sa_fence.lease.sync").setLevel(logging.ERROR)
     # the rows are put in place unfenced on purpose: not the warning about it
-    logging.getLogger("sa_fence._flush").setLevel(logging.ERROR)
+    logging.getLogger("sa_fence.orm.flush").setLevel(logging.ERROR)
     rounds, per_round = (2, 5) if args.quick else (args.rounds, args.ops)
     client = redis.Redis.from_url(args.redis)
     prefix = f"sa_fence_bench_telemetry:{uuid.uuid4().hex[:8]}:"

@@ -109,12 +109,12 @@ class Worker:
         )
         if config.fenced and not config.lease_scope:
             # the comparison at COMMIT switched off: each COMMIT goes out unchecked
-            from sa_fence import _scope
+            from sa_fence.scope import arming
 
             def commit_unchecked(conn: Any) -> None:
-                conn.__dict__.pop(_scope.SCOPE, None)  # the scope ends, unchecked
+                conn.__dict__.pop(arming.SCOPE, None)  # the scope ends, unchecked
 
-            _scope.check_scope_and_commit = commit_unchecked
+            arming.check_scope_and_commit = commit_unchecked
         maker = sessionmaker(self.engine)
         self.make_session = sa_fence.install(maker) if config.fenced else maker
         self.history = open(config.history, "a", buffering=1)  # noqa: SIM115 (closed in run)

@@ -24,8 +24,9 @@ from sqlalchemy.orm import sessionmaker
 
 import sa_fence
 import sa_fence.testing
-from sa_fence import _guard, _tokens
-from sa_fence.tools import cli
+from sa_fence.cli import main as cli
+from sa_fence.db import guard as _guard
+from sa_fence.db import tokens as _tokens
 from tests._fresh_db import fresh_database, url_of
 from tests.conftest import PG_SERVER
 from tests.models import SEQUENCE, Base, Job

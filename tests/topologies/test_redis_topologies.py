@@ -31,7 +31,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
 import sa_fence.testing
-from sa_fence import _rewrite, _scope
+from sa_fence.orm import rewrite as _rewrite
+from sa_fence.scope import arming
 from tests.models import SEQUENCE, Audit, Job
 from tests.topologies._servers import (
     HOST,
@@ -438,7 +439,7 @@ def test_without_fencing_a_grant_lost_in_a_failover_lets_both_holders_commit(
 ) -> None:
     """The pair of the test above: with lease scope and the row fence removed,
     the double grant becomes a double write: both holders of job:1 committed."""
-    monkeypatch.setattr(_scope, "enter_scope", lambda conn, lease: None)
+    monkeypatch.setattr(arming, "enter_scope", lambda conn, lease: None)
     monkeypatch.setattr(_rewrite, "fence_predicate", lambda col, token: sa.true())
     monkeypatch.setattr(_rewrite, "_rewritten", weakref.WeakKeyDictionary())  # built anew
     outcome, b, _ = lose_a_grant_in_a_failover(failover_topology, engine, make_session, key_prefix)
