@@ -115,17 +115,21 @@ test-floors: $(FLOORS_STAMP) services topology-tools
 	$(STAGE) test-floors $(FLOORS_VENV)/bin/python -m pytest -p no:cacheprovider tests/topologies/test_redis_topologies.py
 
 # SQLAlchemy's own tests (from the sdist of the installed version, downloaded
-# once into .venv/sqlalchemy-suite), run plain and with sa-fence installed on
-# every Session: any outcome that differs fails (tests/sqlalchemy_suite/).
-# About 2 minutes on 2 idle cores (both modes run side by side).  `make test`
-# runs them twice: with the pinned SQLAlchemy (.venv) and with the lowest one
-# pyproject.toml allows (.venv-floors), since sa-fence's hooks meet different
-# internals in each; `make sqlalchemy-suite-floors` is the second alone.
+# once into .venv/sqlalchemy-suite), run with sa-fence installed on every
+# Session and compared with the plain run: any outcome that differs fails
+# (tests/sqlalchemy_suite/).  The plain run's outcomes are recorded per
+# SQLAlchemy version (tests/sqlalchemy_suite/recorded/; SQLA_ARGS=--record
+# records them anew, SQLA_ARGS=--side-by-side runs both modes), and where the
+# fenced run differs from the recording both modes run again side by side.
+# About 2 minutes on one core.  `make test` runs them twice: with the pinned
+# SQLAlchemy (.venv) and with the lowest one pyproject.toml allows
+# (.venv-floors), since sa-fence's hooks meet different internals in each;
+# `make sqlalchemy-suite-floors` is the second alone.
 sqlalchemy-suite: $(STAMP) services
-	$(STAGE) sqlalchemy-suite $(PY) -m tests.sqlalchemy_suite
+	$(STAGE) sqlalchemy-suite $(PY) -m tests.sqlalchemy_suite $(SQLA_ARGS)
 
 sqlalchemy-suite-floors: $(FLOORS_STAMP) services
-	$(STAGE) sqlalchemy-suite-floors $(FLOORS_VENV)/bin/python -m tests.sqlalchemy_suite
+	$(STAGE) sqlalchemy-suite-floors $(FLOORS_VENV)/bin/python -m tests.sqlalchemy_suite $(SQLA_ARGS)
 
 # The docs site (mkdocs-material) into site/; `make test` runs the same build
 # with --strict (tests/test_docs_site.py).

@@ -12,13 +12,18 @@ from pathlib import Path
 import pytest
 
 from tests.sqlalchemy_suite import plugin
-from tests.sqlalchemy_suite.__main__ import ALLOWLIST, allowed, groups_for
+from tests.sqlalchemy_suite.__main__ import ALLOWLIST, RECORDINGS, allowed, groups_for
 from tests.sqlalchemy_suite.compare import (
     Outcome,
+    Recorded,
     differences,
+    ids_digest,
     node_id,
     read_allowlist,
     read_junit,
+    read_recorded,
+    to_run_again,
+    write_recorded,
 )
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
@@ -119,3 +124,80 @@ def test_the_plugin_installs_sa_fence_on_every_new_session_and_unconfigure_undoe
         plugin.pytest_unconfigure(pytestconfig)
     assert Session.__init__ is plain_init
     assert not flush.is_installed(Session())
+
+
+def _recorded(tmp_path: Path, plain: dict[str, Outcome]) -> Recorded:
+    path = tmp_path / "recorded" / "sqlalchemy-2.1.9.txt"
+    write_recorded(path, plain, "how it was recorded\non two lines")
+    recorded = read_recorded(path)
+    assert recorded is not None
+    return recorded
+
+
+def test_a_recorded_plain_run_keeps_the_count_the_ids_and_what_did_not_pass(
+    tmp_path: Path,
+) -> None:
+    plain = {"a": Outcome("passed"), "b": Outcome("skipped", "no backend"), "c": Outcome("failed")}
+    recorded = _recorded(tmp_path, plain)
+    text = (tmp_path / "recorded" / "sqlalchemy-2.1.9.txt").read_text().splitlines()
+    assert text[:2] == ["# how it was recorded", "# on two lines"]
+    assert text[3:] == ["skipped b", "failed c"]  # a test that passed is only counted
+    assert (recorded.count, recorded.digest) == (3, ids_digest({"a", "b", "c"}))
+    assert recorded.outcomes({"a", "b", "c"}) == {
+        "a": Outcome("passed"),
+        "b": Outcome("skipped"),
+        "c": Outcome("failed"),
+    }
+    assert read_recorded(tmp_path / "none.txt") is None
+    bad = tmp_path / "bad.txt"
+    bad.write_text("tests 1 abc\nbroken a::b\n")
+    with pytest.raises(ValueError, match=r"bad\.txt:2: not a recorded outcome"):
+        read_recorded(bad)
+
+
+def test_against_a_recording_only_what_differs_or_failed_in_it_runs_again(
+    tmp_path: Path,
+) -> None:
+    recorded = _recorded(
+        tmp_path,
+        {
+            "a": Outcome("passed"),
+            "b": Outcome("skipped"),
+            "c": Outcome("failed"),
+            "d": Outcome("passed"),
+        },
+    )
+    same = {
+        "a": Outcome("passed"),
+        "b": Outcome("skipped"),
+        "c": Outcome("failed"),
+        "d": Outcome("passed"),
+    }
+    # c failed in the recorded plain run: were sa-fence to break it as well, the two
+    # outcomes would agree, so it runs again side by side all the same
+    assert to_run_again(recorded, same) == ["c"]
+    broken = {**same, "d": Outcome("failed", "sa-fence broke it")}
+    assert to_run_again(recorded, broken) == ["c", "d"]
+
+
+def test_a_recording_that_names_other_tests_is_not_trusted(tmp_path: Path) -> None:
+    recorded = _recorded(tmp_path, {"a": Outcome("passed"), "b": Outcome("passed")})
+    assert to_run_again(recorded, {"a": Outcome("passed")}) is None  # b was not collected
+    renamed = {"a": Outcome("passed"), "b2": Outcome("passed")}  # as many, other ids
+    assert to_run_again(recorded, renamed) is None
+
+
+def test_each_recording_is_of_a_version_the_constraints_pin() -> None:
+    """A recording is kept for the pinned and the lowest SQLAlchemy (make test runs
+    both); one for a version no longer pinned is stale and goes."""
+    root = RECORDINGS.parent.parent.parent
+    pinned = {
+        line.split("==", 1)[1].split(";")[0].strip()
+        for name in ("constraints/test.txt", "constraints/floors.txt")
+        for line in (root / name).read_text().splitlines()
+        if line.lower().startswith("sqlalchemy==")
+    }
+    recorded = {
+        p.name.removeprefix("sqlalchemy-").removesuffix(".txt") for p in RECORDINGS.glob("*.txt")
+    }
+    assert recorded == pinned

@@ -17,6 +17,15 @@ against tests nobody here wrote (issue 18):
 4. compares every test's outcome; a test whose outcome differs is run again
    on its own in both modes, and what still differs, less the entries of
    ``allowlist.txt`` (each says why), fails the run with the test ids named.
+
+The plain mode's outcomes depend on SQLAlchemy, the server and the machine,
+never on sa-fence, so they are recorded once per SQLAlchemy version in
+``recorded/`` (``--record``), and by default only the fenced mode runs: its
+outcomes are compared with the recording, and each test that differs from it,
+or that the recording has failing, runs again in both modes side by side, so
+a verdict still rests on a plain run made here.  A recording that does not
+name exactly the tests collected (another server version, other files) is
+not used: the plain mode then runs in full, as with ``--side-by-side``.
 """
 
 from __future__ import annotations

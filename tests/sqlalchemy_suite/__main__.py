@@ -15,6 +15,7 @@ import hashlib
 import io
 import os
 import re
+import shutil
 import ssl
 import subprocess
 import sys
@@ -34,15 +35,21 @@ import sqlalchemy as sa
 from .compare import (
     Difference,
     Outcome,
+    Recorded,
     differences,
     matches,
     node_id,
     read_allowlist,
     read_junit,
+    read_recorded,
+    to_run_again,
+    write_recorded,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
 ALLOWLIST = Path(__file__).with_name("allowlist.txt")
+#: The plain runs recorded, one file per SQLAlchemy version (see compare.py).
+RECORDINGS = Path(__file__).with_name("recorded")
 DEFAULT_PG = os.environ.get("SA_FENCE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
 DEFAULT_CACHE = Path(os.environ.get("SA_FENCE_SQLA_CACHE", ROOT / ".venv" / "sqlalchemy-suite"))
 
@@ -209,20 +216,22 @@ def run_modes(
     uris: dict[str, sa.URL],
     logs: Path,
     tag: str,
+    modes: Sequence[str] = MODES,
 ) -> dict[str, dict[str, Outcome]]:
-    """Run every group (driver, files) in both modes, the two modes side by side."""
-    outcomes: dict[str, dict[str, Outcome]] = {mode: {} for mode in MODES}
-    for mode in MODES:
+    """Run every group (driver, files) in ``modes``, the modes side by side."""
+    outcomes: dict[str, dict[str, Outcome]] = {mode: {} for mode in modes}
+    for mode in modes:
         (logs / mode).mkdir(parents=True, exist_ok=True)
+    how = " and ".join(modes) + (" side by side" if len(modes) > 1 else " only")
     for n, (driver, files) in enumerate(groups):
         print(
             f"sqlalchemy suite: running {len(files)} file(s) with {driver} "
-            f"({tag} {n + 1} of {len(groups)}), plain and fenced side by side",
+            f"({tag} {n + 1} of {len(groups)}), {how}",
             flush=True,
         )
         started = time.monotonic()
         running = {}
-        for mode in MODES:
+        for mode in modes:
             junit = logs / mode / f"{tag}{n}.xml"
             uri = uris[mode].set(drivername=driver).render_as_string(hide_password=False)
             log = (logs / mode / f"{tag}{n}.log").open("w")
@@ -290,21 +299,21 @@ def groups_for(files: Sequence[str]) -> list[tuple[str, list[str]]]:
 
 
 def confirm(
-    found: list[Difference], sdist: Path, uris: dict[str, sa.URL], logs: Path
+    test_ids: Sequence[str], sdist: Path, uris: dict[str, sa.URL], logs: Path
 ) -> list[Difference]:
-    """Run each differing test again on its own, in both modes; keep what still differs."""
-    if not found:
+    """Run each of ``test_ids`` again on its own, in both modes; keep what differs."""
+    if not test_ids:
         return []
     by_file: dict[str, list[str]] = {}
-    for difference in found:
-        node = node_id(difference.test_id, sdist)
+    for test_id in test_ids:
+        node = node_id(test_id, sdist)
         by_file.setdefault(node.split("::", 1)[0], []).append(node)
     groups = [
         (driver, [node for f in files for node in by_file[f]])
         for driver, files in groups_for(list(by_file))
     ]
     again = run_modes(sdist, groups, uris, logs, "again")
-    ids = {d.test_id for d in found}
+    ids = set(test_ids)
     plain = {k: v for k, v in again["plain"].items() if k in ids}
     fenced = {k: v for k, v in again["fenced"].items() if k in ids}
     return differences(plain, fenced)
@@ -323,7 +332,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="sdist cache")
     parser.add_argument("--files", nargs="+", help="test files, relative to the sdist")
     parser.add_argument("--keep-logs", action="store_true", help="keep the logs and XML")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help=f"run the plain mode alone and record its outcomes in {RECORDINGS.name}/",
+    )
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="run the plain mode too, even where a recording of it exists",
+    )
     args = parser.parse_args(argv)
+    if args.record and args.files:
+        parser.error("--record records the default files only; leave out --files")
     if isinstance(sys.stdout, io.TextIOWrapper):  # each line as it comes, under make and CI too
         sys.stdout.reconfigure(line_buffering=True)
     allowlist = read_allowlist(ALLOWLIST)
@@ -360,15 +381,71 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"SQLAlchemy {version}'s own tests ({len(files)} files), plain and with sa-fence "
             f"installed on every Session; logs and JUnit XML in {logs}"
         )
-        outcomes = run_modes(sdist, groups_for(files), uris, logs, "run")
-        found = differences(outcomes["plain"], outcomes["fenced"])
-        first = len(found)
-        found = confirm(found, sdist, uris, logs)
+        recording = RECORDINGS / f"sqlalchemy-{version}.txt"
+        if args.record:
+            plain = run_modes(sdist, groups_for(files), uris, logs, "run", ("plain",))["plain"]
+            write_recorded(recording, plain, recording_header(version, files, uris["plain"]))
+            print(f"recorded the plain outcomes of {len(plain)} tests in {recording}")
+            shutil.rmtree(logs)
+            return 0
+        recorded = None if args.side_by_side or args.files else read_recorded(recording)
+        outcomes, found, first = run_and_compare(sdist, files, uris, logs, recorded)
     finally:
         with psycopg.connect(admin_dsn(server), autocommit=True) as conn:
             for uri in uris.values():
                 conn.execute(f'DROP DATABASE IF EXISTS "{uri.database}" WITH (FORCE)')
     return report(outcomes, found, first, allowlist, time.monotonic() - started, logs, args)
+
+
+def run_and_compare(
+    sdist: Path,
+    files: Sequence[str],
+    uris: dict[str, sa.URL],
+    logs: Path,
+    recorded: Recorded | None,
+) -> tuple[dict[str, dict[str, Outcome]], list[Difference], int]:
+    """Both modes' outcomes, what still differs once run again side by side, and how many
+    differed at first.  With a recording, the plain mode runs only where the fenced run
+    differs from it (or the recording no longer names the tests collected)."""
+    groups = groups_for(files)
+    if recorded is None:
+        outcomes = run_modes(sdist, groups, uris, logs, "run")
+        found = differences(outcomes["plain"], outcomes["fenced"])
+        return outcomes, confirm([d.test_id for d in found], sdist, uris, logs), len(found)
+    fenced = run_modes(sdist, groups, uris, logs, "run", ("fenced",))["fenced"]
+    again = to_run_again(recorded, fenced)
+    if again is None:
+        print(
+            f"sqlalchemy suite: the recorded plain run names {recorded.count} tests, this run "
+            f"collected {len(fenced)} others: running the plain mode as well (re-record with "
+            "python -m tests.sqlalchemy_suite --record)",
+            flush=True,
+        )
+        plain = run_modes(sdist, groups, uris, logs, "run", ("plain",))["plain"]
+        found = differences(plain, fenced)
+        outcomes = {"plain": plain, "fenced": fenced}
+        return outcomes, confirm([d.test_id for d in found], sdist, uris, logs), len(found)
+    print(
+        f"sqlalchemy suite: the fenced run against the recorded plain one: {len(again)} "
+        "test(s) to run again in both modes",
+        flush=True,
+    )
+    outcomes = {"plain": recorded.outcomes(set(fenced)), "fenced": fenced}
+    first = len(differences(outcomes["plain"], fenced))
+    return outcomes, confirm(again, sdist, uris, logs), first
+
+
+def recording_header(version: str, files: Sequence[str], uri: sa.URL) -> str:
+    database = uri.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(database) as conn:
+        server = conn.execute("SHOW server_version").fetchone()
+    return (
+        f"The plain outcomes of SQLAlchemy {version}'s own tests ({len(files)} files), on\n"
+        f"PostgreSQL {server[0] if server else '?'} and Python {sys.version.split()[0]}: "
+        "`python -m tests.sqlalchemy_suite --record`.\n"
+        "make test runs the fenced mode against it, and both modes side by side where they\n"
+        "differ (tests/sqlalchemy_suite/compare.py); every test not listed passed."
+    )
 
 
 def report(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -115,3 +116,77 @@ def read_allowlist(path: Path) -> dict[str, str]:
             raise ValueError(f"{path}:{number}: {test_id!r} is listed twice")
         entries[test_id] = why
     return entries
+
+
+# ------------------------------------------------------------ recorded plain runs
+#
+# The plain run's outcomes depend on SQLAlchemy's version, the server and this machine
+# kind, never on sa-fence: `make test` reads them from a file recorded once per SQLAlchemy
+# version (`python -m tests.sqlalchemy_suite --record`) and runs only the fenced mode,
+# which halves the suite's time.  A recording is trusted only while it names exactly the
+# tests this run collected (their ids carry the server's version); every test whose
+# fenced outcome differs from it, and every test it records as failing, is then run
+# again side by side in both modes, so a verdict still rests on a plain run made here.
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A plain run as recorded: how many tests, a digest of their ids, and the outcome
+    of each test that did not pass (every other one passed)."""
+
+    count: int
+    digest: str
+    not_passed: dict[str, Outcome]
+
+    def outcomes(self, test_ids: set[str]) -> dict[str, Outcome]:
+        """The recorded plain outcome of each of ``test_ids``."""
+        return {t: self.not_passed.get(t, Outcome("passed")) for t in test_ids}
+
+
+def ids_digest(test_ids: set[str]) -> str:
+    return hashlib.sha256("\n".join(sorted(test_ids)).encode()).hexdigest()
+
+
+def write_recorded(path: Path, plain: dict[str, Outcome], header: str) -> None:
+    """Record a plain run: a header comment, the count and digest, then ``<outcome> <id>``
+    for each test that did not pass."""
+    lines = [f"# {line}" for line in header.splitlines()]
+    lines.append(f"tests {len(plain)} {ids_digest(set(plain))}")
+    lines += [f"{o.outcome} {t}" for t, o in sorted(plain.items()) if o.outcome != "passed"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def read_recorded(path: Path) -> Recorded | None:
+    """The recording at ``path``, or None when there is none."""
+    if not path.is_file():
+        return None
+    count, digest, not_passed = -1, "", {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        kind, _, rest = line.partition(" ")
+        if kind == "tests":
+            size, _, digest = rest.partition(" ")
+            count = int(size)
+        elif kind in OUTCOMES and kind != "passed" and rest:
+            not_passed[rest] = Outcome(kind)
+        else:
+            raise ValueError(f"{path}:{number}: not a recorded outcome: {line!r}")
+    if count < 0 or not digest:
+        raise ValueError(f"{path}: no 'tests <count> <digest>' line")
+    return Recorded(count, digest, not_passed)
+
+
+def to_run_again(recorded: Recorded, fenced: dict[str, Outcome]) -> list[str] | None:
+    """The tests to run again side by side, given the fenced run and the recording: each
+    whose fenced outcome differs from the recorded plain one, and each recorded as failing
+    or in error (a sa-fence failure would otherwise hide behind it).  None when the
+    recording does not name exactly the tests the fenced run collected: then the plain
+    mode must run in full."""
+    if len(fenced) != recorded.count or ids_digest(set(fenced)) != recorded.digest:
+        return None
+    plain = recorded.outcomes(set(fenced))
+    again = {d.test_id for d in differences(plain, fenced)}
+    again |= {t for t, o in recorded.not_passed.items() if o.outcome in ("error", "failed")}
+    return sorted(again)
