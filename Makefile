@@ -82,11 +82,11 @@ XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 # Each step runs as a named stage ($(STAGE), test-floors' steps in there): a
 # failure names the stage and the command that re-runs it alone, and pytest
 # lists the failed tests' ids (tests/conftest.py).
+# .ci/tests packs the test stages onto the cores: pytest, then test-floors' steps, while
+# SQLAlchemy's suites (sqlalchemy-suite, sqlalchemy-suite-floors) run niced beside them.
 test: lint typecheck services topology-tools docs-tools
-	$(STAGE) pytest $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory test-floors
-	$(STAGE) sqlalchemy-suite $(PY) -m tests.sqlalchemy_suite
-	$(STAGE) sqlalchemy-suite-floors $(FLOORS_VENV)/bin/python -m tests.sqlalchemy_suite
+	@PY=$(PY) FLOORS_PY=$(FLOORS_VENV)/bin/python FLOORS_STAMP=$(FLOORS_STAMP) \
+	  bash .ci/tests $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The suites that exercise SQLAlchemy, psycopg, redis-py and Alembic, run
 # again with the lowest versions pyproject.toml allows (constraints/floors.txt),

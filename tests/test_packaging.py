@@ -103,7 +103,11 @@ def test_the_floors_the_dependencies_name_are_the_versions_make_test_floors_runs
                 f"{line!r}: constraints/floors.txt must pin {name}=={bound} (`make test-floors`)"
             )
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
-    assert re.search(r"^\t\$\(MAKE\) .*test-floors$", makefile, flags=re.MULTILINE)
+    test = re.search(r"^test:.*\n((?:\t.*\n)+)", makefile, flags=re.MULTILINE)
+    assert test is not None
+    assert "bash .ci/tests" in test.group(1)  # make test's stages
+    stages = (ROOT / ".ci" / "tests").read_text(encoding="utf-8")
+    assert "make --no-print-directory test-floors" in stages
 
 
 def test_the_makefile_installs_the_test_extra_with_the_constraints_and_the_demo_without() -> None:
