@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import sa_fence
 from sa_fence.cli import main as cli
+from sa_fence.cli import prune as _cli_prune
 from sa_fence.db import prune as _prune
 from sa_fence.db import register as _register
 from sa_fence.testing import expire
@@ -121,6 +122,7 @@ async def test_prune_deletes_old_rows_of_names_no_one_holds_and_keeps_the_rest(
 ) -> None:
     result = await prune_with(front, older_than=timedelta(days=30), longest_lease=timedelta(days=7))
     assert (result.rows, result.held, result.regranted, result.dry_run) == (1, 1, 0, False)
+    assert result.names == ()  # listed by a dry run only
     assert 40 < result.bytes < 200  # one short row
     assert names(db) == ["new:free", "old:held"]
 
@@ -131,6 +133,7 @@ async def test_a_dry_run_reports_the_same_and_deletes_nothing(
     result = await prune_with(front, older_than=30 * DAY, longest_lease=7 * DAY, dry_run=True)
     assert (result.rows, result.held, result.dry_run) == (1, 1, True)
     assert result.bytes > 0
+    assert result.names == ("old:free",)  # what would go, by name
     assert names(db) == ["new:free", "old:free", "old:held"]
 
 
@@ -327,6 +330,7 @@ def test_sa_fence_prune_prints_rows_and_bytes_removed_and_dry_run_deletes_nothin
     assert (status, err) == (0, "")
     assert "rows granted more than 30d ago, not held: would remove 1 register row(s), " in out
     assert "kept 1 held in Redis now" in out
+    assert out.endswith("(old enough, but not removed) old:free")  # the name that would go
     assert names(db) == ["new:free", "old:free", "old:held"]
     status, out, _ = run_cli(
         capsys, "prune", *common, "--older-than", "30d", "--longest-lease", "168h"
@@ -401,3 +405,25 @@ def test_the_commands_read_the_register_whatever_schema_comes_first_on_the_searc
     )
     assert status == 0
     assert (names(db) == []) is pinned
+
+
+def test_a_dry_run_lists_the_first_names_and_counts_the_rest(
+    fencer: sa_fence.Fencer, db: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dry run over more rows than it lists names the first ones in name order and
+    says how many more would go; the count covers them all, across batches."""
+    monkeypatch.setattr(_prune, "NAMES_LISTED", 2)
+    for n in (3, 1, 2):
+        grant_and_release(fencer, f"gone:{n}", 40)
+    result = _prune.prune(
+        db,
+        lambda names: [False] * len(names),
+        SEQUENCE,
+        older_than=30 * DAY,
+        longest_lease=7 * DAY,
+        dry_run=True,
+        batch=2,
+    )
+    assert (result.rows, result.names) == (3, ("gone:1", "gone:2"))
+    assert _cli_prune.would_go(result) == ["  gone:1", "  gone:2", "  ... and 1 more"]
+    assert names(db) == ["gone:1", "gone:2", "gone:3"]  # nothing deleted

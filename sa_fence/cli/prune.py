@@ -15,7 +15,7 @@ from .redact import redact_url
 if TYPE_CHECKING:
     import sqlalchemy as sa
 
-__all__ = ["describe", "parse_duration", "run"]
+__all__ = ["describe", "parse_duration", "run", "would_go"]
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -44,6 +44,14 @@ def describe(result: PruneResult) -> str:
         + " and ".join(kept)
         + " (old enough, but not removed)"
     )
+
+
+def would_go(result: PruneResult) -> list[str]:
+    """A dry run's names, one a line, and how many more it did not list."""
+    lines = [f"  {name}" for name in result.names]
+    if result.rows > len(result.names):
+        lines.append(f"  ... and {result.rows - len(result.names)} more")
+    return lines
 
 
 def run(
@@ -94,6 +102,8 @@ def run(
             + describe(result),
             file=out,
         )
+        for line in would_go(result):
+            print(line, file=out)
         return EXIT_OK
 
     try:

@@ -23,6 +23,8 @@ from .register import Register, pinned_register
 
 #: Names read, checked in Redis and deleted per round trip.
 BATCH = 1000
+#: The most names a dry run lists (the count covers them all).
+NAMES_LISTED = 100
 
 Duration = float | int | timedelta
 
@@ -43,6 +45,9 @@ class PruneResult:
     #: token) or locked by a grant or commit under way at that moment, kept
     regranted: int
     dry_run: bool
+    #: with ``dry_run``: the names of the rows that would go, in name order, the first
+    #: NAMES_LISTED of them (empty after a real prune)
+    names: tuple[str, ...] = ()
 
 
 def seconds(value: object, what: str) -> float:
@@ -93,7 +98,8 @@ def _delete_sql(register: Register, *, dry_run: bool) -> Any:
     if not dry_run:
         return register.prune_sql()
     return sa.text(
-        f"SELECT count(*), coalesce(sum(pg_column_size(r.*)), 0) FROM {register.table_sql} r, "
+        f"SELECT count(*), coalesce(sum(pg_column_size(r.*)), 0), "
+        f"coalesce(array_agg(r.name ORDER BY r.name), '{{}}') FROM {register.table_sql} r, "
         "unnest(CAST(:names AS text[]), CAST(:tokens AS bigint[])) AS d(name, token) "
         "WHERE r.name = d.name AND r.token = d.token"
     )
@@ -131,6 +137,7 @@ def prune_on(
     if not isinstance(dry_run, bool):  # ("false" would be true, None false: a real prune)
         raise TypeError(f"dry_run must be True or False, got {dry_run!r}")
     removed = size = kept_held = regranted = 0
+    listed: list[str] = []
     # schema-qualified from here on: nothing on the search_path stands in
     register = pinned_register(conn, sequence)
     exists = conn.execute(
@@ -158,7 +165,7 @@ def prune_on(
         prunable = [row for row, is_held in zip(rows, flags, strict=True) if not is_held]
         kept_held += len(rows) - len(prunable)
         if prunable:
-            count, bytes_ = conn.execute(
+            count, bytes_, *would_go = conn.execute(
                 _delete_sql(register, dry_run=dry_run),
                 {
                     "names": [row.name for row in prunable],
@@ -166,12 +173,14 @@ def prune_on(
                 },
             ).one()
             conn.commit()
+            if would_go:  # a dry run: the names too
+                listed += would_go[0][: NAMES_LISTED - len(listed)]
             removed += int(count)
             size += int(bytes_)
             regranted += len(prunable) - int(count)
         if len(rows) < batch:
             break
-    return PruneResult(removed, size, kept_held, regranted, dry_run)
+    return PruneResult(removed, size, kept_held, regranted, dry_run, tuple(listed))
 
 
 def redis_held(client: Any, key_prefix: str) -> Callable[[Sequence[str]], Sequence[bool]]:
