@@ -430,7 +430,7 @@ def _demo_parser(commands: Any, blocks: _Blocks) -> None:
         metavar="SECONDS",
         type=_seconds,
         default=1.0,
-        help="lease TTL; worker A stays stopped for twice as long (default: 1.0)",
+        help="lease TTL; worker A stays stopped past it, until B has taken over (default: 1.0)",
     )
     demo.set_defaults(handler=_demo, parser=demo)
 
