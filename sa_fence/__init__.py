@@ -9,7 +9,7 @@ Quick tour (the full, tested quickstart is in ``docs/quickstart.md``)::
     Session = sa_fence.install(sessionmaker(engine))   # the flush hook
     fencer = sa_fence.Fencer(redis.Redis(), engine)
 
-    with fencer.lease("job:1", ttl=30) as lease, Session() as session:
+    with fencer.acquire("job:1", ttl=30) as lease, Session() as session:
         lease.bind(session)                    # flushes now compare the token
         session.get(Job, 1).result = "done"
         session.commit()                       # StaleTokenError if a newer holder wrote

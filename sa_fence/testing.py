@@ -12,7 +12,7 @@ scenario (docs/index.md, "The problem") deterministically against real servers::
         session_a = a.bind(Session())
         session_a.get(Job, 1).result = "A"
         expire(a)                                   # A "pauses" past its TTL
-        with fencer.lease("job:1", ttl=30) as b, Session() as session_b:
+        with fencer.acquire("job:1", ttl=30) as b, Session() as session_b:
             b.bind(session_b)
             session_b.get(Job, 1).result = "B"
             session_b.commit()

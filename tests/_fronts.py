@@ -48,7 +48,7 @@ async def io(result: Any) -> Any:
 @asynccontextmanager
 async def entered(manager: Any) -> AsyncIterator[Any]:
     """``manager`` entered as its front end enters it (``async with`` / ``with``):
-    ``async with entered(front.lease("job:1", 5)) as lease: ...``."""
+    ``async with entered(front.acquire("job:1", 5)) as lease: ...``."""
     if hasattr(manager, "__aenter__"):
         async with manager as value:
             yield value

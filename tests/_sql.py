@@ -29,7 +29,7 @@ def recorded_statements(engine: sa.Engine) -> Iterator[list[str]]:
 
 def seed(fencer: sa_fence.Fencer, make_session: sessionmaker[Session], *objs: Any) -> int:
     """Write ``objs`` under a lease of their own; returns its token."""
-    with fencer.lease("seed", 5) as lease, make_session() as session:
+    with fencer.acquire("seed", 5) as lease, make_session() as session:
         lease.bind(session)
         session.add_all(objs)
         session.commit()

@@ -112,7 +112,7 @@ def test_a_lease_of_any_name_arms_with_its_token_only(
 ) -> None:
     engine, name = encoded
     make_session = sa_fence.install(sessionmaker(engine))
-    with fencer.lease(name, 5) as lease, make_session() as session:
+    with fencer.acquire(name, 5) as lease, make_session() as session:
         lease.bind(session)
         armed = session.execute(
             sa.text(

@@ -8,11 +8,13 @@ outlives it.
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import inspect
 import logging
 import threading
 import time
 import types
+import typing
 from typing import Any
 
 import psycopg
@@ -72,13 +74,19 @@ def test_the_sync_and_async_classes_have_the_same_methods_and_parameters(
 
 
 def test_what_does_io_is_a_coroutine_on_the_async_side_and_nothing_else_is() -> None:
+    """Every method that does I/O is a coroutine function, but ``acquire``, which returns a
+    coroutine that is also an async context manager (``Acquiring``)."""
     for cls, io in [
-        (sa_fence.AsyncFencer, {"acquire", "check", "close", "prune"}),
+        (sa_fence.AsyncFencer, {"check", "close", "prune"}),
         (sa_fence.AsyncLease, {"extend", "release"}),
     ]:
         for name, member in inspect.getmembers(cls):
-            if not name.startswith("_") and inspect.isfunction(member):
+            if not name.startswith("_") and inspect.isfunction(member) and name != "acquire":
                 assert inspect.iscoroutinefunction(member) == (name in io), name
+    acquiring = typing.get_type_hints(sa_fence.AsyncFencer.acquire)["return"]
+    assert issubclass(acquiring, collections.abc.Coroutine)
+    assert hasattr(acquiring, "__aenter__")
+    assert hasattr(acquiring, "__aexit__")
 
 
 # --------------------------------------------------------- configuration
@@ -149,7 +157,7 @@ async def test_install_refuses_an_async_session_class_and_bind_needs_the_hook(
 ) -> None:
     with pytest.raises(TypeError, match="Install on your async_sessionmaker"):
         sa_fence.install(AsyncSession)
-    async with afencer.lease("job:40", 30) as lease, AsyncSession(async_engine) as session:
+    async with afencer.acquire("job:40", 30) as lease, AsyncSession(async_engine) as session:
         with pytest.raises(sa_fence.FencingConfigError, match="does not have the sa-fence"):
             lease.bind(session)
 
@@ -164,7 +172,7 @@ async def test_an_async_session_write_carries_the_lease_token(
     redis_client: redis.Redis,
     key_prefix: str,
 ) -> None:
-    async with afencer.lease("job:1", 30) as lease, make_async_session() as session:
+    async with afencer.acquire("job:1", 30) as lease, make_async_session() as session:
         assert lease.bind(session) is session
         session.add(Job(id=1, result="async"))
         await session.commit()
@@ -202,7 +210,7 @@ async def test_an_async_session_refuses_sql_that_ends_the_transaction_and_goes_o
 ) -> None:
     """What follows the end would run unarmed: refused before it is sent, on the
     asyncio path too (AsyncConnection runs the sync Connection's method in a greenlet)."""
-    async with afencer.lease("job:chain", 30) as lease, make_async_session() as session:
+    async with afencer.acquire("job:chain", 30) as lease, make_async_session() as session:
         lease.bind(session)
         session.add(Job(id=3, result="chained"))
         await session.flush()
@@ -225,7 +233,7 @@ async def test_the_seed_scenario_with_tasks_the_stale_task_is_refused(
 ) -> None:
     """Task A takes the lease and stalls past its TTL; task B takes over and
     commits; A's late commit is refused and the row keeps B's result."""
-    async with afencer.lease("job:3", 30) as setup, make_async_session() as session:
+    async with afencer.acquire("job:3", 30) as setup, make_async_session() as session:
         setup.bind(session)
         session.add(Job(id=3, result="initial"))
         await session.commit()
@@ -251,7 +259,7 @@ async def test_the_seed_scenario_with_tasks_the_stale_task_is_refused(
     async def worker_b() -> int:
         await a_loaded.wait()
         await asyncio.sleep(2 * TTL)  # A's lease expires
-        async with afencer.lease("job:3", 30) as lease, make_async_session() as session:
+        async with afencer.acquire("job:3", 30) as lease, make_async_session() as session:
             lease.bind(session)
             (await session.get(Job, 3)).result = "written by B"  # type: ignore[union-attr]
             await session.commit()
@@ -269,7 +277,7 @@ async def test_orm_bulk_update_through_an_async_session_is_fenced(
     engine: sa.Engine,
 ) -> None:
     old = await afencer.acquire("job:4", 30)
-    async with afencer.lease("job:4b", 30) as newer, make_async_session() as session:
+    async with afencer.acquire("job:4b", 30) as newer, make_async_session() as session:
         newer.bind(session)
         session.add(Job(id=4, result="newer"))
         await session.commit()
@@ -287,7 +295,7 @@ async def test_a_single_async_session_installed_alone_is_fenced(
 ) -> None:
     async with AsyncSession(async_engine) as session:
         assert sa_fence.install(session) is session
-        async with afencer.lease("job:5", 30) as lease:
+        async with afencer.acquire("job:5", 30) as lease:
             lease.bind(session)
             session.add(Job(id=5, result="one session"))
             await session.commit()

@@ -88,7 +88,7 @@ async def test_an_async_fenced_method_commits_under_its_lease_and_releases_it(
 async def test_async_on_busy_skip_and_raise_behave_as_the_sync_ones(
     repo: AsyncJobRepository, engine: sa.Engine
 ) -> None:
-    async with repo.fencer.lease("job:22", 30) as held:
+    async with repo.fencer.acquire("job:22", 30) as held:
         assert await repo.finish_unless_busy(22) is sa_fence.SKIPPED
         with pytest.raises(sa_fence.LeaseNotAcquiredError) as busy:
             await repo.finish(22, "x")

@@ -171,7 +171,7 @@ def test_a_fenced_commit_after_the_register_moved_is_refused_in_the_bench(
     try:
         with (
             _bench.bench_objects(engine, redis_client, schema) as fencer,
-            fencer.lease("flush", ttl=60) as lease,
+            fencer.acquire("flush", ttl=60) as lease,
         ):
             bench = _bench.FlushBench(engine, schema, lease, 3)
             bench.seed()

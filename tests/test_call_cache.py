@@ -49,7 +49,7 @@ def test_after_a_reconnect_the_driver_is_read_anew_so_autocommit_is_still_refuse
     """Mutant: ``_driver`` keeps the first driver whatever the DBAPI connection (its
     identity check dropped): the check reads the invalidated connection, which is not in
     autocommit mode, and the insert commits on its own outside lease scope."""
-    with fencer.lease("job:1", 5) as lease, scope_engine.connect() as conn:
+    with fencer.acquire("job:1", 5) as lease, scope_engine.connect() as conn:
         with sa_fence.fence_connection(conn, lease):
             conn.execute(jobs.insert().values(id=1, result="in scope"))
             conn.commit()
@@ -95,7 +95,7 @@ def test_one_connection_many_transactions_reads_the_driver_once(
 ) -> None:
     """The cache is kept while the DBAPI connection is the same (what it is for)."""
     with (
-        fencer.lease("job:1", 5) as lease,
+        fencer.acquire("job:1", 5) as lease,
         scope_engine.connect() as conn,
         sa_fence.fence_connection(conn, lease),
     ):
@@ -114,7 +114,7 @@ def test_a_lease_armed_through_one_engine_is_checked_again_on_another_databases_
     dropped): its scope table is taken for another database's engine, whose transaction
     then fails on an arm of a table it does not have, instead of running outside lease
     scope (docs/lease-scope.md)."""
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         with lease.bind(make_session()) as session:
             session.add(Outbox(id=1, message="armed here"))
             session.commit()  # armed through the register's engine: remembered

@@ -83,7 +83,7 @@ def _rows(db: sa.Engine, fencer: sa_fence.Fencer) -> None:
         conn.execute(sa.text("TRUNCATE shelves, folders, notes"))
         conn.execute(sa.insert(Shelf.__table__).values(id=1))
         conn.execute(sa.insert(Folder.__table__).values(id=1, shelf_id=1))
-    with fencer.lease("first", 30) as lease, Session(db) as session:
+    with fencer.acquire("first", 30) as lease, Session(db) as session:
         sa_fence.install(session)
         lease.bind(session)
         session.add(Note(id=1, folder_id=1, text="written"))
@@ -118,7 +118,7 @@ def test_the_model_tells_which_unfenced_tables_cascade_into_fenced_rows() -> Non
 def test_the_current_holders_cascade_into_guarded_fenced_rows_commits(
     db: sa.Engine, fencer: sa_fence.Fencer, write: Any
 ) -> None:
-    with fencer.lease("later", 30) as lease, Session(db) as session:
+    with fencer.acquire("later", 30) as lease, Session(db) as session:
         sa_fence.install(session)
         lease.bind(session)
         write(session)
@@ -131,7 +131,7 @@ def test_a_stale_holders_cascade_is_refused_as_stale_and_changes_nothing(
     db: sa.Engine, fencer: sa_fence.Fencer, write: Any
 ) -> None:
     stale = fencer.acquire("older", 30)
-    with fencer.lease("newer", 30) as newer, Session(db) as session:  # wrote note 1 after
+    with fencer.acquire("newer", 30) as newer, Session(db) as session:  # wrote note 1 after
         sa_fence.install(session)
         newer.bind(session)
         session.get_one(Note, 1).text = "rewritten"
@@ -150,7 +150,7 @@ def test_without_presenting_the_token_the_guard_refuses_the_current_holders_casc
     db: sa.Engine, fencer: sa_fence.Fencer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(session_state.SessionState, "present_for_raw_sql", lambda self, conn: None)
-    with fencer.lease("later", 30) as lease, Session(db) as session:
+    with fencer.acquire("later", 30) as lease, Session(db) as session:
         sa_fence.install(session)
         lease.bind(session)
         with pytest.raises(sa_fence.UnfencedWriteError, match="presents no token"):
@@ -168,7 +168,7 @@ async def test_an_async_sessions_cascade_is_fenced_as_a_sync_ones(
     adb = create_async_engine(db.url.set(drivername="postgresql+psycopg_async"))
     try:
         fencer = sa_fence.Fencer(redis_client, db, key_prefix=key_prefix)
-        with fencer.lease("later", 30) as lease:
+        with fencer.acquire("later", 30) as lease:
             async with AsyncSession(adb) as session:
                 sa_fence.install(session)
                 lease.bind(session)

@@ -73,7 +73,7 @@ def test_the_sequence_helper_declares_a_sequence_and_register_the_fencer_accepts
         assert seq.cache == 1
         assert "sa_fence_leases" in metadata.tables
         fencer = make_fencer(redis_client, engine, "scratch_token_seq", key_prefix)
-        with fencer.lease("job:1", 5) as lease:
+        with fencer.acquire("job:1", 5) as lease:
             assert lease.token == 1
         with engine.connect() as conn:
             assert conn.execute(sa.text("SELECT name, token FROM sa_fence_leases")).all() == [

@@ -233,7 +233,7 @@ def test_a_fenced_model_without_its_column_fails_with_a_config_error_at_the_firs
 ) -> None:
     fencer = sa_fence.Fencer(redis_client, no_fence_column, key_prefix=key_prefix)
     try:
-        with fencer.lease("job:1", ttl=30) as lease, fenced_session(no_fence_column)() as s:
+        with fencer.acquire("job:1", ttl=30) as lease, fenced_session(no_fence_column)() as s:
             lease.bind(s)
             with pytest.raises(sa_fence.FencingConfigError, match=MISSING) as caught:
                 s.get(Job, 1)
@@ -247,7 +247,7 @@ def test_a_fenced_model_without_its_column_fails_with_a_config_error_at_the_firs
 ) -> None:
     fencer = sa_fence.Fencer(redis_client, no_fence_column, key_prefix=key_prefix)
     try:
-        with fencer.lease("job:2", ttl=30) as lease, fenced_session(no_fence_column)() as s:
+        with fencer.acquire("job:2", ttl=30) as lease, fenced_session(no_fence_column)() as s:
             lease.bind(s)
             s.add(Job(id=2, result="x"))
             with pytest.raises(sa_fence.FencingConfigError, match=MISSING):

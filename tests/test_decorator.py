@@ -89,7 +89,7 @@ def test_a_fenced_method_that_raises_is_rolled_back_and_its_lease_released(
 
 
 def test_contention_raises_by_default(repo: JobRepository, engine: sa.Engine) -> None:
-    with repo.fencer.lease("job:9", 30) as held:
+    with repo.fencer.acquire("job:9", 30) as held:
         with pytest.raises(sa_fence.LeaseNotAcquiredError) as busy:
             repo.finish(9, "x")
         assert busy.value.holder_token == held.token
@@ -99,7 +99,7 @@ def test_contention_raises_by_default(repo: JobRepository, engine: sa.Engine) ->
 def test_contention_with_on_busy_skip_returns_the_sentinel_without_running_the_body(
     repo: JobRepository, engine: sa.Engine
 ) -> None:
-    with repo.fencer.lease("job:10", 30):
+    with repo.fencer.acquire("job:10", 30):
         assert repo.finish_unless_busy(10) is sa_fence.SKIPPED
     assert job(engine, 10) is None
     assert repo.finish_unless_busy(10) == "ran"
@@ -120,7 +120,7 @@ def test_contention_with_on_busy_wait_runs_once_the_holder_lets_go(
 def test_the_session_keeps_its_previous_lease_after_a_nested_fenced_call(
     repo: JobRepository, fencer: sa_fence.Fencer
 ) -> None:
-    with fencer.lease("outer", 30) as outer:
+    with fencer.acquire("outer", 30) as outer:
         outer.bind(repo.session)
         repo.finish(12, "inner")
         assert sa_fence.orm.session_state.state_of(repo.session).lease is outer
@@ -166,7 +166,7 @@ def test_fenced_methods_fences_every_public_method_of_a_repository(
         assert jobs.put(14, "fenced") == "job:14"
         assert jobs.put_other(14) == "other:14"  # its own decorator wins
         assert jobs.count() == 1  # excluded: no lease needed
-        with fencer.lease("job:15", 30), pytest.raises(sa_fence.LeaseNotAcquiredError):
+        with fencer.acquire("job:15", 30), pytest.raises(sa_fence.LeaseNotAcquiredError):
             jobs.put(15, "busy")
     assert job(engine, 14)[0] == "fenced"  # type: ignore[index]
 

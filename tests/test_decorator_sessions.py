@@ -483,7 +483,7 @@ def test_a_stale_outer_calls_pending_write_is_not_committed_under_the_nested_lea
 def test_a_fenced_call_on_a_session_the_caller_bound_joins_the_callers_transaction(
     make_session: sessionmaker[Session], fencer: sa_fence.Fencer, engine: sa.Engine
 ) -> None:
-    with fencer.lease("batch:4", 30) as lease, make_session() as session:
+    with fencer.acquire("batch:4", 30) as lease, make_session() as session:
         lease.bind(session)
         session.add(Job(id=36, result="caller"))
         Batches(session, fencer).finish(37)
@@ -500,7 +500,7 @@ def test_a_fenced_call_on_a_session_whose_bound_lease_was_released_commits_on_it
     """A lease bound earlier and released since (its work committed) is no unit of work to
     join: the call commits, as on a session with no lease bound."""
     with make_session() as session:
-        with fencer.lease("batch:7", 30) as lease:
+        with fencer.acquire("batch:7", 30) as lease:
             lease.bind(session)
             session.add(Job(id=38, result="earlier"))
             session.commit()

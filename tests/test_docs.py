@@ -249,7 +249,7 @@ def test_the_flush_update_how_it_works_shows_is_the_statement_a_flush_sends(
     shown = re.search(r"The flush UPDATE therefore looks like this.*?```sql\n(.*?)```", page, re.S)
     assert shown is not None, "how-it-works.md no longer shows the flush UPDATE"
     seed(fencer, make_session, Job(id=1, result="initial"))
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         session.get(Job, 1).result = "done"  # type: ignore[union-attr]
         with recorded_statements(engine) as sent:

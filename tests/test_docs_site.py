@@ -52,7 +52,7 @@ def test_the_docs_site_builds_strict(tmp_path: Path) -> None:
     moved = [f"telemetry.{n}" for n in sa_fence.telemetry.__all__]
     # methods the front ends inherit from the shared lifecycle are documented on them
     for cls, methods in (
-        ("Fencer", ("acquire", "lease", "check", "prune", "close", "key")),
+        ("Fencer", ("acquire", "check", "prune", "close", "key")),
         ("Lease", ("extend", "release", "check", "remaining", "bind")),
     ):
         for front in (cls, "Async" + cls):

@@ -120,7 +120,7 @@ def test_only_a_real_column_can_carry_the_fence() -> None:
 def test_a_bound_session_writes_a_fenced_class_with_expression_properties(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], expr_engine: sa.Engine
 ) -> None:
-    with fencer.lease("shape:1", 5) as lease, lease.bind(make_session()) as session:
+    with fencer.acquire("shape:1", 5) as lease, lease.bind(make_session()) as session:
         shape = Shape(id=1, a=2, b=3, corner=Point(4, 5))
         shape.tag_names.append("red")
         session.add(shape)
@@ -159,7 +159,7 @@ def test_a_stale_holder_is_still_refused_on_a_class_with_expression_properties(
     stale = old.bind(make_session())
     stale.get_one(Shape, 2).a = 99  # loaded, not flushed yet
     sa_fence.testing.expire(old)  # its TTL runs out; a newer holder writes
-    with fencer.lease("shape:2", 5) as newer, newer.bind(make_session()) as session:
+    with fencer.acquire("shape:2", 5) as newer, newer.bind(make_session()) as session:
         session.get_one(Shape, 2).a = 50
         session.commit()
     with pytest.raises(sa_fence.StaleTokenError):

@@ -57,7 +57,7 @@ def assert_flushes_work(
         with maker() as session:
             session.add(Audit(message="unrelated"))
             session.commit()
-    with fencer.lease(f"job:{job_id}", 5) as lease, make_session() as session:
+    with fencer.acquire(f"job:{job_id}", 5) as lease, make_session() as session:
         lease.bind(session)
         session.add(Job(id=job_id, result="fenced"))
         session.commit()

@@ -28,7 +28,7 @@ def server() -> Iterator[RedisServer]:
 
 
 def seed_job(fencer: sa_fence.Fencer, make_session: sessionmaker[Session]) -> None:
-    with fencer.lease("seed", 30) as lease, make_session() as session:
+    with fencer.acquire("seed", 30) as lease, make_session() as session:
         lease.bind(session)
         session.add(Job(id=1, result="initial"))
         session.commit()

@@ -65,7 +65,7 @@ def test_assigning_a_loaded_objects_fence_is_refused_at_flush_and_nothing_is_sen
     given: int | None,
 ) -> None:
     token = seed(fencer, make_session, Job(id=1, result="initial"))
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         job = session.get(Job, 1)
         assert job is not None
@@ -88,7 +88,7 @@ def test_a_new_object_given_a_fence_is_refused_and_no_insert_is_sent(
     engine: sa.Engine,
     statements: list[str],
 ) -> None:
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         session.add(Job(id=1, result="new", fence=2**63 - 1))
         statements.clear()
@@ -114,7 +114,7 @@ def test_setting_the_fence_to_the_value_it_has_is_no_assignment(
 ) -> None:
     """Code that copies every attribute back (forms, serializers) keeps working."""
     seed(fencer, make_session, Job(id=1, result="initial"))
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         job = session.get(Job, 1)
         assert job is not None
@@ -134,7 +134,7 @@ def test_without_the_check_an_assigned_fence_is_silently_dropped(
     the statement hook drops the value and the caller never learns."""
     monkeypatch.setattr(_flush, "_refuse_assigned_fences", lambda session: None)
     seed(fencer, make_session, Job(id=1, result="initial"))
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         job = session.get(Job, 1)
         assert job is not None
@@ -151,7 +151,7 @@ async def test_an_async_session_refuses_an_assigned_fence(
     make_async_session: async_sessionmaker[AsyncSession],
     engine: sa.Engine,
 ) -> None:
-    async with afencer.lease("job:1", 30) as lease, make_async_session() as session:
+    async with afencer.acquire("job:1", 30) as lease, make_async_session() as session:
         lease.bind(session)
         session.add(Job(id=1, result="initial"))
         await session.commit()
@@ -200,7 +200,7 @@ def newer_fence_on_the_row(
     seed(fencer, make_session, cls(id=1))
     with make_session() as reader:
         detached: Any = reader.get(cls, 1)
-    with fencer.lease("between", 5) as between, make_session() as session:
+    with fencer.acquire("between", 5) as between, make_session() as session:
         between.bind(session)
         obj = session.get(cls, 1)
         session.delete(obj)
@@ -223,7 +223,7 @@ def test_merging_a_detached_object_with_an_older_fence_writes_with_the_token(
     detached, _ = newer_fence_on_the_row(fencer, make_session, cls)
     attr = "result" if cls is Job else "name"
     setattr(detached, attr, "merged")
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         merged = session.merge(detached)
         session.commit()
@@ -236,7 +236,7 @@ def test_merging_a_detached_object_whose_fence_was_assigned_is_refused(
 ) -> None:
     detached, newer = newer_fence_on_the_row(fencer, make_session, Job)
     detached.fence = 10**12
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         session.merge(detached)
         with pytest.raises(sa_fence.FencingConfigError, match=REFUSED):
@@ -254,7 +254,7 @@ def test_merging_a_new_detached_copy_inserts_with_the_token(
         detached = reader.get(Job, 1)
     with engine.begin() as conn:
         conn.execute(sa.text("DELETE FROM jobs"))
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         session.merge(detached)
         session.commit()
@@ -271,7 +271,7 @@ def test_without_the_fence_property_merge_copies_the_loaded_fence_and_is_refused
     monkeypatch.setattr(model._FenceProperty, "merge", ColumnProperty.merge)
     detached, _ = newer_fence_on_the_row(fencer, make_session, Job)
     detached.result = "merged"
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         session.merge(detached)
         with pytest.raises(sa_fence.FencingConfigError, match=REFUSED):
@@ -283,14 +283,14 @@ async def test_an_async_session_merges_a_detached_object_with_an_older_fence(
     make_async_session: async_sessionmaker[AsyncSession],
     engine: sa.Engine,
 ) -> None:
-    async with afencer.lease("seed", 30) as seeded, make_async_session() as session:
+    async with afencer.acquire("seed", 30) as seeded, make_async_session() as session:
         seeded.bind(session)
         session.add(Job(id=1, result="initial"))
         await session.commit()
     async with make_async_session() as reader:
         detached = await reader.get(Job, 1)
     assert detached is not None
-    async with afencer.lease("job:1", 30) as lease:
+    async with afencer.acquire("job:1", 30) as lease:
         async with make_async_session() as session:
             lease.bind(session)
             (await session.get(Job, 1)).result = "between"  # type: ignore[union-attr]
@@ -307,7 +307,7 @@ def test_bulk_save_objects_skips_the_flush_so_a_fence_it_carries_is_dropped_as_d
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
     """As documented in docs/statements.md: the bulk methods carry the fence as data."""
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         session.bulk_save_objects([Job(id=1, result="bulk", fence=2**63 - 1)])
         session.commit()

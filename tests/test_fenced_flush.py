@@ -49,7 +49,7 @@ def run_seed_scenario(
     session_a = a.bind(make_session())
     session_a.get(Job, 1).result = "A"  # A has done its work but not flushed yet
     time.sleep(0.5)  # A stalls past its TTL (2.5x)
-    with fencer.lease("job:1", 5) as b, make_session() as session_b:
+    with fencer.acquire("job:1", 5) as b, make_session() as session_b:
         b.bind(session_b)
         session_b.get(Job, 1).result = "B"
         session_b.commit()
@@ -102,7 +102,7 @@ def test_the_same_holder_writes_one_row_many_times(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
     seed(fencer, make_session, Job(id=1, result="initial"))
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         for n in range(3):
             with make_session() as session:
                 lease.bind(session)
@@ -116,7 +116,7 @@ def test_the_same_holder_writes_one_row_many_times(
 def test_an_insert_writes_the_lease_token_as_the_fence(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
-    with fencer.lease("job:7", 5) as lease, make_session() as session:
+    with fencer.acquire("job:7", 5) as lease, make_session() as session:
         lease.bind(session)
         job = Job(id=7, result="new")
         session.add(job)
@@ -133,7 +133,7 @@ def test_a_stale_delete_is_refused_and_the_row_survives(
     session_a = a.bind(make_session())
     session_a.delete(session_a.get(Job, 1))
     time.sleep(0.5)
-    with fencer.lease("job:1", 5) as b, make_session() as session_b:
+    with fencer.acquire("job:1", 5) as b, make_session() as session_b:
         b.bind(session_b)
         session_b.get(Job, 1).result = "B"
         session_b.commit()
@@ -191,7 +191,7 @@ def test_unbind_detaches_the_lease_and_later_fenced_writes_need_a_new_one(
     statements: list[str],
 ) -> None:
     with make_session() as session:
-        with fencer.lease("job:1", 5) as first:
+        with fencer.acquire("job:1", 5) as first:
             first.bind(session)
             session.add(Job(id=1, result="first"))
             session.commit()
@@ -204,7 +204,7 @@ def test_unbind_detaches_the_lease_and_later_fenced_writes_need_a_new_one(
         session.rollback()
         session.add(Audit(id=1, message="an unfenced table is free, as without a lease"))
         session.commit()
-        with fencer.lease("job:1", 5) as second:
+        with fencer.acquire("job:1", 5) as second:
             second.bind(session)
             session.get_one(Job, 1).result = "second"
             session.commit()
@@ -223,7 +223,7 @@ def test_unbind_inside_a_transaction_leaves_it_held_to_the_lease_at_commit(
         session.flush()
         sa_fence.unbind(session)
         assert expire(a)
-        with fencer.lease("job:1", 5), pytest.raises(sa_fence.StaleTokenError):
+        with fencer.acquire("job:1", 5), pytest.raises(sa_fence.StaleTokenError):
             session.commit()
     assert row(engine, 1) is None
 
@@ -259,7 +259,7 @@ def test_binding_a_session_without_the_hook_is_refused(
     fencer: sa_fence.Fencer, engine: sa.Engine
 ) -> None:
     with (
-        fencer.lease("job:1", 5) as lease,
+        fencer.acquire("job:1", 5) as lease,
         Session(engine) as plain,
         pytest.raises(sa_fence.FencingConfigError, match=r"sa_fence\.install"),
     ):
@@ -309,13 +309,13 @@ def test_install_works_on_a_session_a_session_class_and_uninstall_removes_it(
         pass
 
     sa_fence.install(MySession)
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         for session in (one, MySession(engine)):
             lease.bind(session)
             session.close()
     sa_fence.uninstall(MySession)
     sa_fence.uninstall(one)
-    with fencer.lease("job:1", 5) as lease, pytest.raises(sa_fence.FencingConfigError):
+    with fencer.acquire("job:1", 5) as lease, pytest.raises(sa_fence.FencingConfigError):
         lease.bind(MySession(engine))
     with pytest.raises(TypeError, match="Session subclass"):
         sa_fence.install(engine)  # type: ignore[arg-type]
@@ -331,7 +331,7 @@ def test_one_stale_row_in_a_batched_flush_refuses_the_whole_flush_and_names_that
     a = fencer.acquire("batch", 5)
     session_a = a.bind(make_session())
     jobs = session_a.scalars(sa.select(Job).order_by(Job.id)).all()
-    with fencer.lease("row-17", 5) as b, make_session() as session_b:  # a newer holder
+    with fencer.acquire("row-17", 5) as b, make_session() as session_b:  # a newer holder
         b.bind(session_b)
         session_b.get(Job, 17).result = "B"
         session_b.commit()
@@ -358,7 +358,7 @@ def test_a_stale_write_to_a_composite_key_row_names_the_whole_key(
     a = fencer.acquire("sheet:s1", 5)
     session_a = a.bind(make_session())
     session_a.get(Cell, ("s1", 2)).value = "A"
-    with fencer.lease("sheet:s1:newer", 5) as b, make_session() as session_b:
+    with fencer.acquire("sheet:s1:newer", 5) as b, make_session() as session_b:
         b.bind(session_b)
         session_b.get(Cell, ("s1", 2)).value = "B"
         session_b.commit()
@@ -379,7 +379,7 @@ def newer_rows(
     """Rows 1-4 written by a stale lease A; then rows 3 and 4 by a newer holder B."""
     seed(fencer, make_session, *[Job(id=i, result="initial") for i in range(1, 5)])
     a = fencer.acquire("bulk-a", 5)
-    with fencer.lease("bulk-b", 5) as b, make_session() as session_b:
+    with fencer.acquire("bulk-b", 5) as b, make_session() as session_b:
         b.bind(session_b)
         for i in (3, 4):
             session_b.get(Job, i).result = "B"
@@ -557,7 +557,7 @@ def b_wrote_job_1(fencer: sa_fence.Fencer, make_session: sessionmaker[Session]) 
     """Jobs 1 and 2, then job 1 written by a newer holder B: lease A is the stale one."""
     seed(fencer, make_session, Job(id=1, result="initial"), Job(id=2, result="initial"))
     a = fencer.acquire("unrewritable-a", 5)
-    with fencer.lease("unrewritable-b", 5) as b, make_session() as session_b:
+    with fencer.acquire("unrewritable-b", 5) as b, make_session() as session_b:
         b.bind(session_b)
         session_b.get(Job, 1).result = "B"
         session_b.commit()
@@ -611,7 +611,7 @@ async def test_an_async_session_refuses_dml_through_an_alias_or_in_a_cte_too(
         else sa.select(update(Job).where(Job.id == 1).values(result="A").returning(Job.id).cte())
     )
     refusal = sa_fence.FencingConfigError if bound else sa_fence.UnfencedWriteError
-    async with afencer.lease("job:1", 5) as lease, make_async_session() as session:
+    async with afencer.acquire("job:1", 5) as lease, make_async_session() as session:
         if bound:
             lease.bind(session)
         with pytest.raises(refusal, match="fenced table 'jobs'"):
@@ -670,7 +670,7 @@ def test_dml_of_an_unfenced_table_through_an_alias_or_in_a_cte_works_as_without_
     with make_session() as session:  # no lease bound
         assert _unfenced_alias_and_ctes(session) == expected
         session.commit()
-    with fencer.lease("audit", 5) as lease, lease.bind(make_session()) as session:
+    with fencer.acquire("audit", 5) as lease, lease.bind(make_session()) as session:
         assert _unfenced_alias_and_ctes(session) == expected
         session.commit()
 
@@ -706,7 +706,7 @@ def stale_write_in_a_savepoint(
     a = fencer.acquire("job:1", 5)
     session = a.bind(make_session())
     session.get(Job, 1)
-    with fencer.lease("job:1:newer", 5) as b, make_session() as session_b:
+    with fencer.acquire("job:1:newer", 5) as b, make_session() as session_b:
         b.bind(session_b)
         session_b.get(Job, 1).result = "B"
         session_b.commit()
@@ -814,7 +814,7 @@ def test_under_repeatable_read_a_stale_update_gets_a_serialization_failure(
     a = fencer.acquire("job:1", 5)
     session_a = a.bind(rr())
     session_a.get(Job, 1).result = "A"  # snapshot taken here
-    with fencer.lease("job:1:newer", 5) as b, make_session() as session_b:
+    with fencer.acquire("job:1:newer", 5) as b, make_session() as session_b:
         b.bind(session_b)
         session_b.get(Job, 1).result = "B"
         session_b.commit()
@@ -946,7 +946,7 @@ def test_a_schema_per_tenant_through_schema_translate_map_is_fenced_in_the_tenan
             session.add(Job(id=1, result="a"))
             session.commit()
         assert expire(a)
-        with fencer.lease("job:tenant", 5) as b, maker() as session:
+        with fencer.acquire("job:tenant", 5) as b, maker() as session:
             b.bind(session)
             session.get_one(Job, 1).result = "b"
             session.commit()

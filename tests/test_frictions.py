@@ -112,12 +112,12 @@ def test_a_lease_never_bound_is_reported_once_per_fencer_at_release(
 ) -> None:
     plain = sessionmaker(engine)  # the mistake: no install(), no bind()
     with caplog.at_level(logging.WARNING, logger="sa_fence"):
-        with fencer.lease("job:20", ttl=30), plain() as session:
+        with fencer.acquire("job:20", ttl=30), plain() as session:
             session.add(Job(id=20, result="written under no fence"))
             session.commit()
-        with fencer.lease("job:21", ttl=30):
+        with fencer.acquire("job:21", ttl=30):
             pass
-        with fencer.lease("job:22", ttl=30) as bound, make_session() as session:
+        with fencer.acquire("job:22", ttl=30) as bound, make_session() as session:
             bound.bind(session)
     warnings = [r.getMessage() for r in caplog.records if "without having been bound" in r.message]
     assert len(warnings) == 1, warnings
@@ -132,12 +132,12 @@ def test_a_bound_lease_is_not_reported(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="sa_fence"):
-        with fencer.lease("job:23", ttl=30) as lease, make_session() as session:
+        with fencer.acquire("job:23", ttl=30) as lease, make_session() as session:
             lease.bind(session)
             session.add(Job(id=23, result="fenced"))
             session.commit()
         with (
-            fencer.lease("job:24", ttl=30) as lease,
+            fencer.acquire("job:24", ttl=30) as lease,
             sa.create_engine(fencer.engine.url).connect() as conn,
             sa_fence.fence_connection(conn, lease),
         ):
@@ -151,13 +151,13 @@ def test_the_object_shows_the_token_its_row_got_after_an_insert_and_an_update(
 ) -> None:
     """Not 0 (the server default) nor the old fence: the value the statement wrote."""
     maker = sa_fence.install(sessionmaker(engine, expire_on_commit=expire_on_commit))
-    with fencer.lease("job:25", ttl=30) as lease, maker() as session:
+    with fencer.acquire("job:25", ttl=30) as lease, maker() as session:
         lease.bind(session)
         job = Job(id=25, result="inserted")
         session.add(job)
         session.commit()
         assert job.fence == lease.token
-    with fencer.lease("job:25", ttl=30) as newer, maker() as session:
+    with fencer.acquire("job:25", ttl=30) as newer, maker() as session:
         newer.bind(session)
         job = session.get(Job, 25)  # type: ignore[assignment]
         assert job.fence == lease.token

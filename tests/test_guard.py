@@ -530,7 +530,7 @@ def test_a_tokenless_writer_cannot_raise_a_never_fenced_row_past_any_issued_toke
 def test_core_raw_sql_through_fence_connection_raises_stale_token_error(
     guarded: sa.Engine, fencer: sa_fence.Fencer
 ) -> None:
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         insert_rows(guarded, fence=lease.token + 10)
         with guarded.connect() as conn, sa_fence.fence_connection(conn, lease):
             with pytest.raises(sa_fence.StaleTokenError) as refused:
@@ -549,7 +549,7 @@ def test_core_raw_sql_through_fence_connection_with_a_current_token_writes(
 ) -> None:
     insert_rows(guarded, fence=0)
     with (
-        fencer.lease("job:1", 5) as lease,
+        fencer.acquire("job:1", 5) as lease,
         guarded.connect() as conn,
         sa_fence.fence_connection(conn, lease),
     ):
@@ -595,7 +595,7 @@ def statements(guarded: sa.Engine) -> Iterator[list[str]]:
 def test_orm_writes_to_a_reject_guarded_table_present_the_token_inside_their_statements(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], statements: list[str]
 ) -> None:
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         session.add_all([DemoStep(job_id=1, step=n, output="new") for n in range(3)])
         session.commit()
@@ -617,7 +617,7 @@ def test_without_the_token_in_the_statement_the_guard_refuses_the_orm_delete(
     """The pair of the test above: a bare ``fence <= :token`` presents nothing to the guard."""
     monkeypatch.setattr(_rewrite, "fence_predicate", lambda col, token: col <= token)
     monkeypatch.setattr(_rewrite, "_rewritten", weakref.WeakKeyDictionary())  # built anew
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         session.add(DemoStep(job_id=1, step=0, output="new"))
         session.commit()
@@ -629,7 +629,7 @@ def test_without_the_token_in_the_statement_the_guard_refuses_the_orm_delete(
 def test_raw_sql_through_a_bound_session_is_fenced_by_the_guard_and_poisons_the_session(
     guarded: sa.Engine, fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
 ) -> None:
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         insert_rows(guarded, fence=lease.token + 1)
         with make_session() as session:
             lease.bind(session)
@@ -649,7 +649,7 @@ def test_a_bound_session_presents_its_token_once_per_transaction_for_raw_sql(
     statements: list[str],
 ) -> None:
     insert_rows(guarded, fence=0)
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         del statements[:]
         session.execute(sa.text("UPDATE job_steps SET output = 'a'"))
@@ -667,7 +667,7 @@ def test_a_token_presented_inside_a_savepoint_rolled_back_is_presented_again(
     """set_config(..., true) inside a savepoint is undone by its ROLLBACK TO: the current
     holder's next raw write presented nothing and the guard refused it."""
     insert_rows(guarded, fence=0)
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         with session.begin_nested() as savepoint:
             session.execute(sa.text("UPDATE jobs SET result = 'undone' WHERE id = 1"))
@@ -685,8 +685,8 @@ def test_raw_sql_after_another_lease_wrote_in_the_transaction_presents_its_own_t
     raw write was compared with (and stamped with) b's token."""
     insert_rows(guarded, fence=0)
     with (
-        fencer.lease("job:a", 5) as a,
-        fencer.lease("job:b", 5) as b,
+        fencer.acquire("job:a", 5) as a,
+        fencer.acquire("job:b", 5) as b,
         make_session() as session,
     ):
         a.bind(session)
@@ -707,7 +707,7 @@ def test_raw_sql_given_its_columns_presents_the_token_as_text_does(
     """text(...).columns(...) (a TextualSelect, for UPDATE ... RETURNING) is raw SQL too."""
     insert_rows(guarded, fence=0)
     returning = sa.text("UPDATE jobs SET result = 'A' WHERE id = 1 RETURNING id")
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         assert session.scalars(returning.columns(sa.column("id", sa.Integer))).all() == [1]
         session.commit()
@@ -720,7 +720,7 @@ def test_the_fenced_flush_sends_no_extra_statement_to_present_its_token(
     make_session: sessionmaker[Session],
     statements: list[str],
 ) -> None:
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         session.add(DemoJob(id=1, result="x"))
         session.commit()
@@ -737,7 +737,7 @@ def test_core_dml_inside_fence_connection_is_token_compared_like_a_session(
     guarded: sa.Engine, fencer: sa_fence.Fencer
 ) -> None:
     jobs = DemoJob.__table__
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         insert_rows(guarded, fence=lease.token + 1)  # a newer holder wrote job 1
         with guarded.connect() as conn, sa_fence.fence_connection(conn, lease):
             conn.execute(jobs.insert().values(id=2, result="A"))
@@ -857,7 +857,7 @@ def test_a_forged_fence_through_fence_connection_is_a_config_error_not_a_stale_w
     """Not "a newer holder wrote": no lease was granted that fence.  The error
     says what to fix (a fence set by hand, or a guard reading another sequence)."""
     insert_rows(guarded, fence=5)
-    with fencer.lease("job:9", 5) as lease, guarded.connect() as conn:
+    with fencer.acquire("job:9", 5) as lease, guarded.connect() as conn:
         for statement in (
             "INSERT INTO jobs (id, result, fence) VALUES (9, 'X', :f)",
             "UPDATE jobs SET fence = :f WHERE id = 1",
@@ -903,7 +903,7 @@ def test_orm_and_core_inserts_through_sa_fence_pass_a_reject_guard_with_their_to
     """The write paths a fenced INSERT takes (unit of work, ORM bulk, Core in
     fence_connection, text() in a bound session) go through the INSERT guard
     and the row records the lease's token."""
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         with make_session() as session:
             lease.bind(session)
             session.add(DemoStep(job_id=1, step=1, output="uow"))

@@ -295,7 +295,7 @@ WRITES: dict[str, tuple[str, Callable[[Session, str], Any]]] = {
 
 
 def seed(fencer: sa_fence.Fencer, make_session: sessionmaker[Session]) -> None:
-    with fencer.lease("seed", 5) as lease, make_session() as session:
+    with fencer.acquire("seed", 5) as lease, make_session() as session:
         lease.bind(session)
         session.add_all(
             [
@@ -317,7 +317,7 @@ def written_by_b_after_as_grant(
     """A's lease, then B's (another name), which makes ``change`` and commits: each row it
     wrote carries a fence newer than A's token.  B is released; A is held."""
     a = fencer.acquire("a", 5)
-    with fencer.lease("b", 5) as b, make_session() as session:
+    with fencer.acquire("b", 5) as b, make_session() as session:
         b.bind(session)
         change(session)
         session.commit()
@@ -412,7 +412,7 @@ def test_a_write_to_any_table_of_a_fenced_object_advances_its_fence(
 ) -> None:
     seed(fencer, make_session)
     shape, change = WRITES[write]
-    with fencer.lease("a", 5) as lease, make_session() as session:
+    with fencer.acquire("a", 5) as lease, make_session() as session:
         lease.bind(session)
         change(session, "mine")
         session.commit()
@@ -463,7 +463,7 @@ def test_a_table_whose_key_is_not_the_fence_tables_is_refused_outside_a_flush(
     """Which fence row a memos row belongs to is not in its key: a keyed write of it outside a
     flush is refused, saying why; the flush (which compares docs.fence itself) works."""
     memos = Memo.__table__
-    with fencer.lease("a", 5) as lease, make_session() as session:
+    with fencer.acquire("a", 5) as lease, make_session() as session:
         lease.bind(session)
         session.add(Memo(id=9, memo_id=7, title="memo", body="initial"))
         session.commit()
@@ -487,7 +487,7 @@ def test_a_version_mismatch_is_sqlalchemys_stale_data_error_not_a_stale_token(
 ) -> None:
     """The UPDATE's version condition skipped the row, not its fence (which holds this very
     token): SQLAlchemy's own error, which names the row count, not a StaleTokenError."""
-    with fencer.lease("a", 5) as lease, make_session() as first, make_session() as second:
+    with fencer.acquire("a", 5) as lease, make_session() as first, make_session() as second:
         lease.bind(first)
         lease.bind(second)
         first.add(Versioned(id=1, value="initial"))
@@ -516,7 +516,7 @@ MOVES = {
 
 def seed_folder(fencer: sa_fence.Fencer, make_session: sessionmaker[Session], move: str) -> None:
     relation, how = MOVES[move]
-    with fencer.lease("seed", 5) as lease, make_session() as session:
+    with fencer.acquire("seed", 5) as lease, make_session() as session:
         lease.bind(session)
         folder, report = Folder(id=1), Report(id=5, title="initial", summary="initial")
         if how == "remove":
@@ -560,7 +560,7 @@ def test_a_flush_writing_a_joined_table_of_an_unchanged_object_advances_its_fenc
 ) -> None:
     seed_folder(fencer, make_session, move)
     relation, how = MOVES[move]
-    with fencer.lease("a", 5) as lease, make_session() as session:
+    with fencer.acquire("a", 5) as lease, make_session() as session:
         lease.bind(session)
         sent = sent_by(session)
         move_report(session, move)
@@ -586,7 +586,7 @@ def test_a_stale_flush_writing_the_shared_base_table_of_an_unchanged_dog_is_refu
     flag finds the Dog in the identity map and compares dogs.fence first; the Cat's row in the
     same statement is written as without sa-fence."""
     seed(fencer, make_session)
-    with fencer.lease("seed", 5) as lease, make_session() as session:
+    with fencer.acquire("seed", 5) as lease, make_session() as session:
         lease.bind(session)
         kennel = Kennel(id=1)
         if how == "remove":
@@ -623,7 +623,7 @@ def test_a_flush_writing_the_shared_base_table_advances_only_the_dogs_fence(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
 ) -> None:
     seed(fencer, make_session)
-    with fencer.lease("a", 5) as lease, make_session() as session:
+    with fencer.acquire("a", 5) as lease, make_session() as session:
         lease.bind(session)
         kennel = Kennel(id=1)
         kennel.animals.extend([session.get(Dog, 1), session.get(Cat, 2)])
@@ -641,7 +641,7 @@ def test_a_flush_of_a_changed_dog_sends_one_write_of_dogs(
     """The flush flagged the changed Dog's fence itself: its UPDATE of animals sends no fenced
     UPDATE of dogs besides the flush's own."""
     seed(fencer, make_session)
-    with fencer.lease("a", 5) as lease, make_session() as session:
+    with fencer.acquire("a", 5) as lease, make_session() as session:
         lease.bind(session)
         session.get(Dog, 1).name = "mine"
         sent = sent_by(session)
@@ -677,7 +677,7 @@ def test_the_current_holder_deletes_a_dog_and_its_shared_base_row(
     """The flush deletes dogs (compared) before animals: the DELETE of the shared table's row
     is not preceded by a fenced UPDATE of the dogs row already gone."""
     seed(fencer, make_session)
-    with fencer.lease("a", 5) as lease, make_session() as session:
+    with fencer.acquire("a", 5) as lease, make_session() as session:
         lease.bind(session)
         session.delete(session.get(Dog, 1))
         session.commit()
@@ -689,7 +689,7 @@ def test_the_current_holder_deletes_a_dog_and_its_shared_base_row(
 def test_a_concrete_subclass_with_a_fence_of_its_own_is_fenced_on_its_table(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
 ) -> None:
-    with fencer.lease("seed", 5) as lease, make_session() as session:
+    with fencer.acquire("seed", 5) as lease, make_session() as session:
         lease.bind(session)
         session.add(Boss(id=1, name="initial"))
         session.commit()
@@ -741,7 +741,7 @@ async def test_a_stale_async_flush_writing_joined_tables_of_unchanged_objects_is
     ``animals`` matched through the identity map)."""
     seed(fencer, make_session)
     seed_folder(fencer, make_session, "added to a collection")
-    with fencer.lease("seed", 5) as lease, make_session() as session:
+    with fencer.acquire("seed", 5) as lease, make_session() as session:
         lease.bind(session)
         session.add(Kennel(id=1))
         session.commit()
@@ -788,7 +788,7 @@ def test_a_cascade_delete_of_a_joined_subclass_compares_its_base_rows_fence(
 ) -> None:
     """Deleting a Folder deletes the Reports it owns (an ORM cascade): their docs rows are
     deleted with the fence compared, as for session.delete()."""
-    with fencer.lease("seed", 5) as lease, make_session() as session:
+    with fencer.acquire("seed", 5) as lease, make_session() as session:
         lease.bind(session)
         session.add(Folder(id=1, owned=[Report(id=5, title="initial", summary="initial")]))
         session.commit()
@@ -844,7 +844,7 @@ def test_a_flushed_object_shows_its_rows_token_without_reading_it_back(
     back: sa-fence sets each written object's fence to the token itself, so reading it sends no
     query and shows the row's value (not the old fence)."""
     seed(fencer, make_session)
-    with fencer.lease("a", 5) as lease, make_session() as session:
+    with fencer.acquire("a", 5) as lease, make_session() as session:
         lease.bind(session)
         obj = CHANGED[shape](session)
         session.flush()
@@ -866,7 +866,7 @@ def test_an_object_the_flush_did_not_write_keeps_its_fence(
     seed(fencer, make_session)
     with make_session() as session:
         seeded = session.get(SubPair, (1, 2)).fence
-    with fencer.lease("a", 5) as lease, make_session() as session:
+    with fencer.acquire("a", 5) as lease, make_session() as session:
         lease.bind(session)
         untouched, changed = session.get(SubPair, (1, 2)), session.get(Dog, 1)
         untouched.note = untouched.note
@@ -882,11 +882,11 @@ def test_a_hierarchy_naming_its_fence_twice_has_the_fence_read_back(
     """The hook shows a written object its token under the fence's one attribute name; where a
     subclass names it otherwise, the flush writes the fence as before, and the ORM expires it:
     each object still reads its row's token."""
-    with fencer.lease("seed", 5) as seeded, make_session() as session:
+    with fencer.acquire("seed", 5) as seeded, make_session() as session:
         seeded.bind(session)
         session.add_all([Ticket(id=1), RenamedTicket(id=2, note="initial")])
         session.commit()
-    with fencer.lease("a", 5) as lease, make_session() as session:
+    with fencer.acquire("a", 5) as lease, make_session() as session:
         lease.bind(session)
         ticket, renamed = session.get(Ticket, 1), session.get(RenamedTicket, 2)
         assert (ticket.fence, renamed.seen_fence) == (seeded.token, seeded.token)
@@ -901,7 +901,7 @@ def test_a_savepoint_rolled_back_after_the_flush_reads_the_old_fence_again(
 ) -> None:
     """The token shown to a flushed object is undone with the savepoint, as the row is."""
     seed(fencer, make_session)
-    with fencer.lease("a", 5) as lease, make_session() as session:
+    with fencer.acquire("a", 5) as lease, make_session() as session:
         lease.bind(session)
         dog = session.get(Dog, 1)
         seeded = dog.fence
@@ -919,7 +919,7 @@ def test_an_eager_defaults_flush_reads_its_server_values_in_the_one_update_it_se
     """A mapper with ``eager_defaults`` reads the UPDATE's server-side values back with
     RETURNING: the fenced UPDATE keeps that RETURNING, and showing the token adds no SELECT."""
     seed(fencer, make_session)
-    with fencer.lease("a", 5) as lease, make_session() as session:
+    with fencer.acquire("a", 5) as lease, make_session() as session:
         lease.bind(session)
         stamped = session.get(Stamped, 1)
         stamped.value = "mine"
@@ -941,7 +941,7 @@ async def test_an_async_flush_shows_the_token_without_an_await(
     engine = create_async_engine(scope_engine.url.set(drivername="postgresql+psycopg_async"))
     try:
         make_async = sa_fence.install(async_sessionmaker(engine))
-        with fencer.lease("a", 5) as lease:
+        with fencer.acquire("a", 5) as lease:
             async with make_async() as session:
                 lease.bind(session)
                 dog = await session.get(Dog, 1)
@@ -1001,7 +1001,7 @@ def in_shard(session: Session, cls: type[Any], key: Any, shard: str) -> Any:
 
 
 def seed_shards(fencer: sa_fence.Fencer, sharded: sessionmaker[Session], *objs: Any) -> None:
-    with fencer.lease("seed", 5) as lease, sharded() as session:
+    with fencer.acquire("seed", 5) as lease, sharded() as session:
         lease.bind(session)
         session.add_all(objs)
         session.commit()
@@ -1106,7 +1106,7 @@ def test_a_flushed_object_is_shown_the_token_in_its_own_shard_only(
     seed_shards(
         fencer, sharded, *(sharded_obj(Dog(id=2, name="dog", bark="initial"), s) for s in SHARDS)
     )
-    with fencer.lease("a", 5) as lease, sharded() as session:
+    with fencer.acquire("a", 5) as lease, sharded() as session:
         lease.bind(session)
         dogs = {shard: in_shard(session, Dog, 2, shard) for shard in SHARDS}
         changed = dogs.pop(changed_shard)
@@ -1222,7 +1222,7 @@ def docs_written_by_b_in(
     a = fencer.acquire("a", 30)
     if after_a_ended:
         assert expire(a)
-    with fencer.lease("a" if after_a_ended else "b", 30) as b, sharded() as session:
+    with fencer.acquire("a" if after_a_ended else "b", 30) as b, sharded() as session:
         b.bind(session)
         in_shard(session, Doc, 2, shard).title = "B"
         in_shard(session, Report, 3, shard).summary = "B"
@@ -1409,7 +1409,7 @@ def test_a_current_holders_write_to_one_shard_carries_its_token_there_and_nowher
     seed_docs_in_shards(fencer, sharded)
     before = {s: docs_in(sharded, s) for s in SHARDS}
     shard_write = (KEYED_SHARD_WRITES | CRITERIA_SHARD_WRITES)[write]
-    with fencer.lease("a", 5) as lease, sharded() as session:
+    with fencer.acquire("a", 5) as lease, sharded() as session:
         lease.bind(session)
         assert shard_write.send(session, shard, "mine").rowcount == 1
         session.commit()
@@ -1497,7 +1497,7 @@ def test_an_orm_bulk_update_by_primary_key_is_refused_by_sqlalchemy_in_a_sharded
     fence in the shards then."""
     seed_docs_in_shards(fencer, sharded)
     before = {shard: docs_in(sharded, shard) for shard in SHARDS}
-    with fencer.lease("a", 5) as lease, sharded() as session:
+    with fencer.acquire("a", 5) as lease, sharded() as session:
         lease.bind(session)
         with pytest.raises(NotImplementedError, match="sharding not supported in bulk_update"):
             session.execute(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from typing import Any
@@ -35,7 +36,7 @@ async def warm_up(front: Any) -> None:
 async def test_a_second_owner_gets_lease_not_acquired_naming_the_holders_token(
     front: Any,
 ) -> None:
-    async with entered(front.lease("job:1", 5)) as held:
+    async with entered(front.acquire("job:1", 5)) as held:
         with pytest.raises(sa_fence.LeaseNotAcquiredError) as contention:
             await io(front.acquire("job:1", 5))
         assert contention.value.name == "job:1"
@@ -61,7 +62,7 @@ async def test_the_lease_stores_a_secret_owner_and_its_token_in_one_key(
 async def test_tokens_of_successive_grants_strictly_increase(front: Any) -> None:
     tokens = []
     for _ in range(5):
-        async with entered(front.lease("job:1", 5)) as lease:
+        async with entered(front.acquire("job:1", 5)) as lease:
             tokens.append(lease.token)
     assert tokens == sorted(tokens)
     assert len(set(tokens)) == 5
@@ -106,7 +107,7 @@ async def test_binding_a_released_lease_is_refused_and_leaves_the_session_unboun
 async def test_extend_sets_a_new_ttl_rather_than_adding(
     front: Any, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    async with entered(front.lease("job:1", 5)) as lease:
+    async with entered(front.acquire("job:1", 5)) as lease:
         await io(lease.extend(30))
         assert 29000 < redis_client.pttl(key_prefix + "job:1") <= 30000
         await io(lease.extend(2))
@@ -138,7 +139,7 @@ async def test_the_context_manager_releases_when_the_body_raises(
     front: Any, redis_client: redis.Redis, key_prefix: str
 ) -> None:
     with pytest.raises(RuntimeError):
-        async with entered(front.lease("job:1", 5)):
+        async with entered(front.acquire("job:1", 5)):
             raise RuntimeError("work failed")
     assert keys(redis_client, key_prefix) == []
     lease = await io(front.acquire("job:2", 5))
@@ -148,23 +149,41 @@ async def test_the_context_manager_releases_when_the_body_raises(
     assert keys(redis_client, key_prefix) == []
 
 
-async def test_the_context_manager_acquires_through_acquire(
-    front: Any, monkeypatch: pytest.MonkeyPatch
+async def test_acquire_is_the_one_way_awaited_or_entered(
+    front: Any, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    """``lease()`` takes the lease with the fencer's own ``acquire()``, every argument
-    passed on: a subclass's override, or a test's patch of it, applies to both."""
-    seen: list[tuple[Any, ...]] = []
-    original = type(front).acquire
-
-    def acquire(self: Any, name: str, ttl: float, **options: Any) -> Any:
-        seen.append((name, ttl, options))
-        return original(self, name, ttl, **options)
-
-    monkeypatch.setattr(type(front), "acquire", acquire)
-    async with entered(front.lease("job:1", 5, renew=True, fail_fast=False)) as lease:
+    """``acquire()`` is the one call for both uses, on both front ends: its result is the
+    lease (awaited, on the asyncio one), and entered with ``with``/``async with`` it releases
+    on exit; there is no second context-manager method to learn."""
+    assert not hasattr(front, "lease")
+    async with entered(front.acquire("job:1", 5, renew=True, fail_fast=False)) as lease:
         assert lease.name == "job:1"
-    wanted = {"blocking": False, "timeout": None, "renew": True, "on_lost": None}
-    assert seen == [("job:1", 5, {**wanted, "fail_fast": False})]
+        assert keys(redis_client, key_prefix) == [(key_prefix + "job:1").encode()]
+    assert keys(redis_client, key_prefix) == []
+    lease = await io(front.acquire("job:2", 5))
+    assert lease.token > 0
+    await io(lease.release())
+
+
+async def test_an_async_acquire_runs_once_and_one_never_started_warns(
+    afencer: sa_fence.AsyncFencer, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The asyncio ``acquire()`` sends nothing until awaited or entered; a second await
+    is refused, and one never started warns as a coroutine never awaited does.  It is a
+    coroutine: ``asyncio.create_task`` runs it."""
+    pending = afencer.acquire("job:1", 5)
+    assert keys(redis_client, key_prefix) == []  # nothing sent yet
+    lease = await pending
+    with pytest.raises(RuntimeError, match="already awaited"):
+        await pending
+    await lease.release()
+    with pytest.warns(RuntimeWarning, match=r"never awaited nor entered, so no lease was taken"):
+        afencer.acquire("job:2", 5).__del__()
+    assert keys(redis_client, key_prefix) == []
+    task = asyncio.create_task(afencer.acquire("job:3", 5))
+    lease = await task
+    assert lease.name == "job:3"
+    await lease.release()
 
 
 async def test_the_write_check_leaves_local_validity_to_the_fence_unless_fail_fast(

@@ -96,7 +96,7 @@ def test_without_the_byte_check_the_name_fails_late_as_the_wrong_error(
 def test_a_name_at_the_byte_limit_is_granted_and_checked_at_commit(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine, name: str
 ) -> None:
-    with fencer.lease(name, 5) as lease, make_session() as session:
+    with fencer.acquire(name, 5) as lease, make_session() as session:
         lease.bind(session)
         session.add(Job(id=1, result="ok"))
         session.commit()

@@ -117,7 +117,7 @@ def written_since_by_another_name(
     """A takes job:1, then a holder of another name makes ``change`` and releases: every row it
     wrote carries a fence newer than A's token (the row fence's case, not lease scope's)."""
     a = fencer.acquire("job:1", 5)
-    with fencer.lease(name, 5) as b:
+    with fencer.acquire(name, 5) as b:
         write_as(b, make_session, change)
     return a, b
 
@@ -168,7 +168,7 @@ def test_a_stale_holders_change_to_a_subclass_column_only_is_refused_and_bs_valu
     session_a = a.bind(make_session())
     session_a.get(SpecialJob, 1).detail = "A"  # only special_jobs changes
     time.sleep(0.4)  # A stalls past its TTL (2x)
-    with fencer.lease("job:1", 5) as b:
+    with fencer.acquire("job:1", 5) as b:
         write_as(b, make_session, lambda s: setattr(s.get(SpecialJob, 1), "detail", "B"))
     with pytest.raises(sa_fence.StaleTokenError) as refused:
         session_a.commit()
@@ -231,7 +231,7 @@ def test_a_subclass_only_change_sets_the_base_rows_fence_to_the_writers_token(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], scope_engine: sa.Engine
 ) -> None:
     seed_token = seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         assert lease.token > seed_token
         lease.bind(session)
         job = session.get(SpecialJob, 1)
@@ -250,7 +250,7 @@ def test_a_subclass_only_change_after_a_base_column_flush_in_one_transaction_bum
     """After a base-column UPDATE the fence attribute is expired (server_onupdate);
     a later subclass-only change in the same transaction must still bump it."""
     seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         job = session.get(SpecialJob, 1)
         job.detail = "first"
@@ -357,7 +357,7 @@ def test_a_keyed_write_of_a_joined_subclass_outside_a_flush_advances_the_base_ro
     write: str,
 ) -> None:
     seed_token = seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         write_as(lease, make_session, lambda s: KEYED_SUBCLASS_WRITES[write](s, "mine"))
     assert lease.token > seed_token
     (result, detail, fence), *_ = subclass_row(scope_engine)
@@ -482,7 +482,7 @@ def test_merge_of_a_detached_joined_subclass_by_the_current_holder_advances_the_
 ) -> None:
     seed_token = seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
     detached = _detached_special_job(make_session)
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         write_as(lease, make_session, lambda s: s.merge(detached))
     assert lease.token > seed_token
     assert subclass_row(scope_engine) == [("initial", "merged", lease.token)]
@@ -494,7 +494,7 @@ def test_a_keyed_subclass_write_in_a_savepoint_rolls_back_with_its_base_rows_fen
     """The base rows' fenced UPDATE is sent in the savepoint the write is in: rolling the
     savepoint back undoes both, and the rest of the transaction commits."""
     seed_token = seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         session.add(Outbox(id=1, message="kept"))
         savepoint = session.begin_nested()
@@ -547,7 +547,7 @@ def test_a_flush_of_a_joined_subclass_sends_no_second_base_row_update(
     statement hook adds no UPDATE of its own to the unit of work's statements."""
     seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
     statements.clear()
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         write_as(lease, make_session, change)
     writes = [s for s in statements if s.startswith(("UPDATE jobs", "DELETE FROM jobs"))]
     assert len(writes) == 1, statements
@@ -580,7 +580,7 @@ def test_an_unkeyed_write_of_a_joined_subclass_table_is_refused_before_it_is_sen
     one table), so it is refused with the way out, before anything is written."""
     seed_token = seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
     statements.clear()
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         with pytest.raises(sa_fence.FencingConfigError) as refused:
             write(session)
@@ -630,7 +630,7 @@ def test_a_write_of_a_joined_subclass_table_through_an_alias_or_in_a_cte_is_refu
     unfenced = pytest.raises(sa_fence.UnfencedWriteError, match="fenced table 'special_jobs'")
     with make_session() as session, unfenced:
         write(session)
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         with pytest.raises(sa_fence.FencingConfigError, match="fenced table 'special_jobs'"):
             write(session)
@@ -657,7 +657,7 @@ def test_without_a_lease_an_association_row_through_an_alias_or_in_a_cte_is_refu
         with make_session() as session, pytest.raises(sa_fence.UnfencedWriteError):
             write(session)
     assert not [s for s in statements if "job_tags" in s]
-    with fencer.lease("job:1", 5) as lease, lease.bind(make_session()) as session:
+    with fencer.acquire("job:1", 5) as lease, lease.bind(make_session()) as session:
         for write in reversed(writes):
             write(session)
         session.commit()
@@ -691,7 +691,7 @@ def test_a_keyed_update_whose_own_criteria_skip_a_row_is_not_refused(
 ) -> None:
     """Its WHERE clause skips job 2 (SQLAlchemy counts no rows then): not a stale row."""
     seed_token = seed(fencer, make_session, Job(id=1, result="initial"), Job(id=2, result="2"))
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         write_as(lease, make_session, lambda s: KEYED_WITH_CRITERIA[send](s, ["initial"]))
     assert job_rows(scope_engine) == {1: ("x", lease.token), 2: ("2", seed_token)}
 
@@ -727,7 +727,7 @@ def test_a_keyed_core_write_missing_a_key_value_is_refused_by_sqlalchemy_before_
     seed_token = seed(fencer, make_session, SpecialJob(id=1, result="initial", detail="initial"))
     statements.clear()
     keyed = special_jobs.update().where(special_jobs.c.id == bindparam("key")).values(detail="A")
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         with pytest.raises(sa.exc.StatementError, match="A value is required for bind parameter"):
             session.execute(keyed, [{"key": 1}, {"other": 2}])
@@ -756,7 +756,7 @@ def test_a_bulk_insert_of_a_joined_subclass_writes_the_token_as_the_base_rows_fe
 ) -> None:
     """The ORM's bulk INSERT writes each table of the hierarchy with the entity's statement:
     the base table's row gets the token, not the column's default."""
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         write_as(lease, make_session, insert)
     assert subclass_row(scope_engine) == [("r", "d", lease.token)]
 
@@ -861,7 +861,7 @@ def test_a_stale_holder_re_creating_a_row_the_newer_holder_deleted_is_refused(
     a = fencer.acquire("job:1", 0.2)
     session_a = a.bind(make_session())
     time.sleep(0.4)  # A stalls past its TTL (2x)
-    with fencer.lease("job:1", 5) as b:
+    with fencer.acquire("job:1", 5) as b:
         write_as(b, make_session, lambda s: s.delete(s.get(Job, 1)))
     session_a.add(Job(id=1, result="A"))  # A still believes job 1 is its to write
     with pytest.raises(sa_fence.StaleTokenError) as refused:
@@ -1046,7 +1046,7 @@ def test_a_fence_in_bulk_update_mappings_is_never_written(
     given: int,
 ) -> None:
     seed(fencer, make_session, Job(id=1, result="initial"))
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         session.bulk_update_mappings(Job, [{"id": 1, "result": "bulk", "fence": given}])
         session.commit()
@@ -1061,7 +1061,7 @@ def test_a_fence_in_an_orm_bulk_update_by_primary_key_is_never_written(
     given: int,
 ) -> None:
     seed(fencer, make_session, Job(id=1, result="initial"), Job(id=2, result="initial"))
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         session.execute(
             update(Job),
@@ -1084,7 +1084,7 @@ def test_a_fence_in_core_update_parameters_is_never_written(
     seed(fencer, make_session, Job(id=1, result="initial"))
     stmt = jobs.update().where(jobs.c.id == bindparam("job_id"))
     with (
-        fencer.lease("job:1", 5) as lease,
+        fencer.acquire("job:1", 5) as lease,
         scope_engine.connect() as conn,
         sa_fence.fence_connection(conn, lease),
     ):
@@ -1120,7 +1120,7 @@ def test_a_fence_in_insert_parameters_is_never_written(
     fencer: sa_fence.Fencer, scope_engine: sa.Engine, given: int
 ) -> None:
     with (
-        fencer.lease("job:1", 5) as lease,
+        fencer.acquire("job:1", 5) as lease,
         scope_engine.connect() as conn,
         sa_fence.fence_connection(conn, lease),
     ):
@@ -1148,7 +1148,7 @@ def test_a_multi_row_insert_writes_the_lease_token_as_every_rows_fence(
 ) -> None:
     """``INSERT ... VALUES (...), (...)`` from dicts or from tuples in column order."""
     with (
-        fencer.lease("job:1", 5) as lease,
+        fencer.acquire("job:1", 5) as lease,
         scope_engine.connect() as conn,
         sa_fence.fence_connection(conn, lease),
     ):
@@ -1179,7 +1179,7 @@ def test_a_statement_that_sets_the_fence_in_values_is_refused_and_nothing_is_wri
 ) -> None:
     seed_token = seed(fencer, make_session, Job(id=1, result="initial"))
     statements.clear()
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         if kind == "orm-update":
             with make_session() as session:
                 lease.bind(session)
@@ -1208,8 +1208,8 @@ def test_two_fenced_sessions_on_one_connection_are_refused_before_the_second_wri
 ) -> None:
     seed(fencer, make_session, Job(id=1, result="initial"))
     with (
-        fencer.lease("job:1", 5) as first,
-        fencer.lease("job:2", 5) as second,
+        fencer.acquire("job:1", 5) as first,
+        fencer.acquire("job:2", 5) as second,
         scope_engine.connect() as conn,
     ):
         outer = conn.begin()
@@ -1294,7 +1294,7 @@ def test_merge_of_a_detached_object_by_the_current_holder_commits(
     seed(fencer, make_session, Job(id=1, result="initial"))
     with make_session() as reader:
         detached = reader.get(Job, 1)  # carries the seed's fence
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         write_as(lease, make_session, lambda s: setattr(s.get(Job, 1), "result", "first"))
         detached.result = "merged"  # its fence is now older than the row's
         with make_session() as session:
@@ -1315,7 +1315,7 @@ def test_legacy_rows_whose_fence_is_null_are_writable_and_get_the_token(
                 "(2, 'old', NULL), (3, 'old', NULL)"
             )
         )
-    with fencer.lease("legacy", 5) as lease:
+    with fencer.acquire("legacy", 5) as lease:
         with make_session() as session:
             lease.bind(session)
             session.get(Legacy, 1).value = "orm"
@@ -1343,7 +1343,7 @@ def test_a_core_update_with_ordered_values_works_and_is_fenced(
         .ordered_values((jobs.c.result, "ordered"))
     )
     with (
-        fencer.lease("job:1", 5) as lease,
+        fencer.acquire("job:1", 5) as lease,
         scope_engine.connect() as conn,
         sa_fence.fence_connection(conn, lease),
     ):
@@ -1367,7 +1367,7 @@ def test_fence_connection_on_an_autocommit_connection_is_refused_before_anything
     fencer: sa_fence.Fencer, scope_engine: sa.Engine
 ) -> None:
     sent: list[str] = []
-    with fencer.lease("job:1", 5) as lease, scope_engine.connect() as plain:
+    with fencer.acquire("job:1", 5) as lease, scope_engine.connect() as plain:
         conn = plain.execution_options(isolation_level="AUTOCOMMIT")
 
         @sa.event.listens_for(conn, "before_cursor_execute")
@@ -1455,7 +1455,7 @@ def test_an_executemany_update_whose_where_does_not_pin_the_primary_key_is_refus
     stmt = update(table).where(where).values(result=bindparam("new"))
     statements.clear()
     with (
-        fencer.lease("batch", 5) as lease,
+        fencer.acquire("batch", 5) as lease,
         scope_engine.connect() as conn,
         sa_fence.fence_connection(conn, lease),
     ):
@@ -1474,7 +1474,7 @@ def test_a_single_update_whose_keys_are_ored_is_a_criteria_update(
     seed(fencer, make_session, Job(id=1, result="a"), Job(id=2, result="b"))
     where = sa.or_(jobs.c.id == bindparam("a"), jobs.c.id == bindparam("b"))
     with (
-        fencer.lease("batch", 5) as lease,
+        fencer.acquire("batch", 5) as lease,
         scope_engine.connect() as conn,
         sa_fence.fence_connection(conn, lease),
     ):
@@ -1506,7 +1506,7 @@ def test_many_sessions_of_the_current_lease_commit_concurrently(
             errors.append(exc)
             barrier.abort()
 
-    with fencer.lease("batch", 5) as lease:
+    with fencer.acquire("batch", 5) as lease:
         threads = [threading.Thread(target=work, args=(i, lease)) for i in range(workers)]
         for t in threads:
             t.start()

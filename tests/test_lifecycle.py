@@ -280,7 +280,7 @@ def test_a_blocking_acquire_gets_the_lease_once_the_holder_lets_go(
     holder = fencer.acquire("job:1", 30)
     threading.Timer(0.3, holder.release).start()
     started = time.monotonic()
-    with fencer.lease("job:1", 30, blocking=True, timeout=10) as waiter:
+    with fencer.acquire("job:1", 30, blocking=True, timeout=10) as waiter:
         assert 0.25 < time.monotonic() - started < 5
         assert waiter.token > holder.token
 
@@ -628,7 +628,7 @@ async def test_check_and_remaining_follow_the_local_validity_on_the_monotonic_cl
 def _write_after_validity(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], clock: FakeClock, **kw: Any
 ) -> None:
-    with fencer.lease("seed", 30) as seed, make_session() as session:
+    with fencer.acquire("seed", 30) as seed, make_session() as session:
         seed.bind(session)
         session.add(Job(id=1, result="initial"))
         session.commit()
@@ -664,7 +664,7 @@ def test_a_renewed_lease_past_its_validity_is_refused_at_the_flush_unasked(
     """A renewed lease whose renewal never came (its renewer stuck: here, none runs)
     is lost once its local validity passes, noticed by the flush's own check even
     when nobody asked ``lease.lost`` first, and without ``fail_fast``."""
-    with fencer.lease("seed", 30) as seed, make_session() as session:
+    with fencer.acquire("seed", 30) as seed, make_session() as session:
         seed.bind(session)
         session.add(Job(id=1, result="initial"))
         session.commit()

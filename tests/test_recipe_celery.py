@@ -163,7 +163,7 @@ def test_results_skips_and_errors_come_back_through_the_result_backend(
     assert row(engine, 1) == ("done (by results@localhost)", token)
 
     # contention, on_busy="raise": the error, its class and attributes intact
-    with module.fencer.lease("job:2", ttl=30) as held:
+    with module.fencer.acquire("job:2", ttl=30) as held:
         busy = module.finish_job.delay(2, "x")
         with pytest.raises(sa_fence.LeaseNotAcquiredError) as refused:
             busy.get(timeout=30)

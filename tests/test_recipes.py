@@ -104,7 +104,7 @@ def test_fastapi_a_fenced_session_dependency_writes_with_the_token_and_answers_4
         assert fence_of(engine, "api_jobs", "id", 1) == (1, "done", body["fence"])
         assert body["fence"] > 0  # the token, not the server default
 
-        with recipe.fencer.lease("job:1", ttl=30):  # another worker holds the job
+        with recipe.fencer.acquire("job:1", ttl=30):  # another worker holds the job
             busy = client.put("/jobs/1", json={"result": "late"})
         assert busy.status_code == 409
         assert "being worked on elsewhere" in busy.json()["detail"]
@@ -114,7 +114,7 @@ def test_fastapi_a_fenced_session_dependency_writes_with_the_token_and_answers_4
             for session in recipe.fenced_job_session(job_id):
                 lease = sa_fence.orm.session_state.state_of(session).lease
                 expire(lease)  # the request "pauses" past its TTL...
-                with recipe.fencer.lease(f"job:{job_id}", ttl=30):  # ...and another came
+                with recipe.fencer.acquire(f"job:{job_id}", ttl=30):  # ...and another came
                     pass
                 yield session
 
@@ -143,7 +143,7 @@ def test_flask_sqlalchemy_db_session_is_fenced_and_a_stale_commit_is_a_409(
     assert done.json["fence"] > 0
 
     fencer = app.extensions["sa_fence"]
-    with fencer.lease("job:1", ttl=30):
+    with fencer.acquire("job:1", ttl=30):
         assert client.put("/jobs/1", json={"result": "late"}).status_code == 409
 
     # Without a lease, db.session may not write fenced rows: the hook is on it.
@@ -224,7 +224,7 @@ def test_a_cron_run_writes_its_report_and_an_overlapping_run_skips(
     token = int(first.stdout.split()[-1])
     assert fence_of(engine, "cron_reports", "day", "2026-11-30")[-1] == token  # type: ignore[index]
 
-    with recipe.fencer.lease("report:2026-11-30", ttl=30):  # the previous run still works
+    with recipe.fencer.acquire("report:2026-11-30", ttl=30):  # the previous run still works
         overlap = run_cron(database_url, "2026-11-30")
     assert overlap.returncode == 0, overlap.stderr
     assert overlap.stdout.strip() == "report 2026-11-30: another run is working on it; skipped"

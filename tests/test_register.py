@@ -33,11 +33,11 @@ def keys(client: redis.Redis, prefix: str) -> list[bytes]:
 def test_each_grant_advances_the_register_to_its_token(
     fencer: sa_fence.Fencer, engine: sa.Engine
 ) -> None:
-    with fencer.lease("job:1", 5) as first:
+    with fencer.acquire("job:1", 5) as first:
         row = register_row(engine, "job:1")
         assert row.token == first.token
         assert row.granted_at is not None
-    with fencer.lease("job:1", 5) as second:
+    with fencer.acquire("job:1", 5) as second:
         row = register_row(engine, "job:1")
         assert (row.token, row.previous) == (second.token, first.token)
     assert second.token > first.token
@@ -149,7 +149,7 @@ def test_a_lease_name_with_quotes_and_backslashes_is_checked_at_commit(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
     name = "job:'1'\\; DROP TABLE jobs; --"
-    with fencer.lease(name, 5) as lease, make_session() as session:
+    with fencer.acquire(name, 5) as lease, make_session() as session:
         lease.bind(session)
         session.add(Job(id=1, result="ok"))
         session.commit()
@@ -162,7 +162,7 @@ def test_a_two_phase_session_is_refused_for_fenced_work(
     fencer: sa_fence.Fencer, engine: sa.Engine
 ) -> None:
     maker = sa_fence.install(sessionmaker(engine, twophase=True))
-    with fencer.lease("job:1", 5) as lease, maker() as session:
+    with fencer.acquire("job:1", 5) as lease, maker() as session:
         lease.bind(session)
         session.add(Job(id=1))
         with pytest.raises(sa_fence.FencingConfigError, match="two-phase"):

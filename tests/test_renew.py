@@ -74,7 +74,7 @@ async def renewers_left(front: Any) -> list[Any]:
 async def test_a_renewed_lease_outlives_its_ttl_and_is_still_ours(
     front: Any, redis_client: redis.Redis
 ) -> None:
-    async with entered(front.lease("job:1", TTL, renew=True)) as lease:
+    async with entered(front.acquire("job:1", TTL, renew=True)) as lease:
         assert len(renewal_tasks() if is_async(front) else renewer_threads()) == 1
         await asyncio.sleep(4 * TTL)
         assert redis_client.get(lease.key) == f"{lease.owner}:{lease.token}".encode()
@@ -91,7 +91,7 @@ async def test_without_renewal_the_same_lease_has_expired_and_another_owner_can_
     lease = await io(front.acquire("job:1", TTL))
     await asyncio.sleep(4 * TTL)
     assert redis_client.get(lease.key) is None
-    async with entered(front.lease("job:1", 5)) as other:
+    async with entered(front.acquire("job:1", 5)) as other:
         assert other.token > lease.token
     assert await io(lease.release()) is False
 
@@ -204,12 +204,12 @@ async def test_an_async_def_as_on_lost_is_refused_before_anything_is_written(
         with pytest.raises(TypeError, match=r"on_lost must be a plain callable.*asyncio\.Event"):
             await io(front.acquire("job:1", 30, renew=True, on_lost=on_lost))
         with pytest.raises(TypeError, match="on_lost must be a plain callable"):
-            async with entered(front.lease("job:1", 30, on_lost=on_lost)):
+            async with entered(front.acquire("job:1", 30, on_lost=on_lost)):
                 pass
         with pytest.raises(TypeError, match="on_lost must be a plain callable"):
             sa_fence.fenced("job:{job_id}", ttl=30, on_lost=on_lost)
     assert list(redis_client.scan_iter(match=key_prefix + "*")) == []
-    async with entered(front.lease("job:1", 30, on_lost=lambda lease: None)) as lease:
+    async with entered(front.acquire("job:1", 30, on_lost=lambda lease: None)) as lease:
         assert lease.token > 0  # a plain callable still is one
 
 
@@ -373,9 +373,9 @@ def test_a_renewal_the_acl_refuses_loses_the_lease_at_once_naming_the_acl(
 def test_a_forked_child_leaving_the_parents_lease_block_does_not_release_it(
     fencer: sa_fence.Fencer, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    """A raw os.fork() inside `with fencer.lease(...)`: the child runs the block's exit too,
+    """A raw os.fork() inside `with fencer.acquire(...)`: the child runs the block's exit too,
     and its RELEASE (the owner is the parent's) deleted the parent's live lease."""
-    with fencer.lease("job:fork", 30) as lease:
+    with fencer.acquire("job:fork", 30) as lease:
         pid = os.fork()
         if pid == 0:  # the child: leave the block as the parent will, then exit at once
             try:

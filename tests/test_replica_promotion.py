@@ -113,7 +113,7 @@ def fencer_on(
 def write_job(fencer: sa_fence.Fencer, engine: sa.Engine, job_id: int, result: str) -> int:
     """Take lease job:<id>, write the job under it, commit, release; return the token."""
     make_session = sa_fence.install(sessionmaker(engine))
-    with fencer.lease(f"job:{job_id}", 30) as lease, make_session() as session:
+    with fencer.acquire(f"job:{job_id}", 30) as lease, make_session() as session:
         lease.bind(session)
         session.merge(Job(id=job_id, result=result))
         session.commit()

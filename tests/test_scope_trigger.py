@@ -2018,7 +2018,7 @@ def test_under_snapshot_isolation_the_current_holder_commits(
     level: str, fencer: sa_fence.Fencer, scope_engine: sa.Engine
 ) -> None:
     name = f"job:{uuid.uuid4().hex[:8]}"
-    with fencer.lease(name, 5) as lease, _isolated(scope_engine, level)() as session:
+    with fencer.acquire(name, 5) as lease, _isolated(scope_engine, level)() as session:
         lease.bind(session)
         session.add(Outbox(id=1, message="current"))
         session.commit()
@@ -2035,7 +2035,7 @@ def test_under_snapshot_isolation_a_lease_granted_inside_the_transaction_cannot_
     shows no token (a new name) or an older one; acquire and bind first."""
     with _isolated(scope_engine, level)() as session:
         session.execute(sa.text("SELECT 1"))  # the snapshot
-        with fencer.lease(f"job:{uuid.uuid4().hex[:8]}", 5) as lease:
+        with fencer.acquire(f"job:{uuid.uuid4().hex[:8]}", 5) as lease:
             lease.bind(session)
             session.add(Outbox(id=1, message="late"))
             with pytest.raises(
@@ -2372,7 +2372,7 @@ def test_a_connection_lost_at_commit_is_invalidated_as_sqlalchemy_does(
     bound session's COMMIT went through lease scope's own step, which handed it back."""
     own = sa.create_engine(scope_engine.url)  # a pool of its own: the next session takes its one
     make = sa_fence.install(sessionmaker(own))
-    with fencer.lease("job:lost", 30) as lease:
+    with fencer.acquire("job:lost", 30) as lease:
         with make() as session:
             if bound:
                 lease.bind(session)

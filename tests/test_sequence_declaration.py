@@ -80,7 +80,7 @@ def test_a_fit_declaration_is_kept_and_grants_on_a_real_server(
     with fresh_database("fit_declared") as engine:
         metadata.create_all(engine)
         fencer = sa_fence.Fencer(redis_client, engine, key_prefix=key_prefix)
-        with fencer.lease("job:1", 5) as lease:
+        with fencer.acquire("job:1", 5) as lease:
             assert lease.token > 0
         fencer.close()
 

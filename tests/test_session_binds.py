@@ -62,7 +62,7 @@ def stale_write(
     session = old.bind(make())
     session.get_one(Job, 1).result = "stale"
     sa_fence.testing.expire(old)
-    with fencer.lease("job:1", 5) as newer, newer.bind(make()) as other:
+    with fencer.acquire("job:1", 5) as newer, newer.bind(make()) as other:
         other.get_one(Job, 1).result = "newer"
         other.commit()
     return newer, session
@@ -177,7 +177,7 @@ def test_the_users_listener_on_the_sessions_own_connection_keeps_firing(
     seen: list[str] = []
     with engine.connect() as conn:
         sa.event.listen(conn, "before_execute", lambda c, e, m, p, o: seen.append(type(e).__name__))
-        with fencer.lease("job:7", 5) as lease, lease.bind(make_session(bind=conn)) as session:
+        with fencer.acquire("job:7", 5) as lease, lease.bind(make_session(bind=conn)) as session:
             assert session.connection() is conn
             session.add(Job(id=7, result="through the user's connection"))
             session.commit()
@@ -193,7 +193,7 @@ def test_a_listener_added_to_the_engine_after_the_session_began_fires_too(
     def before_execute(conn, clauseelement, multiparams, params, execution_options):
         seen.append(type(clauseelement).__name__)
 
-    with fencer.lease("job:6", 5) as lease, lease.bind(make_session()) as session:
+    with fencer.acquire("job:6", 5) as lease, lease.bind(make_session()) as session:
         assert isinstance(session.connection(), statements.FencedConnection)
         sa.event.listen(engine, "before_execute", before_execute)
         try:
@@ -218,7 +218,7 @@ async def test_an_async_session_keeps_the_users_async_engine(
         assert session.bind is async_engine
         assert session.get_bind() is async_engine.sync_engine
         assert (await session.connection()).engine is async_engine
-        async with afencer.lease("job:8", 5) as lease:
+        async with afencer.acquire("job:8", 5) as lease:
             lease.bind(session)
             session.add(Job(id=8, result="async"))
             await session.commit()
@@ -236,7 +236,7 @@ async def test_an_async_scoped_session_finds_its_bind(
     )
     try:
         assert scoped.get_bind() is async_engine.sync_engine
-        async with afencer.lease("job:9", 5) as lease:
+        async with afencer.acquire("job:9", 5) as lease:
             lease.bind(scoped())
             scoped.add(Job(id=9, result="scoped"))
             await scoped.commit()
@@ -258,7 +258,7 @@ async def test_binding_an_async_scoped_session_fences_the_current_tasks_session(
         )
     )
     try:
-        async with afencer.lease("job:10", 5) as lease:
+        async with afencer.acquire("job:10", 5) as lease:
             assert lease.bind(scoped) is scoped
             assert session_state.bound_lease(scoped().sync_session) is lease
             scoped.add(Job(id=10, result="scoped"))
@@ -300,7 +300,7 @@ def test_sessions_sharing_a_connection_with_no_lease_anywhere_work_as_in_sqlalch
 def test_sessions_sharing_a_connection_with_the_same_lease_are_fenced(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
-    with fencer.lease("job:1", 5) as lease, lease.bind(make_session()) as s1:
+    with fencer.acquire("job:1", 5) as lease, lease.bind(make_session()) as s1:
         s1.add(Job(id=1, result="s1"))
         s1.flush()
         s2 = lease.bind(make_session(bind=s1.connection()))
@@ -317,7 +317,7 @@ def test_sql_that_goes_on_is_refused_from_either_session_sharing_a_connection(
 ) -> None:
     """The refusal of SQL that ends the transaction and goes on holds on a shared
     connection too, whichever of its sessions sends it (lease-scope.md)."""
-    with fencer.lease("job:1", 5) as lease, lease.bind(make_session()) as s1:
+    with fencer.acquire("job:1", 5) as lease, lease.bind(make_session()) as s1:
         s1.add(Job(id=1, result="s1"))
         s1.flush()
         s2 = lease.bind(make_session(bind=s1.connection()))
@@ -333,7 +333,7 @@ def test_sql_that_goes_on_is_refused_from_either_session_sharing_a_connection(
 def test_a_second_session_on_a_bound_sessions_connection_with_another_token_is_refused(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine, second: str
 ) -> None:
-    with fencer.lease("job:1", 5) as lease, fencer.lease("job:2", 5) as other:
+    with fencer.acquire("job:1", 5) as lease, fencer.acquire("job:2", 5) as other:
         s1 = lease.bind(make_session())
         s1.add(Job(id=1, result="s1"))
         s1.flush()
@@ -423,7 +423,7 @@ async def test_a_refused_second_async_session_may_not_flush_or_commit_either(
 def test_binding_a_lease_to_one_of_two_unbound_sessions_sharing_a_connection_is_refused(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
-    with make_session() as s1, fencer.lease("job:1", 5) as lease:
+    with make_session() as s1, fencer.acquire("job:1", 5) as lease:
         s2 = make_session(bind=s1.connection())
         s2.connection()
         with pytest.raises(sa_fence.FencingConfigError, match="different leases bound"):
@@ -441,7 +441,7 @@ def test_without_the_check_an_unbound_session_writes_with_another_sessions_token
     """The pair of the refusals above: their tokens are confused without the check."""
     seed(fencer, make_session, Job(id=1, result="initial"))
     monkeypatch.setattr(_flush, "_refuse_confusable", lambda connection, state, lease: None)
-    with make_session() as unbound, fencer.lease("job:1", 5) as lease:
+    with make_session() as unbound, fencer.acquire("job:1", 5) as lease:
         conn = unbound.connection()
         bound = lease.bind(make_session(bind=conn))
         bound.connection()  # begins on the shared connection: its state is the active one
@@ -472,7 +472,7 @@ def test_from_statement_dml_works_on_unfenced_tables_and_is_refused_on_fenced_on
         assert session.scalars(wrapped).one().message == "through from_statement"
         with pytest.raises(sa_fence.UnfencedWriteError):
             session.execute(fenced)
-    with fencer.lease("job:1", 5) as lease, lease.bind(make_session()) as session:
+    with fencer.acquire("job:1", 5) as lease, lease.bind(make_session()) as session:
         assert session.scalars(wrapped).one().message == "through from_statement"
         with pytest.raises(sa_fence.FencingConfigError, match="from_statement"):
             session.execute(fenced)
@@ -488,7 +488,7 @@ def test_without_the_from_statement_refusal_a_bound_write_leaves_the_fence_behin
     """The pair of the test above: the wrapped UPDATE neither compares nor writes the token."""
     first = seed(fencer, make_session, Job(id=1, result="initial"))
     monkeypatch.setattr(_flush, "_refuse_from_statement", lambda table: None)
-    with fencer.lease("job:1", 5) as lease, lease.bind(make_session()) as session:
+    with fencer.acquire("job:1", 5) as lease, lease.bind(make_session()) as session:
         session.execute(
             sa.select(Job).from_statement(
                 sa.update(Job).where(Job.id == 1).values(result="unfenced").returning(Job)
@@ -518,12 +518,12 @@ def test_an_installed_session_works_on_any_connection_until_a_lease_is_bound(
         assert session.scalar(sa.text("SELECT body FROM notes")) == "as without sa-fence"
         session.connection()  # a transaction on SQLite is under way
         with (
-            fencer.lease("notes", 5) as lease,
+            fencer.acquire("notes", 5) as lease,
             pytest.raises(sa_fence.FencingConfigError, match="needs PostgreSQL"),
         ):
             lease.bind(session)
         session.rollback()
-        with fencer.lease("notes", 5) as lease:
+        with fencer.acquire("notes", 5) as lease:
             lease.bind(session)  # no transaction yet: refused when one begins
             with pytest.raises(sa_fence.FencingConfigError, match="needs PostgreSQL"):
                 session.execute(sa.text("INSERT INTO notes (body) VALUES ('fenced')"))
@@ -536,7 +536,7 @@ def test_without_the_dialect_check_a_lease_on_sqlite_fails_obscurely_in_the_data
     monkeypatch.setattr(_flush, "check_dialect", lambda dialect: None)
     with (
         sa_fence.install(Session(bind=sqlite_connection)) as session,
-        fencer.lease("n", 5) as lease,
+        fencer.acquire("n", 5) as lease,
     ):
         lease.bind(session)
         # the first PostgreSQL-only statement fails: the arm of the transaction
@@ -567,7 +567,7 @@ def test_an_engine_made_per_request_is_collected_after_its_fenced_sessions(
 def test_fence_connection_on_a_sessions_connection_needs_the_sessions_lease(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
-    with fencer.lease("job:3", 5) as lease:
+    with fencer.acquire("job:3", 5) as lease:
         with make_session() as unbound:
             conn = unbound.connection()
             with (
@@ -591,7 +591,7 @@ def test_without_the_check_fence_connection_lends_its_token_to_an_unbound_sessio
 ) -> None:
     """The pair of the test above: the unbound session's write commits with the block's token."""
     monkeypatch.setattr(_flush, "_refuse_confusable", lambda connection, state, lease: None)
-    with fencer.lease("job:3", 5) as lease, make_session() as unbound:
+    with fencer.acquire("job:3", 5) as lease, make_session() as unbound:
         with sa_fence.fence_connection(unbound.connection(), lease):
             unbound.connection().execute(Job.__table__.insert().values(id=3, result="unbound"))
         unbound.commit()

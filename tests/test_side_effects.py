@@ -93,7 +93,7 @@ def test_a_stale_holders_mail_never_leaves_and_the_current_holders_leaves_once(
     enqueued_a = sa_fence.side_effect(session_a, app.tasks["send_mail"], **_mail(app, smtp, "a"))
     testing.expire(a)  # A pauses past its TTL
 
-    with fencer.lease(LEASE, ttl=30) as b, make_session() as session_b:
+    with fencer.acquire(LEASE, ttl=30) as b, make_session() as session_b:
         b.bind(session_b)
         session_b.get_one(Job, 1).result = "B"
         enqueued_b = sa_fence.side_effect(
@@ -133,7 +133,7 @@ def test_without_sa_fence_the_stale_holders_mail_is_delivered(
         **_mail(app, smtp, "a"), idempotency_key=f"{LEASE}:{a.token}:1"
     )
     testing.expire(a)
-    with fencer.lease(LEASE, ttl=30) as b, plain() as session_b:
+    with fencer.acquire(LEASE, ttl=30) as b, plain() as session_b:
         session_b.get_one(Job, 1).result = "B"
         send.configure(connection=session_b.connection().connection.driver_connection).defer(
             **_mail(app, smtp, "b"), idempotency_key=f"{LEASE}:{b.token}:1"
@@ -166,7 +166,7 @@ def test_a_job_deferred_outside_the_sessions_transaction_leaves_from_a_stale_hol
         session_a.get_one(Job, 1).result = "A"
         own_pool.tasks["send_mail"].defer(**_mail(app, smtp, "a"), idempotency_key="k")
         testing.expire(a)
-        with fencer.lease(LEASE, ttl=30) as b, make_session() as session_b:
+        with fencer.acquire(LEASE, ttl=30) as b, make_session() as session_b:
             b.bind(session_b)
             session_b.get_one(Job, 1).result = "B"
             session_b.commit()
@@ -185,13 +185,13 @@ def test_a_job_committed_while_current_is_delivered_after_the_lease_is_supersede
     app, conninfo, receivers, fencer, make_session
 ):
     http, _ = receivers
-    with fencer.lease(LEASE, ttl=30) as a, make_session() as session:
+    with fencer.acquire(LEASE, ttl=30) as a, make_session() as session:
         a.bind(session)
         enqueued = sa_fence.side_effect(
             session, app.tasks["send_webhook"], url=http.url, body={"by": "A"}
         )
         session.commit()  # A is current: the job commits
-    with fencer.lease(LEASE, ttl=30) as b:  # a newer grant before any worker runs
+    with fencer.acquire(LEASE, ttl=30) as b:  # a newer grant before any worker runs
         assert b.token > a.token
         q.run_worker(conninfo)
 
@@ -214,7 +214,7 @@ def test_a_worker_killed_mid_delivery_is_retried_with_the_same_key(
     app, conninfo, receivers, fencer, make_session, task, effects
 ):
     http, _ = receivers
-    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+    with fencer.acquire(LEASE, ttl=30) as lease, make_session() as session:
         lease.bind(session)
         enqueued = sa_fence.side_effect(session, app.tasks[task], url=http.url, body={"n": 1})
         session.commit()
@@ -255,7 +255,7 @@ def test_a_refused_delivery_is_retried_with_the_same_key_then_left_failed(
     app, conninfo, receivers, fencer, make_session, failures, status, attempts, effects
 ):
     http, _ = receivers
-    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+    with fencer.acquire(LEASE, ttl=30) as lease, make_session() as session:
         lease.bind(session)
         enqueued = sa_fence.side_effect(
             session, app.tasks["send_webhook"], url=http.url, body={"n": 1}
@@ -278,7 +278,7 @@ def test_each_effect_has_its_own_key_lease_token_transaction_and_number(
     app, conninfo, fencer, make_session
 ):
     send = app.tasks["send_webhook"]
-    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+    with fencer.acquire(LEASE, ttl=30) as lease, make_session() as session:
         lease.bind(session)
         one = sa_fence.side_effect(session, send, url="http://x.invalid", body={})
         two = sa_fence.side_effect(session, send, url="http://x.invalid", body={})
@@ -310,7 +310,7 @@ def test_effects_of_one_database_transaction_are_numbered_whatever_sends_them(
 ):
     """The number belongs to the database transaction, not to a session's transaction."""
     send = app.tasks["send_webhook"]
-    with fencer.lease(LEASE, ttl=30) as lease, engine.connect() as conn:
+    with fencer.acquire(LEASE, ttl=30) as lease, engine.connect() as conn:
         outer = conn.begin()
         if sharing == "two-sessions":
             first, second = make_session(bind=conn), make_session(bind=conn)
@@ -344,7 +344,7 @@ def test_a_deduplicating_receiver_applies_both_effects_of_a_joined_session(
     """End to end: a session joined to an outer transaction, committed after each effect."""
     http, _ = receivers
     send = app.tasks["send_webhook"]
-    with fencer.lease(LEASE, ttl=30) as lease, engine.connect() as conn:
+    with fencer.acquire(LEASE, ttl=30) as lease, engine.connect() as conn:
         outer = conn.begin()
         with make_session(bind=conn) as session:
             lease.bind(session)
@@ -361,7 +361,7 @@ def test_an_effect_rolled_back_with_its_savepoint_keeps_its_number_spent(
     app, conninfo, fencer, make_session
 ):
     send = app.tasks["send_webhook"]
-    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+    with fencer.acquire(LEASE, ttl=30) as lease, make_session() as session:
         lease.bind(session)
         nested = session.begin_nested()
         undone = sa_fence.side_effect(session, send, url="u", body={"n": 1})
@@ -378,7 +378,7 @@ def test_a_scoped_session_enqueues_through_its_current_session(app, conninfo, fe
 
     scoped = sa_fence.install(scoped_session(sessionmaker(engine)))
     try:
-        with fencer.lease(LEASE, ttl=30) as lease:
+        with fencer.acquire(LEASE, ttl=30) as lease:
             lease.bind(scoped)
             effect = sa_fence.side_effect(
                 scoped, app.tasks["send_webhook"], url="http://x.invalid", body={}
@@ -405,7 +405,7 @@ def test_a_fenced_function_enqueues_in_the_transaction_its_decorator_commits(
 
 
 def test_a_lease_name_is_percent_encoded_into_a_printable_key(app, conninfo, fencer, make_session):
-    with fencer.lease("mail für 7", ttl=30) as lease, make_session() as session:
+    with fencer.acquire("mail für 7", ttl=30) as lease, make_session() as session:
         lease.bind(session)
         effect = sa_fence.side_effect(
             session, app.tasks["send_webhook"], url="http://x.invalid", body={}
@@ -457,7 +457,7 @@ def test_bad_tasks_and_arguments_are_refused(app, conninfo, fencer, make_session
     def catch_all(**kwargs: Any) -> None:
         pass
 
-    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+    with fencer.acquire(LEASE, ttl=30) as lease, make_session() as session:
         lease.bind(session)
         with pytest.raises(TypeError, match="procrastinate task"):
             sa_fence.side_effect(session, keyless.func, url="u")  # type: ignore[arg-type]
@@ -473,7 +473,7 @@ def test_bad_tasks_and_arguments_are_refused(app, conninfo, fencer, make_session
             sa_fence.side_effect(object(), app.tasks["send_webhook"])  # type: ignore[arg-type]
         session.commit()
     _no_jobs(conninfo)
-    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+    with fencer.acquire(LEASE, ttl=30) as lease, make_session() as session:
         lease.bind(session)  # a task taking **kwargs takes the key too
         assert sa_fence.side_effect(session, catch_all, url="u").idempotency_key
         session.rollback()
@@ -495,7 +495,7 @@ def test_a_payload_jsonb_cannot_hold_is_refused_and_the_transaction_stays_usable
     """JSON that PostgreSQL's jsonb refuses: named before anything is sent, so the INSERT
     never aborts the holder's transaction and its other writes still commit."""
     _insert_job(make_session)
-    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+    with fencer.acquire(LEASE, ttl=30) as lease, make_session() as session:
         lease.bind(session)
         session.get_one(Job, 1).result = "written"
         session.flush()
@@ -517,7 +517,7 @@ def test_a_job_already_enqueued_under_its_queueing_lock_leaves_the_transaction_u
         pass
 
     _insert_job(make_session)
-    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+    with fencer.acquire(LEASE, ttl=30) as lease, make_session() as session:
         lease.bind(session)
         queued = sa_fence.side_effect(session, digest, user=1)
         session.commit()
@@ -550,7 +550,7 @@ def test_an_enqueue_that_aborts_the_transaction_makes_the_session_refuse_to_comm
     from procrastinate.exceptions import ConnectorException
 
     _insert_job(make_session)
-    with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+    with fencer.acquire(LEASE, ttl=30) as lease, make_session() as session:
         lease.bind(session)
         session.get_one(Job, 1).result = "written"
         session.flush()
@@ -571,7 +571,7 @@ async def test_async_an_enqueue_that_aborts_the_transaction_refuses_the_commit(
 ):
     from procrastinate.exceptions import ConnectorException
 
-    async with afencer.lease(LEASE, ttl=30) as lease, make_async_session() as session:
+    async with afencer.acquire(LEASE, ttl=30) as lease, make_async_session() as session:
         lease.bind(session)
         session.add(Job(id=1, result="written"))
         await session.flush()
@@ -595,7 +595,7 @@ async def test_sync_side_effect_refuses_an_app_whose_async_connector_is_open(
     _insert_job(make_session)
 
     def work() -> None:
-        with fencer.lease(LEASE, ttl=30) as lease, make_session() as session:
+        with fencer.acquire(LEASE, ttl=30) as lease, make_session() as session:
             lease.bind(session)
             session.get_one(Job, 1).result = "written"
             session.flush()
@@ -638,7 +638,7 @@ def test_a_database_without_the_queues_tables_is_named_and_nothing_commits(
         fencer = sa_fence.Fencer(redis_client, other, key_prefix=key_prefix)
         try:
             sessions = sa_fence.install(sessionmaker(other))
-            with fencer.lease(LEASE, ttl=30) as lease, sessions() as session:
+            with fencer.acquire(LEASE, ttl=30) as lease, sessions() as session:
                 lease.bind(session)
                 session.add(Job(id=1, result="written with the effect"))
                 session.flush()
@@ -698,7 +698,7 @@ async def test_async_a_stale_holders_webhook_never_leaves(
         a.bind(session_a)
         await sa_fence.side_effect_async(session_a, send, url=http.url, body={"by": "A"})
         expire(redis_client, a)
-        async with afencer.lease(LEASE, ttl=30) as b, make_async_session() as session_b:
+        async with afencer.acquire(LEASE, ttl=30) as b, make_async_session() as session_b:
             b.bind(session_b)
             enqueued_b = await sa_fence.side_effect_async(
                 session_b, send, url=http.url, body={"by": "B"}

@@ -36,7 +36,7 @@ def status(
 def test_a_held_lease_shows_its_token_ttl_and_a_hash_of_its_owner_never_the_owner(
     fencer: sa_fence.Fencer, engine: sa.Engine, key_prefix: str
 ) -> None:
-    with fencer.lease("job:1", ttl=30) as lease:
+    with fencer.acquire("job:1", ttl=30) as lease:
         done = status("job:1", "--json", url=engine.url, key_prefix=key_prefix)
         table = status("job:1", url=engine.url, key_prefix=key_prefix)
     assert done.returncode == 0, done.stderr
@@ -59,7 +59,7 @@ def test_a_held_lease_shows_its_token_ttl_and_a_hash_of_its_owner_never_the_owne
 def test_a_released_lease_is_free_and_keeps_its_last_token(
     fencer: sa_fence.Fencer, engine: sa.Engine, key_prefix: str
 ) -> None:
-    with fencer.lease("job:2", ttl=30) as lease:
+    with fencer.acquire("job:2", ttl=30) as lease:
         pass
     done = status("job:2", "--json", url=engine.url, key_prefix=key_prefix)
     assert done.returncode == 0, done.stderr
@@ -137,7 +137,7 @@ def test_the_key_prefix_comes_from_sa_fence_key_prefix_and_the_flag_wins(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("SA_FENCE_KEY_PREFIX", key_prefix)
-    with fencer.lease("env:1", ttl=30) as lease:
+    with fencer.acquire("env:1", ttl=30) as lease:
         from_env = status_in_process("--json", "env:1", engine=engine, capsys=capsys)
         flag_wins = status_in_process(
             "--json", "--key-prefix", "another:", "env:1", engine=engine, capsys=capsys
@@ -156,7 +156,7 @@ def test_a_held_lease_read_under_the_wrong_prefix_is_free_with_a_hint_naming_the
     key_prefix: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    with fencer.lease("hint:1", ttl=30):
+    with fencer.acquire("hint:1", ttl=30):
         code, out, err = status_in_process(
             "--key-prefix", "sa_fence_wrong:", "hint:1", engine=engine, capsys=capsys
         )
@@ -175,7 +175,7 @@ def test_no_hint_when_a_registered_name_is_held_under_the_prefix(
     fencer: sa_fence.Fencer, engine: sa.Engine, key_prefix: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fencer.acquire("quiet:1", ttl=30).release()
-    with fencer.lease("quiet:2", ttl=30):
+    with fencer.acquire("quiet:2", ttl=30):
         code, out, err = status_in_process(
             "--key-prefix", key_prefix, "quiet:1", "quiet:2", engine=engine, capsys=capsys
         )
@@ -210,7 +210,7 @@ def test_no_note_when_the_prefix_is_in_use_though_another_prefix_holds_the_name(
     for has keys, so it is the right one and the name is just not held under it."""
     other_prefix = f"{key_prefix.rstrip(':')}-other-app:"
     other = sa_fence.Fencer(redis_client, engine, sequence=SEQUENCE, key_prefix=other_prefix)
-    with fencer.lease("inuse:busy", ttl=30), other.lease("inuse:1", ttl=30):
+    with fencer.acquire("inuse:busy", ttl=30), other.acquire("inuse:1", ttl=30):
         code, out, err = status_in_process(
             "--key-prefix", key_prefix, "inuse:1", engine=engine, capsys=capsys
         )
@@ -247,7 +247,7 @@ def test_without_the_hint_a_wrong_prefix_shows_a_held_lease_as_free_silently(
     """The pair of the hint test: with the check removed, nothing tells the reader."""
     url = engine.url.render_as_string(hide_password=False)
     args = ("--sequence", SEQUENCE, "--url", url, "--redis", REDIS_URL, "pair:1")
-    with fencer.lease("pair:1", ttl=30):
+    with fencer.acquire("pair:1", ttl=30):
         assert cli.main(["status", "--key-prefix", "sa_fence_wrong:", *args]) == 0
         assert "note: Redis holds no key" in capsys.readouterr().err
         monkeypatch.setattr(_status, "no_keys_hint", lambda *_: "")  # the hint switched off

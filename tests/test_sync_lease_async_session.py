@@ -111,7 +111,7 @@ async def test_a_sync_lease_lost_or_renewed_behaves_in_an_async_session_as_in_a_
 async def test_binding_a_sync_lease_mid_transaction_is_refused_as_an_async_lease_is(
     sync_fencer: sa_fence.Fencer, make_async_session: async_sessionmaker[AsyncSession]
 ) -> None:
-    with sync_fencer.lease("job:4", 30) as lease:
+    with sync_fencer.acquire("job:4", 30) as lease:
         async with make_async_session() as session:
             await session.execute(sa.text("SELECT 1"))
             with pytest.raises(sa_fence.FencingConfigError, match=r"run_sync\(lambda s"):

@@ -181,7 +181,7 @@ def test_a_busy_lease_counts_as_busy_and_its_span_is_not_an_error(
 ) -> None:
     with (
         otel.tracer.start_as_current_span("caller"),
-        tfencer.lease("job:1", ttl=5),
+        tfencer.acquire("job:1", ttl=5),
         pytest.raises(sa_fence.LeaseNotAcquiredError),
     ):
         tfencer.acquire("job:1", ttl=5)
@@ -230,7 +230,7 @@ def test_a_bad_argument_is_not_counted_as_an_acquire(otel: Otel, tfencer: sa_fen
 def test_background_renewals_are_counted_ok_and_are_events_of_the_lease_span(
     otel: Otel, tfencer: sa_fence.Fencer
 ) -> None:
-    with otel.tracer.start_as_current_span("caller"), tfencer.lease("job:1", ttl=0.3, renew=True):
+    with otel.tracer.start_as_current_span("caller"), tfencer.acquire("job:1", ttl=0.3, renew=True):
         wait_for(lambda: otel.count("sa_fence.lease.renewals", outcome="ok"), 5, "a renewal")
     renewals = otel.count("sa_fence.lease.renewals", outcome="ok")
     assert renewals >= 1
@@ -247,7 +247,7 @@ def test_background_renewals_are_counted_ok_and_are_events_of_the_lease_span(
 def test_renewals_of_a_lease_acquired_outside_any_trace_are_counted_not_traced(
     otel: Otel, tfencer: sa_fence.Fencer
 ) -> None:
-    with tfencer.lease("job:1", ttl=0.3, renew=True):
+    with tfencer.acquire("job:1", ttl=0.3, renew=True):
         wait_for(lambda: otel.count("sa_fence.lease.renewals", outcome="ok"), 5, "a renewal")
     assert otel.count("sa_fence.lease.renewals", outcome="ok") >= 1
     assert otel.spans.get_finished_spans() == ()
@@ -296,7 +296,7 @@ def test_release_records_the_hold_time_as_released_or_expired(
     otel: Otel, tfencer: sa_fence.Fencer
 ) -> None:
     with otel.tracer.start_as_current_span("caller"):
-        with tfencer.lease("job:1", ttl=5):
+        with tfencer.acquire("job:1", ttl=5):
             time.sleep(0.05)
         lease = tfencer.acquire("job:2", ttl=5)
         expire(lease)
@@ -319,7 +319,7 @@ def test_release_records_the_hold_time_as_released_or_expired(
 def test_the_first_write_after_the_grant_is_timed_once(
     otel: Otel, tfencer: sa_fence.Fencer, make_session: sessionmaker[Session]
 ) -> None:
-    with tfencer.lease("job:1", ttl=5) as lease:
+    with tfencer.acquire("job:1", ttl=5) as lease:
         time.sleep(0.02)
         _job(make_session, lease, 1)
         with make_session() as session:
@@ -335,7 +335,7 @@ def test_a_fenced_flush_and_its_commit_check_are_traced_and_timed(
     otel: Otel, tfencer: sa_fence.Fencer, make_session: sessionmaker[Session]
 ) -> None:
     with (
-        tfencer.lease("job:1", ttl=5) as lease,
+        tfencer.acquire("job:1", ttl=5) as lease,
         otel.tracer.start_as_current_span("caller") as caller,
     ):
         _job(make_session, lease, 1)
@@ -373,7 +373,7 @@ def test_a_stale_commit_is_counted_as_refused_by_lease_scope(
         expire(old)
         with (
             otel.tracer.start_as_current_span("caller"),
-            tfencer.lease("job:1", ttl=5),
+            tfencer.acquire("job:1", ttl=5),
             pytest.raises(sa_fence.StaleTokenError),
         ):
             COMMITS[commit](session)
@@ -398,7 +398,7 @@ def test_a_stale_commit_sent_as_sql_counts_under_the_lease_found_stale(
             session.flush()
         expire(alpha)
         with (
-            tfencer.lease("alpha:1", ttl=5),
+            tfencer.acquire("alpha:1", ttl=5),
             pytest.raises(sa_fence.StaleTokenError) as refused,
         ):
             session.execute(sa.text("COMMIT"))
@@ -417,7 +417,7 @@ def test_a_fenced_connection_refused_at_a_commit_sent_as_sql_times_no_ok_commit_
     with engine.connect() as conn, sa_fence.fence_connection(conn, old):
         conn.execute(sa.insert(Audit).values(message="late"))
         expire(old)
-        with tfencer.lease("job:1", ttl=5), pytest.raises(sa_fence.StaleTokenError):
+        with tfencer.acquire("job:1", ttl=5), pytest.raises(sa_fence.StaleTokenError):
             conn.execute(sa.text("COMMIT"))
         conn.commit()
     assert otel.count("sa_fence.commit_check.duration", outcome="ok") == 0
@@ -431,7 +431,7 @@ def test_a_stale_row_write_is_counted_as_refused_by_the_row_fence(
 ) -> None:
     old = tfencer.acquire("job:1", ttl=5)
     expire(old)
-    with tfencer.lease("job:1", ttl=5) as new:
+    with tfencer.acquire("job:1", ttl=5) as new:
         _job(make_session, new, 1)
     with make_session() as session:
         old.bind(session)
@@ -461,7 +461,7 @@ def test_an_unfenced_write_is_counted_as_refused(
 def test_outside_any_trace_nothing_is_traced_and_everything_is_counted(
     otel: Otel, tfencer: sa_fence.Fencer, make_session: sessionmaker[Session]
 ) -> None:
-    with tfencer.lease("job:1", ttl=5) as lease:
+    with tfencer.acquire("job:1", ttl=5) as lease:
         _job(make_session, lease, 1)
     assert otel.spans.get_finished_spans() == ()
     assert otel.count("sa_fence.lease.acquires", outcome="granted") == 1
@@ -480,7 +480,7 @@ def test_root_spans_trace_each_operation_outside_any_trace(
     fencer = sa_fence.Fencer(
         redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=telemetry
     )
-    with fencer.lease("job:1", ttl=5) as lease:
+    with fencer.acquire("job:1", ttl=5) as lease:
         _job(make_session, lease, 1)
     names = sorted(s.name for s in otel.spans.get_finished_spans())
     assert names == ["sa_fence.commit_check", "sa_fence.flush", "sa_fence.lease"]
@@ -810,7 +810,7 @@ async def test_async_acquire_and_release_report_as_the_sync_ones_do(
             client, async_engine, sequence=SEQUENCE, key_prefix=key_prefix, telemetry=otel.telemetry
         )
         with otel.tracer.start_as_current_span("caller"):
-            async with fencer.lease("job:5", ttl=5):
+            async with fencer.acquire("job:5", ttl=5):
                 with pytest.raises(sa_fence.LeaseNotAcquiredError):
                     await fencer.acquire("job:5", ttl=5)
     finally:
@@ -918,7 +918,7 @@ from sa_fence.lease import lifecycle
 from sa_fence import telemetry as _telemetry
 assert not _telemetry.Telemetry().enabled
 {_fencer_code(engine, key_prefix)}
-with fencer.lease("job:1", ttl=5) as lease:
+with fencer.acquire("job:1", ttl=5) as lease:
     print("token", lease.token)
 """
     done = _run_python(code)
@@ -1005,19 +1005,19 @@ with trace.use_span(parent):
         session.add(Audit(message="late"))
         session.flush()
         expire(old)
-        with fencer.lease("job:1", ttl=5):
+        with fencer.acquire("job:1", ttl=5):
             try:
                 session.commit()
             except sa_fence.StaleTokenError:
                 print("refused")
-    with fencer.lease("job:2", ttl=5) as lease, make_session() as session:
+    with fencer.acquire("job:2", ttl=5) as lease, make_session() as session:
         lease.bind(session)
         session.add(Audit(message="on time"))
         session.commit()
 print("pending", len(pending))
 
 {_SET_GLOBAL_PROVIDERS}with trace.get_tracer("app").start_as_current_span("request"):
-    with fencer.lease("job:3", ttl=5) as lease, make_session() as session:
+    with fencer.acquire("job:3", ttl=5) as lease, make_session() as session:
         lease.bind(session)
         session.add(Audit(message="traced"))
         session.commit()

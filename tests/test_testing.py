@@ -31,7 +31,7 @@ def test_expire_ends_the_lease_in_redis_but_the_holder_still_believes_it_holds_i
 def test_the_docstring_scenario_refuses_the_expired_holders_write(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session]
 ) -> None:
-    with fencer.lease("seed", 30) as seed, make_session() as session:
+    with fencer.acquire("seed", 30) as seed, make_session() as session:
         seed.bind(session)
         session.add(Job(id=1, result="initial"))
         session.commit()
@@ -39,7 +39,7 @@ def test_the_docstring_scenario_refuses_the_expired_holders_write(
     session_a = a.bind(make_session())
     session_a.get(Job, 1).result = "A"
     expire(a)
-    with fencer.lease("job:1", ttl=30) as b, make_session() as session_b:
+    with fencer.acquire("job:1", ttl=30) as b, make_session() as session_b:
         b.bind(session_b)
         session_b.get(Job, 1).result = "B"
         session_b.commit()

@@ -556,7 +556,7 @@ def test_the_readme_client_with_a_2_s_budget_is_refused_naming_which_number_to_c
             key_prefix=key_prefix,
             timeout=timeout,
         )
-        with fencer.lease("job:1", 5) as lease:
+        with fencer.acquire("job:1", 5) as lease:
             assert lease.token > 0
     # retries alone outlasting the budget: dropping them is enough
     with pytest.raises(sa_fence.FencingConfigError) as refused:

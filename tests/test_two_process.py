@@ -70,7 +70,7 @@ def _pause_a_past_its_ttl(a: LeaseWorker, fencer: sa_fence.Fencer) -> int:
 
 
 def _b_takes_over_and_writes(fencer: sa_fence.Fencer, make_session: sessionmaker[Session]) -> int:
-    with fencer.lease(LEASE_NAME, ttl=30) as lease, make_session() as session:
+    with fencer.acquire(LEASE_NAME, ttl=30) as lease, make_session() as session:
         lease.bind(session)
         session.get_one(Job, JOB_ID).result = "B"
         session.commit()

@@ -42,7 +42,7 @@ def rows(engine: sa.Engine) -> dict[int, tuple[Any, ...]]:
 
 def write_newer(fencer: sa_fence.Fencer, make_session: sessionmaker[Session], *ids: int) -> int:
     """A newer holder (a lease granted after the caller's) writes ``ids``; its token."""
-    with fencer.lease("newer", 5) as lease, make_session() as session:
+    with fencer.acquire("newer", 5) as lease, make_session() as session:
         lease.bind(session)
         for i in ids:
             session.merge(Job(id=i, result="newer"))
@@ -119,7 +119,7 @@ def test_the_current_holders_upsert_inserts_then_updates_and_the_row_carries_its
     fencer: sa_fence.Fencer, engine: sa.Engine, front: tuple[str, Send, Any]
 ) -> None:
     _, send, target = front
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         assert send(lease, upsert(target, "inserted"), None) == 1
         assert rows(engine) == {1: ("inserted", lease.token)}
         assert send(lease, upsert(target, "updated"), None) == 1
@@ -130,7 +130,7 @@ def test_an_upsert_over_an_older_holders_row_takes_it_over(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
     older = write_newer(fencer, make_session, 1)  # granted before the lease below
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         _session_sender(make_session)(lease, upsert(jobs, "taken over"), None)
     assert rows(engine) == {1: ("taken over", lease.token)}
     assert lease.token > older
@@ -139,7 +139,7 @@ def test_an_upsert_over_an_older_holders_row_takes_it_over(
 def test_a_returning_upsert_returns_the_row_with_the_token_as_its_fence(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         for result in ("inserted", "updated"):
             stmt = upsert(Job, result).returning(Job.id, Job.result, Job.fence)
@@ -154,7 +154,7 @@ def test_a_returning_upsert_returns_the_row_with_the_token_as_its_fence(
 def test_an_upsert_may_set_columns_from_excluded(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         send = _session_sender(make_session)
         for result in ("first", "second"):
             stmt = insert(jobs).values(id=1, result=result, status="s-" + result)
@@ -243,7 +243,7 @@ def test_a_stale_upsert_on_a_composite_key_names_the_whole_key(
     fencer: sa_fence.Fencer, make_session: sessionmaker[Session], engine: sa.Engine
 ) -> None:
     stale = fencer.acquire("sheet:s", 5)
-    with fencer.lease("newer", 5) as newer:
+    with fencer.acquire("newer", 5) as newer:
         _session_sender(make_session)(newer, cell_upsert("newer"), None)
     with pytest.raises(sa_fence.StaleTokenError) as refused:
         _session_sender(make_session)(stale, cell_upsert("stale"), None)
@@ -260,7 +260,7 @@ async def test_an_async_sessions_upsert_is_fenced(
     engine: sa.Engine,
 ) -> None:
     stale = await afencer.acquire("job:1", 30)
-    async with afencer.lease("newer", 30) as newer, make_async_session() as session:
+    async with afencer.acquire("newer", 30) as newer, make_async_session() as session:
         newer.bind(session)
         await session.execute(upsert(Job, "newer"))
         await session.execute(upsert(Job, "newer again"))
@@ -307,7 +307,7 @@ def test_without_the_fence_predicate_a_stale_composite_key_upsert_lands(
 ) -> None:
     without_the_fence_predicate(monkeypatch)
     stale = fencer.acquire("sheet:s", 5)
-    with fencer.lease("newer", 5) as newer:
+    with fencer.acquire("newer", 5) as newer:
         _session_sender(make_session)(newer, cell_upsert("newer"), None)
     _session_sender(make_session)(stale, cell_upsert("stale"), None)
     with engine.connect() as conn:
@@ -324,7 +324,7 @@ async def test_without_the_fence_predicate_an_async_stale_upsert_lands(
 ) -> None:
     without_the_fence_predicate(monkeypatch)
     stale = await afencer.acquire("job:1", 30)
-    async with afencer.lease("newer", 30) as newer, make_async_session() as session:
+    async with afencer.acquire("newer", 30) as newer, make_async_session() as session:
         newer.bind(session)
         await session.execute(upsert(Job, "newer"))
         await session.commit()
@@ -382,7 +382,7 @@ def test_an_upsert_whose_set_names_the_fence_is_refused_and_nothing_is_sent(
     stmt = insert(jobs).values(id=1, result="x")
     fence_key: Any = "fence" if key == "name" else jobs.c.fence
     stmt = stmt.on_conflict_do_update(index_elements=["id"], set_={fence_key: 0, "result": "y"})
-    with fencer.lease("job:1", 5) as lease, make_session() as session:
+    with fencer.acquire("job:1", 5) as lease, make_session() as session:
         lease.bind(session)
         statements.clear()
         with pytest.raises(sa_fence.FencingConfigError, match=r"set_=.*sets jobs\.fence itself"):
@@ -430,7 +430,7 @@ def test_an_upsert_with_its_own_where_skips_newer_rows_silently_like_a_criteria_
     send = _session_sender(make_session)
     assert send(stale, conditional(1), None) == 0  # skipped: a newer fence
     assert rows(engine) == {1: ("newer", newer), 2: ("newer", newer)}
-    with fencer.lease("newest", 5) as newest:
+    with fencer.acquire("newest", 5) as newest:
         assert send(newest, conditional(2), None) == 1  # the caller's WHERE and the fence pass
     assert rows(engine)[2] == ("stale", newest.token)
     stale.release()
@@ -474,7 +474,7 @@ def test_multi_row_and_insert_select_inserts_write_the_token_on_every_row(
         two = sa.select(sa.literal(2).label("id"), sa.literal("b").label("result"))
         source: Any = sa.union_all(one, two) if form == "from-union" else one
         stmt = insert(target).from_select(["id", "result"], source)
-    with fencer.lease("job:1", 5) as lease:
+    with fencer.acquire("job:1", 5) as lease:
         send(lease, stmt, None)
     expected = {1: ("a", lease.token), 2: ("b", lease.token)}
     if form == "from-select":
@@ -488,7 +488,7 @@ def test_an_insert_select_that_names_the_fence_is_refused(
     source = sa.select(sa.literal(1), sa.literal("x"), sa.literal(2**63 - 1))
     stmt = insert(jobs).from_select(["id", "result", "fence"], source)
     with (
-        fencer.lease("job:1", 5) as lease,
+        fencer.acquire("job:1", 5) as lease,
         pytest.raises(sa_fence.FencingConfigError, match=r"sets jobs\.fence itself"),
     ):
         _session_sender(make_session)(lease, stmt, None)
@@ -520,7 +520,7 @@ def test_fenced_upserts_pass_a_guard_trigger_and_a_stale_one_is_refused(
 
     try:
         stale = fencer.acquire("job:1", 5)
-        with fencer.lease("newer", 5) as newer:
+        with fencer.acquire("newer", 5) as newer:
             for result in ("inserted", "updated"):
                 _session_sender(make)(newer, demo_upsert(result), None)
         with guarded.connect() as conn:
@@ -552,7 +552,7 @@ def test_without_the_token_presented_in_the_comparison_the_guard_refuses_a_repea
         index_elements=["job_id", "step"], set_={"output": stmt.excluded.output}
     )
     try:
-        with fencer.lease("job:2", 5) as lease:
+        with fencer.acquire("job:2", 5) as lease:
             _session_sender(make)(lease, stmt, None)  # the INSERT: its fence is its token
             with pytest.raises(sa_fence.UnfencedWriteError):
                 _session_sender(make)(lease, stmt, None)

@@ -115,7 +115,7 @@ async def retry_stalled_jobs(context: procrastinate.JobContext, timestamp: int) 
 
 def finish(job_id: int, result: str, webhook_url: str) -> str:
     """Write the job's result and announce it; returns the webhook's idempotency key."""
-    with fencer.lease(f"job:{job_id}", ttl=30) as lease, Session() as session:
+    with fencer.acquire(f"job:{job_id}", ttl=30) as lease, Session() as session:
         lease.bind(session)
         session.get_one(Job, job_id).result = result
         effect = sa_fence.side_effect(

@@ -47,7 +47,7 @@ def create_tables() -> None:
 
 def finish_job(job_id: int, result: str) -> Job:
     """Store job ``job_id``'s result under its lease; the row's fence is the lease's token."""
-    with fencer.lease(f"job:{job_id}", ttl=30) as lease, Sessions() as session:
+    with fencer.acquire(f"job:{job_id}", ttl=30) as lease, Sessions() as session:
         lease.bind(session)
         job = session.get(Job, job_id) or Job(id=job_id)
         job.result = result

@@ -630,7 +630,7 @@ def run(
         )
         with bench_objects(engine, client, schema) as fencer:
             timings = lease_section(fencer, client, engine.url, schema, settings, progress)
-            with fencer.lease("flush", ttl=3600) as lease:
+            with fencer.acquire("flush", ttl=3600) as lease:
                 flush = FlushBench(engine, schema, lease, rows)
                 flush.seed()
                 scope = flush.verify_lease_scope()

@@ -5,7 +5,7 @@ transaction as a `procrastinate <https://procrastinate.readthedocs.io/>`_ job: t
 job row commits with the transaction lease scope checks (a stale holder's never
 does), and carries an idempotency key, ``<lease name>:<token>:<transaction>:<n>``::
 
-    with fencer.lease("order:7", ttl=30) as lease, Session() as session:
+    with fencer.acquire("order:7", ttl=30) as lease, Session() as session:
         lease.bind(session)
         session.get(Order, 7).state = "paid"
         sa_fence.side_effect(session, send_receipt, order_id=7)

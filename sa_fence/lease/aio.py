@@ -1,7 +1,7 @@
 """The asyncio front end: :class:`AsyncFencer` and :class:`AsyncLease`::
 
     fencer = sa_fence.AsyncFencer(redis.asyncio.Redis(socket_timeout=5), async_engine)
-    async with fencer.lease("job:1", ttl=30) as lease, Session() as session:
+    async with fencer.acquire("job:1", ttl=30) as lease, Session() as session:
         lease.bind(session)
         (await session.get(Job, 1)).result = "done"
         await session.commit()        # StaleTokenError if a newer holder wrote
@@ -17,9 +17,9 @@ import asyncio
 import contextlib
 import logging
 import time
+import warnings
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -49,6 +49,62 @@ T = TypeVar("T")
 AsyncOnLost = Callable[["AsyncLease"], object]
 
 RENEWAL_TASK_NAME = "sa-fence-renew"
+
+
+class Acquiring(Coroutine[Any, Any, "AsyncLease"]):
+    """What :meth:`AsyncFencer.acquire` returns: awaited (or run as a task), the
+    :class:`AsyncLease`; entered with ``async with``, the lease, released on exit.  One way
+    for both, as ``with fencer.acquire(...)`` is for :class:`~sa_fence.Fencer` (whose
+    ``Lease`` is its own context manager).  A coroutine (``asyncio.create_task`` and
+    ``wait_for`` take it) whose acquire starts at the first await, once."""
+
+    __slots__ = ("_args", "_lease", "_running", "_start")
+
+    def __init__(self, start: Callable[..., Coroutine[Any, Any, AsyncLease]], *args: Any) -> None:
+        self._start: Callable[..., Coroutine[Any, Any, AsyncLease]] | None = start
+        self._args = args
+        self._running: Coroutine[Any, Any, AsyncLease] | None = None
+        self._lease: AsyncLease | None = None
+
+    def _coroutine(self) -> Coroutine[Any, Any, AsyncLease]:
+        if self._running is None:
+            start, self._start = self._start, None
+            if start is None:
+                raise RuntimeError("cannot reuse already awaited or closed AsyncFencer.acquire()")
+            self._running = start(*self._args)
+        return self._running
+
+    def send(self, value: Any) -> Any:
+        return self._coroutine().send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        return self._coroutine().throw(typ, val, tb)
+
+    def close(self) -> None:
+        self._start = None  # never started: nothing to warn about once closed
+        if self._running is not None:
+            self._running.close()
+
+    def __await__(self) -> Generator[Any, None, AsyncLease]:
+        return self._coroutine().__await__()
+
+    async def __aenter__(self) -> AsyncLease:
+        self._lease = await self._coroutine()
+        return self._lease
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            await lease.__aexit__(*exc_info)
+
+    def __del__(self) -> None:
+        if getattr(self, "_start", None) is not None:  # as a coroutine never awaited warns
+            warnings.warn(
+                "AsyncFencer.acquire() was never awaited nor entered, so no lease was taken: "
+                "write `lease = await fencer.acquire(...)` or `async with fencer.acquire(...)`",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 def _keep_quiet(task: asyncio.Task[Any]) -> None:
@@ -188,8 +244,7 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         """Check the token sequence and ``synchronous_commit`` now (see ``Fencer.check``)."""
         await greenlet_spawn(self._tokens.check)
 
-    @_telemetry.traced_acquire_async
-    async def acquire(
+    def acquire(
         self,
         name: str,
         ttl: float,
@@ -199,38 +254,20 @@ class AsyncFencer(FencerCore["aioredis.Redis | aioredis.RedisCluster", AsyncEngi
         renew: bool = False,
         on_lost: AsyncOnLost | None = None,
         fail_fast: bool | None = None,
-    ) -> AsyncLease:
+    ) -> Acquiring:
         """Take lease ``name`` for ``ttl`` seconds and draw its token, as
-        :meth:`sa_fence.Fencer.acquire`.  Cancelled at any ``await``, it removes what it may
-        have set in Redis before ``CancelledError`` propagates, and starts no renewal."""
-        return await greenlet_spawn(
-            steps.acquire, self, name, ttl, blocking, timeout, renew, on_lost, fail_fast
+        :meth:`sa_fence.Fencer.acquire`: ``lease = await fencer.acquire(...)``, or
+        ``async with fencer.acquire(...) as lease:``, which releases on exit (also when the
+        body was cancelled).  Nothing is sent until it is awaited or entered.  Cancelled at any
+        ``await``, it removes what it may have set in Redis before ``CancelledError``
+        propagates, and starts no renewal."""
+        return Acquiring(
+            self._acquire_lease, name, ttl, blocking, timeout, renew, on_lost, fail_fast
         )
 
-    @asynccontextmanager
-    async def lease(
-        self,
-        name: str,
-        ttl: float,
-        *,
-        blocking: bool = False,
-        timeout: float | None = None,
-        renew: bool = False,
-        on_lost: AsyncOnLost | None = None,
-        fail_fast: bool | None = None,
-    ) -> AsyncIterator[AsyncLease]:
-        """``async with fencer.lease(name, ttl) as lease:`` acquires, then releases on exit, as
-        :meth:`sa_fence.Fencer.lease`; the release also runs when the body was cancelled."""
-        async with await self.acquire(
-            name,
-            ttl,
-            blocking=blocking,
-            timeout=timeout,
-            renew=renew,
-            on_lost=on_lost,
-            fail_fast=fail_fast,
-        ) as lease:
-            yield lease
+    @_telemetry.traced_acquire_async
+    async def _acquire_lease(self, *args: Any) -> AsyncLease:
+        return await greenlet_spawn(steps.acquire, self, *args)
 
     async def prune(
         self,

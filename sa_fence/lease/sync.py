@@ -12,8 +12,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -297,7 +296,10 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine", Le
         on_lost: OnLost | None = None,
         fail_fast: bool | None = None,
     ) -> Lease:
-        """Take lease ``name`` for ``ttl`` seconds and draw its token.
+        """Take lease ``name`` for ``ttl`` seconds and draw its token: ``lease =
+        fencer.acquire(...)``, released with ``lease.release()``, or ``with fencer.acquire(...)
+        as lease:``, which releases on exit (if Redis cannot be reached then, a warning is
+        logged instead: the lease's TTL ends it).
 
         ``blocking=True`` waits while another owner holds it, with exponential backoff and full
         jitter, for at most ``timeout`` seconds (default: ``ttl``).  ``renew=True`` keeps it alive
@@ -313,32 +315,6 @@ class Fencer(FencerCore["redis_lib.Redis | redis_lib.RedisCluster", "Engine", Le
         unfit sequence or register, a refused login or ACL right, TLS on one side only).
         """
         return steps.acquire(self, name, ttl, blocking, timeout, renew, on_lost, fail_fast)
-
-    @contextmanager
-    def lease(
-        self,
-        name: str,
-        ttl: float,
-        *,
-        blocking: bool = False,
-        timeout: float | None = None,
-        renew: bool = False,
-        on_lost: OnLost | None = None,
-        fail_fast: bool | None = None,
-    ) -> Iterator[Lease]:
-        """``with fencer.lease(name, ttl) as lease:`` acquires (same arguments as
-        :meth:`acquire`), then releases on exit.  The body never runs without the lease; if Redis
-        cannot be reached to release it, a warning is logged instead: the lease's TTL ends it."""
-        with self.acquire(
-            name,
-            ttl,
-            blocking=blocking,
-            timeout=timeout,
-            renew=renew,
-            on_lost=on_lost,
-            fail_fast=fail_fast,
-        ) as lease:
-            yield lease
 
     # ------------------------------------------------------ I/O (see lease.lifecycle)
 

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "memory" in args.sections:
                     targets += memory.report(memory.run(fencer, config, progress))
                 if "flush" in args.sections or "calls" in args.sections:
-                    with fencer.lease("flush", ttl=3600) as held:
+                    with fencer.acquire("flush", ttl=3600) as held:
                         bench = FlushBench(engine, schema, held, config.rows)
                         bench.seed()
                         if "flush" in args.sections:

@@ -223,7 +223,7 @@ def run(
     fencer = sa_fence.Fencer(client, engine, sequence=schema.sequence, key_prefix=key_prefix)
     floor = HandWritten.beside(fencer, url, f"{key_prefix}calls-floor")
     try:
-        with fencer.lease("calls-flush", ttl=3600) as lease:
+        with fencer.acquire("calls-flush", ttl=3600) as lease:
             result = _run(FlushBench(engine, schema, lease, config.rows), fencer, config, progress)
         n, warmup = result.n, min(result.n, 20)
         result.floor_cycle = count(Op(floor.cycle), n, warmup)

@@ -20,7 +20,7 @@ def overtaken(job_id: int) -> None:
     mine = sa_fence.current_session()
     mine.get(Job, job_id)  # loaded under this lease...
     expire(sa_fence.current_lease())  # ...which then runs out, as if this worker paused
-    with fencer.lease(f"job:{job_id}", ttl=30) as newer, Session() as session:
+    with fencer.acquire(f"job:{job_id}", ttl=30) as newer, Session() as session:
         newer.bind(session)
         session.merge(Job(id=job_id, result="by the newer holder"))
         session.commit()

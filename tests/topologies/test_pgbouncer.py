@@ -67,7 +67,7 @@ def test_every_part_of_fencing_works_through_transaction_pooling(
     engine = through(bouncer, database, connect_args=NO_PREPARE, pool_size=4)
     fencer = sa_fence.Fencer(redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
     make_session = sa_fence.install(sessionmaker(engine))
-    with fencer.lease("seed", 30) as seed, make_session() as session:
+    with fencer.acquire("seed", 30) as seed, make_session() as session:
         seed.bind(session)
         session.add_all([Job(id=1, result="0"), Job(id=2, result="initial")])
         session.commit()
@@ -80,7 +80,7 @@ def test_every_part_of_fencing_works_through_transaction_pooling(
         try:
             for _ in range(10):
                 with (
-                    fencer.lease("job:1", 10, blocking=True, timeout=20) as lease,
+                    fencer.acquire("job:1", 10, blocking=True, timeout=20) as lease,
                     make_session() as session,
                 ):
                     lease.bind(session)
@@ -107,7 +107,7 @@ def test_every_part_of_fencing_works_through_transaction_pooling(
     session = stale.bind(make_session())
     session.get(Job, 2).result = "stale"  # a row the newer holder never writes
     sa_fence.testing.expire(stale)
-    with fencer.lease("job:1", 10) as newer, make_session() as other:
+    with fencer.acquire("job:1", 10) as newer, make_session() as other:
         newer.bind(other)
         other.get(Job, 1).result = "newer"
         other.commit()
@@ -125,7 +125,7 @@ def test_every_part_of_fencing_works_through_transaction_pooling(
         stale.bind(session)
         session.execute(sa.text("INSERT INTO audit (id, message) VALUES (99, 'stale, raw COMMIT')"))
         sa_fence.testing.expire(stale)
-        with fencer.lease("job:1", 10), pytest.raises(sa_fence.StaleTokenError):
+        with fencer.acquire("job:1", 10), pytest.raises(sa_fence.StaleTokenError):
             session.execute(sa.text("COMMIT"))
         session.rollback()
     with database.connect() as conn:
@@ -156,7 +156,7 @@ async def test_the_async_fencer_works_through_transaction_pooling(
     fencer = sa_fence.AsyncFencer(client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
     tokens = []
     for _ in range(12):  # past psycopg's prepare threshold of 5
-        async with fencer.lease("job:1", 10) as lease:
+        async with fencer.acquire("job:1", 10) as lease:
             tokens.append(lease.token)
     assert tokens == sorted(tokens)
     await fencer.close()

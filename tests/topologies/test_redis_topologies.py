@@ -82,7 +82,7 @@ def sentinel_client(topology: SentinelTopology) -> redis.Redis:
 
 
 def seed(fencer: sa_fence.Fencer, make_session: sessionmaker[Session], *jobs: Job) -> None:
-    with fencer.lease("seed", 30) as lease, make_session() as session:
+    with fencer.acquire("seed", 30) as lease, make_session() as session:
         lease.bind(session)
         session.add_all(jobs or [Job(id=1, result="initial")])
         session.commit()
@@ -120,7 +120,7 @@ def lease_contract(
     stale = a.bind(make_session())
     stale.get(Job, 1).result = "A, stale"
     assert sa_fence.testing.expire(a)  # A's lease ends in Redis; A does not know
-    with b_fencer.lease("job:1", 5, blocking=True, timeout=3) as b, make_session() as session:
+    with b_fencer.acquire("job:1", 5, blocking=True, timeout=3) as b, make_session() as session:
         assert b.token > a.token
         b.bind(session)
         session.get(Job, 1).result = "B"
@@ -152,7 +152,7 @@ async def async_lease_contract(
     b_fencer = sa_fence.AsyncFencer(
         client, engine, sequence=SEQUENCE, key_prefix=key_prefix, timeout=3
     )
-    async with a_fencer.lease("seed", 30) as seed_lease, make_session() as session:
+    async with a_fencer.acquire("seed", 30) as seed_lease, make_session() as session:
         seed_lease.bind(session)
         session.add(Job(id=1, result="initial"))
         await session.commit()
@@ -166,7 +166,7 @@ async def async_lease_contract(
         (await stale.get(Job, 1)).result = "A, stale"  # type: ignore[union-attr]
         # A's lease ends in Redis (owner-checked); A does not know
         assert await a_fencer._release(keys=[a.key], args=[a._value]) == 1
-        async with b_fencer.lease("job:1", 5) as b, make_session() as session:
+        async with b_fencer.acquire("job:1", 5) as b, make_session() as session:
             assert b.token > a.token
             b.bind(session)
             (await session.get(Job, 1)).result = "B"  # type: ignore[union-attr]
@@ -426,7 +426,7 @@ def test_a_grant_lost_in_a_sentinel_failover_is_fenced_off_and_the_fencer_keeps_
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM audit")).scalar_one() == 0
     assert b.release() is True
-    with a_fencer.lease("job:2", 5) as later:  # no restart: the client found the new master
+    with a_fencer.acquire("job:2", 5) as later:  # no restart: the client found the new master
         assert later.token > b.token
 
 

@@ -61,7 +61,7 @@ class Clock:
 
 def lease_operations(fencer: sa_fence.Fencer, make_session: sessionmaker[Session]) -> None:
     """acquire, contention, extend, a fenced write, release."""
-    with fencer.lease("seed", 30) as seed, make_session() as session:
+    with fencer.acquire("seed", 30) as seed, make_session() as session:
         seed.bind(session)
         session.add(Job(id=1, result="initial"))
         session.commit()
@@ -302,7 +302,7 @@ def test_a_role_with_only_the_documented_rights_runs_everything_and_is_still_fen
     session = stale.bind(make_session())
     session.get(Job, 1).result = "stale"
     sa_fence.testing.expire(stale)
-    with fencer.lease("job:1", 5) as newer, make_session() as other:
+    with fencer.acquire("job:1", 5) as newer, make_session() as other:
         newer.bind(other)
         other.get(Job, 1).result = "newer"
         other.commit()
@@ -402,7 +402,7 @@ def test_without_the_scope_table_rights_a_bound_session_is_a_set_up_mistake_nami
     engine = role_engine(owner, role)
     fencer = sa_fence.Fencer(redis_client, engine, sequence=SEQUENCE, key_prefix=key_prefix)
     make_session = sa_fence.install(sessionmaker(engine))
-    with fencer.lease("job:9", 5) as lease:
+    with fencer.acquire("job:9", 5) as lease:
         for _ in range(2):  # an arm of its own, then (schema known) the one in BEGIN
             with make_session() as session:
                 lease.bind(session)
