@@ -14,7 +14,7 @@ DEMO_STAMP := $(VENV)/.sa-fence-demo-installed
 # The exact versions the tests ran with (the extras give ranges only).
 CONSTRAINTS := constraints/test.txt
 
-.PHONY: demo test test-floors lint typecheck bench dashboard chaos services topology-tools docs-tools docs dist clean sqlalchemy-suite sqlalchemy-suite-floors
+.PHONY: demo test test-floors test-floors-suites test-floors-topologies lint typecheck bench dashboard chaos services topology-tools docs-tools docs dist clean sqlalchemy-suite sqlalchemy-suite-floors
 
 # Fast on purpose (`make demo` from a fresh clone in about 15 s on a busy
 # 2-core machine): the demo needs the package's dependencies and its source,
@@ -75,9 +75,10 @@ typecheck: $(STAMP)
 # PYTEST_ARGS: e.g. -m "not slow" for the fast subset.  The suite runs on
 # PYTEST_WORKERS processes (pytest-xdist; each creates and drops a database of
 # its own), a test file to a worker: most of a test's time is spent waiting
-# for the servers, so two workers on two cores take half the time of one.
+# for the servers, so four workers on two cores take a third of the time of one
+# (the longest files go out first: tests/conftest.py's LONGEST_FIRST).
 # PYTEST_WORKERS=0 runs it in this process.
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 4
 XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 # Each step runs as a named stage ($(STAGE), test-floors' steps in there): a
 # failure names the stage and the command that re-runs it alone, and pytest
@@ -110,9 +111,14 @@ $(FLOORS_STAMP): pyproject.toml $(FLOORS)
 
 # (redis-py's Cluster and Sentinel clients change most between releases: their
 # topology tests run there too, on private servers, in about 45 s.)
-test-floors: $(FLOORS_STAMP) services topology-tools
+# (make test runs the two apart: the topologies beside pytest, the suites after it.)
+test-floors: test-floors-suites test-floors-topologies
+
+test-floors-suites: $(FLOORS_STAMP) services
 	$(STAGE) test-floors $(FLOORS_VENV)/bin/python -m pytest $(XDIST) -m "not slow" -p no:cacheprovider $(FLOOR_TESTS)
-	$(STAGE) test-floors $(FLOORS_VENV)/bin/python -m pytest -p no:cacheprovider tests/topologies/test_redis_topologies.py
+
+test-floors-topologies: $(FLOORS_STAMP) services topology-tools
+	$(STAGE) test-floors-topologies $(FLOORS_VENV)/bin/python -m pytest -p no:cacheprovider tests/topologies/test_redis_topologies.py
 
 # SQLAlchemy's own tests (from the sdist of the installed version, downloaded
 # once into .venv/sqlalchemy-suite), run with sa-fence installed on every

@@ -107,7 +107,8 @@ def test_the_floors_the_dependencies_name_are_the_versions_make_test_floors_runs
     assert test is not None
     assert "bash .ci/tests" in test.group(1)  # make test's stages
     stages = (ROOT / ".ci" / "tests").read_text(encoding="utf-8")
-    assert "make --no-print-directory test-floors" in stages
+    assert "make --no-print-directory test-floors-suites" in stages
+    assert "make --no-print-directory test-floors-topologies" in stages
 
 
 def test_the_makefile_installs_the_test_extra_with_the_constraints_and_the_demo_without() -> None:
@@ -200,3 +201,11 @@ def test_the_wheel_in_a_fresh_venv_runs_the_quickstart_with_no_checkout_on_the_p
     assert cli.stdout.strip() == f"sa-fence {sa_fence.__version__}"
     lines = run_guide_block("Quickstart", database_url, key_prefix, tmp_path, venv=venv)
     assert_the_quickstart_output(lines, redis_client, key_prefix)
+
+
+def test_the_files_sent_first_to_the_test_workers_exist() -> None:
+    """tests/conftest.py's LONGEST_FIRST names files; one renamed away would silently
+    lose its place at the front (and the run's balance)."""
+    from tests.conftest import LONGEST_FIRST
+
+    assert [path for path in LONGEST_FIRST if not (ROOT / path).is_file()] == []
