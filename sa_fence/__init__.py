@@ -4,7 +4,7 @@ expired mid-work cannot overwrite the result of the worker that took over.
 Quick tour (the full, tested quickstart is in ``docs/quickstart.md``)::
 
     class Job(sa_fence.Fenced, Base): ...              # adds the ``fence`` column
-    sa_fence.fence_sequence(Base.metadata)             # the token sequence and register
+    sa_fence.fence_schema(Base.metadata)             # the token sequence and register
     Base.metadata.create_all(engine)
     Session = sa_fence.install(sessionmaker(engine))   # the flush hook
     fencer = sa_fence.Fencer(redis.Redis(), engine)
@@ -22,7 +22,7 @@ __version__ = "0.1.0.dev0"
 
 from . import telemetry as telemetry  # sa_fence.telemetry.Telemetry after `import sa_fence`
 from .db.prune import PruneResult
-from .db.tokens import fence_sequence
+from .db.tokens import fence_schema
 from .errors import (
     FenceError,
     FencingConfigError,
@@ -75,7 +75,7 @@ __all__ = [
     "drop_fence_guard",
     "fence_column",
     "fence_connection",
-    "fence_sequence",
+    "fence_schema",
     "fenced",
     "fenced_methods",
     "install",

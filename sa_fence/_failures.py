@@ -18,6 +18,11 @@ from redis import exceptions as rx
 BACKEND_ATTEMPTS = 3
 
 
+# Not redis-py's Retry and backoff classes: Retry's loop sleeps by itself (time.sleep, or
+# asyncio.sleep in its asyncio twin), while this policy is pure and one lifecycle runs it for
+# both front ends, each sleeping its own way; and a resend here is bounded by a time budget,
+# which Retry has no notion of.  Backoff is FullJitterBackoff's formula with the random draw
+# passed in, so that the lifecycle's tests can fix it.
 @dataclass(frozen=True, slots=True)
 class Backoff:
     """Exponential backoff with full jitter: wait ``uniform(0, min(cap, base * 2**n))``."""
@@ -273,7 +278,7 @@ _PG_FIXES = {
     "database": "The database named in the engine's URL does not exist: check its name.",
     "schema": "The token sequence {sequence}, the lease register {register} or its commit "
     "check {function} is missing: run `sa-fence check --url ...` to see which, and "
-    "create them with sa_fence.fence_sequence(metadata) and metadata.create_all(), "
+    "create them with sa_fence.fence_schema(metadata) and metadata.create_all(), "
     "or in a migration with op.create_fence_register().",
     "rights": "The database role lacks a right sa-fence needs: GRANT EXECUTE ON FUNCTION "
     "{grant_function}(text, regclass, text, boolean), {withdraw_function}(text, bigint); "

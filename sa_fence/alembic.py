@@ -50,7 +50,7 @@ from .db.register import (
     scope_trigger_problem,
     split_name,
 )
-from .db.tokens import DEFAULT_SEQUENCE, fence_sequence
+from .db.tokens import DEFAULT_SEQUENCE, fence_schema
 from .orm.create_guard import check_column, check_sequence, ddl, shown_table
 from .orm.model import fence_column_of
 
@@ -152,7 +152,7 @@ class _SequenceOp(_FenceOp):
         operations.invoke(cls(name, schema=schema))
 
     def _statements(self, operations: Operations) -> Iterable[Any]:
-        return [self._ddl(fence_sequence(None, self.name, schema=self.schema))]
+        return [self._ddl(fence_schema(None, self.name, schema=self.schema))]
 
 
 @Operations.register_operation("create_fence_sequence", "_sequence_op")

@@ -26,7 +26,7 @@ class ScopeBase(DeclarativeBase):
     pass
 
 
-sa_fence.fence_sequence(ScopeBase.metadata, SEQUENCE)
+sa_fence.fence_schema(ScopeBase.metadata, SEQUENCE)
 
 
 job_tags = Table(

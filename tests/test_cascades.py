@@ -28,7 +28,7 @@ class Base(DeclarativeBase):
     pass
 
 
-sa_fence.fence_sequence(Base.metadata)
+sa_fence.fence_schema(Base.metadata)
 
 
 class Folder(Base):

@@ -99,7 +99,7 @@ def write_project(root: Path) -> None:
                 pass
 
 
-            sa_fence.fence_sequence(Base.metadata)
+            sa_fence.fence_schema(Base.metadata)
 
 
             class Job(sa_fence.Fenced, Base):

@@ -68,7 +68,7 @@ def test_the_sequence_helper_declares_a_sequence_and_register_the_fencer_accepts
 ) -> None:
     with fresh_database("helper") as engine:
         metadata = sa.MetaData()
-        seq = sa_fence.fence_sequence(metadata, "scratch_token_seq")
+        seq = sa_fence.fence_schema(metadata, "scratch_token_seq")
         metadata.create_all(engine)
         assert seq.cache == 1
         assert "sa_fence_leases" in metadata.tables
@@ -90,18 +90,18 @@ def test_the_sequence_helper_refuses_what_it_cannot_declare_and_declares_nothing
         pass
 
     with pytest.raises(TypeError, match=r"did you mean Base\.metadata\?"):
-        sa_fence.fence_sequence(Base)  # type: ignore[arg-type]
+        sa_fence.fence_schema(Base)  # type: ignore[arg-type]
     for bad in (None, 5, "", "tok\nens"):
         with pytest.raises(ValueError, match="sequence"):
-            sa_fence.fence_sequence(sa.MetaData(), bad)  # type: ignore[arg-type]
+            sa_fence.fence_schema(sa.MetaData(), bad)  # type: ignore[arg-type]
     metadata = sa.MetaData()
-    sa_fence.fence_sequence(metadata, "first_seq")
-    sa_fence.fence_sequence(metadata, "first_seq")  # the same again: the same register
+    sa_fence.fence_schema(metadata, "first_seq")
+    sa_fence.fence_schema(metadata, "first_seq")  # the same again: the same register
     declared = (sorted(metadata.tables), sorted(metadata._sequences))
     with pytest.raises(ValueError, match="one register per schema draws from one sequence"):
-        sa_fence.fence_sequence(metadata, "second_seq")
+        sa_fence.fence_schema(metadata, "second_seq")
     assert (sorted(metadata.tables), sorted(metadata._sequences)) == declared
-    sa_fence.fence_sequence(metadata, "second_seq", schema="other")  # its own register
+    sa_fence.fence_schema(metadata, "second_seq", schema="other")  # its own register
     assert "other.sa_fence_leases" in metadata.tables
 
 

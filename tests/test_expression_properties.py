@@ -97,7 +97,7 @@ class Tag(Base):
         return self.name + "!"
 
 
-sa_fence.fence_sequence(Base.metadata, SEQUENCE)
+sa_fence.fence_schema(Base.metadata, SEQUENCE)
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ class ShapesBase(DeclarativeBase):
     pass
 
 
-sa_fence.fence_sequence(ShapesBase.metadata, "sa_fence_token_seq")
+sa_fence.fence_schema(ShapesBase.metadata, "sa_fence_token_seq")
 
 
 class Animal(ShapesBase):

@@ -1268,7 +1268,7 @@ def test_a_sequence_altered_to_cache_20_after_the_first_check_refuses_the_next_a
     """
     with fresh_database("cache") as engine:
         metadata = sa.MetaData()
-        sa_fence.fence_sequence(metadata)
+        sa_fence.fence_schema(metadata)
         metadata.create_all(engine)
         fencer = sa_fence.Fencer(redis_client, engine, key_prefix=key_prefix)
         try:

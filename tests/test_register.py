@@ -319,10 +319,10 @@ async def test_a_stale_async_sessions_insert_into_an_unfenced_table_is_refused_a
     await b.release()
 
 
-def test_fence_sequence_given_the_same_metadata_twice_declares_the_register_once() -> None:
-    """Two model modules that each call ``fence_sequence(Base.metadata)`` share one register
+def test_fence_schema_given_the_same_metadata_twice_declares_the_register_once() -> None:
+    """Two model modules that each call ``fence_schema(Base.metadata)`` share one register
     (and one scope table): the second call finds them instead of declaring them again."""
     metadata = sa.MetaData()
-    sa_fence.fence_sequence(metadata)
-    sa_fence.fence_sequence(metadata)
+    sa_fence.fence_schema(metadata)
+    sa_fence.fence_schema(metadata)
     assert sorted(metadata.tables) == ["sa_fence_leases", "sa_fence_scope"]

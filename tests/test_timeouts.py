@@ -587,7 +587,7 @@ def test_a_register_dropped_after_the_check_is_a_set_up_mistake_at_the_token_dra
     redis_client: redis.Redis, key_prefix: str
 ) -> None:
     with fresh_database("dropped") as db:
-        sa_fence.fence_sequence(metadata := sa.MetaData(), SEQUENCE)
+        sa_fence.fence_schema(metadata := sa.MetaData(), SEQUENCE)
         metadata.create_all(db)
         fencer = sa_fence.Fencer(redis_client, db, sequence=SEQUENCE, key_prefix=key_prefix)
         fencer.check()

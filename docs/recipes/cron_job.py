@@ -45,7 +45,7 @@ class DailyReport(sa_fence.Fenced, Base):
     total: Mapped[int]
 
 
-sa_fence.fence_sequence(Base.metadata)
+sa_fence.fence_schema(Base.metadata)
 
 engine = sa.create_engine(DATABASE_URL)
 Session = sa_fence.install(sessionmaker(engine))

@@ -38,7 +38,7 @@ class Job(sa_fence.Fenced, Base):
     result: Mapped[str | None]
 
 
-sa_fence.fence_sequence(Base.metadata)
+sa_fence.fence_schema(Base.metadata)
 
 engine = sa.create_engine(DATABASE_URL)
 # expire_on_commit=False: the endpoint reads the row after its commit

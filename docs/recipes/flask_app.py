@@ -29,7 +29,7 @@ class Base(DeclarativeBase):
     pass
 
 
-sa_fence.fence_sequence(Base.metadata)
+sa_fence.fence_schema(Base.metadata)
 db = SQLAlchemy(model_class=Base)
 
 

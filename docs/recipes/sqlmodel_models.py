@@ -30,7 +30,7 @@ class Job(sa_fence.Fenced, SQLModel, table=True):
     result: str | None = None
 
 
-sa_fence.fence_sequence(SQLModel.metadata)  # the token sequence and the lease register
+sa_fence.fence_schema(SQLModel.metadata)  # the token sequence and the lease register
 
 engine = create_engine(DATABASE_URL)
 # SQLModel's own Session class, from a sessionmaker that has the hook

@@ -47,7 +47,7 @@ from sqlalchemy import BigInteger, Integer, MetaData, String, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from ..db.register import DEFAULT_GRANT_LOCK_TIMEOUT_MS, SCOPE_TABLE, Register
-from ..db.tokens import fence_sequence
+from ..db.tokens import fence_schema
 from ..errors import LeaseBackendError, StaleTokenError
 from ..lease.sync import Fencer, Lease
 from ..orm.flush import install
@@ -228,7 +228,7 @@ class Schema:
 
 def make_schema(prefix: str | None = None) -> Schema:
     """Three tables of one shape: plain, fenced (``Fenced``), ``version_id_col``;
-    the token sequence and its lease register (``fence_sequence(metadata)``)."""
+    the token sequence and its lease register (``fence_schema(metadata)``)."""
     prefix = prefix or f"sa_fence_bench_{uuid.uuid4().hex[:10]}"
 
     class Base(DeclarativeBase):
@@ -257,7 +257,7 @@ def make_schema(prefix: str | None = None) -> Schema:
         __mapper_args__ = {"version_id_col": version}  # noqa: RUF012 (SQLAlchemy API)
 
     sequence = f"{prefix}.token_seq"
-    fence_sequence(Base.metadata, sequence)  # also declares the register and its check
+    fence_schema(Base.metadata, sequence)  # also declares the register and its check
     models: dict[str, type[Any]] = {
         "plain": PlainItem,
         "fenced": FencedItem,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from ..db.tokens import fence_sequence
+from ..db.tokens import fence_schema
 from ..orm.model import Fenced
 
 
@@ -19,7 +19,7 @@ class DemoBase(DeclarativeBase):
     pass
 
 
-fence_sequence(DemoBase.metadata)
+fence_schema(DemoBase.metadata)
 
 
 class DemoJob(Fenced, DemoBase):

@@ -173,7 +173,7 @@ REGISTER_RULES: tuple[Rule, ...] = (
         "token sequence {sequence}",
         "does not exist, so no lease can get a token",
         "in a migration: op.create_fence_sequence({sequence_arg}); or "
-        "sa_fence.fence_sequence(metadata{metadata_arg}) and metadata.create_all(); or in "
+        "sa_fence.fence_schema(metadata{metadata_arg}) and metadata.create_all(); or in "
         "SQL: CREATE SEQUENCE {sequence_sql} " + SEQUENCE_CLAUSES + ";",
     ),
     Rule(
@@ -190,7 +190,7 @@ REGISTER_RULES: tuple[Rule, ...] = (
         "does not exist: no Fencer grants a lease without it, and without it a stale "
         "holder's INSERTs and writes to other tables would not be refused",
         "in a migration, after the sequence: op.create_fence_register({args}); or "
-        "metadata.create_all() with sa_fence.fence_sequence(metadata)",
+        "metadata.create_all() with sa_fence.fence_schema(metadata)",
     ),
     Rule(
         "shape",
@@ -222,7 +222,7 @@ REGISTER_RULES: tuple[Rule, ...] = (
         "commit check function {function_sql}(text, bigint)",
         "is missing: no session bound to a lease can commit",
         "op.create_fence_register({args}) (keeps the register's rows), or "
-        "sa_fence.fence_sequence(metadata) and metadata.create_all()",
+        "sa_fence.fence_schema(metadata) and metadata.create_all()",
     ),
 )
 _RULES = {rule.key: rule for rule in REGISTER_RULES}

@@ -758,7 +758,7 @@ def scope_trigger_problem(conn: Any, register: Register) -> str | None:
         return None
     fix = (
         "Recreate it with op.create_fence_register() in a migration (idempotent: the register's "
-        "rows are kept) or sa_fence.fence_sequence(metadata) and metadata.create_all()."
+        "rows are kept) or sa_fence.fence_schema(metadata) and metadata.create_all()."
     )
     why = "so a COMMIT the client sends itself would not be checked against the register"
     trigger = f"the lease scope trigger {SCOPE_TRIGGER} on {row.scope}"

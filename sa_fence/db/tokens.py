@@ -78,15 +78,15 @@ def declared_problems(sequence: Sequence) -> list[tuple[str, str]]:
 def _refuse_declared(metadata: MetaData | None, name: object, schema: str | None) -> None:
     """Refuse, before anything is declared, a token sequence already declared unfit: a
     ``Sequence`` passed for ``name``, or one of that name ``metadata`` holds (which
-    ``fence_sequence`` would replace there, while a column or ``create()`` may still use it)."""
+    ``fence_schema`` would replace there, while a column or ``create()`` may still use it)."""
     if isinstance(name, Sequence):
         problems = declared_problems(name)
         why = f": {'; '.join(p for p, _ in problems)}" if problems else ""
         where = f", schema={name.schema!r}" if name.schema else ""
         raise ValueError(
-            f"fence_sequence() declares the token sequence itself, with every clause it needs "
+            f"fence_schema() declares the token sequence itself, with every clause it needs "
             f"({SEQUENCE_CLAUSES}); it was given {name!r}{why}. Pass the sequence's name "
-            f"instead: sa_fence.fence_sequence(metadata, {name.name!r}{where}), and declare no "
+            f"instead: sa_fence.fence_schema(metadata, {name.name!r}{where}), and declare no "
             "Sequence of that name of your own. Nothing was declared."
         )
     if metadata is None or not isinstance(name, str):
@@ -100,21 +100,23 @@ def _refuse_declared(metadata: MetaData | None, name: object, schema: str | None
         raise ValueError(
             f"this metadata already declares the token sequence {known!r}, and it could not "
             f"issue tokens: {'; '.join(p for p, _ in problems)}. Remove that Sequence of your "
-            f"own (fence_sequence() declares the token sequence itself), or declare it with "
+            f"own (fence_schema() declares the token sequence itself), or declare it with "
             f"{', '.join(fix for _, fix in problems)}; a grant would refuse it at the first "
             "acquire. Nothing was declared."
         )
 
 
-def fence_sequence(
+def fence_schema(
     metadata: MetaData | None = None, name: str = DEFAULT_SEQUENCE, *, schema: str | None = None
 ) -> Sequence:
-    """The token sequence as a SQLAlchemy schema object, declared correctly.
+    """Declare the schema fencing needs in ``metadata``: the token sequence, the lease
+    register (``sa_fence_leases``, whose token default draws from the sequence), the lease
+    scope table (``sa_fence_scope``) and their functions, so ``create_all()`` gives the whole
+    working schema.  Returns the sequence; without a ``metadata``, the sequence alone
+    (``fence_schema().create(conn)``).
 
-    ``metadata.create_all(engine)`` (or ``fence_sequence().create(conn)``) then emits ``CREATE
-    SEQUENCE ... AS BIGINT INCREMENT BY 1 START WITH 1 CACHE 1 NO CYCLE``.  With a ``metadata``,
-    the lease register (``sa_fence_leases``, whose token default draws from this sequence) and its
-    commit check function are added too, so ``create_all()`` gives the whole working schema.
+    The sequence is created as ``CREATE SEQUENCE ... AS BIGINT INCREMENT BY 1 START WITH 1
+    CACHE 1 NO CYCLE``.
     ``CACHE 1`` is required: with a cache every backend pre-allocates a block of values and
     ``nextval`` stops following real time across connections.  Never drop or ``RESTART`` this
     sequence in a live database: tokens would start again below the fences already on the rows.

@@ -140,7 +140,7 @@ def create_fence_guard(
     from every writer (raw SQL, ``psql``, other services).  Run it after
     ``Base.metadata.create_all(engine)``::
 
-        sa_fence.fence_sequence(Base.metadata)
+        sa_fence.fence_schema(Base.metadata)
         Base.metadata.create_all(engine)
         sa_fence.create_fence_guard(engine, "jobs")   # or Job.__table__
 
@@ -167,7 +167,7 @@ def create_fence_guard(
         add = f"ALTER TABLE {qualified(name, schema)} ADD COLUMN {qualified(col, None)}"
         hint = f"column ({add} bigint NOT NULL DEFAULT 0, or op.add_fence_column() in a migration)"
         check_column(conn, name, col, schema, create, hint)
-        check_sequence(conn, sequence, "sa_fence.fence_sequence(Base.metadata) before create_all()")
+        check_sequence(conn, sequence, "sa_fence.fence_schema(Base.metadata) before create_all()")
         for statement in statements:
             conn.execute(ddl(statement))  # as op.execute() runs it
 

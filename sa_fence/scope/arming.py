@@ -81,7 +81,7 @@ def scope_setup_error(orig: BaseException) -> FencingConfigError | None:
         return FencingConfigError(
             f"the lease scope table {SCOPE_TABLE} is missing in this database ({orig}), so "
             "PostgreSQL cannot hold this transaction to its lease at COMMIT. Create it with "
-            "op.create_fence_register() in a migration (or sa_fence.fence_sequence(metadata) "
+            "op.create_fence_register() in a migration (or sa_fence.fence_schema(metadata) "
             "and metadata.create_all()); `sa-fence check` lists what else is missing. Nothing "
             "was committed."
         )

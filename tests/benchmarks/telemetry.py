@@ -147,7 +147,7 @@ class Base(DeclarativeBase):
 
 
 SEQUENCE = "bench_telemetry_seq"
-sa_fence.fence_sequence(Base.metadata, SEQUENCE)
+sa_fence.fence_schema(Base.metadata, SEQUENCE)
 
 
 class Item(sa_fence.Fenced, Base):

@@ -14,7 +14,7 @@ class Base(DeclarativeBase):
     pass
 
 
-sa_fence.fence_sequence(Base.metadata, SEQUENCE)
+sa_fence.fence_schema(Base.metadata, SEQUENCE)
 
 
 class Row(sa_fence.Fenced, Base):
