@@ -52,6 +52,10 @@ if TYPE_CHECKING:  # the "as" form re-exports them to type checkers (see _LAZY)
 
 #: Public names imported on first use (the asyncio front end needs greenlet),
 #: and kept out of ``__all__`` so that ``from sa_fence import *`` does not load it.
+#: Not a module of their own (sa_fence.asyncio, as SQLAlchemy and redis-py have): only
+#: these two classes differ between the front ends; install, the decorators, the side
+#: effects, the mixin and the errors are one API for both, which a second module would
+#: split over two import paths (docs/asyncio.md).
 _LAZY = ("AsyncFencer", "AsyncLease")
 
 __all__ = [
