@@ -96,11 +96,17 @@ test: lint typecheck services topology-tools docs-tools
 FLOORS_VENV := .venv-floors
 FLOORS_STAMP := $(FLOORS_VENV)/.sa-fence-installed
 FLOORS := constraints/floors.txt
-FLOOR_TESTS := $(addprefix tests/test_,$(addsuffix .py,fenced_flush scope_trigger scope_fallback session_binds \
-	upsert lease_scope guard lifecycle async timeouts token_connection decorator_sessions \
-	register grant_checks fitness alembic confirm_withdraw expression_properties \
-	fence_assignment call_cache create_guard async_tasks side_effects telemetry inheritance_shapes \
-	scope_between))
+FLOOR_TESTS := tests/orm/test_fenced_flush.py tests/scope/test_scope_trigger.py \
+	tests/scope/test_scope_fallback.py tests/orm/test_session_binds.py tests/orm/test_upsert.py \
+	tests/scope/test_lease_scope.py tests/db/test_guard.py tests/lease/test_lifecycle.py \
+	tests/lease/test_async.py tests/lease/test_timeouts.py tests/db/test_token_connection.py \
+	tests/integrations/test_decorator_sessions.py tests/db/test_register.py \
+	tests/db/test_grant_checks.py tests/db/test_fitness.py tests/integrations/test_alembic.py \
+	tests/lease/test_confirm_withdraw.py tests/orm/test_expression_properties.py \
+	tests/orm/test_fence_assignment.py tests/orm/test_call_cache.py tests/db/test_create_guard.py \
+	tests/lease/test_async_tasks.py tests/integrations/test_side_effects.py \
+	tests/integrations/test_telemetry.py tests/orm/test_inheritance_shapes.py \
+	tests/scope/test_scope_between.py
 
 $(FLOORS_STAMP): pyproject.toml $(FLOORS)
 	$(STAGE) -w "creating $(FLOORS_VENV)" $(PYTHON) -m venv $(FLOORS_VENV)
@@ -138,7 +144,7 @@ sqlalchemy-suite-floors: $(FLOORS_STAMP) services
 	$(STAGE) sqlalchemy-suite-floors $(FLOORS_VENV)/bin/python -m tests.sqlalchemy_suite $(SQLA_ARGS)
 
 # The docs site (mkdocs-material) into site/; `make test` runs the same build
-# with --strict (tests/test_docs_site.py).
+# with --strict (tests/project/test_docs_site.py).
 # Mermaid (for the diagrams) is fetched once with npm into .cache/ and served
 # with the site, so the diagrams render offline too.
 docs: $(STAMP)
@@ -146,7 +152,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The sdist and the wheel into dist/, checked as a package index would check
-# them (tests/test_packaging.py builds and checks the same in a temporary folder).
+# them (tests/project/test_packaging.py builds and checks the same in a temporary folder).
 dist: $(STAMP)
 	rm -rf dist
 	$(PY) -m build --outdir dist .

@@ -1,4 +1,4 @@
-"""Fixtures and helpers for the asyncio tests (tests/test_async*.py).
+"""Fixtures and helpers for the asyncio tests (tests/lease/test_async*.py).
 
 Each test gets its own event loop (pytest-asyncio), async Redis client and
 AsyncEngine, closed at the end; the fixtures fail the test if it left a

@@ -1,6 +1,6 @@
 """Interrupt a bound session's COMMIT with a signal handler's exception, in a process of its own.
 
-Run by tests/test_scope_trigger.py (``python -m tests._interrupt_commit URL
+Run by tests/scope/test_scope_trigger.py (``python -m tests._interrupt_commit URL
 PREFIX EXCEPTION [--no-invalidate] [--arm]``; ``--arm``: interrupt instead the arm of a
 lease bound mid-transaction, a statement of its own that waits on a lock of the scope
 table another connection holds): the exception a handler raises mid-COMMIT

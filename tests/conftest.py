@@ -119,7 +119,7 @@ def _clean_tables(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 # The asyncio tests' fixtures (AsyncEngine, redis.asyncio client, AsyncFencer);
-# the built wheel in fresh venvs (tests/test_packaging.py, tests/test_pages.py).
+# the built wheel in fresh venvs (tests/project/test_packaging.py, tests/project/test_pages.py).
 pytest_plugins = ("tests._async_fixtures", "tests._fresh_venv")
 
 
@@ -128,18 +128,18 @@ pytest_plugins = ("tests._async_fixtures", "tests._fresh_venv")
 #: collection order, so these go out first and none is left running alone at the end
 #: (longest processing time first); measured on a quiet 2-core machine.
 LONGEST_FIRST = (
-    "tests/test_replica_promotion.py",  # 165 s: a primary and a replica per test
-    "tests/test_pages.py",  # 60 s: every recipe page in a fresh venv
-    "tests/test_scope_trigger.py",
-    "tests/test_scope_fallback.py",
+    "tests/db/test_replica_promotion.py",  # 165 s: a primary and a replica per test
+    "tests/project/test_pages.py",  # 60 s: every recipe page in a fresh venv
+    "tests/scope/test_scope_trigger.py",
+    "tests/scope/test_scope_fallback.py",
     "tests/topologies/test_redis_topologies.py",
-    "tests/test_renew.py",
-    "tests/test_alembic.py",
-    "tests/test_side_effects.py",
+    "tests/lease/test_renew.py",
+    "tests/integrations/test_alembic.py",
+    "tests/integrations/test_side_effects.py",
     "tests/chaos/test_chaos.py",
-    "tests/test_inheritance_shapes.py",
-    "tests/test_check.py",
-    "tests/test_transaction_sql.py",
+    "tests/orm/test_inheritance_shapes.py",
+    "tests/cli/test_check.py",
+    "tests/scope/test_transaction_sql.py",
 )
 
 

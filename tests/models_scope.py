@@ -1,4 +1,4 @@
-"""Models for the lease-scope tests (tests/test_lease_scope.py), in their own database.
+"""Models for the lease-scope tests (tests/scope/test_lease_scope.py), in their own database.
 
 Everything the row fence alone could not see (issue 9): a joined-inheritance
 subclass table without a fence column, a many-to-many association table, a

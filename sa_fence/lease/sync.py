@@ -91,8 +91,8 @@ class Lease(BaseLease["Fencer"]):
         An ``AsyncSession`` is fenced as by an :class:`~sa_fence.AsyncLease` (its sync session is
         bound): binding and the flush's checks of the lease make no I/O of their own, and
         PostgreSQL checks the COMMIT against the register whichever front end drew the token
-        (tests/test_sync_lease_async_session.py).  But this lease's own calls (acquire, extend,
-        release) block the event loop while they run: in asyncio code prefer
+        (tests/lease/test_sync_lease_async_session.py).  But this lease's own calls (acquire,
+        extend, release) block the event loop while they run: in asyncio code prefer
         :class:`~sa_fence.AsyncFencer` (docs/asyncio.md)."""
         if self._state.released:
             raise steps.released_error(self)

@@ -346,7 +346,7 @@ def disarm(conn: Connection) -> None:
 
 def _psycopg_begin_hook() -> bool:
     """Whether psycopg has the internals :func:`_start_query_armed` uses (pinned by
-    tests/test_scope_trigger.py); without them every arm is its own statement."""
+    tests/scope/test_scope_trigger.py); without them every arm is its own statement."""
     try:
         from psycopg._connection_base import BaseConnection
     except ImportError:

@@ -20,7 +20,7 @@ What is left between the client's reading and the server's, and why each is clos
   tokens of PostgreSQL's lexer instead, which finds every statement boundary the grammar would,
   and more (a ``;`` inside ``BEGIN ATOMIC`` or a rule's action), so a doubt refuses, never passes.
 
-tests/test_transaction_sql.py holds this reading to the server's own, over generated messages.
+tests/scope/test_transaction_sql.py holds this reading to the server's own, over generated messages.
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ def test_check_runs_through_pgbouncer_and_says_the_url_reaches_a_pooler(
 ) -> None:
     """``sa-fence check`` prepares nothing, so it works behind a transaction
     pooler, and it tells what a Fencer on that URL needs (its pair: a direct
-    URL gets no note, tests/test_check.py)."""
+    URL gets no note, tests/cli/test_check.py)."""
     with database.begin() as conn:  # every fenced table guarded: nothing else to report
         for statement in _guard.create_guard_sql("cells", sequence=SEQUENCE):
             conn.execute(sa.text(statement))

@@ -1,4 +1,4 @@
-"""Checked by mypy in tests/test_typing.py, never run: what users' type checkers see."""
+"""Checked by mypy in tests/project/test_typing.py, never run: what users' type checkers see."""
 
 from typing import reveal_type
 

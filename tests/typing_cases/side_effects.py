@@ -1,4 +1,4 @@
-"""A user's mypy --strict view of sa_fence.side_effect (tests/test_typing_side_effects.py)."""
+"""mypy --strict, as a user: sa_fence.side_effect (tests/project/test_typing_side_effects.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The sa-fence command: check, status, prune, demo and bench."""

@@ -1,0 +1,1 @@
+"""Decorators, side effects, Alembic, telemetry and the recipes."""

@@ -1,0 +1,2 @@
+"""The ORM side: the flush hook, statement rewriting, inheritance,
+relationships, upserts, session binds."""
