@@ -293,6 +293,20 @@ def wait_for_signal(pid: int, signum: int, timeout: float = 30) -> None:
     raise TimeoutError(f"signal {signum} never became pending for process {pid}")
 
 
+def wait_until_caught(pid: int, signum: int, timeout: float = 30) -> None:
+    """Wait until process ``pid`` has a handler of its own for ``signum`` (its SigCgt mask):
+    a signal sent before then meets the default action (SIGTERM: killed, status -15)."""
+    bit = 1 << (signum - 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = next(int(s.split()[1], 16) for s in status.splitlines() if s.startswith("SigCgt:"))
+        if caught & bit:
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} never installed a handler for signal {signum}")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

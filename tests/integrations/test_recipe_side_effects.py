@@ -33,6 +33,7 @@ import sqlalchemy as sa
 import sa_fence
 from sa_fence.testing import expire
 from tests._fresh_db import fresh_database
+from tests._pg_cluster import wait_until_caught
 from tests.conftest import REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,6 +188,9 @@ def test_the_worker_command_stops_cleanly_on_sigterm(recipe):
                 assert proc.poll() is None, f"the worker exited {proc.returncode}"
                 conn.rollback()
                 time.sleep(0.1)
+        # registered is not yet listening for SIGTERM: under load the signal could still
+        # meet Python's default action and kill the worker (-15) before its handler is set
+        wait_until_caught(proc.pid, signal.SIGTERM, TIMEOUT)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=TIMEOUT) == 0
     finally:
