@@ -99,7 +99,8 @@ def _delete_sql(register: Register, *, dry_run: bool) -> Any:
         return register.prune_sql()
     return sa.text(
         f"SELECT count(*), coalesce(sum(pg_column_size(r.*)), 0), "
-        f"coalesce(array_agg(r.name ORDER BY r.name), '{{}}') FROM {register.table_sql} r, "
+        f"coalesce((array_agg(r.name ORDER BY r.name))[1:{NAMES_LISTED}], '{{}}') "
+        f"FROM {register.table_sql} r, "
         "unnest(CAST(:names AS text[]), CAST(:tokens AS bigint[])) AS d(name, token) "
         "WHERE r.name = d.name AND r.token = d.token"
     )
