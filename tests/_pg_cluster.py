@@ -274,20 +274,27 @@ class PgCluster:
         self.sql("SELECT pg_promote(wait => true, wait_seconds => 60)")
 
 
+def _signal_mask(pid: int, *fields: str) -> int | None:
+    """The union of ``fields`` (``SigPnd:``, ``SigCgt:``, ...) of ``/proc/<pid>/status``,
+    or None once the process is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    mask = 0
+    for line in status.splitlines():
+        if line.startswith(fields):
+            mask |= int(line.split()[1], 16)
+    return mask
+
+
 def wait_for_signal(pid: int, signum: int, timeout: float = 30) -> None:
     """Wait until ``signum`` is pending for (stopped) process ``pid``, or it is gone."""
     bit = 1 << (signum - 1)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            return
-        pending = 0
-        for line in status.splitlines():
-            if line.startswith(("SigPnd:", "ShdPnd:")):
-                pending |= int(line.split()[1], 16)
-        if pending & bit:
+        pending = _signal_mask(pid, "SigPnd:", "ShdPnd:")
+        if pending is None or pending & bit:
             return
         time.sleep(0.005)
     raise TimeoutError(f"signal {signum} never became pending for process {pid}")
@@ -299,8 +306,9 @@ def wait_until_caught(pid: int, signum: int, timeout: float = 30) -> None:
     bit = 1 << (signum - 1)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        status = Path(f"/proc/{pid}/status").read_text()
-        caught = next(int(s.split()[1], 16) for s in status.splitlines() if s.startswith("SigCgt:"))
+        caught = _signal_mask(pid, "SigCgt:")
+        if caught is None:
+            raise ProcessLookupError(f"process {pid} ended before it handled signal {signum}")
         if caught & bit:
             return
         time.sleep(0.01)
